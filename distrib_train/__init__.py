@@ -1,0 +1,32 @@
+"""distrib_train: sharded, resumable JAX training from logical-axis rules.
+
+Public API:
+  TrainState, build_train_step_fn      penzai-compatible state and step
+  AxisRules                            logical axis names → PartitionSpec
+  MeshConfig, build_mesh               ICI × DCN device meshes
+  MeshPlanner, Plan                    the step's sharding trees, sharded init
+"""
+
+from distrib_train.axis_rules import AxisRules, RuleSkip
+from distrib_train.mesh import MeshConfig, as_auto_mesh, build_mesh
+from distrib_train.planner import MeshPlanner, Plan, PlanEntry
+from distrib_train.train_state import Hyperparams, TrainState
+from distrib_train.train_step import LossFunction, TrainStep, build_train_step_fn
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AxisRules",
+    "Hyperparams",
+    "LossFunction",
+    "MeshConfig",
+    "MeshPlanner",
+    "Plan",
+    "PlanEntry",
+    "RuleSkip",
+    "TrainState",
+    "TrainStep",
+    "as_auto_mesh",
+    "build_mesh",
+    "build_train_step_fn",
+]

@@ -1,0 +1,252 @@
+"""Device meshes from a small declarative config (ICI × DCN axes).
+
+A ``MeshConfig`` names the mesh axes in order and gives each an ICI size
+(devices within a granule: a TPU slice, or one process/host elsewhere) and a
+DCN size (granules). The mesh axis size is ``ici * dcn``. ``build_mesh`` turns
+it into a ``jax.sharding.Mesh`` with *Auto* axis types, so loss functions need
+no sharding annotations. Not for: mapping logical names to mesh axes
+(``axis_rules.py``).
+
+YAML form (``mesh_configs/*.yaml``)::
+
+  # when to pick this file
+  axes:
+    data: {ici: 1, dcn: 2}
+    fsdp: {ici: -1}        # -1: fill with what is left (once per level)
+    tensor: 2              # shorthand for {ici: 2}
+  rules: fsdp_tensor       # a shipped rule set, or a list of [name, axes]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from distrib_train.axis_rules import AxisRules
+
+_LEVELS = ("ici", "dcn")
+_KNOWN_KEYS = frozenset({"axes", "rules", "param_axes", "devices", "granules"})
+
+
+def _check_sizes(sizes: Sequence[Any], level: str, names: Sequence[str], where: str) -> tuple[int, ...]:
+  out = []
+  for name, size in zip(names, sizes):
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+      raise ValueError(f"{where}: {level} size of axis {name!r} must be an integer, got {size!r}.")
+    if size == 0 or size < -1:
+      raise ValueError(
+          f"{where}: {level} size of axis {name!r} is {size}; sizes are positive, or -1 to auto-fill."
+      )
+    out.append(int(size))
+  fills = [n for n, s in zip(names, out) if s == -1]
+  if len(fills) > 1:
+    raise ValueError(
+        f"{where}: {level} sizes of axes {', '.join(map(repr, fills))} are all -1; at most one"
+        f" {level} size may auto-fill."
+    )
+  return tuple(out)
+
+
+def _fill(sizes: tuple[int, ...], total: int, level: str, names: Sequence[str], where: str, what: str) -> tuple[int, ...]:
+  """Replaces a -1 so that the product is ``total``; checks the product."""
+  terms = " × ".join(f"{n}={s}" for n, s in zip(names, sizes))
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if total % known:
+      raise ValueError(
+          f"{where}: cannot auto-fill the -1 {level} axis: {terms} must divide {total} ({what}),"
+          f" but {known} does not."
+      )
+    sizes = tuple(total // known if s == -1 else s for s in sizes)
+  elif known != total:
+    raise ValueError(
+        f"{where}: {level} sizes {terms} = {known} do not match the {total} {what}."
+    )
+  return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Ordered mesh axes with ICI and DCN sizes.
+
+  Args:
+    axis_names: mesh axis names, in mesh order.
+    ici: size of each axis within a granule; one -1 may auto-fill.
+    dcn: size of each axis across granules (default all 1); one -1 may
+      auto-fill. Any size > 1 makes a hybrid (multi-slice / multi-host) mesh.
+    rules: optional axis rules that go with this mesh.
+    source: where the config came from, for error messages.
+
+  Raises:
+    ValueError: lengths that differ, repeated names, zero or negative sizes,
+      two -1s in one level, or rules naming an axis the config lacks.
+  """
+
+  axis_names: tuple[str, ...]
+  ici: tuple[int, ...]
+  dcn: tuple[int, ...] | None = None
+  rules: AxisRules | None = dataclasses.field(default=None, compare=False)
+  source: str = dataclasses.field(default="mesh config", compare=False)
+
+  def __post_init__(self):
+    where = self.source
+    names = tuple(self.axis_names)
+    if not names or not all(isinstance(n, str) and n for n in names):
+      raise ValueError(f"{where}: axis names must be non-empty strings, got {self.axis_names!r}.")
+    if len(set(names)) != len(names):
+      raise ValueError(f"{where}: axis names {names} repeat a name.")
+    dcn = self.dcn if self.dcn is not None else (1,) * len(names)
+    for level, sizes in (("ici", self.ici), ("dcn", dcn)):
+      if len(sizes) != len(names):
+        raise ValueError(
+            f"{where}: {len(names)} axes {names} but {len(sizes)} {level} sizes {tuple(sizes)}."
+        )
+    object.__setattr__(self, "axis_names", names)
+    object.__setattr__(self, "ici", _check_sizes(self.ici, "ici", names, where))
+    object.__setattr__(self, "dcn", _check_sizes(dcn, "dcn", names, where))
+    if self.rules is not None:
+      rules = self.rules if isinstance(self.rules, AxisRules) else AxisRules(self.rules)
+      rules.check_mesh(names, where)
+      object.__setattr__(self, "rules", rules)
+
+  @property
+  def is_hybrid(self) -> bool:
+    """Whether any axis spans granules (DCN)."""
+    return any(s != 1 for s in self.dcn)
+
+  def resolve(self, num_devices: int, num_granules: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Fills the -1 sizes for a device count; checks that the products match.
+
+    Args:
+      num_devices: devices in the whole job.
+      num_granules: TPU slices, or processes where devices have no slice.
+
+    Returns:
+      ``(ici_sizes, dcn_sizes)`` with no -1 left.
+
+    Raises:
+      ValueError: the sizes cannot be made to match the device count.
+    """
+    if not self.is_hybrid:
+      return _fill(self.ici, num_devices, "ici", self.axis_names, self.source, "devices found"), self.dcn
+    if num_devices % num_granules:
+      raise ValueError(
+          f"{self.source}: {num_devices} devices do not split evenly over {num_granules} granules."
+      )
+    dcn = _fill(self.dcn, num_granules, "dcn", self.axis_names, self.source,
+                "granules (TPU slices, or processes) found")
+    ici = _fill(self.ici, num_devices // num_granules, "ici", self.axis_names, self.source,
+                "devices per granule found")
+    return ici, dcn
+
+  @classmethod
+  def from_dict(cls, config: Mapping[str, Any], source: str = "mesh config") -> MeshConfig:
+    """Builds a config from the YAML structure described in the module doc."""
+    if not isinstance(config, Mapping):
+      raise ValueError(f"{source}: expected a mapping with 'axes' (and 'rules'), got {type(config).__name__}.")
+    unknown = sorted(set(config) - _KNOWN_KEYS)
+    if unknown:
+      raise ValueError(
+          f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(_KNOWN_KEYS))}."
+      )
+    axes = config.get("axes")
+    if not isinstance(axes, Mapping) or not axes:
+      raise ValueError(f"{source}: 'axes' must map each mesh axis name to its sizes.")
+    names, sizes = [], {level: [] for level in _LEVELS}
+    for name, spec in axes.items():
+      if not isinstance(spec, Mapping):
+        spec = {"ici": spec}
+      bad = sorted(set(spec) - set(_LEVELS))
+      if bad:
+        raise ValueError(
+            f"{source}: axis {name!r} has unknown key(s) {', '.join(map(repr, bad))}; known: ici, dcn."
+        )
+      names.append(name)
+      sizes["ici"].append(spec.get("ici", 1))
+      sizes["dcn"].append(spec.get("dcn", 1))
+    rules = None
+    if "rules" in config:
+      rules = AxisRules(config["rules"], param_axes=config.get("param_axes") or ())
+    mesh_config = cls(tuple(names), tuple(sizes["ici"]), tuple(sizes["dcn"]), rules=rules, source=source)
+    if "devices" in config:
+      # A file may declare the job it is for; the sizes are checked against it
+      # at load time, so a typo fails on a laptop, not on the pod.
+      counts = {k: config.get(k, 1) for k in ("devices", "granules")}
+      for key, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+          raise ValueError(f"{source}: {key!r} must be a positive integer, got {value!r}.")
+      mesh_config.resolve(counts["devices"], counts["granules"])
+    return mesh_config
+
+  @classmethod
+  def from_yaml(cls, path: str | os.PathLike) -> MeshConfig:
+    """Loads a mesh config file (safe YAML; no code is evaluated).
+
+    Raises:
+      ValueError: the file is missing, is not valid YAML, or is malformed.
+    """
+    import yaml  # a flax dependency; imported here to keep import time low
+
+    try:
+      with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    except OSError as e:
+      raise ValueError(f"Cannot read mesh config {os.fspath(path)!r}: {e.strerror}.") from None
+    except yaml.YAMLError as e:
+      raise ValueError(f"Mesh config {os.fspath(path)!r} is not valid YAML: {e}") from None
+    return cls.from_dict(data, source=os.path.basename(os.fspath(path)))
+
+
+def _granules(devices: Sequence[Any]) -> tuple[int, bool]:
+  """Counts granules: TPU slices when devices have them, else processes."""
+  slices = {getattr(d, "slice_index", None) for d in devices}
+  if None not in slices:
+    return len(slices), False
+  return len({d.process_index for d in devices}), True
+
+
+def build_mesh(config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
+  """Builds a ``jax.sharding.Mesh`` with Auto axis types from a config.
+
+  Uses ``mesh_utils.create_device_mesh`` (topology-aware on TPU), or
+  ``create_hybrid_device_mesh`` when any DCN size is not 1.
+
+  Args:
+    config: the mesh config.
+    devices: devices to use; defaults to ``jax.devices()``.
+
+  Returns:
+    The mesh; each axis has size ``ici * dcn``.
+
+  Raises:
+    ValueError: the sizes do not fit the devices.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  num_granules, process_is_granule = _granules(devices)
+  ici, dcn = config.resolve(len(devices), num_granules)
+  if config.is_hybrid:
+    device_array = mesh_utils.create_hybrid_device_mesh(
+        ici, dcn, devices, process_is_granule=process_is_granule
+    )
+  else:
+    device_array = mesh_utils.create_device_mesh(ici, devices)
+  return Mesh(device_array, config.axis_names, axis_types=(AxisType.Auto,) * len(ici))
+
+
+def as_auto_mesh(mesh: Mesh) -> Mesh:
+  """Returns ``mesh`` with Auto axis types (same devices, names and shape).
+
+  ``jax.make_mesh`` gives Explicit axes by default in recent jax, under which
+  an unannotated loss function can fail with ``ShardingTypeError``.
+  """
+  if all(t == AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))

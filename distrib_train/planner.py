@@ -1,0 +1,368 @@
+"""The mesh planner: from logical-axis rules to the step's three sharding trees.
+
+``MeshPlanner(mesh, rules).plan(train_state, ...)`` returns a ``Plan`` whose
+``train_state_shardings``, ``input_kwarg_shardings`` and
+``aux_output_shardings`` go straight into ``build_train_step_fn``, and whose
+``init`` builds the state already sharded. Shardings are plain data: nothing
+downstream re-derives them. Not for: the rule semantics themselves
+(``axis_rules.py``) or building meshes (``mesh.py``).
+
+Where a parameter's logical axes come from, first match wins:
+``param_logical_axes`` given to ``plan``; then the rules' ``param_axes``
+regexes; otherwise it is replicated and listed in the report. Optimizer-state
+leaves that mirror a parameter (same path suffix and shape, as Adam's ``mu``
+and ``nu``) take that parameter's sharding; everything else is replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from distrib_train.axis_rules import AxisRules, RuleSkip
+from distrib_train.mesh import as_auto_mesh
+from distrib_train.models.pytree import key_name, path_str
+from distrib_train.train_state import TrainState
+
+_STATE_GROUPS = ("params", "opt_state", "loss_fn_state", "model_without_params", "step", "root_rng")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+  """How one array is laid out: one row of the plan report."""
+
+  group: str
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  logical_axes: tuple[str | None, ...] | None
+  spec: PartitionSpec
+  bytes_per_device: int
+
+
+def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return tuple(x.shape), x.dtype
+  # Python scalars in a state (a step counter, penzai's loss_fn_state=100).
+  return (), jax.numpy.asarray(x).dtype
+
+
+def _nbytes_per_device(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> int:
+  return math.prod(sharding.shard_shape(shape)) * dtype.itemsize
+
+
+def _is_axes(x: Any) -> bool:
+  return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def lookup_axes(axes_tree: Any, path: tuple[Any, ...]) -> tuple[str | None, ...] | None:
+  """Finds the logical axes for a leaf at ``path`` in a prefix tree of axes.
+
+  ``axes_tree`` mirrors (a prefix of) the array tree with tuples of logical
+  names as leaves, or maps ``/``-joined paths to them.
+  """
+  if axes_tree is None:
+    return None
+  if isinstance(axes_tree, Mapping):
+    full = path_str(path)
+    if full in axes_tree and _is_axes(axes_tree[full]):
+      return axes_tree[full]
+  node = axes_tree
+  for entry in path:
+    if _is_axes(node):
+      return node
+    key = key_name(entry)
+    if isinstance(node, Mapping):
+      node = node.get(key, node.get(getattr(entry, "key", key)))
+    elif isinstance(node, (list, tuple)) and key.isdigit() and int(key) < len(node):
+      node = node[int(key)]
+    else:
+      node = getattr(node, key, None)
+    if node is None:
+      return None
+  return node if _is_axes(node) else None
+
+
+def _human_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if n < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The shardings for one train state on one mesh, and how they were chosen.
+
+  Attributes:
+    mesh: the (Auto-typed) mesh every sharding refers to.
+    train_state_shardings: a ``TrainState`` whose leaves are ``NamedSharding``.
+    input_kwarg_shardings: input name → sharding (pytree), or None.
+    aux_output_shardings: shardings for the loss function's aux, or None.
+    entries: one ``PlanEntry`` per state, input and aux array.
+    skips: rules passed over because they did not divide a dimension.
+    unannotated: paths of params that had no logical axes (replicated).
+  """
+
+  mesh: Mesh
+  train_state_shardings: TrainState
+  input_kwarg_shardings: dict[str, Any] | None
+  aux_output_shardings: Any
+  entries: tuple[PlanEntry, ...]
+  skips: tuple[RuleSkip, ...]
+  unannotated: tuple[str, ...]
+
+  def bytes_per_device(self) -> dict[str, int]:
+    """Bytes each device holds, per group (params, opt_state, …)."""
+    totals = {group: 0 for group in _STATE_GROUPS}
+    for entry in self.entries:
+      totals[entry.group] = totals.get(entry.group, 0) + entry.bytes_per_device
+    return totals
+
+  def report(self) -> str:
+    """A table of every array's layout, the totals per device, and skips."""
+    mesh_desc = " × ".join(f"{n}={s}" for n, s in self.mesh.shape.items())
+    lines = [f"Plan on mesh {mesh_desc} ({self.mesh.size} devices)"]
+    header = ("group", "path", "shape", "dtype", "logical axes", "spec", "bytes/device")
+    rows = [header]
+    for e in self.entries:
+      axes = "-" if e.logical_axes is None else "(" + ", ".join(str(a) for a in e.logical_axes) + ")"
+      spec = "(" + ", ".join(repr(s) if s is not None else "None" for s in e.spec) + ")"
+      rows.append((e.group, e.path or "-", str(e.shape), e.dtype, axes, spec, _human_bytes(e.bytes_per_device)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+      lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    totals = self.bytes_per_device()
+    state_total = sum(totals[g] for g in _STATE_GROUPS)
+    lines.append(
+        "Per device: "
+        + ", ".join(f"{g} {_human_bytes(totals[g])}" for g in ("params", "opt_state", "loss_fn_state"))
+        + f"; whole train state {_human_bytes(state_total)}"
+    )
+    if self.skips:
+      lines.append(f"Rule skips ({len(self.skips)}):")
+      lines.extend(f"  {s}" for s in self.skips)
+    if self.unannotated:
+      lines.append(f"Params with no logical axes, replicated ({len(self.unannotated)}):")
+      lines.extend(f"  {p}" for p in self.unannotated)
+    return "\n".join(lines)
+
+  def init(self, init_fn: Callable[..., TrainState], *args: Any) -> TrainState:
+    """Runs ``init_fn(*args)`` under ``jax.jit`` with the planned shardings.
+
+    Each device computes only its own shards; no device ever holds a whole
+    sharded array.
+
+    Raises:
+      ValueError: ``init_fn`` builds a state unlike the planned one.
+    """
+    abstract = jax.eval_shape(init_fn, *args)
+    got = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    want = [e for e in self.entries if e.group in _STATE_GROUPS]
+    if len(got) != len(want):
+      raise ValueError(
+          f"init_fn builds a state with {len(got)} arrays; the plan has {len(want)}. Plan the state init_fn builds."
+      )
+    for (path, leaf), entry in zip(got, want):
+      if tuple(leaf.shape) != entry.shape:
+        raise ValueError(
+            f"init_fn builds {path_str(path)} with shape {tuple(leaf.shape)}; the plan has"
+            f" {entry.group}/{entry.path} with shape {entry.shape}."
+        )
+    treedef_seen = []
+
+    def flat_init(*a):
+      leaves, treedef = jax.tree_util.tree_flatten(init_fn(*a))
+      treedef_seen.append(treedef)
+      return leaves
+
+    shardings = jax.tree_util.tree_leaves(self.train_state_shardings)
+    leaves = jax.jit(flat_init, out_shardings=shardings)(*args)
+    return jax.tree_util.tree_unflatten(treedef_seen[-1], leaves)
+
+
+class MeshPlanner:
+  """Plans how a train state, inputs and aux outputs are laid out on a mesh.
+
+  Example::
+
+    planner = MeshPlanner(build_mesh(MeshConfig.from_yaml("cpu-8.yaml")),
+                          AxisRules("fsdp_tensor"))
+    state, plan = planner.init(make_state, inputs=batch, loss_fn=loss_fn)
+    step = build_train_step_fn(loss_fn, donate_params_and_state=True,
+                               train_state_shardings=plan.train_state_shardings,
+                               input_kwarg_shardings=plan.input_kwarg_shardings,
+                               aux_output_shardings=plan.aux_output_shardings)
+
+  Args:
+    mesh: the device mesh; Explicit axes (``jax.make_mesh``'s default) are
+      replaced by Auto axes over the same devices.
+    rules: an ``AxisRules``, a rule-set name, or a sequence of rules.
+
+  Raises:
+    ValueError: a rule names a mesh axis the mesh lacks.
+  """
+
+  def __init__(self, mesh: Mesh, rules: AxisRules | str | Sequence[Any]):
+    self.mesh = as_auto_mesh(mesh)
+    self.rules = rules if isinstance(rules, AxisRules) else AxisRules(rules)
+    self.rules.check_mesh(tuple(self.mesh.axis_names))
+
+  def _sharding(self, group, path, leaf, axes, entries, skips) -> NamedSharding:
+    shape, dtype = _shape_dtype(leaf)
+    where = f"{group}/{path}" if path else group
+    if axes is None:
+      spec = PartitionSpec()
+    else:
+      spec, new_skips = self.rules.resolve(axes, shape=shape, mesh=self.mesh, path=where)
+      skips.extend(new_skips)
+    sharding = NamedSharding(self.mesh, spec)
+    entries.append(
+        PlanEntry(group, path, shape, str(dtype), None if axes is None else tuple(axes), spec,
+                  _nbytes_per_device(shape, dtype, sharding))
+    )
+    return sharding
+
+  def plan(
+      self,
+      train_state: TrainState,
+      *,
+      loss_fn: Callable[..., Any] | None = None,
+      inputs: Mapping[str, Any] | None = None,
+      input_axes: Mapping[str, Any] | None = None,
+      aux_axes: Any = None,
+      param_logical_axes: Any = None,
+  ) -> Plan:
+    """Plans shardings for a concrete or abstract (``jax.eval_shape``) state.
+
+    Args:
+      train_state: the state to lay out.
+      loss_fn: the loss function; with ``inputs``, used (abstractly) to find
+        the aux outputs' structure.
+      inputs: example inputs (arrays or ``jax.ShapeDtypeStruct``), by name.
+      input_axes: logical axes per input name, e.g. ``{"tokens": ("batch",
+        "length")}``; inputs without one get ``("batch", None, ...)``.
+      aux_axes: logical axes for aux leaves (a prefix tree of tuples);
+        others are replicated.
+      param_logical_axes: logical axes per parameter (a prefix tree of
+        ``params`` with tuples as leaves, or ``/``-path → tuple).
+
+    Returns:
+      The ``Plan``.
+
+    Raises:
+      ValueError: logical axes that do not fit an array (named by path), or
+        a ``loss_fn`` without ``inputs``.
+    """
+    entries: list[PlanEntry] = []
+    skips: list[RuleSkip] = []
+    unannotated: list[str] = []
+
+    param_leaves, _ = jax.tree_util.tree_flatten_with_path(train_state.params)
+    by_suffix: dict[tuple[str, ...], tuple[tuple[int, ...], NamedSharding]] = {}
+
+    def param_sharding(path, leaf):
+      name = path_str(path)
+      axes = lookup_axes(param_logical_axes, path)
+      if axes is None:
+        axes = self.rules.axes_for_path(name)
+      if axes is None and _shape_dtype(leaf)[0]:
+        unannotated.append(name)
+      sharding = self._sharding("params", name, leaf, axes, entries, skips)
+      by_suffix[tuple(key_name(e) for e in path)] = (_shape_dtype(leaf)[0], sharding)
+      return sharding
+
+    def mirrored_sharding(path, leaf):
+      keys = tuple(key_name(e) for e in path)
+      shape = _shape_dtype(leaf)[0]
+      for n in range(len(keys), 0, -1):
+        match = by_suffix.get(keys[-n:])
+        if match is not None and match[0] == shape:
+          sharding = match[1]
+          entries.append(PlanEntry("opt_state", path_str(path), shape, str(_shape_dtype(leaf)[1]), None,
+                                   sharding.spec, _nbytes_per_device(shape, _shape_dtype(leaf)[1], sharding)))
+          return sharding
+      return self._sharding("opt_state", path_str(path), leaf, None, entries, skips)
+
+    def replicated(group):
+      return lambda path, leaf: self._sharding(group, path_str(path), leaf, None, entries, skips)
+
+    map_with_path = jax.tree_util.tree_map_with_path
+    shardings = {
+        "params": map_with_path(param_sharding, train_state.params),
+        "model_without_params": map_with_path(replicated("model_without_params"), train_state.model_without_params),
+        "opt_state": map_with_path(mirrored_sharding, train_state.opt_state),
+        "loss_fn_state": map_with_path(replicated("loss_fn_state"), train_state.loss_fn_state),
+        "step": map_with_path(replicated("step"), train_state.step),
+        "root_rng": map_with_path(replicated("root_rng"), train_state.root_rng),
+    }
+    # Report rows in the order of the state's leaves, so Plan.init can zip them.
+    order = {g: i for i, g in enumerate(("step", "root_rng", "params", "model_without_params", "opt_state",
+                                         "loss_fn_state"))}
+    state_entries = sorted(entries, key=lambda e: order[e.group])
+    entries = []
+    train_state_shardings = train_state.replace(**shardings)
+
+    input_shardings = None
+    if inputs is not None or input_axes is not None:
+      input_shardings = {}
+      for name in inputs if inputs is not None else input_axes:
+        axes_for_input = (input_axes or {}).get(name)
+        if inputs is None:
+          input_shardings[name] = NamedSharding(
+              self.mesh, self.rules.resolve(axes_for_input, mesh=self.mesh, path=f"inputs/{name}")[0])
+          continue
+
+        def input_sharding(path, leaf, name=name, axes_for_input=axes_for_input):
+          axes = lookup_axes(axes_for_input, path)
+          if axes is None:
+            ndim = len(_shape_dtype(leaf)[0])
+            axes = ("batch",) + (None,) * (ndim - 1) if ndim else ()
+          return self._sharding("inputs", "/".join(filter(None, (name, path_str(path)))), leaf, axes, entries, skips)
+
+        input_shardings[name] = map_with_path(input_sharding, inputs[name])
+
+    aux_shardings = None
+    if loss_fn is not None:
+      if inputs is None:
+        raise ValueError("plan(loss_fn=...) needs inputs= (arrays or jax.ShapeDtypeStruct) to find the aux outputs.")
+
+      def aux_of(state, example_inputs):
+        rng = jax.random.fold_in(state.root_rng, state.step)
+        return loss_fn(model=state.model, state=state.loss_fn_state, rng=rng, **example_inputs)[2]
+
+      aux = jax.eval_shape(aux_of, train_state, dict(inputs))
+      aux_shardings = map_with_path(
+          lambda path, leaf: self._sharding("aux", path_str(path), leaf, lookup_axes(aux_axes, path), entries, skips),
+          aux,
+      )
+
+    return Plan(
+        mesh=self.mesh,
+        train_state_shardings=train_state_shardings,
+        input_kwarg_shardings=input_shardings,
+        aux_output_shardings=aux_shardings,
+        entries=tuple(state_entries + entries),
+        skips=tuple(skips),
+        unannotated=tuple(unannotated),
+    )
+
+  def init(self, init_fn: Callable[..., TrainState], *args: Any, **plan_kwargs: Any) -> tuple[TrainState, Plan]:
+    """Plans the state ``init_fn(*args)`` builds, then builds it sharded.
+
+    Args:
+      init_fn: returns a ``TrainState``; run abstractly, then under jit.
+      *args: its arguments (e.g. a PRNG key).
+      **plan_kwargs: passed to ``plan`` (``loss_fn``, ``inputs``, …).
+
+    Returns:
+      ``(train_state, plan)``.
+    """
+    plan = self.plan(jax.eval_shape(init_fn, *args), **plan_kwargs)
+    return plan.init(init_fn, *args), plan

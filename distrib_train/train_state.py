@@ -1,0 +1,205 @@
+"""``TrainState``: everything a training step reads and writes.
+
+The fields and ``initial_state`` / ``.model`` follow penzai's v1
+``TrainState``, so penzai-style loss functions and loops run unchanged; the
+flax-style ``create`` / ``apply_gradients`` / ``replace`` live on the same
+class for users coming from ``flax.training.train_state``. Not for: building
+the step (``train_step.py``) or choosing shardings (``planner.py``).
+
+Subclass ``TrainState`` (it is a ``flax.struct.PyTreeNode``) to carry extra
+fields such as an EMA of the params; fork it only if the penzai fields
+themselves must change, since ``build_train_step_fn`` relies on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import optax
+from flax import struct
+
+from distrib_train import models
+from distrib_train.models.pytree import IsParam, key_name
+
+ModelPyTree = Any
+LossStatePyTree = Any
+OptimizerStatePyTree = Any
+PRNGKeyArray = jax.Array
+
+
+class Hyperparams(Mapping):
+  """Read-only view of the hyperparameters ``optax.inject_hyperparams`` keeps.
+
+  Found anywhere in the optimizer state, including inside ``optax.chain``.
+  A name injected in two places is ambiguous and raises ``KeyError``.
+  """
+
+  def __init__(self, found: Mapping[str, list[tuple[str, Any]]]):
+    self._found = found
+
+  def __getitem__(self, name: str) -> Any:
+    if name not in self._found:
+      known = ", ".join(map(repr, self._found)) or "none"
+      raise KeyError(
+          f"No injected hyperparameter {name!r} in the optimizer state;"
+          f" injected: {known}. Wrap the optimizer in optax.inject_hyperparams"
+          " to expose one."
+      )
+    places = self._found[name]
+    if len(places) > 1:
+      where = ", ".join(path for path, _ in places)
+      raise KeyError(f"Hyperparameter {name!r} is injected in several places ({where}); read it from opt_state.")
+    return places[0][1]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._found)
+
+  def __len__(self) -> int:
+    return len(self._found)
+
+  def __repr__(self) -> str:
+    return f"Hyperparams({sorted(self._found)})"
+
+
+def _has_hyperparams(node: Any) -> bool:
+  return isinstance(getattr(node, "hyperparams", None), Mapping) and hasattr(node, "inner_state")
+
+
+def _collect_hyperparams(tree: Any, prefix: str, found: dict[str, list[tuple[str, Any]]]) -> None:
+  nodes, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_has_hyperparams)
+  for path, node in nodes:
+    if not _has_hyperparams(node):
+      continue
+    where = prefix + "".join(f"[{key_name(e)}]" for e in path)
+    for name, value in node.hyperparams.items():
+      found.setdefault(name, []).append((f"opt_state{where}.hyperparams", value))
+    _collect_hyperparams(node.inner_state, f"{where}.inner_state", found)
+
+
+class TrainState(struct.PyTreeNode):
+  """Collection of state for training, in penzai's v1 layout.
+
+  The parameters are kept apart from the rest of the model so that the step
+  differentiates, donates and checkpoints only them; ``.model`` rebuilds the
+  whole model.
+
+  Example::
+
+    state = TrainState.initial_state(
+        model=mlp, optimizer_def=optax.adam(1e-3), root_rng=jax.random.key(0))
+    step_fn = build_train_step_fn(loss_fn)
+    state, aux = step_fn(state, inputs=x, targets=y)
+
+  Attributes:
+    step: current step; a Python int or a jax integer scalar.
+    root_rng: base key; the step's key is ``fold_in(root_rng, step)``.
+    params: the learned values (for plain pytree models a flat dict keyed by
+      ``/``-joined path).
+    model_without_params: the rest of the model, with ``ParamSlot`` markers
+      where the params were; None for states made by ``create``.
+    opt_state: the optimizer state of ``params``.
+    loss_fn_state: state owned by the loss function (e.g. counters or
+      batch statistics); never seen by the optimizer.
+    optimizer_def: the optax optimizer (static).
+    apply_fn: optional function kept for flax-style code (static).
+  """
+
+  step: int | jax.Array
+  root_rng: PRNGKeyArray | None
+  params: Any
+  model_without_params: ModelPyTree
+  opt_state: OptimizerStatePyTree
+  loss_fn_state: LossStatePyTree
+  optimizer_def: optax.GradientTransformation = struct.field(pytree_node=False)
+  apply_fn: Callable[..., Any] | None = struct.field(pytree_node=False, default=None)
+
+  @classmethod
+  def initial_state(
+      cls,
+      model: ModelPyTree,
+      optimizer_def: optax.GradientTransformation,
+      root_rng: PRNGKeyArray,
+      loss_fn_state: LossStatePyTree = None,
+      *,
+      is_param: IsParam | None = None,
+  ) -> TrainState:
+    """Constructs the initial training state (step 0).
+
+    Args:
+      model: the model being optimized (a pytree).
+      optimizer_def: the optax optimizer.
+      root_rng: base key for per-step randomness.
+      loss_fn_state: optional initial state for the loss function.
+      is_param: optional ``(path, leaf) -> bool`` choosing the parameters;
+        by default every inexact-dtype array leaf is one.
+
+    Returns:
+      The initial state, with ``opt_state = optimizer_def.init(params)``.
+    """
+    params, model_without_params = models.split_model(model, is_param)
+    return cls(
+        step=0,
+        root_rng=root_rng,
+        params=params,
+        model_without_params=model_without_params,
+        opt_state=optimizer_def.init(params),
+        loss_fn_state=loss_fn_state,
+        optimizer_def=optimizer_def,
+    )
+
+  @classmethod
+  def create(
+      cls,
+      *,
+      apply_fn: Callable[..., Any] | None,
+      params: Any,
+      tx: optax.GradientTransformation,
+      **kwargs: Any,
+  ) -> TrainState:
+    """flax-style constructor: step 0 and ``opt_state = tx.init(params)``.
+
+    ``root_rng``, ``loss_fn_state`` and ``model_without_params`` may be
+    given as keyword arguments (default None). With no
+    ``model_without_params``, ``.model`` is ``params`` itself, so a loss
+    function receives the params and calls ``apply_fn`` on them.
+    """
+    fields = {"root_rng": None, "loss_fn_state": None, "model_without_params": None}
+    unknown = sorted(set(kwargs) - set(fields) - set(cls.__dataclass_fields__))
+    if unknown:
+      raise TypeError(f"TrainState.create got unknown field(s) {', '.join(unknown)}.")
+    fields.update(kwargs)
+    return cls(step=0, params=params, opt_state=tx.init(params), optimizer_def=tx, apply_fn=apply_fn, **fields)
+
+  @property
+  def tx(self) -> optax.GradientTransformation:
+    """The optimizer, under flax's name for it."""
+    return self.optimizer_def
+
+  @property
+  def model(self) -> ModelPyTree:
+    """The full model, including parameters and nonlearnable parts."""
+    return models.merge_model(self.model_without_params, self.params)
+
+  @property
+  def hyperparams(self) -> Hyperparams:
+    """Hyperparameters injected by ``optax.inject_hyperparams``, by name.
+
+    Example: ``state.hyperparams["learning_rate"]``, also when the injected
+    optimizer sits inside ``optax.chain``.
+    """
+    found: dict[str, list[tuple[str, Any]]] = {}
+    _collect_hyperparams(self.opt_state, "", found)
+    return Hyperparams(found)
+
+  def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+    """Applies one optimizer update; ``step`` goes up by one.
+
+    Args:
+      grads: gradients with the structure of ``params``.
+      **kwargs: other fields to replace at the same time.
+    """
+    updates, opt_state = self.optimizer_def.update(grads, self.opt_state, self.params)
+    params = optax.apply_updates(self.params, updates)
+    return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)

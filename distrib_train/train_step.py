@@ -1,0 +1,189 @@
+"""The train step: ``build_train_step_fn``, penzai's contract, sharded.
+
+``build_train_step_fn(loss_fn, ...)`` returns ``step(train_state, **inputs)
+-> (new_train_state, aux)``. The loss function is called as
+``loss_fn(model=, state=, rng=, **inputs)`` and returns ``(loss, new_state,
+aux)``; the step's key is ``fold_in(root_rng, step)``. Not for: choosing the
+shardings (``planner.py``) or running a loop (``trainer.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import jax
+import optax
+
+from distrib_train import models
+from distrib_train.train_state import LossStatePyTree, ModelPyTree, PRNGKeyArray, TrainState
+
+AuxOutPyTree = Any
+
+
+class LossFunction(Protocol):
+  """What ``build_train_step_fn`` expects of a loss function."""
+
+  def __call__(
+      self, *, model: ModelPyTree, state: LossStatePyTree, rng: PRNGKeyArray, **inputs: Any
+  ) -> tuple[jax.Array, LossStatePyTree, AuxOutPyTree]:
+    """Returns ``(scalar loss, new state like ``state``, aux outputs)``."""
+
+
+def _updated_params_and_states(
+    params: Any,
+    model_leaves: list[Any],
+    opt_state: Any,
+    loss_fn_state: Any,
+    root_rng: PRNGKeyArray,
+    step: int | jax.Array,
+    inputs: dict[str, Any],
+    model_treedef: Any,
+    optimizer_def: optax.GradientTransformation,
+    loss_fn: LossFunction,
+) -> tuple[Any, Any, Any, AuxOutPyTree]:
+  """One step as a pure function of the arrays it reads.
+
+  Every part of the state is its own argument so that ``jax.jit`` can donate
+  exactly params, opt_state and loss_fn_state, and shard each part. The
+  non-param model arrays come in as a flat leaf list (their structure is a
+  static argument) so that shardings planned on an equal-but-rebuilt model
+  still line up.
+  """
+  step_rng = jax.random.fold_in(root_rng, step)
+  model_without_params = jax.tree_util.tree_unflatten(model_treedef, model_leaves)
+
+  def loss_and_outputs(current_params):
+    model = models.merge_model(model_without_params, current_params)
+    out = loss_fn(model=model, state=loss_fn_state, rng=step_rng, **inputs)
+    if not isinstance(out, tuple) or len(out) != 3:
+      raise TypeError(
+          f"The loss function must return (loss, new_state, aux); it returned a"
+          f" {type(out).__name__}{f' of length {len(out)}' if isinstance(out, tuple) else ''}."
+      )
+    loss, new_state, aux = out
+    if getattr(loss, "shape", None) != ():
+      raise TypeError(f"The loss must be a scalar; the loss function returned shape {getattr(loss, 'shape', None)}.")
+    return loss, (new_state, aux)
+
+  grads, (new_loss_fn_state, aux) = jax.grad(loss_and_outputs, has_aux=True)(params)
+  updates, new_opt_state = optimizer_def.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), new_opt_state, new_loss_fn_state, aux
+
+
+class TrainStep:
+  """A built train step; call it as ``step(train_state, **inputs)``.
+
+  Also offers ``lower(train_state, **inputs)`` for ahead-of-time compilation
+  (abstract ``jax.ShapeDtypeStruct`` leaves are fine there).
+  """
+
+  def __init__(self, loss_fn, jit, donate, train_state_shardings, input_kwarg_shardings, aux_output_shardings):
+    self.loss_fn = loss_fn
+    self.input_kwarg_shardings = input_kwarg_shardings
+    core = _updated_params_and_states
+    if jit:
+      ts = train_state_shardings
+      in_shardings = (
+          None if ts is None else ts.params,
+          None if ts is None else list(jax.tree_util.tree_leaves(ts.model_without_params)),
+          None if ts is None else ts.opt_state,
+          None if ts is None else ts.loss_fn_state,
+          None,  # root_rng: penzai ignores its sharding, and so do we.
+          None,  # step
+          None if input_kwarg_shardings is None else dict(input_kwarg_shardings),
+      )
+      out_shardings = (
+          None if ts is None else ts.params,
+          None if ts is None else ts.opt_state,
+          None if ts is None else ts.loss_fn_state,
+          aux_output_shardings,
+      )
+      core = jax.jit(
+          core,
+          static_argnums=(7, 8, 9),  # model_treedef, optimizer_def, loss_fn
+          donate_argnums=(0, 2, 3) if donate else (),
+          in_shardings=in_shardings,
+          out_shardings=out_shardings,
+      )
+    self._core = core
+
+  def _args(self, train_state: TrainState, inputs: Mapping[str, Any]):
+    if not isinstance(train_state, TrainState):
+      raise TypeError(f"The train step takes a TrainState first, got {type(train_state).__name__}.")
+    if self.input_kwarg_shardings is not None and set(inputs) != set(self.input_kwarg_shardings):
+      missing = sorted(set(self.input_kwarg_shardings) - set(inputs))
+      extra = sorted(set(inputs) - set(self.input_kwarg_shardings))
+      raise ValueError(
+          "The step's inputs differ from input_kwarg_shardings:"
+          + (f" missing {', '.join(missing)};" if missing else "")
+          + (f" not in the shardings {', '.join(extra)};" if extra else "")
+          + " give a sharding for every input and pass every input."
+      )
+    model_leaves, model_treedef = jax.tree_util.tree_flatten(train_state.model_without_params)
+    args = (
+        train_state.params,
+        model_leaves,
+        train_state.opt_state,
+        train_state.loss_fn_state,
+        train_state.root_rng,
+        train_state.step,
+        dict(inputs),
+        model_treedef,
+        train_state.optimizer_def,
+        self.loss_fn,
+    )
+    return args
+
+  def __call__(self, train_state: TrainState, **inputs: Any) -> tuple[TrainState, AuxOutPyTree]:
+    params, opt_state, loss_fn_state, aux = self._core(*self._args(train_state, inputs))
+    new_state = train_state.replace(
+        step=train_state.step + 1, params=params, opt_state=opt_state, loss_fn_state=loss_fn_state
+    )
+    return new_state, aux
+
+  def lower(self, train_state: TrainState, **inputs: Any) -> jax.stages.Lowered:
+    """Lowers the jitted step for these (possibly abstract) arguments."""
+    if not hasattr(self._core, "lower"):
+      raise ValueError("This step was built with jit=False; there is nothing to lower.")
+    return self._core.lower(*self._args(train_state, inputs))
+
+
+def build_train_step_fn(
+    loss_fn: LossFunction,
+    jit: bool = True,
+    donate_params_and_state: bool = False,
+    train_state_shardings: TrainState | None = None,
+    input_kwarg_shardings: dict[str, Any] | None = None,
+    aux_output_shardings: AuxOutPyTree | None = None,
+) -> TrainStep:
+  """Builds a train step function, with penzai's signature and semantics.
+
+  The step returns ``(new_train_state, aux)`` where ``aux`` is the loss
+  function's third output (return the loss in ``aux`` too to see it).
+
+  Args:
+    loss_fn: ``loss_fn(*, model, state, rng, **inputs) -> (loss, new_state,
+      aux)``.
+    jit: whether to compile the step with ``jax.jit``.
+    donate_params_and_state: donate the old params, opt_state and
+      loss_fn_state buffers (earlier references to them break). The rest of
+      the model, ``root_rng`` and the inputs are not donated.
+    train_state_shardings: a ``TrainState`` whose leaves are shardings (e.g.
+      ``Plan.train_state_shardings``); the step's inputs and outputs follow
+      it. Shardings for ``step`` and ``root_rng`` are ignored.
+    input_kwarg_shardings: input name → sharding; then every call must pass
+      exactly these inputs.
+    aux_output_shardings: a pytree of shardings for ``aux``.
+
+  Returns:
+    The step, a ``TrainStep`` (callable; ``.lower`` for ahead-of-time use).
+
+  Raises:
+    ValueError: ``donate_params_and_state`` without ``jit``.
+  """
+  if donate_params_and_state and not jit:
+    raise ValueError("Cannot donate params and state unless jit=True; pass jit=True or donate_params_and_state=False.")
+  return TrainStep(
+      loss_fn, jit, donate_params_and_state, train_state_shardings, input_kwarg_shardings, aux_output_shardings
+  )

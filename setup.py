@@ -1,0 +1,41 @@
+"""Packaging for distrib_train."""
+
+import pathlib
+
+import setuptools
+
+_HERE = pathlib.Path(__file__).parent
+
+setuptools.setup(
+    name="distrib_train",
+    version="0.1.0",
+    description=(
+        "Sharded, resumable JAX training from named logical-axis rules, "
+        "penzai-compatible TrainState and train step."
+    ),
+    long_description=(_HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.11",
+    packages=setuptools.find_packages(include=["distrib_train", "distrib_train.*"]),
+    install_requires=[
+        "jax>=0.10,<0.12",
+        "flax>=0.12",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.12",
+        "tensorstore>=0.1.80",
+        "absl-py>=2.1",
+        "PyYAML>=6.0",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "tpu": ["jax[tpu]>=0.10,<0.12"],
+        "cuda12": ["jax[cuda12]>=0.10,<0.12"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
