@@ -206,9 +206,14 @@ class MeshConfig:
 
 
 def _granules(devices: Sequence[Any]) -> tuple[int, bool]:
-  """Counts granules: TPU slices when devices have them, else processes."""
+  """Counts granules: slices when devices span several, else processes.
+
+  TPU multislice devices carry distinct ``slice_index`` values (so do GPUs
+  whose processes passed ``partition_index``); CPU devices and single-slice
+  jobs report one slice, and then each process is a granule.
+  """
   slices = {getattr(d, "slice_index", None) for d in devices}
-  if None not in slices:
+  if len(slices) > 1 and None not in slices:
     return len(slices), False
   return len({d.process_index for d in devices}), True
 

@@ -103,6 +103,9 @@ class Plan:
   Attributes:
     mesh: the (Auto-typed) mesh every sharding refers to.
     train_state_shardings: a ``TrainState`` whose leaves are ``NamedSharding``.
+    abstract_train_state: the same with ``jax.ShapeDtypeStruct`` leaves that
+      carry the shardings: a target for checkpoint restore and for lowering
+      the step ahead of time.
     input_kwarg_shardings: input name → sharding (pytree), or None.
     aux_output_shardings: shardings for the loss function's aux, or None.
     entries: one ``PlanEntry`` per state, input and aux array.
@@ -112,6 +115,7 @@ class Plan:
 
   mesh: Mesh
   train_state_shardings: TrainState
+  abstract_train_state: TrainState
   input_kwarg_shardings: dict[str, Any] | None
   aux_output_shardings: Any
   entries: tuple[PlanEntry, ...]
@@ -133,7 +137,7 @@ class Plan:
     rows = [header]
     for e in self.entries:
       axes = "-" if e.logical_axes is None else "(" + ", ".join(str(a) for a in e.logical_axes) + ")"
-      spec = "(" + ", ".join(repr(s) if s is not None else "None" for s in e.spec) + ")"
+      spec = "P(" + ", ".join(repr(s) for s in e.spec) + ")"
       rows.append((e.group, e.path or "-", str(e.shape), e.dtype, axes, spec, _human_bytes(e.bytes_per_device)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
@@ -175,16 +179,15 @@ class Plan:
             f"init_fn builds {path_str(path)} with shape {tuple(leaf.shape)}; the plan has"
             f" {entry.group}/{entry.path} with shape {entry.shape}."
         )
-    treedef_seen = []
-
     def flat_init(*a):
-      leaves, treedef = jax.tree_util.tree_flatten(init_fn(*a))
-      treedef_seen.append(treedef)
-      return leaves
+      return jax.tree_util.tree_leaves(init_fn(*a))
 
-    shardings = jax.tree_util.tree_leaves(self.train_state_shardings)
+    shardings, planned_treedef = jax.tree_util.tree_flatten(self.train_state_shardings)
     leaves = jax.jit(flat_init, out_shardings=shardings)(*args)
-    return jax.tree_util.tree_unflatten(treedef_seen[-1], leaves)
+    # Rebuild with the plan's structure: init_fn may have made a new (equal)
+    # optimizer or model config, and state and shardings should then still
+    # line up leaf for leaf in tree_map.
+    return jax.tree_util.tree_unflatten(planned_treedef, leaves)
 
 
 class MeshPlanner:
@@ -265,7 +268,8 @@ class MeshPlanner:
     unannotated: list[str] = []
 
     param_leaves, _ = jax.tree_util.tree_flatten_with_path(train_state.params)
-    by_suffix: dict[tuple[str, ...], tuple[tuple[int, ...], NamedSharding]] = {}
+    # Param path (as key names) -> (shape, sharding, logical axes), for mirrors.
+    by_suffix: dict[tuple[str, ...], tuple[tuple[int, ...], NamedSharding, Any]] = {}
 
     def param_sharding(path, leaf):
       name = path_str(path)
@@ -275,18 +279,18 @@ class MeshPlanner:
       if axes is None and _shape_dtype(leaf)[0]:
         unannotated.append(name)
       sharding = self._sharding("params", name, leaf, axes, entries, skips)
-      by_suffix[tuple(key_name(e) for e in path)] = (_shape_dtype(leaf)[0], sharding)
+      by_suffix[tuple(key_name(e) for e in path)] = (_shape_dtype(leaf)[0], sharding, axes)
       return sharding
 
     def mirrored_sharding(path, leaf):
       keys = tuple(key_name(e) for e in path)
-      shape = _shape_dtype(leaf)[0]
+      shape, dtype = _shape_dtype(leaf)
       for n in range(len(keys), 0, -1):
         match = by_suffix.get(keys[-n:])
         if match is not None and match[0] == shape:
-          sharding = match[1]
-          entries.append(PlanEntry("opt_state", path_str(path), shape, str(_shape_dtype(leaf)[1]), None,
-                                   sharding.spec, _nbytes_per_device(shape, _shape_dtype(leaf)[1], sharding)))
+          _, sharding, axes = match
+          entries.append(PlanEntry("opt_state", path_str(path), shape, str(dtype), axes, sharding.spec,
+                                   _nbytes_per_device(shape, dtype, sharding)))
           return sharding
       return self._sharding("opt_state", path_str(path), leaf, None, entries, skips)
 
@@ -343,9 +347,14 @@ class MeshPlanner:
           aux,
       )
 
+    def abstract(leaf, sharding):
+      shape, dtype = _shape_dtype(leaf)
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
     return Plan(
         mesh=self.mesh,
         train_state_shardings=train_state_shardings,
+        abstract_train_state=jax.tree_util.tree_map(abstract, train_state, train_state_shardings),
         input_kwarg_shardings=input_shardings,
         aux_output_shardings=aux_shardings,
         entries=tuple(state_entries + entries),

@@ -14,8 +14,10 @@ from typing import Any, Protocol
 
 import jax
 import optax
+from jax.sharding import NamedSharding
 
 from distrib_train import models
+from distrib_train.mesh import as_auto_mesh
 from distrib_train.train_state import LossStatePyTree, ModelPyTree, PRNGKeyArray, TrainState
 
 AuxOutPyTree = Any
@@ -71,6 +73,19 @@ def _updated_params_and_states(
   return optax.apply_updates(params, updates), new_opt_state, new_loss_fn_state, aux
 
 
+def _on_auto_mesh(x: Any) -> Any:
+  """Moves an array sharded on an Explicit-axes mesh onto the Auto twin.
+
+  Arrays placed with ``jax.make_mesh``'s default (Explicit) mesh carry that
+  mesh in their type; mixed with the step's Auto-mesh shardings, jit rejects
+  them ("Mesh for all inputs should be equal").
+  """
+  sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else None
+  if isinstance(sharding, NamedSharding) and not sharding.mesh.are_all_axes_auto:
+    return jax.device_put(x, NamedSharding(as_auto_mesh(sharding.mesh), sharding.spec))
+  return x
+
+
 class TrainStep:
   """A built train step; call it as ``step(train_state, **inputs)``.
 
@@ -120,6 +135,7 @@ class TrainStep:
           + (f" not in the shardings {', '.join(extra)};" if extra else "")
           + " give a sharding for every input and pass every input."
       )
+    inputs = jax.tree_util.tree_map(_on_auto_mesh, dict(inputs))
     model_leaves, model_treedef = jax.tree_util.tree_flatten(train_state.model_without_params)
     args = (
         train_state.params,

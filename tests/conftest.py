@@ -1,0 +1,8 @@
+"""Test setup: 8 emulated CPU devices, set before jax is imported."""
+
+import os
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()

@@ -1,0 +1,194 @@
+"""build_train_step_fn: penzai behaviour, donation, shardings, one compile."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import distrib_train as dt
+import helpers
+
+XOR_INPUTS = jnp.array([[-1, -1], [-1, 1], [1, -1], [1, 1]], dtype=jnp.float32)
+XOR_LABELS = jnp.array([[0, 1], [1, 0], [1, 0], [0, 1]], dtype=jnp.float32)
+
+
+def xor_loss(model, rng, state):
+  # penzai's own XOR test: the loss scaled by 1 + uniform(rng); a counter state.
+  scale = 1 + jax.random.uniform(rng, shape=(1,))
+  log_probs = jax.nn.log_softmax(helpers.apply_mlp(model, XOR_INPUTS), axis=-1)
+  loss = jnp.sum(-scale * log_probs * XOR_LABELS) / 4
+  return loss, state + 1, {"loss": loss, "count": state}
+
+
+def _train_xor(step_fn):
+  state = dt.TrainState.initial_state(
+      model=helpers.init_mlp(jax.random.key(10), [2, 32, 32, 2]),
+      optimizer_def=optax.adam(0.1),
+      root_rng=jax.random.key(42),
+      loss_fn_state=100,
+  )
+  outputs = []
+  for _ in range(20):
+    state, out = step_fn(state)
+    outputs.append(out)
+  return state, outputs
+
+
+@pytest.mark.parametrize(
+    "make_step",
+    [
+        lambda: jax.jit(dt.build_train_step_fn(xor_loss)),  # as penzai's tests do
+        lambda: dt.build_train_step_fn(xor_loss),
+        lambda: dt.build_train_step_fn(xor_loss, jit=False),
+        lambda: dt.build_train_step_fn(xor_loss, donate_params_and_state=True),
+    ],
+    ids=["wrapped-in-jit", "unwrapped", "jit-false", "donated"],
+)
+def test_penzai_xor_mlp_trains_and_counts(make_step):
+  state, outputs = _train_xor(make_step())
+  assert [int(o["count"]) for o in outputs] == list(range(100, 120))
+  assert float(outputs[0]["loss"]) > 0.5
+  assert float(outputs[-1]["loss"]) < 1e-4
+  assert int(state.step) == 20
+
+
+def test_step_key_is_fold_in_of_root_rng_and_step():
+  def loss_fn(*, model, state, rng):
+    return jnp.sum(model["w"] ** 2), state, jax.random.key_data(rng)
+
+  state = dt.TrainState.initial_state({"w": jnp.ones(3)}, optax.sgd(0.1), jax.random.key(7))
+  step_fn = dt.build_train_step_fn(loss_fn)
+  for i in range(3):
+    state, key_data = step_fn(state)
+    expected = jax.random.key_data(jax.random.fold_in(jax.random.key(7), i))
+    np.testing.assert_array_equal(key_data, expected)
+
+
+def test_step_stays_a_python_int_when_it_starts_as_one():
+  state, _ = _train_xor(dt.build_train_step_fn(xor_loss))
+  assert state.step == 20 and isinstance(state.step, int)
+
+
+def test_donation_deletes_params_opt_state_and_loss_fn_state_only():
+  def loss_fn(*, model, state, rng, x):
+    loss = jnp.sum((x @ model["w"]) ** 2) + jnp.sum(model["offsets"])
+    return loss, state + 1, {"loss": loss}
+
+  model = {"w": jnp.ones((4, 2)), "offsets": jnp.arange(2)}  # offsets: int, not a param
+  state = dt.TrainState.initial_state(model, optax.adam(0.1), jax.random.key(0), loss_fn_state=jnp.zeros(()))
+  x = jnp.ones((3, 4))
+  step_fn = dt.build_train_step_fn(loss_fn, donate_params_and_state=True)
+  new_state, _ = step_fn(state, x=x)
+  assert state.params["w"].is_deleted()
+  assert all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(state.opt_state))
+  assert state.loss_fn_state.is_deleted()
+  assert not state.model_without_params["offsets"].is_deleted()
+  assert not state.root_rng.is_deleted()
+  assert not x.is_deleted()
+  new_state, _ = step_fn(new_state, x=x)  # the new state is usable
+  assert int(new_state.step) == 2
+
+
+def test_without_donation_nothing_is_deleted():
+  state, _ = _train_xor(dt.build_train_step_fn(xor_loss))
+  first = dt.TrainState.initial_state(helpers.init_mlp(jax.random.key(1), [2, 4, 2]), optax.adam(0.1),
+                                      jax.random.key(0), loss_fn_state=0)
+  dt.build_train_step_fn(xor_loss)(first)
+  assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(first.params))
+
+
+def test_jit_false_with_donation_is_a_value_error():
+  with pytest.raises(ValueError, match="Cannot donate params and state unless jit=True"):
+    dt.build_train_step_fn(xor_loss, jit=False, donate_params_and_state=True)
+
+
+def _planned_step(mesh, aux_axes=None, **kwargs):
+  planner = dt.MeshPlanner(mesh, dt.AxisRules("fsdp_tensor", param_axes=helpers.MLP_PARAM_AXES))
+  x, y = helpers.batch(0)
+  inputs = {"inputs": jnp.asarray(x), "targets": jnp.asarray(y)}
+  state, plan = planner.init(helpers.make_state, inputs=inputs, loss_fn=helpers.classification_loss,
+                             aux_axes=aux_axes)
+  step_fn = dt.build_train_step_fn(
+      helpers.classification_loss,
+      train_state_shardings=plan.train_state_shardings,
+      input_kwarg_shardings=plan.input_kwarg_shardings,
+      aux_output_shardings=plan.aux_output_shardings,
+      **kwargs,
+  )
+  return state, plan, step_fn, inputs
+
+
+def test_every_returned_array_has_the_requested_sharding():
+  mesh = dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2)))
+  state, plan, step_fn, inputs = _planned_step(mesh, donate_params_and_state=True)
+  # Inputs arrive unsharded here; the step moves them onto the input shardings.
+  new_state, aux = step_fn(state, **inputs)
+  expected = plan.train_state_shardings
+  for part in ("params", "opt_state", "loss_fn_state"):
+    got_leaves = jax.tree_util.tree_leaves(getattr(new_state, part))
+    want_leaves = jax.tree_util.tree_leaves(getattr(expected, part))
+    assert len(got_leaves) == len(want_leaves) > 0
+    for got, want in zip(got_leaves, want_leaves):
+      assert got.sharding == want, part
+  for got, want in zip(jax.tree_util.tree_leaves(aux), jax.tree_util.tree_leaves(plan.aux_output_shardings)):
+    assert got.sharding == want
+  # And the params really are split: a (16, 64) weight on fsdp 2 × tensor 2.
+  w0 = new_state.params["0/w"]
+  assert {s.data.shape for s in w0.addressable_shards} == {(8, 32)}
+
+
+def test_the_step_compiles_once_for_ten_calls():
+  traces = []
+
+  def loss_fn(**kwargs):
+    traces.append(1)
+    return helpers.classification_loss(**kwargs)
+
+  compiles = []
+  listener = lambda name, *_, **__: compiles.append(name) if name.endswith("backend_compile_duration") else None
+  x, y = helpers.batch(0)
+  state = helpers.make_state()
+  step_fn = dt.build_train_step_fn(loss_fn, donate_params_and_state=True)
+  state, _ = step_fn(state, inputs=x, targets=y)
+  state, _ = step_fn(state, inputs=x, targets=y)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    for i in range(8):
+      x, y = helpers.batch(i)
+      state, _ = step_fn(state, inputs=x, targets=y)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert len(traces) == 1
+  assert compiles == []
+
+
+def test_inputs_must_match_the_input_shardings():
+  mesh = dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (8, 1, 1)))
+  state, _, step_fn, inputs = _planned_step(mesh)
+  with pytest.raises(ValueError, match="missing targets; not in the shardings labels"):
+    step_fn(state, inputs=inputs["inputs"], labels=inputs["targets"])
+
+
+@pytest.mark.parametrize(
+    "bad_loss, message",
+    [
+        (lambda **kw: jnp.sum(kw["model"]["w"]), "must return \\(loss, new_state, aux\\); it returned a"),
+        (lambda **kw: (jnp.sum(kw["model"]["w"]), None), "it returned a tuple of length 2"),
+        (lambda **kw: (kw["model"]["w"], None, None), "The loss must be a scalar"),
+    ],
+)
+def test_loss_function_with_the_wrong_outputs_is_named(bad_loss, message):
+  state = dt.TrainState.initial_state({"w": jnp.ones(3)}, optax.sgd(0.1), jax.random.key(0))
+  with pytest.raises(TypeError, match=message):
+    dt.build_train_step_fn(bad_loss, jit=False)(state)
+
+
+def test_lower_compiles_on_abstract_inputs():
+  mesh = dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2)))
+  state, plan, step_fn, inputs = _planned_step(mesh, donate_params_and_state=True)
+  abstract_state = plan.abstract_train_state
+  abstract_inputs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=plan.input_kwarg_shardings[k])
+                     for k, v in inputs.items()}
+  compiled = step_fn.lower(abstract_state, **abstract_inputs).compile()
+  assert compiled.memory_analysis() is not None
