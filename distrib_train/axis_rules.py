@@ -178,6 +178,11 @@ class AxisRules:
   def __repr__(self) -> str:
     return f"AxisRules({[(n, _to_spec_entry(m)) for n, m in self.rules]!r})"
 
+  def with_param_axes(self, param_axes: Sequence[tuple[str, LogicalAxes]]) -> AxisRules:
+    """The same rules with ``param_axes`` patterns put before the current ones."""
+    patterns = [(regex.pattern, axes) for regex, axes in self.param_axes]
+    return AxisRules(self.rules, strict=self.strict, param_axes=list(param_axes) + patterns)
+
   @property
   def mesh_axis_names(self) -> frozenset[str]:
     """Every mesh axis some rule names."""

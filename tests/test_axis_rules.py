@@ -151,3 +151,10 @@ def test_logical_axes_must_be_a_tuple_of_names(axes):
 def test_bad_param_axes_regex_is_an_error():
   with pytest.raises(ValueError, match="bad regex"):
     dt.AxisRules([], param_axes=[("(", ("embed",))])
+
+
+def test_with_param_axes_puts_new_patterns_first():
+  rules = dt.AxisRules(RULES, param_axes=[(r".*", ("embed",))]).with_param_axes([(r"w", ("mlp",))])
+  assert rules.rules == dt.AxisRules(RULES).rules
+  assert rules.axes_for_path("w") == ("mlp",)
+  assert rules.axes_for_path("b") == ("embed",)
