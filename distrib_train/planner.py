@@ -7,9 +7,11 @@
 downstream re-derives them. Not for: the rule semantics themselves
 (``axis_rules.py``) or building meshes (``mesh.py``).
 
-Where a parameter's logical axes come from, first match wins:
-``param_logical_axes`` given to ``plan``; then the rules' ``param_axes``
-regexes; otherwise it is replicated and listed in the report. Optimizer-state
+Where a parameter's (or local-state array's) logical axes come from, first
+match wins: ``param_logical_axes`` given to ``plan``; the model's own
+annotations (nnx variable metadata, linen ``with_logical_partitioning``);
+the rules' ``param_axes`` regexes; otherwise it is replicated, and the report
+lists the unannotated params over 1 MiB. Optimizer-state
 leaves that mirror a parameter (same path suffix and shape, as Adam's ``mu``
 and ``nu``) take that parameter's sharding; everything else is replicated.
 """
@@ -24,12 +26,15 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from distrib_train import models
 from distrib_train.axis_rules import AxisRules, RuleSkip
 from distrib_train.mesh import as_auto_mesh
 from distrib_train.models.pytree import key_name, path_str
 from distrib_train.train_state import TrainState
 
-_STATE_GROUPS = ("params", "opt_state", "loss_fn_state", "model_without_params", "step", "root_rng")
+# In the order TrainState flattens its fields.
+_STATE_GROUPS = ("step", "root_rng", "params", "model_without_params", "opt_state", "loss_fn_state", "local_state")
+_LARGE_UNANNOTATED_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +93,17 @@ def lookup_axes(axes_tree: Any, path: tuple[Any, ...]) -> tuple[str | None, ...]
   return node if _is_axes(node) else None
 
 
+def _logical_annotations_only():
+  """nnx variables annotated with logical names are not placed eagerly.
+
+  flax ≥ 0.12 shards an annotated variable when it is created, which needs
+  the names to be mesh axes; ours are logical names that the plan resolves.
+  """
+  from flax import nnx
+
+  return nnx.use_eager_sharding(False)
+
+
 def _human_bytes(n: float) -> str:
   for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
     if n < 1024 or unit == "TiB":
@@ -111,6 +127,7 @@ class Plan:
     entries: one ``PlanEntry`` per state, input and aux array.
     skips: rules passed over because they did not divide a dimension.
     unannotated: paths of params that had no logical axes (replicated).
+    unannotated_bytes: the full size of each of those params.
   """
 
   mesh: Mesh
@@ -121,6 +138,7 @@ class Plan:
   entries: tuple[PlanEntry, ...]
   skips: tuple[RuleSkip, ...]
   unannotated: tuple[str, ...]
+  unannotated_bytes: tuple[int, ...] = ()
 
   def bytes_per_device(self) -> dict[str, int]:
     """Bytes each device holds, per group (params, opt_state, …)."""
@@ -146,15 +164,18 @@ class Plan:
     state_total = sum(totals[g] for g in _STATE_GROUPS)
     lines.append(
         "Per device: "
-        + ", ".join(f"{g} {_human_bytes(totals[g])}" for g in ("params", "opt_state", "loss_fn_state"))
+        + ", ".join(f"{g} {_human_bytes(totals[g])}" for g in ("params", "opt_state", "loss_fn_state", "local_state"))
         + f"; whole train state {_human_bytes(state_total)}"
     )
     if self.skips:
       lines.append(f"Rule skips ({len(self.skips)}):")
       lines.extend(f"  {s}" for s in self.skips)
-    if self.unannotated:
-      lines.append(f"Params with no logical axes, replicated ({len(self.unannotated)}):")
-      lines.extend(f"  {p}" for p in self.unannotated)
+    large = [(p, n) for p, n in zip(self.unannotated, self.unannotated_bytes) if n > _LARGE_UNANNOTATED_BYTES]
+    if large:
+      lines.append(f"Params over 1 MiB with no logical axes, replicated on every device ({len(large)}):")
+      lines.extend(f"  {p} ({_human_bytes(n)})" for p, n in large)
+    if len(self.unannotated) > len(large):
+      lines.append(f"Smaller params with no logical axes, replicated: {len(self.unannotated) - len(large)}")
     return "\n".join(lines)
 
   def init(self, init_fn: Callable[..., TrainState], *args: Any) -> TrainState:
@@ -166,7 +187,8 @@ class Plan:
     Raises:
       ValueError: ``init_fn`` builds a state unlike the planned one.
     """
-    abstract = jax.eval_shape(init_fn, *args)
+    with _logical_annotations_only():
+      abstract = jax.eval_shape(init_fn, *args)
     got = jax.tree_util.tree_flatten_with_path(abstract)[0]
     want = [e for e in self.entries if e.group in _STATE_GROUPS]
     if len(got) != len(want):
@@ -183,7 +205,8 @@ class Plan:
       return jax.tree_util.tree_leaves(init_fn(*a))
 
     shardings, planned_treedef = jax.tree_util.tree_flatten(self.train_state_shardings)
-    leaves = jax.jit(flat_init, out_shardings=shardings)(*args)
+    with _logical_annotations_only():
+      leaves = jax.jit(flat_init, out_shardings=shardings)(*args)
     # Rebuild with the plan's structure: init_fn may have made a new (equal)
     # optimizer or model config, and state and shardings should then still
     # line up leaf for leaf in tree_map.
@@ -265,19 +288,27 @@ class MeshPlanner:
     """
     entries: list[PlanEntry] = []
     skips: list[RuleSkip] = []
-    unannotated: list[str] = []
+    unannotated: list[tuple[str, int]] = []
+    annotated = models.annotated_axes(train_state.model_without_params)
+
+    def axes_of(path, explicit=None):
+      name = path_str(path)
+      axes = lookup_axes(explicit, path) if explicit is not None else None
+      if axes is None:
+        axes = annotated.get(name)
+      if axes is None:
+        axes = self.rules.axes_for_path(name)
+      return name, axes
 
     param_leaves, _ = jax.tree_util.tree_flatten_with_path(train_state.params)
     # Param path (as key names) -> (shape, sharding, logical axes), for mirrors.
     by_suffix: dict[tuple[str, ...], tuple[tuple[int, ...], NamedSharding, Any]] = {}
 
     def param_sharding(path, leaf):
-      name = path_str(path)
-      axes = lookup_axes(param_logical_axes, path)
-      if axes is None:
-        axes = self.rules.axes_for_path(name)
-      if axes is None and _shape_dtype(leaf)[0]:
-        unannotated.append(name)
+      name, axes = axes_of(path, param_logical_axes)
+      shape, dtype = _shape_dtype(leaf)
+      if axes is None and shape:
+        unannotated.append((name, math.prod(shape) * dtype.itemsize))
       sharding = self._sharding("params", name, leaf, axes, entries, skips)
       by_suffix[tuple(key_name(e) for e in path)] = (_shape_dtype(leaf)[0], sharding, axes)
       return sharding
@@ -297,18 +328,22 @@ class MeshPlanner:
     def replicated(group):
       return lambda path, leaf: self._sharding(group, path_str(path), leaf, None, entries, skips)
 
+    def local_state_sharding(path, leaf):
+      name, axes = axes_of(path)
+      return self._sharding("local_state", name, leaf, axes, entries, skips)
+
     map_with_path = jax.tree_util.tree_map_with_path
     shardings = {
         "params": map_with_path(param_sharding, train_state.params),
         "model_without_params": map_with_path(replicated("model_without_params"), train_state.model_without_params),
         "opt_state": map_with_path(mirrored_sharding, train_state.opt_state),
         "loss_fn_state": map_with_path(replicated("loss_fn_state"), train_state.loss_fn_state),
+        "local_state": map_with_path(local_state_sharding, train_state.local_state),
         "step": map_with_path(replicated("step"), train_state.step),
         "root_rng": map_with_path(replicated("root_rng"), train_state.root_rng),
     }
     # Report rows in the order of the state's leaves, so Plan.init can zip them.
-    order = {g: i for i, g in enumerate(("step", "root_rng", "params", "model_without_params", "opt_state",
-                                         "loss_fn_state"))}
+    order = {g: i for i, g in enumerate(_STATE_GROUPS)}
     state_entries = sorted(entries, key=lambda e: order[e.group])
     entries = []
     train_state_shardings = train_state.replace(**shardings)
@@ -339,7 +374,8 @@ class MeshPlanner:
 
       def aux_of(state, example_inputs):
         rng = jax.random.fold_in(state.root_rng, state.step)
-        return loss_fn(model=state.model, state=state.loss_fn_state, rng=rng, **example_inputs)[2]
+        model = models.merge_model(state.model_without_params, state.params, state.local_state, rng)
+        return loss_fn(model=model, state=state.loss_fn_state, rng=rng, **example_inputs)[2]
 
       aux = jax.eval_shape(aux_of, train_state, dict(inputs))
       aux_shardings = map_with_path(
@@ -359,7 +395,8 @@ class MeshPlanner:
         aux_output_shardings=aux_shardings,
         entries=tuple(state_entries + entries),
         skips=tuple(skips),
-        unannotated=tuple(unannotated),
+        unannotated=tuple(name for name, _ in unannotated),
+        unannotated_bytes=tuple(n for _, n in unannotated),
     )
 
   def init(self, init_fn: Callable[..., TrainState], *args: Any, **plan_kwargs: Any) -> tuple[TrainState, Plan]:
@@ -373,5 +410,7 @@ class MeshPlanner:
     Returns:
       ``(train_state, plan)``.
     """
-    plan = self.plan(jax.eval_shape(init_fn, *args), **plan_kwargs)
+    with _logical_annotations_only():
+      abstract = jax.eval_shape(init_fn, *args)
+    plan = self.plan(abstract, **plan_kwargs)
     return plan.init(init_fn, *args), plan

@@ -104,6 +104,9 @@ class TrainState(struct.PyTreeNode):
       batch statistics); never seen by the optimizer.
     optimizer_def: the optax optimizer (static).
     apply_fn: optional function kept for flax-style code (static).
+    local_state: model state updated by the forward pass but not learned
+      (nnx ``BatchStat`` variables, linen ``batch_stats``); the step carries,
+      donates and shards it like ``loss_fn_state``. None for plain pytrees.
   """
 
   step: int | jax.Array
@@ -114,6 +117,7 @@ class TrainState(struct.PyTreeNode):
   loss_fn_state: LossStatePyTree
   optimizer_def: optax.GradientTransformation = struct.field(pytree_node=False)
   apply_fn: Callable[..., Any] | None = struct.field(pytree_node=False, default=None)
+  local_state: Any = None
 
   @classmethod
   def initial_state(
@@ -128,17 +132,19 @@ class TrainState(struct.PyTreeNode):
     """Constructs the initial training state (step 0).
 
     Args:
-      model: the model being optimized (a pytree).
+      model: the model being optimized: an ``nnx.Module``, a
+        ``models.LinenModel`` or any pytree.
       optimizer_def: the optax optimizer.
       root_rng: base key for per-step randomness.
       loss_fn_state: optional initial state for the loss function.
-      is_param: optional ``(path, leaf) -> bool`` choosing the parameters;
-        by default every inexact-dtype array leaf is one.
+      is_param: optional choice of the parameters: for pytrees a
+        ``(path, leaf) -> bool`` (default: every inexact-dtype array leaf),
+        for nnx a filter (default ``nnx.Param``).
 
     Returns:
       The initial state, with ``opt_state = optimizer_def.init(params)``.
     """
-    params, model_without_params = models.split_model(model, is_param)
+    params, model_without_params, local_state = models.split_model(model, is_param)
     return cls(
         step=0,
         root_rng=root_rng,
@@ -147,6 +153,7 @@ class TrainState(struct.PyTreeNode):
         opt_state=optimizer_def.init(params),
         loss_fn_state=loss_fn_state,
         optimizer_def=optimizer_def,
+        local_state=local_state,
     )
 
   @classmethod
@@ -165,7 +172,7 @@ class TrainState(struct.PyTreeNode):
     ``model_without_params``, ``.model`` is ``params`` itself, so a loss
     function receives the params and calls ``apply_fn`` on them.
     """
-    fields = {"root_rng": None, "loss_fn_state": None, "model_without_params": None}
+    fields = {"root_rng": None, "loss_fn_state": None, "model_without_params": None, "local_state": None}
     unknown = sorted(set(kwargs) - set(fields) - set(cls.__dataclass_fields__))
     if unknown:
       raise TypeError(f"TrainState.create got unknown field(s) {', '.join(unknown)}.")
@@ -179,8 +186,12 @@ class TrainState(struct.PyTreeNode):
 
   @property
   def model(self) -> ModelPyTree:
-    """The full model, including parameters and nonlearnable parts."""
-    return models.merge_model(self.model_without_params, self.params)
+    """The full model, including parameters and nonlearnable parts.
+
+    For nnx this is a live module holding the current params and local
+    state; for linen a ``LinenModel``.
+    """
+    return models.merge_model(self.model_without_params, self.params, self.local_state)
 
   @property
   def hyperparams(self) -> Hyperparams:

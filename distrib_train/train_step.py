@@ -37,17 +37,19 @@ def _updated_params_and_states(
     model_leaves: list[Any],
     opt_state: Any,
     loss_fn_state: Any,
+    local_state: Any,
     root_rng: PRNGKeyArray,
     step: int | jax.Array,
     inputs: dict[str, Any],
     model_treedef: Any,
     optimizer_def: optax.GradientTransformation,
     loss_fn: LossFunction,
-) -> tuple[Any, Any, Any, AuxOutPyTree]:
+) -> tuple[Any, Any, Any, Any, AuxOutPyTree]:
   """One step as a pure function of the arrays it reads.
 
   Every part of the state is its own argument so that ``jax.jit`` can donate
-  exactly params, opt_state and loss_fn_state, and shard each part. The
+  exactly params, opt_state, loss_fn_state and local_state, and shard each
+  part. The
   non-param model arrays come in as a flat leaf list (their structure is a
   static argument) so that shardings planned on an equal-but-rebuilt model
   still line up.
@@ -56,7 +58,7 @@ def _updated_params_and_states(
   model_without_params = jax.tree_util.tree_unflatten(model_treedef, model_leaves)
 
   def loss_and_outputs(current_params):
-    model = models.merge_model(model_without_params, current_params)
+    model = models.merge_model(model_without_params, current_params, local_state, rng=step_rng)
     out = loss_fn(model=model, state=loss_fn_state, rng=step_rng, **inputs)
     if not isinstance(out, tuple) or len(out) != 3:
       raise TypeError(
@@ -66,11 +68,13 @@ def _updated_params_and_states(
     loss, new_state, aux = out
     if getattr(loss, "shape", None) != ():
       raise TypeError(f"The loss must be a scalar; the loss function returned shape {getattr(loss, 'shape', None)}.")
-    return loss, (new_state, aux)
+    # Local state (e.g. BatchNorm statistics) the forward pass updated.
+    new_local_state = models.local_state_of(model_without_params, model, local_state)
+    return loss, (new_state, new_local_state, aux)
 
-  grads, (new_loss_fn_state, aux) = jax.grad(loss_and_outputs, has_aux=True)(params)
+  grads, (new_loss_fn_state, new_local_state, aux) = jax.grad(loss_and_outputs, has_aux=True)(params)
   updates, new_opt_state = optimizer_def.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), new_opt_state, new_loss_fn_state, aux
+  return optax.apply_updates(params, updates), new_opt_state, new_loss_fn_state, new_local_state, aux
 
 
 def _on_auto_mesh(x: Any) -> Any:
@@ -104,6 +108,7 @@ class TrainStep:
           None if ts is None else list(jax.tree_util.tree_leaves(ts.model_without_params)),
           None if ts is None else ts.opt_state,
           None if ts is None else ts.loss_fn_state,
+          None if ts is None else ts.local_state,
           None,  # root_rng: penzai ignores its sharding, and so do we.
           None,  # step
           None if input_kwarg_shardings is None else dict(input_kwarg_shardings),
@@ -112,12 +117,13 @@ class TrainStep:
           None if ts is None else ts.params,
           None if ts is None else ts.opt_state,
           None if ts is None else ts.loss_fn_state,
+          None if ts is None else ts.local_state,
           aux_output_shardings,
       )
       core = jax.jit(
           core,
-          static_argnums=(7, 8, 9),  # model_treedef, optimizer_def, loss_fn
-          donate_argnums=(0, 2, 3) if donate else (),
+          static_argnums=(8, 9, 10),  # model_treedef, optimizer_def, loss_fn
+          donate_argnums=(0, 2, 3, 4) if donate else (),
           in_shardings=in_shardings,
           out_shardings=out_shardings,
       )
@@ -142,6 +148,7 @@ class TrainStep:
         model_leaves,
         train_state.opt_state,
         train_state.loss_fn_state,
+        train_state.local_state,
         train_state.root_rng,
         train_state.step,
         dict(inputs),
@@ -152,9 +159,13 @@ class TrainStep:
     return args
 
   def __call__(self, train_state: TrainState, **inputs: Any) -> tuple[TrainState, AuxOutPyTree]:
-    params, opt_state, loss_fn_state, aux = self._core(*self._args(train_state, inputs))
+    params, opt_state, loss_fn_state, local_state, aux = self._core(*self._args(train_state, inputs))
     new_state = train_state.replace(
-        step=train_state.step + 1, params=params, opt_state=opt_state, loss_fn_state=loss_fn_state
+        step=train_state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        loss_fn_state=loss_fn_state,
+        local_state=local_state,
     )
     return new_state, aux
 
@@ -182,9 +193,10 @@ def build_train_step_fn(
     loss_fn: ``loss_fn(*, model, state, rng, **inputs) -> (loss, new_state,
       aux)``.
     jit: whether to compile the step with ``jax.jit``.
-    donate_params_and_state: donate the old params, opt_state and
-      loss_fn_state buffers (earlier references to them break). The rest of
-      the model, ``root_rng`` and the inputs are not donated.
+    donate_params_and_state: donate the old params, opt_state,
+      loss_fn_state and local_state buffers (earlier references to them
+      break). The rest of the model, ``root_rng`` and the inputs are not
+      donated.
     train_state_shardings: a ``TrainState`` whose leaves are shardings (e.g.
       ``Plan.train_state_shardings``); the step's inputs and outputs follow
       it. Shardings for ``step`` and ``root_rng`` are ignored.

@@ -101,7 +101,16 @@ def test_unannotated_params_are_replicated_and_listed():
   plan = _planner(param_axes=()).plan(jax.eval_shape(helpers.make_state))
   assert plan.train_state_shardings.params["0/w"].spec == P()
   assert set(plan.unannotated) == {"0/w", "0/b", "1/w", "1/b", "2/w", "2/b"}
-  assert "Params with no logical axes, replicated (6):" in plan.report()
+  assert "Smaller params with no logical axes, replicated: 6" in plan.report()
+
+
+def test_unannotated_params_over_one_mib_are_named_in_the_report():
+  model = {"big": jnp.zeros((1024, 512)), "small": jnp.zeros((4, 4)), "named": jnp.zeros((1024, 512))}
+  make = lambda: dt.TrainState.initial_state(model, optax.sgd(0.1), jax.random.key(0))
+  plan = _planner(param_axes=[("named", ("embed", "mlp"))]).plan(jax.eval_shape(make))
+  report = plan.report()
+  assert "Params over 1 MiB with no logical axes, replicated on every device (1):\n  big (2.00 MiB)" in report
+  assert "Smaller params with no logical axes, replicated: 1" in report
 
 
 def test_report_lists_every_array_totals_and_rule_skips():

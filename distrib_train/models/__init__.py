@@ -1,27 +1,90 @@
-"""Model adapters: how a model splits into learned params and the rest.
+"""Model adapters: how a model splits into params, local state and the rest.
 
-``split_model`` / ``merge_model`` are what ``TrainState.initial_state`` and
-``TrainState.model`` call. Today they handle plain pytrees
-(``models/pytree.py``); each adapter owns one model family.
+``split_model`` / ``merge_model`` are what ``TrainState.initial_state``,
+``TrainState.model`` and the train step call. Each adapter owns one model
+family:
+
+- plain pytrees (``models/pytree.py``): params are the floating-point leaves;
+- flax nnx modules (``models/nnx_model.py``): params are the ``nnx.Param``
+  state, other mutable variables are local state;
+- flax linen (``models/linen_model.py``): wrap as ``LinenModel(module,
+  variables)``; ``params`` is learned, other collections are local state.
+
+For nnx and linen, ``model_without_params`` is an adapter object that knows
+how to rebuild the model (``merge``), read back its local state after a
+forward pass (``local_state_of``) and which logical axes the model's own
+annotations give (``logical_axes``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from distrib_train.models.pytree import IsParam, ParamSlot, StaticValue, merge_params, split_params
+import jax
+from flax import nnx
+
+from distrib_train.models import linen_model, nnx_model
+from distrib_train.models.linen_model import LinenModel, LinenModelDef
+from distrib_train.models.nnx_model import NnxModelDef
+from distrib_train.models.pytree import ParamSlot, StaticValue, merge_params, split_params
+
+_ADAPTER_DEFS = (NnxModelDef, LinenModelDef)
 
 
-def split_model(model: Any, is_param: IsParam | None = None) -> tuple[Any, Any]:
-  """Splits ``model`` into ``(params, model_without_params)``."""
-  return split_params(model, is_param)
+def split_model(model: Any, is_param: Any = None) -> tuple[Any, Any, Any]:
+  """Splits ``model`` into ``(params, model_without_params, local_state)``.
+
+  Args:
+    model: an ``nnx.Module``, a ``LinenModel`` or any pytree.
+    is_param: chooses the learned parameters: an nnx filter for nnx
+      modules, ``(path, leaf) -> bool`` for pytrees; not used for linen
+      (the ``params`` collection is learned).
+  """
+  if isinstance(model, nnx.Module):
+    return nnx_model.split(model, is_param)
+  if isinstance(model, LinenModel):
+    if is_param is not None:
+      raise ValueError("is_param does not apply to linen models: the 'params' collection is what is learned.")
+    return linen_model.split(model)
+  params, model_without_params = split_params(model, is_param)
+  return params, model_without_params, None
 
 
-def merge_model(model_without_params: Any, params: Any) -> Any:
-  """Rebuilds the full model; with no ``model_without_params``, the params."""
+def merge_model(model_without_params: Any, params: Any, local_state: Any = None, rng: jax.Array | None = None) -> Any:
+  """Rebuilds the model a loss function receives.
+
+  With no ``model_without_params`` (states made by ``TrainState.create``)
+  the model is ``params`` itself. ``rng`` seeds the model's own RNG streams
+  (nnx, linen); plain pytrees ignore it.
+  """
   if model_without_params is None:
     return params
+  if isinstance(model_without_params, _ADAPTER_DEFS):
+    return model_without_params.merge(params, local_state, rng)
   return merge_params(model_without_params, params)
 
 
-__all__ = ["ParamSlot", "StaticValue", "merge_model", "split_model"]
+def local_state_of(model_without_params: Any, model: Any, local_state: Any) -> Any:
+  """The local state after a forward pass on ``model`` (unchanged for pytrees)."""
+  if isinstance(model_without_params, _ADAPTER_DEFS):
+    return model_without_params.local_state_of(model)
+  return local_state
+
+
+def annotated_axes(model_without_params: Any) -> Mapping[str, tuple[str | None, ...]]:
+  """``/``-path → logical axes from the model's own annotations (or empty)."""
+  if isinstance(model_without_params, _ADAPTER_DEFS):
+    return model_without_params.logical_axes
+  return {}
+
+
+__all__ = [
+    "LinenModel",
+    "ParamSlot",
+    "StaticValue",
+    "annotated_axes",
+    "local_state_of",
+    "merge_model",
+    "split_model",
+]

@@ -31,8 +31,12 @@ def key_name(entry: Any) -> str:
 
 
 def path_str(path: tuple[Any, ...]) -> str:
-  """A ``jax.tree_util`` key path as a ``/``-joined string."""
-  return "/".join(key_name(e) for e in path)
+  """A ``jax.tree_util`` key path as a ``/``-joined string.
+
+  The ``.value`` step into an nnx ``Variable`` is left out, so an nnx
+  kernel is ``layers/0/kernel`` as in ``nnx.to_pure_dict``.
+  """
+  return "/".join(key_name(e) for e in path if getattr(e, "name", None) != "value")
 
 
 @jax.tree_util.register_pytree_node_class
