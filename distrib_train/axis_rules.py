@@ -25,13 +25,16 @@ skipped and the next rule for that name is tried; each skip is recorded.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Union
 
-from jax.sharding import PartitionSpec
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
 MeshAxes = Union[str, tuple[str, ...], None]
 LogicalAxes = Sequence[Union[str, None]]
@@ -52,9 +55,10 @@ FSDP_TENSOR_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("layers", None),
 )
 
-# Pure data parallelism: only the batch is split; every weight is replicated.
+# Pure data parallelism on a mesh with a "data" axis: only the batch is split;
+# every weight is replicated.
 DATA_PARALLEL_RULES: tuple[tuple[str, MeshAxes], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", "data"),
 )
 
 RULE_SETS: Mapping[str, tuple[tuple[str, MeshAxes], ...]] = {
@@ -302,3 +306,34 @@ def _check_logical_axes(axes: Any, where: str) -> tuple[str | None, ...]:
         f" than once in {tuple(axes)}; each dimension needs its own name."
     )
   return tuple(axes)
+
+
+_ACTIVATION_SHARDING: contextvars.ContextVar[tuple[Any, AxisRules] | None] = contextvars.ContextVar(
+    "distrib_train_activation_sharding", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Any, rules: AxisRules) -> Iterator[None]:
+  """Makes ``constrain`` pin activations to ``rules`` on ``mesh``.
+
+  Wrap the first call of a step (when it is traced) in it::
+
+    with activation_sharding(plan.mesh, rules):
+      state, aux = train_step(state, **batch)
+  """
+  token = _ACTIVATION_SHARDING.set((mesh, rules))
+  try:
+    yield
+  finally:
+    _ACTIVATION_SHARDING.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+  """Constrains an activation's sharding by logical axes; a no-op outside
+  ``activation_sharding``. Rules that do not divide a dimension are skipped."""
+  active = _ACTIVATION_SHARDING.get()
+  if active is None:
+    return x
+  mesh, rules = active
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(logical_axes, shape=x.shape, mesh=mesh)))

@@ -105,6 +105,8 @@ class MeshConfig:
       raise ValueError(f"{where}: axis names {names} repeat a name.")
     dcn = self.dcn if self.dcn is not None else (1,) * len(names)
     for level, sizes in (("ici", self.ici), ("dcn", dcn)):
+      if not isinstance(sizes, (tuple, list)):
+        raise ValueError(f"{where}: {level} must be a sequence of sizes, one per axis {names}, got {sizes!r}.")
       if len(sizes) != len(names):
         raise ValueError(
             f"{where}: {len(names)} axes {names} but {len(sizes)} {level} sizes {tuple(sizes)}."
@@ -113,7 +115,10 @@ class MeshConfig:
     object.__setattr__(self, "ici", _check_sizes(self.ici, "ici", names, where))
     object.__setattr__(self, "dcn", _check_sizes(dcn, "dcn", names, where))
     if self.rules is not None:
-      rules = self.rules if isinstance(self.rules, AxisRules) else AxisRules(self.rules)
+      try:
+        rules = self.rules if isinstance(self.rules, AxisRules) else AxisRules(self.rules)
+      except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
       rules.check_mesh(names, where)
       object.__setattr__(self, "rules", rules)
 
@@ -173,8 +178,15 @@ class MeshConfig:
       sizes["ici"].append(spec.get("ici", 1))
       sizes["dcn"].append(spec.get("dcn", 1))
     rules = None
+    if "param_axes" in config and "rules" not in config:
+      raise ValueError(f"{source}: 'param_axes' needs 'rules' beside it (a rule-set name or a list).")
+    if "granules" in config and "devices" not in config:
+      raise ValueError(f"{source}: 'granules' is checked against 'devices'; give both or neither.")
     if "rules" in config:
-      rules = AxisRules(config["rules"], param_axes=config.get("param_axes") or ())
+      try:
+        rules = AxisRules(config["rules"], param_axes=config.get("param_axes") or ())
+      except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
     mesh_config = cls(tuple(names), tuple(sizes["ici"]), tuple(sizes["dcn"]), rules=rules, source=source)
     if "devices" in config:
       # A file may declare the job it is for; the sizes are checked against it

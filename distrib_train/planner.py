@@ -32,8 +32,8 @@ from distrib_train.mesh import as_auto_mesh
 from distrib_train.models.pytree import key_name, path_str
 from distrib_train.train_state import TrainState
 
-# In the order TrainState flattens its fields.
 _STATE_GROUPS = ("step", "root_rng", "params", "model_without_params", "opt_state", "loss_fn_state", "local_state")
+_NOT_STATE = ("inputs", "aux")
 _LARGE_UNANNOTATED_BYTES = 1 << 20
 
 
@@ -62,25 +62,28 @@ def _nbytes_per_device(shape: tuple[int, ...], dtype: Any, sharding: NamedShardi
 
 
 def _is_axes(x: Any) -> bool:
-  return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+  return isinstance(x, (tuple, list)) and all(a is None or isinstance(a, str) for a in x)
 
 
-def lookup_axes(axes_tree: Any, path: tuple[Any, ...]) -> tuple[str | None, ...] | None:
+def lookup_axes(axes_tree: Any, path: tuple[Any, ...], used: set[str] | None = None) -> tuple[str | None, ...] | None:
   """Finds the logical axes for a leaf at ``path`` in a prefix tree of axes.
 
-  ``axes_tree`` mirrors (a prefix of) the array tree with tuples of logical
-  names as leaves, or maps ``/``-joined paths to them.
+  ``axes_tree`` mirrors (a prefix of) the array tree with tuples (or lists)
+  of logical names as leaves, or maps ``/``-joined paths to them. The
+  top-level key that matched is added to ``used``.
   """
   if axes_tree is None:
     return None
   if isinstance(axes_tree, Mapping):
     full = path_str(path)
     if full in axes_tree and _is_axes(axes_tree[full]):
-      return axes_tree[full]
+      if used is not None:
+        used.add(full)
+      return tuple(axes_tree[full])
   node = axes_tree
   for entry in path:
     if _is_axes(node):
-      return node
+      break
     key = key_name(entry)
     if isinstance(node, Mapping):
       node = node.get(key, node.get(getattr(entry, "key", key)))
@@ -90,7 +93,23 @@ def lookup_axes(axes_tree: Any, path: tuple[Any, ...]) -> tuple[str | None, ...]
       node = getattr(node, key, None)
     if node is None:
       return None
-  return node if _is_axes(node) else None
+  if not _is_axes(node):
+    return None
+  if used is not None and isinstance(axes_tree, Mapping) and path:
+    used.add(key_name(path[0]))
+  return tuple(node)
+
+
+def _check_all_used(what: str, axes_tree: Any, used: set[str], known: list[str]) -> None:
+  """Raises if a key of a logical-axes mapping matched no array."""
+  if not isinstance(axes_tree, Mapping):
+    return
+  unused = [k for k in axes_tree if str(k) not in used]
+  if unused:
+    sample = ", ".join(known[:8]) + (", …" if len(known) > 8 else "")
+    raise ValueError(
+        f"{what} names {', '.join(map(repr, unused))}, which match(es) nothing; the paths are: {sample or 'none'}."
+    )
 
 
 def _logical_annotations_only():
@@ -142,7 +161,7 @@ class Plan:
 
   def bytes_per_device(self) -> dict[str, int]:
     """Bytes each device holds, per group (params, opt_state, …)."""
-    totals = {group: 0 for group in _STATE_GROUPS}
+    totals = {group: 0 for group in _STATE_GROUPS + _NOT_STATE}
     for entry in self.entries:
       totals[entry.group] = totals.get(entry.group, 0) + entry.bytes_per_device
     return totals
@@ -161,7 +180,7 @@ class Plan:
     for r in rows:
       lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     totals = self.bytes_per_device()
-    state_total = sum(totals[g] for g in _STATE_GROUPS)
+    state_total = sum(n for g, n in totals.items() if g not in _NOT_STATE)
     lines.append(
         "Per device: "
         + ", ".join(f"{g} {_human_bytes(totals[g])}" for g in ("params", "opt_state", "loss_fn_state", "local_state"))
@@ -190,27 +209,30 @@ class Plan:
     with _logical_annotations_only():
       abstract = jax.eval_shape(init_fn, *args)
     got = jax.tree_util.tree_flatten_with_path(abstract)[0]
-    want = [e for e in self.entries if e.group in _STATE_GROUPS]
+    want = [e for e in self.entries if e.group not in _NOT_STATE]
     if len(got) != len(want):
       raise ValueError(
           f"init_fn builds a state with {len(got)} arrays; the plan has {len(want)}. Plan the state init_fn builds."
       )
     for (path, leaf), entry in zip(got, want):
-      if tuple(leaf.shape) != entry.shape:
+      if tuple(leaf.shape) != entry.shape or str(leaf.dtype) != entry.dtype:
         raise ValueError(
-            f"init_fn builds {path_str(path)} with shape {tuple(leaf.shape)}; the plan has"
-            f" {entry.group}/{entry.path} with shape {entry.shape}."
+            f"init_fn builds {path_str(path)} as {leaf.dtype}{list(leaf.shape)}; the plan has"
+            f" {entry.group}/{entry.path} as {entry.dtype}{list(entry.shape)}."
         )
+    treedef_seen = []
     def flat_init(*a):
-      return jax.tree_util.tree_leaves(init_fn(*a))
+      leaves, treedef = jax.tree_util.tree_flatten(init_fn(*a))
+      treedef_seen.append(treedef)
+      return leaves
 
-    shardings, planned_treedef = jax.tree_util.tree_flatten(self.train_state_shardings)
+    # Leaves cross the jit boundary as a flat list: init_fn may build a new
+    # (equal) optimizer object, whose static metadata would not match the
+    # plan's in a pytree of shardings. The static parts are init_fn's own.
+    shardings = jax.tree_util.tree_leaves(self.train_state_shardings)
     with _logical_annotations_only():
       leaves = jax.jit(flat_init, out_shardings=shardings)(*args)
-    # Rebuild with the plan's structure: init_fn may have made a new (equal)
-    # optimizer or model config, and state and shardings should then still
-    # line up leaf for leaf in tree_map.
-    return jax.tree_util.tree_unflatten(planned_treedef, leaves)
+    return jax.tree_util.tree_unflatten(treedef_seen[-1], leaves)
 
 
 class MeshPlanner:
@@ -290,10 +312,11 @@ class MeshPlanner:
     skips: list[RuleSkip] = []
     unannotated: list[tuple[str, int]] = []
     annotated = models.annotated_axes(train_state.model_without_params)
+    used_param_axes: set[str] = set()
 
     def axes_of(path, explicit=None):
       name = path_str(path)
-      axes = lookup_axes(explicit, path) if explicit is not None else None
+      axes = lookup_axes(explicit, path, used_param_axes) if explicit is not None else None
       if axes is None:
         axes = annotated.get(name)
       if axes is None:
@@ -333,22 +356,22 @@ class MeshPlanner:
       return self._sharding("local_state", name, leaf, axes, entries, skips)
 
     map_with_path = jax.tree_util.tree_map_with_path
-    shardings = {
-        "params": map_with_path(param_sharding, train_state.params),
-        "model_without_params": map_with_path(replicated("model_without_params"), train_state.model_without_params),
-        "opt_state": map_with_path(mirrored_sharding, train_state.opt_state),
-        "loss_fn_state": map_with_path(replicated("loss_fn_state"), train_state.loss_fn_state),
-        "local_state": map_with_path(local_state_sharding, train_state.local_state),
-        "step": map_with_path(replicated("step"), train_state.step),
-        "root_rng": map_with_path(replicated("root_rng"), train_state.root_rng),
-    }
+    planners = {"params": param_sharding, "opt_state": mirrored_sharding, "local_state": local_state_sharding}
+    # Every pytree field, in the order TrainState flattens them; fields a
+    # subclass adds (an EMA of the params, say) are replicated.
+    fields = [f.name for f in dataclasses.fields(train_state) if f.metadata.get("pytree_node", True)]
+    shardings = {f: map_with_path(planners.get(f) or replicated(f), getattr(train_state, f)) for f in fields}
+    _check_all_used("param_logical_axes", param_logical_axes, used_param_axes,
+                    [path_str(p) for p, _ in param_leaves])
     # Report rows in the order of the state's leaves, so Plan.init can zip them.
-    order = {g: i for i, g in enumerate(_STATE_GROUPS)}
+    order = {f.name: i for i, f in enumerate(dataclasses.fields(train_state))}
     state_entries = sorted(entries, key=lambda e: order[e.group])
     entries = []
     train_state_shardings = train_state.replace(**shardings)
 
     input_shardings = None
+    if inputs is not None and input_axes is not None:
+      _check_all_used("input_axes", input_axes, set(inputs), list(inputs))
     if inputs is not None or input_axes is not None:
       input_shardings = {}
       for name in inputs if inputs is not None else input_axes:
@@ -373,15 +396,19 @@ class MeshPlanner:
         raise ValueError("plan(loss_fn=...) needs inputs= (arrays or jax.ShapeDtypeStruct) to find the aux outputs.")
 
       def aux_of(state, example_inputs):
-        rng = jax.random.fold_in(state.root_rng, state.step)
+        rng = None if state.root_rng is None else jax.random.fold_in(state.root_rng, state.step)
         model = models.merge_model(state.model_without_params, state.params, state.local_state, rng)
         return loss_fn(model=model, state=state.loss_fn_state, rng=rng, **example_inputs)[2]
 
       aux = jax.eval_shape(aux_of, train_state, dict(inputs))
+      used_aux_axes: set[str] = set()
       aux_shardings = map_with_path(
-          lambda path, leaf: self._sharding("aux", path_str(path), leaf, lookup_axes(aux_axes, path), entries, skips),
+          lambda path, leaf: self._sharding("aux", path_str(path), leaf, lookup_axes(aux_axes, path, used_aux_axes),
+                                            entries, skips),
           aux,
       )
+      _check_all_used("aux_axes", aux_axes, used_aux_axes,
+                      [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(aux)[0]])
 
     def abstract(leaf, sharding):
       shape, dtype = _shape_dtype(leaf)

@@ -33,7 +33,8 @@ class Hyperparams(Mapping):
   """Read-only view of the hyperparameters ``optax.inject_hyperparams`` keeps.
 
   Found anywhere in the optimizer state, including inside ``optax.chain``.
-  A name injected in two places is ambiguous and raises ``KeyError``.
+  A name injected in two places is ambiguous: it is not listed, and reading
+  it raises ``KeyError`` naming both places.
   """
 
   def __init__(self, found: Mapping[str, list[tuple[str, Any]]]):
@@ -53,11 +54,15 @@ class Hyperparams(Mapping):
       raise KeyError(f"Hyperparameter {name!r} is injected in several places ({where}); read it from opt_state.")
     return places[0][1]
 
+  def __contains__(self, name: object) -> bool:
+    return len(self._found.get(name, ())) == 1
+
   def __iter__(self) -> Iterator[str]:
-    return iter(self._found)
+    # Names injected in several places are ambiguous: not listed.
+    return (name for name, places in self._found.items() if len(places) == 1)
 
   def __len__(self) -> int:
-    return len(self._found)
+    return sum(1 for _ in self)
 
   def __repr__(self) -> str:
     return f"Hyperparams({sorted(self._found)})"

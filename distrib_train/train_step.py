@@ -9,6 +9,7 @@ shardings (``planner.py``) or running a loop (``trainer.py``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -54,7 +55,8 @@ def _updated_params_and_states(
   static argument) so that shardings planned on an equal-but-rebuilt model
   still line up.
   """
-  step_rng = jax.random.fold_in(root_rng, step)
+  # States made by TrainState.create may have no key; the loss gets None then.
+  step_rng = None if root_rng is None else jax.random.fold_in(root_rng, step)
   model_without_params = jax.tree_util.tree_unflatten(model_treedef, model_leaves)
 
   def loss_and_outputs(current_params):
@@ -77,17 +79,38 @@ def _updated_params_and_states(
   return optax.apply_updates(params, updates), new_opt_state, new_loss_fn_state, new_local_state, aux
 
 
-def _on_auto_mesh(x: Any) -> Any:
-  """Moves an array sharded on an Explicit-axes mesh onto the Auto twin.
+def _on_auto_mesh(x: Any, planned: Any = None) -> Any:
+  """Moves an array sharded on an Explicit-axes mesh onto an Auto mesh.
 
-  Arrays placed with ``jax.make_mesh``'s default (Explicit) mesh carry that
-  mesh in their type; mixed with the step's Auto-mesh shardings, jit rejects
-  them ("Mesh for all inputs should be equal").
+  Arrays placed with ``jax.make_mesh``'s default (Explicit) mesh, or made
+  under ``jax.set_mesh`` of one, carry that mesh in their type; mixed with
+  the step's Auto-mesh shardings, jit rejects them. They go to the planned
+  sharding when there is one, else to the same spec on the Auto twin.
   """
-  sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else None
+  if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    return x
+  sharding = x.sharding
   if isinstance(sharding, NamedSharding) and not sharding.mesh.are_all_axes_auto:
-    return jax.device_put(x, NamedSharding(as_auto_mesh(sharding.mesh), sharding.spec))
+    target = planned if isinstance(planned, NamedSharding) else None
+    return jax.device_put(x, target or NamedSharding(as_auto_mesh(sharding.mesh), sharding.spec))
   return x
+
+
+def _distinct_buffers(tree: Any) -> Any:
+  """Copies leaves that share a buffer with an earlier leaf.
+
+  XLA refuses to donate one buffer twice, which happens when a hand-written
+  init reuses one array for two params (a shared zeros bias, say).
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  if len({id(x) for x in leaves}) == len(leaves) or any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return tree
+  seen: set[int] = set()
+  out = []
+  for leaf in leaves:
+    out.append(jax.numpy.copy(leaf) if id(leaf) in seen else leaf)
+    seen.add(id(leaf))
+  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 class TrainStep:
@@ -100,6 +123,11 @@ class TrainStep:
   def __init__(self, loss_fn, jit, donate, train_state_shardings, input_kwarg_shardings, aux_output_shardings):
     self.loss_fn = loss_fn
     self.input_kwarg_shardings = input_kwarg_shardings
+    self.donate = donate
+    # The mesh of the planned shardings, entered when the caller's context
+    # mesh has Explicit axes (jax.set_mesh(jax.make_mesh(...))).
+    self._mesh = next((s.mesh for s in jax.tree_util.tree_leaves(train_state_shardings)
+                       if isinstance(s, NamedSharding)), None)
     core = _updated_params_and_states
     if jit:
       ts = train_state_shardings
@@ -141,14 +169,24 @@ class TrainStep:
           + (f" not in the shardings {', '.join(extra)};" if extra else "")
           + " give a sharding for every input and pass every input."
       )
-    inputs = jax.tree_util.tree_map(_on_auto_mesh, dict(inputs))
+    if self.input_kwarg_shardings is None:
+      inputs = jax.tree_util.tree_map(_on_auto_mesh, dict(inputs))
+    else:
+      inputs = {name: jax.tree_util.tree_map(_on_auto_mesh, value, self.input_kwarg_shardings[name])
+                if isinstance(self.input_kwarg_shardings[name], NamedSharding) and isinstance(value, jax.Array)
+                else jax.tree_util.tree_map(_on_auto_mesh, value)
+                for name, value in inputs.items()}
     model_leaves, model_treedef = jax.tree_util.tree_flatten(train_state.model_without_params)
+    donated = (train_state.params, train_state.opt_state, train_state.loss_fn_state, train_state.local_state)
+    if self.donate:
+      donated = _distinct_buffers(donated)
+    params, opt_state, loss_fn_state, local_state = donated
     args = (
-        train_state.params,
+        params,
         model_leaves,
-        train_state.opt_state,
-        train_state.loss_fn_state,
-        train_state.local_state,
+        opt_state,
+        loss_fn_state,
+        local_state,
         train_state.root_rng,
         train_state.step,
         dict(inputs),
@@ -158,22 +196,30 @@ class TrainStep:
     )
     return args
 
+  def _mesh_context(self):
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or context.are_all_axes_auto:
+      return contextlib.nullcontext()
+    return jax.set_mesh(self._mesh or as_auto_mesh(jax.sharding.get_mesh()))
+
   def __call__(self, train_state: TrainState, **inputs: Any) -> tuple[TrainState, AuxOutPyTree]:
-    params, opt_state, loss_fn_state, local_state, aux = self._core(*self._args(train_state, inputs))
-    new_state = train_state.replace(
-        step=train_state.step + 1,
-        params=params,
-        opt_state=opt_state,
-        loss_fn_state=loss_fn_state,
-        local_state=local_state,
-    )
+    with self._mesh_context():
+      params, opt_state, loss_fn_state, local_state, aux = self._core(*self._args(train_state, inputs))
+      new_state = train_state.replace(
+          step=train_state.step + 1,
+          params=params,
+          opt_state=opt_state,
+          loss_fn_state=loss_fn_state,
+          local_state=local_state,
+      )
     return new_state, aux
 
   def lower(self, train_state: TrainState, **inputs: Any) -> jax.stages.Lowered:
     """Lowers the jitted step for these (possibly abstract) arguments."""
     if not hasattr(self._core, "lower"):
       raise ValueError("This step was built with jit=False; there is nothing to lower.")
-    return self._core.lower(*self._args(train_state, inputs))
+    with self._mesh_context():
+      return self._core.lower(*self._args(train_state, inputs))
 
 
 def build_train_step_fn(

@@ -124,3 +124,21 @@ def test_as_auto_mesh_converts_explicit_axes():
   auto = dt.as_auto_mesh(explicit)
   assert all(t == jax.sharding.AxisType.Auto for t in auto.axis_types)
   assert (auto.devices == explicit.devices).all() and auto.axis_names == explicit.axis_names
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("axes: {data: 2}\nrules: fsdp_tensr\n", r"mesh.yaml: Unknown axis rule set 'fsdp_tensr'"),
+        ("axes: {data: 2}\nparam_axes: [[w, [embed]]]\n", r"mesh.yaml: 'param_axes' needs 'rules'"),
+        ("axes: {data: 2}\ngranules: 2\n", r"mesh.yaml: 'granules' is checked against 'devices'"),
+    ],
+)
+def test_more_bad_yaml_files_are_rejected_naming_the_file(tmp_path, text, message):
+  with pytest.raises(ValueError, match=message):
+    dt.MeshConfig.from_yaml(_write(tmp_path, text))
+
+
+def test_sizes_that_are_not_a_sequence_are_a_value_error():
+  with pytest.raises(ValueError, match=r"ici must be a sequence of sizes"):
+    dt.MeshConfig(("a",), 8)

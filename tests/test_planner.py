@@ -162,7 +162,7 @@ def test_init_fn_unlike_the_plan_is_an_error():
   plan = _planner().plan(jax.eval_shape(helpers.make_state))
   other = lambda: dt.TrainState.initial_state(helpers.init_mlp(jax.random.key(0), [16, 32, 64, 8]), optax.adam(1e-2),
                                               jax.random.key(0), loss_fn_state=jnp.int32(0))
-  with pytest.raises(ValueError, match=r"init_fn builds params/0/b with shape \(32,\); the plan has params/0/b with shape \(64,\)"):
+  with pytest.raises(ValueError, match=r"init_fn builds params/0/b as float32\[32\]; the plan has params/0/b as float32\[64\]"):
     plan.init(other)
 
 
@@ -197,3 +197,59 @@ def test_training_is_the_same_on_every_mesh(shape):
   for name in ref_params:
     np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-5, atol=1e-6, err_msg=name)
   assert losses[-1] < losses[0]
+
+
+def test_a_train_state_subclass_with_extra_fields_is_planned():
+  class EmaTrainState(dt.TrainState):
+    ema: dict = None
+
+  def make():
+    state = helpers.make_state()
+    return EmaTrainState(**{f: getattr(state, f) for f in state.__dataclass_fields__}, ema=dict(state.params))
+
+  state, plan = _planner().init(make)
+  assert isinstance(state, EmaTrainState)
+  assert plan.train_state_shardings.ema["0/w"].spec == P()
+  assert "ema            0/w" in plan.report()
+
+
+def test_logical_axes_given_as_lists_are_accepted():
+  plan = _planner().plan(jax.eval_shape(helpers.make_state), param_logical_axes={"0/w": ["mlp", "embed"]},
+                         inputs={"tokens": jax.ShapeDtypeStruct((8, 16), jnp.int32)},
+                         input_axes={"tokens": ["length", "batch"]})
+  assert plan.train_state_shardings.params["0/w"].spec == P("tensor", "fsdp")
+  assert plan.input_kwarg_shardings["tokens"].spec == P(None, ("data", "fsdp"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(param_logical_axes={"0/W": ("embed", "mlp")}), r"param_logical_axes names '0/W', which match"),
+        (dict(inputs={"tokens": jax.ShapeDtypeStruct((8, 16), jnp.int32)}, input_axes={"token": ("batch", None)}),
+         r"input_axes names 'token'.*tokens"),
+        (dict(loss_fn=helpers.classification_loss, inputs=_example_inputs(), aux_axes={"logits": ("batch",)}),
+         r"aux_axes names 'logits'.*count, loss"),
+    ],
+)
+def test_logical_axes_naming_nothing_are_an_error(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    _planner().plan(jax.eval_shape(helpers.make_state), **kwargs)
+
+
+def test_plan_init_keeps_init_fns_own_optimizer_and_checks_dtypes():
+  plan = _planner().plan(jax.eval_shape(helpers.make_state))
+  other_lr = lambda: dt.TrainState.initial_state(helpers.init_mlp(jax.random.key(0), helpers.SIZES),
+                                                 optax.adam(0.5), jax.random.key(42), loss_fn_state=jnp.int32(0))
+  state = plan.init(other_lr)
+  assert state.optimizer_def is not plan.train_state_shardings.optimizer_def
+  bf16 = lambda: jax.tree_util.tree_map(
+      lambda x: x.astype(jnp.bfloat16) if getattr(x, "dtype", None) == jnp.float32 else x, helpers.make_state())
+  with pytest.raises(ValueError, match=r"builds params/0/b as bfloat16\[64\]; the plan has params/0/b as float32\[64\]"):
+    plan.init(bf16)
+
+
+def test_data_parallel_rule_set_works_on_a_pure_data_mesh():
+  mesh = dt.build_mesh(dt.MeshConfig(("data",), (8,)))
+  plan = dt.MeshPlanner(mesh, "data_parallel").plan(jax.eval_shape(helpers.make_state), inputs=_example_inputs())
+  assert plan.input_kwarg_shardings["inputs"].spec == P("data", None)
+  assert plan.train_state_shardings.params["0/w"].spec == P()

@@ -111,6 +111,7 @@ def test_hyperparam_injected_twice_is_ambiguous():
   state = dt.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
   with pytest.raises(KeyError, match="several places"):
     state.hyperparams["learning_rate"]
+  assert "learning_rate" not in state.hyperparams and "learning_rate" not in dict(state.hyperparams)
 
 
 def test_step_survives_as_python_int_and_as_jax_scalar():

@@ -192,3 +192,54 @@ def test_lower_compiles_on_abstract_inputs():
                      for k, v in inputs.items()}
   compiled = step_fn.lower(abstract_state, **abstract_inputs).compile()
   assert compiled.memory_analysis() is not None
+
+
+def test_a_state_made_by_create_trains_and_its_loss_gets_no_key():
+  def loss_fn(*, model, state, rng, x):
+    assert rng is None
+    loss = jnp.mean((x @ model["w"]) ** 2)
+    return loss, state, {"loss": loss}
+
+  state = dt.TrainState.create(apply_fn=None, params={"w": jnp.ones((3, 2))}, tx=optax.sgd(0.1))
+  state, aux = dt.build_train_step_fn(loss_fn, donate_params_and_state=True)(state, x=jnp.ones((4, 3)))
+  state, aux2 = dt.build_train_step_fn(loss_fn)(state, x=jnp.ones((4, 3)))
+  assert float(aux2["loss"]) < float(aux["loss"]) and int(state.step) == 2
+
+
+def test_shardings_given_for_step_and_root_rng_are_ignored():
+  mesh = dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2)))
+  state, plan, _, inputs = _planned_step(mesh)
+  # A sharding on a one-device mesh elsewhere: jit would refuse it if used.
+  elsewhere = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[-1:]), ("x",)),
+                                         jax.sharding.PartitionSpec())
+  shardings = plan.train_state_shardings.replace(step=elsewhere, root_rng=elsewhere)
+  step_fn = dt.build_train_step_fn(helpers.classification_loss, train_state_shardings=shardings,
+                                   input_kwarg_shardings=plan.input_kwarg_shardings)
+  new_state, _ = step_fn(state, **inputs)
+  assert new_state.root_rng.sharding == state.root_rng.sharding
+  assert int(new_state.step) == 1
+
+
+def test_donation_copes_with_params_sharing_one_buffer():
+  zeros = jnp.zeros((4,))
+  model = {"a": {"w": jnp.ones((4, 4)), "b": zeros}, "b": {"w": jnp.ones((4, 4)), "b": zeros}}
+
+  def loss_fn(*, model, state, rng, x):
+    y = x @ model["a"]["w"] + model["a"]["b"]
+    loss = jnp.mean((y @ model["b"]["w"] + model["b"]["b"]) ** 2)
+    return loss, state, {"loss": loss}
+
+  state = dt.TrainState.initial_state(model, optax.adam(0.1), jax.random.key(0))
+  step_fn = dt.build_train_step_fn(loss_fn, donate_params_and_state=True)
+  for _ in range(2):
+    state, aux = step_fn(state, x=jnp.ones((2, 4)))
+  assert np.isfinite(float(aux["loss"]))
+
+
+def test_the_step_runs_inside_jax_set_mesh_of_an_explicit_mesh():
+  explicit = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+  with jax.set_mesh(explicit):
+    state, plan, step_fn, _ = _planned_step(explicit)
+    x, y = helpers.batch(0)
+    state, aux = step_fn(state, inputs=jnp.asarray(x), targets=jnp.asarray(y))
+  assert np.isfinite(float(aux["loss"])) and int(state.step) == 1

@@ -1,0 +1,243 @@
+"""A Llama-style decoder in flax nnx, annotated with logical axes.
+
+RMSNorm, rotary position embeddings, a SwiGLU MLP, grouped-query attention
+through ``jax.nn.dot_product_attention`` (cuDNN on GPU when asked or
+available, XLA elsewhere). Params are float32 and the compute dtype is
+bfloat16 by default. The blocks' params are stacked along a leading
+``layers`` axis, so the forward pass either scans over them (``scan_layers``,
+one compiled block) or unrolls a Python loop; ``remat`` picks a
+rematerialisation policy per block.
+
+Logical axes: ``batch``, ``length``, ``embed``, ``heads``, ``kv_heads``,
+``head_dim``, ``mlp``, ``vocab``, ``layers``. Activations are constrained
+with ``axis_rules.constrain`` (a no-op outside ``activation_sharding``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from distrib_train.axis_rules import constrain
+
+_REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Shape and numerics of a Llama-style decoder."""
+
+  vocab_size: int = 32000
+  d_model: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  num_kv_heads: int = 12
+  head_dim: int = 64
+  mlp_dim: int = 2048
+  max_seq_len: int = 1024
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  dtype: str = "bfloat16"
+  param_dtype: str = "float32"
+  remat: str = "none"
+  scan_layers: bool = True
+  attention: str = "auto"  # "auto" (jax picks), "xla" or "cudnn"
+  loss_chunk_size: int = 1024  # tokens per cross-entropy chunk (per sequence)
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}).")
+    if self.remat not in _REMAT_POLICIES:
+      raise ValueError(f"remat must be one of {sorted(_REMAT_POLICIES)}, got {self.remat!r}.")
+    if self.attention not in ("auto", "xla", "cudnn"):
+      raise ValueError(f"attention must be 'auto', 'xla' or 'cudnn', got {self.attention!r}.")
+
+  def num_params(self) -> int:
+    """Every parameter, embeddings and output head included."""
+    d, h, kv, hd, f = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
+    per_layer = d * h * hd * 2 + d * kv * hd * 2 + 3 * d * f + 2 * d
+    return self.num_layers * per_layer + 2 * self.vocab_size * d + d
+
+  def flops_per_token(self, seq_len: int) -> int:
+    """Training FLOPs per token, PaLM's count: 6·N + 12·L·(heads·head_dim)·S."""
+    return 6 * self.num_params() + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
+  def build(self, rngs: nnx.Rngs | int = 0) -> Llama:
+    """A freshly initialised model (annotations are logical: no eager sharding)."""
+    rngs = nnx.Rngs(rngs) if isinstance(rngs, int) else rngs
+    with nnx.use_eager_sharding(False):
+      return Llama(self, rngs=rngs)
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # Trains in seconds on CPU; byte-level vocabulary.
+    "tiny": LlamaConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        mlp_dim=192, max_seq_len=256, dtype="float32", loss_chunk_size=64),
+    "124m": LlamaConfig(d_model=768, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64, mlp_dim=2048),
+    "350m": LlamaConfig(d_model=1024, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=64, mlp_dim=2816),
+    "1b": LlamaConfig(d_model=2048, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=128, mlp_dim=5632,
+                      max_seq_len=2048),
+    "7b": LlamaConfig(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, mlp_dim=11008,
+                      max_seq_len=4096, remat="full"),
+    "70b": LlamaConfig(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, mlp_dim=28672,
+                       max_seq_len=4096, remat="full"),
+}
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any, fan_in: int | None,
+           value: float | None = None) -> nnx.Param:
+  if value is not None:
+    data = jnp.full(shape, value, dtype)
+  else:
+    data = jax.random.normal(rngs.params(), shape, dtype) / math.sqrt(fan_in)
+  return nnx.Param(data, out_sharding=axes)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding on the last axis of ``x`` [batch, length, heads, dim]."""
+  half = x.shape[-1] // 2
+  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = positions[..., None].astype(jnp.float32) * freqs  # [batch, length, half]
+  sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _block(config: LlamaConfig, x, layer, positions, segment_ids):
+  """One decoder block on ``x`` [batch, length, embed] with one layer's params."""
+  dtype = jnp.dtype(config.dtype)
+  w = {k: v.astype(dtype) for k, v in layer.items()}
+  h = rms_norm(x, layer["attn_norm"], config.norm_eps)
+  q = jnp.einsum("btd,dnh->btnh", h, w["wq"])
+  k = jnp.einsum("btd,dkh->btkh", h, w["wk"])
+  v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
+  q = constrain(rotary(q, positions, config.rope_theta), ("batch", "length", "heads", "head_dim"))
+  k = constrain(rotary(k, positions, config.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
+  mask = None
+  if segment_ids is not None:
+    mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+  attn = jax.nn.dot_product_attention(
+      q, k, v, mask=mask, is_causal=True, implementation=None if config.attention == "auto" else config.attention
+  )
+  x = x + constrain(jnp.einsum("btnh,nhd->btd", attn, w["wo"]), ("batch", "length", "embed"))
+  h = rms_norm(x, layer["mlp_norm"], config.norm_eps)
+  gate = jnp.einsum("btd,df->btf", h, w["w_gate"])
+  up = jnp.einsum("btd,df->btf", h, w["w_up"])
+  hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+  return x + constrain(jnp.einsum("btf,fd->btd", hidden, w["w_down"]), ("batch", "length", "embed"))
+
+
+class Llama(nnx.Module):
+  """The decoder; ``model(tokens)`` returns the final hidden states.
+
+  Use ``logits(hidden)`` or, for training, ``loss_fn`` (chunked
+  cross-entropy that never materialises float32 [batch, length, vocab]).
+  """
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    c, pd = config, jnp.dtype(config.param_dtype)
+    L, d, h, kv, hd, f = c.num_layers, c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim
+    self.embed = _param(rngs, (c.vocab_size, d), ("vocab", "embed"), pd, fan_in=1)
+    self.layers = nnx.Dict({
+        "attn_norm": _param(rngs, (L, d), ("layers", "embed"), pd, None, value=1.0),
+        "wq": _param(rngs, (L, d, h, hd), ("layers", "embed", "heads", "head_dim"), pd, fan_in=d),
+        "wk": _param(rngs, (L, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), pd, fan_in=d),
+        "wv": _param(rngs, (L, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), pd, fan_in=d),
+        "wo": _param(rngs, (L, h, hd, d), ("layers", "heads", "head_dim", "embed"), pd, fan_in=h * hd),
+        "mlp_norm": _param(rngs, (L, d), ("layers", "embed"), pd, None, value=1.0),
+        "w_gate": _param(rngs, (L, d, f), ("layers", "embed", "mlp"), pd, fan_in=d),
+        "w_up": _param(rngs, (L, d, f), ("layers", "embed", "mlp"), pd, fan_in=d),
+        "w_down": _param(rngs, (L, f, d), ("layers", "mlp", "embed"), pd, fan_in=f),
+    })
+    self.final_norm = _param(rngs, (d,), ("embed",), pd, None, value=1.0)
+    self.head = _param(rngs, (d, c.vocab_size), ("embed", "vocab"), pd, fan_in=d)
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    c = self.config
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(c.dtype)
+    x = constrain(x, ("batch", "length", "embed"))
+    layers = {k: v[...] for k, v in self.layers.items()}
+
+    def block(x, layer):
+      return _block(c, x, layer, positions, segment_ids), None
+
+    policy = _REMAT_POLICIES[c.remat]
+    if c.remat != "none":
+      block = jax.checkpoint(block, policy=policy)
+    if c.scan_layers:
+      x, _ = jax.lax.scan(block, x, layers)
+    else:
+      for i in range(c.num_layers):
+        x, _ = block(x, {k: v[i] for k, v in layers.items()})
+    return rms_norm(x, self.final_norm[...], c.norm_eps)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    return jnp.einsum("btd,dv->btv", hidden, self.head[...].astype(hidden.dtype))
+
+
+def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array,
+                          chunk_size: int) -> tuple[jax.Array, jax.Array]:
+  """Summed token cross-entropy and the weight total, chunk by chunk.
+
+  Logits for ``chunk_size`` positions at a time are computed, reduced and
+  recomputed in the backward pass, so no float32 [batch, length, vocab]
+  array ever exists.
+  """
+  batch, length, d = hidden.shape
+  chunk = chunk_size if length % chunk_size == 0 else length
+  n = length // chunk
+  split = lambda a: jnp.moveaxis(a.reshape(batch, n, chunk, *a.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def chunk_loss(h, t, w):
+    logits = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype)).astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+    return jnp.sum((logz - target_logit) * w)
+
+  def body(total, xs):
+    return total + chunk_loss(*xs), None
+
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(hidden), split(targets), split(weights)))
+  return total, jnp.sum(weights)
+
+
+def loss_fn(*, model: Llama, state: Any, rng: jax.Array, tokens: jax.Array, targets: jax.Array,
+            segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+            weights: jax.Array | None = None) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+  """Mean next-token cross-entropy (penzai contract); aux has loss and tokens."""
+  del rng
+  hidden = model(tokens, positions=positions, segment_ids=segment_ids)
+  if weights is None:
+    weights = jnp.ones(targets.shape, jnp.float32) if segment_ids is None else (segment_ids > 0).astype(jnp.float32)
+  total, count = chunked_cross_entropy(hidden, model.head[...], targets, weights, model.config.loss_chunk_size)
+  loss = total / jnp.maximum(count, 1.0)
+  return loss, state, {"loss": loss, "tokens": count}
+
+
+INPUT_AXES = {
+    "tokens": ("batch", "length"),
+    "targets": ("batch", "length"),
+    "segment_ids": ("batch", "length"),
+    "positions": ("batch", "length"),
+    "weights": ("batch", "length"),
+}
