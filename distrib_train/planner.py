@@ -147,6 +147,7 @@ class Plan:
     skips: rules passed over because they did not divide a dimension.
     unannotated: paths of params that had no logical axes (replicated).
     unannotated_bytes: the full size of each of those params.
+    absent_inputs: names in ``input_axes`` that were not among the inputs.
   """
 
   mesh: Mesh
@@ -158,6 +159,7 @@ class Plan:
   skips: tuple[RuleSkip, ...]
   unannotated: tuple[str, ...]
   unannotated_bytes: tuple[int, ...] = ()
+  absent_inputs: tuple[str, ...] = ()
 
   def bytes_per_device(self) -> dict[str, int]:
     """Bytes each device holds, per group (params, opt_state, …)."""
@@ -193,6 +195,8 @@ class Plan:
     if large:
       lines.append(f"Params over 1 MiB with no logical axes, replicated on every device ({len(large)}):")
       lines.extend(f"  {p} ({_human_bytes(n)})" for p, n in large)
+    if self.absent_inputs:
+      lines.append(f"input_axes for inputs not given (ignored): {', '.join(self.absent_inputs)}")
     if len(self.unannotated) > len(large):
       lines.append(f"Smaller params with no logical axes, replicated: {len(self.unannotated) - len(large)}")
     return "\n".join(lines)
@@ -370,8 +374,9 @@ class MeshPlanner:
     train_state_shardings = train_state.replace(**shardings)
 
     input_shardings = None
-    if inputs is not None and input_axes is not None:
-      _check_all_used("input_axes", input_axes, set(inputs), list(inputs))
+    # A model's input_axes may cover optional inputs (segment_ids, …) that
+    # this job does not feed; they are listed in the report, not an error.
+    absent_inputs = tuple(k for k in (input_axes or {}) if inputs is not None and k not in inputs)
     if inputs is not None or input_axes is not None:
       input_shardings = {}
       for name in inputs if inputs is not None else input_axes:
@@ -424,6 +429,7 @@ class MeshPlanner:
         skips=tuple(skips),
         unannotated=tuple(name for name, _ in unannotated),
         unannotated_bytes=tuple(n for _, n in unannotated),
+        absent_inputs=absent_inputs,
     )
 
   def init(self, init_fn: Callable[..., TrainState], *args: Any, **plan_kwargs: Any) -> tuple[TrainState, Plan]:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import jax
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding
 
 from distrib_train import models
@@ -79,6 +80,33 @@ def _updated_params_and_states(
   return optax.apply_updates(params, updates), new_opt_state, new_loss_fn_state, new_local_state, aux
 
 
+def _eval_outputs(
+    params: Any,
+    model_leaves: list[Any],
+    opt_state: Any,
+    loss_fn_state: Any,
+    local_state: Any,
+    root_rng: PRNGKeyArray,
+    step: int | jax.Array,
+    inputs: dict[str, Any],
+    model_treedef: Any,
+    optimizer_def: optax.GradientTransformation,
+    loss_fn: LossFunction,
+) -> AuxOutPyTree:
+  """The loss function's aux on the current state: no gradient, no update.
+
+  nnx modules are switched to eval mode first (BatchNorm reads its running
+  statistics, Dropout is off); the local state is read, never written.
+  """
+  del opt_state, optimizer_def
+  step_rng = None if root_rng is None else jax.random.fold_in(root_rng, step)
+  model_without_params = jax.tree_util.tree_unflatten(model_treedef, model_leaves)
+  model = models.merge_model(model_without_params, params, local_state, rng=step_rng)
+  if isinstance(model, nnx.Module):
+    model.eval()
+  return loss_fn(model=model, state=loss_fn_state, rng=step_rng, **inputs)[2]
+
+
 def _on_auto_mesh(x: Any, planned: Any = None) -> Any:
   """Moves an array sharded on an Explicit-axes mesh onto an Auto mesh.
 
@@ -120,6 +148,8 @@ class TrainStep:
   (abstract ``jax.ShapeDtypeStruct`` leaves are fine there).
   """
 
+  _evaluate = False  # EvalStep: aux only, no update
+
   def __init__(self, loss_fn, jit, donate, train_state_shardings, input_kwarg_shardings, aux_output_shardings):
     self.loss_fn = loss_fn
     self.input_kwarg_shardings = input_kwarg_shardings
@@ -128,7 +158,7 @@ class TrainStep:
     # mesh has Explicit axes (jax.set_mesh(jax.make_mesh(...))).
     self._mesh = next((s.mesh for s in jax.tree_util.tree_leaves(train_state_shardings)
                        if isinstance(s, NamedSharding)), None)
-    core = _updated_params_and_states
+    core = _eval_outputs if self._evaluate else _updated_params_and_states
     if jit:
       ts = train_state_shardings
       in_shardings = (
@@ -141,7 +171,7 @@ class TrainStep:
           None,  # step
           None if input_kwarg_shardings is None else dict(input_kwarg_shardings),
       )
-      out_shardings = (
+      out_shardings = aux_output_shardings if self._evaluate else (
           None if ts is None else ts.params,
           None if ts is None else ts.opt_state,
           None if ts is None else ts.loss_fn_state,
@@ -151,7 +181,7 @@ class TrainStep:
       core = jax.jit(
           core,
           static_argnums=(8, 9, 10),  # model_treedef, optimizer_def, loss_fn
-          donate_argnums=(0, 2, 3, 4) if donate else (),
+          donate_argnums=(0, 2, 3, 4) if donate and not self._evaluate else (),
           in_shardings=in_shardings,
           out_shardings=out_shardings,
       )
@@ -261,3 +291,32 @@ def build_train_step_fn(
   return TrainStep(
       loss_fn, jit, donate_params_and_state, train_state_shardings, input_kwarg_shardings, aux_output_shardings
   )
+
+
+class EvalStep(TrainStep):
+  """A built eval step; ``eval_step(train_state, **inputs)`` returns aux."""
+
+  _evaluate = True
+
+  def __call__(self, train_state: TrainState, **inputs: Any) -> AuxOutPyTree:
+    with self._mesh_context():
+      return self._core(*self._args(train_state, inputs))
+
+
+def build_eval_step_fn(
+    loss_fn: LossFunction,
+    jit: bool = True,
+    train_state_shardings: TrainState | None = None,
+    input_kwarg_shardings: dict[str, Any] | None = None,
+    aux_output_shardings: AuxOutPyTree | None = None,
+) -> EvalStep:
+  """Builds an eval step: the loss function's aux, with nothing updated.
+
+  Built like the train step (same loss function, same shardings). nnx
+  modules run in eval mode (``model.eval()``); for linen, pass a loss
+  function that calls the module in its eval mode. Nothing is donated.
+
+  Returns:
+    ``eval_step(train_state, **inputs) -> aux``.
+  """
+  return EvalStep(loss_fn, jit, False, train_state_shardings, input_kwarg_shardings, aux_output_shardings)

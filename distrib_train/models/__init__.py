@@ -84,6 +84,31 @@ def annotated_axes(model_without_params: Any) -> Mapping[str, tuple[str | None, 
   return {}
 
 
+def to_pure_dict(tree: Any) -> Any:
+  """A nested plain-dict view of params or local state, for checkpoints.
+
+  ``nnx.State`` goes through ``nnx.to_pure_dict`` (integer keys of
+  ``nnx.List`` layers stay integers); other trees are returned as they are.
+  """
+  if isinstance(tree, nnx.State):
+    return nnx.to_pure_dict(tree)
+  return tree
+
+
+def from_pure_dict(template: Any, pure_dict: Any) -> Any:
+  """Inverse of ``to_pure_dict``: values from ``pure_dict`` in ``template``'s shape.
+
+  For ``nnx.State``, string keys that a checkpoint made of integer keys are
+  turned back into integers (``nnx.restore_int_paths``) and the values are
+  put into the template with ``nnx.replace_by_pure_dict``.
+  """
+  if isinstance(template, nnx.State):
+    state = jax.tree_util.tree_map(lambda x: x, template)  # a copy: the template is left as it was
+    nnx.replace_by_pure_dict(state, nnx.restore_int_paths(pure_dict))
+    return state
+  return pure_dict
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelRecipe:
   """A reference model: its config, penzai-style loss and input axes.
@@ -132,6 +157,8 @@ __all__ = [
     "ParamSlot",
     "StaticValue",
     "annotated_axes",
+    "from_pure_dict",
+    "to_pure_dict",
     "local_state_of",
     "merge_model",
     "split_model",

@@ -86,7 +86,9 @@ class NnxModelDef:
   def merge(self, params: Any, local_state: Any, rng: jax.Array | None = None) -> nnx.Module:
     """A live module; with ``rng``, every RNG stream is reseeded from it."""
     states = [s for s in (params, local_state, self.rest) if s is not None]
-    module = nnx.merge(self.graphdef, *states)
+    # copy=True: fresh Variables at the current trace level (inside jax.grad),
+    # so the forward pass may update BatchStat-like variables.
+    module = nnx.merge(self.graphdef, *states, copy=True)
     if rng is not None and self.stream_tags:
       nnx.reseed(module, **{tag: jax.random.fold_in(rng, zlib.crc32(tag.encode())) for tag in self.stream_tags})
     return module
