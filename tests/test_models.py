@@ -73,8 +73,9 @@ def test_nnx_batch_stats_update_every_step_and_never_reach_the_optimizer():
     old = state
     state, aux = step_fn(state, **_classification_batch(i))
     assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(old.local_state))  # donated like the params
-    # A copy: on CPU np.asarray may view the buffer, which blocks its donation.
-    means.append(np.array(_only(state.local_state["norm"]["mean"]), copy=True))
+    # Read a device copy: on CPU a numpy view of the buffer itself is cached
+    # on the array and would keep the next step from donating it.
+    means.append(np.asarray(jnp.copy(_only(state.local_state["norm"]["mean"]))))
   for a, b in zip(means, means[1:]):
     assert not np.allclose(a, b)
   assert not any("mean" in p or "var" in p for p in _opt_paths(state))
