@@ -25,6 +25,7 @@ setuptools.setup(
         "orbax-checkpoint>=0.12",
         "tensorstore>=0.1.80",
         "absl-py>=2.1",
+        "grain>=0.2.12",
         "PyYAML>=6.0",
         "numpy>=1.26",
     ],

@@ -7,9 +7,11 @@ Public API:
   AxisRules                            logical axis names → PartitionSpec
   MeshConfig, build_mesh               ICI × DCN device meshes
   MeshPlanner, Plan                    the step's sharding trees, sharded init
+  CheckpointManager                    sharded async checkpoints (orbax), any-mesh restore
 """
 
 from distrib_train.axis_rules import AxisRules, RuleSkip
+from distrib_train.checkpoint import CheckpointManager
 from distrib_train.mesh import MeshConfig, as_auto_mesh, build_mesh
 from distrib_train.planner import MeshPlanner, Plan, PlanEntry
 from distrib_train.train_state import Hyperparams, TrainState
@@ -20,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AxisRules",
+    "CheckpointManager",
     "EvalStep",
     "Hyperparams",
     "LossFunction",

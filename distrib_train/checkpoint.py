@@ -1,0 +1,406 @@
+"""Sharded, async, atomic checkpoints of a ``TrainState`` on orbax.
+
+``CheckpointManager(directory)`` wraps ``orbax.checkpoint.CheckpointManager``
+with three items per step:
+
+- ``state``: step, root_rng, params, opt_state, loss_fn_state, local_state
+  and the arrays among the model's non-learned parts (frozen weights, integer
+  tables, RNG-stream keys) as a nested dict of arrays, written through
+  tensorstore (OCDBT), each process writing its own shards;
+- ``data``: the data iterators' state (grain's handler, one file per process),
+  when an iterator is given;
+- ``meta``: JSON — format version, mesh axes and shape, package versions, the
+  PRNG key implementations, and whatever run metadata the caller passes.
+
+The static parts (the model's structure and config, ``optimizer_def``) are
+not saved: they are rebuilt from code and config, and ``restore`` fills a
+target state (concrete or ``jax.eval_shape``-abstract, leaves carrying the
+shardings to restore onto) — so a checkpoint restores onto any mesh or device
+count. Nothing is pickled; restoring runs no code from the checkpoint.
+
+Not for: choosing what to save when (``trainer.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.metadata
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.sharding import NamedSharding, PartitionSpec
+from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
+
+from distrib_train.models.pytree import key_name
+from distrib_train.train_state import TrainState
+
+FORMAT_VERSION = 1
+# The TrainState fields whose arrays a checkpoint holds. The arrays in
+# model_without_params are saved too: frozen weights cannot be rebuilt from
+# code, and an abstract target then restores to a complete, runnable state.
+SAVED_FIELDS = ("step", "root_rng", "params", "model_without_params", "opt_state", "loss_fn_state", "local_state")
+MODEL_FIELDS = ("params", "model_without_params", "local_state")
+_VERSIONED_PACKAGES = ("distrib_train", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore")
+
+
+def _is_prng_key(x: Any) -> bool:
+  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _flat(state: Any, fields: Sequence[str]) -> dict[tuple[str, ...], Any]:
+  """``(field, key, …) → leaf`` for the saved fields of a TrainState.
+
+  The ``.value`` step into an nnx Variable is dropped, as in pure dicts.
+  """
+  out = {}
+  for field in fields:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(state, field))[0]:
+      keys = tuple(key_name(e) for e in path if getattr(e, "name", None) != "value")
+      out[(field,) + keys] = leaf
+  return out
+
+
+def _nest(flat: Mapping[tuple[str, ...], Any]) -> dict[str, Any]:
+  root: dict[str, Any] = {}
+  for keys, leaf in flat.items():
+    node = root
+    for key in keys[:-1]:
+      node = node.setdefault(key, {})
+    node[keys[-1]] = leaf
+  return root
+
+
+def _unnest(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      out.update(_unnest(value, prefix + (str(key),)))
+    else:
+      out[prefix + (str(key),)] = value
+  return out
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+  return tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
+
+
+def _package_versions() -> dict[str, str]:
+  versions = {}
+  for name in _VERSIONED_PACKAGES:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return versions
+
+
+def _close_at_exit(manager_ref: weakref.ref) -> None:
+  manager = manager_ref()
+  if manager is not None:
+    manager.close()
+
+
+class CheckpointManager:
+  """Saves and restores ``TrainState``s (and data-iterator state) with orbax.
+
+  Every process of a job constructs it and calls ``save`` / ``restore``;
+  orbax coordinates them. ``directory`` must be storage all hosts see (GCS,
+  NFS, Lustre) and may be a local path or any URL orbax accepts (``gs://…``).
+
+  Example::
+
+    with CheckpointManager(workdir / "checkpoints", max_to_keep=3) as ckpt:
+      if ckpt.latest_step() is not None:
+        state = ckpt.restore(plan.abstract_train_state)
+      ...
+      ckpt.save(int(state.step), state)
+
+  Args:
+    directory: where the step directories go.
+    max_to_keep: keep the newest N checkpoints (None: all).
+    keep_every_n_steps: also keep every checkpoint whose step is a multiple
+      of N, forever.
+    save_interval_steps: ``save`` writes only steps that are multiples of it
+      (unless ``force=True``).
+    async_save: return from ``save`` once the arrays are copied to host
+      memory and write in the background.
+    metadata: JSON-able run metadata (config, model name) saved in ``meta``.
+
+  Raises:
+    ValueError: bad retention numbers, or a directory that cannot be
+      created or written — checked here, not at the first save.
+  """
+
+  def __init__(
+      self,
+      directory: str | epath.PathLike,
+      *,
+      max_to_keep: int | None = 3,
+      keep_every_n_steps: int | None = None,
+      save_interval_steps: int = 1,
+      async_save: bool = True,
+      metadata: Mapping[str, Any] | None = None,
+  ):
+    for name, value in (("max_to_keep", max_to_keep), ("keep_every_n_steps", keep_every_n_steps)):
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
+    if isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+      raise ValueError(f"save_interval_steps must be a positive integer, got {save_interval_steps!r}.")
+    self.directory = epath.Path(directory)
+    self._check_writable()
+    self.metadata = dict(metadata or {})
+    policies = [preservation.LatestN(max_to_keep)]
+    if keep_every_n_steps is not None:
+      policies.append(preservation.EveryNSteps(keep_every_n_steps))
+    self.save_interval_steps = save_interval_steps
+    options = ocp.CheckpointManagerOptions(
+        # The interval is applied in save(): orbax would also save the first
+        # step whatever it is.
+        preservation_policy=preservation.AnyPreservationPolicy(policies),
+        enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True,
+        create=True,
+    )
+    handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    try:  # the data pipeline's own handler; grain is optional for the core
+      import grain
+
+      handlers["data"] = grain.checkpoint.CheckpointHandler()
+    except ImportError:
+      pass
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    self._closed = False
+    atexit.register(_close_at_exit, weakref.ref(self))
+
+  def _check_writable(self) -> None:
+    probe = self.directory / f".write_probe_{jax.process_index()}"
+    try:
+      self.directory.mkdir(parents=True, exist_ok=True)
+      probe.write_text("ok")
+      probe.unlink()
+    except OSError as e:
+      raise ValueError(f"Checkpoint directory {str(self.directory)!r} cannot be written: {e}") from None
+
+  # --- what is on disk -------------------------------------------------------
+
+  def all_steps(self) -> list[int]:
+    """Committed checkpoint steps, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """The newest committed step, or None."""
+    return self._manager.latest_step()
+
+  def metadata_of(self, step: int | None = None) -> dict[str, Any]:
+    """The ``meta`` JSON of a step (default: the latest)."""
+    step = self._existing_step(step)
+    restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return dict(restored["meta"])
+
+  def _existing_step(self, step: int | None) -> int:
+    steps = self.all_steps()
+    if step is None:
+      if not steps:
+        raise ValueError(f"No checkpoint in {str(self.directory)!r} to restore.")
+      return steps[-1]
+    if step not in steps:
+      raise ValueError(
+          f"No checkpoint for step {step} in {str(self.directory)!r}; steps there:"
+          f" {', '.join(map(str, steps)) or 'none'}."
+      )
+    return step
+
+  # --- save --------------------------------------------------------------------
+
+  def save(self, step: int, train_state: TrainState, data_iterator: Any = None, *, force: bool = False) -> bool:
+    """Saves ``train_state`` (and ``data_iterator``'s state) as ``step``.
+
+    Returns:
+      Whether a checkpoint was started (False when ``step`` is not on the
+      save interval and not ``force``). With ``async_save`` the write goes on
+      in the background; ``wait_until_finished`` or ``close`` waits for it.
+    """
+    self._check_open()
+    if not force and step % self.save_interval_steps:
+      return False
+    flat = _flat(train_state, SAVED_FIELDS)
+    prng_impls = {}
+    for keys, leaf in list(flat.items()):
+      if _is_prng_key(leaf):
+        prng_impls["/".join(keys)] = str(jax.random.key_impl(leaf))
+        flat[keys] = jax.random.key_data(leaf)
+      elif not isinstance(leaf, jax.Array):
+        flat[keys] = np.asarray(leaf)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": int(step),
+        "prng_impls": prng_impls,
+        "mesh": _mesh_of(train_state),
+        "process_count": jax.process_count(),
+        "versions": _package_versions(),
+        "run": self.metadata,
+    }
+    items = {"state": ocp.args.PyTreeSave(_nest(flat)), "meta": ocp.args.JsonSave(meta)}
+    if data_iterator is not None:
+      items["data"] = _grain().checkpoint.CheckpointSave(data_iterator)
+    return self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
+
+  # --- restore -----------------------------------------------------------------
+
+  def restore(
+      self,
+      target: TrainState,
+      step: int | None = None,
+      data_iterator: Any = None,
+      *,
+      params_only: bool = False,
+  ) -> TrainState:
+    """Restores a checkpoint into the structure and shardings of ``target``.
+
+    Args:
+      target: a concrete or abstract ``TrainState`` (e.g.
+        ``plan.abstract_train_state``); each array leaf's sharding says
+        where its restored value goes, so any mesh works.
+      step: the step to restore (default: the latest).
+      data_iterator: an iterator whose position is restored in place.
+      params_only: restore the model only (params, local state, the
+        non-learned arrays); the optimizer state, step and key are taken from
+        ``target`` — for fine-tuning or evaluation from a training
+        checkpoint.
+
+    Returns:
+      ``target`` with the checkpoint's values.
+
+    Raises:
+      ValueError: no such step (the message lists those there), a format
+        version this code does not read, or a target whose tree or shapes
+        differ from the checkpoint's (the first differing paths, both
+        shapes) — raised before any array is read.
+    """
+    self._check_open()
+    step = self._existing_step(step)
+    meta = self.metadata_of(step)
+    if meta.get("format_version") != FORMAT_VERSION:
+      raise ValueError(
+          f"Checkpoint {str(self.directory / str(step))!r} has format version {meta.get('format_version')!r};"
+          f" this distrib_train reads version {FORMAT_VERSION}."
+      )
+    fields = MODEL_FIELDS if params_only else SAVED_FIELDS
+    wanted = _flat(target, fields)
+    prng_impls = meta.get("prng_impls", {})
+    fallback = _replicated_sharding(target)
+    abstract = {}
+    for keys, leaf in wanted.items():
+      sharding = getattr(leaf, "sharding", None) or fallback
+      if _is_prng_key(leaf):
+        data_shape = jax.eval_shape(jax.random.key_data, leaf)
+        abstract[keys] = jax.ShapeDtypeStruct(data_shape.shape, data_shape.dtype, sharding=sharding)
+      else:
+        dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+        abstract[keys] = jax.ShapeDtypeStruct(_shape(leaf), dtype, sharding=sharding)
+    self._check_matches(step, abstract, partial=params_only)
+
+    items = {"state": ocp.args.PyTreeRestore(
+        item=_nest(abstract),
+        restore_args=ocp.checkpoint_utils.construct_restore_args(_nest(abstract)),
+        partial_restore=params_only,
+    )}
+    if data_iterator is not None:
+      if "data" not in self._manager.item_metadata(step):
+        raise ValueError(f"Checkpoint step {step} in {str(self.directory)!r} holds no data-iterator state.")
+      items["data"] = _grain().checkpoint.CheckpointRestore(data_iterator)
+    restored = _unnest(self._manager.restore(step, args=ocp.args.Composite(**items))["state"])
+
+    values = {}
+    for keys, leaf in wanted.items():
+      value = restored[keys]
+      if _is_prng_key(leaf):
+        value = jax.random.wrap_key_data(value, impl=prng_impls.get("/".join(keys), "threefry2x32"))
+      values[keys] = value
+    return _fill(target, fields, values)
+
+  def _check_matches(self, step: int, abstract: Mapping[tuple[str, ...], Any], partial: bool) -> None:
+    metadata = self._manager.item_metadata(step)["state"]
+    saved = {k: tuple(v.shape) for k, v in _unnest(metadata.tree if hasattr(metadata, "tree") else metadata).items()}
+    problems = []
+    for keys, leaf in abstract.items():
+      name = "/".join(keys)
+      if keys not in saved:
+        problems.append(f"{name}: in the target {list(leaf.shape)}, not in the checkpoint")
+      elif saved[keys] != tuple(leaf.shape):
+        problems.append(f"{name}: checkpoint {list(saved[keys])}, target {list(leaf.shape)}")
+    if not partial:
+      for keys, shape in saved.items():
+        if keys not in abstract:
+          problems.append(f"{'/'.join(keys)}: in the checkpoint {list(shape)}, not in the target")
+    if problems:
+      shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+      raise ValueError(
+          f"Checkpoint step {step} in {str(self.directory)!r} does not fit the target state"
+          f" ({len(problems)} difference(s)): {shown}."
+      )
+
+  # --- lifecycle -----------------------------------------------------------------
+
+  def wait_until_finished(self) -> None:
+    """Blocks until a background save has committed (raises its error)."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for a pending save, then releases orbax's resources."""
+    if not self._closed:
+      self._closed = True
+      self._manager.wait_until_finished()
+      self._manager.close()
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise ValueError(f"CheckpointManager for {str(self.directory)!r} is closed.")
+
+  def __enter__(self) -> CheckpointManager:
+    return self
+
+  def __exit__(self, *exc_info: Any) -> None:
+    self.close()
+
+
+def _grain():
+  try:
+    import grain
+  except ImportError:
+    raise ValueError("Saving or restoring a data iterator needs grain: pip install grain.") from None
+  return grain
+
+
+def _mesh_of(state: TrainState) -> dict[str, int] | None:
+  for leaf in jax.tree_util.tree_leaves(state.params):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      return {str(k): int(v) for k, v in sharding.mesh.shape.items()}
+  return None
+
+
+def _replicated_sharding(target: TrainState) -> NamedSharding | None:
+  """For target leaves with no sharding (Python scalars): replicate them."""
+  for leaf in jax.tree_util.tree_leaves(target):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      return NamedSharding(sharding.mesh, PartitionSpec())
+  return None
+
+
+def _fill(target: TrainState, fields: Sequence[str], values: Mapping[tuple[str, ...], Any]) -> TrainState:
+  """``target`` with the leaves of ``fields`` replaced from ``values``."""
+  replaced = {}
+  for field in fields:
+    def put(path, leaf, field=field):
+      keys = (field,) + tuple(key_name(e) for e in path if getattr(e, "name", None) != "value")
+      return values[keys]
+
+    replaced[field] = jax.tree_util.tree_map_with_path(put, getattr(target, field))
+  return target.replace(**replaced)
