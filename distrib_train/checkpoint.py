@@ -166,7 +166,7 @@ class CheckpointManager:
         cleanup_tmp_directories=True,
         create=True,
     )
-    handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    handlers = {"state": ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False), "meta": ocp.JsonCheckpointHandler()}
     try:  # the data pipeline's own handler; grain is optional for the core
       import grain
 
