@@ -1,0 +1,5 @@
+"""``python -m distrib_train.data convert INPUT OUTPUT [--shards N]``."""
+
+from distrib_train.data.sources import main
+
+main()

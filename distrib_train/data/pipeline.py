@@ -1,0 +1,321 @@
+"""Input pipelines on grain: documents → shuffled, process-sharded, packed batches.
+
+A ``DataConfig`` names a source and the batch shape; ``DataLoader`` builds the
+grain pipeline
+
+  documents → global seeded shuffle → this process's shard → tokens →
+  pack into fixed-length sequences → per-process batch → prefetch
+
+and hands out global ``jax.Array`` batches on the planner's input shardings.
+Its position is saved and restored through ``CheckpointManager``'s ``data``
+item, so a restarted job continues at exactly the next example.
+
+Sources: ``synthetic`` (random tokens), ``pydoc`` (the English documentation
+shipped with every CPython, ``pydoc_data.topics``: a real corpus with no
+download), ``text`` (files or globs: ``.txt`` files, ``.jsonl`` with a
+``"text"`` field, or ``.array_record`` shards). Text is byte-level (vocab
+256) unless a ``tokenizer`` (``str -> list[int]``) is given.
+
+Which rows of the global batch a process feeds follows the input sharding:
+processes whose devices hold the same rows (a mesh axis that replicates the
+batch across processes) read the same shard and feed identical data.
+
+grain is imported here, not by ``distrib_train`` itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from distrib_train.data import sources
+
+STATE_VERSION = 1
+Tokenizer = Callable[[str], Sequence[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """What to read and how to batch it.
+
+  Attributes:
+    source: ``synthetic``, ``pydoc`` or ``text``.
+    paths: files or globs for ``text`` (``.txt``, ``.jsonl``, ``.array_record``).
+    seq_len: tokens per sequence (inputs and targets each).
+    global_batch_size: sequences per step for the whole job.
+    seed: shuffle seed (and the synthetic source's).
+    packing: concatenate documents and split at ``seq_len`` (with segment and
+      position ids); otherwise each sequence is the start of one document and
+      shorter documents are skipped.
+    eval_fraction: share of the documents held out for evaluation.
+    num_workers: grain worker processes for prefetching (0: threads only).
+    num_threads: reader threads per process.
+    synthetic_documents: documents in the synthetic source.
+    tokenizer: ``str -> list[int]``; None for bytes (vocab 256).
+  """
+
+  source: str = "pydoc"
+  paths: tuple[str, ...] = ()
+  seq_len: int = 128
+  global_batch_size: int = 32
+  seed: int = 0
+  packing: bool = True
+  eval_fraction: float = 0.05
+  num_workers: int = 0
+  num_threads: int = 4
+  synthetic_documents: int = 4096
+  tokenizer: Tokenizer | None = dataclasses.field(default=None, compare=False)
+
+  def __post_init__(self):
+    for name in ("seq_len", "global_batch_size", "synthetic_documents", "num_threads"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Data config: {name} must be a positive integer, got {value!r}.")
+    if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
+      raise ValueError(f"Data config: num_workers must be 0 or more, got {self.num_workers!r}.")
+    if not 0.0 <= self.eval_fraction < 1.0:
+      raise ValueError(f"Data config: eval_fraction must be in [0, 1), got {self.eval_fraction!r}.")
+    if self.source not in ("synthetic", "pydoc", "text"):
+      raise ValueError(f"Data config: unknown source {self.source!r}; known: synthetic, pydoc, text.")
+    if self.source == "text" and not self.paths:
+      raise ValueError("Data config: source 'text' needs paths (files or globs).")
+
+
+# --- the pipeline ----------------------------------------------------------------------
+
+
+class _Subset:
+  """The documents at ``indices`` of a source, as a source of their own."""
+
+  def __init__(self, source: sources.Documents, indices: np.ndarray):
+    self._source = source
+    self._indices = indices
+
+  def __len__(self) -> int:
+    return len(self._indices)
+
+  def __getitem__(self, index: int) -> str | np.ndarray:
+    return self._source[int(self._indices[index])]
+
+
+def data_shard(sharding: jax.sharding.Sharding, global_batch_size: int) -> tuple[int, int]:
+  """``(index, count)``: which block of batch rows this process feeds.
+
+  Processes whose devices hold the same rows share an index (and must feed
+  the same data); ``count`` is the number of distinct row blocks.
+
+  Raises:
+    ValueError: the batch does not split evenly over the mesh's batch axes.
+  """
+  rank = max(1, len(getattr(sharding, "spec", ())))
+  indices = sharding.devices_indices_map((global_batch_size,) + (1,) * (rank - 1))
+  by_process: dict[int, set[tuple[int, int]]] = {}
+  for device, index in indices.items():
+    rows = index[0]
+    start, stop, _ = rows.indices(global_batch_size)
+    by_process.setdefault(device.process_index, set()).add((start, stop))
+  blocks = {}
+  for process, spans in by_process.items():
+    start, stop = min(s for s, _ in spans), max(e for _, e in spans)
+    if sum(e - s for s, e in spans) != stop - start:
+      raise ValueError(f"Process {process} holds batch rows that are not one contiguous block: {sorted(spans)}.")
+    blocks[process] = (start, stop)
+  distinct = sorted(set(blocks.values()))
+  sizes = {stop - start for start, stop in distinct}
+  if len(sizes) != 1:
+    raise ValueError(f"Batch rows split unevenly over processes: {distinct}.")
+  return distinct.index(blocks[jax.process_index()]), len(distinct)
+
+
+def _batch_divisor(sharding: jax.sharding.Sharding) -> int:
+  """How many ways the mesh splits the batch dimension."""
+  spec = sharding.spec
+  axes = spec[0] if len(spec) else None
+  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  return int(np.prod([sharding.mesh.shape[a] for a in axes])) if axes else 1
+
+
+class DataLoader:
+  """Global batches from a grain pipeline; its position survives checkpoints.
+
+  ``next(loader)`` returns a dict of ``jax.Array`` — ``tokens``, ``targets``,
+  ``weights`` and, with packing, ``segment_ids`` and ``positions`` — each of
+  shape ``[global_batch_size, seq_len]`` on ``input_shardings``. Pass the
+  loader as ``data_iterator`` to ``CheckpointManager.save`` / ``restore``.
+
+  Args:
+    config: the data config.
+    input_shardings: input name → sharding (``plan.input_kwarg_shardings``);
+      ``tokens`` decides which rows this process feeds.
+    split: ``train`` or ``eval`` (disjoint document sets).
+    num_epochs: passes over the data; None repeats forever.
+
+  Raises:
+    ValueError: a batch that does not split over processes or over the
+      mesh's batch axes, or a source problem (named).
+  """
+
+  def __init__(self, config: DataConfig, input_shardings: Mapping[str, Any], *, split: str = "train",
+               num_epochs: int | None = None):
+    if split not in ("train", "eval"):
+      raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
+    if "tokens" not in input_shardings:
+      raise ValueError(f"input_shardings needs 'tokens'; it has {sorted(input_shardings)}.")
+    self.config = config
+    self.input_shardings = dict(input_shardings)
+    tokens_sharding = self.input_shardings["tokens"]
+    divisor = _batch_divisor(tokens_sharding)
+    if config.global_batch_size % divisor:
+      raise ValueError(
+          f"global_batch_size {config.global_batch_size} does not split over the mesh's batch axes"
+          f" ({tokens_sharding.spec[0]}, {divisor} ways)."
+      )
+    self.shard_index, self.shard_count = data_shard(tokens_sharding, config.global_batch_size)
+    self.local_batch_size = config.global_batch_size // self.shard_count
+    self._iterator = self._build(split, num_epochs)
+
+  def _build(self, split: str, num_epochs: int | None) -> Any:
+    import grain
+
+    _allow_grain_workers_outside_absl()
+    config = self.config
+    docs = sources.Documents(config)
+    order = np.random.default_rng(config.seed).permutation(len(docs))
+    n_eval = int(round(len(docs) * config.eval_fraction))
+    if config.eval_fraction > 0:
+      n_eval = max(1, min(n_eval, len(docs) - 1))
+    held_out = np.sort(order[:n_eval])
+    indices = held_out if split == "eval" else np.sort(order[n_eval:])
+    if len(indices) < self.shard_count:
+      raise ValueError(f"The {split} split has {len(indices)} documents, fewer than {self.shard_count} shards.")
+    tokenize = _tokenizer(config.tokenizer)
+    seq = config.seq_len + 1  # inputs and targets are shifted by one
+
+    ds = grain.MapDataset.source(_Subset(docs, indices))  # the split's documents
+    ds = ds.shuffle(seed=config.seed)  # the same global order in every process
+    ds = ds[self.shard_index::self.shard_count]  # … of which this process reads its share
+    ds = ds.repeat(num_epochs)
+    ds = ds.map(lambda doc: {"tokens": tokenize(doc)})
+    if not config.packing:
+      longest = max(len(tokenize(docs[int(i)])) for i in indices[: min(len(indices), 2000)])
+      if longest < seq:
+        raise ValueError(
+            f"seq_len {config.seq_len} + 1 is longer than every {split} document (longest {longest} tokens) and"
+            " packing is off; lower seq_len or turn packing on."
+        )
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=config.num_threads, prefetch_buffer_size=64))
+    if config.num_workers:
+      # Workers read and tokenize, one document at a time in the global
+      # order; packing and batching stay in this process, so the batches do
+      # not depend on the worker count.
+      it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.num_workers))
+    if config.packing:
+      it = grain.experimental.ConcatThenSplitIterDataset(it, length_struct={"tokens": seq}).map(_shifted)
+    else:
+      it = it.filter(lambda ex: len(ex["tokens"]) >= seq).map(lambda ex: _unpacked(ex["tokens"][:seq]))
+    it = it.batch(self.local_batch_size, drop_remainder=True)
+    return iter(it)
+
+  def __iter__(self) -> Iterator[dict[str, jax.Array]]:
+    return self
+
+  def next_local(self) -> dict[str, np.ndarray]:
+    """This process's rows of the next batch, as numpy."""
+    return next(self._iterator)
+
+  def __next__(self) -> dict[str, jax.Array]:
+    return to_global(self.next_local(), self.input_shardings, self.config.global_batch_size)
+
+  # grain's checkpoint handler stores get_state() per process and calls
+  # set_state() on restore; bytes keep our own checks beside grain's state.
+  def get_state(self) -> bytes:
+    return json.dumps({
+        "version": STATE_VERSION,
+        "num_workers": self.config.num_workers,
+        "shard_index": self.shard_index,
+        "shard_count": self.shard_count,
+        "process_count": jax.process_count(),
+        "grain": self._iterator.get_state(),
+    }).encode()
+
+  def set_state(self, state: bytes) -> None:
+    saved = json.loads(state)
+    mine = {"num_workers": self.config.num_workers, "shard_count": self.shard_count,
+            "shard_index": self.shard_index, "process_count": jax.process_count()}
+    changed = [f"{k} {saved.get(k)} → {v}" for k, v in mine.items() if saved.get(k) != v]
+    if saved.get("version") != STATE_VERSION or changed:
+      raise ValueError(
+          "The data-iterator state in the checkpoint was written by a different data layout ("
+          + ", ".join(changed or [f"state version {saved.get('version')}"])
+          + "); restore with the same process count and num_workers, or restore without the data item."
+      )
+    self._iterator.set_state(saved["grain"])
+
+  def start_prefetch(self) -> None:
+    """Called by grain's checkpoint handler after a restore."""
+    start = getattr(self._iterator, "start_prefetch", None)
+    if start is not None:
+      start()
+
+  def close(self) -> None:
+    """Stops grain worker processes, if any."""
+    close = getattr(self._iterator, "close", None)
+    if close is not None:
+      close()
+
+
+def to_global(batch: Mapping[str, np.ndarray], input_shardings: Mapping[str, Any],
+              global_batch_size: int) -> dict[str, jax.Array]:
+  """Per-process numpy rows → global ``jax.Array``s on the input shardings."""
+  out = {}
+  for name, rows in batch.items():
+    if name not in input_shardings:
+      continue
+    global_shape = (global_batch_size,) + rows.shape[1:]
+    out[name] = jax.make_array_from_process_local_data(input_shardings[name], rows, global_shape)
+  return out
+
+
+def _tokenizer(tokenizer: Tokenizer | None) -> Callable[[Any], np.ndarray]:
+  def tokenize(doc: Any) -> np.ndarray:
+    if isinstance(doc, np.ndarray):  # synthetic documents are tokens already
+      return doc
+    if tokenizer is None:
+      return np.frombuffer(doc.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+    return np.asarray(tokenizer(doc), dtype=np.int32)
+
+  return tokenize
+
+
+def _shifted(packed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  tokens, segments, positions = packed["tokens"], packed["tokens_segment_ids"], packed["tokens_positions"]
+  same_document = (segments[1:] == segments[:-1]) & (segments[:-1] > 0)
+  return {
+      "tokens": tokens[:-1].astype(np.int32),
+      "targets": tokens[1:].astype(np.int32),
+      "segment_ids": segments[:-1].astype(np.int32),
+      "positions": positions[:-1].astype(np.int32),
+      "weights": same_document.astype(np.float32),
+  }
+
+
+def _unpacked(tokens: np.ndarray) -> dict[str, np.ndarray]:
+  return {
+      "tokens": tokens[:-1].astype(np.int32),
+      "targets": tokens[1:].astype(np.int32),
+      "weights": np.ones(len(tokens) - 1, np.float32),
+  }
+
+
+def _allow_grain_workers_outside_absl() -> None:
+  """grain ≤ 0.2.18 reads absl flags in its workers; outside absl.app they
+  are unparsed and ``mp_prefetch`` fails (fixed in later grain)."""
+  from absl import flags
+
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()

@@ -1,0 +1,176 @@
+"""Where documents come from: the pydoc corpus, text / JSONL files, ArrayRecord.
+
+Each source is random access (``len`` and ``[index]``), as grain's
+``MapDataset.source`` wants. ``write_array_record`` (also ``python -m
+distrib_train.data convert IN OUT``) turns text or JSONL into
+ArrayRecord shards, grain's native random-access format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob as globlib
+import json
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+  from distrib_train.data.pipeline import DataConfig
+
+
+def _pydoc_documents(target_bytes: int = 4096) -> list[str]:
+  """The pydoc topics as documents of whole paragraphs, about 4 KiB each.
+
+  Paragraphs alone (~100 bytes) would make grain's per-record cost the
+  bottleneck; whole topics (79 of them) would leave too few to shard.
+  """
+  from pydoc_data import topics
+
+  docs, current = [], ""
+  for name in sorted(topics.topics):
+    for paragraph in topics.topics[name].split("\n\n"):
+      if not paragraph.strip():
+        continue
+      current = f"{current}\n\n{paragraph}" if current else paragraph
+      if len(current) >= target_bytes:
+        docs.append(current)
+        current = ""
+  if current:
+    docs.append(current)
+  return docs
+
+
+def _expand(paths: Sequence[str]) -> list[str]:
+  files = []
+  for pattern in paths:
+    matched = sorted(globlib.glob(os.path.expanduser(pattern)))
+    if not matched:
+      raise ValueError(f"Data path {pattern!r} matches no file.")
+    files.extend(matched)
+  return files
+
+
+def _read_text_file(path: str) -> list[str]:
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+  except OSError as e:
+    raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"Data file {path!r} is not UTF-8 text (byte {e.start}).") from None
+  if not path.endswith(".jsonl"):
+    return [text] if text.strip() else []
+  docs = []
+  for number, line in enumerate(text.splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"Data file {path!r} line {number} is not JSON: {e.msg}.") from None
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+      raise ValueError(f"Data file {path!r} line {number} has no string field 'text'.")
+    docs.append(record["text"])
+  return docs
+
+
+class Documents:
+  """Random-access documents (grain ``RandomAccessDataSource``)."""
+
+  def __init__(self, config: DataConfig):
+    self.config = config
+    self._array_record = None
+    if config.source == "pydoc":
+      self._docs = _pydoc_documents()
+    elif config.source == "synthetic":
+      self._docs = None
+    else:
+      files = _expand(config.paths)
+      records = [f for f in files if f.endswith(".array_record")]
+      texts = [f for f in files if not f.endswith(".array_record")]
+      if records and texts:
+        raise ValueError("Data paths mix .array_record shards and text files; give one kind.")
+      if records:
+        import grain
+
+        for path in records:
+          _check_array_record(path)
+        self._array_record = grain.sources.ArrayRecordDataSource(records)
+      else:
+        self._docs = [doc for path in texts for doc in _read_text_file(path)]
+    if len(self) == 0:
+      raise ValueError(f"Data source {config.source!r} {list(config.paths) or ''} holds no documents.")
+
+  def __len__(self) -> int:
+    if self._array_record is not None:
+      return len(self._array_record)
+    if self._docs is None:
+      return self.config.synthetic_documents
+    return len(self._docs)
+
+  def __getitem__(self, index: int) -> str | np.ndarray:
+    if self._array_record is not None:
+      return self._array_record[index].decode("utf-8")
+    if self._docs is None:  # synthetic: a random document of 16 to 4 × seq_len tokens
+      rng = np.random.default_rng([self.config.seed, int(index)])
+      return rng.integers(0, 256, size=int(rng.integers(16, 4 * self.config.seq_len)), dtype=np.int32)
+    return self._docs[index]
+
+
+def _check_array_record(path: str) -> None:
+  from array_record.python import array_record_module
+
+  try:
+    reader = array_record_module.ArrayRecordReader(path)
+    reader.close()
+  except Exception as e:  # the reader raises plain RuntimeErrors for bad files
+    raise ValueError(f"Data file {path!r} is not a readable ArrayRecord file: {e}") from None
+
+
+def write_array_record(documents: Sequence[str] | str, output: str, *, num_shards: int = 1) -> list[str]:
+  """Writes documents as ArrayRecord shards, one record per document.
+
+  Args:
+    documents: texts, or the path of a ``.txt`` / ``.jsonl`` file.
+    output: path prefix; shards are ``{output}-00000-of-0000N.array_record``.
+    num_shards: how many files to spread the records over.
+
+  Returns:
+    The shard paths.
+  """
+  from array_record.python import array_record_module
+
+  if isinstance(documents, str):
+    documents = _read_text_file(documents)
+  if not documents:
+    raise ValueError("No documents to write.")
+  paths = [f"{output}-{i:05d}-of-{num_shards:05d}.array_record" for i in range(num_shards)]
+  writers = [array_record_module.ArrayRecordWriter(p, "group_size:1") for p in paths]
+  for i, doc in enumerate(documents):
+    writers[i % num_shards].write(doc.encode("utf-8"))
+  for w in writers:
+    w.close()
+  return paths
+
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  """``convert INPUT OUTPUT [--shards N]``: text or JSONL to ArrayRecord."""
+  parser = argparse.ArgumentParser(prog="python -m distrib_train.data")
+  sub = parser.add_subparsers(dest="command", required=True)
+  convert = sub.add_parser("convert", help="write a .txt or .jsonl file as ArrayRecord shards")
+  convert.add_argument("input")
+  convert.add_argument("output", help="path prefix of the shards")
+  convert.add_argument("--shards", type=int, default=1)
+  args = parser.parse_args(argv)
+  try:
+    paths = write_array_record(args.input, args.output, num_shards=args.shards)
+  except ValueError as e:
+    parser.exit(2, f"error: {e}\n")
+  print("\n".join(paths))
+

@@ -1,0 +1,221 @@
+"""The grain input pipeline: determinism, sharding, global arrays, resume, errors."""
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import data_helpers
+import distrib_train as dt
+import mp_harness
+from distrib_train import data
+
+WORKERS = pathlib.Path(__file__).parent / "workers"
+
+
+def _mesh(shape=(2, 2, 2)):
+  return dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), shape))
+
+
+def _batches(loader, n):
+  return [{k: np.asarray(v) for k, v in loader.next_local().items()} for _ in range(n)]
+
+
+def test_packed_batches_have_inputs_targets_segments_and_weights():
+  loader = data.DataLoader(data.DataConfig(seq_len=64, global_batch_size=16), data_helpers.shardings(_mesh()))
+  batch = next(loader)
+  assert set(batch) == set(data_helpers.INPUTS)
+  for name, array in batch.items():
+    assert array.shape == (16, 64) and array.sharding == loader.input_shardings[name]
+  local = loader.next_local()
+  np.testing.assert_array_equal(local["tokens"][:, 1:], local["targets"][:, :-1])
+  same_doc = local["segment_ids"][:, 1:] == local["segment_ids"][:, :-1]
+  np.testing.assert_array_equal(local["weights"][:, :-1] > 0, same_doc & (local["segment_ids"][:, :-1] > 0))
+  text = bytes(local["tokens"][0].astype(np.uint8)).decode("utf-8", errors="replace")
+  assert sum(c.isalpha() or c.isspace() for c in text) > 0.7 * len(text)  # real English text
+
+
+def test_global_array_content_matches_the_local_rows():
+  loader = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8), data_helpers.shardings(_mesh()))
+  local = loader.next_local()
+  batch = data.to_global(local, loader.input_shardings, 8)
+  for name in local:
+    np.testing.assert_array_equal(np.asarray(batch[name]), local[name])
+
+
+def test_same_seed_same_batches_across_runs_and_worker_counts():
+  shardings = data_helpers.shardings(_mesh())
+  runs = []
+  for workers in (0, 0, 2):
+    loader = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8, num_workers=workers), shardings)
+    runs.append(_batches(loader, 4))
+    loader.close()
+  for run in runs[1:]:
+    for a, b in zip(run, runs[0]):
+      for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+  other_seed = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8, seed=1), shardings)
+  assert not np.array_equal(_batches(other_seed, 1)[0]["tokens"], runs[0][0]["tokens"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_through_a_checkpoint_continues_at_the_next_batch(tmp_path, workers):
+  config = data.DataConfig(seq_len=32, global_batch_size=8, num_workers=workers)
+  shardings = data_helpers.shardings(_mesh())
+  state = dt.TrainState.create(apply_fn=None, params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.1))
+  loader = data.DataLoader(config, shardings)
+  _batches(loader, 3)
+  with dt.CheckpointManager(tmp_path) as checkpoints:
+    checkpoints.save(3, state, data_iterator=loader)
+  expected = _batches(loader, 3)
+  loader.close()
+  fresh = data.DataLoader(config, shardings)
+  with dt.CheckpointManager(tmp_path) as checkpoints:
+    checkpoints.restore(state, data_iterator=fresh)
+  for a, b in zip(_batches(fresh, 3), expected):
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+  fresh.close()
+
+
+def test_restoring_with_another_worker_count_says_what_changed(tmp_path):
+  shardings = data_helpers.shardings(_mesh())
+  state = dt.TrainState.create(apply_fn=None, params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.1))
+  loader = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8), shardings)
+  next(loader)
+  with dt.CheckpointManager(tmp_path) as checkpoints:
+    checkpoints.save(1, state, data_iterator=loader)
+  other = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8, num_workers=2), shardings)
+  with dt.CheckpointManager(tmp_path) as checkpoints:
+    with pytest.raises(ValueError, match=r"different data layout \(num_workers 0 → 2\)"):
+      checkpoints.restore(state, data_iterator=other)
+  other.close()
+
+
+def test_train_and_eval_splits_never_overlap(tmp_path):
+  corpus = data_helpers.write_corpus(tmp_path, documents=40)
+  config = data.DataConfig(source="text", paths=(corpus,), seq_len=8, global_batch_size=2, packing=False,
+                           eval_fraction=0.1)
+  shardings = data_helpers.shardings(_mesh((2, 1, 4)), batch_axes=("data",))
+  seen = {}
+  for split in ("train", "eval"):
+    loader = data.DataLoader(config, shardings, split=split, num_epochs=1)
+    seen[split] = _all_ids(loader)
+  assert len(seen["eval"]) == 4 and len(seen["train"]) == 36
+  assert not set(seen["eval"]) & set(seen["train"])
+  assert set(seen["eval"]) | set(seen["train"]) == {f"doc {i:04d}" for i in range(40)}
+
+
+def _all_ids(loader):
+  ids = []
+  while True:
+    try:
+      ids.extend(data_helpers.doc_ids(loader.next_local()["tokens"]))
+    except StopIteration:
+      return ids
+
+
+def test_array_record_shards_read_like_the_jsonl_they_came_from(tmp_path):
+  corpus = data_helpers.write_corpus(tmp_path, documents=20)
+  shards = data.write_array_record(corpus, str(tmp_path / "corpus"), num_shards=2)
+  assert [pathlib.Path(p).name for p in shards] == ["corpus-00000-of-00002.array_record",
+                                                    "corpus-00001-of-00002.array_record"]
+  common = dict(seq_len=8, global_batch_size=2, packing=False, eval_fraction=0.0)
+  shardings = data_helpers.shardings(_mesh((2, 1, 4)), batch_axes=("data",))
+  from_jsonl = _all_ids(data.DataLoader(data.DataConfig(source="text", paths=(corpus,), **common), shardings,
+                                        num_epochs=1))
+  from_records = _all_ids(data.DataLoader(
+      data.DataConfig(source="text", paths=(str(tmp_path / "corpus-*.array_record"),), **common), shardings,
+      num_epochs=1))
+  assert sorted(from_records) == sorted(from_jsonl) == [f"doc {i:04d}" for i in range(20)]
+
+
+def test_the_convert_command_writes_array_record(tmp_path):
+  import subprocess
+  import sys
+
+  corpus = data_helpers.write_corpus(tmp_path, documents=5)
+  out = subprocess.run([sys.executable, "-m", "distrib_train.data", "convert", corpus, str(tmp_path / "c")],
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip().endswith("c-00000-of-00001.array_record")
+
+
+def test_a_tokenizer_hook_is_used():
+  tokenizer = lambda text: [1000 + len(word) for word in text.split()]  # a word-level "tokenizer"
+  loader = data.DataLoader(data.DataConfig(seq_len=16, global_batch_size=8, tokenizer=tokenizer),
+                           data_helpers.shardings(_mesh()))
+  batch = loader.next_local()
+  real = batch["tokens"][batch["segment_ids"] > 0]
+  assert real.min() > 1000 and real.max() < 1100
+
+
+def test_two_processes_shard_documents_and_replicate_when_the_mesh_says_so(tmp_path):
+  (tmp_path / "corpus").mkdir()
+  results = mp_harness.run_workers(WORKERS / "data_worker.py", str(tmp_path / "corpus"), str(tmp_path / "ckpt"),
+                                   timeout=300)
+  first, second = (r.result for r in results)
+  assert [first["split"]["shard"], second["split"]["shard"]] == [[0, 2], [1, 2]]
+  assert first["split"]["global_ok"] and second["split"]["global_ok"]
+  ids_a, ids_b = first["split"]["ids"], second["split"]["ids"]
+  assert len(ids_a) == len(ids_b) == 32 and not set(ids_a) & set(ids_b)
+  assert set(ids_a) | set(ids_b) == {f"doc {i:04d}" for i in range(64)}
+  assert first["replicated"]["shard"] == second["replicated"]["shard"] == [0, 1]
+  assert first["replicated"]["ids"] == second["replicated"]["ids"]
+  assert first["replicated"]["global_ok"] and second["replicated"]["global_ok"]
+  assert first["resume_equal"] and second["resume_equal"]
+
+
+# --- bad input: one clear error at construction -------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(global_batch_size=0), r"global_batch_size must be a positive integer, got 0"),
+        (dict(seq_len=-3), r"seq_len must be a positive integer, got -3"),
+        (dict(source="tfds"), r"unknown source 'tfds'"),
+        (dict(source="text"), r"source 'text' needs paths"),
+        (dict(num_workers=-1), r"num_workers must be 0 or more"),
+        (dict(eval_fraction=1.0), r"eval_fraction must be in \[0, 1\)"),
+    ],
+)
+def test_bad_data_configs_are_rejected(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    data.DataConfig(**kwargs)
+
+
+def test_bad_data_files_are_named(tmp_path):
+  shardings = data_helpers.shardings(_mesh())
+  cases = [
+      (str(tmp_path / "missing-*.jsonl"), r"Data path '.*missing-\*.jsonl' matches no file"),
+  ]
+  binary = tmp_path / "binary.txt"
+  binary.write_bytes(b"\xff\xfe\x00 not text")
+  cases.append((str(binary), r"Data file '.*binary.txt' is not UTF-8 text"))
+  broken = tmp_path / "broken.jsonl"
+  broken.write_text('{"text": "fine"}\n{"text": oops}\n')
+  cases.append((str(broken), r"Data file '.*broken.jsonl' line 2 is not JSON"))
+  no_text = tmp_path / "no_text.jsonl"
+  no_text.write_text('{"body": "x"}\n')
+  cases.append((str(no_text), r"line 1 has no string field 'text'"))
+  corrupt = tmp_path / "corrupt.array_record"
+  corrupt.write_bytes(b"this is not an array record file" * 10)
+  cases.append((str(corrupt), r"Data file '.*corrupt.array_record' is not a readable ArrayRecord file"))
+  for path, message in cases:
+    with pytest.raises(ValueError, match=message):
+      data.DataLoader(data.DataConfig(source="text", paths=(path,), seq_len=8, global_batch_size=8), shardings)
+
+
+def test_unpacked_sequences_longer_than_every_document_are_refused(tmp_path):
+  corpus = data_helpers.write_corpus(tmp_path, documents=8)
+  config = data.DataConfig(source="text", paths=(corpus,), seq_len=4096, global_batch_size=8, packing=False)
+  with pytest.raises(ValueError, match=r"seq_len 4096 \+ 1 is longer than every train document \(longest \d+"):
+    data.DataLoader(config, data_helpers.shardings(_mesh()))
+
+
+def test_a_batch_that_does_not_split_over_the_batch_axes_is_refused():
+  with pytest.raises(ValueError, match=r"global_batch_size 6 does not split over the mesh's batch axes"):
+    data.DataLoader(data.DataConfig(global_batch_size=6), data_helpers.shardings(_mesh()))
