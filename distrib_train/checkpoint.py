@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.metadata
+import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -99,10 +100,11 @@ def _package_versions() -> dict[str, str]:
   return versions
 
 
-def _close_at_exit(manager_ref: weakref.ref) -> None:
+def _finish_at_exit(manager_ref: weakref.ref) -> None:
+  """At interpreter exit, a pending async save is waited for, not lost."""
   manager = manager_ref()
-  if manager is not None:
-    manager.close()
+  if manager is not None and not manager._closed:
+    manager._manager.wait_until_finished()
 
 
 class CheckpointManager:
@@ -175,7 +177,12 @@ class CheckpointManager:
       pass
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     self._closed = False
-    atexit.register(_close_at_exit, weakref.ref(self))
+    # Registered with threading's exit hooks, which run before the thread
+    # pools that orbax's background write needs are shut down (plain atexit
+    # runs after, and the pending checkpoint was lost). Later registrations
+    # run first, so this precedes concurrent.futures' own hook.
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(_finish_at_exit, weakref.ref(self))
 
   def _check_writable(self) -> None:
     probe = self.directory / f".write_probe_{jax.process_index()}"

@@ -252,3 +252,17 @@ def test_a_pickle_in_the_checkpoint_is_never_loaded(tmp_path, monkeypatch):
     restored = checkpoints.restore(state)
   assert not (tmp_path / "PICKLE_RAN").exists()
   np.testing.assert_array_equal(restored.params["w"], np.ones(4))
+
+
+def test_exiting_without_close_still_commits_the_pending_save(tmp_path):
+  script = (
+      "import os, jax, jax.numpy as jnp, optax\n"
+      "import distrib_train as dt\n"
+      "state = dt.TrainState.initial_state({'w': jnp.ones((2048, 4096))}, optax.adam(1e-3), jax.random.key(0))\n"
+      f"dt.CheckpointManager({str(tmp_path)!r}).save(1, state)\n"
+      "print('left without close', flush=True)\n"
+  )
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and "left without close" in out.stdout, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+  assert dt.CheckpointManager(tmp_path).all_steps() == [1]
