@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import importlib.metadata
 import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -100,10 +99,9 @@ def _package_versions() -> dict[str, str]:
   return versions
 
 
-def _finish_at_exit(manager_ref: weakref.ref) -> None:
+def _finish_at_exit(manager: CheckpointManager) -> None:
   """At interpreter exit, a pending async save is waited for, not lost."""
-  manager = manager_ref()
-  if manager is not None and not manager._closed:
+  if not manager._closed:
     manager._manager.wait_until_finished()
 
 
@@ -182,7 +180,7 @@ class CheckpointManager:
     # runs after, and the pending checkpoint was lost). Later registrations
     # run first, so this precedes concurrent.futures' own hook.
     register = getattr(threading, "_register_atexit", atexit.register)
-    register(_finish_at_exit, weakref.ref(self))
+    register(_finish_at_exit, self)  # held: a dropped manager's save still lands
 
   def _check_writable(self) -> None:
     probe = self.directory / f".write_probe_{jax.process_index()}"
