@@ -153,6 +153,7 @@ class CheckpointManager:
       raise ValueError(f"save_interval_steps must be a positive integer, got {save_interval_steps!r}.")
     self.directory = epath.Path(directory)
     self._check_writable()
+    self._remove_stale_tmp()
     self.metadata = dict(metadata or {})
     policies = [preservation.LatestN(max_to_keep)]
     if keep_every_n_steps is not None:
@@ -163,7 +164,10 @@ class CheckpointManager:
         # step whatever it is.
         preservation_policy=preservation.AnyPreservationPolicy(policies),
         enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=True,
+        # Stale temporary directories are removed in _remove_stale_tmp below:
+        # orbax's own cleanup runs in a background thread that close() does
+        # not wait for, and it failed noisily at interpreter exit.
+        cleanup_tmp_directories=False,
         create=True,
     )
     handlers = {"state": ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False), "meta": ocp.JsonCheckpointHandler()}
@@ -181,6 +185,13 @@ class CheckpointManager:
     # run first, so this precedes concurrent.futures' own hook.
     register = getattr(threading, "_register_atexit", atexit.register)
     register(_finish_at_exit, self)  # held: a dropped manager's save still lands
+
+  def _remove_stale_tmp(self) -> None:
+    """Deletes what an interrupted save left (never a committed step)."""
+    if jax.process_index() != 0:
+      return
+    for path in self.directory.glob("*.orbax-checkpoint-tmp*"):
+      path.rmtree() if path.is_dir() else path.unlink()
 
   def _check_writable(self) -> None:
     probe = self.directory / f".write_probe_{jax.process_index()}"
@@ -204,8 +215,14 @@ class CheckpointManager:
   def metadata_of(self, step: int | None = None) -> dict[str, Any]:
     """The ``meta`` JSON of a step (default: the latest)."""
     step = self._existing_step(step)
-    restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    return dict(restored["meta"])
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    except ValueError as e:  # json.JSONDecodeError included
+      raise ValueError(f"Checkpoint step {step} in {str(self.directory)!r} has unreadable metadata: {e}") from None
+    meta = restored["meta"]
+    if not isinstance(meta, Mapping):
+      raise ValueError(f"Checkpoint step {step} in {str(self.directory)!r} has metadata that is not a JSON object.")
+    return dict(meta)
 
   def _existing_step(self, step: int | None) -> int:
     steps = self.all_steps()
@@ -229,10 +246,19 @@ class CheckpointManager:
       Whether a checkpoint was started (False when ``step`` is not on the
       save interval and not ``force``). With ``async_save`` the write goes on
       in the background; ``wait_until_finished`` or ``close`` waits for it.
+
+    Raises:
+      ValueError: ``step`` is not after the latest checkpoint there.
     """
     self._check_open()
     if not force and step % self.save_interval_steps:
       return False
+    latest = self.latest_step()
+    if latest is not None and step <= latest:
+      raise ValueError(
+          f"Cannot save step {step}: {str(self.directory)!r} already holds step {latest}. After restoring an"
+          " earlier step, delete the later checkpoints or save to another directory."
+      )
     flat = _flat(train_state, SAVED_FIELDS)
     prng_impls = {}
     for keys, leaf in list(flat.items()):
@@ -295,6 +321,19 @@ class CheckpointManager:
           f"Checkpoint {str(self.directory / str(step))!r} has format version {meta.get('format_version')!r};"
           f" this distrib_train reads version {FORMAT_VERSION}."
       )
+    if data_iterator is not None and meta.get("process_count") != jax.process_count():
+      raise ValueError(
+          f"Checkpoint step {step} holds the data-iterator state of {meta.get('process_count')} process(es); this"
+          f" job has {jax.process_count()}. Restore without data_iterator (the data restarts from its beginning)."
+      )
+    if params_only:
+      abstract_rest = [name for name, leaf in _flat(target, ("step", "root_rng", "opt_state", "loss_fn_state")).items()
+                       if isinstance(leaf, jax.ShapeDtypeStruct)]
+      if abstract_rest:
+        raise ValueError(
+            f"params_only restore keeps the target's optimizer state, step and key, but {'/'.join(abstract_rest[0])}"
+            " is abstract; pass a concrete state (e.g. plan.init(make_state))."
+        )
     fields = MODEL_FIELDS if params_only else SAVED_FIELDS
     wanted = _flat(target, fields)
     prng_impls = meta.get("prng_impls", {})
@@ -339,10 +378,10 @@ class CheckpointManager:
         problems.append(f"{name}: in the target {list(leaf.shape)}, not in the checkpoint")
       elif saved[keys] != tuple(leaf.shape):
         problems.append(f"{name}: checkpoint {list(saved[keys])}, target {list(leaf.shape)}")
-    if not partial:
-      for keys, shape in saved.items():
-        if keys not in abstract:
-          problems.append(f"{'/'.join(keys)}: in the checkpoint {list(shape)}, not in the target")
+    restored_fields = MODEL_FIELDS if partial else SAVED_FIELDS
+    for keys, shape in saved.items():
+      if keys[0] in restored_fields and keys not in abstract:
+        problems.append(f"{'/'.join(keys)}: in the checkpoint {list(shape)}, not in the target")
     if problems:
       shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
       raise ValueError(

@@ -132,6 +132,32 @@ def test_array_record_shards_read_like_the_jsonl_they_came_from(tmp_path):
   assert sorted(from_records) == sorted(from_jsonl) == [f"doc {i:04d}" for i in range(20)]
 
 
+def test_eval_pads_its_last_batch_instead_of_dropping_documents(tmp_path):
+  corpus = data_helpers.write_corpus(tmp_path, documents=120)
+  config = data.DataConfig(source="text", paths=(corpus,), seq_len=8, global_batch_size=8, packing=False,
+                           eval_fraction=0.1)
+  shardings = data_helpers.shardings(_mesh((8, 1, 1)), batch_axes=("data",))
+  loader = data.DataLoader(config, shardings, split="eval", num_epochs=1)
+  batches = [next(loader), next(loader)]
+  with pytest.raises(StopIteration):
+    next(loader)
+  weights = np.asarray(batches[1]["weights"])
+  assert weights[:4].all() and not weights[4:].any()  # 12 documents: 8 + 4 real rows
+  with pytest.raises(ValueError, match="The eval split is empty: eval_fraction is 0"):
+    data.DataLoader(data.DataConfig(eval_fraction=0.0), shardings, split="eval")
+
+
+def test_inputs_also_sharded_along_the_sequence_are_fed():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  mesh = _mesh()
+  sharding = NamedSharding(mesh, P(("data", "fsdp"), "tensor"))
+  loader = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8),
+                           {name: sharding for name in data_helpers.INPUTS})
+  batch = next(loader)
+  assert batch["tokens"].sharding == sharding and batch["tokens"].shape == (8, 32)
+
+
 def test_the_convert_command_writes_array_record(tmp_path):
   import subprocess
   import sys
@@ -166,6 +192,13 @@ def test_two_processes_shard_documents_and_replicate_when_the_mesh_says_so(tmp_p
   assert first["replicated"]["ids"] == second["replicated"]["ids"]
   assert first["replicated"]["global_ok"] and second["replicated"]["global_ok"]
   assert first["resume_equal"] and second["resume_equal"]
+  assert first["eval_batches"] == second["eval_batches"] > 0
+  # The data item was written by 2 processes; this job has 1.
+  loader = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8), data_helpers.shardings(_mesh()))
+  state = dt.TrainState.create(apply_fn=None, params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.1))
+  with dt.CheckpointManager(tmp_path / "ckpt") as checkpoints:
+    with pytest.raises(ValueError, match=r"data-iterator state of 2 process\(es\); this job has 1"):
+      checkpoints.restore(state, data_iterator=loader)
 
 
 # --- bad input: one clear error at construction -------------------------------

@@ -112,8 +112,11 @@ def data_shard(sharding: jax.sharding.Sharding, global_batch_size: int) -> tuple
   Raises:
     ValueError: the batch does not split evenly over the mesh's batch axes.
   """
-  rank = max(1, len(getattr(sharding, "spec", ())))
-  indices = sharding.devices_indices_map((global_batch_size,) + (1,) * (rank - 1))
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    raise ValueError(f"Input shardings must be NamedShardings (from the planner), got {type(sharding).__name__}.")
+  # Only the batch dimension decides which rows a process holds.
+  batch_only = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:1]))
+  indices = batch_only.devices_indices_map((global_batch_size,))
   by_process: dict[int, set[tuple[int, int]]] = {}
   for device, index in indices.items():
     rows = index[0]
@@ -134,6 +137,8 @@ def data_shard(sharding: jax.sharding.Sharding, global_batch_size: int) -> tuple
 
 def _batch_divisor(sharding: jax.sharding.Sharding) -> int:
   """How many ways the mesh splits the batch dimension."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    raise ValueError(f"Input shardings must be NamedShardings (from the planner), got {type(sharding).__name__}.")
   spec = sharding.spec
   axes = spec[0] if len(spec) else None
   axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
@@ -177,6 +182,7 @@ class DataLoader:
       )
     self.shard_index, self.shard_count = data_shard(tokens_sharding, config.global_batch_size)
     self.local_batch_size = config.global_batch_size // self.shard_count
+    self._finite = num_epochs is not None
     self._iterator = self._build(split, num_epochs)
 
   def _build(self, split: str, num_epochs: int | None) -> Any:
@@ -190,6 +196,8 @@ class DataLoader:
     if config.eval_fraction > 0:
       n_eval = max(1, min(n_eval, len(docs) - 1))
     held_out = np.sort(order[:n_eval])
+    if split == "eval" and not n_eval:
+      raise ValueError("The eval split is empty: eval_fraction is 0.")
     indices = held_out if split == "eval" else np.sort(order[n_eval:])
     if len(indices) < self.shard_count:
       raise ValueError(f"The {split} split has {len(indices)} documents, fewer than {self.shard_count} shards.")
@@ -202,11 +210,14 @@ class DataLoader:
     ds = ds.repeat(num_epochs)
     ds = ds.map(lambda doc: {"tokens": tokenize(doc)})
     if not config.packing:
-      longest = max(len(tokenize(docs[int(i)])) for i in indices[: min(len(indices), 2000)])
+      # A sample spread over the split: reading every document of a large
+      # ArrayRecord corpus here would be too slow.
+      sample = indices[:: max(1, len(indices) // 2000)]
+      longest = max(len(tokenize(docs[int(i)])) for i in sample)
       if longest < seq:
         raise ValueError(
-            f"seq_len {config.seq_len} + 1 is longer than every {split} document (longest {longest} tokens) and"
-            " packing is off; lower seq_len or turn packing on."
+            f"seq_len {config.seq_len} + 1 is longer than every {split} document (longest {longest} tokens of"
+            f" {len(sample)} checked) and packing is off; lower seq_len or turn packing on."
         )
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=config.num_threads, prefetch_buffer_size=64))
     if config.num_workers:
@@ -218,18 +229,39 @@ class DataLoader:
       it = grain.experimental.ConcatThenSplitIterDataset(it, length_struct={"tokens": seq}).map(_shifted)
     else:
       it = it.filter(lambda ex: len(ex["tokens"]) >= seq).map(lambda ex: _unpacked(ex["tokens"][:seq]))
-    it = it.batch(self.local_batch_size, drop_remainder=True)
+    if split == "eval":
+      # Every held-out document counts: the last batch is padded with rows
+      # of weight 0 instead of being dropped.
+      it = it.batch(self.local_batch_size, drop_remainder=False).map(
+          lambda batch: _pad_rows(batch, self.local_batch_size))
+    else:
+      it = it.batch(self.local_batch_size, drop_remainder=True)
     return iter(it)
 
   def __iter__(self) -> Iterator[dict[str, jax.Array]]:
     return self
 
   def next_local(self) -> dict[str, np.ndarray]:
-    """This process's rows of the next batch, as numpy."""
+    """This process's rows of the next batch, as numpy (no cross-process
+    agreement at the end of a finite pass: use ``next(loader)`` in jobs)."""
     return next(self._iterator)
 
   def __next__(self) -> dict[str, jax.Array]:
-    return to_global(self.next_local(), self.input_shardings, self.config.global_batch_size)
+    if not (self._finite and jax.process_count() > 1):
+      return to_global(self.next_local(), self.input_shardings, self.config.global_batch_size)
+    # Shards of a finite pass hold different numbers of batches; every
+    # process must stop at the same step or the others wait in the next
+    # step's collectives forever. One tiny all-gather per batch decides.
+    from jax.experimental import multihost_utils
+
+    try:
+      local = self.next_local()
+    except StopIteration:
+      local = None
+    have = multihost_utils.process_allgather(np.array([local is not None], np.int32))
+    if not np.all(have):
+      raise StopIteration
+    return to_global(local, self.input_shardings, self.config.global_batch_size)
 
   # grain's checkpoint handler stores get_state() per process and calls
   # set_state() on restore; bytes keep our own checks beside grain's state.
@@ -302,6 +334,13 @@ def _shifted(packed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
       "positions": positions[:-1].astype(np.int32),
       "weights": same_document.astype(np.float32),
   }
+
+
+def _pad_rows(batch: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+  missing = rows - len(next(iter(batch.values())))
+  if not missing:
+    return dict(batch)
+  return {k: np.concatenate([v, np.zeros((missing,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
 
 
 def _unpacked(tokens: np.ndarray) -> dict[str, np.ndarray]:

@@ -67,4 +67,10 @@ fresh = data.DataLoader(packed, data_helpers.shardings(mesh))
 with dt.CheckpointManager(checkpoint_dir) as checkpoints:
   checkpoints.restore(state, data_iterator=fresh)
 result["resume_equal"] = [fresh.next_local()["tokens"].tolist() for _ in range(2)] == expected
+
+# 4. A finite pass (eval) ends at the same batch in every process, although
+#    packing leaves the two shards with different numbers of batches.
+eval_loader = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8), data_helpers.shardings(mesh),
+                              split="eval", num_epochs=1)
+result["eval_batches"] = sum(1 for _ in eval_loader)
 mp_harness.write_result(result)
