@@ -236,6 +236,12 @@ class DataLoader:
           lambda batch: _pad_rows(batch, self.local_batch_size))
     else:
       it = it.batch(self.local_batch_size, drop_remainder=True)
+    # Pack, batch and place on the devices ahead, in a background thread
+    # that overlaps the step (the device transfer alone is ~3 ms per batch on
+    # 8 emulated devices). Items keep the local rows for next_local().
+    shardings, global_batch = self.input_shardings, self.config.global_batch_size
+    it = it.map(lambda local: {"local": local, "global": to_global(local, shardings, global_batch)})
+    it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=2)
     return iter(it)
 
   def __iter__(self) -> Iterator[dict[str, jax.Array]]:
@@ -244,24 +250,24 @@ class DataLoader:
   def next_local(self) -> dict[str, np.ndarray]:
     """This process's rows of the next batch, as numpy (no cross-process
     agreement at the end of a finite pass: use ``next(loader)`` in jobs)."""
-    return next(self._iterator)
+    return next(self._iterator)["local"]
 
   def __next__(self) -> dict[str, jax.Array]:
     if not (self._finite and jax.process_count() > 1):
-      return to_global(self.next_local(), self.input_shardings, self.config.global_batch_size)
+      return next(self._iterator)["global"]
     # Shards of a finite pass hold different numbers of batches; every
     # process must stop at the same step or the others wait in the next
     # step's collectives forever. One tiny all-gather per batch decides.
     from jax.experimental import multihost_utils
 
     try:
-      local = self.next_local()
+      item = next(self._iterator)
     except StopIteration:
-      local = None
-    have = multihost_utils.process_allgather(np.array([local is not None], np.int32))
+      item = None
+    have = multihost_utils.process_allgather(np.array([item is not None], np.int32))
     if not np.all(have):
       raise StopIteration
-    return to_global(local, self.input_shardings, self.config.global_batch_size)
+    return item["global"]
 
   # grain's checkpoint handler stores get_state() per process and calls
   # set_state() on restore; bytes keep our own checks beside grain's state.
@@ -304,13 +310,16 @@ class DataLoader:
 def to_global(batch: Mapping[str, np.ndarray], input_shardings: Mapping[str, Any],
               global_batch_size: int) -> dict[str, jax.Array]:
   """Per-process numpy rows → global ``jax.Array``s on the input shardings."""
-  out = {}
-  for name, rows in batch.items():
-    if name not in input_shardings:
-      continue
-    global_shape = (global_batch_size,) + rows.shape[1:]
-    out[name] = jax.make_array_from_process_local_data(input_shardings[name], rows, global_shape)
-  return out
+  names = [name for name in batch if name in input_shardings]
+  if jax.process_count() == 1:
+    # One process holds every row: a single batched device_put is several
+    # times faster than assembling each array from process-local data.
+    return jax.device_put({n: batch[n] for n in names}, {n: input_shardings[n] for n in names})
+  return {
+      name: jax.make_array_from_process_local_data(
+          input_shardings[name], batch[name], (global_batch_size,) + batch[name].shape[1:])
+      for name in names
+  }
 
 
 def _tokenizer(tokenizer: Tokenizer | None) -> Callable[[Any], np.ndarray]:
