@@ -26,7 +26,7 @@ from __future__ import annotations
 import atexit
 import importlib.metadata
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -36,7 +36,7 @@ from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 
-from distrib_train.models.pytree import key_name
+from distrib_train.checkpoint_tree import fill_fields, flatten_fields, is_prng_key, nest, unnest
 from distrib_train.train_state import TrainState
 
 FORMAT_VERSION = 1
@@ -46,43 +46,6 @@ FORMAT_VERSION = 1
 SAVED_FIELDS = ("step", "root_rng", "params", "model_without_params", "opt_state", "loss_fn_state", "local_state")
 MODEL_FIELDS = ("params", "model_without_params", "local_state")
 _VERSIONED_PACKAGES = ("distrib_train", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore")
-
-
-def _is_prng_key(x: Any) -> bool:
-  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _flat(state: Any, fields: Sequence[str]) -> dict[tuple[str, ...], Any]:
-  """``(field, key, …) → leaf`` for the saved fields of a TrainState.
-
-  The ``.value`` step into an nnx Variable is dropped, as in pure dicts.
-  """
-  out = {}
-  for field in fields:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(state, field))[0]:
-      keys = tuple(key_name(e) for e in path if getattr(e, "name", None) != "value")
-      out[(field,) + keys] = leaf
-  return out
-
-
-def _nest(flat: Mapping[tuple[str, ...], Any]) -> dict[str, Any]:
-  root: dict[str, Any] = {}
-  for keys, leaf in flat.items():
-    node = root
-    for key in keys[:-1]:
-      node = node.setdefault(key, {})
-    node[keys[-1]] = leaf
-  return root
-
-
-def _unnest(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, Mapping):
-      out.update(_unnest(value, prefix + (str(key),)))
-    else:
-      out[prefix + (str(key),)] = value
-  return out
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -259,10 +222,10 @@ class CheckpointManager:
           f"Cannot save step {step}: {str(self.directory)!r} already holds step {latest}. After restoring an"
           " earlier step, delete the later checkpoints or save to another directory."
       )
-    flat = _flat(train_state, SAVED_FIELDS)
+    flat = flatten_fields(train_state, SAVED_FIELDS)
     prng_impls = {}
     for keys, leaf in list(flat.items()):
-      if _is_prng_key(leaf):
+      if is_prng_key(leaf):
         prng_impls["/".join(keys)] = str(jax.random.key_impl(leaf))
         flat[keys] = jax.random.key_data(leaf)
       elif not isinstance(leaf, jax.Array):
@@ -276,7 +239,7 @@ class CheckpointManager:
         "versions": _package_versions(),
         "run": self.metadata,
     }
-    items = {"state": ocp.args.PyTreeSave(_nest(flat)), "meta": ocp.args.JsonSave(meta)}
+    items = {"state": ocp.args.PyTreeSave(nest(flat)), "meta": ocp.args.JsonSave(meta)}
     if data_iterator is not None:
       items["data"] = _grain().checkpoint.CheckpointSave(data_iterator)
     return self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
@@ -327,7 +290,7 @@ class CheckpointManager:
           f" job has {jax.process_count()}. Restore without data_iterator (the data restarts from its beginning)."
       )
     if params_only:
-      abstract_rest = [name for name, leaf in _flat(target, ("step", "root_rng", "opt_state", "loss_fn_state")).items()
+      abstract_rest = [name for name, leaf in flatten_fields(target, ("step", "root_rng", "opt_state", "loss_fn_state")).items()
                        if isinstance(leaf, jax.ShapeDtypeStruct)]
       if abstract_rest:
         raise ValueError(
@@ -335,13 +298,13 @@ class CheckpointManager:
             " is abstract; pass a concrete state (e.g. plan.init(make_state))."
         )
     fields = MODEL_FIELDS if params_only else SAVED_FIELDS
-    wanted = _flat(target, fields)
+    wanted = flatten_fields(target, fields)
     prng_impls = meta.get("prng_impls", {})
     fallback = _replicated_sharding(target)
     abstract = {}
     for keys, leaf in wanted.items():
       sharding = getattr(leaf, "sharding", None) or fallback
-      if _is_prng_key(leaf):
+      if is_prng_key(leaf):
         data_shape = jax.eval_shape(jax.random.key_data, leaf)
         abstract[keys] = jax.ShapeDtypeStruct(data_shape.shape, data_shape.dtype, sharding=sharding)
       else:
@@ -350,27 +313,27 @@ class CheckpointManager:
     self._check_matches(step, abstract, partial=params_only)
 
     items = {"state": ocp.args.PyTreeRestore(
-        item=_nest(abstract),
-        restore_args=ocp.checkpoint_utils.construct_restore_args(_nest(abstract)),
+        item=nest(abstract),
+        restore_args=ocp.checkpoint_utils.construct_restore_args(nest(abstract)),
         partial_restore=params_only,
     )}
     if data_iterator is not None:
       if "data" not in self._manager.item_metadata(step):
         raise ValueError(f"Checkpoint step {step} in {str(self.directory)!r} holds no data-iterator state.")
       items["data"] = _grain().checkpoint.CheckpointRestore(data_iterator)
-    restored = _unnest(self._manager.restore(step, args=ocp.args.Composite(**items))["state"])
+    restored = unnest(self._manager.restore(step, args=ocp.args.Composite(**items))["state"])
 
     values = {}
     for keys, leaf in wanted.items():
       value = restored[keys]
-      if _is_prng_key(leaf):
+      if is_prng_key(leaf):
         value = jax.random.wrap_key_data(value, impl=prng_impls.get("/".join(keys), "threefry2x32"))
       values[keys] = value
-    return _fill(target, fields, values)
+    return fill_fields(target, fields, values)
 
   def _check_matches(self, step: int, abstract: Mapping[tuple[str, ...], Any], partial: bool) -> None:
     metadata = self._manager.item_metadata(step)["state"]
-    saved = {k: tuple(v.shape) for k, v in _unnest(metadata.tree if hasattr(metadata, "tree") else metadata).items()}
+    saved = {k: tuple(v.shape) for k, v in unnest(metadata.tree if hasattr(metadata, "tree") else metadata).items()}
     problems = []
     for keys, leaf in abstract.items():
       name = "/".join(keys)
@@ -436,15 +399,3 @@ def _replicated_sharding(target: TrainState) -> NamedSharding | None:
     if isinstance(sharding, NamedSharding):
       return NamedSharding(sharding.mesh, PartitionSpec())
   return None
-
-
-def _fill(target: TrainState, fields: Sequence[str], values: Mapping[tuple[str, ...], Any]) -> TrainState:
-  """``target`` with the leaves of ``fields`` replaced from ``values``."""
-  replaced = {}
-  for field in fields:
-    def put(path, leaf, field=field):
-      keys = (field,) + tuple(key_name(e) for e in path if getattr(e, "name", None) != "value")
-      return values[keys]
-
-    replaced[field] = jax.tree_util.tree_map_with_path(put, getattr(target, field))
-  return target.replace(**replaced)

@@ -1,9 +1,7 @@
 """The grain input pipeline: determinism, sharding, global arrays, resume, errors."""
 
-import json
 import pathlib
 
-import jax
 import numpy as np
 import optax
 import pytest

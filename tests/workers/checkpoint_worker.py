@@ -11,7 +11,6 @@ import mp_harness
 mp_harness.worker_init()
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import ckpt_helpers  # noqa: E402
 import distrib_train as dt  # noqa: E402

@@ -1,0 +1,162 @@
+"""``Plan``: the shardings the planner chose, their report, and sharded init.
+
+Made by ``MeshPlanner.plan`` (``planner.py``); consumed by
+``build_train_step_fn``, ``CheckpointManager.restore`` and the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from distrib_train.axis_rules import RuleSkip
+from distrib_train.models.pytree import path_str
+from distrib_train.train_state import TrainState
+
+_STATE_GROUPS = ("step", "root_rng", "params", "model_without_params", "opt_state", "loss_fn_state", "local_state")
+_NOT_STATE = ("inputs", "aux")
+_LARGE_UNANNOTATED_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+  """How one array is laid out: one row of the plan report."""
+
+  group: str
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  logical_axes: tuple[str | None, ...] | None
+  spec: PartitionSpec
+  bytes_per_device: int
+
+
+def logical_annotations_only():
+  """nnx variables annotated with logical names are not placed eagerly.
+
+  flax ≥ 0.12 shards an annotated variable when it is created, which needs
+  the names to be mesh axes; ours are logical names that the plan resolves.
+  """
+  from flax import nnx
+
+  return nnx.use_eager_sharding(False)
+
+
+def _human_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if n < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The shardings for one train state on one mesh, and how they were chosen.
+
+  Attributes:
+    mesh: the (Auto-typed) mesh every sharding refers to.
+    train_state_shardings: a ``TrainState`` whose leaves are ``NamedSharding``.
+    abstract_train_state: the same with ``jax.ShapeDtypeStruct`` leaves that
+      carry the shardings: a target for checkpoint restore and for lowering
+      the step ahead of time.
+    input_kwarg_shardings: input name → sharding (pytree), or None.
+    aux_output_shardings: shardings for the loss function's aux, or None.
+    entries: one ``PlanEntry`` per state, input and aux array.
+    skips: rules passed over because they did not divide a dimension.
+    unannotated: paths of params that had no logical axes (replicated).
+    unannotated_bytes: the full size of each of those params.
+    absent_inputs: names in ``input_axes`` that were not among the inputs.
+  """
+
+  mesh: Mesh
+  train_state_shardings: TrainState
+  abstract_train_state: TrainState
+  input_kwarg_shardings: dict[str, Any] | None
+  aux_output_shardings: Any
+  entries: tuple[PlanEntry, ...]
+  skips: tuple[RuleSkip, ...]
+  unannotated: tuple[str, ...]
+  unannotated_bytes: tuple[int, ...] = ()
+  absent_inputs: tuple[str, ...] = ()
+
+  def bytes_per_device(self) -> dict[str, int]:
+    """Bytes each device holds, per group (params, opt_state, …)."""
+    totals = {group: 0 for group in _STATE_GROUPS + _NOT_STATE}
+    for entry in self.entries:
+      totals[entry.group] = totals.get(entry.group, 0) + entry.bytes_per_device
+    return totals
+
+  def report(self) -> str:
+    """A table of every array's layout, the totals per device, and skips."""
+    mesh_desc = " × ".join(f"{n}={s}" for n, s in self.mesh.shape.items())
+    lines = [f"Plan on mesh {mesh_desc} ({self.mesh.size} devices)"]
+    header = ("group", "path", "shape", "dtype", "logical axes", "spec", "bytes/device")
+    rows = [header]
+    for e in self.entries:
+      axes = "-" if e.logical_axes is None else "(" + ", ".join(str(a) for a in e.logical_axes) + ")"
+      spec = "P(" + ", ".join(repr(s) for s in e.spec) + ")"
+      rows.append((e.group, e.path or "-", str(e.shape), e.dtype, axes, spec, _human_bytes(e.bytes_per_device)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+      lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    totals = self.bytes_per_device()
+    state_total = sum(n for g, n in totals.items() if g not in _NOT_STATE)
+    lines.append(
+        "Per device: "
+        + ", ".join(f"{g} {_human_bytes(totals[g])}" for g in ("params", "opt_state", "loss_fn_state", "local_state"))
+        + f"; whole train state {_human_bytes(state_total)}"
+    )
+    if self.skips:
+      lines.append(f"Rule skips ({len(self.skips)}):")
+      lines.extend(f"  {s}" for s in self.skips)
+    large = [(p, n) for p, n in zip(self.unannotated, self.unannotated_bytes) if n > _LARGE_UNANNOTATED_BYTES]
+    if large:
+      lines.append(f"Params over 1 MiB with no logical axes, replicated on every device ({len(large)}):")
+      lines.extend(f"  {p} ({_human_bytes(n)})" for p, n in large)
+    if self.absent_inputs:
+      lines.append(f"input_axes for inputs not given (ignored): {', '.join(self.absent_inputs)}")
+    if len(self.unannotated) > len(large):
+      lines.append(f"Smaller params with no logical axes, replicated: {len(self.unannotated) - len(large)}")
+    return "\n".join(lines)
+
+  def init(self, init_fn: Callable[..., TrainState], *args: Any) -> TrainState:
+    """Runs ``init_fn(*args)`` under ``jax.jit`` with the planned shardings.
+
+    Each device computes only its own shards; no device ever holds a whole
+    sharded array.
+
+    Raises:
+      ValueError: ``init_fn`` builds a state unlike the planned one.
+    """
+    with logical_annotations_only():
+      abstract = jax.eval_shape(init_fn, *args)
+    got = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    want = [e for e in self.entries if e.group not in _NOT_STATE]
+    if len(got) != len(want):
+      raise ValueError(
+          f"init_fn builds a state with {len(got)} arrays; the plan has {len(want)}. Plan the state init_fn builds."
+      )
+    for (path, leaf), entry in zip(got, want):
+      if tuple(leaf.shape) != entry.shape or str(leaf.dtype) != entry.dtype:
+        raise ValueError(
+            f"init_fn builds {path_str(path)} as {leaf.dtype}{list(leaf.shape)}; the plan has"
+            f" {entry.group}/{entry.path} as {entry.dtype}{list(entry.shape)}."
+        )
+    treedef_seen = []
+    def flat_init(*a):
+      leaves, treedef = jax.tree_util.tree_flatten(init_fn(*a))
+      treedef_seen.append(treedef)
+      return leaves
+
+    # Leaves cross the jit boundary as a flat list: init_fn may build a new
+    # (equal) optimizer object, whose static metadata would not match the
+    # plan's in a pytree of shardings. The static parts are init_fn's own.
+    shardings = jax.tree_util.tree_leaves(self.train_state_shardings)
+    with logical_annotations_only():
+      leaves = jax.jit(flat_init, out_shardings=shardings)(*args)
+    return jax.tree_util.tree_unflatten(treedef_seen[-1], leaves)
