@@ -18,6 +18,9 @@ setuptools.setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["distrib_train", "distrib_train.*"]),
+    package_data={"distrib_train": ["configs/*.yaml"]},
+    data_files=[("share/distrib_train/mesh_configs", sorted(str(p) for p in pathlib.Path("mesh_configs").glob("*.yaml")))],
+    entry_points={"console_scripts": ["distrib-train=distrib_train.train:run"]},
     install_requires=[
         "jax>=0.10,<0.12",
         "flax>=0.12",
@@ -28,6 +31,8 @@ setuptools.setup(
         "grain>=0.2.12",
         "PyYAML>=6.0",
         "numpy>=1.26",
+        "rich>=13",
+        "tensorboardX>=2.6",
     ],
     extras_require={
         "tpu": ["jax[tpu]>=0.10,<0.12"],

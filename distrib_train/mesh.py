@@ -217,6 +217,43 @@ class MeshConfig:
     return cls.from_dict(data, source=os.path.basename(os.fspath(path)))
 
 
+def mesh_config_dirs() -> list[str]:
+  """Where ``find_mesh_config`` looks for a named mesh config, in order:
+  ``./mesh_configs``, the checkout this package runs from, and the copy a
+  regular (non-editable) install puts under ``<prefix>/share/distrib_train``."""
+  import sys
+
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  candidates = [os.path.join(os.getcwd(), "mesh_configs"), os.path.join(here, "mesh_configs"),
+                os.path.join(sys.prefix, "share", "distrib_train", "mesh_configs")]
+  out = []
+  for d in candidates:
+    if os.path.isdir(d) and d not in out:
+      out.append(d)
+  return out
+
+
+def find_mesh_config(name_or_path: str | os.PathLike) -> str:
+  """The file a mesh config name (``cpu-8``) or path refers to.
+
+  Raises:
+    ValueError: no such file; the message lists the named configs found.
+  """
+  text = os.fspath(name_or_path)
+  if text.endswith((".yaml", ".yml")) or os.sep in text:
+    if not os.path.isfile(os.path.expanduser(text)):
+      raise ValueError(f"Mesh config file {text!r} does not exist.")
+    return os.path.expanduser(text)
+  names = set()
+  for d in mesh_config_dirs():
+    path = os.path.join(d, f"{text}.yaml")
+    if os.path.isfile(path):
+      return path
+    names.update(f[:-5] for f in os.listdir(d) if f.endswith(".yaml"))
+  raise ValueError(f"No mesh config named {text!r}; known: {', '.join(sorted(names)) or 'none found'}"
+                   " (or give a .yaml path).")
+
+
 def _granules(devices: Sequence[Any]) -> tuple[int, bool]:
   """Counts granules: slices when devices span several, else processes.
 

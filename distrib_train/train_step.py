@@ -23,6 +23,7 @@ from distrib_train.mesh import as_auto_mesh
 from distrib_train.train_state import LossStatePyTree, ModelPyTree, PRNGKeyArray, TrainState
 
 AuxOutPyTree = Any
+_NUM_DYNAMIC_ARGS = 8  # the jitted core's arguments before the static ones
 
 
 class LossFunction(Protocol):
@@ -186,6 +187,7 @@ class TrainStep:
           out_shardings=out_shardings,
       )
     self._core = core
+    self._compiled = None
 
   def _args(self, train_state: TrainState, inputs: Mapping[str, Any]):
     if not isinstance(train_state, TrainState):
@@ -234,7 +236,7 @@ class TrainStep:
 
   def __call__(self, train_state: TrainState, **inputs: Any) -> tuple[TrainState, AuxOutPyTree]:
     with self._mesh_context():
-      params, opt_state, loss_fn_state, local_state, aux = self._core(*self._args(train_state, inputs))
+      params, opt_state, loss_fn_state, local_state, aux = self._run(self._args(train_state, inputs))
       new_state = train_state.replace(
           step=train_state.step + 1,
           params=params,
@@ -244,12 +246,27 @@ class TrainStep:
       )
     return new_state, aux
 
+  def _run(self, args: tuple[Any, ...]) -> Any:
+    if self._compiled is not None:
+      return self._compiled(*args[:_NUM_DYNAMIC_ARGS])
+    return self._core(*args)
+
   def lower(self, train_state: TrainState, **inputs: Any) -> jax.stages.Lowered:
     """Lowers the jitted step for these (possibly abstract) arguments."""
     if not hasattr(self._core, "lower"):
       raise ValueError("This step was built with jit=False; there is nothing to lower.")
     with self._mesh_context():
       return self._core.lower(*self._args(train_state, inputs))
+
+  def compile(self, train_state: TrainState, **inputs: Any) -> jax.stages.Compiled:
+    """Compiles ahead of time for these (possibly abstract) arguments.
+
+    Later calls run the compiled executable directly (no tracing); they must
+    then match these shapes, dtypes and shardings exactly. Returns the
+    ``jax.stages.Compiled`` (``memory_analysis()``, ``cost_analysis()``).
+    """
+    self._compiled = self.lower(train_state, **inputs).compile()
+    return self._compiled
 
 
 def build_train_step_fn(
@@ -300,7 +317,7 @@ class EvalStep(TrainStep):
 
   def __call__(self, train_state: TrainState, **inputs: Any) -> AuxOutPyTree:
     with self._mesh_context():
-      return self._core(*self._args(train_state, inputs))
+      return self._run(self._args(train_state, inputs))
 
 
 def build_eval_step_fn(

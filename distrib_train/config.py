@@ -1,0 +1,395 @@
+"""The run configuration: typed sections, YAML files and ``--set`` overrides.
+
+An experiment is four small sections::
+
+  model:      name: llama, preset: tiny, and any field of the model's config
+              (remat: full, scan_layers: false, attention: cudnn, …)
+  optimizer:  adamw / adam / sgd, learning rate, schedule, warmup, clipping
+  data:       source, paths, seq_len, global_batch_size, …  (DataConfig)
+  train:      steps, seed, log / eval / checkpoint intervals, non-finite
+              policy, compilation cache, profiling, peak FLOP/s
+
+plus ``mesh_config`` (a file in ``mesh_configs/`` or a path). ``load``
+reads a YAML file (or a preset shipped in ``distrib_train/configs/``) over
+the defaults, applies ``key=value`` overrides and checks every key and type
+before anything runs; mistakes raise ``ConfigError`` naming the key, with
+the closest valid keys for a misspelling.
+
+Not for: building the optimizer (``optimizers.py``) or running (``trainer.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import pathlib
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+PRESETS_DIR = pathlib.Path(__file__).resolve().parent / "configs"
+NONFINITE_POLICIES = ("skip", "halt", "rollback")
+
+
+class ConfigError(ValueError):
+  """A configuration mistake; the message names the key or file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """Optimizer and learning-rate schedule.
+
+  The schedule warms up linearly from 0 over ``warmup_steps``, then follows
+  ``schedule`` (``constant``, ``cosine`` or ``linear``) down to
+  ``learning_rate * min_lr_ratio`` at ``decay_steps`` (0: the run's steps).
+  """
+
+  name: str = "adamw"
+  learning_rate: float = 3e-4
+  schedule: str = "cosine"
+  warmup_steps: int = 0
+  decay_steps: int = 0
+  min_lr_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  grad_clip_norm: float = 1.0  # 0: no clipping
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+  """What ``distrib_train.data.DataConfig`` gets (see its docstring)."""
+
+  source: str = "pydoc"
+  paths: tuple[str, ...] = ()
+  seq_len: int = 128
+  global_batch_size: int = 32
+  seed: int = 0
+  packing: bool = True
+  eval_fraction: float = 0.05
+  num_workers: int = 0
+  num_threads: int = 4
+  synthetic_documents: int = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The loop.
+
+  Attributes:
+    steps: total optimizer steps (a resumed run continues up to it).
+    seed: the model-init and step-key seed.
+    log_every: steps per metrics line (and per host sync for metrics).
+    eval_every: steps between evaluations (0: only at the end).
+    eval_batches: batches per evaluation (0: the whole held-out split).
+    checkpoint_every: steps between checkpoints (0: only at the end).
+    keep_checkpoints: newest checkpoints kept.
+    async_checkpoint: write checkpoints in the background.
+    nonfinite: what a non-finite loss or gradient does: ``skip`` (drop the
+      update and count it), ``halt`` (stop with a message, no checkpoint) or
+      ``rollback`` (restore the last checkpoint, move past the batch).
+    max_nonfinite: consecutive skipped steps, or rollbacks without a clean
+      checkpoint in between, before the run halts anyway.
+    compilation_cache_dir: persistent XLA compilation cache ('' disables).
+    peak_tflops: per-device peak for MFU (0: look the device kind up; CPU
+      has none).
+    rules: axis rules (a rule-set name) when the mesh config names none.
+  """
+
+  steps: int = 200
+  seed: int = 0
+  log_every: int = 10
+  eval_every: int = 0
+  eval_batches: int = 0
+  checkpoint_every: int = 0
+  keep_checkpoints: int = 3
+  async_checkpoint: bool = True
+  nonfinite: str = "skip"
+  max_nonfinite: int = 10
+  compilation_cache_dir: str = "~/.cache/distrib_train/xla"
+  peak_tflops: float = 0.0
+  rules: str = "fsdp_tensor"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  """A reference model (``distrib_train.models.get``) and field overrides."""
+
+  name: str = "llama"
+  preset: str = "tiny"
+  overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """A whole experiment."""
+
+  model: ModelSection = ModelSection()
+  optimizer: OptimizerConfig = OptimizerConfig()
+  data: DataSection = DataSection()
+  train: TrainConfig = TrainConfig()
+  mesh_config: str = "cpu-8"
+
+  def to_dict(self) -> dict[str, Any]:
+    """Plain, YAML-able values (model overrides inlined into ``model``)."""
+    out = dataclasses.asdict(self)
+    model = out.pop("model")
+    out = {"model": {"name": model["name"], "preset": model["preset"], **dict(model["overrides"])}, **out}
+    out["data"]["paths"] = list(out["data"]["paths"])
+    return out
+
+  def to_yaml(self) -> str:
+    return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+  def model_recipe(self):
+    """The ``ModelRecipe`` this config names (config fields overridden)."""
+    from distrib_train import models
+
+    return models.get(self.model.name, self.model.preset, **dict(self.model.overrides))
+
+  def data_config(self):
+    """This config's ``distrib_train.data.DataConfig``."""
+    from distrib_train.data.pipeline import DataConfig
+
+    return DataConfig(**dataclasses.asdict(self.data))
+
+
+_SECTIONS = {"optimizer": OptimizerConfig, "data": DataSection, "train": TrainConfig}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+  hints = typing.get_type_hints(cls)
+  return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _closest(key: str, known: Sequence[str]) -> str:
+  close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+  if close:
+    return f"did you mean {', '.join(close)}?"
+  return f"valid keys: {', '.join(sorted(known))}."
+
+
+def valid_keys(model_fields: Sequence[str] = ()) -> list[str]:
+  """Every ``section.key`` a config or ``--set`` accepts."""
+  keys = ["mesh_config", "model.name", "model.preset"] + [f"model.{f}" for f in model_fields]
+  for section, cls in _SECTIONS.items():
+    keys += [f"{section}.{f.name}" for f in dataclasses.fields(cls)]
+  return keys
+
+
+def _coerce(value: Any, kind: Any, key: str) -> Any:
+  """``value`` as ``kind``; strings (from ``--set`` or YAML) are parsed."""
+  def wrong(what: str) -> ConfigError:
+    return ConfigError(f"{key} must be {what}, got {value!r}.")
+
+  origin = typing.get_origin(kind)
+  if origin is tuple:
+    if isinstance(value, str):
+      value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+      raise wrong("a list of strings (a,b,c)")
+    return tuple(value)
+  if kind is bool:
+    if isinstance(value, bool):
+      return value
+    if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+      return value.lower() in ("true", "yes", "1", "on")
+    raise wrong("true or false")
+  if kind is int:
+    if isinstance(value, bool):
+      raise wrong("an integer")
+    if isinstance(value, int):
+      return value
+    if isinstance(value, str):
+      try:
+        return int(value)
+      except ValueError:
+        pass
+    raise wrong("an integer")
+  if kind is float:
+    if isinstance(value, bool):
+      raise wrong("a number")
+    if isinstance(value, (int, float)):
+      return float(value)
+    if isinstance(value, str):
+      try:
+        return float(value)
+      except ValueError:
+        pass
+    raise wrong("a number")
+  if kind is str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return str(value)
+    if not isinstance(value, str):
+      raise wrong("a string")
+    return value
+  raise ConfigError(f"{key}: unsupported type {kind}.")  # pragma: no cover - a field type this code lacks
+
+
+def _model_field_types(name: str, preset: str) -> dict[str, type]:
+  """Field → type of the named model's config, from the preset's values."""
+  from distrib_train import models
+
+  try:
+    recipe = models.get(name, preset)
+  except ValueError as e:
+    raise ConfigError(f"model: {e}") from None
+  config = recipe.config
+  return {f.name: type(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
+def _flat(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+  """``{"train": {"steps": 5}}`` → ``{"train.steps": 5}``."""
+  out = {}
+  for key, value in raw.items():
+    key = str(key)
+    if key in ("model",) + tuple(_SECTIONS):
+      if value is None:
+        continue
+      if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: section {key!r} must be a mapping, got {value!r}.")
+      for sub, v in value.items():
+        out[f"{key}.{sub}"] = v
+    else:
+      out[key] = value
+  return out
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+  """One YAML file as a mapping (``ConfigError`` names the file)."""
+  try:
+    with open(path) as f:
+      raw = yaml.safe_load(f)
+  except OSError as e:
+    raise ConfigError(f"Cannot read config {str(path)!r}: {e.strerror}.") from None
+  except yaml.YAMLError as e:
+    raise ConfigError(f"Config {str(path)!r} is not valid YAML: {e}".replace("\n", " ")) from None
+  if raw is None:
+    return {}
+  if not isinstance(raw, Mapping):
+    raise ConfigError(f"Config {str(path)!r} must be a mapping of sections, got {type(raw).__name__}.")
+  return dict(raw)
+
+
+def preset_names() -> list[str]:
+  return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def config_path(name_or_path: str) -> pathlib.Path:
+  """A preset name (``tiny``, ``llama-1b-gpu``) or a YAML path, as a path."""
+  path = pathlib.Path(name_or_path).expanduser()
+  if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+    if not path.is_file():
+      raise ConfigError(f"Config file {name_or_path!r} does not exist.")
+    return path
+  preset = PRESETS_DIR / f"{name_or_path}.yaml"
+  if not preset.is_file():
+    raise ConfigError(
+        f"No config preset {name_or_path!r}; presets: {', '.join(preset_names())} (or give a .yaml path)."
+    )
+  return preset
+
+
+def parse_overrides(assignments: Sequence[str]) -> dict[str, str]:
+  """``["train.steps=5", …]`` → ``{"train.steps": "5", …}``."""
+  out = {}
+  for item in assignments:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+      raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set train.steps=100.")
+    out[key.strip()] = value.strip()
+  return out
+
+
+def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str = "config") -> Config:
+  """A checked ``Config`` from nested YAML-like values and flat overrides.
+
+  Raises:
+    ConfigError: an unknown key (with the closest valid ones), a value of the
+      wrong type, or an invalid value.
+  """
+  values = _flat(raw, where)
+  for key, value in dict(overrides).items():
+    values[key] = value
+  name = _coerce(values.pop("model.name", "llama"), str, "model.name")
+  preset = _coerce(values.pop("model.preset", "tiny"), str, "model.preset")
+  model_types = _model_field_types(name, preset)
+  known = valid_keys(sorted(model_types))
+  sections: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+  model_overrides: dict[str, Any] = {}
+  mesh_config = Config.mesh_config
+  for key, value in values.items():
+    if key == "mesh_config":
+      mesh_config = _coerce(value, str, key)
+      continue
+    section, _, field = key.partition(".")
+    if section == "model" and field in model_types:
+      model_overrides[field] = _coerce(value, model_types[field], key)
+    elif section in _SECTIONS and field in (types_ := _field_types(_SECTIONS[section])):
+      sections[section][field] = _coerce(value, types_[field], key)
+    else:
+      raise ConfigError(f"Unknown config key {key!r} ({where}); {_closest(key, known)}")
+  try:
+    config = Config(
+        model=ModelSection(name, preset, model_overrides),
+        optimizer=OptimizerConfig(**sections["optimizer"]),
+        data=DataSection(**sections["data"]),
+        train=TrainConfig(**sections["train"]),
+        mesh_config=mesh_config,
+    )
+  except TypeError as e:  # pragma: no cover - keys are checked above
+    raise ConfigError(str(e)) from None
+  _check(config)
+  return config
+
+
+def _check(config: Config) -> None:
+  o, t = config.optimizer, config.train
+  if o.name not in ("adamw", "adam", "sgd"):
+    raise ConfigError(f"optimizer.name must be adamw, adam or sgd, got {o.name!r}.")
+  if o.schedule not in ("constant", "cosine", "linear"):
+    raise ConfigError(f"optimizer.schedule must be constant, cosine or linear, got {o.schedule!r}.")
+  if o.learning_rate <= 0:
+    raise ConfigError(f"optimizer.learning_rate must be positive, got {o.learning_rate!r}.")
+  for key in ("warmup_steps", "decay_steps"):
+    if getattr(o, key) < 0:
+      raise ConfigError(f"optimizer.{key} must be 0 or more, got {getattr(o, key)!r}.")
+  if not 0.0 <= o.min_lr_ratio <= 1.0:
+    raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio!r}.")
+  if t.steps < 1:
+    raise ConfigError(f"train.steps must be at least 1, got {t.steps!r}.")
+  for key in ("log_every", "keep_checkpoints", "max_nonfinite"):
+    if getattr(t, key) < 1:
+      raise ConfigError(f"train.{key} must be at least 1, got {getattr(t, key)!r}.")
+  for key in ("eval_every", "eval_batches", "checkpoint_every"):
+    if getattr(t, key) < 0:
+      raise ConfigError(f"train.{key} must be 0 or more, got {getattr(t, key)!r}.")
+  if t.nonfinite not in NONFINITE_POLICIES:
+    raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {t.nonfinite!r}.")
+  try:
+    config.data_config()
+    config.model_recipe()
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  vocab = getattr(config.model_recipe().config, "vocab_size", None)
+  if vocab is not None and vocab < 256:
+    raise ConfigError(f"model.vocab_size {vocab} is below 256, the byte-level vocabulary of the data sources.")
+
+
+def load(config: str | None = None, overrides: Sequence[str] | Mapping[str, Any] = ()) -> Config:
+  """A config from a preset name or YAML path (or the defaults), overridden.
+
+  Args:
+    config: a preset name (see ``preset_names()``) or a YAML path.
+    overrides: ``key=value`` strings (``--set``) or a mapping.
+  """
+  raw = read_yaml(config_path(config)) if config else {}
+  where = f"config {config!r}" if config else "config"
+  if not isinstance(overrides, Mapping):
+    overrides = parse_overrides(overrides)
+  return build(raw, overrides, where)
+

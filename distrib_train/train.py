@@ -1,0 +1,108 @@
+"""The command line: ``python -m distrib_train.train`` / ``distrib-train``.
+
+  distrib-train --config tiny --workdir /tmp/run --cpu_devices 8
+  distrib-train --config llama-1b-gpu --mesh_config gpu-1x8xh100 \\
+      --workdir gs://bucket/run --set optimizer.learning_rate=2e-4
+
+``--config`` is a preset name (``distrib_train/configs/``) or a YAML file;
+``--set section.key=value`` overrides one key (repeatable, typed);
+``--mesh_config`` a name in ``mesh_configs/`` or a path. A mistake in the
+flags or the config prints one ``error:`` line and exits with status 2
+before anything is written. Exit status: 0 finished, preempted (after the
+checkpoint) or already done; 2 bad flags or config; 3 stopped by the
+non-finite guard.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from absl import app, flags, logging
+
+_CONFIG = flags.DEFINE_string("config", None, "Experiment preset name or YAML path (default: the built-in defaults).")
+_MESH = flags.DEFINE_string("mesh_config", None, "Mesh config: a name in mesh_configs/ or a YAML path.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: config, metrics, checkpoints (resumed from).")
+_SET = flags.DEFINE_multi_string("set", [], "Override a config key: --set train.steps=100 (repeatable).")
+_STEPS = flags.DEFINE_integer("steps", None, "Total train steps (same as --set train.steps=N).")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None, "Run on CPU, emulating this many devices per process.")
+_PROFILE = flags.DEFINE_string("profile_steps", None, "Trace steps A:B with the jax profiler into workdir/profile.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process jobs).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in the job.")
+
+
+class UsageError(Exception):
+  pass
+
+
+def _profile_steps(text: str | None) -> tuple[int, int] | None:
+  if not text:
+    return None
+  first, sep, last = text.partition(":")
+  try:
+    a, b = int(first), int(last if sep else first)
+  except ValueError:
+    raise UsageError(f"--profile_steps {text!r}: expected A:B (step numbers), e.g. --profile_steps 10:12.") from None
+  if a < 1 or b < a:
+    raise UsageError(f"--profile_steps {text!r}: need 1 ≤ A ≤ B.")
+  return a, b
+
+
+def _fail(message: str) -> None:
+  print(f"distrib-train: error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def _parse_flags(argv: Sequence[str]) -> list[str]:
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(str(e))
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    _fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags take the form --name=value).")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO; -v 0 brings it back
+  from distrib_train import config as config_lib
+
+  try:
+    if not _WORKDIR.value:
+      raise UsageError("--workdir is required.")
+    profile = _profile_steps(_PROFILE.value)
+    overrides = config_lib.parse_overrides(_SET.value)
+    if _STEPS.value is not None:
+      overrides["train.steps"] = str(_STEPS.value)
+    if _MESH.value:
+      overrides["mesh_config"] = _MESH.value
+    config = config_lib.load(_CONFIG.value, overrides)
+  except (UsageError, config_lib.ConfigError) as e:
+    _fail(str(e))
+
+  from distrib_train import distributed
+
+  try:
+    distributed.initialize(coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
+                           process_id=_PROCESS_ID.value, cpu_devices=_CPU_DEVICES.value)
+  except ValueError as e:
+    _fail(str(e))
+  from distrib_train.trainer import EXIT_HALTED, Trainer, TrainerSetupError
+
+  try:
+    trainer = Trainer(config, _WORKDIR.value, profile_steps=profile)
+    result = trainer.run()
+  except TrainerSetupError as e:
+    _fail(str(e))
+  if result.status == "halted":
+    sys.exit(EXIT_HALTED)
+
+
+def run() -> None:
+  """The ``distrib-train`` console script."""
+  app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+  run()

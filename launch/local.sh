@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The local demo: the tiny Llama trained by N real processes × K emulated CPU
+# devices on one machine (default 2 × 4), joined by jax.distributed through
+# a coordinator on 127.0.0.1, with checkpoints in $WORKDIR. Run it again and
+# it resumes from the last checkpoint (and, once done, stops at once).
+#
+#   bash launch/local.sh                       # creates .venv, installs, trains
+#   bash launch/local.sh --steps 500           # flags go to every process
+#   WORKDIR=/tmp/other NPROC=1 DEVICES=8 bash launch/local.sh
+#
+# Environment: VENV (default <repo>/.venv), WORKDIR (default
+# /tmp/distrib_train_demo), NPROC, DEVICES, CONFIG (default tiny),
+# MESH_CONFIG (default cpu-2proc for 2 processes, else cpu-8), TIMEOUT
+# (seconds, default 900). Process 0 prints to the terminal; the others log
+# to $WORKDIR/logs/. If one process fails, the others are stopped.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv}"
+WORKDIR="${WORKDIR:-/tmp/distrib_train_demo}"
+NPROC="${NPROC:-2}"
+DEVICES="${DEVICES:-4}"
+CONFIG="${CONFIG:-tiny}"
+TIMEOUT="${TIMEOUT:-900}"
+if [[ -z "${MESH_CONFIG:-}" ]]; then
+  if [[ "$NPROC" == 2 && "$DEVICES" == 4 ]]; then MESH_CONFIG=cpu-2proc; else MESH_CONFIG=cpu-8; fi
+fi
+
+start=$(date +%s)
+if [[ ! -x "$VENV/bin/python" ]]; then
+  echo "Creating a virtualenv in $VENV"
+  python3 -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import distrib_train, grain, tensorboardX" 2>/dev/null; then
+  echo "Installing distrib_train into $VENV"
+  "$VENV/bin/pip" install --quiet --upgrade pip
+  "$VENV/bin/pip" install --quiet -e "$ROOT"
+fi
+echo "Environment ready in $(( $(date +%s) - start )) s"
+
+PORT="$("$VENV/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+mkdir -p "$WORKDIR/logs"
+pids=()
+stop_all() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+}
+trap 'stop_all; exit 143' TERM INT
+
+for ((i = 0; i < NPROC; i++)); do
+  args=(-m distrib_train.train --config "$CONFIG" --mesh_config "$MESH_CONFIG" --workdir "$WORKDIR"
+        --cpu_devices "$DEVICES" "$@")
+  if (( NPROC > 1 )); then
+    args+=(--coordinator_address "127.0.0.1:$PORT" --num_processes "$NPROC" --process_id "$i")
+  fi
+  if (( i == 0 )); then
+    timeout --signal=TERM --kill-after=30 "$TIMEOUT" "$VENV/bin/python" "${args[@]}" &
+  else
+    timeout --signal=TERM --kill-after=30 "$TIMEOUT" "$VENV/bin/python" "${args[@]}" \
+      > "$WORKDIR/logs/process_$i.log" 2>&1 &
+  fi
+  pids+=($!)
+done
+
+status=0
+for ((n = 0; n < NPROC; n++)); do
+  if ! wait -n; then
+    status=1
+    echo "A process failed; stopping the others (logs in $WORKDIR/logs/)." >&2
+    stop_all
+    break
+  fi
+done
+wait || true
+echo "Finished with status $status in $(( $(date +%s) - start )) s; workdir $WORKDIR"
+exit "$status"
