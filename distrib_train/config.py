@@ -167,9 +167,18 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 def _closest(key: str, known: Sequence[str]) -> str:
-  close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+  """Suggestions for a mistyped key: close spellings, then keys that start
+  with (or contain) what was typed, in the same section first."""
+  section, _, field = key.rpartition(".")
+  close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
+  if field:
+    same = [k for k in known if k.rpartition(".")[0] == section]
+    initials = lambda k: "".join(w[:1] for w in k.rpartition(".")[2].split("_"))
+    close = [k for k in same if initials(k) == field and "_" in k] + close  # lr → learning_rate
+    close += [k for k in same if k.rpartition(".")[2].startswith(field[:2]) and k not in close]
+    close += [k for k in difflib.get_close_matches(key, same, n=3, cutoff=0.5) if k not in close]
   if close:
-    return f"did you mean {', '.join(close)}?"
+    return f"did you mean {', '.join(close[:3])}?"
   return f"valid keys: {', '.join(sorted(known))}."
 
 

@@ -95,6 +95,7 @@ class MeshConfig:
   dcn: tuple[int, ...] | None = None
   rules: AxisRules | None = dataclasses.field(default=None, compare=False)
   source: str = dataclasses.field(default="mesh config", compare=False)
+  devices: int | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     where = self.source
@@ -196,6 +197,7 @@ class MeshConfig:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
           raise ValueError(f"{source}: {key!r} must be a positive integer, got {value!r}.")
       mesh_config.resolve(counts["devices"], counts["granules"])
+      mesh_config = dataclasses.replace(mesh_config, devices=counts["devices"])
     return mesh_config
 
   @classmethod
@@ -274,7 +276,8 @@ def build_mesh(config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh
   ``create_hybrid_device_mesh`` when any DCN size is not 1.
 
   Args:
-    config: the mesh config.
+    config: the mesh config; one that declares ``devices`` must get that
+      many.
     devices: devices to use; defaults to ``jax.devices()``.
 
   Returns:
@@ -284,6 +287,12 @@ def build_mesh(config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh
     ValueError: the sizes do not fit the devices.
   """
   devices = list(jax.devices() if devices is None else devices)
+  if config.devices is not None and len(devices) != config.devices:
+    raise ValueError(
+        f"{config.source} is for {config.devices} devices; this job has {len(devices)}"
+        f" ({jax.process_count()} process(es), {devices[0].device_kind}). Pick a mesh config for"
+        f" {len(devices)} devices."
+    )
   num_granules, process_is_granule = _granules(devices)
   ici, dcn = config.resolve(len(devices), num_granules)
   if config.is_hybrid:

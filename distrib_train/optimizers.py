@@ -37,7 +37,7 @@ def record_grad_norm() -> optax.GradientTransformation:
 
   def update(updates, state, params=None):
     del state, params
-    return updates, GradNormState(optax.global_norm(updates).astype(jnp.float32))
+    return updates, GradNormState(optax.tree.norm(updates).astype(jnp.float32))
 
   return optax.GradientTransformation(init, update)
 

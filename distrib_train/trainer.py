@@ -87,12 +87,20 @@ class _Rollback(Exception):
 
 
 def setup_compilation_cache(directory: str) -> str | None:
-  """Points JAX's persistent compilation cache at ``directory`` ('' : off)."""
+  """Points JAX's persistent compilation cache at ``directory`` ('' : off).
+
+  Takes effect even when this process compiled something before (JAX
+  decides whether to use the cache once, at the first compile).
+  """
+  from jax.experimental.compilation_cache import compilation_cache
+
   if not directory:
     return None
   path = os.path.abspath(os.path.expanduser(directory))
   os.makedirs(path, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", path)
+  if jax.config.jax_compilation_cache_dir != path:
+    jax.config.update("jax_compilation_cache_dir", path)
+    compilation_cache.reset_cache()
   # Cache every executable, the small ones too: a relaunch then compiles nothing.
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -243,9 +251,10 @@ class Trainer:
           self.loss_fn, train_state_shardings=plan.train_state_shardings,
           input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings)
       compile_start = time.perf_counter()
-      compiled = train_step.compile(plan.abstract_train_state.replace(step=step), **self.inputs)
-      writer.log(f"Train step compiled in {time.perf_counter() - compile_start:.1f} s; "
-                 + _memory_line(compiled))
+      with _CacheEvents() as cache:
+        compiled = train_step.compile(plan.abstract_train_state.replace(step=step), **self.inputs)
+      source = "from the persistent cache" if cache.hits and not cache.misses else "compiled"
+      writer.log(f"Train step {source} in {time.perf_counter() - compile_start:.1f} s; " + _memory_line(compiled))
       return self._loop(state, step, plan, loader, ckpt, train_step, eval_step, preemption, started)
     finally:
       preemption.close()
@@ -454,6 +463,25 @@ class Trainer:
     self.writer.write(step, {"loss": eval_loss, "tokens": count, "batches": batches,
                              "seconds": time.perf_counter() - start}, prefix="eval/")
     return eval_loss
+
+
+class _CacheEvents:
+  """Counts persistent-cache hits and misses while it is entered."""
+
+  def __enter__(self):
+    self.hits = self.misses = 0
+    jax.monitoring.register_event_listener(self._on_event)
+    return self
+
+  def _on_event(self, event: str, **kwargs: Any) -> None:
+    del kwargs
+    if event == "/jax/compilation_cache/cache_hits":
+      self.hits += 1
+    elif event == "/jax/compilation_cache/cache_misses":
+      self.misses += 1
+
+  def __exit__(self, *exc_info: Any) -> None:
+    jax.monitoring.unregister_event_listener(self._on_event)
 
 
 def _memory_line(compiled: Any) -> str:

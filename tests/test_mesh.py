@@ -142,3 +142,11 @@ def test_more_bad_yaml_files_are_rejected_naming_the_file(tmp_path, text, messag
 def test_sizes_that_are_not_a_sequence_are_a_value_error():
   with pytest.raises(ValueError, match=r"ici must be a sequence of sizes"):
     dt.MeshConfig(("a",), 8)
+
+
+def test_a_config_declaring_its_device_count_refuses_another(tmp_path):
+  path = tmp_path / "pod.yaml"
+  path.write_text("devices: 16\naxes: {data: 1, fsdp: -1}\n")
+  config = dt.MeshConfig.from_yaml(path)
+  with pytest.raises(ValueError, match=r"pod.yaml is for 16 devices; this job has 8 \(1 process\(es\), cpu\)"):
+    dt.build_mesh(config)
