@@ -1,16 +1,103 @@
-"""Starting JAX: CPU emulation and the multi-process runtime.
+"""Starting JAX for one process of a job: cluster detection, emulation, topology.
 
-``initialize(...)`` must run before any other JAX call. It sets the number
-of emulated CPU devices (``cpu_devices``) and, for a job of several
-processes, joins JAX's distributed runtime (``jax.distributed.initialize``:
-a coordinator at ``coordinator_address``, gloo collectives on CPU).
+``initialize(...)`` must run before any other JAX call. What it does:
+
+- **Explicit job** (``coordinator_address`` + ``num_processes`` +
+  ``process_id``, from arguments or the ``DT_COORDINATOR_ADDRESS``,
+  ``DT_NUM_PROCESSES``, ``DT_PROCESS_ID`` environment variables): joins it
+  through ``jax.distributed.initialize``. A loopback coordinator listens on
+  loopback only.
+- **Detected cluster** (nothing given): JAX's own cluster detection — Open
+  MPI, SLURM, GKE TPU, Cloud TPU VM, Kubernetes — fills in everything.
+  Nothing detected: a single process.
+- **SLURM GPU**: one process per GPU is JAX's mapping (``local_device_ids``
+  = ``[SLURM_LOCALID]``). For one process per node pass
+  ``local_device_ids="all"`` (or set ``DT_LOCAL_DEVICE_IDS=all``): every GPU
+  the node shows is used — forgetting it is how jobs end up with one GPU
+  per node.
+- **CPU emulation** (``cpu_devices``): N devices per process; collectives
+  between processes go through gloo.
+- Timeouts for joining and for heartbeats (a dead process brings the others
+  down after ``heartbeat_timeout`` seconds instead of hanging them).
+
+``topology()`` describes the job in one line (process 0 logs it).
+
+Not for: building the mesh (``mesh.py``) or launching processes (``launch/``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
+import subprocess
+from collections.abc import Sequence
 
 import jax
+
+_LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+  """How this process joins its job (what ``initialize`` decided)."""
+
+  mode: str  # "single", "explicit" or "detected:<cluster>"
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  local_device_ids: tuple[int, ...] | None = None
+
+
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  if value in (None, ""):
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"Environment variable {name}={value!r} must be an integer.") from None
+
+
+def detected_cluster() -> str | None:
+  """The cluster JAX's auto-detection would use here (None: none)."""
+  try:
+    from jax._src import clusters
+  except ImportError:  # pragma: no cover - the module moved; then trust jax.distributed
+    return None
+  for cluster in clusters.ClusterEnv._cluster_types:  # JAX's own detectors, in JAX's order
+    try:
+      if getattr(cluster, "opt_in_only_method", False):
+        continue
+      if cluster.is_env_present():
+        return cluster.__name__
+    except Exception:  # a detector that cannot tell (no metadata server, say) is not this cluster
+      continue
+  return None
+
+
+def visible_gpu_ids() -> list[int]:
+  """The GPUs this node shows, without starting a JAX backend.
+
+  From ``CUDA_VISIBLE_DEVICES`` (as many as it lists), else SLURM's
+  ``SLURM_GPUS_ON_NODE``, else ``nvidia-smi -L``.
+
+  Raises:
+    ValueError: no GPUs could be found.
+  """
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible:
+    return list(range(len([v for v in visible.split(",") if v.strip()])))
+  on_node = _env_int("SLURM_GPUS_ON_NODE")
+  if on_node:
+    return list(range(on_node))
+  if shutil.which("nvidia-smi"):
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    count = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    if count:
+      return list(range(count))
+  raise ValueError("local_device_ids='all' but no GPUs were found (CUDA_VISIBLE_DEVICES, SLURM_GPUS_ON_NODE and"
+                   " nvidia-smi show none).")
 
 
 def initialize(
@@ -18,39 +105,98 @@ def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    local_device_ids: Sequence[int] | str | None = None,
     cpu_devices: int | None = None,
-) -> None:
-  """Prepares JAX for this process of the job.
+    initialization_timeout: int = 300,
+    heartbeat_timeout: int = 100,
+    auto_detect: bool = True,
+) -> JobSpec:
+  """Prepares JAX for this process of the job; call it before any JAX use.
 
   Args:
-    coordinator_address: ``host:port`` of process 0's coordinator; with
-      ``num_processes`` > 1.
-    num_processes: processes in the job (None or 1: a single process).
+    coordinator_address: ``host:port`` of process 0's coordinator.
+    num_processes: processes in the job.
     process_id: this process's index.
-    cpu_devices: emulate this many CPU devices (and run on CPU).
+    local_device_ids: devices this process uses (GPU ids), or ``"all"``
+      for every GPU on the node (one process per node).
+    cpu_devices: run on CPU with this many emulated devices.
+    initialization_timeout: seconds to wait for every process to join.
+    heartbeat_timeout: seconds without a heartbeat after which a process
+      counts as dead and the job stops.
+    auto_detect: use JAX's cluster detection when nothing is given.
+
+  Returns:
+    What was decided.
 
   Raises:
-    ValueError: an incomplete multi-process setup (named).
+    ValueError: an incomplete or inconsistent setup (named), before any
+      connection is tried.
   """
+  coordinator_address = coordinator_address or os.environ.get("DT_COORDINATOR_ADDRESS") or None
+  num_processes = num_processes if num_processes is not None else _env_int("DT_NUM_PROCESSES")
+  process_id = process_id if process_id is not None else _env_int("DT_PROCESS_ID")
+  if local_device_ids is None and os.environ.get("DT_LOCAL_DEVICE_IDS"):
+    local_device_ids = os.environ["DT_LOCAL_DEVICE_IDS"]
+  for name, value in (("initialization_timeout", initialization_timeout), ("heartbeat_timeout", heartbeat_timeout)):
+    if value < 1:
+      raise ValueError(f"{name} must be at least 1 second, got {value}.")
   if cpu_devices is not None:
     if cpu_devices < 1:
       raise ValueError(f"cpu_devices must be at least 1, got {cpu_devices}.")
     os.environ["JAX_PLATFORMS"] = "cpu"
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", cpu_devices)
-  if num_processes is None or num_processes == 1:
-    return
-  missing = [name for name, value in (("coordinator_address", coordinator_address), ("process_id", process_id))
-             if value is None]
-  if missing:
-    raise ValueError(f"A job of {num_processes} processes needs {' and '.join(missing)}.")
-  if not 0 <= process_id < num_processes:
-    raise ValueError(f"process_id {process_id} is outside 0..{num_processes - 1}.")
-  host = coordinator_address.rsplit(":", 1)[0]
-  # A loopback coordinator (one machine) listens on loopback only.
-  bind = coordinator_address if host in ("127.0.0.1", "localhost", "[::1]") else None
-  jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                             process_id=process_id, coordinator_bind_address=bind)
+  if isinstance(local_device_ids, str):
+    if local_device_ids == "all":
+      local_device_ids = visible_gpu_ids()
+    else:
+      try:
+        local_device_ids = [int(v) for v in local_device_ids.split(",") if v.strip()]
+      except ValueError:
+        raise ValueError(f"local_device_ids must be 'all' or a comma-separated list of ids, got "
+                         f"{local_device_ids!r}.") from None
+  ids = None if local_device_ids is None else tuple(int(i) for i in local_device_ids)
+  timeouts = dict(initialization_timeout=initialization_timeout, heartbeat_timeout_seconds=heartbeat_timeout)
+
+  explicit = [v is not None for v in (coordinator_address, num_processes, process_id)]
+  if any(explicit):
+    if num_processes == 1 and coordinator_address is None:
+      return JobSpec("single")
+    if not all(explicit):
+      missing = [n for n, given in zip(("coordinator_address", "num_processes", "process_id"), explicit)
+                 if not given]
+      raise ValueError(f"A multi-process job needs coordinator_address, num_processes and process_id; missing"
+                       f" {', '.join(missing)} (flags or DT_* environment variables).")
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+      raise ValueError(f"process_id {process_id} is outside 0..{num_processes - 1} (num_processes {num_processes}).")
+    if ":" not in coordinator_address:
+      raise ValueError(f"coordinator_address {coordinator_address!r} must be host:port.")
+    host = coordinator_address.rsplit(":", 1)[0]
+    bind = coordinator_address if host in _LOOPBACK else None
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id, local_device_ids=ids, coordinator_bind_address=bind,
+                               **timeouts)
+    return JobSpec("explicit", coordinator_address, num_processes, process_id, ids)
+  cluster = detected_cluster() if auto_detect else None
+  if cluster is None:
+    if ids is not None:
+      raise ValueError("local_device_ids only applies to a multi-process job (none was given or detected).")
+    return JobSpec("single")
+  jax.distributed.initialize(local_device_ids=ids, **timeouts)
+  return JobSpec(f"detected:{cluster}", local_device_ids=ids)
+
+
+def topology() -> str:
+  """One line: processes, devices per process, device kind, slices."""
+  devices = jax.devices()
+  per_process = len(jax.local_devices())
+  kinds = sorted({d.device_kind for d in devices})
+  slices = {getattr(d, "slice_index", None) for d in devices} - {None}
+  line = (f"{jax.process_count()} process(es) × {per_process} device(s) = {len(devices)} {'/'.join(kinds)}"
+          f" device(s), platform {devices[0].platform}")
+  if len(slices) > 1:
+    line += f", {len(slices)} slices"
+  return line
 
 
 def is_multiprocess() -> bool:

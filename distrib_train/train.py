@@ -15,6 +15,7 @@ non-finite guard.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -30,6 +31,12 @@ _PROFILE = flags.DEFINE_string("profile_steps", None, "Trace steps A:B with the 
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process jobs).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in the job.")
+_LOCAL_DEVICE_IDS = flags.DEFINE_string(
+    "local_device_ids", None, "GPUs this process uses: 'all' (one process per node) or ids '0,1'; default: JAX's"
+    " choice (SLURM: one process per GPU).")
+_INIT_TIMEOUT = flags.DEFINE_integer("initialization_timeout", 300, "Seconds to wait for every process to join.")
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    "heartbeat_timeout", 100, "Seconds without a heartbeat before a process counts as dead and the job stops.")
 
 
 class UsageError(Exception):
@@ -85,7 +92,9 @@ def main(argv: Sequence[str]) -> None:
 
   try:
     distributed.initialize(coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
-                           process_id=_PROCESS_ID.value, cpu_devices=_CPU_DEVICES.value)
+                           process_id=_PROCESS_ID.value, local_device_ids=_LOCAL_DEVICE_IDS.value,
+                           cpu_devices=_CPU_DEVICES.value, initialization_timeout=_INIT_TIMEOUT.value,
+                           heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
   except ValueError as e:
     _fail(str(e))
   from distrib_train.trainer import EXIT_HALTED, Trainer, TrainerSetupError
@@ -95,6 +104,17 @@ def main(argv: Sequence[str]) -> None:
     result = trainer.run()
   except TrainerSetupError as e:
     _fail(str(e))
+  except Exception as e:
+    if not distributed.is_multiprocess():
+      raise
+    # Another process has most likely died; cleaning up would wait for it in
+    # a collective or barrier. Say so and leave at once.
+    import jax
+
+    print(f"distrib-train: error: process {jax.process_index()} of {jax.process_count()} stopped:"
+          f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} — if another process died, its log"
+          " has the cause.", file=sys.stderr, flush=True)
+    os._exit(1)
   if result.status == "halted":
     sys.exit(EXIT_HALTED)
 

@@ -227,9 +227,9 @@ class Trainer:
       self.workdir.mkdir(parents=True, exist_ok=True)
     writer = metrics_lib.MetricWriter(self.workdir if primary else None, t.steps, console=self.console)
     self.writer = writer
-    devices = jax.devices()
-    writer.log(f"{jax.process_count()} process(es), {len(devices)} {devices[0].device_kind} device(s); mesh "
-               + " × ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
+    from distrib_train import distributed
+
+    writer.log(f"{distributed.topology()}; mesh " + " × ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
                + f"; compilation cache: {cache_dir or 'off'}")
     writer.log(plan.report())
     ckpt = CheckpointManager(self.workdir / "checkpoints", max_to_keep=t.keep_checkpoints,

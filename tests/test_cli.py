@@ -233,8 +233,35 @@ def test_local_demo_script_trains_then_resumes_at_once(tmp_path, xla_cache):
           "--set", f"train.compilation_cache_dir={xla_cache}"]
   first = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
   assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
-  assert "2 process(es), 8 cpu device(s)" in first.stderr and "eval/loss" in first.stderr
+  assert "2 process(es) × 4 device(s) = 8 cpu device(s)" in first.stderr and "eval/loss" in first.stderr
   assert "Finished with status 0" in first.stdout
   second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
   assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
   assert "Step 6 of 6 is already done" in second.stderr
+
+
+def test_a_dead_process_stops_the_others_with_a_message(tmp_path, xla_cache):
+  """kill -9 one of two processes: the survivor exits non-zero, saying why,
+  within the heartbeat timeout — it never hangs."""
+  workdir = tmp_path / "run"
+  port = free_port()
+  procs = [
+      cli("--workdir", str(workdir), "--cpu_devices", "4", "--mesh_config", "cpu-2proc", "--steps", "100000",
+          "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i),
+          "--heartbeat_timeout", "10", *SMALL, cache=xla_cache, popen=True)
+      for i in range(2)
+  ]
+  try:
+    _wait_for_step(workdir, procs[0], 3)
+    killed_at = time.time()
+    os.killpg(procs[1].pid, signal.SIGKILL)
+    output, _ = procs[0].communicate(timeout=60)
+    elapsed = time.time() - killed_at
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+  assert procs[0].returncode != 0
+  assert elapsed < 10 + 30, elapsed
+  assert ("another process died" in output or "another task died" in output
+          or "process 0 of 2 stopped" in output), output[-3000:]

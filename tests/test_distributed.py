@@ -1,0 +1,60 @@
+"""distributed.initialize: the choices it makes and the mistakes it names
+(a real multi-process join is in test_cli, test_multiprocess and test_slurm)."""
+
+import pytest
+
+from distrib_train import distributed
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+  for name in ("DT_COORDINATOR_ADDRESS", "DT_NUM_PROCESSES", "DT_PROCESS_ID", "DT_LOCAL_DEVICE_IDS",
+               "CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE", "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
+               "SLURM_PROCID", "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri"):
+    monkeypatch.delenv(name, raising=False)
+
+
+def test_nothing_given_and_no_cluster_is_a_single_process():
+  assert distributed.detected_cluster() is None
+  assert distributed.initialize() == distributed.JobSpec("single")
+  assert distributed.initialize(num_processes=1) == distributed.JobSpec("single")
+
+
+def test_slurm_is_detected_by_jax_own_detector(monkeypatch):
+  for name, value in (("SLURM_JOB_ID", "7"), ("SLURM_STEP_NODELIST", "node[1-2]"), ("SLURM_NTASKS", "2"),
+                      ("SLURM_PROCID", "0"), ("SLURM_LOCALID", "0")):
+    monkeypatch.setenv(name, value)
+  assert distributed.detected_cluster() == "SlurmCluster"
+
+
+@pytest.mark.parametrize("kwargs, env, message", [
+    (dict(num_processes=2), {}, "missing coordinator_address, process_id"),
+    (dict(coordinator_address="h:1", num_processes=2, process_id=2), {}, "process_id 2 is outside 0..1"),
+    (dict(coordinator_address="host", num_processes=2, process_id=0), {}, "must be host:port"),
+    (dict(), {"DT_NUM_PROCESSES": "2", "DT_PROCESS_ID": "0"}, "missing coordinator_address"),
+    (dict(), {"DT_NUM_PROCESSES": "two"}, "DT_NUM_PROCESSES='two' must be an integer"),
+    (dict(heartbeat_timeout=0), {}, "heartbeat_timeout must be at least 1 second"),
+    (dict(local_device_ids="0,x"), {}, "comma-separated list of ids"),
+    (dict(local_device_ids=[0, 1]), {}, "local_device_ids only applies to a multi-process job"),
+])
+def test_mistakes_are_named_before_connecting(monkeypatch, kwargs, env, message):
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  with pytest.raises(ValueError, match=message):
+    distributed.initialize(**kwargs)
+
+
+def test_all_local_gpus(monkeypatch):
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5")
+  assert distributed.visible_gpu_ids() == [0, 1, 2]
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+  monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")
+  assert distributed.visible_gpu_ids() == list(range(8))
+  monkeypatch.delenv("SLURM_GPUS_ON_NODE")
+  monkeypatch.setenv("PATH", "/nonexistent")
+  with pytest.raises(ValueError, match="no GPUs were found"):
+    distributed.visible_gpu_ids()
+
+
+def test_topology_line():
+  assert distributed.topology() == "1 process(es) × 8 device(s) = 8 cpu device(s), platform cpu"
