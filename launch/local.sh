@@ -7,6 +7,7 @@
 #   bash launch/local.sh                       # creates .venv, installs, trains
 #   bash launch/local.sh --steps 500           # flags go to every process
 #   WORKDIR=/tmp/other NPROC=1 DEVICES=8 bash launch/local.sh
+#   bash launch/local.sh --dry-run             # print the commands, run nothing
 #
 # Environment: VENV (default <repo>/.venv), WORKDIR (default
 # /tmp/distrib_train_demo), NPROC, DEVICES, CONFIG (default tiny),
@@ -15,6 +16,12 @@
 # to $WORKDIR/logs/. If one process fails, the others are stopped.
 set -euo pipefail
 
+DRY_RUN=0
+case "${1:-}" in
+  -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  --dry-run) DRY_RUN=1; shift ;;
+esac
+
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 WORKDIR="${WORKDIR:-/tmp/distrib_train_demo}"
@@ -22,11 +29,30 @@ NPROC="${NPROC:-2}"
 DEVICES="${DEVICES:-4}"
 CONFIG="${CONFIG:-tiny}"
 TIMEOUT="${TIMEOUT:-900}"
+for name in NPROC DEVICES TIMEOUT; do
+  if [[ ! "${!name}" =~ ^[1-9][0-9]*$ ]]; then
+    echo "local.sh: error: $name must be a positive integer, got '${!name}'." >&2
+    exit 2
+  fi
+done
 if [[ -z "${MESH_CONFIG:-}" ]]; then
   if [[ "$NPROC" == 2 && "$DEVICES" == 4 ]]; then MESH_CONFIG=cpu-2proc; else MESH_CONFIG=cpu-8; fi
 fi
 
 start=$(date +%s)
+if (( DRY_RUN )); then
+  if [[ ! -x "$VENV/bin/python" ]]; then printf '%q ' python3 -m venv "$VENV"; echo; fi
+  printf '%q ' "$VENV/bin/pip" install -e "$ROOT"; echo
+  for ((i = 0; i < NPROC; i++)); do
+    cmd=("$VENV/bin/python" -m distrib_train.train --config "$CONFIG" --mesh_config "$MESH_CONFIG"
+         --workdir "$WORKDIR" --cpu_devices "$DEVICES" "$@")
+    if (( NPROC > 1 )); then
+      cmd+=(--coordinator_address "127.0.0.1:PORT" --num_processes "$NPROC" --process_id "$i")
+    fi
+    printf '%q ' timeout "$TIMEOUT" "${cmd[@]}"; echo
+  done
+  exit 0
+fi
 if [[ ! -x "$VENV/bin/python" ]]; then
   echo "Creating a virtualenv in $VENV"
   python3 -m venv "$VENV"

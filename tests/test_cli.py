@@ -265,3 +265,20 @@ def test_a_dead_process_stops_the_others_with_a_message(tmp_path, xla_cache):
   assert elapsed < 10 + 30, elapsed
   assert ("another process died" in output or "another task died" in output
           or "process 0 of 2 stopped" in output), output[-3000:]
+
+
+def test_local_demo_script_help_dry_run_and_bad_input():
+  script = str(ROOT / "launch" / "local.sh")
+  help_text = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, timeout=30).stdout
+  assert "NPROC" in help_text and "--dry-run" in help_text
+  env = dict(os.environ, VENV=sys.prefix, NPROC="2", DEVICES="4", WORKDIR="/tmp/w")
+  out = subprocess.run(["bash", script, "--dry-run", "--steps", "7"], env=env, capture_output=True, text=True,
+                       timeout=30)
+  lines = out.stdout.strip().splitlines()
+  assert out.returncode == 0 and len(lines) == 3, out.stdout  # install + 2 processes
+  for i, line in enumerate(lines[1:]):
+    assert line.startswith("timeout 900 ") and "-m distrib_train.train --config tiny --mesh_config cpu-2proc" in line
+    assert f"--workdir /tmp/w --cpu_devices 4 --steps 7 --coordinator_address 127.0.0.1:PORT" in line
+    assert line.rstrip().endswith(f"--num_processes 2 --process_id {i}")
+  out = subprocess.run(["bash", script], env=dict(env, NPROC="two"), capture_output=True, text=True, timeout=30)
+  assert out.returncode == 2 and "NPROC must be a positive integer, got 'two'" in out.stderr
