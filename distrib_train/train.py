@@ -62,6 +62,10 @@ def _fail(message: str) -> None:
 
 
 def _parse_flags(argv: Sequence[str]) -> list[str]:
+  if any(arg in ("-h", "--help", "-help", "--helpshort") for arg in argv[1:]):
+    # absl's own --help exits 1 and, from the console script, lists no flags.
+    print(__doc__.strip() + "\n\nFlags:\n" + flags.FLAGS.module_help(__name__))
+    sys.exit(0)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
