@@ -63,5 +63,5 @@ def test_script_refuses_bad_input_and_dry_runs_outside_slurm(tmp_path):
   assert ("srun --kill-on-bad-exit=1 --unbuffered --ntasks-per-node=1 --ntasks=2 python3 -u -m distrib_train.train"
           " --config tiny --workdir /x --local_device_ids all") in out.stdout
   assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out.stdout
-  out = run("--config", "tiny", "--workdir", "/x", DRY_RUN="1", CPU_DEVICES="2")
+  out = run("--dry-run", "--config", "tiny", "--workdir", "/x", CPU_DEVICES="2")
   assert "--cpu_devices 2" in out.stdout and "xla_gpu" not in out.stdout
