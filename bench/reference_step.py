@@ -21,7 +21,8 @@ Example::
   params = init_params(config, jax.random.key(0))
   optimizer = optax.adamw(3e-4)
   step = make_train_step(config, optimizer)
-  params, opt_state, loss = step(params, optimizer.init(params), tokens, targets)
+  tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, 256)
+  params, opt_state, loss = step(params, optimizer.init(params), tokens[:, :-1], tokens[:, 1:])
 """
 
 from __future__ import annotations

@@ -218,14 +218,7 @@ class FrameworkRun:
                                           input_kwarg_shardings=plan.input_kwarg_shardings,
                                           aux_output_shardings=plan.aux_output_shardings)
     start = time.perf_counter()
-    if setting.compiler_options:
-      # TrainStep.compile takes no compiler options (yet): compile the lowered
-      # step with them and install the executable where compile() puts it.
-      compiled = self.step_fn.lower(self.state, **self.batch).compile(
-          compiler_options=dict(setting.compiler_options))
-      self.step_fn._compiled = compiled
-    else:
-      compiled = self.step_fn.compile(self.state, **self.batch)
+    compiled = self.step_fn.compile(self.state, compiler_options=setting.compiler_options or None, **self.batch)
     self.compile_s = time.perf_counter() - start
     self.temp_gib = _temp_gib(compiled)
     self.loss = None
@@ -427,10 +420,13 @@ def run_shape(shape_name: str, args: argparse.Namespace, table: Table, mesh: Any
       reference.release_state()
       row = _run_setting(shape_name, setting, args, mesh, batch_of(setting.batch), seq_len, flops_per_token, peak,
                          None, ref_config)
-      row["note"] = "sequential: both states did not fit; " + row.get("note", "")
+      row["note"] = "; ".join(filter(None, ["sequential: out of memory with both states", row.get("note")]))
     if row.get("tokens_per_s") and row.get("ratio") is None and ref_alone:
       row["ratio"] = row["tokens_per_s"] / (base.batch * seq_len / ref_alone)
       row["mode"] = "sequential"
+      row["note"] = "; ".join(filter(None, [row.get("note"), "ratio to the reference's solo timing"]))
+    if row.get("ratio") is not None and setting.batch != base.batch:
+      row["note"] = "; ".join(filter(None, [row.get("note"), f"ratio of tokens/s, the reference at B={base.batch}"]))
     row.pop("oom", None)
     table.add(row)
   if reference is not None:
@@ -441,7 +437,7 @@ def _run_setting(shape_name: str, setting: Setting, args: argparse.Namespace, me
                  seq_len: int, flops_per_token: int, peak: float | None, reference: ReferenceRun | None,
                  ref_config: reference_step.ReferenceConfig) -> dict[str, Any]:
   """One framework setting, timed alone or interleaved with ``reference``; errors become the row."""
-  label, note, oom = setting.label(), "", False
+  label, notes, oom = setting.label(), [], False
   try:
     if reference is not None:
       reference.ensure_state()
@@ -452,22 +448,24 @@ def _run_setting(shape_name: str, setting: Setting, args: argparse.Namespace, me
       free, need = _free_bytes(), max(run.temp_gib or 0, reference.temp_gib or 0) * 2**30
       if free is not None and need > 0.95 * free:
         reference.release_state()
-        note = f"sequential: step needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free with both states"
+        notes.append(f"sequential: the step needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free with both"
+                     " states")
       else:
         runners.append(reference)
     seconds, first = time_steps(runners, args.warmup, args.steps, args.window)
     row = {**_summary(shape_name, "framework", label, seconds["framework"], setting.batch, seq_len,
                       flops_per_token, peak),
            "compile_s": run.compile_s, "temp_gib": run.temp_gib, "loss_step0": first["framework"],
-           "loss_last": float(run.loss), "params": run.config.num_params(), "mode": "alone", "note": note}
+           "loss_last": float(run.loss), "params": run.config.num_params(), "mode": "alone"}
     if "reference" in seconds:
       ref_median = statistics.median(seconds["reference"])
       row.update(mode="interleaved", ref_step_ms=ref_median * 1e3,
                  ratio=row["tokens_per_s"] / (reference.tokens.size / ref_median))
-      row["note"] = (row["note"] + f" reference {ref_median * 1e3:.2f} ms in the same rounds").strip()
+      notes.append(f"reference {ref_median * 1e3:.2f} ms in the same rounds")
     if same_init is not None:
       row["ref_loss_same_init"] = same_init
-      row["note"] = (row["note"] + f" reference loss on these initial params {same_init:.4f}").strip()
+      notes.append(f"reference loss on these initial params {same_init:.4f}")
+    row["note"] = "; ".join(notes)
   except Exception as error:  # one failing setting must not end the sweep
     row = {"shape": shape_name, "path": "framework", "setting": label, "error": _describe(error)}
     oom = _is_oom(error)
@@ -499,7 +497,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--ref_layers", choices=("scan", "unroll"), help="default: as --scan / --no_scan")
   parser.add_argument("--check_same_init", action="store_true",
                       help="also compute the reference's loss on the framework's initial params (always for tiny)")
-  parser.add_argument("--xla_flags", default="", help="appended to XLA_FLAGS after a check in a subprocess")
+  parser.add_argument("--xla_flags", default="", help="appended to XLA_FLAGS after a check in a subprocess; write"
+                      " --xla_flags='--xla_a=1 --xla_b=2' (with '=')")
   parser.add_argument("--compilation_cache", help="persistent XLA cache dir ('' off; default /tmp/... off CPU)")
   parser.add_argument("--peak_tflops", type=float, default=0.0, help="peak for MFU where the device is unknown")
   parser.add_argument("--time_budget", type=float, default=0.0, help="seconds; later settings are skipped")
@@ -531,7 +530,8 @@ def main(argv: list[str] | None = None) -> None:
       "device_kind": device.device_kind, "platform": device.platform, "device_count": jax.device_count(),
       "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version(),
       "optax": optax.__version__, "peak_tflops": None if peak is None else peak / 1e12,
-      "xla_flags": os.environ.get("XLA_FLAGS", ""), "xla_flags_rejected": _XLA_FLAG_REPORT["rejected"],
+      "xla_flags": os.environ.get("XLA_FLAGS", ""), "xla_flags_requested": _XLA_FLAG_REPORT["requested"],
+      "xla_flags_rejected": _XLA_FLAG_REPORT["rejected"],
       "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "compilation_cache": cache,
       "argv": sys.argv[1:],
   }

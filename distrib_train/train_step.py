@@ -258,14 +258,22 @@ class TrainStep:
     with self._mesh_context():
       return self._core.lower(*self._args(train_state, inputs))
 
-  def compile(self, train_state: TrainState, **inputs: Any) -> jax.stages.Compiled:
+  def compile(self, train_state: TrainState, *, compiler_options: Mapping[str, Any] | None = None,
+              **inputs: Any) -> jax.stages.Compiled:
     """Compiles ahead of time for these (possibly abstract) arguments.
 
     Later calls run the compiled executable directly (no tracing); they must
     then match these shapes, dtypes and shardings exactly. Returns the
     ``jax.stages.Compiled`` (``memory_analysis()``, ``cost_analysis()``).
+
+    Args:
+      train_state: a concrete or abstract state.
+      compiler_options: XLA options for this executable only (e.g.
+        ``{"xla_gpu_enable_latency_hiding_scheduler": True}``).
+      **inputs: the step's inputs (arrays or ``jax.ShapeDtypeStruct``).
     """
-    self._compiled = self.lower(train_state, **inputs).compile()
+    lowered = self.lower(train_state, **inputs)
+    self._compiled = lowered.compile(dict(compiler_options)) if compiler_options else lowered.compile()
     return self._compiled
 
 
