@@ -24,11 +24,14 @@ import dataclasses
 import difflib
 import os
 import pathlib
+import sys
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
+
+from distrib_train.data.pipeline import DataConfig
 
 PRESETS_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 NONFINITE_POLICIES = ("skip", "halt", "rollback")
@@ -58,22 +61,6 @@ class OptimizerConfig:
   eps: float = 1e-8
   weight_decay: float = 0.0
   grad_clip_norm: float = 1.0  # 0: no clipping
-
-
-@dataclasses.dataclass(frozen=True)
-class DataSection:
-  """What ``distrib_train.data.DataConfig`` gets (see its docstring)."""
-
-  source: str = "pydoc"
-  paths: tuple[str, ...] = ()
-  seq_len: int = 128
-  global_batch_size: int = 32
-  seed: int = 0
-  packing: bool = True
-  eval_fraction: float = 0.05
-  num_workers: int = 0
-  num_threads: int = 4
-  synthetic_documents: int = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,13 +117,14 @@ class Config:
 
   model: ModelSection = ModelSection()
   optimizer: OptimizerConfig = OptimizerConfig()
-  data: DataSection = DataSection()
+  data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
   mesh_config: str = "cpu-8"
 
   def to_dict(self) -> dict[str, Any]:
     """Plain, YAML-able values (model overrides inlined into ``model``)."""
     out = dataclasses.asdict(self)
+    out["data"] = {k: v for k, v in out["data"].items() if k not in _NOT_CONFIG_KEYS}
     model = out.pop("model")
     out = {"model": {"name": model["name"], "preset": model["preset"], **dict(model["overrides"])}, **out}
     out["data"]["paths"] = list(out["data"]["paths"])
@@ -151,19 +139,19 @@ class Config:
 
     return models.get(self.model.name, self.model.preset, **dict(self.model.overrides))
 
-  def data_config(self):
-    """This config's ``distrib_train.data.DataConfig``."""
-    from distrib_train.data.pipeline import DataConfig
-
-    return DataConfig(**dataclasses.asdict(self.data))
+  def data_config(self) -> DataConfig:
+    """This config's ``distrib_train.data.DataConfig`` (the ``data`` section)."""
+    return self.data
 
 
-_SECTIONS = {"optimizer": OptimizerConfig, "data": DataSection, "train": TrainConfig}
+_SECTIONS = {"optimizer": OptimizerConfig, "data": DataConfig, "train": TrainConfig}
+# Fields set from code, not from a config file (a tokenizer is a function).
+_NOT_CONFIG_KEYS = ("tokenizer",)
 
 
 def _field_types(cls: type) -> dict[str, Any]:
-  hints = typing.get_type_hints(cls)
-  return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+  hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+  return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name not in _NOT_CONFIG_KEYS}
 
 
 def _closest(key: str, known: Sequence[str]) -> str:
@@ -186,7 +174,7 @@ def valid_keys(model_fields: Sequence[str] = ()) -> list[str]:
   """Every ``section.key`` a config or ``--set`` accepts."""
   keys = ["mesh_config", "model.name", "model.preset"] + [f"model.{f}" for f in model_fields]
   for section, cls in _SECTIONS.items():
-    keys += [f"{section}.{f.name}" for f in dataclasses.fields(cls)]
+    keys += [f"{section}.{name}" for name in _field_types(cls)]
   return keys
 
 
@@ -346,11 +334,11 @@ def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str 
     config = Config(
         model=ModelSection(name, preset, model_overrides),
         optimizer=OptimizerConfig(**sections["optimizer"]),
-        data=DataSection(**sections["data"]),
+        data=DataConfig(**sections["data"]),
         train=TrainConfig(**sections["train"]),
         mesh_config=mesh_config,
     )
-  except TypeError as e:  # pragma: no cover - keys are checked above
+  except ValueError as e:  # a value the section itself refuses (DataConfig checks its own)
     raise ConfigError(str(e)) from None
   _check(config)
   return config
