@@ -20,7 +20,9 @@
 - Timeouts for joining and for heartbeats (a dead process brings the others
   down after ``heartbeat_timeout`` seconds instead of hanging them).
 
-``topology()`` describes the job in one line (process 0 logs it).
+``topology()`` describes the job in one line (process 0 logs it);
+``Preemption`` tells every process of the job, at the same iteration, that
+one of them got SIGTERM (or a TPU maintenance notice).
 
 Not for: building the mesh (``mesh.py``) or launching processes (``launch/``).
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 
@@ -201,3 +204,37 @@ def topology() -> str:
 
 def is_multiprocess() -> bool:
   return jax.process_count() > 1
+
+
+class Preemption:
+  """Whether to stop at this iteration, agreed by every process (SIGTERM).
+
+  A multi-process job uses JAX's preemption service: a SIGTERM to any
+  process (or a TPU maintenance notice) makes all processes reach the sync
+  point at the same iteration. A single process catches SIGTERM itself.
+  """
+
+  def __init__(self):
+    from jax._src import distributed
+
+    self._sync = jax.process_count() > 1 and distributed.global_state.preemption_sync_manager is not None
+    self._flag = False
+    self._previous = None
+    if jax.process_count() == 1:
+      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+  def _on_sigterm(self, signum, frame):
+    del signum, frame
+    self._flag = True
+
+  def reached(self, iteration: int) -> bool:
+    if self._sync:
+      from jax.experimental import multihost_utils
+
+      return multihost_utils.reached_preemption_sync_point(iteration)
+    return self._flag
+
+  def close(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None

@@ -30,7 +30,6 @@ import dataclasses
 import math
 import os
 import pathlib
-import signal
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -39,9 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distrib_train import distributed
 from distrib_train import metrics as metrics_lib
 from distrib_train import optimizers
 from distrib_train.checkpoint import CheckpointManager
+from distrib_train.compilation import CacheEvents, memory_line, setup_compilation_cache
 from distrib_train.config import Config
 from distrib_train.mesh import MeshConfig, build_mesh, find_mesh_config
 from distrib_train.planner import MeshPlanner
@@ -86,66 +87,11 @@ class _Rollback(Exception):
     self.step = step
 
 
-def setup_compilation_cache(directory: str) -> str | None:
-  """Points JAX's persistent compilation cache at ``directory`` ('' : off).
-
-  Takes effect even when this process compiled something before (JAX
-  decides whether to use the cache once, at the first compile).
-  """
-  from jax.experimental.compilation_cache import compilation_cache
-
-  if not directory:
-    return None
-  path = os.path.abspath(os.path.expanduser(directory))
-  os.makedirs(path, exist_ok=True)
-  if jax.config.jax_compilation_cache_dir != path:
-    jax.config.update("jax_compilation_cache_dir", path)
-    compilation_cache.reset_cache()
-  # Cache every executable, the small ones too: a relaunch then compiles nothing.
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  return path
-
-
 def example_inputs(config: Config) -> dict[str, jax.ShapeDtypeStruct]:
   """The abstract batch the data pipeline produces for this config."""
   shape = (config.data.global_batch_size, config.data.seq_len)
   names = ["tokens", "targets", "weights"] + (["segment_ids", "positions"] if config.data.packing else [])
   return {n: jax.ShapeDtypeStruct(shape, np.float32 if n == "weights" else np.int32) for n in names}
-
-
-class _Preemption:
-  """Whether to stop at this iteration, agreed by every process.
-
-  A multi-process job uses JAX's preemption service: a SIGTERM to any
-  process (or a TPU maintenance notice) makes all processes reach the sync
-  point at the same iteration. A single process catches SIGTERM itself.
-  """
-
-  def __init__(self):
-    from jax._src import distributed
-
-    self._sync = jax.process_count() > 1 and distributed.global_state.preemption_sync_manager is not None
-    self._flag = False
-    self._previous = None
-    if jax.process_count() == 1:
-      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-
-  def _on_sigterm(self, signum, frame):
-    del signum, frame
-    self._flag = True
-
-  def reached(self, iteration: int) -> bool:
-    if self._sync:
-      from jax.experimental import multihost_utils
-
-      return multihost_utils.reached_preemption_sync_point(iteration)
-    return self._flag
-
-  def close(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
 
 
 def _local_value(x: jax.Array) -> np.ndarray:
@@ -227,14 +173,12 @@ class Trainer:
       self.workdir.mkdir(parents=True, exist_ok=True)
     writer = metrics_lib.MetricWriter(self.workdir if primary else None, t.steps, console=self.console)
     self.writer = writer
-    from distrib_train import distributed
-
     writer.log(f"{distributed.topology()}; mesh " + " × ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
                + f"; compilation cache: {cache_dir or 'off'}")
     writer.log(plan.report())
     ckpt = CheckpointManager(self.workdir / "checkpoints", max_to_keep=t.keep_checkpoints,
                              async_save=t.async_checkpoint, metadata={"config": config.to_dict()})
-    preemption = _Preemption()
+    preemption = distributed.Preemption()
     try:
       state = self._init_or_restore(ckpt, plan, loader)
       if primary:
@@ -251,10 +195,10 @@ class Trainer:
           self.loss_fn, train_state_shardings=plan.train_state_shardings,
           input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings)
       compile_start = time.perf_counter()
-      with _CacheEvents() as cache:
+      with CacheEvents() as cache:
         compiled = train_step.compile(plan.abstract_train_state.replace(step=step), **self.inputs)
       source = "from the persistent cache" if cache.hits and not cache.misses else "compiled"
-      writer.log(f"Train step {source} in {time.perf_counter() - compile_start:.1f} s; " + _memory_line(compiled))
+      writer.log(f"Train step {source} in {time.perf_counter() - compile_start:.1f} s; " + memory_line(compiled))
       return self._loop(state, step, plan, loader, ckpt, train_step, eval_step, preemption, started)
     finally:
       preemption.close()
@@ -463,35 +407,3 @@ class Trainer:
     self.writer.write(step, {"loss": eval_loss, "tokens": count, "batches": batches,
                              "seconds": time.perf_counter() - start}, prefix="eval/")
     return eval_loss
-
-
-class _CacheEvents:
-  """Counts persistent-cache hits and misses while it is entered."""
-
-  def __enter__(self):
-    self.hits = self.misses = 0
-    jax.monitoring.register_event_listener(self._on_event)
-    return self
-
-  def _on_event(self, event: str, **kwargs: Any) -> None:
-    del kwargs
-    if event == "/jax/compilation_cache/cache_hits":
-      self.hits += 1
-    elif event == "/jax/compilation_cache/cache_misses":
-      self.misses += 1
-
-  def __exit__(self, *exc_info: Any) -> None:
-    jax.monitoring.unregister_event_listener(self._on_event)
-
-
-def _memory_line(compiled: Any) -> str:
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # not every backend reports it
-    m = None
-  if m is None:
-    return "no memory analysis on this backend."
-  gib = lambda n: f"{n / 2**30:.2f} GiB"
-  return (f"per device: arguments {gib(m.argument_size_in_bytes)}, outputs {gib(m.output_size_in_bytes)}"
-          f" (aliased {gib(m.alias_size_in_bytes)}), temporaries {gib(m.temp_size_in_bytes)}, code"
-          f" {gib(m.generated_code_size_in_bytes)}.")

@@ -278,7 +278,7 @@ def test_local_demo_script_help_dry_run_and_bad_input():
   assert out.returncode == 0 and len(lines) == 3, out.stdout  # install + 2 processes
   for i, line in enumerate(lines[1:]):
     assert line.startswith("timeout 900 ") and "-m distrib_train.train --config tiny --mesh_config cpu-2proc" in line
-    assert f"--workdir /tmp/w --cpu_devices 4 --steps 7 --coordinator_address 127.0.0.1:PORT" in line
+    assert "--workdir /tmp/w --cpu_devices 4 --steps 7 --coordinator_address 127.0.0.1:PORT" in line
     assert line.rstrip().endswith(f"--num_processes 2 --process_id {i}")
   out = subprocess.run(["bash", script], env=dict(env, NPROC="two"), capture_output=True, text=True, timeout=30)
   assert out.returncode == 2 and "NPROC must be a positive integer, got 'two'" in out.stderr
