@@ -47,7 +47,7 @@ def _updated_params_and_states(
     model_treedef: Any,
     optimizer_def: optax.GradientTransformation,
     loss_fn: LossFunction,
-) -> tuple[Any, Any, Any, Any, AuxOutPyTree]:
+) -> tuple[Any, Any, Any, Any, AuxOutPyTree, Any]:
   """One step as a pure function of the arrays it reads.
 
   Every part of the state is its own argument so that ``jax.jit`` can donate
@@ -78,7 +78,9 @@ def _updated_params_and_states(
 
   grads, (new_loss_fn_state, new_local_state, aux) = jax.grad(loss_and_outputs, has_aux=True)(params)
   updates, new_opt_state = optimizer_def.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), new_opt_state, new_loss_fn_state, new_local_state, aux
+  # The next step counter comes out of the step itself: an eager ``step + 1``
+  # on a device counter would be one more dispatch per step, queued behind it.
+  return optax.apply_updates(params, updates), new_opt_state, new_loss_fn_state, new_local_state, aux, step + 1
 
 
 def _eval_outputs(
@@ -178,6 +180,7 @@ class TrainStep:
           None if ts is None else ts.loss_fn_state,
           None if ts is None else ts.local_state,
           aux_output_shardings,
+          None,  # step + 1: where the step counter's arguments put it
       )
       core = jax.jit(
           core,
@@ -236,9 +239,12 @@ class TrainStep:
 
   def __call__(self, train_state: TrainState, **inputs: Any) -> tuple[TrainState, AuxOutPyTree]:
     with self._mesh_context():
-      params, opt_state, loss_fn_state, local_state, aux = self._run(self._args(train_state, inputs))
+      params, opt_state, loss_fn_state, local_state, aux, next_step = self._run(self._args(train_state, inputs))
+      # A Python int counter stays a Python int (penzai's); a device counter
+      # takes the step's own output.
+      step = train_state.step
       new_state = train_state.replace(
-          step=train_state.step + 1,
+          step=step + 1 if isinstance(step, int) else next_step,
           params=params,
           opt_state=opt_state,
           loss_fn_state=loss_fn_state,
