@@ -196,28 +196,18 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
     if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
       return value.lower() in ("true", "yes", "1", "on")
     raise wrong("true or false")
-  if kind is int:
-    if isinstance(value, bool):
-      raise wrong("an integer")
-    if isinstance(value, int):
-      return value
-    if isinstance(value, str):
-      try:
-        return int(value)
-      except ValueError:
-        pass
-    raise wrong("an integer")
-  if kind is float:
-    if isinstance(value, bool):
-      raise wrong("a number")
-    if isinstance(value, (int, float)):
-      return float(value)
-    if isinstance(value, str):
-      try:
-        return float(value)
-      except ValueError:
-        pass
-    raise wrong("a number")
+  numbers = {int: (int, "an integer"), float: ((int, float), "a number")}
+  if kind in numbers:
+    accepted, what = numbers[kind]
+    if not isinstance(value, bool):
+      if isinstance(value, accepted):
+        return kind(value)
+      if isinstance(value, str):
+        try:
+          return kind(value)
+        except ValueError:
+          pass
+    raise wrong(what)
   if kind is str:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return str(value)

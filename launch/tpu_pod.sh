@@ -110,23 +110,9 @@ note() {
   echo "$PROG: $*" >&2
 }
 
-# One word, quoted for a POSIX shell only when it needs it.
-quote() {
-  local s=$1
-  if [[ $s =~ ^[A-Za-z0-9_./:=@%+,-]+$ ]]; then
-    printf '%s' "$s"
-  else
-    printf "'%s'" "${s//\'/\'\\\'\'}"
-  fi
-}
-
-quote_all() {
-  local out="" word
-  for word in "$@"; do
-    out+="${out:+ }$(quote "$word")"
-  done
-  printf '%s' "$out"
-}
+# quote / quote_all: POSIX shell quoting, shared with gke/render.sh.
+# shellcheck source=launch/quote.sh
+source "$(dirname "${BASH_SOURCE[0]}")/quote.sh"
 
 # Runs a command, or with --dry-run prints it (stdout, one line).
 run() {

@@ -400,7 +400,7 @@ def find_tool(name, *, apt_package=None, pip_package=None):
   pytest.fail(f"{name} is not installed: {hint}")
 
 
-SCRIPTS = ["launch/tpu_pod.sh", "launch/local.sh", *sorted(
+SCRIPTS = ["launch/tpu_pod.sh", "launch/local.sh", "launch/quote.sh", *sorted(
     str(p.relative_to(ROOT)) for p in (ROOT / "launch" / "gke").glob("*.sh")), "launch/slurm_gpu.sbatch"]
 
 
@@ -409,7 +409,8 @@ def test_shellcheck_passes(script):
   if not (ROOT / script).exists():
     pytest.skip(f"{script} does not exist (yet)")
   shellcheck = find_tool("shellcheck", apt_package="shellcheck")
-  result = subprocess.run([shellcheck, "--shell=bash", str(ROOT / script)], capture_output=True, text=True,
+  # -x: also check the files a script sources (launch/quote.sh), paths from the repo root.
+  result = subprocess.run([shellcheck, "-x", "--shell=bash", script], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
   assert result.returncode == 0, result.stdout + result.stderr
 

@@ -57,18 +57,13 @@ die() {
   exit 2
 }
 
-quote() {
-  local s=$1
-  if [[ $s =~ ^[A-Za-z0-9_./:=@%+,-]+$ ]]; then
-    printf '%s' "$s"
-  else
-    printf "'%s'" "${s//\'/\'\\\'\'}"
-  fi
-}
+# quote / quote_all: POSIX shell quoting, shared with tpu_pod.sh.
+# shellcheck source=launch/quote.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../quote.sh"
 
 run() {
-  local out="" word
-  for word in "$@"; do out+="${out:+ }$(quote "$word")"; done
+  local out
+  out=$(quote_all "$@")
   if ((dry_run)); then
     echo "$out"
     return 0
