@@ -169,7 +169,7 @@ class MeshPlanner:
     entries: list[PlanEntry] = []
     skips: list[RuleSkip] = []
     unannotated: list[tuple[str, int]] = []
-    annotated = models.annotated_axes(train_state.model_without_params)
+    annotated = models.annotated_axes(train_state.model_without_params, train_state.params)
     used_param_axes: set[str] = set()
 
     def axes_of(path, explicit=None):

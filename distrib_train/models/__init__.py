@@ -8,7 +8,10 @@ family:
 - flax nnx modules (``models/nnx_model.py``): params are the ``nnx.Param``
   state, other mutable variables are local state;
 - flax linen (``models/linen_model.py``): wrap as ``LinenModel(module,
-  variables)``; ``params`` is learned, other collections are local state.
+  variables)``; ``params`` is learned, other collections are local state;
+- penzai v1 models (``models/penzai_model.py``): params are the
+  ``pz.nn.Parameter`` values keyed by their names, as in penzai's own
+  ``TrainState``; ``FrozenParameter`` values stay in the model.
 
 Reference models live beside them, reachable through ``get``:
 ``get("llama", preset="tiny")`` (``models/llama.py``) and ``get("mlp")``
@@ -29,7 +32,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from distrib_train.models import linen_model, llama, mlp, nnx_model
+from distrib_train.models import linen_model, llama, mlp, nnx_model, penzai_model
 from distrib_train.models.linen_model import LinenModel, LinenModelDef
 from distrib_train.models.nnx_model import NnxModelDef
 from distrib_train.models.pytree import ParamSlot, StaticValue, merge_params, split_params
@@ -41,10 +44,12 @@ def split_model(model: Any, is_param: Any = None) -> tuple[Any, Any, Any]:
   """Splits ``model`` into ``(params, model_without_params, local_state)``.
 
   Args:
-    model: an ``nnx.Module``, a ``LinenModel`` or any pytree.
+    model: an ``nnx.Module``, a ``LinenModel``, a penzai v1 model or any
+      pytree.
     is_param: chooses the learned parameters: an nnx filter for nnx
       modules, ``(path, leaf) -> bool`` for pytrees; not used for linen
-      (the ``params`` collection is learned).
+      (the ``params`` collection is learned) or penzai (its
+      ``pz.nn.Parameter`` instances are).
   """
   if isinstance(model, nnx.Module):
     return nnx_model.split(model, is_param)
@@ -52,6 +57,11 @@ def split_model(model: Any, is_param: Any = None) -> tuple[Any, Any, Any]:
     if is_param is not None:
       raise ValueError("is_param does not apply to linen models: the 'params' collection is what is learned.")
     return linen_model.split(model)
+  if penzai_model.is_penzai_model(model):
+    if is_param is not None:
+      raise ValueError("is_param does not apply to penzai models: their pz.nn.Parameter instances are learned and"
+                       " FrozenParameters are not.")
+    return (*penzai_model.split(model), None)
   params, model_without_params = split_params(model, is_param)
   return params, model_without_params, None
 
@@ -67,6 +77,8 @@ def merge_model(model_without_params: Any, params: Any, local_state: Any = None,
     return params
   if isinstance(model_without_params, _ADAPTER_DEFS):
     return model_without_params.merge(params, local_state, rng)
+  if penzai_model.is_penzai_model(model_without_params):
+    return penzai_model.merge(model_without_params, params)
   return merge_params(model_without_params, params)
 
 
@@ -77,10 +89,16 @@ def local_state_of(model_without_params: Any, model: Any, local_state: Any) -> A
   return local_state
 
 
-def annotated_axes(model_without_params: Any) -> Mapping[str, tuple[str | None, ...]]:
-  """``/``-path → logical axes from the model's own annotations (or empty)."""
+def annotated_axes(model_without_params: Any, params: Any = None) -> Mapping[str, tuple[str | None, ...]]:
+  """``/``-path → logical axes from the model's own annotations (or empty).
+
+  nnx and linen models keep them in ``model_without_params``; penzai
+  params carry them in their values' named axes.
+  """
   if isinstance(model_without_params, _ADAPTER_DEFS):
     return model_without_params.logical_axes
+  if isinstance(params, Mapping) and penzai_model.is_penzai_model(model_without_params):
+    return penzai_model.logical_axes(params)
   return {}
 
 

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 IsParam = Callable[[str, Any], bool]
+# Attribute steps that only unwrap a value (nnx Variable, penzai NamedArray).
+_SKIPPED_ATTRIBUTES = ("value", "data_array")
 
 
 def key_name(entry: Any) -> str:
@@ -34,9 +36,11 @@ def path_str(path: tuple[Any, ...]) -> str:
   """A ``jax.tree_util`` key path as a ``/``-joined string.
 
   The ``.value`` step into an nnx ``Variable`` is left out, so an nnx
-  kernel is ``layers/0/kernel`` as in ``nnx.to_pure_dict``.
+  kernel is ``layers/0/kernel`` as in ``nnx.to_pure_dict``; so is the
+  ``.data_array`` step into a penzai ``NamedArray``, so a penzai param is
+  named by its own name.
   """
-  return "/".join(key_name(e) for e in path if getattr(e, "name", None) != "value")
+  return "/".join(key_name(e) for e in path if getattr(e, "name", None) not in _SKIPPED_ATTRIBUTES)
 
 
 @jax.tree_util.register_pytree_node_class
