@@ -7,8 +7,11 @@ class for users coming from ``flax.training.train_state``. Not for: building
 the step (``train_step.py``) or choosing shardings (``planner.py``).
 
 Subclass ``TrainState`` (it is a ``flax.struct.PyTreeNode``) to carry extra
-fields such as an EMA of the params; fork it only if the penzai fields
-themselves must change, since ``build_train_step_fn`` relies on them.
+fields such as an EMA of the params or linen ``batch_stats`` — a field with
+no default is fine, as in flax, since the base fields are keyword-only; fork
+it only if the penzai fields themselves must change, since
+``build_train_step_fn`` relies on them. Constructing and replacing take
+flax's ``tx=`` as the name of ``optimizer_def``.
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import dataclasses
+import functools
+
 import jax
 import optax
 from flax import struct
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 from distrib_train import models
 from distrib_train.models.pytree import IsParam, key_name
@@ -83,7 +90,60 @@ def _collect_hyperparams(tree: Any, prefix: str, found: dict[str, list[tuple[str
     _collect_hyperparams(node.inner_state, f"{where}.inner_state", found)
 
 
-class TrainState(struct.PyTreeNode):
+def _tx_as_optimizer_def(kwargs: dict[str, Any]) -> dict[str, Any]:
+  if "tx" in kwargs:
+    if "optimizer_def" in kwargs:
+      raise TypeError("Give the optimizer as tx= or as optimizer_def=, not both.")
+    kwargs["optimizer_def"] = kwargs.pop("tx")
+  return kwargs
+
+
+def _accepting_tx(init: Callable[..., None]) -> Callable[..., None]:
+  """Wraps a generated ``__init__`` so that flax's ``tx=`` names ``optimizer_def``."""
+  if getattr(init, "_accepts_tx", False):
+    return init
+
+  @functools.wraps(init)
+  def __init__(self, *args: Any, **kwargs: Any) -> None:
+    init(self, *args, **_tx_as_optimizer_def(kwargs))
+
+  __init__._accepts_tx = True
+  return __init__
+
+
+def _replace(self, **updates: Any):
+  """A copy with some fields replaced; ``tx=`` is ``optimizer_def=``."""
+  return dataclasses.replace(self, **_tx_as_optimizer_def(updates))
+
+
+def optimized_part(tree: Any) -> Any:
+  """The part of ``params`` (or of its gradients) the optimizer updates.
+
+  flax's fp8 layers keep their scales and amax histories in an
+  ``OVERWRITE_WITH_GRADIENT`` collection beside ``params``: the "gradient"
+  of those is their next value, so they are overwritten, not optimized
+  (flax's own ``TrainState`` does the same).
+  """
+  if isinstance(tree, Mapping) and OVERWRITE_WITH_GRADIENT in tree:
+    return tree["params"]
+  return tree
+
+
+def apply_optimizer(optimizer_def: optax.GradientTransformation, grads: Any, opt_state: Any,
+                    params: Any) -> tuple[Any, Any]:
+  """One optimizer update: ``(new_params, new_opt_state)``.
+
+  An ``OVERWRITE_WITH_GRADIENT`` collection in ``params`` takes its value
+  from ``grads``; the optimizer sees only ``params["params"]`` then.
+  """
+  updates, new_opt_state = optimizer_def.update(optimized_part(grads), opt_state, optimized_part(params))
+  new_params = optax.apply_updates(optimized_part(params), updates)
+  if isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads:
+    new_params = {**params, "params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
+  return new_params, new_opt_state
+
+
+class TrainState(struct.PyTreeNode, kw_only=True):
   """Collection of state for training, in penzai's v1 layout.
 
   The parameters are kept apart from the rest of the model so that the step
@@ -115,14 +175,23 @@ class TrainState(struct.PyTreeNode):
   """
 
   step: int | jax.Array
-  root_rng: PRNGKeyArray | None
-  params: Any
-  model_without_params: ModelPyTree
-  opt_state: OptimizerStatePyTree
-  loss_fn_state: LossStatePyTree
-  optimizer_def: optax.GradientTransformation = struct.field(pytree_node=False)
+  root_rng: PRNGKeyArray | None = None
+  params: Any = None
+  model_without_params: ModelPyTree = None
+  opt_state: OptimizerStatePyTree = None
+  loss_fn_state: LossStatePyTree = None
+  optimizer_def: optax.GradientTransformation = struct.field(pytree_node=False, default=None)
   apply_fn: Callable[..., Any] | None = struct.field(pytree_node=False, default=None)
   local_state: Any = None
+
+  def __init_subclass__(cls, **kwargs: Any):
+    # flax makes each subclass a dataclass here, with a generated __init__
+    # and its own ``replace``; both must keep taking flax's name ``tx``.
+    own_replace = "replace" in cls.__dict__
+    super().__init_subclass__(**kwargs)
+    cls.__init__ = _accepting_tx(cls.__init__)
+    if not own_replace:
+      cls.replace = _replace
 
   @classmethod
   def initial_state(
@@ -155,7 +224,7 @@ class TrainState(struct.PyTreeNode):
         root_rng=root_rng,
         params=params,
         model_without_params=model_without_params,
-        opt_state=optimizer_def.init(params),
+        opt_state=optimizer_def.init(optimized_part(params)),
         loss_fn_state=loss_fn_state,
         optimizer_def=optimizer_def,
         local_state=local_state,
@@ -172,17 +241,20 @@ class TrainState(struct.PyTreeNode):
   ) -> TrainState:
     """flax-style constructor: step 0 and ``opt_state = tx.init(params)``.
 
-    ``root_rng``, ``loss_fn_state`` and ``model_without_params`` may be
-    given as keyword arguments (default None). With no
+    Other fields (``root_rng``, ``loss_fn_state``, ``model_without_params``,
+    a subclass's own fields) may be given as keyword arguments. With no
     ``model_without_params``, ``.model`` is ``params`` itself, so a loss
-    function receives the params and calls ``apply_fn`` on them.
+    function receives the params and calls ``apply_fn`` on them. As in
+    flax, an ``OVERWRITE_WITH_GRADIENT`` collection gets no optimizer state.
+
+    Raises:
+      TypeError: a keyword that names no field.
     """
-    fields = {"root_rng": None, "loss_fn_state": None, "model_without_params": None, "local_state": None}
-    unknown = sorted(set(kwargs) - set(fields) - set(cls.__dataclass_fields__))
+    unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__))
     if unknown:
-      raise TypeError(f"TrainState.create got unknown field(s) {', '.join(unknown)}.")
-    fields.update(kwargs)
-    return cls(step=0, params=params, opt_state=tx.init(params), optimizer_def=tx, apply_fn=apply_fn, **fields)
+      raise TypeError(f"{cls.__name__}.create got unknown field(s) {', '.join(unknown)}.")
+    return cls(step=0, params=params, opt_state=tx.init(optimized_part(params)), optimizer_def=tx, apply_fn=apply_fn,
+               **kwargs)
 
   @property
   def tx(self) -> optax.GradientTransformation:
@@ -212,10 +284,17 @@ class TrainState(struct.PyTreeNode):
   def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
     """Applies one optimizer update; ``step`` goes up by one.
 
+    As in flax, an ``OVERWRITE_WITH_GRADIENT`` collection (fp8 scales and
+    amax histories) is overwritten by its gradient, not optimized.
+
     Args:
       grads: gradients with the structure of ``params``.
-      **kwargs: other fields to replace at the same time.
+      **kwargs: other fields to replace at the same time (``tx=`` too).
     """
-    updates, opt_state = self.optimizer_def.update(grads, self.opt_state, self.params)
-    params = optax.apply_updates(self.params, updates)
+    params, opt_state = apply_optimizer(self.optimizer_def, grads, self.opt_state, self.params)
     return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
+
+
+# flax's dataclass gave TrainState a generated __init__ and its own replace.
+TrainState.__init__ = _accepting_tx(TrainState.__init__)
+TrainState.replace = _replace

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 
 from distrib_train import models
 from distrib_train.mesh import as_auto_mesh
-from distrib_train.train_state import LossStatePyTree, ModelPyTree, PRNGKeyArray, TrainState
+from distrib_train.train_state import LossStatePyTree, ModelPyTree, PRNGKeyArray, TrainState, apply_optimizer
 
 AuxOutPyTree = Any
 _NUM_DYNAMIC_ARGS = 8  # the jitted core's arguments before the static ones
@@ -77,10 +77,10 @@ def _updated_params_and_states(
     return loss, (new_state, new_local_state, aux)
 
   grads, (new_loss_fn_state, new_local_state, aux) = jax.grad(loss_and_outputs, has_aux=True)(params)
-  updates, new_opt_state = optimizer_def.update(grads, opt_state, params)
+  new_params, new_opt_state = apply_optimizer(optimizer_def, grads, opt_state, params)
   # The next step counter comes out of the step itself: an eager ``step + 1``
   # on a device counter would be one more dispatch per step, queued behind it.
-  return optax.apply_updates(params, updates), new_opt_state, new_loss_fn_state, new_local_state, aux, step + 1
+  return new_params, new_opt_state, new_loss_fn_state, new_local_state, aux, step + 1
 
 
 def _eval_outputs(

@@ -121,3 +121,123 @@ def test_step_survives_as_python_int_and_as_jax_scalar():
   jitted = jax.jit(lambda s: s.apply_gradients(grads=grads))(state)
   assert isinstance(jitted.step, jax.Array) and int(jitted.step) == 1
   assert int(jax.jit(lambda s: s.apply_gradients(grads=grads))(jitted).step) == 2
+
+
+# flax TrainState habits: each works as with flax.training.train_state.TrainState.
+
+
+def test_subclass_may_add_a_field_without_default():
+  class BatchStatsState(dt.TrainState):
+    batch_stats: dict
+
+  state = BatchStatsState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1),
+                                 batch_stats={"mean": jnp.zeros(2)})
+  assert state.batch_stats["mean"].shape == (2,)
+  state = jax.jit(lambda s: s.apply_gradients(grads={"w": jnp.ones(2)}, batch_stats={"mean": jnp.ones(2)}))(state)
+  assert int(state.step) == 1
+  np.testing.assert_array_equal(state.batch_stats["mean"], [1.0, 1.0])
+  np.testing.assert_allclose(state.params["w"], [0.9, 0.9])
+
+
+def test_subclass_without_its_field_is_a_type_error_naming_it():
+  class BatchStatsState(dt.TrainState):
+    batch_stats: dict
+
+  with pytest.raises(TypeError, match="batch_stats"):
+    BatchStatsState(step=0, params={}, tx=optax.sgd(0.1), opt_state=())
+
+
+def test_constructor_takes_flax_field_names():
+  tx = optax.adam(1e-3)
+  params = {"w": jnp.ones(3)}
+  apply_fn = lambda p, x: p["w"] * x
+  state = dt.TrainState(step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=tx.init(params))
+  assert state.tx is tx and state.optimizer_def is tx and state.apply_fn is apply_fn
+  assert state.root_rng is None and state.loss_fn_state is None and state.model is params
+  state = state.apply_gradients(grads={"w": jnp.ones(3)})
+  assert state.step == 1
+
+
+def test_replace_takes_tx_also_in_subclasses():
+  class EmaState(dt.TrainState):
+    ema: dict
+
+  state = EmaState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1), ema={"w": jnp.ones(2)})
+  new_tx = optax.sgd(1.0)
+  replaced = state.replace(tx=new_tx)
+  assert replaced.tx is new_tx and replaced.optimizer_def is new_tx and state.tx is not new_tx
+  assert type(replaced) is EmaState
+  np.testing.assert_allclose(replaced.apply_gradients(grads={"w": jnp.ones(2)}).params["w"], [0.0, 0.0])
+  with pytest.raises(TypeError, match="not both"):
+    state.replace(tx=new_tx, optimizer_def=new_tx)
+
+
+def test_overwrite_with_gradient_collection_is_overwritten_not_optimized():
+  from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+
+  params = {"params": {"kernel": jnp.ones(2)},
+            OVERWRITE_WITH_GRADIENT: {"scale": jnp.ones(()), "amax_history": jnp.zeros(4)}}
+  state = dt.TrainState.create(apply_fn=None, params=params, tx=optax.adam(0.1))
+  # No optimizer state for the fp8 bookkeeping: Adam sees only "params".
+  assert jax.tree_util.tree_structure(state.opt_state) == jax.tree_util.tree_structure(
+      optax.adam(0.1).init(params["params"]))
+  grads = {"params": {"kernel": jnp.ones(2)},
+           OVERWRITE_WITH_GRADIENT: {"scale": jnp.asarray(3.0), "amax_history": jnp.arange(4.0)}}
+  state = state.apply_gradients(grads=grads)
+  np.testing.assert_array_equal(state.params[OVERWRITE_WITH_GRADIENT]["scale"], 3.0)
+  np.testing.assert_array_equal(state.params[OVERWRITE_WITH_GRADIENT]["amax_history"], [0.0, 1.0, 2.0, 3.0])
+  np.testing.assert_allclose(state.params["params"]["kernel"], [0.9, 0.9], rtol=1e-6)
+
+
+def test_fp8_dense_trains_like_flax_train_state():
+  import flax.linen as nn
+  from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+  from flax.training import train_state as flax_train_state
+
+  dense = nn.DenseGeneral(features=8, dot_general_cls=nn.Fp8DotGeneral)
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  variables = dense.init(jax.random.key(0), x)
+
+  def train(state_class):
+    state = state_class.create(apply_fn=dense.apply, params=variables, tx=optax.adam(0.1))
+    loss = lambda v: jnp.sum(state.apply_fn(v, x) ** 2)
+    for _ in range(3):
+      state = jax.jit(lambda s: s.apply_gradients(grads=jax.grad(loss)(s.params)))(state)
+    return state.params
+
+  ours, flax_params = train(dt.TrainState), train(flax_train_state.TrainState)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), ours, flax_params)
+  (amax,) = [v["input_amax_history"] for v in ours[OVERWRITE_WITH_GRADIENT].values()]
+  assert float(jnp.max(amax)) == pytest.approx(float(jnp.max(jnp.abs(x))))
+
+
+def test_train_step_overwrites_the_fp8_collection_too():
+  import flax.linen as nn
+  from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+
+  dense = nn.DenseGeneral(features=8, dot_general_cls=nn.Fp8DotGeneral)
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  variables = dense.init(jax.random.key(0), x)
+  state = dt.TrainState.create(apply_fn=dense.apply, params=variables, tx=optax.adam(0.1))
+
+  def loss_fn(model, state, rng, x):
+    del state, rng
+    loss = jnp.sum(dense.apply(model, x) ** 2)
+    return loss, None, loss
+
+  step = dt.build_train_step_fn(loss_fn)
+  expected = state.apply_gradients(grads=jax.grad(lambda v: loss_fn(v, None, None, x)[0])(state.params))
+  state, _ = step(state, x=x)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), state.params, expected.params)
+  (amax,) = [v["input_amax_history"] for v in state.params[OVERWRITE_WITH_GRADIENT].values()]
+  assert float(jnp.max(amax)) == pytest.approx(float(jnp.max(jnp.abs(x))))
+
+
+def test_flax_serialization_round_trips_a_state():
+  from flax import serialization
+
+  state = dt.TrainState.create(apply_fn=None, params={"w": jnp.arange(3.0)}, tx=optax.sgd(0.1, momentum=0.9))
+  state = state.apply_gradients(grads={"w": jnp.ones(3)})
+  restored = serialization.from_bytes(state.replace(params={"w": jnp.zeros(3)}), serialization.to_bytes(state))
+  np.testing.assert_array_equal(restored.params["w"], state.params["w"])
+  assert int(restored.step) == 1
