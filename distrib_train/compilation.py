@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 
+from distrib_train.plan import human_bytes
+
 
 def setup_compilation_cache(directory: str) -> str | None:
   """Points JAX's persistent compilation cache at ``directory`` ('' : off).
@@ -69,7 +71,7 @@ def memory_line(compiled: Any) -> str:
     m = None
   if m is None:
     return "no memory analysis on this backend."
-  gib = lambda n: f"{n / 2**30:.2f} GiB"
-  return (f"per device: arguments {gib(m.argument_size_in_bytes)}, outputs {gib(m.output_size_in_bytes)}"
-          f" (aliased {gib(m.alias_size_in_bytes)}), temporaries {gib(m.temp_size_in_bytes)}, code"
-          f" {gib(m.generated_code_size_in_bytes)}.")
+  size = human_bytes
+  return (f"per device: arguments {size(m.argument_size_in_bytes)}, outputs {size(m.output_size_in_bytes)}"
+          f" (aliased {size(m.alias_size_in_bytes)}), temporaries {size(m.temp_size_in_bytes)}, code"
+          f" {size(m.generated_code_size_in_bytes)}.")

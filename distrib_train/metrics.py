@@ -25,6 +25,8 @@ from typing import Any, TextIO
 
 import jax
 
+from distrib_train.plan import human_bytes
+
 # Dense bf16 peak per device (one chip; for GPUs one GPU), TFLOP/s, from the
 # vendors' datasheets. The first pattern contained in the device kind wins.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
@@ -73,7 +75,7 @@ def _fmt(key: str, value: Any) -> str:
     if key.startswith("tokens_per_s"):
       return f"{key} {value:,.0f}"
     if key.endswith("_bytes"):
-      return f"{key.removesuffix('_bytes')} {value / 2**30:.2f} GiB"
+      return f"{key.removesuffix('_bytes')} {human_bytes(value)}"
     return f"{key} {value:.4g}"
   return f"{key} {value}"
 

@@ -46,7 +46,8 @@ def logical_annotations_only():
   return nnx.use_eager_sharding(False)
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
+  """``n`` bytes in the largest unit that keeps it at or above 1 (B … TiB)."""
   for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
     if n < 1024 or unit == "TiB":
       return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -91,6 +92,25 @@ class Plan:
       totals[entry.group] = totals.get(entry.group, 0) + entry.bytes_per_device
     return totals
 
+  def summary(self) -> str:
+    """A few lines for the console: the mesh, bytes per device, what to look at.
+
+    ``report()`` is the whole table.
+    """
+    mesh_desc = " × ".join(f"{n}={s}" for n, s in self.mesh.shape.items())
+    totals = self.bytes_per_device()
+    state_total = sum(n for g, n in totals.items() if g not in _NOT_STATE)
+    arrays = sum(1 for e in self.entries if e.group not in _NOT_STATE)
+    lines = [f"Plan on mesh {mesh_desc} ({self.mesh.size} devices): {arrays} state arrays, per device "
+             + ", ".join(f"{g} {human_bytes(totals[g])}" for g in ("params", "opt_state") if totals[g])
+             + f"; whole train state {human_bytes(state_total)}"]
+    large = sum(1 for n in self.unannotated_bytes if n > _LARGE_UNANNOTATED_BYTES)
+    notes = [f"{len(self.skips)} rule skip(s)" if self.skips else "",
+             f"{large} param(s) over 1 MiB with no logical axes, replicated" if large else ""]
+    if any(notes):
+      lines.append("  " + "; ".join(n for n in notes if n))
+    return "\n".join(lines)
+
   def report(self) -> str:
     """A table of every array's layout, the totals per device, and skips."""
     mesh_desc = " × ".join(f"{n}={s}" for n, s in self.mesh.shape.items())
@@ -100,7 +120,7 @@ class Plan:
     for e in self.entries:
       axes = "-" if e.logical_axes is None else "(" + ", ".join(str(a) for a in e.logical_axes) + ")"
       spec = "P(" + ", ".join(repr(s) for s in e.spec) + ")"
-      rows.append((e.group, e.path or "-", str(e.shape), e.dtype, axes, spec, _human_bytes(e.bytes_per_device)))
+      rows.append((e.group, e.path or "-", str(e.shape), e.dtype, axes, spec, human_bytes(e.bytes_per_device)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
       lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -108,8 +128,8 @@ class Plan:
     state_total = sum(n for g, n in totals.items() if g not in _NOT_STATE)
     lines.append(
         "Per device: "
-        + ", ".join(f"{g} {_human_bytes(totals[g])}" for g in ("params", "opt_state", "loss_fn_state", "local_state"))
-        + f"; whole train state {_human_bytes(state_total)}"
+        + ", ".join(f"{g} {human_bytes(totals[g])}" for g in ("params", "opt_state", "loss_fn_state", "local_state"))
+        + f"; whole train state {human_bytes(state_total)}"
     )
     if self.skips:
       lines.append(f"Rule skips ({len(self.skips)}):")
@@ -117,7 +137,7 @@ class Plan:
     large = [(p, n) for p, n in zip(self.unannotated, self.unannotated_bytes) if n > _LARGE_UNANNOTATED_BYTES]
     if large:
       lines.append(f"Params over 1 MiB with no logical axes, replicated on every device ({len(large)}):")
-      lines.extend(f"  {p} ({_human_bytes(n)})" for p, n in large)
+      lines.extend(f"  {p} ({human_bytes(n)})" for p, n in large)
     if self.absent_inputs:
       lines.append(f"input_axes for inputs not given (ignored): {', '.join(self.absent_inputs)}")
     if len(self.unannotated) > len(large):

@@ -218,7 +218,7 @@ class Trainer:
     self.writer = writer
     writer.log(f"{distributed.topology()}; mesh " + " × ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
                + f"; compilation cache: {cache_dir or 'off'}")
-    writer.log(plan.report())
+    writer.log(plan.summary() + ("\n  the whole table: " + str(self.workdir / "plan.txt") if primary else ""))
     ckpt = CheckpointManager(self.workdir / "checkpoints", max_to_keep=t.keep_checkpoints,
                              async_save=t.async_checkpoint, metadata={"config": config.to_dict()})
     preemption = distributed.Preemption()

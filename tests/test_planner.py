@@ -154,8 +154,10 @@ def test_sharded_init_puts_exactly_the_reported_bytes_on_each_device():
 def test_sharded_init_matches_unsharded_init():
   state, _ = _planner().init(helpers.make_state)
   reference = helpers.make_state()
+  # A sharded jax.random.normal may round differently in the last place from
+  # the eager one (seen on jax 0.12): equal up to 2 ulp, not bit for bit.
   for name, value in reference.params.items():
-    np.testing.assert_array_equal(np.asarray(state.params[name]), np.asarray(value))
+    np.testing.assert_array_max_ulp(np.asarray(state.params[name]), np.asarray(value), maxulp=2)
 
 
 def test_init_fn_unlike_the_plan_is_an_error():
@@ -257,3 +259,18 @@ def test_input_axes_for_inputs_not_given_are_listed_in_the_report():
   plan = _planner().plan(jax.eval_shape(helpers.make_state), inputs={"tokens": jax.ShapeDtypeStruct((8, 16), jnp.int32)},
                          input_axes={"tokens": ("batch", None), "segment_ids": ("batch", None)})
   assert "input_axes for inputs not given (ignored): segment_ids" in plan.report()
+
+
+def test_summary_is_a_few_lines_with_fitting_units_and_the_report_is_the_whole_table():
+  plan = _planner().plan(jax.eval_shape(helpers.make_state))
+  summary = plan.summary()
+  assert len(summary.splitlines()) <= 2
+  assert summary.startswith("Plan on mesh data=2 × fsdp=2 × tensor=2 (8 devices):")
+  assert "0.00 GiB" not in summary and "KiB" in summary
+  assert len(plan.report().splitlines()) > len(summary.splitlines()) + 5
+
+
+def test_human_bytes_picks_the_unit():
+  from distrib_train.plan import human_bytes
+
+  assert [human_bytes(n) for n in (12, 3 * 1024, 5 * 2**20, 2**31)] == ["12 B", "3.00 KiB", "5.00 MiB", "2.00 GiB"]
