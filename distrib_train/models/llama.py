@@ -198,7 +198,12 @@ class Llama(nnx.Module):
     c = self.config
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(c.dtype)
+    # The table is gathered over its embedding side (fsdp) before the lookup:
+    # a lookup into the fsdp-sharded table made XLA rematerialize it whole
+    # ("Involuntary full rematerialization") and moved about 40 % more bytes
+    # per step (124m-like shape, 8 devices).
+    table = constrain(self.embed[...], ("vocab", None))
+    x = jnp.take(table, tokens, axis=0).astype(c.dtype)
     x = constrain(x, ("batch", "length", "embed"))
     layers = {k: v[...] for k, v in self.layers.items()}
 
