@@ -75,7 +75,8 @@ PORT="$("$VENV/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.
 mkdir -p "$WORKDIR/logs"
 pids=()
 stop_all() {
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  # ${a[@]+...}: an empty array is "unbound" to set -u in bash before 4.4.
+  for pid in ${pids[@]+"${pids[@]}"}; do kill -TERM "$pid" 2>/dev/null || true; done
 }
 trap 'stop_all; exit 143' TERM INT
 

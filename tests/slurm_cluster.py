@@ -113,10 +113,14 @@ PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscr
       time.sleep(0.5)
     raise RuntimeError(f"the SLURM node did not come up (state {state!r}); logs: {self.logs()}")
 
-  def sbatch(self, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    """``sbatch --wait ...``: returns when the job ends (its exit code)."""
-    return subprocess.run(["sbatch", "--wait", *args], env=self.env, capture_output=True, text=True,
-                          timeout=timeout)
+  def sbatch(self, *args: str, timeout: float, unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``sbatch --wait ...``: returns when the job ends (its exit code).
+
+    ``unset`` names variables to leave out of sbatch's environment (which
+    ``--export=ALL`` hands on to the job).
+    """
+    env = {k: v for k, v in self.env.items() if k not in unset}
+    return subprocess.run(["sbatch", "--wait", *args], env=env, capture_output=True, text=True, timeout=timeout)
 
   def logs(self) -> str:
     out = []

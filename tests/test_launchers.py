@@ -1,8 +1,9 @@
-"""The cluster launchers: launch/tpu_pod.sh, launch/gke/ and docker/.
+"""The cluster launchers: launch/tpu_pod.sh, launch/gke/, launch/slurm_gpu.sbatch and docker/.
 
 No cloud is reachable here, so the scripts run against fakes: `--dry-run`
 output is compared with the exact gcloud / kubectl commands, and a real run
-uses a fake `gcloud` on PATH that records its arguments. The manifests are
+uses a fake `gcloud` (or `srun`) on PATH that records its arguments
+(tests/test_slurm.py runs the SLURM script on a real SLURM). The manifests are
 parsed and checked for the structure JobSet and the trainer need, and every
 script goes through shellcheck, every Dockerfile through hadolint.
 """
@@ -344,6 +345,80 @@ def test_render_bad_input_is_one_error_line(fake_cloud, args, message):
   (line,) = result.stderr.splitlines()
   assert line.startswith("render.sh: error: ") and message in line
   assert recorded() == []
+
+
+# ---------------------------------------------------------------- slurm_gpu.sbatch
+
+SLURM_GPU = ROOT / "launch" / "slurm_gpu.sbatch"
+SLURM_TRAINER_ARGS = ["--config", "tiny", "--workdir", "/shared/run"]
+
+
+def without_xla_flags(**extra):
+  """This environment as an ordinary shell has it: no XLA_FLAGS (the tests'
+  conftest sets one for itself)."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return {**env, "PYTHON": sys.executable, **extra}
+
+
+@pytest.fixture
+def fake_srun(tmp_path):
+  """An environment inside a (fake) SLURM job whose srun records its
+  arguments and the XLA_FLAGS it was given, then exits 0."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  record = tmp_path / "srun.json"
+  srun = bin_dir / "srun"
+  srun.write_text(f"""#!{sys.executable}
+import json, os, sys
+with open({str(record)!r}, "w") as f:
+  json.dump({{"argv": sys.argv[1:], "XLA_FLAGS": os.environ.get("XLA_FLAGS")}}, f)
+""")
+  srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+  env = without_xla_flags(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="42",
+                          SLURM_NTASKS="2")
+  return env, lambda: json.loads(record.read_text()) if record.exists() else None
+
+
+GPU_FLAG = "--xla_gpu_enable_latency_hiding_scheduler=true"
+EXTRA_FLAG = "--xla_force_host_platform_device_count=2"
+
+
+@pytest.mark.parametrize("env, flags", [
+    pytest.param({"CPU_DEVICES": "2"}, "", id="cpu"),
+    pytest.param({"CPU_DEVICES": "2", "XLA_FLAGS_EXTRA": EXTRA_FLAG}, f" {EXTRA_FLAG}", id="cpu-extra-flags"),
+    pytest.param({}, f" {GPU_FLAG} ", id="gpu"),
+])
+def test_slurm_dry_run_needs_no_xla_flags_in_the_environment(env, flags):
+  result = run_script(SLURM_GPU, "--dry-run", *SLURM_TRAINER_ARGS, env=without_xla_flags(**env))
+  assert result.returncode == 0, result.stderr
+  printed_flags, command = result.stdout.splitlines()
+  assert shlex.split(printed_flags) == [f"XLA_FLAGS={flags}"]
+  assert shlex.split(command)[:4] == ["srun", "--kill-on-bad-exit=1", "--unbuffered", sys.executable]
+
+
+@pytest.mark.parametrize("env, flags", [
+    pytest.param({"CPU_DEVICES": "2"}, None, id="cpu"),  # the README's CPU example, from an ordinary shell
+    pytest.param({"CPU_DEVICES": "2", "XLA_FLAGS_EXTRA": EXTRA_FLAG}, f" {EXTRA_FLAG}", id="cpu-extra-flags"),
+    pytest.param({}, f" {GPU_FLAG} ", id="gpu"),
+])
+def test_slurm_job_starts_without_xla_flags_in_the_environment(fake_srun, env, flags):
+  base, srun_call = fake_srun
+  result = run_script(SLURM_GPU, *SLURM_TRAINER_ARGS, env={**base, **env})
+  assert result.returncode == 0, result.stderr
+  call = srun_call()
+  assert call is not None, f"srun was not called: {result.stdout}{result.stderr}"
+  assert call["argv"][:7] == ["--kill-on-bad-exit=1", "--unbuffered", sys.executable, "-u", "-m",
+                              "distrib_train.train", *SLURM_TRAINER_ARGS[:1]]
+  assert call["XLA_FLAGS"] == flags
+  assert "distrib_train: job 42 on 1 node(s)" in result.stdout
+
+
+def test_slurm_job_with_a_flag_jaxlib_rejects_stops_before_srun(fake_srun):
+  base, srun_call = fake_srun
+  bad = "--xla_no_such_flag_for_this_test=1"
+  result = run_script(SLURM_GPU, *SLURM_TRAINER_ARGS, env={**base, "CPU_DEVICES": "2", "XLA_FLAGS_EXTRA": bad})
+  assert result.returncode == 2 and f"rejects XLA flag {bad}" in result.stderr
+  assert srun_call() is None
 
 
 # ---------------------------------------------------------------- docker

@@ -28,6 +28,8 @@ def slurm(tmp_path_factory):
 
 
 def test_two_process_training_job_through_the_real_sbatch_script(slurm, tmp_path, xla_cache):
+  # Submitted as the README's CPU example is from an ordinary shell: without
+  # XLA_FLAGS (conftest sets one in this process; the script must not need it).
   mesh = tmp_path / "mesh-2x2.yaml"
   mesh.write_text("devices: 4\ngranules: 2\naxes:\n  data: {ici: 1, dcn: 2}\n  fsdp: {ici: 2}\n  tensor: 1\n"
                   "rules: fsdp_tensor\n")
@@ -37,7 +39,7 @@ def test_two_process_training_job_through_the_real_sbatch_script(slurm, tmp_path
       str(SCRIPT), "--config", "tiny", "--mesh_config", str(mesh), "--workdir", str(workdir), "--steps", "4",
       "--set", "data.seq_len=32", "--set", "data.global_batch_size=8", "--set", "train.log_every=2",
       "--set", "train.eval_batches=1", "--set", f"train.compilation_cache_dir={xla_cache}",
-      timeout=400)
+      timeout=400, unset=("XLA_FLAGS",))
   job_log = log.read_text() if log.exists() else "(no job log)"
   assert out.returncode == 0, f"{out.stdout}\n{out.stderr}\n{job_log[-4000:]}\n{slurm.logs()}"
   assert "2 process(es) × 2 device(s) = 4 cpu device(s)" in job_log, job_log[-3000:]
