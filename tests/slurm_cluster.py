@@ -1,8 +1,10 @@
 """A real one-node SLURM cluster for tests: munge + slurmctld + slurmd.
 
 Debian's slurm 22.05 daemons run as root with a throwaway config (loopback,
-free ports, state in a temporary directory); see FACTS.md for the settings
-this machine kind needs. ``SlurmCluster.unavailable()`` says why a machine
+free ports, state in a temporary directory); ``start`` writes the settings
+this machine kind needs (checked on the project's machines: cgroup/v1 with
+IgnoreSystemd, since ``CgroupPlugin=disabled`` makes slurmd fail).
+``SlurmCluster.unavailable()`` says why a machine
 cannot run one (missing packages, not root), for a skip message.
 """
 
