@@ -20,6 +20,25 @@ def write_corpus(directory, documents=64):
   return str(path)
 
 
+def write_documents(directory, lengths, seed=0):
+  """A JSONL corpus of random-letter documents of the given lengths. With
+  byte-level tokens a document of n letters is n tokens, and only its first
+  letter is upper case: a packed row starts a document where it starts with
+  a capital."""
+  import string
+
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  lower = np.array(list(string.ascii_lowercase))
+  path = pathlib.Path(directory) / "documents.jsonl"
+  with open(path, "w") as f:
+    for n in lengths:
+      text = "".join(rng.choice(lower, size=n))
+      f.write(json.dumps({"text": text[:1].upper() + text[1:]}) + "\n")
+  return str(path)
+
+
 def shardings(mesh, batch_axes=("data", "fsdp")):
   sharding = NamedSharding(mesh, P(batch_axes, None))
   return {name: sharding for name in INPUTS}

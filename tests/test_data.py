@@ -1,5 +1,6 @@
 """The grain input pipeline: determinism, sharding, global arrays, resume, errors."""
 
+import json
 import pathlib
 
 import numpy as np
@@ -167,6 +168,55 @@ def test_the_convert_command_writes_array_record(tmp_path):
   assert out.stdout.strip().endswith("c-00000-of-00001.array_record")
 
 
+def test_convert_takes_globs_and_several_inputs_and_creates_the_output_directory(tmp_path):
+  import subprocess
+  import sys
+
+  for name, lines in (("a.jsonl", ["one", "two"]), ("b.jsonl", ["three"])):
+    (tmp_path / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+  (tmp_path / "c.txt").write_text("four")
+  output = tmp_path / "new" / "deeper" / "corpus"
+  out = subprocess.run([sys.executable, "-m", "distrib_train.data", "convert", str(tmp_path / "*.jsonl"),
+                        str(tmp_path / "c.txt"), str(output), "--shards", "2"],
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  shards = out.stdout.split()
+  assert [pathlib.Path(p).name for p in shards] == ["corpus-00000-of-00002.array_record",
+                                                    "corpus-00001-of-00002.array_record"]
+  docs = data.Documents(data.DataConfig(source="text", paths=tuple(shards)))
+  assert sorted(docs[i] for i in range(len(docs))) == ["four", "one", "three", "two"]
+
+
+def test_convert_streams_a_corpus_in_memory_bounded_by_one_document(tmp_path):
+  import tracemalloc
+
+  corpus = tmp_path / "big.jsonl"
+  with open(corpus, "w") as f:
+    for i in range(22_000):
+      f.write(json.dumps({"text": f"{i} " + "x" * 1000}) + "\n")  # ~22 MB
+  tracemalloc.start()
+  try:
+    data.write_array_record(str(corpus), str(tmp_path / "out" / "big"), num_shards=3)
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  assert corpus.stat().st_size > 20 * 2**20
+  assert peak < 2 * 2**20, peak  # reading the file whole would take > 20 MB
+  docs = data.Documents(data.DataConfig(source="text", paths=(str(tmp_path / "out" / "big-*.array_record"),)))
+  assert len(docs) == 22_000
+
+
+def test_convert_failing_part_way_leaves_no_shards(tmp_path):
+  corpus = tmp_path / "bad.jsonl"
+  corpus.write_text(json.dumps({"text": "fine"}) + "\nnot json\n")
+  with pytest.raises(ValueError, match=r"bad.jsonl' line 2 is not JSON"):
+    data.write_array_record(str(corpus), str(tmp_path / "out" / "c"))
+  assert list((tmp_path / "out").iterdir()) == []
+  with pytest.raises(ValueError, match="No documents to write"):
+    data.write_array_record([], str(tmp_path / "none" / "c"))
+  assert not (tmp_path / "none").exists()
+
+
 def test_a_tokenizer_hook_is_used():
   tokenizer = lambda text: [1000 + len(word) for word in text.split()]  # a word-level "tokenizer"
   loader = data.DataLoader(data.DataConfig(seq_len=16, global_batch_size=8, tokenizer=tokenizer),
@@ -190,6 +240,7 @@ def test_two_processes_shard_documents_and_replicate_when_the_mesh_says_so(tmp_p
   assert first["replicated"]["ids"] == second["replicated"]["ids"]
   assert first["replicated"]["global_ok"] and second["replicated"]["global_ok"]
   assert first["resume_equal"] and second["resume_equal"]
+  assert first["exact_resume"] == second["exact_resume"] == {"0": True, "2": True}
   assert first["eval_batches"] == second["eval_batches"] > 0
   # The data item was written by 2 processes; this job has 1.
   loader = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8), data_helpers.shardings(_mesh()))

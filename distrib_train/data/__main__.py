@@ -1,4 +1,4 @@
-"""``python -m distrib_train.data convert INPUT OUTPUT [--shards N]``."""
+"""``python -m distrib_train.data convert INPUT [INPUT ...] OUTPUT [--shards N]``."""
 
 from distrib_train.data.sources import main
 

@@ -35,7 +35,8 @@ import numpy as np
 
 from distrib_train.data import sources
 
-STATE_VERSION = 1
+# 2: tuples in grain's state survive the JSON round trip (see _state_to_json).
+STATE_VERSION = 2
 Tokenizer = Callable[[str], Sequence[int]]
 
 
@@ -57,6 +58,9 @@ class DataConfig:
     num_threads: reader threads per process.
     synthetic_documents: documents in the synthetic source.
     tokenizer: ``str -> list[int]``; None for bytes (vocab 256).
+    allow_replicated_batch: let the trainer run a global batch that the
+      mesh's batch axes do not divide, computing the whole batch on every
+      device (refused otherwise).
   """
 
   source: str = "pydoc"
@@ -69,6 +73,7 @@ class DataConfig:
   num_workers: int = 0
   num_threads: int = 4
   synthetic_documents: int = 4096
+  allow_replicated_batch: bool = False
   tokenizer: Tokenizer | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
@@ -159,6 +164,8 @@ class DataLoader:
       ``tokens`` decides which rows this process feeds.
     split: ``train`` or ``eval`` (disjoint document sets).
     num_epochs: passes over the data; None repeats forever.
+    vocab_size: the model's vocabulary; a sample of the split's documents is
+      tokenized at once and an id outside ``[0, vocab_size)`` refused.
 
   Raises:
     ValueError: a batch that does not split over processes or over the
@@ -166,7 +173,7 @@ class DataLoader:
   """
 
   def __init__(self, config: DataConfig, input_shardings: Mapping[str, Any], *, split: str = "train",
-               num_epochs: int | None = None):
+               num_epochs: int | None = None, vocab_size: int | None = None):
     if split not in ("train", "eval"):
       raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
     if "tokens" not in input_shardings:
@@ -183,9 +190,9 @@ class DataLoader:
     self.shard_index, self.shard_count = data_shard(tokens_sharding, config.global_batch_size)
     self.local_batch_size = config.global_batch_size // self.shard_count
     self._finite = num_epochs is not None
-    self._iterator = self._build(split, num_epochs)
+    self._iterator = self._build(split, num_epochs, vocab_size)
 
-  def _build(self, split: str, num_epochs: int | None) -> Any:
+  def _build(self, split: str, num_epochs: int | None, vocab_size: int | None = None) -> Any:
     import grain
 
     _allow_grain_workers_outside_absl()
@@ -207,6 +214,8 @@ class DataLoader:
           " read in; give more documents or change data.eval_fraction."
       )
     tokenize = _tokenizer(config.tokenizer)
+    if vocab_size is not None:
+      _check_token_ids(tokenize, docs, indices[:: max(1, len(indices) // 16)][:16], vocab_size, split)
     seq = config.seq_len + 1  # inputs and targets are shifted by one
 
     ds = grain.MapDataset.source(_Subset(docs, indices))  # the split's documents
@@ -214,11 +223,15 @@ class DataLoader:
     ds = ds[self.shard_index::self.shard_count]  # … of which this process reads its share
     ds = ds.repeat(num_epochs)
     ds = ds.map(lambda doc: {"tokens": tokenize(doc)})
+    # A sample spread over the split: reading every document of a large
+    # ArrayRecord corpus here would be too slow.
+    sample = indices[:: max(1, len(indices) // 2000)]
+    longest = max(len(tokenize(docs[int(i)])) for i in sample)
+    if longest == 0:  # packing would look for tokens forever
+      source = f"data source {config.source!r}" + (f" {list(config.paths)}" if config.paths else "")
+      raise ValueError(f"The {split} split of {source} holds no tokens: all {len(sample)} document(s) checked are"
+                       " empty; give documents with text.")
     if not config.packing:
-      # A sample spread over the split: reading every document of a large
-      # ArrayRecord corpus here would be too slow.
-      sample = indices[:: max(1, len(indices) // 2000)]
-      longest = max(len(tokenize(docs[int(i)])) for i in sample)
       if longest < seq:
         raise ValueError(
             f"seq_len {config.seq_len} + 1 is longer than every {split} document (longest {longest} tokens of"
@@ -283,21 +296,24 @@ class DataLoader:
         "shard_index": self.shard_index,
         "shard_count": self.shard_count,
         "process_count": jax.process_count(),
-        "grain": self._iterator.get_state(),
+        "grain": _state_to_json(self._iterator.get_state()),
     }).encode()
 
   def set_state(self, state: bytes) -> None:
-    saved = json.loads(state)
+    saved = json.loads(state, object_hook=_tuple_from_json)
     mine = {"num_workers": self.config.num_workers, "shard_count": self.shard_count,
             "shard_index": self.shard_index, "process_count": jax.process_count()}
     changed = [f"{k} {saved.get(k)} → {v}" for k, v in mine.items() if saved.get(k) != v]
-    if saved.get("version") != STATE_VERSION or changed:
+    if saved.get("version") not in (1, STATE_VERSION) or changed:
       raise ValueError(
           "The data-iterator state in the checkpoint was written by a different data layout ("
           + ", ".join(changed or [f"state version {saved.get('version')}"])
           + "); restore with the same process count and num_workers, or restore without the data item."
       )
-    self._iterator.set_state(saved["grain"])
+    grain_state = saved["grain"]
+    if saved["version"] == 1:
+      grain_state = _grain_state_from_version_1(grain_state)
+    self._iterator.set_state(grain_state)
 
   def start_prefetch(self) -> None:
     """Called by grain's checkpoint handler after a restore."""
@@ -338,6 +354,19 @@ def _tokenizer(tokenizer: Tokenizer | None) -> Callable[[Any], np.ndarray]:
   return tokenize
 
 
+def _check_token_ids(tokenize, docs, sample: np.ndarray, vocab_size: int, split: str) -> None:
+  """Refuses ids outside the model's vocabulary in a sample of documents
+  (the model would look them up as NaN and every step would be skipped)."""
+  for index in sample:
+    ids = tokenize(docs[int(index)])
+    if len(ids) and (ids.max() >= vocab_size or ids.min() < 0):
+      bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
+      raise ValueError(
+          f"The {split} data holds token id {bad} (document {int(index)}), outside the model's vocabulary of"
+          f" {vocab_size} ids (0 to {vocab_size - 1}); use a tokenizer that matches the model or a model with a"
+          " larger vocab_size.")
+
+
 def _shifted(packed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
   tokens, segments, positions = packed["tokens"], packed["tokens_segment_ids"], packed["tokens_positions"]
   same_document = (segments[1:] == segments[:-1]) & (segments[:-1] > 0)
@@ -363,6 +392,45 @@ def _unpacked(tokens: np.ndarray) -> dict[str, np.ndarray]:
       "targets": tokens[1:].astype(np.int32),
       "weights": np.ones(len(tokens) - 1, np.float32),
   }
+
+
+# JSON has no tuples: a plain round trip hands grain lists where it wrote
+# tuples, and grain compares some of them with tuples. Packing's "no partial
+# document" slice (-1, -1) is one: restored as [-1, -1] (!= (-1, -1)) it
+# reads as a partial document, so the document due next is taken as the
+# empty slice [-1:-1] and skipped. grain's state has that slice at step 0 and
+# after every row that began where a document ended exactly at the previous
+# row's end. Tuples are therefore written tagged and read back as tuples;
+# lists stay lists (grain's interleave state holds lists it assigns into).
+_TUPLE_TAG = "__tuple__"
+
+
+def _state_to_json(value: Any) -> Any:
+  """grain's state with every tuple tagged, ready for ``json.dumps``."""
+  if isinstance(value, tuple):
+    return {_TUPLE_TAG: [_state_to_json(item) for item in value]}
+  if isinstance(value, list):
+    return [_state_to_json(item) for item in value]
+  if isinstance(value, dict):
+    return {key: _state_to_json(item) for key, item in value.items()}
+  return value
+
+
+def _tuple_from_json(obj: dict[str, Any]) -> Any:
+  """``json.loads`` object hook: the inverse of ``_state_to_json``'s tags."""
+  if len(obj) == 1 and _TUPLE_TAG in obj:
+    return tuple(obj[_TUPLE_TAG])
+  return obj
+
+
+def _grain_state_from_version_1(state: Any) -> Any:
+  """Version 1 wrote grain's state through plain JSON. Its only tuples were
+  packing's remainder slices (at the top: batching, mapping and prefetching
+  pass their parent's state through); they are made tuples again."""
+  if isinstance(state, dict) and isinstance(state.get("remainder_slices"), dict):
+    slices = {name: tuple(bounds) for name, bounds in state["remainder_slices"].items()}
+    state = {**state, "remainder_slices": slices}
+  return state
 
 
 def _allow_grain_workers_outside_absl() -> None:

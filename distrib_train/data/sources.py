@@ -2,17 +2,18 @@
 
 Each source is random access (``len`` and ``[index]``), as grain's
 ``MapDataset.source`` wants. ``write_array_record`` (also ``python -m
-distrib_train.data convert IN OUT``) turns text or JSONL into
-ArrayRecord shards, grain's native random-access format.
+distrib_train.data convert IN [IN ...] OUT``) streams text or JSONL files
+into ArrayRecord shards, grain's native random-access format.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob as globlib
+import itertools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -53,30 +54,49 @@ def _expand(paths: Sequence[str]) -> list[str]:
   return files
 
 
-def _read_text_file(path: str) -> list[str]:
+def iter_text_file(path: str) -> Iterator[str]:
+  """The documents of one file, read as they are needed.
+
+  A ``.jsonl`` file yields the ``text`` field of each line, one line in
+  memory at a time; any other file is one document (blank ones yield none).
+
+  Raises:
+    ValueError: an unreadable file, text that is not UTF-8, a line that is
+      not JSON or has no string ``text`` (file and line named).
+  """
   try:
+    if not path.endswith(".jsonl"):
+      with open(path, "rb") as f:
+        text = _decode(f.read(), path, None)
+      if text.strip():
+        yield text
+      return
     with open(path, "rb") as f:
-      raw = f.read()
+      for number, raw in enumerate(f, 1):
+        line = _decode(raw, path, number)
+        if not line.strip():
+          continue
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise ValueError(f"Data file {path!r} line {number} is not JSON: {e.msg}.") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+          raise ValueError(f"Data file {path!r} line {number} has no string field 'text'.")
+        yield record["text"]
   except OSError as e:
     raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
+
+
+def _decode(raw: bytes, path: str, line: int | None) -> str:
   try:
-    text = raw.decode("utf-8")
+    return raw.decode("utf-8")
   except UnicodeDecodeError as e:
-    raise ValueError(f"Data file {path!r} is not UTF-8 text (byte {e.start}).") from None
-  if not path.endswith(".jsonl"):
-    return [text] if text.strip() else []
-  docs = []
-  for number, line in enumerate(text.splitlines(), 1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"Data file {path!r} line {number} is not JSON: {e.msg}.") from None
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-      raise ValueError(f"Data file {path!r} line {number} has no string field 'text'.")
-    docs.append(record["text"])
-  return docs
+    where = f" line {line}" if line is not None else ""
+    raise ValueError(f"Data file {path!r}{where} is not UTF-8 text (byte {e.start}).") from None
+
+
+def _read_text_file(path: str) -> list[str]:
+  return list(iter_text_file(path))
 
 
 class Documents:
@@ -132,45 +152,81 @@ def _check_array_record(path: str) -> None:
     raise ValueError(f"Data file {path!r} is not a readable ArrayRecord file: {e}") from None
 
 
-def write_array_record(documents: Sequence[str] | str, output: str, *, num_shards: int = 1) -> list[str]:
+def write_array_record(documents: Iterable[str] | str, output: str, *, num_shards: int = 1) -> list[str]:
   """Writes documents as ArrayRecord shards, one record per document.
 
+  Documents are streamed: a corpus larger than memory converts in memory
+  bounded by its largest document. The shards appear only once all of them
+  are written; a failure part way leaves nothing behind.
+
   Args:
-    documents: texts, or the path of a ``.txt`` / ``.jsonl`` file.
+    documents: texts (any iterable), or a ``.txt`` / ``.jsonl`` path or glob.
     output: path prefix; shards are ``{output}-00000-of-0000N.array_record``.
+      Its directory is created if missing.
     num_shards: how many files to spread the records over.
 
   Returns:
     The shard paths.
+
+  Raises:
+    ValueError: no documents, a bad input file (named), or ``num_shards < 1``.
+  """
+  return convert([documents] if isinstance(documents, str) else documents, output, num_shards=num_shards,
+                 paths=isinstance(documents, str))
+
+
+def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: bool = True) -> list[str]:
+  """Streams the documents of ``inputs`` into ArrayRecord shards.
+
+  Args:
+    inputs: ``.txt`` / ``.jsonl`` paths or globs (``paths=True``), else texts.
+    output: path prefix of the shards; its directory is created if missing.
+    num_shards: how many files to spread the records over.
+    paths: whether ``inputs`` name files.
   """
   from array_record.python import array_record_module
 
-  if isinstance(documents, str):
-    documents = _read_text_file(documents)
-  if not documents:
-    raise ValueError("No documents to write.")
-  paths = [f"{output}-{i:05d}-of-{num_shards:05d}.array_record" for i in range(num_shards)]
-  writers = [array_record_module.ArrayRecordWriter(p, "group_size:1") for p in paths]
-  for i, doc in enumerate(documents):
-    writers[i % num_shards].write(doc.encode("utf-8"))
-  for w in writers:
-    w.close()
-  return paths
-
+  if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+    raise ValueError(f"num_shards must be a positive integer, got {num_shards!r}.")
+  inputs = list(inputs) if paths else inputs
+  documents = (doc for path in _expand(inputs) for doc in iter_text_file(path)) if paths else iter(inputs)
+  first = next(documents, None)
+  if first is None:
+    raise ValueError("No documents to write" + (f" in {', '.join(inputs)}." if paths else "."))
+  directory = os.path.dirname(output)
+  if directory:
+    os.makedirs(directory, exist_ok=True)
+  final = [f"{output}-{i:05d}-of-{num_shards:05d}.array_record" for i in range(num_shards)]
+  partial = [f"{p}.partial" for p in final]
+  writers = [array_record_module.ArrayRecordWriter(p, "group_size:1") for p in partial]
+  try:
+    for i, doc in enumerate(itertools.chain([first], documents)):
+      writers[i % num_shards].write(doc.encode("utf-8"))
+    for writer in writers:
+      writer.close()
+  except BaseException:
+    for writer, path in zip(writers, partial):
+      writer.close()
+      if os.path.exists(path):
+        os.remove(path)
+    raise
+  for source, target in zip(partial, final):
+    os.replace(source, target)
+  return final
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  """``convert INPUT OUTPUT [--shards N]``: text or JSONL to ArrayRecord."""
+  """``convert INPUT [INPUT ...] OUTPUT [--shards N]``: text or JSONL to ArrayRecord."""
   parser = argparse.ArgumentParser(prog="python -m distrib_train.data")
   sub = parser.add_subparsers(dest="command", required=True)
-  convert = sub.add_parser("convert", help="write a .txt or .jsonl file as ArrayRecord shards")
-  convert.add_argument("input")
-  convert.add_argument("output", help="path prefix of the shards")
-  convert.add_argument("--shards", type=int, default=1)
+  convert_parser = sub.add_parser(
+      "convert", help="write .txt / .jsonl files (paths or globs) as ArrayRecord shards, streaming")
+  convert_parser.add_argument("inputs", nargs="+", metavar="INPUT", help="a .txt or .jsonl file, or a glob")
+  convert_parser.add_argument("output", help="path prefix of the shards (its directory is created)")
+  convert_parser.add_argument("--shards", type=int, default=1)
   args = parser.parse_args(argv)
   try:
-    paths = write_array_record(args.input, args.output, num_shards=args.shards)
+    paths = convert(args.inputs, args.output, num_shards=args.shards)
   except ValueError as e:
     parser.exit(2, f"error: {e}\n")
   print("\n".join(paths))
-

@@ -68,7 +68,28 @@ with dt.CheckpointManager(checkpoint_dir) as checkpoints:
   checkpoints.restore(state, data_iterator=fresh)
 result["resume_equal"] = [fresh.next_local()["tokens"].tolist() for _ in range(2)] == expected
 
-# 4. A finite pass (eval) ends at the same batch in every process, although
+# 4. Exact resume at step 0 and at a step where a document ends exactly at a
+#    packed row's end: every document here is one row of seq_len + 1 tokens.
+rows_dir = own_dir / "rows"
+rows_dir.mkdir()
+exact = data.DataConfig(source="text", paths=(data_helpers.write_documents(rows_dir, [8] * 32),),
+                        seq_len=7, global_batch_size=8, eval_fraction=0.0)
+loader = data.DataLoader(exact, data_helpers.shardings(mesh))
+with dt.CheckpointManager(f"{checkpoint_dir}-exact", max_to_keep=None) as checkpoints:
+  checkpoints.save(0, state, data_iterator=loader)
+  drawn = [loader.next_local() for _ in range(2)]
+  checkpoints.save(2, state, data_iterator=loader)
+drawn += [loader.next_local() for _ in range(3)]
+result["exact_resume"] = {}
+for step in (0, 2):
+  fresh = data.DataLoader(exact, data_helpers.shardings(mesh))
+  with dt.CheckpointManager(f"{checkpoint_dir}-exact") as checkpoints:
+    checkpoints.restore(state, step=step, data_iterator=fresh)
+  got = [fresh.next_local() for _ in range(3)]
+  result["exact_resume"][str(step)] = all(
+      np.array_equal(g[name], want[name]) for g, want in zip(got, drawn[step:step + 3]) for name in want)
+
+# 5. A finite pass (eval) ends at the same batch in every process, although
 #    packing leaves the two shards with different numbers of batches.
 eval_loader = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8), data_helpers.shardings(mesh),
                               split="eval", num_epochs=1)
