@@ -93,7 +93,10 @@ def _quiet_echoes_of_failed_writes() -> None:
   is still finishing the other writes in flight; each then tries to wake the
   closed loop and prints a "RuntimeError: Event loop is closed" traceback
   (through ``sys.unraisablehook``), and asyncio logs the abandoned tasks. The
-  failure itself is raised as one CheckpointWriteError.
+  failure itself is raised as one CheckpointWriteError. Reads of a damaged
+  checkpoint echo the same way (each array's failed read is logged as "Task
+  exception was never retrieved"): the trainer installs this before its first
+  check of the checkpoint.
   """
   global _echoes_quiet
   if _echoes_quiet:
@@ -107,7 +110,8 @@ def _quiet_echoes_of_failed_writes() -> None:
 
   def abandoned_write(record: logging.LogRecord) -> bool:
     text = str(record.msg)
-    return "Task was destroyed but it is pending" in text and ("orbax" in text or "tensorstore" in text)
+    echo = "Task was destroyed but it is pending" in text or "Task exception was never retrieved" in text
+    return echo and ("orbax" in text or "tensorstore" in text)
 
   sys.unraisablehook = hook
   logging.getLogger("asyncio").addFilter(lambda record: not abandoned_write(record))

@@ -158,7 +158,13 @@ def check_restorable(directory: str | epath.PathLike, target: TrainState) -> int
     return None
   if not directory.is_dir():
     raise CheckpointError(f"Checkpoint directory {str(directory)!r} is a file, not a directory.")
-  steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+  names = {p.name: int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()}
+  for name, step in names.items():
+    if name != str(step):  # orbax would read it as step N and then look for a directory named N
+      raise CheckpointError(
+          f"Checkpoint directory {str(directory / name)!r} is not named by its step number ({str(step)!r}):"
+          f" rename it to {str(directory / str(step))!r} or move it out of the way.")
+  steps = sorted(names.values())
   if not steps:
     return None
   read_meta(directory, steps[-1])

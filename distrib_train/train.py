@@ -11,7 +11,9 @@ flags or the config, a workdir that cannot be written or a checkpoint that
 does not fit (another model, incomplete, damaged) prints one ``error:`` line
 and exits with status 2 before anything is written. Exit status: 0 finished,
 preempted (after the checkpoint) or already done; 2 bad flags, config,
-workdir or checkpoint; 3 stopped by the non-finite guard; 1 a checkpoint
+workdir, checkpoint or a workdir another job holds; 3 stopped by the
+non-finite guard; 143 (130) SIGTERM (SIGINT) outside the step loop or a
+second one, stopping at once; 1 a checkpoint
 that could not be written mid-run (a full or read-only disk: one ``error:``
 line naming the step, the directory and the cause) or a failed process.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging as std_logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -125,6 +128,13 @@ def main(argv: Sequence[str]) -> None:
     if distributed.is_multiprocess():
       os._exit(1)  # the other processes may wait for this one in the save's barrier
     sys.exit(1)
+  except (distributed.Terminated, KeyboardInterrupt) as e:  # a signal outside the step loop, or a second one
+    signum = e.signum if isinstance(e, distributed.Terminated) else 2
+    print(f"distrib-train: stopped by {signal.Signals(signum).name} before a step boundary; the checkpoints"
+          " committed before it are kept.", file=sys.stderr, flush=True)
+    if distributed.is_multiprocess():
+      os._exit(128 + signum)
+    sys.exit(128 + signum)
   except Exception as e:
     if not distributed.is_multiprocess():
       from distrib_train.checkpoint import CheckpointError

@@ -1,0 +1,131 @@
+"""One job per workdir: a lock that a dead job cannot leave behind.
+
+``WorkdirLock(workdir).acquire()`` takes a POSIX record lock
+(``fcntl.lockf``) on ``workdir/.distrib_train.lock`` and writes the holder's
+pid, host and start time into it. The kernel drops the lock when the holding
+process ends, however it ends (SIGKILL included), so a relaunch after a crash
+is never refused; a second job started while the first still runs is refused
+before it touches anything else in the workdir (it would otherwise delete the
+first's in-progress orbax temporary directories).
+
+In a multi-process job only process 0 holds the lock; ``acquire_for_job``
+tells the other processes whether it got it, through JAX's coordination
+service, so every process of a refused job stops with the same message.
+
+Record locks rather than ``flock``: they are not shared with forked children
+(grain's worker processes), which would otherwise keep a dead trainer's lock,
+and NFS carries them between hosts. A filesystem that cannot lock (some FUSE
+mounts) gets a warning and no lock; an object-store URL (``gs://…``) is not a
+path this module can lock at all.
+
+Not for: what a run writes in its workdir (``trainer.py``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import os
+import pathlib
+import socket
+
+LOCK_NAME = ".distrib_train.lock"
+_KEY = "distrib_train/workdir_lock"
+# Record locks belong to a process: a second lock of the same file in this
+# process would succeed, and closing it would drop the first. Held paths are
+# remembered to refuse that too.
+_held: set[str] = set()
+
+
+class WorkdirInUseError(ValueError):
+  """Another job holds the workdir; the message names it and the holder."""
+
+
+class WorkdirLock:
+  """An exclusive, process-lifetime lock on a workdir.
+
+  Args:
+    workdir: an existing local (or NFS) directory.
+  """
+
+  def __init__(self, workdir: str | os.PathLike):
+    self.workdir = pathlib.Path(workdir)
+    self.path = self.workdir / LOCK_NAME
+    self._fd: int | None = None
+    self.warning: str | None = None  # set when the filesystem cannot lock
+
+  def acquire(self) -> None:
+    """Takes the lock, or raises at once.
+
+    Raises:
+      WorkdirInUseError: another process (this one included) holds it.
+    """
+    key = str(self.path.resolve())
+    if key in _held:
+      raise WorkdirInUseError(f"Workdir {str(self.workdir)!r} is in use by another run in this process"
+                              f" (pid {os.getpid()}); close it first or use another workdir.")
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+      fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      holder = _read_holder(fd)
+      os.close(fd)
+      if e.errno in (errno.EACCES, errno.EAGAIN):
+        raise WorkdirInUseError(
+            f"Workdir {str(self.workdir)!r} is in use by another job ({holder or 'holder unknown'}); wait for it"
+            " to end, stop it, or give another --workdir.") from None
+      self.warning = (f"Workdir {str(self.workdir)!r} cannot be locked ({e.strerror}): nothing stops a second"
+                      " job from using it at the same time.")
+      return
+    os.ftruncate(fd, 0)
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, since {started}\n".encode())
+    self._fd = fd
+    _held.add(key)
+
+  def release(self) -> None:
+    """Drops the lock (the holder line stays: it names the last holder)."""
+    if self._fd is None:
+      return
+    _held.discard(str(self.path.resolve()))
+    os.close(self._fd)  # closing the descriptor releases the record lock
+    self._fd = None
+
+
+def _read_holder(fd: int) -> str:
+  try:
+    return os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+  except OSError:
+    return ""
+
+
+def acquire_for_job(workdir: str | os.PathLike, timeout_s: int = 600) -> WorkdirLock:
+  """Process 0 takes the lock; every process of the job learns the outcome.
+
+  Raises:
+    WorkdirInUseError: in every process, when process 0 was refused.
+  """
+  import jax
+
+  lock = WorkdirLock(workdir)
+  if jax.process_count() == 1:
+    lock.acquire()
+    return lock
+  from jax._src import distributed
+
+  client = distributed.global_state.client
+  if jax.process_index() == 0:
+    refusal = ""
+    try:
+      lock.acquire()
+    except WorkdirInUseError as e:
+      refusal = str(e)
+    client.key_value_set(_KEY, refusal or "ok")
+    if refusal:
+      raise WorkdirInUseError(refusal)
+    return lock
+  answer = client.blocking_key_value_get(_KEY, timeout_s * 1000)
+  if answer != "ok":
+    raise WorkdirInUseError(answer)
+  return lock
