@@ -38,8 +38,35 @@ PRESETS_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 NONFINITE_POLICIES = ("skip", "halt", "rollback")
 
 
+# Bounds on what a YAML document may expand to: an alias bomb (a few hundred
+# bytes of nested aliases) expands to billions of nodes, and deep nesting
+# overflows the recursive composer. Real configs are a few levels and nodes.
+MAX_YAML_DEPTH = 64
+MAX_YAML_NODES = 100_000
+MAX_MESSAGE_VALUE = 80  # characters of a value repeated in an error message
+
+
 class ConfigError(ValueError):
   """A configuration mistake; the message names the key or file."""
+
+
+def short_repr(value: Any, limit: int = MAX_MESSAGE_VALUE) -> str:
+  """``repr(value)``, cut to ``limit`` characters for an error message (a
+  value may be a huge string or a deeply shared structure)."""
+  try:
+    text = reprlib_repr(value)
+  except RecursionError:  # a self-referencing structure nested past reprlib's levels
+    text = f"<{type(value).__name__}>"
+  return text if len(text) <= limit else f"{text[:limit]}… ({type(value).__name__}, cut)"
+
+
+def reprlib_repr(value: Any) -> str:
+  import reprlib
+
+  shortener = reprlib.Repr()
+  shortener.maxstring = shortener.maxother = shortener.maxlong = MAX_MESSAGE_VALUE
+  shortener.maxlevel = 3
+  return shortener.repr(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +209,7 @@ def valid_keys(model_fields: Sequence[str] = ()) -> list[str]:
 def _coerce(value: Any, kind: Any, key: str) -> Any:
   """``value`` as ``kind``; strings (from ``--set`` or YAML) are parsed."""
   def wrong(what: str) -> ConfigError:
-    return ConfigError(f"{key} must be {what}, got {value!r}.")
+    return ConfigError(f"{key} must be {what}, got {short_repr(value)}.")
 
   origin = typing.get_origin(kind)
   if origin is tuple:
@@ -238,7 +265,7 @@ def _check_model_value(key: str, value: Any) -> Any:
   of the reference models is a size (0 or less fails deep inside jit, or
   trains and then fails to checkpoint), and a dtype must name a float type."""
   if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-    raise ConfigError(f"{key} must be at least 1, got {value!r}.")
+    raise ConfigError(f"{key} must be at least 1, got {short_repr(value)}.")
   if key.endswith("dtype"):
     import jax.numpy as jnp
 
@@ -247,7 +274,7 @@ def _check_model_value(key: str, value: Any) -> Any:
     except (TypeError, ValueError, SyntaxError):  # numpy's dtype parser raises all three ("01": SyntaxError)
       floating = False
     if not floating:
-      raise ConfigError(f"{key} must name a float dtype (float32, bfloat16, float16), got {value!r}.")
+      raise ConfigError(f"{key} must name a float dtype (float32, bfloat16, float16), got {short_repr(value)}.")
   return value
 
 
@@ -286,6 +313,52 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             "while constructing a mapping", node.start_mark, f"found the key {key!r} twice", key_node.start_mark)
     return super().construct_mapping(node, deep)
 
+  def compose_node(self, parent, index):
+    # The composer recurses once per level: refuse deep nesting before Python's recursion limit.
+    self._depth = getattr(self, "_depth", 0) + 1
+    try:
+      if self._depth > MAX_YAML_DEPTH:
+        mark = self.peek_event().start_mark
+        raise _YamlTooLarge(f"nests deeper than {MAX_YAML_DEPTH} levels (line {mark.line + 1}, column"
+                            f" {mark.column + 1})")
+      return super().compose_node(parent, index)
+    finally:
+      self._depth -= 1
+
+  def get_single_data(self):
+    node = self.get_single_node()
+    if node is None:
+      return None
+    nodes = _expanded_nodes(node, {})
+    if nodes > MAX_YAML_NODES:
+      raise _YamlTooLarge(f"expands to more than {MAX_YAML_NODES:,} values through its aliases ({nodes:,}); a"
+                          " config needs far fewer")
+    return self.construct_document(node)
+
+
+class _YamlTooLarge(yaml.YAMLError):
+  """A document beyond ``MAX_YAML_DEPTH`` / ``MAX_YAML_NODES``."""
+
+
+def _expanded_nodes(node: yaml.Node, counted: dict[int, int | None]) -> int:
+  """How many nodes ``node`` stands for once every alias is expanded; a
+  shared node is counted once per use, but computed once (bombs are cheap
+  to measure). Recursion depth is bounded by the composer's depth check."""
+  key = id(node)
+  if key in counted:
+    if counted[key] is None:
+      raise _YamlTooLarge("holds an alias inside its own anchor (a recursive structure)")
+    return counted[key]
+  counted[key] = None
+  if isinstance(node, yaml.SequenceNode):
+    total = 1 + sum(_expanded_nodes(child, counted) for child in node.value)
+  elif isinstance(node, yaml.MappingNode):
+    total = 1 + sum(_expanded_nodes(k, counted) + _expanded_nodes(v, counted) for k, v in node.value)
+  else:
+    total = 1
+  counted[key] = total
+  return total
+
 
 def safe_load_yaml(path: str | os.PathLike, what: str = "Config") -> Any:
   """A YAML file's content, safely: no Python tags, no repeated keys.
@@ -301,8 +374,12 @@ def safe_load_yaml(path: str | os.PathLike, what: str = "Config") -> Any:
     raise ConfigError(f"Cannot read {what.lower()} {os.fspath(path)!r}: {e.strerror}.") from None
   except UnicodeDecodeError as e:
     raise ConfigError(f"{what} {os.fspath(path)!r} is not UTF-8 text (byte {e.start}).") from None
+  except _YamlTooLarge as e:
+    raise ConfigError(f"{what} {os.fspath(path)!r} is refused: it {e}.") from None
   except yaml.YAMLError as e:
     message = " ".join(str(e).split())
+    if len(message) > 4 * MAX_MESSAGE_VALUE:
+      message = message[:4 * MAX_MESSAGE_VALUE] + "… (cut)"
     raise ConfigError(f"{what} {os.fspath(path)!r} is not valid YAML: {message}") from None
 
 

@@ -29,12 +29,16 @@ Not for: building the mesh (``mesh.py``) or launching processes (``launch/``).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import re
 import shutil
 import socket
 import signal
 import subprocess
+import sys
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -180,6 +184,10 @@ def initialize(
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, local_device_ids=ids, coordinator_bind_address=bind,
                                **timeouts)
+    if bind is not None:
+      _cpu_collectives_on_loopback()
+    if cpu_devices is not None:
+      _drop_gloo_banner()
     return JobSpec("explicit", coordinator_address, num_processes, process_id, ids)
   cluster = detected_cluster() if auto_detect else None
   if cluster is None:
@@ -189,6 +197,73 @@ def initialize(
   jax.distributed.initialize(local_device_ids=ids, coordinator_bind_address=_single_node_bind_address(cluster),
                              **timeouts)
   return JobSpec(f"detected:{cluster}", local_device_ids=ids)
+
+
+def _cpu_collectives_on_loopback() -> None:
+  """Makes gloo (the CPU collectives) listen on 127.0.0.1 in a local job.
+
+  gloo listens on the address the host name resolves to, which is the
+  network address on many machines. jax (0.10.2 to 0.11) has no option for
+  it, but its CPU client takes a collectives object, and jaxlib's
+  ``make_gloo_tcp_collectives`` takes a ``hostname``: the CPU backend is
+  registered again (before it starts) with gloo given the loopback address.
+  Where those private hooks differ, JAX's default stays.
+  """
+  try:
+    from jax._src import config as jax_config
+    from jax._src import distributed as jax_distributed
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    make_gloo = _jax.make_gloo_tcp_collectives
+    if jax_config.cpu_collectives_implementation.value != "gloo":
+      return
+  except (ImportError, AttributeError):
+    return
+
+  def make_cpu_client():
+    collectives = make_gloo(distributed_client=jax_distributed.global_state.client, hostname="127.0.0.1")
+    return xla_bridge.make_cpu_client(collectives=collectives)
+
+  try:
+    xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+  except RuntimeError:  # the CPU backend already started (a jax call came first): JAX's default stays
+    pass
+
+
+_GLOO_BANNER = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+\s*")
+
+
+def _drop_gloo_banner() -> None:
+  """Keeps gloo's "[Gloo] Rank i is connected to n peer ranks" lines off stdout.
+
+  gloo's C++ code prints one for every communicator it opens (15 in a short
+  2-process run) straight to file descriptor 1, which no logging setting
+  reaches. Descriptor 1 becomes a pipe that a thread copies to the real
+  stdout, less those lines; at exit the real stdout is put back, which ends
+  the thread once it has copied everything.
+  """
+  sys.stdout.flush()
+  read_fd, write_fd = os.pipe()
+  real_stdout = os.dup(1)
+  os.dup2(write_fd, 1)
+  os.close(write_fd)
+
+  def copy() -> None:
+    with os.fdopen(read_fd, "rb") as lines:
+      for line in lines:
+        if not _GLOO_BANNER.fullmatch(line):
+          os.write(real_stdout, line)
+
+  thread = threading.Thread(target=copy, name="gloo-banner-filter", daemon=True)
+  thread.start()
+
+  def restore() -> None:
+    sys.stdout.flush()
+    os.dup2(real_stdout, 1)  # closes the pipe's last write end: the thread reads to its end
+    thread.join(timeout=5)
+
+  atexit.register(restore)
 
 
 def _single_node_bind_address(cluster: str) -> str | None:
@@ -227,26 +302,59 @@ def is_multiprocess() -> bool:
   return jax.process_count() > 1
 
 
+class Terminated(BaseException):
+  """SIGTERM or SIGINT outside the step loop (start-up, compile, restore, the
+  final save): the run stops at once, keeping the committed checkpoints.
+
+  A BaseException, like KeyboardInterrupt: code that turns any Exception into
+  its own error (orbax, tensorstore, the checkpoint checks) must not swallow
+  it."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
+    self.name = signal.Signals(signum).name
+
+
 class Preemption:
   """Whether to stop at this iteration, agreed by every process (SIGTERM).
 
   A multi-process job uses JAX's preemption service: a SIGTERM to any
   process (or a TPU maintenance notice) makes all processes reach the sync
-  point at the same iteration. A single process catches SIGTERM itself.
+  point at the same iteration. A single process catches SIGTERM and SIGINT
+  itself: between ``enter_steps()`` and ``leave_steps()`` the first one sets
+  the flag the loop reads between steps (it then saves and stops); outside
+  them, or a second time, the handler raises ``Terminated`` so that a run
+  stuck in start-up, compiling, reading data or saving still ends promptly.
   """
+
+  _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self):
     from jax._src import distributed
 
     self._sync = jax.process_count() > 1 and distributed.global_state.preemption_sync_manager is not None
     self._flag = False
-    self._previous = None
+    self._in_steps = False
+    self._previous = {}
     if jax.process_count() == 1:
-      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+      for signum in self._SIGNALS:
+        self._previous[signum] = signal.signal(signum, self._on_signal)
 
-  def _on_sigterm(self, signum, frame):
-    del signum, frame
-    self._flag = True
+  def _on_signal(self, signum, frame):
+    del frame
+    if self._in_steps and not self._flag:
+      self._flag = True
+      return
+    raise Terminated(signum)
+
+  def enter_steps(self) -> None:
+    """From here a first signal asks the loop to save and stop."""
+    self._in_steps = True
+
+  def leave_steps(self) -> None:
+    """From here a signal stops the run at once."""
+    self._in_steps = False
 
   def reached(self, iteration: int) -> bool:
     if self._sync:
@@ -256,6 +364,6 @@ class Preemption:
     return self._flag
 
   def close(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+    self._previous = {}

@@ -32,6 +32,7 @@ from distrib_train.mesh import as_auto_mesh
 from distrib_train.plan import Plan, PlanEntry, logical_annotations_only
 from distrib_train.models.pytree import key_name, path_str
 from distrib_train.train_state import TrainState
+from distrib_train.train_step import check_loss_fn_accepts
 def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     return tuple(x.shape), x.dtype
@@ -253,6 +254,8 @@ class MeshPlanner:
     if loss_fn is not None:
       if inputs is None:
         raise ValueError("plan(loss_fn=...) needs inputs= (arrays or jax.ShapeDtypeStruct) to find the aux outputs.")
+
+      check_loss_fn_accepts(loss_fn, inputs)
 
       def aux_of(state, example_inputs):
         rng = None if state.root_rng is None else jax.random.fold_in(state.root_rng, state.step)

@@ -10,7 +10,9 @@ shardings (``planner.py``) or running a loop (``trainer.py``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import functools
+import inspect
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -33,6 +35,35 @@ class LossFunction(Protocol):
       self, *, model: ModelPyTree, state: LossStatePyTree, rng: PRNGKeyArray, **inputs: Any
   ) -> tuple[jax.Array, LossStatePyTree, AuxOutPyTree]:
     """Returns ``(scalar loss, new state like ``state``, aux outputs)``."""
+
+
+def check_loss_fn_accepts(loss_fn: Any, input_names: Iterable[str]) -> None:
+  """Checks, from its signature, that ``loss_fn`` takes ``model``, ``state``,
+  ``rng`` and every input as keywords (``**kwargs`` takes any), and needs no
+  other argument.
+
+  Raises:
+    ValueError: naming the function and the keywords it lacks or needs.
+  """
+  try:
+    parameters = inspect.signature(loss_fn).parameters.values()
+  except (TypeError, ValueError):  # a callable without a signature: the call itself tells
+    return
+  keywords = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  passed = ["model", "state", "rng", *sorted(set(input_names) - {"model", "state", "rng"})]
+  takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+  missing = [] if takes_any else [name for name in passed if name not in keywords]
+  needed = [p.name for p in parameters if p.default is p.empty and p.name not in passed
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)]
+  if not missing and not needed:
+    return
+  function = loss_fn.func if isinstance(loss_fn, functools.partial) else loss_fn
+  name = getattr(function, "__qualname__", None) or type(function).__name__
+  problems = ([f"does not accept {', '.join(missing)}"] if missing else []) + (
+      [f"needs {', '.join(needed)}, which the step does not pass"] if needed else [])
+  raise ValueError(
+      f"The loss function {name} {' and '.join(problems)}; it is called as loss_fn({', '.join(f'{n}=' for n in passed)})"
+      " - add those keyword parameters, or **kwargs to take any batch key.")
 
 
 def _updated_params_and_states(
@@ -191,6 +222,7 @@ class TrainStep:
       )
     self._core = core
     self._compiled = None
+    self._checked_inputs: set[str] | None = None
 
   def _args(self, train_state: TrainState, inputs: Mapping[str, Any]):
     if not isinstance(train_state, TrainState):
@@ -204,6 +236,9 @@ class TrainStep:
           + (f" not in the shardings {', '.join(extra)};" if extra else "")
           + " give a sharding for every input and pass every input."
       )
+    if self._checked_inputs != set(inputs):  # once per set of input names, before the first trace
+      check_loss_fn_accepts(self.loss_fn, inputs)
+      self._checked_inputs = set(inputs)
     if self.input_kwarg_shardings is None:
       inputs = jax.tree_util.tree_map(_on_auto_mesh, dict(inputs))
     else:

@@ -105,6 +105,10 @@ def snapshot(root: pathlib.Path) -> dict[str, Any]:
   out = {}
   for path in sorted(root.rglob("*")):
     rel = str(path.relative_to(root))
+    if path.name == ".distrib_train.lock":
+      # Names the last job that held the workdir; a job that got the lock and then found a damaged array
+      # rewrote it. A job refused the lock never writes it (test_cli_refuses_a_workdir_another_job_holds).
+      continue
     if path.is_dir():
       out[rel] = "dir"
     else:
@@ -144,7 +148,8 @@ def run_case(name: str, case: Case, base: pathlib.Path, cache: str, trained: pat
     shutil.copytree(trained, directory / "run")
     if case.damage is not None:
       case.damage(directory / "run")
-  workdir_existed = case.workdir is not None and (directory / case.workdir).exists()
+  # os.path.exists, not Path.exists: the latter raises on a name too long for the file system.
+  workdir_existed = case.workdir is not None and os.path.exists(directory / case.workdir)
   before = snapshot(directory)
   cmd = [sys.executable, "-m", "distrib_train.train", "--config", "tiny"]
   if case.workdir is not None:
@@ -167,17 +172,22 @@ def assert_refused(outcome: Outcome, case: Case, prefix: str = "distrib-train: e
   assert "Traceback" not in stderr, stderr[-3000:]
   errors = [line for line in stderr.splitlines() if "error" in line.lower()]
   assert len(errors) == 1 and errors[0].startswith(prefix), stderr[-3000:]
+  assert "Task exception" not in stderr, stderr[-3000:]  # asyncio's echoes of failed reads
+  assert len(errors[0]) < 3000, errors[0][:3000]  # values repeated in a message are cut
   for text in (case.message,) if isinstance(case.message, str) else case.message:
     assert text in errors[0], f"{text!r} not in {errors[0]!r}"
   assert outcome.after == outcome.before, "files changed in the case directory"
   if case.workdir is not None and not outcome.workdir_existed:
-    assert not (outcome.directory / case.workdir).exists(), "the workdir was created"
+    assert not os.path.exists(outcome.directory / case.workdir), "the workdir was created"
   assert not (outcome.directory / MARKER).exists()
 
 
 # --- CLI: flags, configs, --set, mesh configs, axis rules, workdirs, data -------------
 
 _MESH_AXES = "devices: 8\naxes: {data: 2, fsdp: 2, tensor: 2}\n"
+# Nine levels of nine aliases, 306 bytes: 490 million values once expanded.
+_ALIAS_BOMB = "".join(f"{c}: &{c} [{','.join([f'*{p}' if p else '1'] * 9)}]\n"
+                      for p, c in zip(["", *"abcdefgh"], "abcdefghi"))
 
 CLI_CASES: dict[str, Case] = {
     # YAML config files
@@ -189,6 +199,15 @@ CLI_CASES: dict[str, Case] = {
                             {"c.yaml": _python_tag("{marker}")}),
     "yaml-not-utf8": Case(("--config", "{dir}/c.yaml"), ("c.yaml", "is not UTF-8 text (byte 15)"),
                           {"c.yaml": b"train: {steps: \xff\xfe}\n"}),
+    "yaml-nested-20000-levels": Case(("--config", "{dir}/c.yaml"), ("c.yaml", "nests deeper than 64 levels"),
+                                     {"c.yaml": "train: " + "[" * 20000 + "]" * 20000 + "\n"}),
+    "yaml-alias-bomb": Case(("--config", "{dir}/c.yaml"), ("c.yaml", "expands to more than 100,000 values"),
+                            {"c.yaml": _ALIAS_BOMB}),
+    "yaml-recursive-alias": Case(("--config", "{dir}/c.yaml"), ("c.yaml", "alias inside its own anchor"),
+                                 {"c.yaml": "train: &a [*a]\n"}),
+    "config-huge-value-is-cut": Case(("--config", "{dir}/c.yaml"), (
+        "train.keep_checkpoints must be an integer, got 'xxx", "xxx...xxx"),
+        {"c.yaml": "train: {keep_checkpoints: " + "x" * 200000 + "}\n"}),
     "config-unknown-key": Case(("--config", "{dir}/c.yaml"), ("Unknown config key 'train.stpes'", "train.steps"),
                                {"c.yaml": "train:\n  stpes: 3\n"}),
     "config-zero-model-size": Case(("--config", "{dir}/c.yaml"), "model.num_layers must be at least 1, got 0",
@@ -213,6 +232,8 @@ CLI_CASES: dict[str, Case] = {
                                  "coordinator_address 'nohost' must be host:port"),
     "flag-no-workdir": Case(workdir=None, message="--workdir is required."),
     "workdir-is-a-file": Case((), ("Workdir", "is a file; give a directory"), {"run": "a file\n"}),
+    "workdir-component-too-long": Case((), ("the path component 'wwww", "is 300 bytes", "at most 255"),
+                                       workdir="w" * 300 + "/run"),
     "workdir-under-a-file": Case((), ("cannot be created", "f' is a file"), {"f": "a file\n"}, workdir="f/run"),
     "cache-dir-under-a-file": Case(("--set", "train.compilation_cache_dir={dir}/f/cache"),
                                    ("train.compilation_cache_dir", "f/cache", "cannot be created"), {"f": "x\n"}),
@@ -233,6 +254,15 @@ CLI_CASES: dict[str, Case] = {
                                      " rule #1", {"m.yaml": _MESH_AXES + "rules: [[batch, data], [embed, fsdp],"
                                                   " [embed, fsdp]]\n"}),
     "rules-unknown-set": Case(("--set", "train.rules=fsdp"), "train.rules must be one of data_parallel, fsdp_tensor"),
+    "rules-map-nothing-onto-an-axis": Case(("--mesh_config", "{dir}/m.yaml"), (
+        "Mesh axis contxt (size 2) is used by no axis rule in the rules of", "m.yaml"),
+        {"m.yaml": "devices: 8\naxes: {data: 2, fsdp: 2, contxt: 2}\nrules: [[batch, [data, fsdp]], [embed, fsdp]]\n"}),
+    "rules-shipped-set-misses-an-axis": Case(("--mesh_config", "{dir}/m.yaml"), (
+        "Mesh axis expert (size 2) is used by no axis rule in rule set 'fsdp_tensor'"),
+        {"m.yaml": "devices: 8\naxes: {data: 2, fsdp: 2, tensor: 1, expert: 2}\n"}),
+    "data-batch-not-divisible-by-the-mesh": Case(("--set", "data.global_batch_size=6"), (
+        "data.global_batch_size 6 does not divide over the mesh's batch axes data=2 × fsdp=2 = 4",
+        "data.allow_replicated_batch=true")),
     # data paths
     "data-missing-file": Case(("--set", "data.source=text", "--set", "data.paths={dir}/none/*.txt"),
                               "Data path '{dir}/none/*.txt' matches no file"),
@@ -247,6 +277,10 @@ CLI_CASES: dict[str, Case] = {
     "data-too-few-documents": Case(("--set", "data.source=text", "--set", "data.paths={dir}/one.txt"),
                                    ("The train split has 0 document(s)", "data.eval_fraction=0.05"),
                                    {"one.txt": "one document\n"}),
+    "data-jsonl-only-empty-texts": Case(("--set", "data.source=text", "--set", "data.paths={dir}/e.jsonl"),
+                                        ("holds no tokens", "e.jsonl"), {"e.jsonl": '{"text": ""}\n' * 40}),
+    "eval-asked-without-eval-split": Case(("--set", "data.eval_fraction=0", "--set", "train.eval_every=1"),
+                                          ("train.eval_every=1 asks for evaluations", "eval_fraction is 0")),
 }
 
 
@@ -280,6 +314,15 @@ def _truncate_arrays(workdir):
 
 def _remove(rel):
   return lambda workdir: (_step(workdir) / rel).unlink()
+
+
+def _remove_all(pattern):
+  def damage(workdir):
+    paths = list(_step(workdir).glob(pattern))
+    assert paths, pattern
+    for path in paths:
+      path.unlink()
+  return damage
 
 
 def _write(rel, content):
@@ -327,7 +370,43 @@ CHECKPOINT_CASES: dict[str, Case] = {
                                 damage=_format_version),
     "ckpt-dir-is-a-file": Case((), "run/checkpoints' is a file, not a directory", damage=_checkpoints_as_file),
     "ckpt-pickle-as-metadata": Case((), "has unreadable metadata", damage=_pickle_as_metadata),
+    "ckpt-step-dir-zero-padded": Case((), "checkpoints/00002' is not named by its step number ('2')",
+                                      damage=lambda w: _step(w).rename(w / "checkpoints" / "00002")),
+    "ckpt-array-file-deleted": Case((), "checkpoints/2' cannot be read (a damaged or truncated file?)",
+                                    damage=_remove_all("state/ocdbt.process_*/d/*")),
+    "ckpt-ocdbt-index-deleted": Case((), "has unreadable array metadata", damage=_remove_all("state/d/*")),
 }
+
+
+def _as_if_a_job_were_saving(held: list):
+  """Damage that holds the workdir's lock in this process and leaves an
+  in-progress orbax directory, as a running job would."""
+  def damage(workdir):
+    from distrib_train.workdir_lock import WorkdirLock
+
+    (workdir / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir()
+    lock = WorkdirLock(workdir)
+    lock.acquire()
+    held.append(lock)
+  return damage
+
+
+@pytest.mark.timeout(300)
+def test_cli_refuses_a_workdir_another_job_holds(tmp_path, xla_cache, trained_workdir):
+  """A second job on a running job's workdir stops before it deletes or
+  writes anything (the first's in-progress checkpoint included)."""
+  held = []
+  case = Case((), damage=_as_if_a_job_were_saving(held))
+  try:
+    outcome = run_case("held", case, tmp_path, xla_cache, trained=trained_workdir)
+  finally:
+    for lock in held:
+      lock.release()
+  workdir = outcome.directory / "run"
+  assert_refused(outcome, dataclasses.replace(
+      case, message=f"Workdir {str(workdir)!r} is in use by another job (pid {os.getpid()} on host"))
+  assert (workdir / "checkpoints" / "4.orbax-checkpoint-tmp-1").is_dir()
+  assert (workdir / ".distrib_train.lock").read_text().startswith(f"pid {os.getpid()} on host")
 
 
 @pytest.fixture(scope="module")
@@ -729,6 +808,55 @@ print(json.dumps(listening))
   assert listening, "the coordinator is not listening"
   # 127.0.0.1 as /proc writes it: 0100007F, or IPv4-mapped ::ffff:127.0.0.1 in tcp6.
   assert all(address in ("0100007F", "0000000000000000FFFF00000100007F") for address in listening), listening
+
+
+_LISTENING_SOCKETS = """
+import json, os
+from jax.experimental import multihost_utils
+import numpy as np
+from distrib_train import distributed
+distributed.initialize(coordinator_address="127.0.0.1:{port}", num_processes=2, process_id={process_id}, cpu_devices=2)
+multihost_utils.process_allgather(np.ones(4))  # gloo connects its pairs
+inodes = set()
+for fd in os.listdir("/proc/self/fd"):
+  try:
+    target = os.readlink(f"/proc/self/fd/{{fd}}")
+  except OSError:  # the listing's own descriptor, closed by now
+    continue
+  if target.startswith("socket:["):
+    inodes.add(target[8:-1])
+listening = []
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+  for line in open(table).read().splitlines()[1:]:
+    fields = line.split()
+    if fields[3] == "0A" and fields[9] in inodes:
+      listening.append(fields[1])
+multihost_utils.sync_global_devices("read")
+print(json.dumps(listening))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_local_job_listens_on_loopback_only_gloo_included():
+  """Every socket either process of a 2-process CPU job listens on (the
+  coordinator, gloo's collective pairs) is on 127.0.0.1, whatever the host
+  name resolves to."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen([sys.executable, "-c", _LISTENING_SOCKETS.format(port=port, process_id=i)], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    outputs = [proc.communicate(timeout=240) for proc in procs]
+  finally:
+    for proc in procs:
+      proc.kill()
+  for proc, (out, err) in zip(procs, outputs):
+    assert proc.returncode == 0, err[-2000:]
+  listening = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+  assert len(listening[0]) >= 2 and listening[1], listening  # process 0: the coordinator and gloo
+  loopback = ("0100007F", "0000000000000000FFFF00000100007F")
+  assert all(local.rsplit(":", 1)[0] in loopback for sockets in listening for local in sockets), listening
 
 
 @pytest.mark.parametrize("address, bind", [

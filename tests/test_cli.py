@@ -189,6 +189,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(tmp_path, xla_ca
       if p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)
   assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+  assert not any("[Gloo] Rank" in o for o in outputs)  # gloo's per-communicator banner is dropped
   saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
   assert len(saved) == 1 and saved[0] >= 3
   stopped = saved[0]
@@ -294,3 +295,14 @@ def test_local_demo_script_help_dry_run_and_bad_input():
     assert line.rstrip().endswith(f"--num_processes 2 --process_id {i}")
   out = subprocess.run(["bash", script], env=dict(env, NPROC="two"), capture_output=True, text=True, timeout=30)
   assert out.returncode == 2 and "NPROC must be a positive integer, got 'two'" in out.stderr
+
+
+def test_a_batch_the_mesh_does_not_divide_runs_replicated_when_allowed(tmp_path, xla_cache):
+  # data 2 × fsdp 2 = 4 does not divide 6: refused by default (the bad-input
+  # catalogue), run replicated when the user says so.
+  workdir = tmp_path / "run"
+  args = ["--workdir", str(workdir), "--cpu_devices", "8", "--steps", "2", *SMALL,
+          "--set", "data.global_batch_size=6", "--set", "train.eval_every=0"]
+  out = cli(*args, "--set", "data.allow_replicated_batch=true", cache=xla_cache)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert sorted(train_losses(workdir)) == [1, 2]

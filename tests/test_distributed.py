@@ -69,3 +69,21 @@ def test_a_one_node_slurm_coordinator_listens_on_its_resolved_address_only(monke
   monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")  # several nodes: JAX's default (every interface)
   assert distributed._single_node_bind_address("SlurmCluster") is None
   assert distributed._single_node_bind_address("GkeTpuCluster") is None
+
+
+def test_gloo_banner_lines_are_dropped_from_stdout_and_the_rest_kept():
+  import subprocess
+  import sys
+
+  code = (
+      "import os, sys\n"
+      "from distrib_train import distributed\n"
+      "distributed._drop_gloo_banner()\n"
+      "print('before', flush=True)\n"
+      "os.write(1, b'[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\\n')\n"
+      "os.write(1, b'[Gloo] something else\\n')\n"
+      "print('after')\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout == "before\n[Gloo] something else\nafter\n"

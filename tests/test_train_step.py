@@ -243,3 +243,39 @@ def test_the_step_runs_inside_jax_set_mesh_of_an_explicit_mesh():
     x, y = helpers.batch(0)
     state, aux = step_fn(state, inputs=jnp.asarray(x), targets=jnp.asarray(y))
   assert np.isfinite(float(aux["loss"])) and int(state.step) == 1
+
+
+def _sum_loss(*, model, state, rng, x):
+  loss = jnp.sum(model["w"] * x)
+  return loss, state, {"loss": loss}
+
+
+def test_a_loss_function_missing_a_batch_key_is_named_with_the_keys_it_must_take():
+  state = dt.TrainState.initial_state({"w": jnp.ones(3)}, optax.sgd(0.1), jax.random.key(0))
+  with pytest.raises(ValueError, match=r"The loss function _sum_loss does not accept y; it is called as "
+                                       r"loss_fn\(model=, state=, rng=, x=, y=\)"):
+    dt.build_train_step_fn(_sum_loss)(state, x=jnp.ones(3), y=jnp.ones(3))
+
+
+def test_a_loss_function_needing_an_argument_the_step_does_not_pass_is_named():
+  state = dt.TrainState.initial_state({"w": jnp.ones(3)}, optax.sgd(0.1), jax.random.key(0))
+  with pytest.raises(ValueError, match="_sum_loss needs x, which the step does not pass"):
+    dt.build_train_step_fn(_sum_loss)(state)
+
+
+def test_a_loss_function_with_var_keywords_takes_every_batch_key():
+  def loss_fn(*, model, state, rng, x, **unused):
+    return _sum_loss(model=model, state=state, rng=rng, x=x)
+
+  state = dt.TrainState.initial_state({"w": jnp.ones(3)}, optax.sgd(0.1), jax.random.key(0))
+  _, aux = dt.build_train_step_fn(loss_fn)(state, x=jnp.ones(3), y=jnp.ones(3))
+  assert float(aux["loss"]) == 3.0
+
+
+def test_the_planner_checks_the_loss_signature_before_tracing():
+  mesh = dt.build_mesh(dt.MeshConfig(("data",), (-1,)), devices=jax.devices()[:1])
+  state = dt.TrainState.initial_state({"w": jnp.ones(3)}, optax.sgd(0.1), jax.random.key(0))
+  with pytest.raises(ValueError, match="_sum_loss does not accept y"):
+    dt.MeshPlanner(mesh, dt.AxisRules([])).plan(
+        jax.eval_shape(lambda: state), loss_fn=_sum_loss,
+        inputs={"x": jax.ShapeDtypeStruct((3,), jnp.float32), "y": jax.ShapeDtypeStruct((3,), jnp.float32)})

@@ -106,3 +106,75 @@ def test_rollback_without_a_checkpoint_halts(tmp_path):
   config = small_config("train.nonfinite=rollback")
   result, console = run(config, tmp_path, poisoned_loss(config))
   assert result.status == "halted" and "no checkpoint to roll back to" in result.message
+
+
+def _with_tokenizer(config, tokenizer):
+  import dataclasses
+
+  return dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=tokenizer))
+
+
+def _too_large_ids(text):
+  return [300 + len(text) % 7] + [1] * (len(text) - 1)
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_before_the_workdir_is_made(tmp_path):
+  from distrib_train.trainer import TrainerSetupError
+
+  config = _with_tokenizer(small_config(), _too_large_ids)
+  with pytest.raises(TrainerSetupError, match=r"train data holds token id 30\d \(document \d+\), outside the"
+                                              r" model's vocabulary of 256 ids \(0 to 255\)"):
+    run(config, tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
+def test_the_first_batch_is_checked_against_the_vocabulary(tmp_path, monkeypatch):
+  """Ids the pipeline's sample of documents missed are caught before the
+  first step, naming the largest id and the vocabulary size."""
+  from distrib_train.data import pipeline
+  from distrib_train.trainer import TrainerSetupError
+
+  monkeypatch.setattr(pipeline, "_check_token_ids", lambda *args: None)
+  config = _with_tokenizer(small_config(), _too_large_ids)
+  with pytest.raises(TrainerSetupError, match=r"first batch's tokens hold token id 30\d, outside the model's"
+                                              r" vocabulary of 256 ids"):
+    run(config, tmp_path)
+  assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_a_run_whose_every_step_is_non_finite_halts_rather_than_finishing(tmp_path):
+  recipe = small_config().model_recipe()
+
+  def nan_loss(**kwargs):
+    loss, state, aux = recipe.loss_fn(**kwargs)
+    return loss * jnp.nan, state, {**aux, "loss": loss * jnp.nan}
+
+  config = small_config("train.steps=3", "train.nonfinite=skip", "train.max_nonfinite=10")
+  result, console = run(config, tmp_path, nan_loss)
+  assert result.status == "halted" and "every one of the 3 step(s)" in result.message
+  assert not (tmp_path / "checkpoints" / "3").exists()
+
+
+def test_scalars_in_aux_reach_the_console_the_jsonl_and_tensorboard_for_train_and_eval(tmp_path):
+  recipe = small_config().model_recipe()
+
+  def loss_with_extras(**kwargs):
+    loss, state, aux = recipe.loss_fn(**kwargs)
+    return loss, state, {**aux, "accuracy": jnp.float32(0.25), "perplexity": jnp.exp(loss),
+                         "per_row": jnp.zeros(4)}
+
+  config = small_config("train.steps=4", "train.log_every=2", "train.eval_every=4", "train.eval_batches=1")
+  result, console = run(config, tmp_path, loss_with_extras)
+  assert result.status == "finished"
+  records = read_metrics(tmp_path)
+  train = [r for r in records if "tokens_per_s" in r]
+  evals = [r for r in records if "eval/loss" in r]
+  assert [r["step"] for r in train] == [2, 4] and all(r["accuracy"] == 0.25 for r in train)
+  expected = float(np.mean([np.exp(result.losses[3]), np.exp(result.losses[4])]))
+  assert train[1]["perplexity"] == pytest.approx(expected, rel=1e-4)  # the window's mean, like the loss
+  assert evals[0]["eval/accuracy"] == pytest.approx(0.25)
+  assert evals[0]["eval/perplexity"] == pytest.approx(np.exp(evals[0]["eval/loss"]), rel=0.05)
+  assert "per_row" not in json.dumps(records)  # only scalars
+  assert "accuracy 0.25" in console and "eval/accuracy 0.25" in console
+  events = b"".join(p.read_bytes() for p in (tmp_path / "tensorboard").rglob("*") if p.is_file())
+  assert b"accuracy" in events and b"eval/perplexity" in events
