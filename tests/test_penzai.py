@@ -174,7 +174,7 @@ def test_sharded_penzai_training_matches_one_device():
   for _ in range(5):
     single, single_aux = step(single, inputs=XOR_INPUTS, labels=XOR_LABELS)
     sharded, sharded_aux = sharded_step(sharded, inputs=XOR_INPUTS, labels=XOR_LABELS)
-    np.testing.assert_allclose(sharded_aux["loss"], single_aux["loss"], rtol=1e-6)
+    np.testing.assert_allclose(sharded_aux["loss"], single_aux["loss"], rtol=1e-5)
   weights = sharded.params["Affine_1.Linear.weights"].data_array
   assert weights.sharding.spec == P("fsdp", "tensor")
   for name in single.params:
