@@ -20,7 +20,7 @@ setuptools.setup(
     packages=setuptools.find_packages(include=["distrib_train", "distrib_train.*"]),
     package_data={"distrib_train": ["configs/*.yaml"]},
     data_files=[("share/distrib_train/mesh_configs", sorted(str(p) for p in pathlib.Path("mesh_configs").glob("*.yaml")))],
-    entry_points={"console_scripts": ["distrib-train=distrib_train.train:run"]},
+    entry_points={"console_scripts": ["distrib-train=distrib_train.cli:run"]},
     install_requires=[
         "jax>=0.10,<0.13",
         "flax>=0.12",

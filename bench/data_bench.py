@@ -79,7 +79,7 @@ def data_wait(mesh, steps):
   import jax
   import optax
 
-  recipe = dt.models.get("llama", "tiny")
+  recipe = dt.recipes.get("llama", "tiny")
   planner = dt.MeshPlanner(mesh, "fsdp_tensor")
   config = data.DataConfig(seq_len=128, global_batch_size=32)
   example = {k: jax.ShapeDtypeStruct((32, 128), np.float32 if k == "weights" else np.int32)

@@ -127,7 +127,7 @@ class RawStep:
 
 
 def main():
-  recipe = dt.models.get("llama", "tiny", loss_chunk_size=ARGS.seq_len)
+  recipe = dt.recipes.get("llama", "tiny", loss_chunk_size=ARGS.seq_len)
   optimizer = optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1)
   mesh = dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (-1, 1, 1)))
   planner = dt.MeshPlanner(mesh, "fsdp_tensor")

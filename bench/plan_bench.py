@@ -46,7 +46,7 @@ def main(argv=None) -> list[dict]:
   for repeat in range(args.repeats):
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, "plan.json")
-      command = [sys.executable, "-m", "distrib_train.train", "plan", "--config", args.config, "--mesh_config",
+      command = [sys.executable, "-m", "distrib_train", "plan", "--config", args.config, "--mesh_config",
                  args.mesh_config, "--json", out]
       for flag in ("devices", "device_kind"):
         if getattr(args, flag):

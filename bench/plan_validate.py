@@ -65,7 +65,7 @@ def _cpu_prediction(args, devices: int, kind: str) -> dict:
   """``distrib-train plan`` for the same job in a CPU-only subprocess."""
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "plan.json")
-    command = [sys.executable, "-m", "distrib_train.train", "plan", "--config", args.config, "--mesh_config",
+    command = [sys.executable, "-m", "distrib_train", "plan", "--config", args.config, "--mesh_config",
                args.mesh_config, "--devices", str(devices), "--device_kind", kind, "--json", out]
     for item in args.set:
       command += ["--set", item]
@@ -104,10 +104,11 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   import jax
 
-  from distrib_train import config as config_lib
-  from distrib_train import hardware, podplan
-  from distrib_train.axis_rules import activation_sharding
-  from distrib_train.mesh import MeshConfig, find_mesh_config
+  from distrib_train.training import config as config_lib
+  from distrib_train.cluster import hardware
+  from distrib_train.podplan import estimate as podplan
+  from distrib_train.sharding.axis_rules import activation_sharding
+  from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
   from distrib_train.train_step import build_train_step_fn
 
   overrides = config_lib.parse_overrides(args.set)

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   shape = tt.SHAPES[args.shape]
   on_gpu = jax.devices()[0].platform == "gpu"
-  preset = tt.dt.models.llama.PRESETS[shape.preset]
+  preset = tt.dt.recipes.llama.PRESETS[shape.preset]
   base = tt.Setting(remat=preset.remat, scan=True, attention="cudnn" if on_gpu else "xla",
                     loss_chunk=preset.loss_chunk_size, batch=shape.batch)
   setting = tt.parse_setting(args.settings, base)

@@ -8,7 +8,7 @@ optax, orbax and numpy; the script puts the repository on ``sys.path``):
   JAX_PLATFORMS=cpu python bench/train_throughput.py --shapes tiny --steps 3 --warmup 1   # CPU smoke
 
 For each shape, in one process and on the same batch of random tokens:
-(a) the framework path — ``models.get("llama", preset)``, ``MeshPlanner`` on
+(a) the framework path — ``recipes.get("llama", preset)``, ``MeshPlanner`` on
 a ``data`` × ``fsdp`` × ``tensor`` mesh over every device, sharded init,
 ``build_train_step_fn`` with donation, compiled ahead of time as the trainer
 does; (b) the hand-written step of ``bench/reference_step.py`` (same model,
@@ -17,7 +17,7 @@ at a time with ``block_until_ready`` (``--window K``: K steps per sample),
 after ``--warmup`` steps, alternating (a) and (b) each round so that clock
 and thermal drift hit both; the figure is the median. Each row gives tokens/s,
 model TFLOP/s and MFU (PaLM's count, ``6·N + 12·L·heads·head_dim·S`` per
-token, over ``distrib_train.metrics.peak_flops`` of the device) and the
+token, over ``distrib_train.training.metrics.peak_flops`` of the device) and the
 ratio of the framework's tokens/s to the reference's.
 
 The reference runs with fixed settings per shape (``--ref_attention``,
@@ -205,8 +205,8 @@ class FrameworkRun:
     overrides = {**dict(shape.overrides), "remat": setting.remat, "scan_layers": setting.scan,
                  "attention": setting.attention, "loss_chunk_size": setting.loss_chunk,
                  "loss_remat": setting.loss_remat,
-                 "max_seq_len": max(tokens.shape[1], dt.models.llama.PRESETS[shape.preset].max_seq_len)}
-    recipe = dt.models.get("llama", shape.preset, **overrides)
+                 "max_seq_len": max(tokens.shape[1], dt.recipes.llama.PRESETS[shape.preset].max_seq_len)}
+    recipe = dt.recipes.get("llama", shape.preset, **overrides)
     self.config = recipe.config
     optimizer = make_optimizer(setting.mu_dtype)
     inputs = {"tokens": jax.ShapeDtypeStruct(tokens.shape, jnp.int32),
@@ -370,7 +370,7 @@ def _same_init_loss(run: FrameworkRun, config: reference_step.ReferenceConfig) -
 def run_shape(shape_name: str, args: argparse.Namespace, table: Table, mesh: Any, peak: float | None,
               started: float) -> None:
   shape = SHAPES[shape_name]
-  preset = dataclasses.replace(dt.models.llama.PRESETS[shape.preset], **dict(shape.overrides))
+  preset = dataclasses.replace(dt.recipes.llama.PRESETS[shape.preset], **dict(shape.overrides))
   seq_len = args.seq_len or shape.seq_len
   base = Setting(remat=args.remat or preset.remat, scan=args.scan, attention=args.attention,
                  loss_chunk=args.loss_chunk or preset.loss_chunk_size, batch=args.batch or shape.batch)

@@ -1,4 +1,4 @@
-"""The command line: ``python -m distrib_train.train`` / ``distrib-train``.
+"""The command line: ``python -m distrib_train.cli`` / ``distrib-train``.
 
   distrib-train --config tiny --workdir /tmp/run --cpu_devices 8
   distrib-train --config llama-1b-gpu --mesh_config gpu-1x8xh100 \\
@@ -91,7 +91,7 @@ def main(argv: Sequence[str]) -> None:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO; -v 0 brings it back
     logging.get_absl_handler().addFilter(_hide_orbax_errors)
-  from distrib_train import config as config_lib
+  from distrib_train.training import config as config_lib
 
   try:
     if not _WORKDIR.value:
@@ -106,7 +106,7 @@ def main(argv: Sequence[str]) -> None:
   except (UsageError, config_lib.ConfigError) as e:
     _fail(str(e))
 
-  from distrib_train import distributed
+  from distrib_train.cluster import distributed
 
   try:
     distributed.initialize(coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
@@ -116,7 +116,7 @@ def main(argv: Sequence[str]) -> None:
   except ValueError as e:
     _fail(str(e))
   from distrib_train.checkpoint import CheckpointWriteError
-  from distrib_train.trainer import EXIT_HALTED, Trainer, TrainerSetupError
+  from distrib_train.training.trainer import EXIT_HALTED, Trainer, TrainerSetupError
 
   try:
     trainer = Trainer(config, _WORKDIR.value, profile_steps=profile)
@@ -157,7 +157,7 @@ def main(argv: Sequence[str]) -> None:
 def run() -> None:
   """The ``distrib-train`` console script; ``distrib-train plan ...`` is ``plan_cli``."""
   if len(sys.argv) > 1 and sys.argv[1] == "plan":
-    from distrib_train import plan_cli
+    from distrib_train.podplan import cli as plan_cli
 
     sys.exit(plan_cli.main(sys.argv[2:]))
   app.run(main, flags_parser=_parse_flags)

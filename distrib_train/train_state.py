@@ -28,7 +28,8 @@ from flax import struct
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 from distrib_train import models
-from distrib_train.models.pytree import IsParam, key_name
+from distrib_train.common.naming import key_name
+from distrib_train.models.pytree import IsParam
 
 ModelPyTree = Any
 LossStatePyTree = Any

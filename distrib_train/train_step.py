@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from distrib_train import models
-from distrib_train.mesh import as_auto_mesh
+from distrib_train.common.auto_mesh import as_auto_mesh
 from distrib_train.train_state import LossStatePyTree, ModelPyTree, PRNGKeyArray, TrainState, apply_optimizer
 
 AuxOutPyTree = Any

@@ -51,7 +51,7 @@ if (( DRY_RUN )); then
   if [[ ! -x "$VENV/bin/python" ]]; then printf '%q ' python3 -m venv "$VENV"; echo; fi
   printf '%q ' "$VENV/bin/pip" install -e "$ROOT"; echo
   for ((i = 0; i < NPROC; i++)); do
-    cmd=("$VENV/bin/python" -m distrib_train.train --config "$CONFIG" --mesh_config "$MESH_CONFIG"
+    cmd=("$VENV/bin/python" -m distrib_train --config "$CONFIG" --mesh_config "$MESH_CONFIG"
          --workdir "$WORKDIR" --cpu_devices "$DEVICES" "$@")
     if (( NPROC > 1 )); then
       cmd+=(--coordinator_address "127.0.0.1:PORT" --num_processes "$NPROC" --process_id "$i")
@@ -81,7 +81,7 @@ stop_all() {
 trap 'stop_all; exit 143' TERM INT
 
 for ((i = 0; i < NPROC; i++)); do
-  args=(-m distrib_train.train --config "$CONFIG" --mesh_config "$MESH_CONFIG" --workdir "$WORKDIR"
+  args=(-m distrib_train --config "$CONFIG" --mesh_config "$MESH_CONFIG" --workdir "$WORKDIR"
         --cpu_devices "$DEVICES" "$@")
   if (( NPROC > 1 )); then
     args+=(--coordinator_address "127.0.0.1:$PORT" --num_processes "$NPROC" --process_id "$i")

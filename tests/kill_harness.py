@@ -1,4 +1,4 @@
-"""Starts, watches and SIGKILLs multi-process ``distrib_train.train`` jobs.
+"""Starts, watches and SIGKILLs multi-process ``distrib_train.cli`` jobs.
 
 The kill matrix (``test_kill_matrix.py``) runs the real CLI as a 2-process
 job on 127.0.0.1, kills it at chosen moments and restarts it. This module
@@ -42,7 +42,7 @@ _SAVING = re.compile(r"Saving checkpoint at step (\d+)")
 
 
 class Job:
-  """One launch of ``python -m distrib_train.train`` in ``num_processes`` processes.
+  """One launch of ``python -m distrib_train`` in ``num_processes`` processes.
 
   Args:
     args: the CLI flags every process gets (``--process_id`` and the
@@ -61,7 +61,7 @@ class Job:
     for i, path in enumerate(self.log_paths):
       with open(path, "w") as log:
         self.procs.append(subprocess.Popen(
-            [sys.executable, "-m", "distrib_train.train", *args, "--coordinator_address", f"127.0.0.1:{port}",
+            [sys.executable, "-m", "distrib_train", *args, "--coordinator_address", f"127.0.0.1:{port}",
              "--num_processes", str(num_processes), "--process_id", str(i)],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 

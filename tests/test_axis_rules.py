@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import distrib_train as dt
-from distrib_train.axis_rules import FSDP_TENSOR_RULES
+from distrib_train.sharding.axis_rules import FSDP_TENSOR_RULES
 
 RULES = [
     ("batch", ("data", "fsdp")),

@@ -3,7 +3,7 @@ culprit, no traceback, and nothing on disk touched.
 
 Four tables:
 
-- ``CLI_CASES``: ``python -m distrib_train.train`` with a bad flag, config,
+- ``CLI_CASES``: ``python -m distrib_train`` with a bad flag, config,
   ``--set``, mesh config, axis rules, workdir or data path. Exit status 2,
   one ``error:`` line, no traceback, the case's directory unchanged (a
   workdir that did not exist is not created).
@@ -151,7 +151,7 @@ def run_case(name: str, case: Case, base: pathlib.Path, cache: str, trained: pat
   # os.path.exists, not Path.exists: the latter raises on a name too long for the file system.
   workdir_existed = case.workdir is not None and os.path.exists(directory / case.workdir)
   before = snapshot(directory)
-  cmd = [sys.executable, "-m", "distrib_train.train", "--config", "tiny"]
+  cmd = [sys.executable, "-m", "distrib_train", "--config", "tiny"]
   if case.workdir is not None:
     cmd += ["--workdir", str(directory / case.workdir)]
   cmd += [*FAST, "--set", f"train.compilation_cache_dir={cache}", *(fill(a, directory) for a in case.args)]
@@ -382,7 +382,7 @@ def _as_if_a_job_were_saving(held: list):
   """Damage that holds the workdir's lock in this process and leaves an
   in-progress orbax directory, as a running job would."""
   def damage(workdir):
-    from distrib_train.workdir_lock import WorkdirLock
+    from distrib_train.training.workdir_lock import WorkdirLock
 
     (workdir / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir()
     lock = WorkdirLock(workdir)
@@ -413,7 +413,7 @@ def test_cli_refuses_a_workdir_another_job_holds(tmp_path, xla_cache, trained_wo
 def trained_workdir(tmp_path_factory, xla_cache):
   """A 2-step tiny run with its checkpoint at step 2."""
   workdir = tmp_path_factory.mktemp("trained") / "run"
-  cmd = [sys.executable, "-m", "distrib_train.train", "--config", "tiny", "--workdir", str(workdir), *FAST,
+  cmd = [sys.executable, "-m", "distrib_train", "--config", "tiny", "--workdir", str(workdir), *FAST,
          "--set", f"train.compilation_cache_dir={xla_cache}"]
   out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -510,7 +510,7 @@ def test_local_dry_run_anywhere_in_the_arguments_runs_nothing(tmp_path):
 
 
 def _config_file(tmp_path, text):
-  from distrib_train import config
+  from distrib_train.training import config
 
   path = tmp_path / "c.yaml"
   path.write_text(text)
@@ -526,7 +526,7 @@ def _mesh_file(tmp_path, text):
 
 
 def _overrides(*items):
-  from distrib_train import config
+  from distrib_train.training import config
 
   return lambda tmp_path: lambda: config.load("tiny", list(items))
 
@@ -588,7 +588,7 @@ def _restore_truncated(tmp_path):
 
 
 def _load(name):
-  from distrib_train import config
+  from distrib_train.training import config
 
   return config.load(name)
 
@@ -730,7 +730,7 @@ def test_the_catalogue_has_at_least_30_cases_in_every_category():
 ], ids=["apply", "new", "nested-apply", "name"])
 def test_yaml_with_python_tags_is_refused_and_never_run(tmp_path, payload):
   import distrib_train as dt
-  from distrib_train import config
+  from distrib_train.training import config
 
   path = tmp_path / "evil.yaml"
   path.write_text(fill(payload, tmp_path))
@@ -792,7 +792,7 @@ def test_a_loopback_coordinator_listens_on_loopback_only():
     port = s.getsockname()[1]
   script = f"""
 import json
-from distrib_train import distributed
+from distrib_train.cluster import distributed
 distributed.initialize(coordinator_address="127.0.0.1:{port}", num_processes=1, process_id=0, cpu_devices=1)
 listening = []
 for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -814,7 +814,7 @@ _LISTENING_SOCKETS = """
 import json, os
 from jax.experimental import multihost_utils
 import numpy as np
-from distrib_train import distributed
+from distrib_train.cluster import distributed
 distributed.initialize(coordinator_address="127.0.0.1:{port}", num_processes=2, process_id={process_id}, cpu_devices=2)
 multihost_utils.process_allgather(np.ones(4))  # gloo connects its pairs
 inodes = set()
@@ -867,7 +867,7 @@ def test_a_local_job_listens_on_loopback_only_gloo_included():
 def test_the_coordinator_bind_address_follows_the_coordinator_address(monkeypatch, address, bind):
   import jax
 
-  from distrib_train import distributed
+  from distrib_train.cluster import distributed
 
   calls = []
   monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))

@@ -1,4 +1,4 @@
-"""``python -m distrib_train.train`` end to end, in subprocesses."""
+"""``python -m distrib_train`` end to end, in subprocesses."""
 
 import json
 import os
@@ -20,7 +20,7 @@ SMALL = ["--set", "data.seq_len=32", "--set", "data.global_batch_size=8", "--set
 
 
 def cli(*args, timeout=240, cache=None, popen=False):
-  cmd = [sys.executable, "-m", "distrib_train.train", "--config", "tiny", *args]
+  cmd = [sys.executable, "-m", "distrib_train", "--config", "tiny", *args]
   if cache:
     cmd += ["--set", f"train.compilation_cache_dir={cache}"]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -85,7 +85,7 @@ def test_end_to_end_files_metrics_profile_and_cache(tmp_path, xla_cache):
   assert "bytes/device" in (workdir / "plan.txt").read_text() and "bytes/device" not in log
   assert "0.00 GiB" not in log
   assert "Involuntary full rematerialization" not in log
-  from distrib_train import config as config_lib
+  from distrib_train.training import config as config_lib
 
   saved = config_lib.load(str(workdir / "config.yaml"))
   assert saved.train.steps == 4 and saved.data.seq_len == 32
@@ -290,7 +290,7 @@ def test_local_demo_script_help_dry_run_and_bad_input():
   lines = out.stdout.strip().splitlines()
   assert out.returncode == 0 and len(lines) == 3, out.stdout  # install + 2 processes
   for i, line in enumerate(lines[1:]):
-    assert line.startswith("timeout 900 ") and "-m distrib_train.train --config tiny --mesh_config cpu-2proc" in line
+    assert line.startswith("timeout 900 ") and "-m distrib_train --config tiny --mesh_config cpu-2proc" in line
     assert "--workdir /tmp/w --cpu_devices 4 --steps 7 --coordinator_address 127.0.0.1:PORT" in line
     assert line.rstrip().endswith(f"--num_processes 2 --process_id {i}")
   out = subprocess.run(["bash", script], env=dict(env, NPROC="two"), capture_output=True, text=True, timeout=30)

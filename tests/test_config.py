@@ -2,13 +2,14 @@
 
 import pytest
 
-from distrib_train import config as config_lib
-from distrib_train import metrics, optimizers
-from distrib_train.config import ConfigError
+from distrib_train.training import config as config_lib
+from distrib_train.training import metrics
+from distrib_train.training import optimizers
+from distrib_train.training.config import ConfigError
 
 
 def test_presets_load_and_name_real_models_and_meshes():
-  from distrib_train.mesh import MeshConfig, find_mesh_config
+  from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
 
   names = config_lib.preset_names()
   for expected in ("tiny", "llama-124m-gpu", "llama-1b-gpu", "llama-7b-gpu", "llama-124m-tpu", "llama-1b-tpu",

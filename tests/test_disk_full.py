@@ -35,7 +35,7 @@ RUN_TIMEOUT = 180  # a failed save must end the run, never hang it
 
 
 def _command(workdir, xla_cache):
-  return [sys.executable, "-m", "distrib_train.train", "--config", "tiny", "--workdir", str(workdir),
+  return [sys.executable, "-m", "distrib_train", "--config", "tiny", "--workdir", str(workdir),
           "--cpu_devices", "8", "--steps", str(STEPS), "--set", "data.seq_len=32",
           "--set", "data.global_batch_size=8", "--set", "train.log_every=1", "--set", "train.eval_every=0",
           "--set", "train.eval_batches=1", "--set", f"train.checkpoint_every={EVERY}",

@@ -3,7 +3,7 @@
 
 import pytest
 
-from distrib_train import distributed
+from distrib_train.cluster import distributed
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,7 @@ def _env():
 
 
 def _cmd(workdir, cache, *args):
-  return [sys.executable, "-m", "distrib_train.train", "--config", "tiny", "--workdir", str(workdir), *FAST,
+  return [sys.executable, "-m", "distrib_train", "--config", "tiny", "--workdir", str(workdir), *FAST,
           "--set", f"train.compilation_cache_dir={cache}", *args]
 
 
@@ -102,8 +102,8 @@ def test_no_eval_split_trains_checkpoints_and_says_so_once(tmp_path, xla_cache):
 def test_a_failing_evaluation_loses_no_trained_step(tmp_path, xla_cache):
   import jax
 
-  from distrib_train import config as config_lib
-  from distrib_train.trainer import Trainer
+  from distrib_train.training import config as config_lib
+  from distrib_train.training.trainer import Trainer
 
   if jax.device_count() != 8:
     pytest.skip("needs the 8 emulated devices of conftest")

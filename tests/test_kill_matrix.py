@@ -2,7 +2,7 @@
 restart it each time, and check that it ends exactly where an uninterrupted
 run ends.
 
-The job is the real CLI (``python -m distrib_train.train``, the ``tiny``
+The job is the real CLI (``python -m distrib_train``, the ``tiny``
 preset, 2 processes × 4 CPU devices, an async checkpoint every 2 steps). Each
 launch gets a target moment — ``startup`` (a random time after launch),
 ``restore``, ``steps``, ``save_blocking`` (inside ``save()``),

@@ -408,7 +408,7 @@ def test_slurm_job_starts_without_xla_flags_in_the_environment(fake_srun, env, f
   call = srun_call()
   assert call is not None, f"srun was not called: {result.stdout}{result.stderr}"
   assert call["argv"][:7] == ["--kill-on-bad-exit=1", "--unbuffered", sys.executable, "-u", "-m",
-                              "distrib_train.train", *SLURM_TRAINER_ARGS[:1]]
+                              "distrib_train", *SLURM_TRAINER_ARGS[:1]]
   assert call["XLA_FLAGS"] == flags
   assert "distrib_train: job 42 on 1 node(s)" in result.stdout
 

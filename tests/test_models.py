@@ -10,9 +10,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import distrib_train as dt
-from distrib_train import models
-from distrib_train.axis_rules import activation_sharding
-from distrib_train.models import mlp
+from distrib_train import models, recipes
+from distrib_train.sharding.axis_rules import activation_sharding
+from distrib_train.recipes import mlp
 from distrib_train.models.pytree import path_str
 
 AXES3 = ("data", "fsdp", "tensor")
@@ -254,7 +254,7 @@ def _llama_batch(batch=8, length=64, seed=0):
 
 
 def _train_llama(mesh, steps, config_overrides=None):
-  recipe = models.get("llama", "tiny", **(config_overrides or {}))
+  recipe = recipes.get("llama", "tiny", **(config_overrides or {}))
   make = lambda: dt.TrainState.initial_state(recipe.config.build(0), optax.adam(3e-3), jax.random.key(0))
   planner = dt.MeshPlanner(mesh, "fsdp_tensor")
   batch = _llama_batch()
@@ -296,13 +296,13 @@ def test_llama_unrolled_with_remat_matches_scanned():
 
 
 def test_llama_param_count_and_flops_follow_the_config():
-  recipe = models.get("llama", "tiny")
+  recipe = recipes.get("llama", "tiny")
   state = dt.TrainState.initial_state(recipe.config.build(0), optax.sgd(0.1), jax.random.key(0))
   assert sum(x.size for x in jax.tree_util.tree_leaves(state.params)) == recipe.config.num_params()
   c = recipe.config
   assert c.flops_per_token(128) == 6 * c.num_params() + 12 * c.num_layers * c.num_heads * c.head_dim * 128
-  assert 1.2e9 < models.get("llama", "1b").config.num_params() < 1.5e9
-  assert 6.5e9 < models.get("llama", "7b").config.num_params() < 7e9
+  assert 1.2e9 < recipes.get("llama", "1b").config.num_params() < 1.5e9
+  assert 6.5e9 < recipes.get("llama", "7b").config.num_params() < 7e9
 
 
 def test_chunked_cross_entropy_matches_the_plain_one():
@@ -311,21 +311,21 @@ def test_chunked_cross_entropy_matches_the_plain_one():
   head = jnp.asarray(rng.normal(size=(8, 32)), jnp.float32)
   targets = jnp.asarray(rng.integers(0, 32, size=(2, 16)), jnp.int32)
   weights = jnp.ones((2, 16))
-  total, count = models.llama.chunked_cross_entropy(hidden, head, targets, weights, chunk_size=4)
+  total, count = recipes.llama.chunked_cross_entropy(hidden, head, targets, weights, chunk_size=4)
   plain = optax.softmax_cross_entropy_with_integer_labels(hidden @ head, targets).sum()
   np.testing.assert_allclose(float(total), float(plain), rtol=1e-5)
   assert float(count) == 32
   plain_grad = jax.grad(lambda h: optax.softmax_cross_entropy_with_integer_labels(h @ head, targets).sum())(hidden)
   for remat in (True, False):
-    grad = jax.grad(lambda h: models.llama.chunked_cross_entropy(h, head, targets, weights, 4, remat=remat)[0])
+    grad = jax.grad(lambda h: recipes.llama.chunked_cross_entropy(h, head, targets, weights, 4, remat=remat)[0])
     np.testing.assert_allclose(grad(hidden), plain_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_auto_attention_is_xla_off_gpu_and_explicit_choices_stand():
   q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
-  assert models.llama.attention_implementation("auto", q) is None  # CPU here: jax's default (XLA)
-  assert models.llama.attention_implementation("cudnn", q) == "cudnn"
-  assert models.llama.attention_implementation("xla", q, masked=True) == "xla"
+  assert recipes.llama.attention_implementation("auto", q) is None  # CPU here: jax's default (XLA)
+  assert recipes.llama.attention_implementation("cudnn", q) == "cudnn"
+  assert recipes.llama.attention_implementation("xla", q, masked=True) == "xla"
 
 
 @pytest.mark.parametrize(
@@ -339,4 +339,4 @@ def test_auto_attention_is_xla_off_gpu_and_explicit_choices_stand():
 )
 def test_models_get_rejects_unknown_names(args, kwargs, message):
   with pytest.raises(ValueError, match=message):
-    models.get(*args, **kwargs)
+    recipes.get(*args, **kwargs)

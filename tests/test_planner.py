@@ -272,6 +272,6 @@ def test_summary_is_a_few_lines_with_fitting_units_and_the_report_is_the_whole_t
 
 
 def test_human_bytes_picks_the_unit():
-  from distrib_train.plan import human_bytes
+  from distrib_train.sharding.plan import human_bytes
 
   assert [human_bytes(n) for n in (12, 3 * 1024, 5 * 2**20, 2**31)] == ["12 B", "3.00 KiB", "5.00 MiB", "2.00 GiB"]

@@ -12,9 +12,13 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from distrib_train import config as config_lib
-from distrib_train import collectives, hardware, hlo_module, plan_cli, podplan
-from distrib_train.mesh import MeshConfig, find_mesh_config
+from distrib_train.training import config as config_lib
+from distrib_train.podplan import collectives
+from distrib_train.cluster import hardware
+from distrib_train.podplan import hlo as hlo_module
+from distrib_train.podplan import cli as plan_cli
+from distrib_train.podplan import estimate as podplan
+from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AXES = ("data", "fsdp", "tensor")
@@ -137,7 +141,7 @@ def test_collective_axes_of_a_real_compile_follow_mesh_positions():
 
 
 def test_cpu_stand_in_for_cudnn_attention_matches_xla_attention_and_its_gradient():
-  from distrib_train.cpu_attention import chunked_attention, emulating_cudnn
+  from distrib_train.podplan.cpu_attention import chunked_attention, emulating_cudnn
 
   keys = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(keys[0], (2, 64, 4, 8))
@@ -167,8 +171,8 @@ def test_layout_puts_dcn_major_and_gpu_hosts_in_blocks():
 
 
 def test_recommended_mesh_yaml_round_trips_dcn_sizes_and_custom_rules(tmp_path):
-  from distrib_train import mesh_search
-  from distrib_train.axis_rules import AxisRules
+  from distrib_train.podplan import search as mesh_search
+  from distrib_train.sharding.axis_rules import AxisRules
 
   rules = AxisRules([("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor"), ("heads", None)],
                     param_axes=[(r"head", ("embed", "vocab"))])
@@ -189,7 +193,7 @@ def cache_env(xla_cache):
   same tiny step compiles once."""
   from jax.experimental.compilation_cache import compilation_cache
 
-  from distrib_train.compilation import setup_compilation_cache
+  from distrib_train.training.compilation import setup_compilation_cache
 
   names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
            "jax_persistent_cache_min_entry_size_bytes")
@@ -228,7 +232,7 @@ def test_predicted_memory_matches_sharded_init_and_the_real_compile(tiny_pod):
                              aux_output_shardings=pod.plan.aux_output_shardings)
   batch = {n: jax.device_put(np.zeros(x.shape, x.dtype), pod.plan.input_kwarg_shardings[n])
            for n, x in spec.inputs.items()}
-  from distrib_train.axis_rules import activation_sharding
+  from distrib_train.sharding.axis_rules import activation_sharding
 
   with activation_sharding(pod.plan.mesh, rules):
     analysis = step.compile(state.replace(step=0), **batch).memory_analysis()
@@ -248,7 +252,7 @@ def test_tiny_plan_sees_fsdp_and_tensor_collectives(tiny_pod):
 
 def _plan(*args, env=(), timeout=240):
   env = dict(os.environ, JAX_PLATFORMS="cpu", **dict(env))
-  return subprocess.run([sys.executable, "-m", "distrib_train.train", "plan", *args], cwd=ROOT, env=env,
+  return subprocess.run([sys.executable, "-m", "distrib_train", "plan", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 
 

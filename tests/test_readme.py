@@ -167,14 +167,15 @@ def test_flag_tables_list_real_flags(heading, sub, tmp_path):
 
 
 def test_config_block_is_the_tiny_preset():
-  from distrib_train import config, models
+  from distrib_train import recipes
+  from distrib_train.training import config
 
   [(_, _, code, _)] = [b for b in _blocks(_TEXT) if b[1] == "yaml" and "the tiny preset" in b[2]]
   shown = yaml.safe_load(code)
   preset = config.load("tiny").to_dict()
   model = dict(shown["model"])
   assert {k: model.pop(k) for k in ("name", "preset")} == preset["model"]
-  recipe = models.get(preset["model"]["name"], preset=preset["model"]["preset"])
+  recipe = recipes.get(preset["model"]["name"], preset=preset["model"]["preset"])
   for field, value in model.items():  # the model's own fields, at the preset's values
     assert getattr(recipe.config, field) == value, field
   for section in ("optimizer", "data", "train"):

@@ -62,7 +62,7 @@ def test_script_refuses_bad_input_and_dry_runs_outside_slurm(tmp_path):
   assert "Environment:" in run("--help").stdout
   out = run("--config", "tiny", "--workdir", "/x", DRY_RUN="1", PER_NODE="1", SLURM_JOB_NUM_NODES="2")
   assert out.returncode == 0
-  assert ("srun --kill-on-bad-exit=1 --unbuffered --ntasks-per-node=1 --ntasks=2 python3 -u -m distrib_train.train"
+  assert ("srun --kill-on-bad-exit=1 --unbuffered --ntasks-per-node=1 --ntasks=2 python3 -u -m distrib_train"
           " --config tiny --workdir /x --local_device_ids all") in out.stdout
   assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out.stdout
   out = run("--dry-run", "--config", "tiny", "--workdir", "/x", CPU_DEVICES="2")

@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
-from distrib_train.checkpoint_tree import flatten_fields, is_prng_key, unnest
+from distrib_train.checkpoint.tree import flatten_fields, is_prng_key, unnest
 from distrib_train.train_state import TrainState
 
 FORMAT_VERSION = 1

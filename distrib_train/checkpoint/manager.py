@@ -42,10 +42,10 @@ from etils import epath
 from jax.sharding import NamedSharding
 from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 
-from distrib_train.checkpoint_checks import check_restorable  # noqa: F401 (public here too)
-from distrib_train.checkpoint_checks import (FORMAT_VERSION, MODEL_FIELDS, SAVED_FIELDS, CheckpointError,
+from distrib_train.checkpoint.checks import check_restorable  # noqa: F401 (public here too)
+from distrib_train.checkpoint.checks import (FORMAT_VERSION, MODEL_FIELDS, SAVED_FIELDS, CheckpointError,
                                              abstract_target, check_matches, first_line, read_meta)
-from distrib_train.checkpoint_tree import fill_fields, flatten_fields, is_prng_key, nest, unnest
+from distrib_train.checkpoint.tree import fill_fields, flatten_fields, is_prng_key, nest, unnest
 from distrib_train.train_state import TrainState
 
 _VERSIONED_PACKAGES = ("distrib_train", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore")

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from distrib_train.models.pytree import key_name
+from distrib_train.common.naming import key_name
 from distrib_train.train_state import TrainState
 
 Keys = tuple[str, ...]

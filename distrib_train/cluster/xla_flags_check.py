@@ -6,8 +6,8 @@ starts a throwaway CPU-only JAX process per flag and reports the ones the
 installed jaxlib rejects (XLA parses every flag, GPU ones included, on any
 backend)::
 
-  python -m distrib_train.xla_flags_check            # checks $XLA_FLAGS; exit 1 if any is rejected
-  python -m distrib_train.xla_flags_check --xla_gpu_enable_latency_hiding_scheduler=true
+  python -m distrib_train.cluster.xla_flags_check            # checks $XLA_FLAGS; exit 1 if any is rejected
+  python -m distrib_train.cluster.xla_flags_check --xla_gpu_enable_latency_hiding_scheduler=true
 """
 
 from __future__ import annotations

@@ -34,61 +34,10 @@ import jax
 import numpy as np
 
 from distrib_train.data import sources
+from distrib_train.data.config import DataConfig, Tokenizer
 
 # 2: tuples in grain's state survive the JSON round trip (see _state_to_json).
 STATE_VERSION = 2
-Tokenizer = Callable[[str], Sequence[int]]
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-  """What to read and how to batch it.
-
-  Attributes:
-    source: ``synthetic``, ``pydoc`` or ``text``.
-    paths: files or globs for ``text`` (``.txt``, ``.jsonl``, ``.array_record``).
-    seq_len: tokens per sequence (inputs and targets each).
-    global_batch_size: sequences per step for the whole job.
-    seed: shuffle seed (and the synthetic source's).
-    packing: concatenate documents and split at ``seq_len`` (with segment and
-      position ids); otherwise each sequence is the start of one document and
-      shorter documents are skipped.
-    eval_fraction: share of the documents held out for evaluation.
-    num_workers: grain worker processes for prefetching (0: threads only).
-    num_threads: reader threads per process.
-    synthetic_documents: documents in the synthetic source.
-    tokenizer: ``str -> list[int]``; None for bytes (vocab 256).
-    allow_replicated_batch: let the trainer run a global batch that the
-      mesh's batch axes do not divide, computing the whole batch on every
-      device (refused otherwise).
-  """
-
-  source: str = "pydoc"
-  paths: tuple[str, ...] = ()
-  seq_len: int = 128
-  global_batch_size: int = 32
-  seed: int = 0
-  packing: bool = True
-  eval_fraction: float = 0.05
-  num_workers: int = 0
-  num_threads: int = 4
-  synthetic_documents: int = 4096
-  allow_replicated_batch: bool = False
-  tokenizer: Tokenizer | None = dataclasses.field(default=None, compare=False)
-
-  def __post_init__(self):
-    for name in ("seq_len", "global_batch_size", "synthetic_documents", "num_threads"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Data config: {name} must be a positive integer, got {value!r}.")
-    if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
-      raise ValueError(f"Data config: num_workers must be 0 or more, got {self.num_workers!r}.")
-    if not 0.0 <= self.eval_fraction < 1.0:
-      raise ValueError(f"Data config: eval_fraction must be in [0, 1), got {self.eval_fraction!r}.")
-    if self.source not in ("synthetic", "pydoc", "text"):
-      raise ValueError(f"Data config: unknown source {self.source!r}; known: synthetic, pydoc, text.")
-    if self.source == "text" and not self.paths:
-      raise ValueError("Data config: source 'text' needs paths (files or globs).")
 
 
 # --- the pipeline ----------------------------------------------------------------------

@@ -14,12 +14,9 @@ import itertools
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-  from distrib_train.data.pipeline import DataConfig
+from distrib_train.data.config import DataConfig
 
 
 def _pydoc_documents(target_bytes: int = 4096) -> list[str]:

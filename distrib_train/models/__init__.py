@@ -13,9 +13,8 @@ family:
   ``pz.nn.Parameter`` values keyed by their names, as in penzai's own
   ``TrainState``; ``FrozenParameter`` values stay in the model.
 
-Reference models live beside them, reachable through ``get``:
-``get("llama", preset="tiny")`` (``models/llama.py``) and ``get("mlp")``
-(``models/mlp.py``, BatchNorm and Dropout).
+The reference models built on them (Llama, the BatchNorm MLP) are in
+``distrib_train.recipes``.
 
 For nnx and linen, ``model_without_params`` is an adapter object that knows
 how to rebuild the model (``merge``), read back its local state after a
@@ -25,14 +24,13 @@ annotations give (``logical_axes``).
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 from flax import nnx
 
-from distrib_train.models import linen_model, llama, mlp, nnx_model, penzai_model
+from distrib_train.models import linen_model, nnx_model, penzai_model
 from distrib_train.models.linen_model import LinenModel, LinenModelDef
 from distrib_train.models.nnx_model import NnxModelDef
 from distrib_train.models.pytree import ParamSlot, StaticValue, merge_params, split_params
@@ -127,50 +125,21 @@ def from_pure_dict(template: Any, pure_dict: Any) -> Any:
   return pure_dict
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelRecipe:
-  """A reference model: its config, penzai-style loss and input axes.
+def __getattr__(name: str) -> Any:
+  # The reference models moved to distrib_train.recipes; these names stay
+  # here, with a warning, for one release.
+  if name in ("get", "ModelRecipe"):
+    import warnings
 
-  ``recipe.config.build(seed)`` makes the nnx module.
-  """
+    from distrib_train import recipes
 
-  name: str
-  config: Any
-  loss_fn: Callable[..., Any]
-  input_axes: Mapping[str, tuple[str | None, ...]]
-
-
-_REGISTRY = {
-    "llama": (llama.PRESETS, llama.loss_fn, llama.INPUT_AXES),
-    "mlp": (mlp.PRESETS, mlp.loss_fn, mlp.INPUT_AXES),
-}
-
-
-def get(name: str, preset: str = "tiny", **overrides: Any) -> ModelRecipe:
-  """A reference model by name and preset, with config fields overridden.
-
-  Example: ``get("llama", preset="1b", remat="dots_saveable")``.
-
-  Raises:
-    ValueError: an unknown model, preset or config field (the message lists
-      the known ones).
-  """
-  if name not in _REGISTRY:
-    raise ValueError(f"Unknown model {name!r}; known: {', '.join(sorted(_REGISTRY))}.")
-  presets, model_loss_fn, input_axes = _REGISTRY[name]
-  if preset not in presets:
-    raise ValueError(f"Unknown preset {preset!r} for {name}; known: {', '.join(presets)}.")
-  config = presets[preset]
-  fields = {f.name for f in dataclasses.fields(config)}
-  unknown = sorted(set(overrides) - fields)
-  if unknown:
-    raise ValueError(f"Unknown {name} config field(s) {', '.join(unknown)}; fields: {', '.join(sorted(fields))}.")
-  return ModelRecipe(f"{name}-{preset}", dataclasses.replace(config, **overrides), model_loss_fn, input_axes)
+    warnings.warn(f"distrib_train.models.{name} moved to distrib_train.recipes.{name}; the old name goes in the"
+                  " next release.", DeprecationWarning, stacklevel=2)
+    return getattr(recipes, name)
+  raise AttributeError(f"module 'distrib_train.models' has no attribute {name!r}")
 
 
 __all__ = [
-    "ModelRecipe",
-    "get",
     "LinenModel",
     "ParamSlot",
     "StaticValue",

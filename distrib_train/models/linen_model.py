@@ -22,7 +22,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from distrib_train.models.pytree import path_str
+from distrib_train.common.naming import path_str
 
 
 def _boxed_axes(variables: Any) -> dict[str, tuple[str | None, ...]]:

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from distrib_train.models.pytree import path_str
+from distrib_train.common.naming import path_str
 
 # The metadata key naming a Variable's logical axes moved across flax
 # releases; the first one present wins.

@@ -81,7 +81,7 @@ def _positive(args: argparse.Namespace) -> None:
 
 
 def _granules(args, mesh_config, devices, kind, matches) -> int:
-  from distrib_train import podplan
+  from distrib_train.podplan import estimate as podplan
 
   if args.granules:
     if devices % args.granules:
@@ -103,9 +103,10 @@ def main(argv: Sequence[str]) -> int:
     _positive(args)
   except _UsageError as e:
     _fail(str(e))
-  from distrib_train import config as config_lib
-  from distrib_train import hardware, podplan
-  from distrib_train.mesh import MeshConfig, find_mesh_config
+  from distrib_train.training import config as config_lib
+  from distrib_train.cluster import hardware
+  from distrib_train.podplan import estimate as podplan
+  from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
 
   notes = []
   try:
@@ -159,7 +160,9 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _recommend(args, config, mesh_config, kind, devices, granules, matches, notes, name, common) -> int:
-  from distrib_train import mesh_search, podplan, podplan_report
+  from distrib_train.podplan import search as mesh_search
+  from distrib_train.podplan import estimate as podplan
+  from distrib_train.podplan import report as podplan_report
 
   if not matches:
     notes.append(f"{mesh_config.source} is for {mesh_config.devices} devices: its axes and rules are used, not its"
@@ -194,7 +197,7 @@ def _recommend(args, config, mesh_config, kind, devices, granules, matches, note
       f.write(mesh_search.mesh_config_yaml(best, rules, header))
   except OSError as e:
     _fail(f"cannot write {path!r}: {e.strerror}.")
-  from distrib_train.mesh import MeshConfig
+  from distrib_train.sharding.mesh import MeshConfig
 
   MeshConfig.from_yaml(path)  # what was written loads
   print(f"\nBest: {best.layout.describe()} → wrote {path}\n")

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from distrib_train.hlo_module import (CALLS, Computation, Instruction, array_bytes, balanced, element_count,
+from distrib_train.podplan.hlo import (CALLS, Computation, Instruction, array_bytes, balanced, element_count,
                                       multiplicities, parse_module)
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")

@@ -57,13 +57,16 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from distrib_train import collectives as collectives_lib
-from distrib_train import cpu_attention, hardware, hlo_module, optimizers
-from distrib_train.axis_rules import AxisRules, activation_sharding
-from distrib_train.config import Config
-from distrib_train.mesh import MeshConfig
-from distrib_train.plan import Plan, logical_annotations_only
-from distrib_train.planner import MeshPlanner
+from distrib_train.podplan import collectives as collectives_lib
+from distrib_train.podplan import cpu_attention
+from distrib_train.cluster import hardware
+from distrib_train.podplan import hlo as hlo_module
+from distrib_train.training import optimizers
+from distrib_train.sharding.axis_rules import AxisRules, activation_sharding
+from distrib_train.training.config import Config
+from distrib_train.sharding.mesh import MeshConfig
+from distrib_train.sharding.plan import Plan, logical_annotations_only
+from distrib_train.sharding.planner import MeshPlanner
 from distrib_train.train_state import TrainState
 from distrib_train.train_step import build_train_step_fn
 
@@ -196,7 +199,7 @@ class StepSpec:
 
 def step_spec(config: Config, platform: str = "cpu") -> StepSpec:
   """The abstract train state and batch the trainer builds for ``config``."""
-  from distrib_train.trainer import example_inputs
+  from distrib_train.training.trainer import example_inputs
 
   notes = []
   recipe = config.model_recipe()
@@ -386,12 +389,12 @@ class PodPlan:
     return collectives_lib.wire_bytes_by_link(self.collectives or [])
 
   def report(self) -> str:
-    from distrib_train import podplan_report
+    from distrib_train.podplan import report as podplan_report
 
     return podplan_report.text(self, self.efficiency)
 
   def to_dict(self) -> dict[str, Any]:
-    from distrib_train import podplan_report
+    from distrib_train.podplan import report as podplan_report
 
     return podplan_report.as_dict(self)
 

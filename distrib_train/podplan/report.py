@@ -9,19 +9,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from distrib_train import collectives as collectives_lib
-
-
-def human_bytes(n: float | None) -> str:
-  if n is None:
-    return "-"
-  sign = "-" if n < 0 else ""
-  n = abs(n)
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if n < 1024 or unit == "TiB":
-      return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
-    n /= 1024
-  raise AssertionError("unreachable")
+from distrib_train.common.text import human_bytes
+from distrib_train.podplan import collectives as collectives_lib
 
 
 def _seconds(s: float) -> str:

@@ -23,11 +23,11 @@ from typing import Any
 
 import jax
 
-from distrib_train import hardware
-from distrib_train.axis_rules import RULE_SETS, AxisRules
-from distrib_train.config import Config
-from distrib_train.mesh import MeshConfig
-from distrib_train.podplan import DEFAULT_EFFICIENCY, Layout, PodPlan, StepSpec, plan_pod, step_spec
+from distrib_train.cluster import hardware
+from distrib_train.sharding.axis_rules import RULE_SETS, AxisRules
+from distrib_train.training.config import Config
+from distrib_train.sharding.mesh import MeshConfig
+from distrib_train.podplan.estimate import DEFAULT_EFFICIENCY, Layout, PodPlan, StepSpec, plan_pod, step_spec
 
 
 def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:

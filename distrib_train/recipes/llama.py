@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distrib_train.axis_rules import constrain
+from distrib_train.sharding.axis_rules import constrain
 
 _REMAT_POLICIES = {
     "none": None,

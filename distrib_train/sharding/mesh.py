@@ -30,7 +30,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from distrib_train.axis_rules import AxisRules
+from distrib_train.common.auto_mesh import as_auto_mesh
+from distrib_train.common.yaml_loader import safe_load_yaml
+from distrib_train.sharding.axis_rules import AxisRules
 
 _LEVELS = ("ici", "dcn")
 _KNOWN_KEYS = frozenset({"axes", "rules", "param_axes", "devices", "granules"})
@@ -207,7 +209,6 @@ class MeshConfig:
     Raises:
       ValueError: the file is missing, is not valid YAML, or is malformed.
     """
-    from distrib_train.config import safe_load_yaml  # the config's YAML rules: safe, no repeated keys
 
     data = safe_load_yaml(path, what="Mesh config")  # a ConfigError is a ValueError
     return cls.from_dict(data, source=os.path.basename(os.fspath(path)))
@@ -219,7 +220,7 @@ def mesh_config_dirs() -> list[str]:
   regular (non-editable) install puts under ``<prefix>/share/distrib_train``."""
   import sys
 
-  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
   candidates = [os.path.join(os.getcwd(), "mesh_configs"), os.path.join(here, "mesh_configs"),
                 os.path.join(sys.prefix, "share", "distrib_train", "mesh_configs")]
   out = []
@@ -296,14 +297,3 @@ def build_mesh(config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh
   else:
     device_array = mesh_utils.create_device_mesh(ici, devices)
   return Mesh(device_array, config.axis_names, axis_types=(AxisType.Auto,) * len(ici))
-
-
-def as_auto_mesh(mesh: Mesh) -> Mesh:
-  """Returns ``mesh`` with Auto axis types (same devices, names and shape).
-
-  ``jax.make_mesh`` gives Explicit axes by default in recent jax, under which
-  an unannotated loss function can fail with ``ShardingTypeError``.
-  """
-  if all(t == AxisType.Auto for t in mesh.axis_types):
-    return mesh
-  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))

@@ -13,8 +13,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from distrib_train.axis_rules import RuleSkip
-from distrib_train.models.pytree import path_str
+from distrib_train.sharding.axis_rules import RuleSkip
+from distrib_train.common.naming import path_str
+from distrib_train.common.text import human_bytes
 from distrib_train.train_state import TrainState
 
 _STATE_GROUPS = ("step", "root_rng", "params", "model_without_params", "opt_state", "loss_fn_state", "local_state")
@@ -44,15 +45,6 @@ def logical_annotations_only():
   from flax import nnx
 
   return nnx.use_eager_sharding(False)
-
-
-def human_bytes(n: float) -> str:
-  """``n`` bytes in the largest unit that keeps it at or above 1 (B … TiB)."""
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if n < 1024 or unit == "TiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-    n /= 1024
-  raise AssertionError("unreachable")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,10 +27,10 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from distrib_train import models
-from distrib_train.axis_rules import AxisRules, RuleSkip
-from distrib_train.mesh import as_auto_mesh
-from distrib_train.plan import Plan, PlanEntry, logical_annotations_only
-from distrib_train.models.pytree import key_name, path_str
+from distrib_train.sharding.axis_rules import AxisRules, RuleSkip
+from distrib_train.common.auto_mesh import as_auto_mesh
+from distrib_train.sharding.plan import Plan, PlanEntry, logical_annotations_only
+from distrib_train.common.naming import key_name, path_str
 from distrib_train.train_state import TrainState
 from distrib_train.train_step import check_loss_fn_accepts
 def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from distrib_train.plan import human_bytes
+from distrib_train.common.text import human_bytes
 
 
 def setup_compilation_cache(directory: str) -> str | None:

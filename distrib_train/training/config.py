@@ -32,41 +32,13 @@ from typing import Any
 
 import yaml
 
+from distrib_train.common.text import MAX_MESSAGE_VALUE, short_repr
+from distrib_train.common.yaml_loader import ConfigError, safe_load_yaml
+
 from distrib_train.data.pipeline import DataConfig
 
-PRESETS_DIR = pathlib.Path(__file__).resolve().parent / "configs"
+PRESETS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"  # distrib_train/configs
 NONFINITE_POLICIES = ("skip", "halt", "rollback")
-
-
-# Bounds on what a YAML document may expand to: an alias bomb (a few hundred
-# bytes of nested aliases) expands to billions of nodes, and deep nesting
-# overflows the recursive composer. Real configs are a few levels and nodes.
-MAX_YAML_DEPTH = 64
-MAX_YAML_NODES = 100_000
-MAX_MESSAGE_VALUE = 80  # characters of a value repeated in an error message
-
-
-class ConfigError(ValueError):
-  """A configuration mistake; the message names the key or file."""
-
-
-def short_repr(value: Any, limit: int = MAX_MESSAGE_VALUE) -> str:
-  """``repr(value)``, cut to ``limit`` characters for an error message (a
-  value may be a huge string or a deeply shared structure)."""
-  try:
-    text = reprlib_repr(value)
-  except RecursionError:  # a self-referencing structure nested past reprlib's levels
-    text = f"<{type(value).__name__}>"
-  return text if len(text) <= limit else f"{text[:limit]}… ({type(value).__name__}, cut)"
-
-
-def reprlib_repr(value: Any) -> str:
-  import reprlib
-
-  shortener = reprlib.Repr()
-  shortener.maxstring = shortener.maxother = shortener.maxlong = MAX_MESSAGE_VALUE
-  shortener.maxlevel = 3
-  return shortener.repr(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +104,7 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-  """A reference model (``distrib_train.models.get``) and field overrides."""
+  """A reference model (``distrib_train.recipes.get``) and field overrides."""
 
   name: str = "llama"
   preset: str = "tiny"
@@ -163,9 +135,9 @@ class Config:
 
   def model_recipe(self):
     """The ``ModelRecipe`` this config names (config fields overridden)."""
-    from distrib_train import models
+    from distrib_train import recipes
 
-    return models.get(self.model.name, self.model.preset, **dict(self.model.overrides))
+    return recipes.get(self.model.name, self.model.preset, **dict(self.model.overrides))
 
   def data_config(self) -> DataConfig:
     """This config's ``distrib_train.data.DataConfig`` (the ``data`` section)."""
@@ -250,10 +222,10 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
 
 def _model_field_types(name: str, preset: str) -> dict[str, type]:
   """Field → type of the named model's config, from the preset's values."""
-  from distrib_train import models
+  from distrib_train import recipes
 
   try:
-    recipe = models.get(name, preset)
+    recipe = recipes.get(name, preset)
   except ValueError as e:
     raise ConfigError(f"model: {e}") from None
   config = recipe.config
@@ -293,94 +265,6 @@ def _flat(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     else:
       out[key] = value
   return out
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-  """``yaml.SafeLoader`` (no Python tags, so no code runs) that refuses a key
-  given twice in one mapping, where plain YAML silently keeps the last."""
-
-  def construct_mapping(self, node, deep=False):
-    seen = set()
-    for key_node, _ in node.value:
-      key = self.construct_object(key_node, deep=True)
-      try:
-        repeated = key in seen
-        seen.add(key)
-      except TypeError:  # an unhashable key; construct_mapping names it below
-        continue
-      if repeated:
-        raise yaml.constructor.ConstructorError(
-            "while constructing a mapping", node.start_mark, f"found the key {key!r} twice", key_node.start_mark)
-    return super().construct_mapping(node, deep)
-
-  def compose_node(self, parent, index):
-    # The composer recurses once per level: refuse deep nesting before Python's recursion limit.
-    self._depth = getattr(self, "_depth", 0) + 1
-    try:
-      if self._depth > MAX_YAML_DEPTH:
-        mark = self.peek_event().start_mark
-        raise _YamlTooLarge(f"nests deeper than {MAX_YAML_DEPTH} levels (line {mark.line + 1}, column"
-                            f" {mark.column + 1})")
-      return super().compose_node(parent, index)
-    finally:
-      self._depth -= 1
-
-  def get_single_data(self):
-    node = self.get_single_node()
-    if node is None:
-      return None
-    nodes = _expanded_nodes(node, {})
-    if nodes > MAX_YAML_NODES:
-      raise _YamlTooLarge(f"expands to more than {MAX_YAML_NODES:,} values through its aliases ({nodes:,}); a"
-                          " config needs far fewer")
-    return self.construct_document(node)
-
-
-class _YamlTooLarge(yaml.YAMLError):
-  """A document beyond ``MAX_YAML_DEPTH`` / ``MAX_YAML_NODES``."""
-
-
-def _expanded_nodes(node: yaml.Node, counted: dict[int, int | None]) -> int:
-  """How many nodes ``node`` stands for once every alias is expanded; a
-  shared node is counted once per use, but computed once (bombs are cheap
-  to measure). Recursion depth is bounded by the composer's depth check."""
-  key = id(node)
-  if key in counted:
-    if counted[key] is None:
-      raise _YamlTooLarge("holds an alias inside its own anchor (a recursive structure)")
-    return counted[key]
-  counted[key] = None
-  if isinstance(node, yaml.SequenceNode):
-    total = 1 + sum(_expanded_nodes(child, counted) for child in node.value)
-  elif isinstance(node, yaml.MappingNode):
-    total = 1 + sum(_expanded_nodes(k, counted) + _expanded_nodes(v, counted) for k, v in node.value)
-  else:
-    total = 1
-  counted[key] = total
-  return total
-
-
-def safe_load_yaml(path: str | os.PathLike, what: str = "Config") -> Any:
-  """A YAML file's content, safely: no Python tags, no repeated keys.
-
-  Raises:
-    ConfigError: the file cannot be read, is not UTF-8 or not valid YAML;
-      one line that names ``what`` and the file.
-  """
-  try:
-    with open(path, encoding="utf-8") as f:
-      return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-  except OSError as e:
-    raise ConfigError(f"Cannot read {what.lower()} {os.fspath(path)!r}: {e.strerror}.") from None
-  except UnicodeDecodeError as e:
-    raise ConfigError(f"{what} {os.fspath(path)!r} is not UTF-8 text (byte {e.start}).") from None
-  except _YamlTooLarge as e:
-    raise ConfigError(f"{what} {os.fspath(path)!r} is refused: it {e}.") from None
-  except yaml.YAMLError as e:
-    message = " ".join(str(e).split())
-    if len(message) > 4 * MAX_MESSAGE_VALUE:
-      message = message[:4 * MAX_MESSAGE_VALUE] + "… (cut)"
-    raise ConfigError(f"{what} {os.fspath(path)!r} is not valid YAML: {message}") from None
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -487,7 +371,7 @@ def _check(config: Config) -> None:
   for key in ("eval_every", "eval_batches", "checkpoint_every"):
     if getattr(t, key) < 0:
       raise ConfigError(f"train.{key} must be 0 or more, got {getattr(t, key)!r}.")
-  from distrib_train.axis_rules import RULE_SETS
+  from distrib_train.sharding.axis_rules import RULE_SETS
 
   if t.rules not in RULE_SETS:
     raise ConfigError(f"train.rules must be one of {', '.join(sorted(RULE_SETS))}, got {t.rules!r}.")

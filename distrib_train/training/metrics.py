@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 import jax
 
-from distrib_train.plan import human_bytes
+from distrib_train.common.text import human_bytes
 
 # Dense bf16 peak per device (one chip; for GPUs one GPU), TFLOP/s, from the
 # vendors' datasheets. The first pattern contained in the device kind wins.

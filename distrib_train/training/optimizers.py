@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from distrib_train.config import OptimizerConfig
+from distrib_train.training.config import OptimizerConfig
 
 
 class GradNormState(NamedTuple):

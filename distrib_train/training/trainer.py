@@ -39,19 +39,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distrib_train import distributed
-from distrib_train import metrics as metrics_lib
-from distrib_train import optimizers
-from distrib_train.axis_rules import activation_sharding
-from distrib_train.checkpoint import CheckpointManager, _quiet_echoes_of_failed_writes, check_restorable
-from distrib_train.checkpoint_checks import CheckpointError, first_line
-from distrib_train.compilation import CacheEvents, memory_line, setup_compilation_cache
-from distrib_train.config import Config
-from distrib_train.mesh import MeshConfig, build_mesh, find_mesh_config
-from distrib_train.planner import MeshPlanner
+from distrib_train.cluster import distributed
+from distrib_train.training import metrics as metrics_lib
+from distrib_train.training import optimizers
+from distrib_train.sharding.axis_rules import activation_sharding
+from distrib_train.checkpoint.checks import check_restorable
+from distrib_train.checkpoint.manager import CheckpointManager, _quiet_echoes_of_failed_writes
+from distrib_train.checkpoint.checks import CheckpointError, first_line
+from distrib_train.training.compilation import CacheEvents, memory_line, setup_compilation_cache
+from distrib_train.training.config import Config
+from distrib_train.sharding.mesh import MeshConfig, build_mesh, find_mesh_config
+from distrib_train.sharding.planner import MeshPlanner
 from distrib_train.train_state import TrainState
 from distrib_train.train_step import build_eval_step_fn, build_train_step_fn
-from distrib_train.workdir_lock import acquire_for_job
+from distrib_train.training.workdir_lock import acquire_for_job
 
 EXIT_HALTED = 3  # the process exit code of a run stopped by the non-finite guard
 
@@ -242,7 +243,7 @@ class Trainer:
       return TrainState.initial_state(self.model_fn(seed), self.optimizer, jax.random.key(seed))
 
     self.make_state = make_state
-    from distrib_train.plan import logical_annotations_only
+    from distrib_train.sharding.plan import logical_annotations_only
 
     with logical_annotations_only():
       abstract = jax.eval_shape(make_state)

@@ -1,0 +1,8 @@
+"""The machines a job runs on: joining processes, devices, XLA flags.
+
+- ``distributed``: ``initialize`` (explicit, SLURM, TPU, GKE or CPU
+  emulation), topology, preemption signals.
+- ``hardware``: the device table (memory, peak FLOP/s, ICI/DCN bandwidth).
+- ``xla_flags_check``: refuses ``XLA_FLAGS`` this jaxlib does not know
+  (``python -m distrib_train.cluster.xla_flags_check``).
+"""

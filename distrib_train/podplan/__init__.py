@@ -1,0 +1,13 @@
+"""``distrib-train plan``: estimate a job on a pod before it runs.
+
+- ``estimate``: compile the trainer's step for N (emulated) devices, read
+  memory, collectives and FLOPs (``plan_pod``, ``PodPlan``).
+- ``search``: ``--recommend``, ranking mesh factorisations.
+- ``report``: the printed tables.
+- ``hlo`` and ``collectives``: reading the compiled HLO.
+- ``cpu_attention``: a CPU stand-in for cuDNN attention with its memory profile.
+- ``cli``: the subcommand's flags.
+
+Not the sharding ``Plan`` (``distrib_train.sharding.plan``): that is what a
+run uses; this is an estimate made before one.
+"""
