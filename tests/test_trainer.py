@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distrib_train.training import config as config_lib
 from distrib_train.data.pipeline import DataLoader
-from distrib_train.training.trainer import Trainer, example_inputs
+from distrib_train.training.trainer import Trainer
 
 BAD_STEP = 5
 
@@ -38,7 +38,7 @@ def poisoned_loss(config, bad_step=BAD_STEP):
   """The tiny Llama's loss, NaN (with NaN gradients) on the ``bad_step``-th
   training batch the pipeline yields — a stand-in for a bad batch."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-  shardings = {k: NamedSharding(mesh, P("data", None)) for k in example_inputs(config)}
+  shardings = {k: NamedSharding(mesh, P("data", None)) for k in DataLoader.batch_schema(config.data_config())}
   loader = DataLoader(config.data_config(), shardings)
   prints = [int(fingerprint(jnp.asarray(loader.next_local()["tokens"]))) for _ in range(3 * config.train.steps)]
   loader.close()

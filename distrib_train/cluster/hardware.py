@@ -13,8 +13,10 @@ Bandwidths are what one collective can use per device, in one direction:
 - ``dcn_bandwidth``: between granules (TPU slices, GPU hosts): the per-chip
   share of the data-center network, or one GPU's InfiniBand NIC.
 
-Not for: the MFU the trainer logs (``metrics.peak_flops`` reads the running
-device's kind) or the step-time model itself (``podplan.py``).
+The one table of peak FLOP/s: the MFU the trainer logs reads it too
+(``kind_of_device`` maps a running device's reported kind onto it).
+
+Not for: the step-time model itself (``podplan/timing.py``).
 """
 
 from __future__ import annotations
@@ -122,6 +124,15 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
             dcn_bandwidth=400e9 / 8,          # DGX H100: one 400 Gb/s NDR InfiniBand NIC per GPU
             devices_per_host=8, max_slice=8),
         DeviceKind(
+            "h100-pcie", "NVIDIA H100 PCIe 80GB", "gpu",
+            memory_bytes=81559 * MiB,         # NVIDIA H100 datasheet: 80 GB HBM2e, 2 TB/s (size as the SXM's)
+            usable_fraction=_GPU_FRACTION,
+            peak_flops=756e12,                # same: BF16 Tensor Core 756 TFLOPS dense (1513 with sparsity)
+            hbm_bandwidth=2.0e12,
+            ici_bandwidth=600e9 / 2,          # same: NVLink bridge 600 GB/s (both directions), GPU pairs
+            dcn_bandwidth=400e9 / 8,          # not published; assumed one 400 Gb/s NIC per GPU, as DGX H100
+            devices_per_host=8, max_slice=2),
+        DeviceKind(
             "h200", "NVIDIA H200 SXM 141GB", "gpu",
             memory_bytes=143771 * MiB,        # NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s
             usable_fraction=_GPU_FRACTION,
@@ -132,6 +143,33 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
             devices_per_host=8, max_slice=8),
     )
 }
+
+
+# What JAX reports as a device's ``device_kind`` (lower-cased) → the kind it is.
+# The first pattern contained in the reported name wins.
+_REPORTED_AS: tuple[tuple[str, str], ...] = (
+    ("tpu v6 lite", "v6e"),
+    ("tpu v6e", "v6e"),
+    ("tpu v5 lite", "v5e"),
+    ("tpu v5e", "v5e"),
+    ("tpu v5p", "v5p"),
+    ("tpu v5", "v5p"),  # v5p reports "TPU v5"
+    ("tpu v4", "v4"),
+    ("h200", "h200"),
+    ("h100 pcie", "h100-pcie"),
+    ("h100", "h100"),
+    ("a100", "a100"),
+)
+
+
+def kind_of_device(reported: str) -> DeviceKind | None:
+  """The kind of a running device from its ``device.device_kind`` (``NVIDIA
+  H100 80GB HBM3`` → h100, ``TPU v5 lite`` → v5e); None where unknown (CPU)."""
+  text = str(reported).lower()
+  for pattern, name in _REPORTED_AS:
+    if pattern in text:
+      return DEVICE_KINDS[name]
+  return None
 
 
 def device_kind(name: str) -> DeviceKind:

@@ -104,8 +104,10 @@ class DataLoader:
 
   ``next(loader)`` returns a dict of ``jax.Array`` — ``tokens``, ``targets``,
   ``weights`` and, with packing, ``segment_ids`` and ``positions`` — each of
-  shape ``[global_batch_size, seq_len]`` on ``input_shardings``. Pass the
-  loader as ``data_iterator`` to ``CheckpointManager.save`` / ``restore``.
+  shape ``[global_batch_size, seq_len]`` on ``input_shardings``
+  (``DataLoader.batch_schema(config)`` describes them before a loader
+  exists). Pass the loader as ``data_iterator`` to
+  ``CheckpointManager.save`` / ``restore``.
 
   Args:
     config: the data config.
@@ -120,6 +122,20 @@ class DataLoader:
     ValueError: a batch that does not split over processes or over the
       mesh's batch axes, or a source problem (named).
   """
+
+  @staticmethod
+  def batch_schema(config: DataConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    """The batch a loader of ``config`` yields, abstractly: name → shape and
+    dtype (the planner's example inputs; nothing is read).
+
+    ``tokens``, ``targets`` (int32) and ``weights`` (float32, 0 where a
+    target is padding or crosses a document boundary), then with packing
+    ``segment_ids`` and ``positions`` (int32); each ``[global_batch_size,
+    seq_len]``.
+    """
+    shape = (config.global_batch_size, config.seq_len)
+    names = ["tokens", "targets", "weights"] + (["segment_ids", "positions"] if config.packing else [])
+    return {name: jax.ShapeDtypeStruct(shape, np.float32 if name == "weights" else np.int32) for name in names}
 
   def __init__(self, config: DataConfig, input_shardings: Mapping[str, Any], *, split: str = "train",
                num_epochs: int | None = None, vocab_size: int | None = None):

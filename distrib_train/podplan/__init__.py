@@ -2,6 +2,9 @@
 
 - ``estimate``: compile the trainer's step for N (emulated) devices, read
   memory, collectives and FLOPs (``plan_pod``, ``PodPlan``).
+- ``layout``: emulated devices, mesh sizes, granules (what DCN links).
+- ``memory``: bytes per device against the device kind's memory.
+- ``timing``: the step-time model (compute + ICI + DCN) and MFU.
 - ``search``: ``--recommend``, ranking mesh factorisations.
 - ``report``: the printed tables.
 - ``hlo`` and ``collectives``: reading the compiled HLO.

@@ -1,8 +1,8 @@
 """Throughput, MFU and where metrics go.
 
-- ``peak_flops(device)``: bf16 dense peak FLOP/s of one device, by device
-  kind (TPU v4 / v5e / v5p / v6e, A100, H100, H200); None where unknown
-  (CPU).
+- ``peak_flops(device)``: bf16 dense peak FLOP/s of one device, read from
+  the device table (``cluster/hardware.py``: TPU v4 / v5e / v5p / v6e,
+  A100, H100, H100 PCIe, H200); None where unknown (CPU).
 - ``MetricWriter``: one call per log point fans a dict of scalars out to
   the console, ``metrics.jsonl`` and TensorBoard event files. Only process
   0 writes. On a terminal the console is a live progress bar (rich);
@@ -25,34 +25,16 @@ from typing import Any, TextIO
 
 import jax
 
+from distrib_train.cluster import hardware
 from distrib_train.common.text import human_bytes
 
-# Dense bf16 peak per device (one chip; for GPUs one GPU), TFLOP/s, from the
-# vendors' datasheets. The first pattern contained in the device kind wins.
-PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("tpu v6 lite", 918.0),  # v6e (Trillium)
-    ("tpu v6e", 918.0),
-    ("tpu v5 lite", 197.0),  # v5e
-    ("tpu v5e", 197.0),
-    ("tpu v5p", 459.0),
-    ("tpu v5", 459.0),  # v5p reports "TPU v5"
-    ("tpu v4", 275.0),
-    ("h200", 989.0),
-    ("h100 pcie", 756.0),
-    ("h100", 989.0),  # SXM
-    ("a100", 312.0),
-)
-
-
 def peak_flops(device: Any, configured_tflops: float = 0.0) -> float | None:
-  """Peak FLOP/s of ``device`` (a configured value wins); None if unknown."""
+  """Peak FLOP/s of ``device`` (a configured value wins), from the device
+  table (``cluster/hardware.py``); None if unknown."""
   if configured_tflops:
     return configured_tflops * 1e12
-  kind = str(getattr(device, "device_kind", "")).lower()
-  for pattern, tflops in PEAK_TFLOPS:
-    if pattern in kind:
-      return tflops * 1e12
-  return None
+  kind = hardware.kind_of_device(getattr(device, "device_kind", ""))
+  return None if kind is None else kind.peak_flops
 
 
 def memory_in_use(device: Any) -> int | None:

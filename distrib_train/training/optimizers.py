@@ -3,8 +3,9 @@
 ``build(config.optimizer, steps, nonfinite)`` returns an optax
 transformation:
 
-  record the gradient norm → [skip non-finite updates] → clip by global
-  norm → adamw / adam / sgd with an injected (readable) learning rate
+  record the gradient norm → [skip non-finite updates (``nonfinite.py``)]
+  → clip by global norm → adamw / adam / sgd with an injected (readable)
+  learning rate
 
 so the gradient norm, the learning rate and the count of skipped updates are
 ordinary optimizer-state leaves: checkpointed with it, and read by
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from distrib_train.training.config import OptimizerConfig
+from distrib_train.training.nonfinite import guard_updates
 
 
 class GradNormState(NamedTuple):
@@ -60,8 +62,9 @@ def schedule(config: OptimizerConfig, steps: int) -> optax.Schedule:
 
 
 def build(config: OptimizerConfig, steps: int, nonfinite: str = "skip") -> optax.GradientTransformation:
-  """The configured optimizer; with ``nonfinite="skip"`` a step whose
-  gradients are not finite leaves params and optimizer moments unchanged."""
+  """The configured optimizer, wrapped by the non-finite guard: with
+  ``nonfinite="skip"`` a step whose gradients are not finite leaves params
+  and optimizer moments unchanged."""
   lr = schedule(config, steps)
   if config.name == "adamw":
     inner = optax.inject_hyperparams(optax.adamw)(
@@ -71,12 +74,7 @@ def build(config: OptimizerConfig, steps: int, nonfinite: str = "skip") -> optax
   else:
     inner = optax.inject_hyperparams(optax.sgd)(learning_rate=lr, momentum=config.b1 or None)
   parts = [inner] if not config.grad_clip_norm else [optax.clip_by_global_norm(config.grad_clip_norm), inner]
-  update = optax.chain(*parts)
-  if nonfinite == "skip":
-    # The trainer decides when too many in a row must stop the run; optax's
-    # own limit (which lets a non-finite update through) is never reached.
-    update = optax.apply_if_finite(update, max_consecutive_errors=2**30)
-  return optax.chain(record_grad_norm(), update)
+  return optax.chain(record_grad_norm(), guard_updates(optax.chain(*parts), nonfinite))
 
 
 def metrics_of(opt_state: Any) -> dict[str, jax.Array]:

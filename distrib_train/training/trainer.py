@@ -16,19 +16,19 @@ writes its checkpoint shards)::
   profile/         a jax profiler trace, when asked for
 
 The step is compiled ahead of the loop with the real shardings, so its
-memory analysis is known before the first step. Steps are dispatched
-asynchronously: the host reads a step's loss while the next one runs, and
-waits for the devices only at log, eval and checkpoint points.
+memory analysis is known before the first step. The trainer then hands a
+``TrainLoop`` (``loop.py``) the state and the step, with its periodic work
+as hooks (``hooks.py``: profile, log, checkpoint, evaluation) and the
+non-finite guard (``nonfinite.py``).
 
-Not for: parsing flags (``train.py``) or what a step computes
-(``train_step.py``).
+Not for: parsing flags (``cli.py``), what a step computes
+(``train_step.py``), the step loop itself (``loop.py``) or the start-up
+refusals (``checks.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import math
 import os
 import pathlib
 import time
@@ -36,129 +36,35 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from distrib_train.cluster import distributed
 from distrib_train.training import metrics as metrics_lib
-from distrib_train.training import optimizers
+from distrib_train.training import job as job_lib
+from distrib_train.training import window as window_lib
 from distrib_train.sharding.axis_rules import activation_sharding
 from distrib_train.checkpoint.checks import check_restorable
 from distrib_train.checkpoint.manager import CheckpointManager, _quiet_echoes_of_failed_writes
 from distrib_train.checkpoint.checks import CheckpointError, first_line
+from distrib_train.training.checks import (TrainerSetupError, check_batch_is_split, check_every_axis_is_used,
+                                           check_path_components, check_workdir, local_value)
 from distrib_train.training.compilation import CacheEvents, memory_line, setup_compilation_cache
 from distrib_train.training.config import Config
+from distrib_train.training.hooks import Profiler
+from distrib_train.training.loop import RunResult, TrainLoop, aux_scalars
+from distrib_train.training.nonfinite import NonFiniteGuard
 from distrib_train.sharding.mesh import MeshConfig, build_mesh, find_mesh_config
 from distrib_train.sharding.planner import MeshPlanner
 from distrib_train.train_state import TrainState
 from distrib_train.train_step import build_eval_step_fn, build_train_step_fn
 from distrib_train.training.workdir_lock import acquire_for_job
 
+# Importable from here as before: the run's result, the start-up error, the path check.
+__all__ = ["EXIT_HALTED", "RunResult", "Trainer", "TrainerSetupError", "aux_scalars", "check_path_components"]
+
 EXIT_HALTED = 3  # the process exit code of a run stopped by the non-finite guard
 
 
-@dataclasses.dataclass
-class RunResult:
-  """How a run ended.
-
-  Attributes:
-    status: ``finished``, ``already_done`` (the workdir held the last step),
-      ``preempted`` (checkpointed on SIGTERM) or ``halted`` (non-finite).
-    step: the last step trained (or restored).
-    eval_loss: the last evaluation's loss, if any.
-    losses: every step's training loss this run, by step.
-    message: why it halted.
-  """
-
-  status: str
-  step: int
-  eval_loss: float | None = None
-  losses: dict[int, float] = dataclasses.field(default_factory=dict)
-  message: str = ""
-
-
-class TrainerSetupError(ValueError):
-  """The run cannot start (mesh, data or plan problem); raised before the
-  workdir is written to, but for token ids outside the vocabulary found in
-  the first batch (before any step; ``config.yaml`` and ``plan.txt`` exist)."""
-
-
-class _Halt(Exception):
-  pass
-
-
-class _Rollback(Exception):
-  def __init__(self, step: int):
-    super().__init__(step)
-    self.step = step
-
-
-def example_inputs(config: Config) -> dict[str, jax.ShapeDtypeStruct]:
-  """The abstract batch the data pipeline produces for this config."""
-  shape = (config.data.global_batch_size, config.data.seq_len)
-  names = ["tokens", "targets", "weights"] + (["segment_ids", "positions"] if config.data.packing else [])
-  return {n: jax.ShapeDtypeStruct(shape, np.float32 if n == "weights" else np.int32) for n in names}
-
-
-NAME_MAX = 255  # bytes in one path component on Linux, macOS and GCS-fuse alike
-
-
-def check_path_components(path: pathlib.Path, what: str) -> None:
-  """Refuses a path with a component longer than file systems allow (else
-  ``exists()`` itself raises ``File name too long`` deep in the setup)."""
-  for component in path.parts:
-    size = len(os.fsencode(component))
-    if size > NAME_MAX:
-      raise ValueError(f"{what} {str(path)[:60]!r}…: the path component {component[:40]!r}… is {size} bytes;"
-                       f" a file or directory name may have at most {NAME_MAX}.")
-
-
-def _check_workdir(workdir: pathlib.Path) -> None:
-  """Fails, creating nothing, when ``workdir`` cannot be a writable directory."""
-  check_path_components(workdir, "Workdir")
-  existing = workdir
-  while not existing.exists() and existing != existing.parent:
-    existing = existing.parent
-  if not existing.is_dir():
-    where = "is a file" if existing == workdir else f"cannot be created: {str(existing)!r} is a file"
-    raise ValueError(f"Workdir {str(workdir)!r} {where}; give a directory.")
-  if not os.access(existing, os.W_OK | os.X_OK):
-    raise ValueError(f"Workdir {str(workdir)!r} cannot be written: no write permission on {str(existing)!r}.")
-
-
-def _check_every_axis_is_used(mesh: jax.sharding.Mesh, rules, rule_set: str) -> None:
-  """Refuses a mesh axis of size > 1 that no rule maps anything onto (a typo
-  such as ``contxt``): the job would run replicated along it."""
-  unused = [f"{name} (size {size})" for name, size in mesh.shape.items()
-            if size > 1 and name not in rules.mesh_axis_names]
-  if unused:
-    raise ValueError(
-        f"Mesh axis {', '.join(unused)} is used by no axis rule in {rule_set}, so every array would be replicated"
-        f" along it; rules map onto {', '.join(sorted(rules.mesh_axis_names)) or 'no axis'}. Fix the axis name,"
-        " add a rule for it, or give it size 1.")
-
-
-def _check_batch_is_split(plan, rules, global_batch_size: int) -> None:
-  """Refuses a global batch the batch rule's mesh axes do not divide (the
-  planner would replicate the batch, each device computing all of it)."""
-  sizes = plan.mesh.shape
-  wanted = next((axes for logical, axes in rules.rules if logical == "batch"), None) or ()
-  wanted = [a for a in wanted if a in sizes]
-  ways = math.prod(sizes[a] for a in wanted)
-  spec = plan.input_kwarg_shardings["tokens"].spec
-  got = spec[0] if len(spec) else None
-  got_ways = math.prod(sizes[a] for a in ((got,) if isinstance(got, str) else tuple(got or ())))
-  if got_ways < ways and global_batch_size % ways:
-    split = " × ".join(f"{a}={sizes[a]}" for a in wanted)
-    raise ValueError(
-        f"data.global_batch_size {global_batch_size} does not divide over the mesh's batch axes {split} = {ways};"
-        f" the batch would be {'replicated' if got_ways == 1 else f'split only {got_ways} ways'}, every device"
-        f" computing {'all' if got_ways == 1 else 'more'} of it. Use a multiple of {ways}, or set"
-        " data.allow_replicated_batch=true.")
-
-
 _barrier_ids = itertools.count()
-_extremes = jax.jit(lambda x: jnp.stack([jnp.min(x), jnp.max(x)]))
 
 
 def _wait_for_every_process(what: str, timeout_s: int = 1800) -> None:
@@ -175,22 +81,6 @@ def _wait_for_every_process(what: str, timeout_s: int = 1800) -> None:
 
   ocp.multihost.sync_global_processes(f"distrib_train: {what} #{next(_barrier_ids)}", timeout=timeout_s,
                                       processes=set(range(jax.process_count())))
-
-
-def aux_scalars(aux: Any) -> dict[str, Any]:
-  """The scalars a loss returns in ``aux`` besides ``loss`` and ``tokens``
-  (accuracy, perplexity, …): logged like the loss, window-means in training
-  and token-weighted means in evaluation."""
-  if not isinstance(aux, Mapping):
-    return {}
-  return {str(name): value for name, value in aux.items()
-          if name not in ("loss", "tokens") and np.ndim(value) == 0
-          and jnp.issubdtype(getattr(value, "dtype", np.asarray(value).dtype), jnp.number)}
-
-
-def _local_value(x: jax.Array) -> np.ndarray:
-  """A replicated array's value from this process's first shard."""
-  return np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x)
 
 
 class Trainer:
@@ -233,29 +123,15 @@ class Trainer:
   # --- setup -------------------------------------------------------------------
 
   def _plan(self):
-    t = self.config.train
+    self.job = job_lib.job_spec(self.config, model_fn=self.model_fn, loss_fn=self.loss_fn,
+                                input_axes=self.input_axes)
     mesh = build_mesh(self.mesh_config)
-    rules = self.mesh_config.rules if self.mesh_config.rules is not None else t.rules
-    self.optimizer = optimizers.build(self.config.optimizer, t.steps, t.nonfinite)
-    seed = t.seed
-
-    def make_state() -> TrainState:
-      return TrainState.initial_state(self.model_fn(seed), self.optimizer, jax.random.key(seed))
-
-    self.make_state = make_state
-    from distrib_train.sharding.plan import logical_annotations_only
-
-    with logical_annotations_only():
-      abstract = jax.eval_shape(make_state)
-    self.inputs = example_inputs(self.config)
-    planner = MeshPlanner(mesh, rules)
+    planner = MeshPlanner(mesh, job_lib.rules_for(self.config, self.mesh_config))
     self.rules = planner.rules  # for activation_sharding while the steps are traced
-    rule_set = f"the rules of {self.mesh_config.source}" if self.mesh_config.rules is not None else \
-        f"rule set {t.rules!r} (train.rules)"
-    _check_every_axis_is_used(mesh, planner.rules, rule_set)
-    plan = planner.plan(abstract, loss_fn=self.loss_fn, inputs=self.inputs, input_axes=self.input_axes)
+    check_every_axis_is_used(mesh, planner.rules, job_lib.rule_set_name(self.config, self.mesh_config))
+    plan = job_lib.plan_job(self.job, planner)
     if not self.config.data.allow_replicated_batch:
-      _check_batch_is_split(plan, planner.rules, self.config.data.global_batch_size)
+      check_batch_is_split(plan, planner.rules, self.config.data.global_batch_size)
     return plan
 
   def _missing_eval_split(self, plan) -> str | None:
@@ -302,7 +178,7 @@ class Trainer:
     try:  # everything that can fail on a bad setup, before the workdir is touched
       _quiet_echoes_of_failed_writes()  # a damaged checkpoint's failed reads echo too, from the first check on
       cache_dir = setup_compilation_cache(t.compilation_cache_dir)
-      _check_workdir(self.workdir)
+      check_workdir(self.workdir)
       plan = self._plan()
       check_restorable(self.workdir / "checkpoints", plan.abstract_train_state)  # reads metadata only
       loader = DataLoader(self.config.data_config(), plan.input_kwarg_shardings, vocab_size=self.vocab_size)
@@ -354,13 +230,18 @@ class Trainer:
       # of the whole batch's activations on an FSDP mesh (llama-7b on 256 chips: 281 vs 10.8 GiB).
       with activation_sharding(plan.mesh, self.rules):
         with CacheEvents() as cache:
-          compiled = train_step.compile(plan.abstract_train_state.replace(step=step), **self.inputs)
+          compiled = train_step.compile(plan.abstract_train_state.replace(step=step), **self.job.inputs)
         source = "from the persistent cache" if cache.hits and not cache.misses else "compiled"
         writer.log(f"Train step {source} in {time.perf_counter() - compile_start:.1f} s; "
                    + memory_line(compiled))
         _wait_for_every_process("train step compiled")
         preemption.enter_steps()
-        return self._loop(state, step, plan, loader, ckpt, train_step, eval_step, preemption, started)
+        loop = TrainLoop(state=state, train_step=train_step, loader=loader, ckpt=ckpt,
+                         abstract_train_state=plan.abstract_train_state, writer=writer,
+                         guard=NonFiniteGuard(t.nonfinite, t.max_nonfinite, writer.log), preemption=preemption,
+                         last_step=t.steps, vocab_size=self.vocab_size, started=started)
+        self._add_hooks(loop, plan, eval_step)
+        return loop.run()
     finally:
       try:
         preemption.close()
@@ -374,7 +255,7 @@ class Trainer:
   def _init_or_restore(self, ckpt: CheckpointManager, plan, loader) -> TrainState:
     latest = ckpt.latest_step()
     if latest is None:
-      state = plan.init(self.make_state)
+      state = plan.init(self.job.make_state)
       self.writer.log("Initialised a new train state (sharded).")
       return state.replace(step=int(state.step))
     meta = ckpt.metadata_of(latest)
@@ -407,194 +288,39 @@ class Trainer:
     self.writer.log(f"Restored step {latest} from {ckpt.directory}.")
     return state.replace(step=int(latest))
 
-  # --- the loop ----------------------------------------------------------------
+  # --- the loop's periodic work --------------------------------------------------
 
-  def _check_token_ids(self, batch: Mapping[str, jax.Array]) -> None:
-    """Refuses a first batch whose ids fall outside the model's vocabulary
-    (every process computes the same global extremes)."""
-    if self.vocab_size is None:
-      return
-    for name in ("tokens", "targets"):
-      if name not in batch:
-        continue
-      low, high = (int(v) for v in _local_value(_extremes(batch[name])).tolist())
-      if high >= self.vocab_size or low < 0:
-        bad = high if high >= self.vocab_size else low
-        raise TrainerSetupError(
-            f"The first batch's {name} hold token id {bad}, outside the model's vocabulary of {self.vocab_size}"
-            f" ids (0 to {self.vocab_size - 1}); use a tokenizer that matches the model or a larger"
-            " model.vocab_size.")
-
-  def _loop(self, state, step, plan, loader, ckpt, train_step, eval_step, preemption, started) -> RunResult:
+  def _add_hooks(self, loop: TrainLoop, plan, eval_step) -> None:
+    """Profile, log, checkpoint and evaluation hooks, in the order they run after a step."""
     t = self.config.train
-    writer = self.writer
-    snapshot = jax.jit(lambda loss, m, extra: jnp.stack(
-        [jnp.asarray(loss, jnp.float32)] + [jnp.asarray(m[k], jnp.float32) for k in sorted(m)]
-        + [jnp.asarray(extra[k], jnp.float32) for k in sorted(extra)]))
-    metric_names = sorted(optimizers.metrics_of(state.opt_state))
-    tokens_per_step = self.config.data.global_batch_size * self.config.data.seq_len
-    num_devices = plan.mesh.size
-    peak = metrics_lib.peak_flops(jax.devices()[0], t.peak_tflops)
-    result = RunResult("finished", step)
-    window = {"start": time.perf_counter(), "steps": 0, "wait": 0.0, "losses": [], "grad_norms": [], "aux": {}}
-    steps_this_run = 0
-    self._consecutive_bad = 0
-    rollbacks_since_checkpoint = 0
-    pending = None
-    iteration = 0
-    first_step_logged = False
-    profiling = False
-    writer.start_progress(step)
+    if self.profile_steps:
+      Profiler(self.profile_steps, self.workdir / "profile", self.writer.log).register(loop.hooks)
+    throughput = dict(tokens_per_step=self.config.data.global_batch_size * self.config.data.seq_len,
+                      num_devices=plan.mesh.size, peak_flops=metrics_lib.peak_flops(jax.devices()[0], t.peak_tflops),
+                      flops_per_token=self.flops_per_token)
 
-    def resolve(item):
-      """Host-side checks of one finished step (blocks until it is done)."""
-      done_step, snap, aux_names = item
-      values = dict(zip(["loss"] + metric_names + [f"aux:{k}" for k in aux_names], _local_value(snap).tolist()))
-      loss, grad_norm = values["loss"], values.get("grad_norm", 0.0)
-      if math.isfinite(loss) and math.isfinite(grad_norm):
-        self._consecutive_bad = 0
-        result.losses[done_step] = loss
-        window["losses"].append(loss)
-        window["grad_norms"].append(grad_norm)
-        for name in aux_names:
-          window["aux"].setdefault(name, []).append(values[f"aux:{name}"])
-        window["last"] = values
-        return
-      what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradients'} at step {done_step}" \
-             f" (loss {loss}, grad norm {grad_norm})"
-      self._consecutive_bad += 1
-      if t.nonfinite == "skip":
-        writer.log(f"{what}: update skipped ({int(values.get('skipped', 0))} skipped in this run's state).")
-        window["last"] = values
-        if self._consecutive_bad >= t.max_nonfinite:
-          raise _Halt(f"{what}: {self._consecutive_bad} steps in a row skipped (train.max_nonfinite); stopping.")
-        return
-      if t.nonfinite == "halt":
-        raise _Halt(f"{what}; stopping without a checkpoint (train.nonfinite=halt).")
-      raise _Rollback(done_step)
+    def log_window(loop: TrainLoop) -> None:
+      record = window_lib.figures(loop.window, **throughput)
+      if record is not None:
+        self.writer.write(loop.step, record)
+        loop.window.reset()
 
-    while step < t.steps:
-      try:
-        if preemption.reached(iteration):
-          if pending is not None:
-            resolve(pending)
-            pending = None
-          writer.log(f"Preemption: saving step {step} and stopping.")
-          if ckpt.latest_step() != step:
-            ckpt.save(step, state, loader, force=True)
-          ckpt.wait_until_finished()
-          result.status, result.step = "preempted", step
-          return result
-        iteration += 1
-        if self.profile_steps and step + 1 == self.profile_steps[0] and not profiling:
-          profile_dir = self.workdir / "profile" / f"process_{jax.process_index()}"
-          jax.profiler.start_trace(str(profile_dir))
-          profiling = True
-        wait_start = time.perf_counter()
-        batch = next(loader)
-        window["wait"] += time.perf_counter() - wait_start
-        if not steps_this_run:
-          self._check_token_ids(batch)
-        state, aux = train_step(state, **batch)
-        step += 1
-        steps_this_run += 1
-        state = state.replace(step=step)
-        loss = aux["loss"] if isinstance(aux, Mapping) and "loss" in aux else aux
-        extra = aux_scalars(aux)
-        item = (step, snapshot(loss, optimizers.metrics_of(state.opt_state), extra), sorted(extra))
-        if pending is not None:
-          resolve(pending)
-        pending = item
-        window["steps"] += 1
-        is_last = step == t.steps
-        due_eval = is_last or (t.eval_every and step % t.eval_every == 0)
-        due_ckpt = is_last or (t.checkpoint_every and step % t.checkpoint_every == 0)
-        due_log = is_last or step % t.log_every == 0
-        if due_eval or due_ckpt or due_log or not first_step_logged or (
-            profiling and step == self.profile_steps[1]):
-          resolve(pending)
-          pending = None
-        if is_last and not result.losses:
-          raise _Halt(f"every one of the {steps_this_run} step(s) of this run had a non-finite loss or gradients"
-                      " (all updates skipped); stopping without a checkpoint. Check the data (token ids within"
-                      " the vocabulary?) and the learning rate.")
-        if not first_step_logged:
-          first_step_logged = True
-          writer.log(f"First step done {time.perf_counter() - started:.1f} s after start.")
-        if profiling and step == self.profile_steps[1]:
-          jax.profiler.stop_trace()
-          profiling = False
-          writer.log(f"Profile of steps {self.profile_steps[0]}–{step} written to {self.workdir / 'profile'}.")
-        if due_log:
-          self._log_window(step, window, tokens_per_step, num_devices, peak)
-        # The checkpoint first: an evaluation that fails must not lose the steps trained.
-        if due_ckpt and ckpt.latest_step() != step:
-          ckpt.save(step, state, loader, force=True)
-          rollbacks_since_checkpoint = 0
-        else:
-          ckpt.check_background_save()  # a full disk stops the run now, not at the next checkpoint
-        if due_eval and self._evaluations:
-          result.eval_loss = self._evaluate(step, state, plan, eval_step)
-        if due_eval or due_ckpt:
-          window.update(start=time.perf_counter(), steps=0, wait=0.0)
-        writer.advance(step)
-      except _Halt as e:
-        writer.log(str(e))
-        result.status, result.step, result.message = "halted", step, str(e)
-        return result
-      except _Rollback as e:
-        pending = None
-        latest = ckpt.latest_step()
-        rollbacks_since_checkpoint += 1
-        if latest is None or rollbacks_since_checkpoint > t.max_nonfinite:
-          why = "no checkpoint to roll back to" if latest is None else \
-              f"{rollbacks_since_checkpoint} rollbacks without a clean checkpoint (train.max_nonfinite)"
-          message = f"non-finite loss or gradients at step {e.step}; {why}; stopping."
-          writer.log(message)
-          result.status, result.step, result.message = "halted", step, message
-          return result
-        ckpt.wait_until_finished()
-        state = ckpt.restore(plan.abstract_train_state, latest).replace(step=latest)
-        writer.log(f"Non-finite loss or gradients at step {e.step}: rolled back to step {latest}; the data moves"
-                   f" on past the batches since then.")
-        step = latest
-        window.update(start=time.perf_counter(), steps=0, wait=0.0, losses=[], grad_norms=[], aux={})
-    preemption.leave_steps()  # a signal from here stops at once: the last save is only being finished
-    result.step = step
-    if profiling:
-      jax.profiler.stop_trace()
-    ckpt.wait_until_finished()
-    writer.log(f"Done: step {step}" + (f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else "")
-               + f", {time.perf_counter() - started:.1f} s in all.")
-    return result
+    def save_checkpoint(loop: TrainLoop) -> None:
+      if loop.ckpt.latest_step() != loop.step:
+        loop.ckpt.save(loop.step, loop.state, loop.loader, force=True)
+        loop.guard.checkpoint_saved()
+      else:
+        loop.ckpt.check_background_save()
 
-  def _log_window(self, step, window, tokens_per_step, num_devices, peak) -> None:
-    steps = window["steps"]
-    if not steps:
-      return
-    elapsed = time.perf_counter() - window["start"]
-    step_time = elapsed / steps
-    tokens_per_s = tokens_per_step / step_time
-    last = window.get("last", {})
-    out: dict[str, Any] = {}
-    if window["losses"]:
-      out["loss"] = float(np.mean(window["losses"]))
-      out["grad_norm"] = float(np.mean(window["grad_norms"]))
-    for name, values in window["aux"].items():
-      out.setdefault(name, float(np.mean(values)))
-    if "learning_rate" in last:
-      out["learning_rate"] = last["learning_rate"]
-    if "skipped" in last:
-      out["skipped"] = int(last["skipped"])
-    out.update(step_time_ms=step_time * 1e3, tokens_per_s=tokens_per_s, tokens_per_s_per_device=tokens_per_s / num_devices,
-               data_wait_ms=window["wait"] / steps * 1e3)
-    if peak and self.flops_per_token:
-      out["mfu"] = self.flops_per_token * tokens_per_s / (peak * num_devices)
-    memory = metrics_lib.memory_in_use(jax.local_devices()[0])
-    if memory is not None:
-      out["memory_bytes"] = float(memory)
-    self.writer.write(step, out)
-    window.update(start=time.perf_counter(), steps=0, wait=0.0, losses=[], grad_norms=[], aux={})
+    def evaluate(loop: TrainLoop) -> None:
+      if self._evaluations:
+        loop.result.eval_loss = self._evaluate(loop.step, loop.state, plan, eval_step)
+
+    loop.hooks.add_hook(log_window, every=t.log_every)
+    # The checkpoint before the evaluation: an evaluation that fails must not lose the steps trained.
+    loop.hooks.add_hook(save_checkpoint, every=t.checkpoint_every, pauses_clock=True,
+                        between=lambda loop: loop.ckpt.check_background_save())  # a full disk stops the run now
+    loop.hooks.add_hook(evaluate, every=t.eval_every, pauses_clock=True)
 
   def _evaluate(self, step, state, plan, eval_step) -> float:
     from distrib_train.data.pipeline import DataLoader
@@ -608,11 +334,11 @@ class Trainer:
     try:
       for batch in loader:
         aux = eval_step(state, **batch)
-        tokens = float(_local_value(aux["tokens"])) if isinstance(aux, Mapping) and "tokens" in aux else 1.0
+        tokens = float(local_value(aux["tokens"])) if isinstance(aux, Mapping) and "tokens" in aux else 1.0
         loss = aux["loss"] if isinstance(aux, Mapping) else aux
-        total += float(_local_value(loss)) * tokens
+        total += float(local_value(loss)) * tokens
         for name, value in aux_scalars(aux).items():  # token-weighted, like the loss
-          aux_totals[name] = aux_totals.get(name, 0.0) + float(_local_value(value)) * tokens
+          aux_totals[name] = aux_totals.get(name, 0.0) + float(local_value(value)) * tokens
         count += tokens
         batches += 1
         if t.eval_batches and batches >= t.eval_batches:

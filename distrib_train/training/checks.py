@@ -1,0 +1,120 @@
+"""The refusals a run makes at start-up, each with a sentence that says what to do.
+
+- ``check_workdir``: the workdir can be a writable directory (nothing is
+  created to find out); ``check_path_components`` for any path.
+- ``check_every_axis_is_used``: no mesh axis of size > 1 that no rule maps
+  onto (a typo such as ``contxt``).
+- ``check_batch_is_split``: the global batch divides over the batch rule's
+  mesh axes.
+- ``check_token_ids``: the first batch's ids are inside the model's
+  vocabulary.
+
+All but the last run before the workdir is written to; all raise
+``ValueError`` (``TrainerSetupError`` for the first batch), which the trainer
+reports as a ``TrainerSetupError``.
+
+Not for: config values (``config.py``) or the data source's own checks
+(``data/``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NAME_MAX = 255  # bytes in one path component on Linux, macOS and GCS-fuse alike
+
+
+class TrainerSetupError(ValueError):
+  """The run cannot start (mesh, data or plan problem); raised before the
+  workdir is written to, but for token ids outside the vocabulary found in
+  the first batch (before any step; ``config.yaml`` and ``plan.txt`` exist)."""
+
+
+def check_path_components(path: pathlib.Path, what: str) -> None:
+  """Refuses a path with a component longer than file systems allow (else
+  ``exists()`` itself raises ``File name too long`` deep in the setup)."""
+  for component in path.parts:
+    size = len(os.fsencode(component))
+    if size > NAME_MAX:
+      raise ValueError(f"{what} {str(path)[:60]!r}…: the path component {component[:40]!r}… is {size} bytes;"
+                       f" a file or directory name may have at most {NAME_MAX}.")
+
+
+def check_workdir(workdir: pathlib.Path) -> None:
+  """Fails, creating nothing, when ``workdir`` cannot be a writable directory."""
+  check_path_components(workdir, "Workdir")
+  existing = workdir
+  while not existing.exists() and existing != existing.parent:
+    existing = existing.parent
+  if not existing.is_dir():
+    where = "is a file" if existing == workdir else f"cannot be created: {str(existing)!r} is a file"
+    raise ValueError(f"Workdir {str(workdir)!r} {where}; give a directory.")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f"Workdir {str(workdir)!r} cannot be written: no write permission on {str(existing)!r}.")
+
+
+def check_every_axis_is_used(mesh: jax.sharding.Mesh, rules, rule_set: str) -> None:
+  """Refuses a mesh axis of size > 1 that no rule maps anything onto (a typo
+  such as ``contxt``): the job would run replicated along it."""
+  unused = [f"{name} (size {size})" for name, size in mesh.shape.items()
+            if size > 1 and name not in rules.mesh_axis_names]
+  if unused:
+    raise ValueError(
+        f"Mesh axis {', '.join(unused)} is used by no axis rule in {rule_set}, so every array would be replicated"
+        f" along it; rules map onto {', '.join(sorted(rules.mesh_axis_names)) or 'no axis'}. Fix the axis name,"
+        " add a rule for it, or give it size 1.")
+
+
+def check_batch_is_split(plan, rules, global_batch_size: int) -> None:
+  """Refuses a global batch the batch rule's mesh axes do not divide (the
+  planner would replicate the batch, each device computing all of it)."""
+  sizes = plan.mesh.shape
+  wanted = next((axes for logical, axes in rules.rules if logical == "batch"), None) or ()
+  wanted = [a for a in wanted if a in sizes]
+  ways = math.prod(sizes[a] for a in wanted)
+  spec = plan.input_kwarg_shardings["tokens"].spec
+  got = spec[0] if len(spec) else None
+  got_ways = math.prod(sizes[a] for a in ((got,) if isinstance(got, str) else tuple(got or ())))
+  if got_ways < ways and global_batch_size % ways:
+    split = " × ".join(f"{a}={sizes[a]}" for a in wanted)
+    raise ValueError(
+        f"data.global_batch_size {global_batch_size} does not divide over the mesh's batch axes {split} = {ways};"
+        f" the batch would be {'replicated' if got_ways == 1 else f'split only {got_ways} ways'}, every device"
+        f" computing {'all' if got_ways == 1 else 'more'} of it. Use a multiple of {ways}, or set"
+        " data.allow_replicated_batch=true.")
+
+
+_extremes = jax.jit(lambda x: jnp.stack([jnp.min(x), jnp.max(x)]))
+
+
+def local_value(x: jax.Array) -> np.ndarray:
+  """A replicated array's value from this process's first shard."""
+  return np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else np.asarray(x)
+
+
+def check_token_ids(batch: Mapping[str, jax.Array], vocab_size: int | None) -> None:
+  """Refuses a first batch whose ids fall outside the model's vocabulary
+  (every process computes the same global extremes).
+
+  Raises:
+    TrainerSetupError: an id below 0 or at or beyond ``vocab_size``.
+  """
+  if vocab_size is None:
+    return
+  for name in ("tokens", "targets"):
+    if name not in batch:
+      continue
+    low, high = (int(v) for v in local_value(_extremes(batch[name])).tolist())
+    if high >= vocab_size or low < 0:
+      bad = high if high >= vocab_size else low
+      raise TrainerSetupError(
+          f"The first batch's {name} hold token id {bad}, outside the model's vocabulary of {vocab_size}"
+          f" ids (0 to {vocab_size - 1}); use a tokenizer that matches the model or a larger"
+          " model.vocab_size.")

@@ -1,0 +1,109 @@
+"""One job's setup: the model, its optimizer, the abstract train state, the batch and the axis rules.
+
+The trainer and ``distrib-train plan`` build the same job from a ``Config``
+— one through ``Trainer``, the other for a pod it emulates — so both build
+it here::
+
+  job = job_spec(config)                       # nothing is allocated
+  planner = MeshPlanner(mesh, rules_for(config, mesh_config))
+  plan = plan_job(job, planner)                # shardings for state and batch
+  state = plan.init(job.make_state)            # the real, sharded state
+
+The batch is what the data pipeline says it yields (``DataLoader.batch_schema``).
+
+Not for: building the mesh (``sharding/mesh.py``), checking the plan
+(``checks.py``) or compiling the step (the trainer; ``podplan``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import optax
+
+from distrib_train.data.pipeline import DataLoader
+from distrib_train.sharding.axis_rules import AxisRules
+from distrib_train.sharding.mesh import MeshConfig
+from distrib_train.sharding.plan import Plan, logical_annotations_only
+from distrib_train.sharding.planner import MeshPlanner
+from distrib_train.train_state import TrainState
+from distrib_train.training import optimizers
+from distrib_train.training.config import Config
+
+
+@dataclasses.dataclass
+class JobSpec:
+  """What a job trains, abstractly: its state, its batch, its loss.
+
+  Attributes:
+    abstract_state: the ``TrainState`` as shapes and dtypes.
+    inputs: the batch, by input name, as ``jax.ShapeDtypeStruct``.
+    loss_fn: the penzai-style loss.
+    input_axes: logical axes per input name.
+    model_config: the reference model's config (None for a model given as code).
+    make_state: builds the real state (``plan.init(job.make_state)``).
+    optimizer: the optax optimizer in the state.
+  """
+
+  abstract_state: TrainState
+  inputs: dict[str, jax.ShapeDtypeStruct]
+  loss_fn: Callable[..., Any]
+  input_axes: Mapping[str, Any]
+  model_config: Any
+  make_state: Callable[[], TrainState]
+  optimizer: optax.GradientTransformation
+
+  @property
+  def tokens_per_step(self) -> int:
+    shape = self.inputs["tokens"].shape if "tokens" in self.inputs else next(iter(self.inputs.values())).shape
+    return math.prod(shape[:2])
+
+  def model_flops_per_step(self) -> float | None:
+    """Training FLOPs of one step by the model's own count, if it has one."""
+    if not hasattr(self.model_config, "flops_per_token"):
+      return None
+    seq_len = self.inputs["tokens"].shape[1]
+    return float(self.model_config.flops_per_token(seq_len)) * self.tokens_per_step
+
+  def param_count(self) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(self.abstract_state.params))
+
+
+def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, loss_fn: Callable[..., Any] | None = None,
+             input_axes: Mapping[str, Any] | None = None) -> JobSpec:
+  """The job ``config`` describes; ``model_fn``, ``loss_fn`` and ``input_axes``
+  replace the config's reference model (all three, or the recipe fills in)."""
+  recipe = config.model_recipe() if model_fn is None or loss_fn is None or input_axes is None else None
+  model_config = recipe.config if recipe is not None and model_fn is None else None
+  model_fn = model_fn or recipe.config.build
+  t = config.train
+  optimizer = optimizers.build(config.optimizer, t.steps, t.nonfinite)
+
+  def make_state() -> TrainState:
+    return TrainState.initial_state(model_fn(t.seed), optimizer, jax.random.key(t.seed))
+
+  with logical_annotations_only():
+    abstract = jax.eval_shape(make_state)
+  return JobSpec(abstract, DataLoader.batch_schema(config.data_config()), loss_fn or recipe.loss_fn,
+                 input_axes if input_axes is not None else recipe.input_axes, model_config, make_state, optimizer)
+
+
+def rules_for(config: Config, mesh_config: MeshConfig) -> AxisRules:
+  """The mesh config's rules, else the config's rule set (``train.rules``)."""
+  return mesh_config.rules if mesh_config.rules is not None else AxisRules(config.train.rules)
+
+
+def rule_set_name(config: Config, mesh_config: MeshConfig) -> str:
+  """Where ``rules_for`` took the rules from, for messages."""
+  if mesh_config.rules is not None:
+    return f"the rules of {mesh_config.source}"
+  return f"rule set {config.train.rules!r} (train.rules)"
+
+
+def plan_job(job: JobSpec, planner: MeshPlanner) -> Plan:
+  """The shardings of the job's state, batch and aux outputs on the planner's mesh."""
+  return planner.plan(job.abstract_state, loss_fn=job.loss_fn, inputs=job.inputs, input_axes=job.input_axes)
