@@ -81,6 +81,8 @@ def test_gloo_banner_lines_are_dropped_from_stdout_and_the_rest_kept():
       "distributed._drop_gloo_banner()\n"
       "print('before', flush=True)\n"
       "os.write(1, b'[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\\n')\n"
+      "os.write(1, b'[Gloo] Rank [Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer"
+      " ranks is : 3\\n1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\\n')\n"
       "os.write(1, b'[Gloo] something else\\n')\n"
       "print('after')\n"
   )

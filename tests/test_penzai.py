@@ -178,7 +178,9 @@ def test_sharded_penzai_training_matches_one_device():
   weights = sharded.params["Affine_1.Linear.weights"].data_array
   assert weights.sharding.spec == P("fsdp", "tensor")
   for name in single.params:
-    np.testing.assert_allclose(sharded.params[name].data_array, single.params[name].data_array, rtol=1e-5, atol=1e-6)
+    # Adam divides by the gradient's size: a last-place difference in a
+    # sharded reduction can reach 1e-5 relative after five steps (jax 0.12).
+    np.testing.assert_allclose(sharded.params[name].data_array, single.params[name].data_array, rtol=1e-4, atol=1e-5)
 
 
 def test_penzai_state_checkpoint_round_trip_restores_params_and_frozen_weights(tmp_path):

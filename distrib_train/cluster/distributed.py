@@ -108,6 +108,35 @@ def visible_gpu_ids() -> list[int]:
                    " nvidia-smi show none).")
 
 
+def use_cpu_devices(count: int, *, name: str = "cpu_devices") -> None:
+  """Makes JAX run on ``count`` emulated CPU devices per process; call before any other JAX use.
+
+  Processes this one starts run on CPU too (``JAX_PLATFORMS``). When JAX has
+  already started on exactly ``count`` CPU devices, nothing changes.
+
+  Args:
+    count: the devices to emulate.
+    name: what the caller calls the count (``--devices``), for the error.
+
+  Raises:
+    ValueError: ``count`` is below 1, or JAX has already started with other
+      devices.
+  """
+  from jax._src import xla_bridge
+
+  if count < 1:
+    raise ValueError(f"{name} must be at least 1, got {count}.")
+  if xla_bridge.backends_are_initialized():
+    found = jax.devices()
+    if len(found) != count or found[0].platform != "cpu":
+      raise ValueError(f"JAX already runs on {len(found)} {found[0].platform} device(s); emulating {count} CPU"
+                       " devices must start before any other JAX use (a fresh process).")
+    return
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", count)
+
+
 def initialize(
     *,
     coordinator_address: str | None = None,
@@ -149,11 +178,7 @@ def initialize(
     if value < 1:
       raise ValueError(f"{name} must be at least 1 second, got {value}.")
   if cpu_devices is not None:
-    if cpu_devices < 1:
-      raise ValueError(f"cpu_devices must be at least 1, got {cpu_devices}.")
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", cpu_devices)
+    use_cpu_devices(cpu_devices)
   if isinstance(local_device_ids, str):
     if local_device_ids == "all":
       local_device_ids = visible_gpu_ids()
@@ -231,7 +256,10 @@ def _cpu_collectives_on_loopback() -> None:
     pass
 
 
-_GLOO_BANNER = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+\s*")
+# gloo's threads print these concurrently, so two can interleave mid-line
+# ("[Gloo] Rank [Gloo] Rank 1 is connected …" then "1 is connected …"): a
+# line with either piece is one of them.
+_GLOO_BANNER = re.compile(rb"\[Gloo\] Rank |Expected number of connected peer ranks is : ")
 
 
 def _drop_gloo_banner() -> None:
@@ -252,7 +280,7 @@ def _drop_gloo_banner() -> None:
   def copy() -> None:
     with os.fdopen(read_fd, "rb") as lines:
       for line in lines:
-        if not _GLOO_BANNER.fullmatch(line):
+        if not _GLOO_BANNER.search(line):
           os.write(real_stdout, line)
 
   thread = threading.Thread(target=copy, name="gloo-banner-filter", daemon=True)
