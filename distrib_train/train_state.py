@@ -151,12 +151,21 @@ class TrainState(struct.PyTreeNode, kw_only=True):
   differentiates, donates and checkpoints only them; ``.model`` rebuilds the
   whole model.
 
-  Example::
+  Example (a one-matrix model as a plain pytree; run by the test suite):
 
-    state = TrainState.initial_state(
-        model=mlp, optimizer_def=optax.adam(1e-3), root_rng=jax.random.key(0))
-    step_fn = build_train_step_fn(loss_fn)
-    state, aux = step_fn(state, inputs=x, targets=y)
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from distrib_train import TrainState, build_train_step_fn
+    >>> def loss_fn(*, model, state, rng, x, y):
+    ...   loss = jnp.mean((x @ model["w"] - y) ** 2)
+    ...   return loss, state, {"loss": loss}
+    >>> state = TrainState.initial_state(
+    ...     model={"w": jnp.zeros((3, 1))}, optimizer_def=optax.sgd(0.1), root_rng=jax.random.key(0))
+    >>> step_fn = build_train_step_fn(loss_fn)
+    >>> state, aux = step_fn(state, x=jnp.ones((4, 3)), y=jnp.ones((4, 1)))
+    >>> state.step, float(aux["loss"])
+    (1, 1.0)
+    >>> state.params["w"].ravel().tolist()
+    [0.2..., 0.2..., 0.2...]
 
   Attributes:
     step: current step; a Python int or a jax integer scalar.

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import optax
@@ -25,7 +25,6 @@ from distrib_train.common.auto_mesh import as_auto_mesh
 from distrib_train.train_state import LossStatePyTree, ModelPyTree, PRNGKeyArray, TrainState, apply_optimizer
 
 AuxOutPyTree = Any
-_NUM_DYNAMIC_ARGS = 8  # the jitted core's arguments before the static ones
 
 
 class LossFunction(Protocol):
@@ -66,31 +65,53 @@ def check_loss_fn_accepts(loss_fn: Any, input_names: Iterable[str]) -> None:
       " - add those keyword parameters, or **kwargs to take any batch key.")
 
 
+class _StepArrays(NamedTuple):
+  """The step core's dynamic arguments, by name, in the order of its parameters.
+
+  Every part of the state is its own argument so that ``jax.jit`` can donate
+  exactly ``_DONATED`` and shard each part. The non-param model arrays come
+  as a flat leaf list (their structure is static) so that shardings planned
+  on an equal-but-rebuilt model still line up.
+  """
+
+  params: Any
+  model_leaves: list[Any]
+  opt_state: Any
+  loss_fn_state: Any
+  local_state: Any
+  root_rng: PRNGKeyArray | None
+  step: int | jax.Array
+  inputs: dict[str, Any]
+
+
+class _StepStatics(NamedTuple):
+  """The step core's one static argument, ``statics``: jit compiles once per distinct value."""
+
+  model_treedef: Any
+  optimizer_def: optax.GradientTransformation
+  loss_fn: LossFunction
+
+
+# The arguments a donating train step gives up: the state it returns anew.
+_DONATED = ("params", "opt_state", "loss_fn_state", "local_state")
+
+
 def _updated_params_and_states(
     params: Any,
     model_leaves: list[Any],
     opt_state: Any,
     loss_fn_state: Any,
     local_state: Any,
-    root_rng: PRNGKeyArray,
+    root_rng: PRNGKeyArray | None,
     step: int | jax.Array,
     inputs: dict[str, Any],
-    model_treedef: Any,
-    optimizer_def: optax.GradientTransformation,
-    loss_fn: LossFunction,
+    statics: _StepStatics,
 ) -> tuple[Any, Any, Any, Any, AuxOutPyTree, Any]:
-  """One step as a pure function of the arrays it reads.
-
-  Every part of the state is its own argument so that ``jax.jit`` can donate
-  exactly params, opt_state, loss_fn_state and local_state, and shard each
-  part. The
-  non-param model arrays come in as a flat leaf list (their structure is a
-  static argument) so that shardings planned on an equal-but-rebuilt model
-  still line up.
-  """
+  """One step as a pure function of the arrays it reads (``_StepArrays``)."""
+  loss_fn = statics.loss_fn
   # States made by TrainState.create may have no key; the loss gets None then.
   step_rng = None if root_rng is None else jax.random.fold_in(root_rng, step)
-  model_without_params = jax.tree_util.tree_unflatten(model_treedef, model_leaves)
+  model_without_params = jax.tree_util.tree_unflatten(statics.model_treedef, model_leaves)
 
   def loss_and_outputs(current_params):
     model = models.merge_model(model_without_params, current_params, local_state, rng=step_rng)
@@ -108,7 +129,7 @@ def _updated_params_and_states(
     return loss, (new_state, new_local_state, aux)
 
   grads, (new_loss_fn_state, new_local_state, aux) = jax.grad(loss_and_outputs, has_aux=True)(params)
-  new_params, new_opt_state = apply_optimizer(optimizer_def, grads, opt_state, params)
+  new_params, new_opt_state = apply_optimizer(statics.optimizer_def, grads, opt_state, params)
   # The next step counter comes out of the step itself: an eager ``step + 1``
   # on a device counter would be one more dispatch per step, queued behind it.
   return new_params, new_opt_state, new_loss_fn_state, new_local_state, aux, step + 1
@@ -120,25 +141,23 @@ def _eval_outputs(
     opt_state: Any,
     loss_fn_state: Any,
     local_state: Any,
-    root_rng: PRNGKeyArray,
+    root_rng: PRNGKeyArray | None,
     step: int | jax.Array,
     inputs: dict[str, Any],
-    model_treedef: Any,
-    optimizer_def: optax.GradientTransformation,
-    loss_fn: LossFunction,
+    statics: _StepStatics,
 ) -> AuxOutPyTree:
   """The loss function's aux on the current state: no gradient, no update.
 
   nnx modules are switched to eval mode first (BatchNorm reads its running
   statistics, Dropout is off); the local state is read, never written.
   """
-  del opt_state, optimizer_def
+  del opt_state
   step_rng = None if root_rng is None else jax.random.fold_in(root_rng, step)
-  model_without_params = jax.tree_util.tree_unflatten(model_treedef, model_leaves)
+  model_without_params = jax.tree_util.tree_unflatten(statics.model_treedef, model_leaves)
   model = models.merge_model(model_without_params, params, local_state, rng=step_rng)
   if isinstance(model, nnx.Module):
     model.eval()
-  return loss_fn(model=model, state=loss_fn_state, rng=step_rng, **inputs)[2]
+  return statics.loss_fn(model=model, state=loss_fn_state, rng=step_rng, **inputs)[2]
 
 
 def _on_auto_mesh(x: Any, planned: Any = None) -> Any:
@@ -175,16 +194,19 @@ def _distinct_buffers(tree: Any) -> Any:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-class TrainStep:
-  """A built train step; call it as ``step(train_state, **inputs)``.
+class _JittedCore:
+  """What the train and eval steps share: a core function, jitted with the
+  planned shardings, and the checking and placing of its arguments.
 
-  Also offers ``lower(train_state, **inputs)`` for ahead-of-time compilation
-  (abstract ``jax.ShapeDtypeStruct`` leaves are fine there).
+  The core is called as ``core(*arrays, statics)``: ``jax.jit`` takes
+  shardings only for positional arguments, so ``_StepArrays`` lists them in
+  the core's parameter order, while donation and the static argument go by
+  name.
   """
 
-  _evaluate = False  # EvalStep: aux only, no update
-
-  def __init__(self, loss_fn, jit, donate, train_state_shardings, input_kwarg_shardings, aux_output_shardings):
+  def __init__(self, core: Any, loss_fn: LossFunction, *, jit: bool, donate: bool,
+               train_state_shardings: TrainState | None, input_kwarg_shardings: dict[str, Any] | None,
+               out_shardings: Any):
     self.loss_fn = loss_fn
     self.input_kwarg_shardings = input_kwarg_shardings
     self.donate = donate
@@ -192,39 +214,30 @@ class TrainStep:
     # mesh has Explicit axes (jax.set_mesh(jax.make_mesh(...))).
     self._mesh = next((s.mesh for s in jax.tree_util.tree_leaves(train_state_shardings)
                        if isinstance(s, NamedSharding)), None)
-    core = _eval_outputs if self._evaluate else _updated_params_and_states
     if jit:
       ts = train_state_shardings
-      in_shardings = (
-          None if ts is None else ts.params,
-          None if ts is None else list(jax.tree_util.tree_leaves(ts.model_without_params)),
-          None if ts is None else ts.opt_state,
-          None if ts is None else ts.loss_fn_state,
-          None if ts is None else ts.local_state,
-          None,  # root_rng: penzai ignores its sharding, and so do we.
-          None,  # step
-          None if input_kwarg_shardings is None else dict(input_kwarg_shardings),
-      )
-      out_shardings = aux_output_shardings if self._evaluate else (
-          None if ts is None else ts.params,
-          None if ts is None else ts.opt_state,
-          None if ts is None else ts.loss_fn_state,
-          None if ts is None else ts.local_state,
-          aux_output_shardings,
-          None,  # step + 1: where the step counter's arguments put it
+      in_shardings = _StepArrays(
+          params=None if ts is None else ts.params,
+          model_leaves=None if ts is None else list(jax.tree_util.tree_leaves(ts.model_without_params)),
+          opt_state=None if ts is None else ts.opt_state,
+          loss_fn_state=None if ts is None else ts.loss_fn_state,
+          local_state=None if ts is None else ts.local_state,
+          root_rng=None,  # penzai ignores its sharding, and so do we.
+          step=None,
+          inputs=None if input_kwarg_shardings is None else dict(input_kwarg_shardings),
       )
       core = jax.jit(
           core,
-          static_argnums=(8, 9, 10),  # model_treedef, optimizer_def, loss_fn
-          donate_argnums=(0, 2, 3, 4) if donate and not self._evaluate else (),
-          in_shardings=in_shardings,
+          static_argnames=("statics",),
+          donate_argnames=_DONATED if donate else (),
+          in_shardings=tuple(in_shardings),
           out_shardings=out_shardings,
       )
     self._core = core
     self._compiled = None
     self._checked_inputs: set[str] | None = None
 
-  def _args(self, train_state: TrainState, inputs: Mapping[str, Any]):
+  def _arguments(self, train_state: TrainState, inputs: Mapping[str, Any]) -> tuple[_StepArrays, _StepStatics]:
     if not isinstance(train_state, TrainState):
       raise TypeError(f"The train step takes a TrainState first, got {type(train_state).__name__}.")
     if self.input_kwarg_shardings is not None and set(inputs) != set(self.input_kwarg_shardings):
@@ -251,20 +264,17 @@ class TrainStep:
     if self.donate:
       donated = _distinct_buffers(donated)
     params, opt_state, loss_fn_state, local_state = donated
-    args = (
-        params,
-        model_leaves,
-        opt_state,
-        loss_fn_state,
-        local_state,
-        train_state.root_rng,
-        train_state.step,
-        dict(inputs),
-        model_treedef,
-        train_state.optimizer_def,
-        self.loss_fn,
+    arrays = _StepArrays(
+        params=params,
+        model_leaves=model_leaves,
+        opt_state=opt_state,
+        loss_fn_state=loss_fn_state,
+        local_state=local_state,
+        root_rng=train_state.root_rng,
+        step=train_state.step,
+        inputs=dict(inputs),
     )
-    return args
+    return arrays, _StepStatics(model_treedef, train_state.optimizer_def, self.loss_fn)
 
   def _mesh_context(self):
     context = jax.sharding.get_abstract_mesh()
@@ -272,32 +282,78 @@ class TrainStep:
       return contextlib.nullcontext()
     return jax.set_mesh(self._mesh or as_auto_mesh(jax.sharding.get_mesh()))
 
-  def __call__(self, train_state: TrainState, **inputs: Any) -> tuple[TrainState, AuxOutPyTree]:
+  def run(self, train_state: TrainState, inputs: Mapping[str, Any]) -> Any:
+    """The core's outputs for this state and these inputs."""
     with self._mesh_context():
-      params, opt_state, loss_fn_state, local_state, aux, next_step = self._run(self._args(train_state, inputs))
-      # A Python int counter stays a Python int (penzai's); a device counter
-      # takes the step's own output.
-      step = train_state.step
-      new_state = train_state.replace(
-          step=step + 1 if isinstance(step, int) else next_step,
-          params=params,
-          opt_state=opt_state,
-          loss_fn_state=loss_fn_state,
-          local_state=local_state,
-      )
-    return new_state, aux
+      arrays, statics = self._arguments(train_state, inputs)
+      if self._compiled is not None:
+        return self._compiled(*arrays)
+      return self._core(*arrays, statics)
 
-  def _run(self, args: tuple[Any, ...]) -> Any:
-    if self._compiled is not None:
-      return self._compiled(*args[:_NUM_DYNAMIC_ARGS])
-    return self._core(*args)
-
-  def lower(self, train_state: TrainState, **inputs: Any) -> jax.stages.Lowered:
-    """Lowers the jitted step for these (possibly abstract) arguments."""
+  def lower(self, train_state: TrainState, inputs: Mapping[str, Any]) -> jax.stages.Lowered:
     if not hasattr(self._core, "lower"):
       raise ValueError("This step was built with jit=False; there is nothing to lower.")
     with self._mesh_context():
-      return self._core.lower(*self._args(train_state, inputs))
+      arrays, statics = self._arguments(train_state, inputs)
+      return self._core.lower(*arrays, statics)
+
+  def compile(self, train_state: TrainState, compiler_options: Mapping[str, Any] | None,
+              inputs: Mapping[str, Any]) -> jax.stages.Compiled:
+    lowered = self.lower(train_state, inputs)
+    self._compiled = lowered.compile(dict(compiler_options)) if compiler_options else lowered.compile()
+    return self._compiled
+
+
+class TrainStep:
+  """A built train step; call it as ``step(train_state, **inputs)``.
+
+  Also offers ``lower(train_state, **inputs)`` for ahead-of-time compilation
+  (abstract ``jax.ShapeDtypeStruct`` leaves are fine there).
+  """
+
+  def __init__(self, loss_fn, jit, donate, train_state_shardings, input_kwarg_shardings, aux_output_shardings):
+    ts = train_state_shardings
+    out_shardings = (
+        None if ts is None else ts.params,
+        None if ts is None else ts.opt_state,
+        None if ts is None else ts.loss_fn_state,
+        None if ts is None else ts.local_state,
+        aux_output_shardings,
+        None,  # step + 1: where the step counter's arguments put it
+    )
+    self._core = _JittedCore(_updated_params_and_states, loss_fn, jit=jit, donate=donate,
+                             train_state_shardings=train_state_shardings,
+                             input_kwarg_shardings=input_kwarg_shardings, out_shardings=out_shardings)
+
+  @property
+  def loss_fn(self) -> LossFunction:
+    return self._core.loss_fn
+
+  @property
+  def input_kwarg_shardings(self) -> dict[str, Any] | None:
+    return self._core.input_kwarg_shardings
+
+  @property
+  def donate(self) -> bool:
+    return self._core.donate
+
+  def __call__(self, train_state: TrainState, **inputs: Any) -> tuple[TrainState, AuxOutPyTree]:
+    params, opt_state, loss_fn_state, local_state, aux, next_step = self._core.run(train_state, inputs)
+    # A Python int counter stays a Python int (penzai's); a device counter
+    # takes the step's own output.
+    step = train_state.step
+    new_state = train_state.replace(
+        step=step + 1 if isinstance(step, int) else next_step,
+        params=params,
+        opt_state=opt_state,
+        loss_fn_state=loss_fn_state,
+        local_state=local_state,
+    )
+    return new_state, aux
+
+  def lower(self, train_state: TrainState, **inputs: Any) -> jax.stages.Lowered:
+    """Lowers the jitted step for these (possibly abstract) arguments."""
+    return self._core.lower(train_state, inputs)
 
   def compile(self, train_state: TrainState, *, compiler_options: Mapping[str, Any] | None = None,
               **inputs: Any) -> jax.stages.Compiled:
@@ -313,9 +369,7 @@ class TrainStep:
         ``{"xla_gpu_enable_latency_hiding_scheduler": True}``).
       **inputs: the step's inputs (arrays or ``jax.ShapeDtypeStruct``).
     """
-    lowered = self.lower(train_state, **inputs)
-    self._compiled = lowered.compile(dict(compiler_options)) if compiler_options else lowered.compile()
-    return self._compiled
+    return self._core.compile(train_state, compiler_options, inputs)
 
 
 def build_train_step_fn(
@@ -359,14 +413,37 @@ def build_train_step_fn(
   )
 
 
-class EvalStep(TrainStep):
-  """A built eval step; ``eval_step(train_state, **inputs)`` returns aux."""
+class EvalStep:
+  """A built eval step; ``eval_step(train_state, **inputs)`` returns aux.
 
-  _evaluate = True
+  Checks and places its arguments as the train step does; nothing is
+  donated or updated. ``lower`` and ``compile`` work as on ``TrainStep``.
+  """
+
+  def __init__(self, loss_fn, jit, train_state_shardings, input_kwarg_shardings, aux_output_shardings):
+    self._core = _JittedCore(_eval_outputs, loss_fn, jit=jit, donate=False,
+                             train_state_shardings=train_state_shardings,
+                             input_kwarg_shardings=input_kwarg_shardings, out_shardings=aux_output_shardings)
+
+  @property
+  def loss_fn(self) -> LossFunction:
+    return self._core.loss_fn
+
+  @property
+  def input_kwarg_shardings(self) -> dict[str, Any] | None:
+    return self._core.input_kwarg_shardings
 
   def __call__(self, train_state: TrainState, **inputs: Any) -> AuxOutPyTree:
-    with self._mesh_context():
-      return self._run(self._args(train_state, inputs))
+    return self._core.run(train_state, inputs)
+
+  def lower(self, train_state: TrainState, **inputs: Any) -> jax.stages.Lowered:
+    """Lowers the jitted eval step for these (possibly abstract) arguments."""
+    return self._core.lower(train_state, inputs)
+
+  def compile(self, train_state: TrainState, *, compiler_options: Mapping[str, Any] | None = None,
+              **inputs: Any) -> jax.stages.Compiled:
+    """Compiles ahead of time, as ``TrainStep.compile`` does."""
+    return self._core.compile(train_state, compiler_options, inputs)
 
 
 def build_eval_step_fn(
@@ -385,4 +462,4 @@ def build_eval_step_fn(
   Returns:
     ``eval_step(train_state, **inputs) -> aux``.
   """
-  return EvalStep(loss_fn, jit, False, train_state_shardings, input_kwarg_shardings, aux_output_shardings)
+  return EvalStep(loss_fn, jit, train_state_shardings, input_kwarg_shardings, aux_output_shardings)

@@ -150,3 +150,18 @@ def test_a_config_declaring_its_device_count_refuses_another(tmp_path):
   config = dt.MeshConfig.from_yaml(path)
   with pytest.raises(ValueError, match=r"pod.yaml is for 16 devices; this job has 8 \(1 process\(es\), cpu\)"):
     dt.build_mesh(config)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_to_yaml_loads_back_as_the_same_config(tmp_path, path):
+  config = dt.MeshConfig.from_yaml(path)
+  written = tmp_path / path.name
+  written.write_text(config.to_yaml(["a header line"]))
+  loaded = dt.MeshConfig.from_yaml(written)
+  assert written.read_text().startswith("# a header line\n")
+  assert (loaded.axis_names, loaded.ici, loaded.dcn, loaded.devices) == (
+      config.axis_names, config.ici, config.dcn, config.devices)
+  assert (loaded.rules is None) == (config.rules is None)
+  if config.rules is not None:
+    assert loaded.rules.rules == config.rules.rules
+    assert [(r.pattern, a) for r, a in loaded.rules.param_axes] == [(r.pattern, a) for r, a in config.rules.param_axes]

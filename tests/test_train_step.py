@@ -1,5 +1,7 @@
 """build_train_step_fn: penzai behaviour, donation, shardings, one compile."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -279,3 +281,24 @@ def test_the_planner_checks_the_loss_signature_before_tracing():
     dt.MeshPlanner(mesh, dt.AxisRules([])).plan(
         jax.eval_shape(lambda: state), loss_fn=_sum_loss,
         inputs={"x": jax.ShapeDtypeStruct((3,), jnp.float32), "y": jax.ShapeDtypeStruct((3,), jnp.float32)})
+
+
+def test_the_step_cores_take_the_named_arguments_in_their_order():
+  # jax.jit shards positional arguments only, so the cores are called as core(*arrays, statics).
+  from distrib_train import train_step
+  for core in (train_step._updated_params_and_states, train_step._eval_outputs):
+    assert tuple(inspect.signature(core).parameters) == train_step._StepArrays._fields + ("statics",), core.__name__
+  assert set(train_step._DONATED) < set(train_step._StepArrays._fields)
+
+
+def test_the_eval_step_donates_nothing():
+  def loss_fn(*, model, state, rng, x):
+    loss = jnp.sum((x @ model["w"]) ** 2)
+    return loss, state + 1, {"loss": loss}
+
+  state = dt.TrainState.initial_state({"w": jnp.ones((4, 2))}, optax.adam(0.1), jax.random.key(0),
+                                      loss_fn_state=jnp.zeros(()))
+  aux = dt.build_eval_step_fn(loss_fn)(state, x=jnp.ones((3, 4)))
+  assert float(aux["loss"]) == 96.0  # six entries of 4², from ones
+  kept = (state.params, state.opt_state, state.loss_fn_state)
+  assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(kept))

@@ -19,7 +19,8 @@ shardings to restore onto) — so a checkpoint restores onto any mesh or device
 count. Nothing is pickled; restoring runs no code from the checkpoint.
 
 The on-disk layout and the read-only checks (``check_restorable``, the
-errors a damaged or foreign checkpoint gets) are in ``checkpoint_checks.py``.
+errors a damaged or foreign checkpoint gets) are in ``checks.py``; what a
+storage fault (a full disk) raises and silences is in ``faults.py``.
 
 Not for: choosing what to save when (``trainer.py``).
 """
@@ -28,9 +29,6 @@ from __future__ import annotations
 
 import atexit
 import importlib.metadata
-import logging
-import re
-import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -45,8 +43,13 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as preserva
 from distrib_train.checkpoint.checks import check_restorable  # noqa: F401 (public here too)
 from distrib_train.checkpoint.checks import (FORMAT_VERSION, MODEL_FIELDS, SAVED_FIELDS, CheckpointError,
                                              abstract_target, check_matches, first_line, read_meta)
+from distrib_train.checkpoint.faults import (CheckpointWriteError, finish_at_exit, is_storage_failure,
+                                             quiet_echoes_of_failed_writes, write_error)
 from distrib_train.checkpoint.tree import fill_fields, flatten_fields, is_prng_key, nest, unnest
 from distrib_train.train_state import TrainState
+
+# Still importable from here (the trainer imports it), like CheckpointWriteError.
+_quiet_echoes_of_failed_writes = quiet_echoes_of_failed_writes
 
 _VERSIONED_PACKAGES = ("distrib_train", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore")
 
@@ -59,71 +62,6 @@ def _package_versions() -> dict[str, str]:
     except importlib.metadata.PackageNotFoundError:
       pass
   return versions
-
-
-class CheckpointWriteError(OSError):
-  """A checkpoint could not be written: a full disk, a read-only or
-  unwritable directory. The message names the step, the directory and the
-  cause; the steps committed before it are untouched (a partial step is
-  never committed)."""
-
-
-# The causes that make a save fail for want of storage rather than a bug, as
-# OSError gives them or as tensorstore quotes them in its messages.
-_STORAGE_CAUSES = re.compile(
-    r"No space left on device|Disk quota exceeded|Read-only file system|Permission denied|Operation not permitted"
-    r"|File too large|Input/output error|OS error", re.IGNORECASE)
-
-
-def _storage_failure(error: BaseException) -> bool:
-  while error is not None:
-    if isinstance(error, OSError) or _STORAGE_CAUSES.search(str(error)):
-      return True
-    error = error.__cause__ or error.__context__
-  return False
-
-
-_echoes_quiet = False
-
-
-def _quiet_echoes_of_failed_writes() -> None:
-  """Silences what a failed background write leaves behind (installed once).
-
-  When one array's write fails, orbax closes its event loop while tensorstore
-  is still finishing the other writes in flight; each then tries to wake the
-  closed loop and prints a "RuntimeError: Event loop is closed" traceback
-  (through ``sys.unraisablehook``), and asyncio logs the abandoned tasks. The
-  failure itself is raised as one CheckpointWriteError. Reads of a damaged
-  checkpoint echo the same way (each array's failed read is logged as "Task
-  exception was never retrieved"): the trainer installs this before its first
-  check of the checkpoint.
-  """
-  global _echoes_quiet
-  if _echoes_quiet:
-    return
-  _echoes_quiet = True
-  previous = sys.unraisablehook
-
-  def hook(unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
-      previous(unraisable)
-
-  def abandoned_write(record: logging.LogRecord) -> bool:
-    text = str(record.msg)
-    echo = "Task was destroyed but it is pending" in text or "Task exception was never retrieved" in text
-    return echo and ("orbax" in text or "tensorstore" in text)
-
-  sys.unraisablehook = hook
-  logging.getLogger("asyncio").addFilter(lambda record: not abandoned_write(record))
-
-
-def _finish_at_exit(manager: CheckpointManager) -> None:
-  """At interpreter exit, a pending async save is waited for, not lost."""
-  if not manager._closed:
-    try:
-      manager.wait_until_finished()
-    except CheckpointWriteError as e:  # nobody is left to catch it: say it in one line
-      print(f"distrib_train: {e}", file=sys.stderr, flush=True)
 
 
 class CheckpointManager:
@@ -204,7 +142,7 @@ class CheckpointManager:
       pass
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     self._closed = False
-    _quiet_echoes_of_failed_writes()
+    quiet_echoes_of_failed_writes()
     self._pending_step: int | None = None  # the step an unfinished async save is writing
     self._failed = False  # a CheckpointWriteError was raised
     # Registered with threading's exit hooks, which run before the thread
@@ -212,7 +150,7 @@ class CheckpointManager:
     # runs after, and the pending checkpoint was lost). Later registrations
     # run first, so this precedes concurrent.futures' own hook.
     register = getattr(threading, "_register_atexit", atexit.register)
-    register(_finish_at_exit, self)  # held: a dropped manager's save still lands
+    register(finish_at_exit, self)  # held: a dropped manager's save still lands
 
   def _remove_stale_tmp(self) -> None:
     """Deletes what an interrupted save left (never a committed step)."""
@@ -308,7 +246,7 @@ class CheckpointManager:
     try:
       saved = self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
     except Exception as e:
-      if not _storage_failure(e):
+      if not is_storage_failure(e):
         raise
       raise self._write_error(step, e) from e
     self._pending_step = int(step) if saved else self._pending_step
@@ -316,12 +254,7 @@ class CheckpointManager:
 
   def _write_error(self, step: int | None, error: BaseException) -> CheckpointWriteError:
     self._failed = True
-    earlier = [s for s in self._manager.all_steps() if s != step]
-    kept = f"step {max(earlier)} there is intact and a relaunch resumes from it" if earlier else \
-        "no earlier checkpoint is there"
-    return CheckpointWriteError(
-        f"Checkpoint step {step} could not be written to {str(self.directory)!r}: {first_line(error)} — {kept}."
-    )
+    return write_error(step, str(self.directory), self._manager.all_steps(), error)
 
   # --- restore -----------------------------------------------------------------
 
@@ -417,7 +350,7 @@ class CheckpointManager:
     try:
       self._manager.wait_until_finished()
     except Exception as e:
-      if not _storage_failure(e):
+      if not is_storage_failure(e):
         raise
       raise self._write_error(step, e) from e
 
@@ -451,7 +384,7 @@ class CheckpointManager:
     try:
       self._manager.close()
     except Exception as e:
-      if not (self._failed and _storage_failure(e)):  # orbax repeats a failed write's error here
+      if not (self._failed and is_storage_failure(e)):  # orbax repeats a failed write's error here
         raise
     if error is not None and not reported:
       raise error

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from distrib_train.cluster import hardware
-from distrib_train.sharding.axis_rules import RULE_SETS, AxisRules
+from distrib_train.sharding.axis_rules import AxisRules
 from distrib_train.training.config import Config
 from distrib_train.sharding.mesh import MeshConfig
 from distrib_train.podplan.estimate import DEFAULT_EFFICIENCY, Layout, PodPlan, StepSpec, plan_pod, step_spec
@@ -172,24 +172,5 @@ def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind
 
 def mesh_config_yaml(pod: PodPlan, rules: AxisRules, header: Sequence[str] = ()) -> str:
   """A mesh-config file for ``pod``'s mesh (loadable by ``MeshConfig.from_yaml``)."""
-  lines = [f"# {line}" for line in header]
-  lines.append(f"devices: {pod.devices}")
-  if pod.layout.granules > 1 and any(d > 1 for d in pod.layout.dcn):
-    lines.append(f"granules: {math.prod(pod.layout.dcn)}")
-  lines.append("axes:")
-  for name, ici, dcn in zip(pod.layout.axis_names, pod.layout.ici, pod.layout.dcn):
-    lines.append(f"  {name}: {{ici: {ici}, dcn: {dcn}}}" if dcn > 1 else f"  {name}: {ici}")
-  named = next((n for n, r in RULE_SETS.items() if AxisRules(r).rules == rules.rules), None)
-  if named:
-    lines.append(f"rules: {named}")
-  else:
-    lines.append("rules:")
-    for logical, axes in rules.rules:
-      value = "null" if axes is None else (axes[0] if len(axes) == 1 else "[" + ", ".join(axes) + "]")
-      lines.append(f"  - [{logical}, {value}]")
-  if rules.param_axes:
-    lines.append("param_axes:")
-    for regex, axes in rules.param_axes:
-      names = ", ".join("null" if a is None else a for a in axes)
-      lines.append(f"  - ['{regex.pattern}', [{names}]]")
-  return "\n".join(lines) + "\n"
+  layout = pod.layout
+  return MeshConfig(layout.axis_names, layout.ici, layout.dcn, rules=rules, devices=pod.devices).to_yaml(header)

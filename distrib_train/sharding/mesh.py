@@ -32,7 +32,7 @@ from jax.sharding import AxisType, Mesh
 
 from distrib_train.common.auto_mesh import as_auto_mesh
 from distrib_train.common.yaml_loader import safe_load_yaml
-from distrib_train.sharding.axis_rules import AxisRules
+from distrib_train.sharding.axis_rules import RULE_SETS, AxisRules
 
 _LEVELS = ("ici", "dcn")
 _KNOWN_KEYS = frozenset({"axes", "rules", "param_axes", "devices", "granules"})
@@ -212,6 +212,47 @@ class MeshConfig:
 
     data = safe_load_yaml(path, what="Mesh config")  # a ConfigError is a ValueError
     return cls.from_dict(data, source=os.path.basename(os.fspath(path)))
+
+  def to_yaml(self, header: Sequence[str] = ()) -> str:
+    """The config as a mesh-config file, which ``from_yaml`` loads back.
+
+    Args:
+      header: comment lines for the top of the file (when to pick it).
+
+    Returns:
+      The YAML text: ``devices`` (and ``granules``, for a hybrid mesh whose
+      DCN sizes are all given) when the config declares its device count;
+      each axis as ``name: ici``, or
+      ``{ici: …, dcn: …}`` when it spans granules; the rules, by name when
+      they are a shipped rule set, and their ``param_axes``.
+    """
+    lines = [f"# {line}" for line in header]
+    if self.devices is not None:
+      lines.append(f"devices: {self.devices}")
+      if self.is_hybrid and -1 not in self.dcn:
+        lines.append(f"granules: {math.prod(self.dcn)}")
+    lines.append("axes:")
+    for name, ici, dcn in zip(self.axis_names, self.ici, self.dcn):
+      lines.append(f"  {name}: {{ici: {ici}, dcn: {dcn}}}" if dcn != 1 else f"  {name}: {ici}")
+    if self.rules is not None:
+      lines.extend(_rules_yaml(self.rules))
+    return "\n".join(lines) + "\n"
+
+
+def _rules_yaml(rules: AxisRules) -> list[str]:
+  """The ``rules`` (and ``param_axes``) lines of a mesh-config file."""
+  named = next((name for name, rule_set in RULE_SETS.items() if AxisRules(rule_set).rules == rules.rules), None)
+  lines = [f"rules: {named}"] if named else ["rules:"]
+  if not named:
+    for logical, axes in rules.rules:
+      value = "null" if axes is None else (axes[0] if len(axes) == 1 else "[" + ", ".join(axes) + "]")
+      lines.append(f"  - [{logical}, {value}]")
+  if rules.param_axes:
+    lines.append("param_axes:")
+    for regex, axes in rules.param_axes:
+      names = ", ".join("null" if a is None else a for a in axes)
+      lines.append(f"  - ['{regex.pattern}', [{names}]]")
+  return lines
 
 
 def mesh_config_dirs() -> list[str]:

@@ -14,13 +14,28 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from distrib_train.sharding.axis_rules import RuleSkip
-from distrib_train.common.naming import path_str
+from distrib_train.common.naming import key_name, path_str
 from distrib_train.common.text import human_bytes
 from distrib_train.train_state import TrainState
 
 _STATE_GROUPS = ("step", "root_rng", "params", "model_without_params", "opt_state", "loss_fn_state", "local_state")
 _NOT_STATE = ("inputs", "aux")
 _LARGE_UNANNOTATED_BYTES = 1 << 20
+
+
+def _row_name(path: tuple[Any, ...]) -> tuple[str, str]:
+  """A train-state leaf's key path as its report row names it: (field, path in the field)."""
+  return key_name(path[0]), path_str(path[1:])
+
+
+def _numbered(names: list[tuple[str, str]]) -> list[tuple[str, str, int]]:
+  """Names made unique by their count so far: only a dict key holding a ``/`` can repeat one."""
+  seen: dict[tuple[str, str], int] = {}
+  numbered = []
+  for name in names:
+    numbered.append((*name, seen.get(name, 0)))
+    seen[name] = seen.get(name, 0) + 1
+  return numbered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,12 +163,19 @@ class Plan:
     with logical_annotations_only():
       abstract = jax.eval_shape(init_fn, *args)
     got = jax.tree_util.tree_flatten_with_path(abstract)[0]
-    want = [e for e in self.entries if e.group not in _NOT_STATE]
-    if len(got) != len(want):
+    rows = [e for e in self.entries if e.group not in _NOT_STATE]
+    if len(got) != len(rows):
       raise ValueError(
-          f"init_fn builds a state with {len(got)} arrays; the plan has {len(want)}. Plan the state init_fn builds."
+          f"init_fn builds a state with {len(got)} arrays; the plan has {len(rows)}. Plan the state init_fn builds."
       )
-    for (path, leaf), entry in zip(got, want):
+    rows_by_name = dict(zip(_numbered([(e.group, e.path) for e in rows]), rows))
+    planned = jax.tree_util.tree_flatten_with_path(self.train_state_shardings)[0]
+    shardings_by_name = dict(zip(_numbered([_row_name(path) for path, _ in planned]), (s for _, s in planned)))
+    names = _numbered([_row_name(path) for path, _ in got])
+    for (path, leaf), name in zip(got, names):
+      entry = rows_by_name.get(name)
+      if entry is None:
+        raise ValueError(f"init_fn builds {path_str(path)}, which the plan does not have. Plan the state init_fn builds.")
       if tuple(leaf.shape) != entry.shape or str(leaf.dtype) != entry.dtype:
         raise ValueError(
             f"init_fn builds {path_str(path)} as {leaf.dtype}{list(leaf.shape)}; the plan has"
@@ -168,7 +190,7 @@ class Plan:
     # Leaves cross the jit boundary as a flat list: init_fn may build a new
     # (equal) optimizer object, whose static metadata would not match the
     # plan's in a pytree of shardings. The static parts are init_fn's own.
-    shardings = jax.tree_util.tree_leaves(self.train_state_shardings)
+    shardings = [shardings_by_name[name] for name in names]
     with logical_annotations_only():
       leaves = jax.jit(flat_init, out_shardings=shardings)(*args)
     return jax.tree_util.tree_unflatten(treedef_seen[-1], leaves)

@@ -19,9 +19,10 @@ and ``nu``) take that parameter's sharding; everything else is replicated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -33,6 +34,8 @@ from distrib_train.sharding.plan import Plan, PlanEntry, logical_annotations_onl
 from distrib_train.common.naming import key_name, path_str
 from distrib_train.train_state import TrainState
 from distrib_train.train_step import check_loss_fn_accepts
+
+
 def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     return tuple(x.shape), x.dtype
@@ -94,6 +97,37 @@ def _check_all_used(what: str, axes_tree: Any, used: set[str], known: list[str])
         f"{what} names {', '.join(map(repr, unused))}, which match(es) nothing; the paths are: {sample or 'none'}."
     )
 
+
+@dataclasses.dataclass(frozen=True)
+class _LeafLayout:
+  """One array's layout: its sharding, its report row, the rules it passed over.
+
+  Not a pytree node: a tree of these keeps the laid-out tree's structure.
+  """
+
+  sharding: NamedSharding
+  entry: PlanEntry
+  skips: tuple[RuleSkip, ...] = ()
+
+
+class _TreeLayout(NamedTuple):
+  """A tree's layout: its shardings (a tree of the same structure), report rows and rule skips."""
+
+  shardings: Any
+  entries: tuple[PlanEntry, ...] = ()
+  skips: tuple[RuleSkip, ...] = ()
+
+
+def _collect(laid_out: Any) -> _TreeLayout:
+  """Splits a tree of ``_LeafLayout`` into shardings, rows and skips, in leaf order."""
+  layouts = jax.tree_util.tree_leaves(laid_out)
+  return _TreeLayout(
+      shardings=jax.tree_util.tree_map(lambda leaf: leaf.sharding, laid_out),
+      entries=tuple(leaf.entry for leaf in layouts),
+      skips=tuple(skip for leaf in layouts for skip in leaf.skips),
+  )
+
+
 class MeshPlanner:
   """Plans how a train state, inputs and aux outputs are laid out on a mesh.
 
@@ -121,20 +155,19 @@ class MeshPlanner:
     self.rules = rules if isinstance(rules, AxisRules) else AxisRules(rules)
     self.rules.check_mesh(tuple(self.mesh.axis_names))
 
-  def _sharding(self, group, path, leaf, axes, entries, skips) -> NamedSharding:
+  def _lay_out(self, group: str, path: str, leaf: Any, axes: Any) -> _LeafLayout:
+    """Lays out one array by its logical ``axes``; None replicates it."""
     shape, dtype = _shape_dtype(leaf)
     where = f"{group}/{path}" if path else group
+    skips: tuple[RuleSkip, ...] = ()
     if axes is None:
       spec = PartitionSpec()
     else:
-      spec, new_skips = self.rules.resolve(axes, shape=shape, mesh=self.mesh, path=where)
-      skips.extend(new_skips)
+      spec, skips = self.rules.resolve(axes, shape=shape, mesh=self.mesh, path=where)
     sharding = NamedSharding(self.mesh, spec)
-    entries.append(
-        PlanEntry(group, path, shape, str(dtype), None if axes is None else tuple(axes), spec,
-                  _nbytes_per_device(shape, dtype, sharding))
-    )
-    return sharding
+    entry = PlanEntry(group, path, shape, str(dtype), None if axes is None else tuple(axes), spec,
+                      _nbytes_per_device(shape, dtype, sharding))
+    return _LeafLayout(sharding, entry, tuple(skips))
 
   def plan(
       self,
@@ -167,110 +200,16 @@ class MeshPlanner:
       ValueError: logical axes that do not fit an array (named by path), or
         a ``loss_fn`` without ``inputs``.
     """
-    entries: list[PlanEntry] = []
-    skips: list[RuleSkip] = []
-    unannotated: list[tuple[str, int]] = []
-    annotated = models.annotated_axes(train_state.model_without_params, train_state.params)
-    used_param_axes: set[str] = set()
-
-    def axes_of(path, explicit=None):
-      name = path_str(path)
-      axes = lookup_axes(explicit, path, used_param_axes) if explicit is not None else None
-      if axes is None:
-        axes = annotated.get(name)
-      if axes is None:
-        axes = self.rules.axes_for_path(name)
-      return name, axes
-
-    param_leaves, _ = jax.tree_util.tree_flatten_with_path(train_state.params)
-    # Param path (as key names) -> (shape, sharding, logical axes), for mirrors.
-    by_suffix: dict[tuple[str, ...], tuple[tuple[int, ...], NamedSharding, Any]] = {}
-
-    def param_sharding(path, leaf):
-      name, axes = axes_of(path, param_logical_axes)
-      shape, dtype = _shape_dtype(leaf)
-      if axes is None and shape:
-        unannotated.append((name, math.prod(shape) * dtype.itemsize))
-      sharding = self._sharding("params", name, leaf, axes, entries, skips)
-      by_suffix[tuple(key_name(e) for e in path)] = (_shape_dtype(leaf)[0], sharding, axes)
-      return sharding
-
-    def mirrored_sharding(path, leaf):
-      keys = tuple(key_name(e) for e in path)
-      shape, dtype = _shape_dtype(leaf)
-      for n in range(len(keys), 0, -1):
-        match = by_suffix.get(keys[-n:])
-        if match is not None and match[0] == shape:
-          _, sharding, axes = match
-          entries.append(PlanEntry("opt_state", path_str(path), shape, str(dtype), axes, sharding.spec,
-                                   _nbytes_per_device(shape, dtype, sharding)))
-          return sharding
-      return self._sharding("opt_state", path_str(path), leaf, None, entries, skips)
-
-    def replicated(group):
-      return lambda path, leaf: self._sharding(group, path_str(path), leaf, None, entries, skips)
-
-    def local_state_sharding(path, leaf):
-      name, axes = axes_of(path)
-      return self._sharding("local_state", name, leaf, axes, entries, skips)
-
-    map_with_path = jax.tree_util.tree_map_with_path
-    planners = {"params": param_sharding, "opt_state": mirrored_sharding, "local_state": local_state_sharding}
-    # Every pytree field, in the order TrainState flattens them; fields a
-    # subclass adds (an EMA of the params, say) are replicated.
-    fields = [f.name for f in dataclasses.fields(train_state) if f.metadata.get("pytree_node", True)]
-    shardings = {f: map_with_path(planners.get(f) or replicated(f), getattr(train_state, f)) for f in fields}
-    _check_all_used("param_logical_axes", param_logical_axes, used_param_axes,
-                    [path_str(p) for p, _ in param_leaves])
-    # Report rows in the order of the state's leaves, so Plan.init can zip them.
-    order = {f.name: i for i, f in enumerate(dataclasses.fields(train_state))}
-    state_entries = sorted(entries, key=lambda e: order[e.group])
-    entries = []
-    train_state_shardings = train_state.replace(**shardings)
-
-    input_shardings = None
+    state = self._plan_state(train_state, param_logical_axes)
+    inputs_layout = self._plan_inputs(inputs, input_axes)
+    aux = self._plan_aux(train_state, loss_fn, inputs, aux_axes)
     # A model's input_axes may cover optional inputs (segment_ids, …) that
     # this job does not feed; they are listed in the report, not an error.
     absent_inputs = tuple(k for k in (input_axes or {}) if inputs is not None and k not in inputs)
-    if inputs is not None or input_axes is not None:
-      input_shardings = {}
-      for name in inputs if inputs is not None else input_axes:
-        axes_for_input = (input_axes or {}).get(name)
-        if inputs is None:
-          input_shardings[name] = NamedSharding(
-              self.mesh, self.rules.resolve(axes_for_input, mesh=self.mesh, path=f"inputs/{name}")[0])
-          continue
-
-        def input_sharding(path, leaf, name=name, axes_for_input=axes_for_input):
-          axes = lookup_axes(axes_for_input, path)
-          if axes is None:
-            ndim = len(_shape_dtype(leaf)[0])
-            axes = ("batch",) + (None,) * (ndim - 1) if ndim else ()
-          return self._sharding("inputs", "/".join(filter(None, (name, path_str(path)))), leaf, axes, entries, skips)
-
-        input_shardings[name] = map_with_path(input_sharding, inputs[name])
-
-    aux_shardings = None
-    if loss_fn is not None:
-      if inputs is None:
-        raise ValueError("plan(loss_fn=...) needs inputs= (arrays or jax.ShapeDtypeStruct) to find the aux outputs.")
-
-      check_loss_fn_accepts(loss_fn, inputs)
-
-      def aux_of(state, example_inputs):
-        rng = None if state.root_rng is None else jax.random.fold_in(state.root_rng, state.step)
-        model = models.merge_model(state.model_without_params, state.params, state.local_state, rng)
-        return loss_fn(model=model, state=state.loss_fn_state, rng=rng, **example_inputs)[2]
-
-      aux = jax.eval_shape(aux_of, train_state, dict(inputs))
-      used_aux_axes: set[str] = set()
-      aux_shardings = map_with_path(
-          lambda path, leaf: self._sharding("aux", path_str(path), leaf, lookup_axes(aux_axes, path, used_aux_axes),
-                                            entries, skips),
-          aux,
-      )
-      _check_all_used("aux_axes", aux_axes, used_aux_axes,
-                      [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(aux)[0]])
+    # Unannotated params are replicated, so their bytes per device are their whole size.
+    unannotated = [(e.path, e.bytes_per_device) for e in state.entries
+                   if e.group == "params" and e.logical_axes is None and e.shape]
+    layouts = [layout for layout in (state, inputs_layout, aux) if layout is not None]
 
     def abstract(leaf, sharding):
       shape, dtype = _shape_dtype(leaf)
@@ -278,16 +217,126 @@ class MeshPlanner:
 
     return Plan(
         mesh=self.mesh,
-        train_state_shardings=train_state_shardings,
-        abstract_train_state=jax.tree_util.tree_map(abstract, train_state, train_state_shardings),
-        input_kwarg_shardings=input_shardings,
-        aux_output_shardings=aux_shardings,
-        entries=tuple(state_entries + entries),
-        skips=tuple(skips),
+        train_state_shardings=state.shardings,
+        abstract_train_state=jax.tree_util.tree_map(abstract, train_state, state.shardings),
+        input_kwarg_shardings=None if inputs_layout is None else inputs_layout.shardings,
+        aux_output_shardings=None if aux is None else aux.shardings,
+        entries=tuple(entry for layout in layouts for entry in layout.entries),
+        skips=tuple(skip for layout in layouts for skip in layout.skips),
         unannotated=tuple(name for name, _ in unannotated),
         unannotated_bytes=tuple(n for _, n in unannotated),
         absent_inputs=absent_inputs,
     )
+
+  def _plan_state(self, train_state: TrainState, param_logical_axes: Any) -> _TreeLayout:
+    """Lays out every pytree field of the state; the shardings are a ``TrainState``.
+
+    Rows come field by field in the order the state flattens, each field's
+    in leaf order.
+    """
+    annotated = models.annotated_axes(train_state.model_without_params, train_state.params)
+    used_param_axes: set[str] = set()
+
+    def axes_of(path, explicit=None):
+      axes = lookup_axes(explicit, path, used_param_axes) if explicit is not None else None
+      if axes is None:
+        axes = annotated.get(path_str(path))
+      if axes is None:
+        axes = self.rules.axes_for_path(path_str(path))
+      return axes
+
+    map_with_path = jax.tree_util.tree_map_with_path
+    params = map_with_path(
+        lambda path, leaf: self._lay_out("params", path_str(path), leaf, axes_of(path, param_logical_axes)),
+        train_state.params)
+    # Param path (as key names) -> its layout, for the optimizer leaves that mirror it.
+    params_by_keys = {tuple(key_name(e) for e in path): layout
+                      for path, layout in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+    def mirrored(path, leaf):
+      keys = tuple(key_name(e) for e in path)
+      shape, dtype = _shape_dtype(leaf)
+      for n in range(len(keys), 0, -1):
+        param = params_by_keys.get(keys[-n:])
+        if param is not None and param.entry.shape == shape:
+          entry = PlanEntry("opt_state", path_str(path), shape, str(dtype), param.entry.logical_axes,
+                            param.sharding.spec, _nbytes_per_device(shape, dtype, param.sharding))
+          return _LeafLayout(param.sharding, entry)
+      return self._lay_out("opt_state", path_str(path), leaf, None)
+
+    def laid_out(field: str) -> Any:
+      tree = getattr(train_state, field)
+      if field == "params":
+        return params
+      if field == "opt_state":
+        return map_with_path(mirrored, tree)
+      if field == "local_state":
+        return map_with_path(lambda path, leaf: self._lay_out(field, path_str(path), leaf, axes_of(path)), tree)
+      # step, root_rng, the rest of the model, loss_fn_state, and fields a
+      # subclass adds (an EMA of the params, say) are replicated.
+      return map_with_path(lambda path, leaf: self._lay_out(field, path_str(path), leaf, None), tree)
+
+    fields = [f.name for f in dataclasses.fields(train_state) if f.metadata.get("pytree_node", True)]
+    layouts = {field: _collect(laid_out(field)) for field in fields}
+    _check_all_used("param_logical_axes", param_logical_axes, used_param_axes,
+                    [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(train_state.params)[0]])
+    return _TreeLayout(
+        shardings=train_state.replace(**{field: layout.shardings for field, layout in layouts.items()}),
+        entries=tuple(entry for layout in layouts.values() for entry in layout.entries),
+        skips=tuple(skip for layout in layouts.values() for skip in layout.skips),
+    )
+
+  def _plan_inputs(self, inputs: Mapping[str, Any] | None, input_axes: Mapping[str, Any] | None) -> _TreeLayout | None:
+    """Lays out the inputs, by name; without example inputs, from ``input_axes`` alone (and no rows)."""
+    if inputs is None and input_axes is None:
+      return None
+    if inputs is None:
+      return _TreeLayout({
+          name: NamedSharding(self.mesh, self.rules.resolve(axes, mesh=self.mesh, path=f"inputs/{name}")[0])
+          for name, axes in input_axes.items()
+      })
+
+    def input_layout(name, axes_for_input, path, leaf):
+      axes = lookup_axes(axes_for_input, path)
+      if axes is None:
+        ndim = len(_shape_dtype(leaf)[0])
+        axes = ("batch",) + (None,) * (ndim - 1) if ndim else ()
+      return self._lay_out("inputs", "/".join(filter(None, (name, path_str(path)))), leaf, axes)
+
+    # One input at a time, so the rows keep the inputs' own order.
+    layouts = {
+        name: _collect(jax.tree_util.tree_map_with_path(
+            functools.partial(input_layout, name, (input_axes or {}).get(name)), inputs[name]))
+        for name in inputs
+    }
+    return _TreeLayout(
+        shardings={name: layout.shardings for name, layout in layouts.items()},
+        entries=tuple(entry for layout in layouts.values() for entry in layout.entries),
+        skips=tuple(skip for layout in layouts.values() for skip in layout.skips),
+    )
+
+  def _plan_aux(self, train_state: TrainState, loss_fn: Callable[..., Any] | None, inputs: Mapping[str, Any] | None,
+                aux_axes: Any) -> _TreeLayout | None:
+    """Lays out the loss function's aux outputs, found by running it abstractly."""
+    if loss_fn is None:
+      return None
+    if inputs is None:
+      raise ValueError("plan(loss_fn=...) needs inputs= (arrays or jax.ShapeDtypeStruct) to find the aux outputs.")
+    check_loss_fn_accepts(loss_fn, inputs)
+
+    def aux_of(state, example_inputs):
+      rng = None if state.root_rng is None else jax.random.fold_in(state.root_rng, state.step)
+      model = models.merge_model(state.model_without_params, state.params, state.local_state, rng)
+      return loss_fn(model=model, state=state.loss_fn_state, rng=rng, **example_inputs)[2]
+
+    aux = jax.eval_shape(aux_of, train_state, dict(inputs))
+    used_aux_axes: set[str] = set()
+    layout = _collect(jax.tree_util.tree_map_with_path(
+        lambda path, leaf: self._lay_out("aux", path_str(path), leaf, lookup_axes(aux_axes, path, used_aux_axes)),
+        aux))
+    _check_all_used("aux_axes", aux_axes, used_aux_axes,
+                    [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(aux)[0]])
+    return layout
 
   def init(self, init_fn: Callable[..., TrainState], *args: Any, **plan_kwargs: Any) -> tuple[TrainState, Plan]:
     """Plans the state ``init_fn(*args)`` builds, then builds it sharded.
