@@ -139,10 +139,10 @@ def __getattr__(name: str) -> Any:
   raise AttributeError(f"module 'distrib_train.models' has no attribute {name!r}")
 
 
+# ParamSlot and StaticValue (the pytree adapter's placeholders) stay
+# importable for tests and tools, but are not public API.
 __all__ = [
     "LinenModel",
-    "ParamSlot",
-    "StaticValue",
     "annotated_axes",
     "from_pure_dict",
     "to_pure_dict",
