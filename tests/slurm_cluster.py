@@ -10,6 +10,7 @@ cannot run one (missing packages, not root), for a skip message.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -18,6 +19,9 @@ import subprocess
 import time
 from pathlib import Path
 
+# One SLURM test cluster per machine at a time (munged and the slurm user's
+# daemons are machine-wide), whichever checkout or test run starts it.
+_MACHINE_LOCK = "/tmp/distrib_train_slurm_tests.lock"
 _BINARIES = ("slurmctld", "slurmd", "sbatch", "sinfo", "munged", "mungekey", "munge", "unmunge")
 
 
@@ -72,7 +76,11 @@ class SlurmCluster:
         raise RuntimeError("munged started but munge -n | unmunge fails")
       time.sleep(0.2)
 
-  def start(self, timeout: float = 60) -> None:
+  def start(self, timeout: float = 60, wait_for_machine: float = 240) -> None:
+    """Starts the daemons once no other test run on this machine has its
+    cluster up: munged is one per machine, and a second suite running beside
+    this one would otherwise stop it under this one's jobs (or the reverse)."""
+    self._take_machine(wait_for_machine)
     self._start_munge()
     host = socket.gethostname()
     for d in ("state", "spool", "log"):
@@ -132,7 +140,29 @@ PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscr
         out.append(f"--- {name}\n" + "\n".join(path.read_text().splitlines()[-20:]))
     return "\n".join(out)
 
+  def _take_machine(self, wait: float) -> None:
+    self._machine_lock = open(_MACHINE_LOCK, "a")  # noqa: SIM115 - held until stop()
+    deadline = time.monotonic() + wait
+    while True:
+      try:
+        fcntl.flock(self._machine_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+      except BlockingIOError:
+        if time.monotonic() > deadline:
+          self._machine_lock.close()
+          self._machine_lock = None
+          raise RuntimeError(f"another test run kept this machine's SLURM for {wait:.0f} s ({_MACHINE_LOCK})")
+        time.sleep(1)
+
   def stop(self) -> None:
+    try:
+      self._stop_daemons()
+    finally:
+      if getattr(self, "_machine_lock", None) is not None:
+        self._machine_lock.close()  # releases the flock
+        self._machine_lock = None
+
+  def _stop_daemons(self) -> None:
     subprocess.run(["scancel", "--user", "root"], env=self.env, capture_output=True, timeout=10)
     for name in ("slurmd.pid", "slurmctld.pid"):
       pidfile = self.root / name

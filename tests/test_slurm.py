@@ -6,6 +6,10 @@ import sys
 
 import pytest
 
+# The cluster may wait for another test run's SLURM on this machine (up to
+# 240 s, see slurm_cluster.py) before its job's own 400 s.
+pytestmark = pytest.mark.timeout(900)
+
 from slurm_cluster import SlurmCluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
