@@ -10,9 +10,7 @@ shardings (``planner.py``) or running a loop (``trainer.py``).
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -22,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from distrib_train import models
 from distrib_train.common.auto_mesh import as_auto_mesh
+from distrib_train.step_inputs import check_loss_fn_accepts, distinct_buffers, on_auto_mesh
 from distrib_train.train_state import LossStatePyTree, ModelPyTree, PRNGKeyArray, TrainState, apply_optimizer
 
 AuxOutPyTree = Any
@@ -34,35 +33,6 @@ class LossFunction(Protocol):
       self, *, model: ModelPyTree, state: LossStatePyTree, rng: PRNGKeyArray, **inputs: Any
   ) -> tuple[jax.Array, LossStatePyTree, AuxOutPyTree]:
     """Returns ``(scalar loss, new state like ``state``, aux outputs)``."""
-
-
-def check_loss_fn_accepts(loss_fn: Any, input_names: Iterable[str]) -> None:
-  """Checks, from its signature, that ``loss_fn`` takes ``model``, ``state``,
-  ``rng`` and every input as keywords (``**kwargs`` takes any), and needs no
-  other argument.
-
-  Raises:
-    ValueError: naming the function and the keywords it lacks or needs.
-  """
-  try:
-    parameters = inspect.signature(loss_fn).parameters.values()
-  except (TypeError, ValueError):  # a callable without a signature: the call itself tells
-    return
-  keywords = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-  passed = ["model", "state", "rng", *sorted(set(input_names) - {"model", "state", "rng"})]
-  takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
-  missing = [] if takes_any else [name for name in passed if name not in keywords]
-  needed = [p.name for p in parameters if p.default is p.empty and p.name not in passed
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)]
-  if not missing and not needed:
-    return
-  function = loss_fn.func if isinstance(loss_fn, functools.partial) else loss_fn
-  name = getattr(function, "__qualname__", None) or type(function).__name__
-  problems = ([f"does not accept {', '.join(missing)}"] if missing else []) + (
-      [f"needs {', '.join(needed)}, which the step does not pass"] if needed else [])
-  raise ValueError(
-      f"The loss function {name} {' and '.join(problems)}; it is called as loss_fn({', '.join(f'{n}=' for n in passed)})"
-      " - add those keyword parameters, or **kwargs to take any batch key.")
 
 
 class _StepArrays(NamedTuple):
@@ -160,40 +130,6 @@ def _eval_outputs(
   return statics.loss_fn(model=model, state=loss_fn_state, rng=step_rng, **inputs)[2]
 
 
-def _on_auto_mesh(x: Any, planned: Any = None) -> Any:
-  """Moves an array sharded on an Explicit-axes mesh onto an Auto mesh.
-
-  Arrays placed with ``jax.make_mesh``'s default (Explicit) mesh, or made
-  under ``jax.set_mesh`` of one, carry that mesh in their type; mixed with
-  the step's Auto-mesh shardings, jit rejects them. They go to the planned
-  sharding when there is one, else to the same spec on the Auto twin.
-  """
-  if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-    return x
-  sharding = x.sharding
-  if isinstance(sharding, NamedSharding) and not sharding.mesh.are_all_axes_auto:
-    target = planned if isinstance(planned, NamedSharding) else None
-    return jax.device_put(x, target or NamedSharding(as_auto_mesh(sharding.mesh), sharding.spec))
-  return x
-
-
-def _distinct_buffers(tree: Any) -> Any:
-  """Copies leaves that share a buffer with an earlier leaf.
-
-  XLA refuses to donate one buffer twice, which happens when a hand-written
-  init reuses one array for two params (a shared zeros bias, say).
-  """
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  if len({id(x) for x in leaves}) == len(leaves) or any(isinstance(x, jax.core.Tracer) for x in leaves):
-    return tree
-  seen: set[int] = set()
-  out = []
-  for leaf in leaves:
-    out.append(jax.numpy.copy(leaf) if id(leaf) in seen else leaf)
-    seen.add(id(leaf))
-  return jax.tree_util.tree_unflatten(treedef, out)
-
-
 class _JittedCore:
   """What the train and eval steps share: a core function, jitted with the
   planned shardings, and the checking and placing of its arguments.
@@ -253,16 +189,16 @@ class _JittedCore:
       check_loss_fn_accepts(self.loss_fn, inputs)
       self._checked_inputs = set(inputs)
     if self.input_kwarg_shardings is None:
-      inputs = jax.tree_util.tree_map(_on_auto_mesh, dict(inputs))
+      inputs = jax.tree_util.tree_map(on_auto_mesh, dict(inputs))
     else:
-      inputs = {name: jax.tree_util.tree_map(_on_auto_mesh, value, self.input_kwarg_shardings[name])
+      inputs = {name: jax.tree_util.tree_map(on_auto_mesh, value, self.input_kwarg_shardings[name])
                 if isinstance(self.input_kwarg_shardings[name], NamedSharding) and isinstance(value, jax.Array)
-                else jax.tree_util.tree_map(_on_auto_mesh, value)
+                else jax.tree_util.tree_map(on_auto_mesh, value)
                 for name, value in inputs.items()}
     model_leaves, model_treedef = jax.tree_util.tree_flatten(train_state.model_without_params)
     donated = (train_state.params, train_state.opt_state, train_state.loss_fn_state, train_state.local_state)
     if self.donate:
-      donated = _distinct_buffers(donated)
+      donated = distinct_buffers(donated)
     params, opt_state, loss_fn_state, local_state = donated
     arrays = _StepArrays(
         params=params,

@@ -25,9 +25,8 @@ grain is imported here, not by ``distrib_train`` itself.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax

@@ -33,7 +33,7 @@ from distrib_train.common.auto_mesh import as_auto_mesh
 from distrib_train.sharding.plan import Plan, PlanEntry, logical_annotations_only
 from distrib_train.common.naming import key_name, path_str
 from distrib_train.train_state import TrainState
-from distrib_train.train_step import check_loss_fn_accepts
+from distrib_train.step_inputs import check_loss_fn_accepts
 
 
 def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:

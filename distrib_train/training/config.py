@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from distrib_train.common.text import MAX_MESSAGE_VALUE, short_repr
+from distrib_train.common.text import short_repr
 from distrib_train.common.yaml_loader import ConfigError, safe_load_yaml
 
 from distrib_train.data.pipeline import DataConfig
