@@ -3,14 +3,23 @@
   distrib-train plan --config llama-7b-tpu --mesh_config tpu-v5e-256
   distrib-train plan --config llama-7b-gpu --devices 128 --set data.global_batch_size=256 --recommend --out mesh.yaml
   distrib-train plan --config tiny --devices 8 --json plan.json
+  distrib-train plan --config tiny --tpu_topology v4:2x2x2 --num_slices 2 --mesh_config my-2slice.yaml
 
-Builds the mesh on N emulated CPU devices (``--devices``, default: the mesh
-config's ``devices``), plans the train state, compiles the trainer's step on
-abstract inputs (nothing is allocated) and prints the memory per device
-against the device kind's, the collectives per step by mesh axis (ICI or
-DCN), FLOPs, and an estimated step time and MFU (``podplan.py`` states the
-model). ``--recommend`` ranks the factorisations of the devices over the mesh
-axes and writes the best as a mesh-config YAML (``--out``).
+For a TPU target — ``--tpu_topology v5p:4x4x4`` (``--num_slices N`` for
+multi-slice), or a mesh config that names its ``topology:`` (every shipped
+``tpu-*.yaml`` does) — libtpu's own compiler compiles the step for that
+topology on this host (``pip install 'jax[tpu]'``; no TPU needed): the
+memory, collectives and FLOPs are the TPU program's. Otherwise (GPUs, or
+``--emulate``) the mesh is built on N emulated CPU devices (``--devices``,
+default: the mesh config's ``devices``) and the CPU compiler's figures are
+corrected for the target (``estimate.py`` says how).
+
+It plans the train state, compiles the trainer's step on abstract inputs
+(nothing is allocated) and prints the memory per device against the device
+kind's, the collectives per step by mesh axis (ICI or DCN), FLOPs, and an
+estimated step time and MFU. ``--recommend`` ranks the factorisations of the
+devices over the mesh axes and writes the best as a mesh-config YAML
+(``--out``); on a TPU target its finalists are compiled by libtpu.
 
 A mistake in the flags, the config or the mesh config prints one ``error:``
 line and exits with status 2. Exit status 1: ``--recommend`` found no mesh
@@ -47,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--devices", type=int, help="devices to plan for (default: the mesh config's 'devices')")
   p.add_argument("--device_kind", help="h100, h200, a100, v4, v5e, v5p or v6e (default: the one the mesh config"
                  " or preset name mentions, else h100)")
+  p.add_argument("--tpu_topology", help="compile with libtpu for this TPU slice, e.g. v5e:2x2, v5p:4x4x4 (default:"
+                 " the mesh config's topology)")
+  p.add_argument("--num_slices", type=int, help="TPU slices joined over DCN (default: the mesh config's granules, else 1)")
+  p.add_argument("--emulate", action="store_true", help="plan on emulated CPU devices even for a TPU target")
   p.add_argument("--granules", type=int, help="TPU slices or GPU hosts (default: from the mesh config; GPUs: one per"
                  " 8 devices)")
   p.add_argument("--recommend", action="store_true", help="rank mesh factorisations and write the best as YAML")
@@ -70,7 +83,7 @@ def _fail(message: str) -> None:
 
 
 def _positive(args: argparse.Namespace) -> None:
-  for name in ("devices", "granules", "top", "max_compiles"):
+  for name in ("devices", "granules", "top", "max_compiles", "num_slices"):
     value = getattr(args, name)
     if value is not None and value < 1:
       raise _UsageError(f"--{name} must be at least 1, got {value}.")
@@ -115,28 +128,51 @@ def main(argv: Sequence[str]) -> int:
       overrides["mesh_config"] = args.mesh_config
     config = config_lib.load(args.config, overrides)
     mesh_config = MeshConfig.from_yaml(find_mesh_config(config.mesh_config))
-    devices = args.devices or mesh_config.devices
+    devices = args.devices or mesh_config.devices or (_topology(args, mesh_config) or _NoTopology).devices
     if devices is None:
       raise _UsageError(f"{mesh_config.source} does not say how many devices it is for; pass --devices N.")
     matches = mesh_config.devices in (None, devices)
     if not matches and not args.recommend:
       raise _UsageError(f"{mesh_config.source} is for {mesh_config.devices} devices, not --devices {devices}; pick a"
                         f" mesh config for {devices} devices (or --recommend one).")
-    if args.device_kind:
+    topology = _topology(args, mesh_config)
+    target = topology if topology is not None and not (args.emulate or args.native) else None
+    if topology is not None:
+      kind = podplan.tpu_lib.kind_of(topology)
+      if args.device_kind and hardware.device_kind(args.device_kind) != kind:
+        raise _UsageError(f"--device_kind {args.device_kind} but TPU topology {topology} is {kind.name} chips.")
+      if args.devices and args.devices != topology.devices:
+        raise _UsageError(f"--devices {args.devices} but TPU topology {topology} has {topology.devices} chips.")
+      devices = topology.devices
+      matches = mesh_config.devices in (None, devices)
+      if not matches and not args.recommend:
+        raise _UsageError(f"{mesh_config.source} is for {mesh_config.devices} devices; TPU topology {topology} has"
+                          f" {devices} chips. Pick a mesh config for {devices} devices (or --recommend one).")
+    elif args.device_kind:
       kind = hardware.device_kind(args.device_kind)
     else:
       kind = hardware.guess_device_kind(os.path.basename(mesh_config.source), args.config or "")
       if kind is None:
         kind = hardware.DEVICE_KINDS["h100"]
         notes.append("no --device_kind and none named by the mesh config or preset: figures are for h100.")
-    granules = _granules(args, mesh_config, devices, kind, matches) if args.recommend else args.granules
-    if args.native:
+    if target is not None:
+      granules = target.num_slices
+    else:
+      granules = _granules(args, mesh_config, devices, kind, matches) if args.recommend else args.granules
+    if target is not None:
+      if not podplan.tpu_lib.available():
+        raise podplan.tpu_lib.TpuCompilerMissing(
+            f"planning for TPU {target} needs libtpu's compiler: {podplan.tpu_lib.install_hint()}.")
+      podplan.tpu_lib.use_cpu_for_jax()
+    elif args.native:
       import jax
 
       if len(jax.devices()) != devices:
         raise _UsageError(f"--native: this machine has {len(jax.devices())} devices, not {devices}.")
     else:
       podplan.use_emulated_devices(devices)
+      if topology is not None:
+        notes.append(f"--emulate: planned on emulated CPU devices for TPU {topology}, not with libtpu's compiler.")
   except (_UsageError, ValueError) as e:  # ConfigError is a ValueError
     _fail(str(e))
   efficiency = args.efficiency or podplan.DEFAULT_EFFICIENCY
@@ -145,9 +181,9 @@ def main(argv: Sequence[str]) -> int:
   name = args.config or "defaults"
   try:
     if args.recommend:
-      return _recommend(args, config, mesh_config, kind, devices, granules, matches, notes, name, common)
+      return _recommend(args, config, mesh_config, kind, devices, granules, matches, notes, name, common, target)
     pod = podplan.plan_pod(config, mesh_config, kind, devices, config_name=name, granules=granules,
-                           compile=not args.no_compile, **common)
+                           compile=not args.no_compile, target=target, **common)
   except ValueError as e:
     _fail(str(e))
   pod.notes.extend(notes)
@@ -159,7 +195,28 @@ def main(argv: Sequence[str]) -> int:
   return 0
 
 
-def _recommend(args, config, mesh_config, kind, devices, granules, matches, notes, name, common) -> int:
+class _NoTopology:
+  devices = None
+
+
+def _topology(args, mesh_config):
+  """The TPU topology the plan is for: ``--tpu_topology``, else the mesh config's; ``--num_slices`` overrides."""
+  from distrib_train.sharding.topology import TpuTopology
+
+  if args.tpu_topology:
+    slices = args.num_slices or (mesh_config.topology.num_slices if mesh_config.topology else 1)
+    return TpuTopology.parse(args.tpu_topology, slices, where="--tpu_topology")
+  if mesh_config.topology is None:
+    if args.num_slices:
+      raise _UsageError(f"--num_slices needs a TPU topology: pass --tpu_topology (e.g. v5p:4x4x4), or a mesh config"
+                        f" with 'topology:' ({mesh_config.source} has none).")
+    return None
+  if args.num_slices and args.num_slices != mesh_config.topology.num_slices:
+    return TpuTopology(mesh_config.topology.generation, mesh_config.topology.grid, args.num_slices)
+  return mesh_config.topology
+
+
+def _recommend(args, config, mesh_config, kind, devices, granules, matches, notes, name, common, target) -> int:
   from distrib_train.podplan import search as mesh_search
   from distrib_train.podplan import estimate as podplan
   from distrib_train.podplan import report as podplan_report
@@ -170,7 +227,8 @@ def _recommend(args, config, mesh_config, kind, devices, granules, matches, note
   print(f"Recommending a mesh for {name} on {devices} × {kind.name} ({granules} granule(s)) over axes"
         f" {', '.join(mesh_config.axis_names)}", flush=True)
   rec = mesh_search.recommend(config, mesh_config, kind, devices, granules=granules, max_compiles=args.max_compiles,
-                          progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True), **common)
+                              progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True), target=target,
+                              **common)
   print(podplan_report.recommendation_text(rec, args.top))
   out = {"candidates": rec.candidates, "dropped": rec.dropped, "compiled": rec.compiled,
          "ranked": [p.to_dict() for p in rec.ranked[:args.top]],
@@ -189,7 +247,7 @@ def _recommend(args, config, mesh_config, kind, devices, granules, matches, note
             f" ({datetime.date.today().isoformat()}).",
             f"Estimated step {best.time.step_s:.3g} s, MFU {best.time.mfu or 0:.1%};"
             f" {podplan_report.human_bytes(best.memory.total)} of {podplan_report.human_bytes(best.memory.usable)}"
-            " per device (CPU-compiled estimate)."]
+            f" per device ({'compiled by libtpu for ' + str(target) if target else 'CPU-compiled estimate'})."]
   path = args.out or DEFAULT_OUT
   try:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -21,6 +21,12 @@ collective-permute (their async ``-start`` forms included), each with:
 - whether an all-reduce is a reduce-scatter in all but name: the CPU
   compiler writes one as an all-reduce whose every use keeps ``1/n`` of it.
 
+A multi-slice TPU program (libtpu, ``num_slices`` > 1) is one slice's
+program: its replica groups number the devices of one slice (pass the
+slice's ICI mesh shape), and what crosses slices is a ``send`` to the
+Megascale runtime over DCN (``_xla_megascale_transfer_type="ALL_REDUCE"``,
+…), counted as that collective over the DCN axes the caller names.
+
 Wire bytes per device follow the ring model, for a group of ``n`` devices and
 a payload of ``S`` bytes per device: all-gather and reduce-scatter
 ``(n-1)/n·S`` (``S`` the full, unsharded buffer), all-reduce ``2(n-1)/n·S``
@@ -281,8 +287,12 @@ class _SliceCheck:
     return bool(positions) and all(k in params and self(callee, params[k], n, depth + 1) for k in positions)
 
 
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+
+
 def find_collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[str],
-                     granule_of: Sequence[int] | None = None) -> list[Collective]:
+                     granule_of: Sequence[int] | None = None, dcn_axes: Sequence[str] = (),
+                     dcn_group_size: int = 1, infer_reduce_scatters: bool = True) -> list[Collective]:
   """Every collective of a compiled module, with counts, bytes and mesh axes.
 
   Args:
@@ -291,6 +301,12 @@ def find_collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Seque
     axis_names: the mesh's axis names.
     granule_of: for each flat device position, its granule (slice or host);
       None: one granule.
+    dcn_axes: the mesh axes that span TPU slices, for a multi-slice
+      program's Megascale transfers.
+    dcn_group_size: how many slices those axes span.
+    infer_reduce_scatters: count an all-reduce whose uses all keep ``1/n``
+      of it as a reduce-scatter (for the CPU compiler, which cannot write
+      one); False for a TPU or GPU program, whose all-reduces are what run.
 
   Returns:
     One ``Collective`` per collective instruction that runs at least once.
@@ -308,6 +324,9 @@ def find_collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Seque
     symbols = {i.name: i.shape for i in computation.instructions}
     for instruction in computation.instructions:
       kind = _OPS.get(instruction.op)
+      megascale = _MEGASCALE.search(instruction.attrs) if instruction.op == "send" else None
+      if megascale:
+        out.append(_megascale(instruction, megascale.group(1), symbols, count, dcn_axes, dcn_group_size))
       if kind is None:
         continue
       operand_bytes = sum(array_bytes(symbols[o]) for o in instruction.operands if o in symbols)
@@ -323,12 +342,22 @@ def find_collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Seque
       if kind == "all-gather":
         payload = operand_bytes * n if instruction.op.endswith("-start") or not operand_bytes else \
             array_bytes(instruction.shape)
-      sliced = kind == "all-reduce" and n > 1 and only_sliced(computation, instruction, n)
+      sliced = infer_reduce_scatters and kind == "all-reduce" and n > 1 and only_sliced(computation, instruction, n)
       wire = _wire_bytes("reduce-scatter" if sliced else kind, payload, n)
       axes, partial, dcn = _axes_of(groups, mesh_shape, axis_names, granules)
       partial = partial and kind != "collective-permute"  # a pair is never a whole axis
       out.append(Collective(kind, instruction.name, count, n, payload, wire, axes, partial, dcn, sliced))
   return out
+
+
+def _megascale(instruction: Instruction, transfer: str, symbols: Mapping[str, str], count: int,
+               dcn_axes: Sequence[str], n: int) -> Collective:
+  """A cross-slice transfer of a multi-slice TPU program, as the collective it performs."""
+  kind = transfer.lower().replace("_", "-")
+  kind = kind if kind in KINDS else "collective-permute" if kind.startswith("send") else kind
+  payload = array_bytes(symbols.get(instruction.operands[0], "")) if instruction.operands else 0
+  return Collective(kind, instruction.name, count, n, payload, _wire_bytes(kind, payload, n), tuple(dcn_axes),
+                    dcn=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,11 @@ The step-time model is stated in ``timing.py``, the memory figures in
 ``memory.py``, the device layout (granules: what DCN links) in
 ``layout.py``; device figures are in ``cluster/hardware.py``.
 
+For a TPU target (``target=TpuTopology``: a mesh config's ``topology``, or
+``--tpu_topology``) the step is compiled by libtpu's own compiler for that
+topology (``tpu.py``): the memory, the collectives (over ICI, and over DCN
+between slices) and the FLOPs are the TPU program's, with no correction.
+
 What emulation cannot see: the CPU compiler, not the TPU or GPU one, makes
 the program. It computes bf16 in float32 (its temporaries of a bf16 model
 count × ``CPU_BF16_TEMPORARIES``), writes
@@ -43,6 +48,7 @@ from jax.sharding import Mesh
 
 from distrib_train.podplan import collectives as collectives_lib
 from distrib_train.podplan import cpu_attention
+from distrib_train.podplan import tpu as tpu_lib
 from distrib_train.cluster import hardware
 from distrib_train.podplan import hlo as hlo_module
 # The layout, memory and time figures are importable from here, as before the split.
@@ -55,6 +61,7 @@ from distrib_train.training.job import JobSpec, job_spec, plan_job, rules_for  #
 from distrib_train.sharding.mesh import MeshConfig
 from distrib_train.sharding.plan import Plan
 from distrib_train.sharding.planner import MeshPlanner
+from distrib_train.sharding.topology import TpuTopology
 from distrib_train.train_step import build_train_step_fn
 
 
@@ -73,6 +80,9 @@ def step_spec(config: Config, platform: str = "cpu") -> StepSpec:
   """The abstract train state and batch the trainer builds for ``config``."""
   job = job_spec(config)
   notes = []
+  if platform == "tpu" and getattr(job.model_config, "attention", None) == "cudnn":
+    raise ValueError("model.attention is cudnn, a GPU kernel, and the target is a TPU: set model.attention to auto"
+                     " (splash attention on TPU) or xla.")
   if platform == "cpu" and getattr(job.model_config, "attention", None) == "cudnn":
     notes.append("model.attention is cudnn, which the CPU compiler cannot build: planned with a query-chunked XLA"
                  " attention of the same memory profile (cpu_attention.py); its FLOPs include the causal half cuDNN"
@@ -127,6 +137,9 @@ class PodPlan:
   notes: list[str]
   emulated: bool = True
   efficiency: float = DEFAULT_EFFICIENCY
+  compiler: str = "cpu-emulated"  # "tpu": libtpu's compiler; else the platform of the devices compiled on
+  device_kind: str = ""  # the compiled-for devices' own name ("TPU v5 lite"); emulated: the kind's
+  topology: TpuTopology | None = None
 
   @property
   def compiled(self) -> bool:
@@ -149,11 +162,13 @@ class PodPlan:
 def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind, devices: int, *,
              config_name: str = "", granules: int | None = None, compile: bool = True,  # noqa: A002 - the verb
              constrain_activations: bool = True, efficiency: float = DEFAULT_EFFICIENCY,
-             memory_fraction: float | None = None, spec: StepSpec | None = None) -> PodPlan:
+             memory_fraction: float | None = None, spec: StepSpec | None = None,
+             target: TpuTopology | None = None) -> PodPlan:
   """Plans (and compiles) ``config``'s step on ``mesh_config`` for ``devices`` devices of ``kind``.
 
   JAX must already run on ``devices`` devices (``use_emulated_devices``, or
-  the real machine's).
+  the real machine's), unless ``target`` names a TPU topology: then libtpu
+  makes the devices and compiles (``tpu.py``).
 
   Args:
     config: the experiment config.
@@ -168,19 +183,38 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
     efficiency: the share of peak FLOP/s the matmuls reach.
     memory_fraction: the usable share of device memory (default: the kind's).
     spec: a ``step_spec(config)`` to reuse.
+    target: compile with libtpu for this TPU topology (its chips are the
+      devices; ``kind`` should be its chip's).
 
   Raises:
-    ValueError: the mesh does not fit the devices, or the rules the mesh.
+    ValueError: the mesh does not fit the devices, or the rules the mesh;
+      libtpu is missing for a TPU target (``tpu.TpuCompilerMissing``).
   """
-  found = jax.devices()
-  emulated = found[0].platform == "cpu"
-  spec = spec or step_spec(config, found[0].platform)
-  lay = layout(mesh_config, devices, kind, granules)
   rules = rules_for(config, mesh_config)
   start = time.perf_counter()
-  plan = plan_state(spec, emulated_mesh(lay, found[:devices]), rules)
+  if target is not None:
+    if devices != target.devices:
+      raise ValueError(f"TPU topology {target} has {target.devices} chips, not {devices} devices.")
+    mesh = tpu_lib.mesh(mesh_config, target)
+    ici, dcn = mesh_config.resolve(devices, target.num_slices)
+    lay = Layout(mesh_config.axis_names, tuple(ici), tuple(dcn), tpu_lib.granule_of(mesh))
+    emulated, compiler, device_kind = False, "tpu", mesh.devices.flat[0].device_kind
+    spec = spec or step_spec(config, "tpu")
+  else:
+    found = jax.devices()
+    emulated = found[0].platform == "cpu"
+    compiler = "cpu-emulated" if emulated else found[0].platform
+    device_kind = kind.name if emulated else found[0].device_kind
+    spec = spec or step_spec(config, found[0].platform)
+    lay = layout(mesh_config, devices, kind, granules)
+    mesh = emulated_mesh(lay, found[:devices])
+  plan = plan_state(spec, mesh, rules)
   timings = {"plan_s": time.perf_counter() - start}
   notes = list(spec.notes)
+  if target is not None:
+    notes.append(f"compiled by libtpu for {device_kind} chips, topology {target}: memory, collectives and FLOPs are"
+                 " the TPU program's own (nothing runs).")
+  extra = dict(compiler=compiler, device_kind=device_kind, topology=target)
   batch_skips = [s for s in plan.skips if s.path.startswith("inputs") and s.logical_name == "batch"]
   if batch_skips:
     skip = batch_skips[0]
@@ -192,11 +226,18 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
   if not compile:
     return PodPlan(config_name, mesh_config.source, devices, kind, lay, plan,
                    memory_of(plan, kind, None, memory_fraction), None, None, spec.tokens_per_step,
-                   spec.param_count(), timings, notes, emulated, efficiency)
+                   spec.param_count(), timings, notes, emulated, efficiency, **extra)
   compiled, compile_timings = compile_step(spec, plan, rules, constrain_activations)
   timings.update(compile_timings)
   text = compiled.as_text()
-  collectives = collectives_lib.find_collectives(text, lay.shape, lay.axis_names, lay.granule_of)
+  if target is not None and target.num_slices > 1:
+    # One slice's program: ICI groups number a slice's devices; DCN is Megascale transfers.
+    collectives = collectives_lib.find_collectives(
+        text, lay.ici, lay.axis_names, None, dcn_axes=tpu_lib.dcn_axes(lay.shape, lay.axis_names, lay.granule_of),
+        dcn_group_size=target.num_slices, infer_reduce_scatters=False)
+  else:
+    collectives = collectives_lib.find_collectives(text, lay.shape, lay.axis_names, lay.granule_of,
+                                                   infer_reduce_scatters=target is None)
   wire = collectives_lib.wire_bytes_by_link(collectives)
   times = step_time(model_flops, hlo_module.matmul_flops(text), wire, kind, efficiency, xla_flops(compiled))
   if not constrain_activations:
@@ -209,4 +250,4 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
                  " be up to 2× what the TPU or GPU compiler sends.")
   return PodPlan(config_name, mesh_config.source, devices, kind, lay, plan,
                  memory_of(plan, kind, compiled, memory_fraction, scale), collectives, times, spec.tokens_per_step,
-                 spec.param_count(), timings, notes, emulated, efficiency)
+                 spec.param_count(), timings, notes, emulated, efficiency, **extra)

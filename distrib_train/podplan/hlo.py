@@ -3,7 +3,9 @@
 ``parse_module(compiled.as_text())`` splits the text into computations of
 instructions (name, shape, op, operands, attributes); ``multiplicities``
 says how many times one run of the entry computation runs each computation
-— a ``while`` body ``known_trip_count`` times (nested loops multiply), every
+— a ``while`` body ``known_trip_count`` times (nested loops multiply; where
+the compiler states none, as libtpu does not, the trips of the counter its
+condition compares with a constant), every
 other callee (fusions, conditionals' branches, reducers) once per call;
 ``matmul_flops`` counts the FLOPs of every ``dot`` that runs.
 
@@ -50,7 +52,8 @@ class Instruction:
   op: str
   operands: tuple[str, ...]
   attrs: str
-  attrs_index: str = ""  # a parameter's number
+  attrs_index: str = ""  # a parameter's number, a constant's value
+  root: bool = False
 
 
 @dataclasses.dataclass
@@ -77,7 +80,8 @@ def balanced(text: str, start: int) -> int:
 
 def _parse_instruction(line: str) -> Instruction | None:
   line = re.sub(r"/\*.*?\*/", "", line).strip()
-  if line.startswith("ROOT "):
+  root = line.startswith("ROOT ")
+  if root:
     line = line[5:]
   if not line.startswith("%") or " = " not in line:
     return None
@@ -93,8 +97,8 @@ def _parse_instruction(line: str) -> Instruction | None:
   op = rest[:paren].strip()
   close = balanced(rest, paren)
   inside = rest[paren + 1:close - 1]
-  index = inside.strip() if op == "parameter" else ""
-  return Instruction(name[1:], shape, op, tuple(NAME.findall(inside)), rest[close:], index)
+  index = inside.strip() if op in ("parameter", "constant") else ""
+  return Instruction(name[1:], shape, op, tuple(NAME.findall(inside)), rest[close:], index, root)
 
 
 def parse_module(hlo_text: str) -> tuple[dict[str, Computation], int | None]:
@@ -118,15 +122,72 @@ def parse_module(hlo_text: str) -> tuple[dict[str, Computation], int | None]:
   return computations, int(partitions.group(1)) if partitions else None
 
 
-def _callees(instruction: Instruction) -> list[tuple[str, int]]:
+def _int_constant(instruction: Instruction | None) -> int | None:
+  if instruction is None or instruction.op != "constant" or not re.fullmatch(r"-?\d+", instruction.attrs_index):
+    return None
+  return int(instruction.attrs_index)
+
+
+def _tuple_index(instruction: Instruction | None) -> int | None:
+  if instruction is None or instruction.op != "get-tuple-element":
+    return None
+  index = re.search(r"\bindex=(\d+)", instruction.attrs)
+  return int(index.group(1)) if index else None
+
+
+def _derived_trip_count(loop: Instruction, caller: Computation, computations: Mapping[str, Computation]) -> int | None:
+  """Trips of a loop ``for (i = start; i < N; i += step)`` read from its condition, body and initial tuple.
+
+  libtpu states no ``known_trip_count``; its scans count a tuple element up
+  to a constant, by 2 in a loop it has unrolled twice ("wide" loops).
+  """
+  names = dict(re.findall(r"\b(condition|body)=%([\w.\-]+)", loop.attrs))
+  condition, body = computations.get(names.get("condition", "")), computations.get(names.get("body", ""))
+  if condition is None or body is None:
+    return None
+  in_condition = {i.name: i for i in condition.instructions}
+  counter = bound = None
+  for instruction in reversed(condition.instructions):
+    direction = re.search(r"direction=(\w+)", instruction.attrs)
+    if instruction.op != "compare" or len(instruction.operands) != 2 or not direction:
+      continue
+    left, right = (in_condition.get(o) for o in instruction.operands)
+    if direction.group(1) == "GT":
+      left, right = right, left
+    elif direction.group(1) != "LT":
+      continue
+    counter, bound = _tuple_index(left), _int_constant(right)
+    if counter is not None and bound is not None:
+      break
+  if counter is None or bound is None:
+    return None
+  in_body = {i.name: i for i in body.instructions}
+  root = next((i for i in body.instructions if i.root), None)
+  step = 1
+  if root is not None and root.op == "tuple" and counter < len(root.operands):
+    update = in_body.get(root.operands[counter])
+    if update is not None and update.op == "add" and len(update.operands) == 2:
+      increments = [_int_constant(in_body.get(o)) for o in update.operands
+                    if _tuple_index(in_body.get(o)) != counter]
+      step = increments[0] if increments and increments[0] else 1
+  in_caller = {i.name: i for i in caller.instructions}
+  start = 0
+  init = in_caller.get(loop.operands[0]) if loop.operands else None
+  if init is not None and init.op == "tuple" and counter < len(init.operands):
+    start = _int_constant(in_caller.get(init.operands[counter])) or 0
+  return max(0, -(-(bound - start) // step)) if step > 0 else None
+
+
+def _callees(instruction: Instruction, caller: Computation,
+             computations: Mapping[str, Computation]) -> list[tuple[str, int]]:
   """Computations an instruction calls, each with how often per call."""
   out = [(name, 1) for _, name in CALLS.findall(instruction.attrs)]
   for _, names in _CALL_LISTS.findall(instruction.attrs):
     out += [(name, 1) for name in NAME.findall(names)]
   if instruction.op == "while":
     trip = _TRIP_COUNT.search(instruction.attrs)
-    count = int(trip.group(1)) if trip else 1
-    out = [(name, count) for name, _ in out]
+    count = int(trip.group(1)) if trip else _derived_trip_count(instruction, caller, computations)
+    out = [(name, 1 if count is None else count) for name, _ in out]
   return out
 
 
@@ -135,7 +196,7 @@ def multiplicities(computations: Mapping[str, Computation]) -> dict[str, int]:
   callers: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
   for computation in computations.values():
     for instruction in computation.instructions:
-      for callee, count in _callees(instruction):
+      for callee, count in _callees(instruction, computation, computations):
         callers[callee].append((computation.name, count))
   memo: dict[str, int] = {}
 
@@ -162,8 +223,36 @@ def _dims(shape_text: str) -> list[int]:
   return [int(d) for d in match.group(2).split(",") if d] if match else []
 
 
+def _convolution_flops(instruction: Instruction, symbols: Mapping[str, str]) -> float:
+  """FLOPs of a convolution: libtpu writes matmuls, batched ones included, as convolutions.
+
+  ``2 · output elements · input features · taps``, where a spatial dimension's
+  taps are the window positions that meet a real input element: libtpu
+  encodes batch dimensions as windows over a dilated or padded input of which
+  each output sees one element.
+  """
+  labels = re.search(r"dim_labels=(\w+)_(\w+)->", instruction.attrs)
+  if not labels or len(instruction.operands) < 2:
+    return 0.0
+  lhs = _dims(symbols.get(instruction.operands[0], ""))
+  rhs = _dims(symbols.get(instruction.operands[1], ""))
+  lhs_labels, rhs_labels = labels.group(1), labels.group(2)
+  if len(lhs_labels) != len(lhs) or len(rhs_labels) != len(rhs) or "i" not in rhs_labels:
+    return 0.0
+  window = re.search(r"window=\{([^}]*)\}", instruction.attrs)
+  fields = dict(re.findall(r"(\w+)=([\w.\-]+)", window.group(1))) if window else {}
+  spatial = sorted(c for c in lhs_labels if c.isdigit())
+  sizes = [int(x) for x in fields["size"].split("x")] if "size" in fields else [1] * len(spatial)
+  dilation = [int(x) for x in fields["lhs_dilate"].split("x")] if "lhs_dilate" in fields else [1] * len(spatial)
+  taps = 1
+  for k, (size, dilate) in enumerate(zip(sizes, dilation)):
+    extent = lhs[lhs_labels.index(str(k))] if str(k) in lhs_labels else 1
+    taps *= max(1, min(size, -(-size // dilate), extent))
+  return 2.0 * element_count(instruction.shape) * rhs[rhs_labels.index("i")] * taps
+
+
 def matmul_flops(hlo_text: str) -> float:
-  """FLOPs of every ``dot`` a run of the module executes (loops multiplied).
+  """FLOPs of every ``dot`` (and ``convolution``) a run of the module executes (loops multiplied).
 
   ``2 · output elements · contracted size`` per dot: the matmuls of one
   device's program, recomputation (remat) included, elementwise work not.
@@ -177,10 +266,13 @@ def matmul_flops(hlo_text: str) -> float:
       continue
     symbols = None
     for instruction in computation.instructions:
-      if instruction.op != "dot":
+      if instruction.op not in ("dot", "convolution"):
         continue
       if symbols is None:
         symbols = {i.name: i.shape for i in computation.instructions}
+      if instruction.op == "convolution":
+        total += _convolution_flops(instruction, symbols) * count
+        continue
       contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.attrs)
       lhs = _dims(symbols.get(instruction.operands[0], "")) if instruction.operands else []
       size = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 1

@@ -25,6 +25,16 @@ def _table(rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str
           for r in rows]
 
 
+def compiler_line(pod: Any) -> str:
+  """Which compiler made the figures."""
+  if pod.compiler == "tpu":
+    return f"TPU (libtpu, for {pod.device_kind}, topology {pod.topology}; nothing runs)"
+  if pod.compiler == "cpu-emulated":
+    return (f"CPU, emulating {pod.devices} devices (figures for {pod.kind.name} are estimates; see notes)"
+            if pod.compiled else f"none (not compiled; {pod.devices} emulated CPU devices)")
+  return f"{pod.compiler} (this machine's {pod.device_kind} devices)"
+
+
 def headline(pod: Any) -> str:
   params = f"{pod.param_count / 1e9:.2f} B params" if pod.param_count >= 1e8 else f"{pod.param_count:,} params"
   return (f"{pod.config_name or 'config'} ({params}) on {pod.devices} × {pod.kind.name} ({pod.kind.description}),"
@@ -98,9 +108,8 @@ def time_lines(pod: Any, efficiency: float | None = None) -> list[str]:
 
 def text(pod: Any, efficiency: float | None = None) -> str:
   """The full report of one plan."""
-  where = "emulated CPU devices" if pod.emulated else "this machine's devices"
   timing = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in pod.timings.items())
-  lines = [f"Plan: {headline(pod)}", f"  on {where}; {timing}", ""]
+  lines = [f"Plan: {headline(pod)}", f"  compiler: {compiler_line(pod)}; {timing}", ""]
   lines += memory_lines(pod)
   for block in (collective_lines(pod), time_lines(pod, efficiency)):
     if block:
@@ -145,7 +154,10 @@ def as_dict(pod: Any) -> dict[str, Any]:
   m, t = pod.memory, pod.time
   out: dict[str, Any] = {
       "config": pod.config_name, "mesh_config": pod.mesh_source, "devices": pod.devices,
-      "device_kind": pod.kind.name, "emulated": pod.emulated,
+      "compiler": pod.compiler, "device_kind": pod.device_kind or pod.kind.name, "kind": pod.kind.name,
+      "topology": None if pod.topology is None else {"name": pod.topology.name, "slices": pod.topology.num_slices,
+                                                     "chips": pod.topology.devices},
+      "emulated": pod.emulated,
       "mesh": {n: {"ici": i, "dcn": d} for n, i, d in zip(pod.layout.axis_names, pod.layout.ici, pod.layout.dcn)},
       "granules": pod.layout.granules, "param_count": pod.param_count, "tokens_per_step": pod.tokens_per_step,
       "memory": {**dataclasses.asdict(m), "state": m.state, "total": m.total, "headroom": m.headroom,

@@ -28,6 +28,7 @@ from distrib_train.sharding.axis_rules import AxisRules
 from distrib_train.training.config import Config
 from distrib_train.sharding.mesh import MeshConfig
 from distrib_train.podplan.estimate import DEFAULT_EFFICIENCY, Layout, PodPlan, StepSpec, plan_pod, step_spec
+from distrib_train.sharding.topology import TpuTopology
 
 
 def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
@@ -129,7 +130,7 @@ class Recommendation:
 def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind, devices: int, *,
               granules: int = 1, max_compiles: int = 6, efficiency: float = DEFAULT_EFFICIENCY,
               memory_fraction: float | None = None, constrain_activations: bool = True,
-              progress: Any = None) -> Recommendation:
+              progress: Any = None, target: TpuTopology | None = None) -> Recommendation:
   """Ranks the mesh factorisations of ``devices`` by estimated step time.
 
   Every candidate is planned without compiling (state bytes per device, rule
@@ -137,16 +138,25 @@ def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind
   over ``data × fsdp``, or whose rules skip a parameter dimension are
   dropped. The rest are ordered by ``rough_seconds`` and at most
   ``max_compiles`` are compiled; those whose compiled total fits are ranked
-  by the estimated step time.
+  by the estimated step time. With a TPU ``target`` every candidate is laid
+  on libtpu's devices for it (one that does not map onto the topology is
+  dropped) and the finalists are compiled by libtpu.
   """
   say = progress or (lambda message: None)
-  spec = step_spec(config, jax.devices()[0].platform)
-  dropped = {"state does not fit": 0, "batch does not split": 0, "a rule skips a parameter dimension": 0}
+  spec = step_spec(config, "tpu" if target is not None else jax.devices()[0].platform)
+  dropped = {"state does not fit": 0, "batch does not split": 0, "a rule skips a parameter dimension": 0,
+             "does not map onto the TPU topology": 0}
   survivors = []
   candidates = candidate_meshes(mesh_config, devices, granules)
   for candidate in candidates:
-    pod = plan_pod(config, candidate, kind, devices, granules=granules, compile=False, spec=spec,
-                   memory_fraction=memory_fraction)
+    try:
+      pod = plan_pod(config, candidate, kind, devices, granules=granules, compile=False, spec=spec,
+                     memory_fraction=memory_fraction, target=target)
+    except ValueError as e:
+      if target is None or "does not fit TPU topology" not in str(e):
+        raise
+      dropped["does not map onto the TPU topology"] += 1
+      continue
     if any(s.path.startswith("inputs") and s.logical_name == "batch" for s in pod.plan.skips):
       dropped["batch does not split"] += 1
     elif any(s.path.startswith("params") for s in pod.plan.skips):
@@ -163,7 +173,7 @@ def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind
   for number, (*_, candidate) in enumerate(survivors[:max_compiles], 1):
     say(f"compiling {number}/{min(max_compiles, len(survivors))}: {candidate.source.removeprefix('candidate ')}")
     pod = plan_pod(config, candidate, kind, devices, granules=granules, spec=spec, efficiency=efficiency,
-                   memory_fraction=memory_fraction, constrain_activations=constrain_activations)
+                   memory_fraction=memory_fraction, constrain_activations=constrain_activations, target=target)
     (ranked if pod.memory.fits else not_fitting).append(pod)
     jax.clear_caches()
   ranked.sort(key=lambda p: p.time.step_s)
@@ -173,4 +183,5 @@ def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind
 def mesh_config_yaml(pod: PodPlan, rules: AxisRules, header: Sequence[str] = ()) -> str:
   """A mesh-config file for ``pod``'s mesh (loadable by ``MeshConfig.from_yaml``)."""
   layout = pod.layout
-  return MeshConfig(layout.axis_names, layout.ici, layout.dcn, rules=rules, devices=pod.devices).to_yaml(header)
+  return MeshConfig(layout.axis_names, layout.ici, layout.dcn, rules=rules, devices=pod.devices,
+                    topology=pod.topology).to_yaml(header)

@@ -15,6 +15,11 @@ YAML form (``mesh_configs/*.yaml``)::
     fsdp: {ici: -1}        # -1: fill with what is left (once per level)
     tensor: 2              # shorthand for {ici: 2}
   rules: fsdp_tensor       # a shipped rule set, or a list of [name, axes]
+
+A file may say the job it is for: ``devices`` (and ``granules``: slices or
+hosts), and for a TPU slice its ``topology`` (``v5e:16x16``; with
+``granules: 2``, two such slices). ``distrib-train plan`` compiles a mesh
+config with a topology with libtpu's compiler for that topology.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from jax.sharding import AxisType, Mesh
 from distrib_train.common.auto_mesh import as_auto_mesh
 from distrib_train.common.yaml_loader import safe_load_yaml
 from distrib_train.sharding.axis_rules import RULE_SETS, AxisRules
+from distrib_train.sharding.topology import TpuTopology
 
 _LEVELS = ("ici", "dcn")
-_KNOWN_KEYS = frozenset({"axes", "rules", "param_axes", "devices", "granules"})
+_KNOWN_KEYS = frozenset({"axes", "rules", "param_axes", "devices", "granules", "topology"})
 
 
 def _check_sizes(sizes: Sequence[Any], level: str, names: Sequence[str], where: str) -> tuple[int, ...]:
@@ -86,6 +92,9 @@ class MeshConfig:
       auto-fill. Any size > 1 makes a hybrid (multi-slice / multi-host) mesh.
     rules: optional axis rules that go with this mesh.
     source: where the config came from, for error messages.
+    devices: the device count the file is for, if it says.
+    topology: the TPU slice it is for (``v5e:16x16``), if it says; its
+      slices are the DCN granules.
 
   Raises:
     ValueError: lengths that differ, repeated names, zero or negative sizes,
@@ -98,6 +107,7 @@ class MeshConfig:
   rules: AxisRules | None = dataclasses.field(default=None, compare=False)
   source: str = dataclasses.field(default="mesh config", compare=False)
   devices: int | None = dataclasses.field(default=None, compare=False)
+  topology: TpuTopology | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     where = self.source
@@ -183,7 +193,7 @@ class MeshConfig:
     rules = None
     if "param_axes" in config and "rules" not in config:
       raise ValueError(f"{source}: 'param_axes' needs 'rules' beside it (a rule-set name or a list).")
-    if "granules" in config and "devices" not in config:
+    if "granules" in config and "devices" not in config and "topology" not in config:
       raise ValueError(f"{source}: 'granules' is checked against 'devices'; give both or neither.")
     if "rules" in config:
       try:
@@ -191,6 +201,18 @@ class MeshConfig:
       except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
     mesh_config = cls(tuple(names), tuple(sizes["ici"]), tuple(sizes["dcn"]), rules=rules, source=source)
+    topology = None
+    if "topology" in config:
+      if not isinstance(config["topology"], str):
+        raise ValueError(f"{source}: 'topology' must be a TPU topology such as v5e:16x16, got {config['topology']!r}.")
+      slices = config.get("granules", 1)
+      topology = TpuTopology.parse(config["topology"], slices, where=f"{source}: topology")
+      declared = config.get("devices", topology.devices)
+      if declared != topology.devices:
+        raise ValueError(f"{source}: 'devices' is {declared!r} but topology {topology} has {topology.devices}"
+                         " chips (one device each); fix one of them.")
+      config = {**config, "devices": topology.devices}
+      mesh_config = dataclasses.replace(mesh_config, topology=topology)
     if "devices" in config:
       # A file may declare the job it is for; the sizes are checked against it
       # at load time, so a typo fails on a laptop, not on the pod.
@@ -198,7 +220,12 @@ class MeshConfig:
       for key, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
           raise ValueError(f"{source}: {key!r} must be a positive integer, got {value!r}.")
-      mesh_config.resolve(counts["devices"], counts["granules"])
+      try:
+        mesh_config.resolve(counts["devices"], counts["granules"])
+      except ValueError as e:
+        if topology is None:
+          raise
+        raise ValueError(f"{e} (topology {topology}: {topology.chips_per_slice} chips per slice)") from None
       mesh_config = dataclasses.replace(mesh_config, devices=counts["devices"])
     return mesh_config
 
@@ -227,10 +254,14 @@ class MeshConfig:
       they are a shipped rule set, and their ``param_axes``.
     """
     lines = [f"# {line}" for line in header]
+    if self.topology is not None:
+      lines.append(f"topology: {self.topology.name}")
     if self.devices is not None:
       lines.append(f"devices: {self.devices}")
       if self.is_hybrid and -1 not in self.dcn:
         lines.append(f"granules: {math.prod(self.dcn)}")
+      elif self.topology is not None and self.topology.num_slices > 1:
+        lines.append(f"granules: {self.topology.num_slices}")
     lines.append("axes:")
     for name, ici, dcn in zip(self.axis_names, self.ici, self.dcn):
       lines.append(f"  {name}: {{ici: {ici}, dcn: {dcn}}}" if dcn != 1 else f"  {name}: {ici}")

@@ -1,0 +1,238 @@
+"""``distrib-train plan`` with libtpu's own compiler: single-host, multi-host and multi-slice TPU topologies.
+
+Nothing runs on a TPU: libtpu (``pip install 'jax[tpu]'``, installed by
+``.ci/run``) makes compile-only devices for a topology and compiles the
+tiny preset's real step for them.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from distrib_train.cluster import hardware
+from distrib_train.podplan import cli as plan_cli
+from distrib_train.podplan import collectives
+from distrib_train.podplan import estimate as podplan
+from distrib_train.podplan import hlo as hlo_module
+from distrib_train.podplan import tpu
+from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
+from distrib_train.sharding.topology import TpuTopology
+from distrib_train.training import config as config_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+if not tpu.available():
+  if os.environ.get("CI"):
+    pytest.fail("libtpu is not installed; .ci/run installs jax[tpu] for these tests", pytrace=False)
+  pytest.skip("libtpu is not installed (pip install 'jax[tpu]')", allow_module_level=True)
+
+
+def _mesh_config(tmp_path, name, text):
+  path = tmp_path / f"{name}.yaml"
+  path.write_text(text)
+  return MeshConfig.from_yaml(path)
+
+
+def _plan(mesh_config, topology, **kwargs):
+  config = config_lib.load("tiny")
+  return podplan.plan_pod(config, mesh_config, tpu.kind_of(topology), topology.devices, config_name="tiny",
+                          target=topology, **kwargs)
+
+
+def _axes(pod):
+  return {(c.kind, c.axes, c.dcn) for c in pod.collectives if c.group_size > 1}
+
+
+# --- topology names -------------------------------------------------------------------
+
+
+def test_topology_names_parse_to_libtpu_spellings_and_counts():
+  v5p = TpuTopology.parse("v5p:4x4x4", 2)
+  assert (v5p.libtpu_name, v5p.chip_config, v5p.devices, v5p.accelerator_type) == ("v5:4x4x4", "megacore", 128,
+                                                                                    "v5p-128")
+  assert v5p.wraparound == (True, True, True) and str(v5p) == "v5p:4x4x4 × 2 slices"
+  v5e = TpuTopology.parse("v5litepod:16x16")
+  assert (v5e.name, v5e.devices, v5e.hosts_per_slice, v5e.wraparound) == ("v5e:16x16", 256, 64, (True, True, False))
+  assert TpuTopology.parse("v5e:2x2").hosts_per_slice == 1
+  assert TpuTopology.parse("v4:2x2x2").hosts_per_slice == 2
+
+
+@pytest.mark.parametrize("text, message", [
+    ("v5e-256", "is not a TPU topology"),
+    ("v9:2x2", "unknown TPU generation 'v9'"),
+    ("v5p:4x4x4x4", "3-D grid"),
+    ("v5e:0x2", "2-D grid"),
+])
+def test_bad_topology_names_are_named(text, message):
+  with pytest.raises(ValueError, match=message):
+    TpuTopology.parse(text)
+
+
+def test_every_shipped_tpu_mesh_config_names_a_topology_that_matches_its_devices():
+  names = sorted(p.stem for p in (ROOT / "mesh_configs").glob("tpu-*.yaml"))
+  assert names
+  for name in names:
+    mesh_config = MeshConfig.from_yaml(find_mesh_config(name))
+    assert mesh_config.topology is not None, name
+    assert mesh_config.topology.devices == mesh_config.devices, name
+    assert mesh_config.topology.generation in name, name
+    assert MeshConfig.from_dict(json.loads(json.dumps({"topology": mesh_config.topology.name,
+                                                       "granules": mesh_config.topology.num_slices,
+                                                       "axes": {"fsdp": -1}}))).devices == mesh_config.devices
+
+
+def test_a_mesh_config_whose_axes_do_not_fit_its_topology_is_refused_at_load(tmp_path):
+  with pytest.raises(ValueError, match=r"bad\.yaml.*= 8 do not match the 4 devices.*topology v5e:2x2"):
+    _mesh_config(tmp_path, "bad", "topology: v5e:2x2\naxes:\n  fsdp: 2\n  tensor: 4\n")
+  with pytest.raises(ValueError, match=r"'devices' is 8 but topology v5e:2x2 has 4 chips"):
+    _mesh_config(tmp_path, "bad2", "topology: v5e:2x2\ndevices: 8\naxes:\n  fsdp: -1\n")
+
+
+# --- compiling with libtpu --------------------------------------------------------------
+
+
+def test_single_host_v5e_is_compiled_by_libtpu_with_no_correction(tmp_path):
+  topology = TpuTopology.parse("v5e:2x2")
+  mesh_config = _mesh_config(tmp_path, "v5e4", "topology: v5e:2x2\naxes:\n  data: 1\n  fsdp: -1\n  tensor: 1\n"
+                                                "rules: fsdp_tensor\n")
+  pod = _plan(mesh_config, topology)
+  assert (pod.compiler, pod.device_kind, pod.emulated) == ("tpu", "TPU v5 lite", False)
+  assert pod.kind is hardware.DEVICE_KINDS["v5e"]
+  assert pod.memory.temporaries_scale == 1.0 and pod.memory.temporaries == pod.memory.compiled_temporaries > 0
+  assert ("all-gather", ("fsdp",), False) in _axes(pod)
+  assert not any(c.sliced for c in pod.collectives)  # libtpu's all-reduces are what runs
+  # libtpu states no loop trip counts: the scanned layers' collectives still count once per layer.
+  assert any(c.count == 2 for c in pod.collectives)  # the tiny preset has 2 layers
+  assert pod.time.matmul_flops_per_device > 0
+  data = pod.to_dict()
+  assert data["compiler"] == "tpu" and data["device_kind"] == "TPU v5 lite" and data["kind"] == "v5e"
+  assert data["topology"] == {"name": "v5e:2x2", "slices": 1, "chips": 4}
+  assert "libtpu" in pod.report()
+
+
+def test_multi_host_v4_devices_span_hosts_and_both_mesh_axes_communicate(tmp_path):
+  topology = TpuTopology.parse("v4:2x2x2")
+  found = tpu.devices(topology)
+  assert len(found) == 8 and len({d.process_index for d in found}) == topology.hosts_per_slice == 2
+  mesh_config = _mesh_config(tmp_path, "v4-16", "topology: v4:2x2x2\naxes:\n  data: 1\n  fsdp: 4\n  tensor: 2\n"
+                                                 "rules: fsdp_tensor\n")
+  pod = _plan(mesh_config, topology)
+  assert pod.device_kind == "TPU v4" and pod.layout.granules == 1
+  kinds = _axes(pod)
+  assert ("all-gather", ("fsdp",), False) in kinds and ("all-reduce", ("tensor",), False) in kinds
+
+
+def test_two_slices_send_the_data_axis_over_dcn_and_the_rest_over_ici(tmp_path):
+  topology = TpuTopology.parse("v4:2x2x2", num_slices=2)
+  mesh_config = _mesh_config(tmp_path, "two", "topology: v4:2x2x2\ngranules: 2\naxes:\n  data: {ici: 1, dcn: 2}\n"
+                                              "  fsdp: {ici: 4}\n  tensor: {ici: 2}\nrules: fsdp_tensor\n")
+  assert mesh_config.devices == 16
+  pod = _plan(mesh_config, topology)
+  assert pod.layout.granules == 2 and pod.layout.describe() == "data=2 (2 over DCN) × fsdp=4 × tensor=2"
+  kinds = _axes(pod)
+  assert ("all-reduce", ("data",), True) in kinds  # the gradients, between slices
+  assert ("all-gather", ("fsdp",), False) in kinds and ("all-reduce", ("tensor",), False) in kinds
+  assert not any(c.dcn for c in pod.collectives if c.axes != ("data",))
+  assert pod.wire_bytes()["dcn"] > 0 and pod.time.dcn_s > 0
+
+
+def test_a_mesh_needing_slices_on_one_slice_is_a_clear_error(tmp_path):
+  mesh_config = _mesh_config(tmp_path, "two", "devices: 4\ngranules: 2\naxes:\n  data: {dcn: 2}\n  fsdp: 2\n")
+  with pytest.raises(ValueError, match="span slices .* is one slice; pass --num_slices"):
+    tpu.mesh(mesh_config, TpuTopology.parse("v5e:2x2"))
+
+
+def test_loop_trip_counts_come_from_the_condition_when_the_compiler_states_none():
+  text = """HloModule m, num_partitions=2
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4]{0} get-tuple-element(%p), index=1
+  %ar = f32[4]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %ar)
+}
+
+%cond (q: (s32[], f32[4])) -> pred[] {
+  %q = (s32[], f32[4]{0}) parameter(0)
+  %n = s32[]{:T(128)} constant(7)
+  %j = s32[] get-tuple-element(%q), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%j, %n), direction=LT
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4]{0}) tuple(%zero, %x)
+  %w = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+  assert hlo_module.multiplicities(hlo_module.parse_module(text)[0])["body"] == 7
+  (found,) = collectives.find_collectives(text, (2,), ("fsdp",))
+  assert found.count == 7 and found.axes == ("fsdp",)
+
+
+# --- the CLI --------------------------------------------------------------------------
+
+
+def _cli(*args, timeout=600):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop("XLA_FLAGS", None)  # the TPU path needs no emulated CPU devices
+  return subprocess.run([sys.executable, "-m", "distrib_train", "plan", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_compiles_for_tpu_topology_with_slices_and_writes_json(tmp_path):
+  mesh = tmp_path / "two.yaml"
+  mesh.write_text("axes:\n  data: {ici: 1, dcn: 2}\n  fsdp: {ici: -1}\n  tensor: {ici: 1}\nrules: fsdp_tensor\n")
+  out = _cli("--config", "tiny", "--mesh_config", str(mesh), "--tpu_topology", "v5e:2x2", "--num_slices", "2",
+             "--json", str(tmp_path / "plan.json"))
+  assert out.returncode == 0, out.stderr
+  assert "compiler: TPU (libtpu, for TPU v5 lite, topology v5e:2x2 × 2 slices" in out.stdout
+  assert "TPU_ACCELERATOR_TYPE" not in out.stdout + out.stderr  # libtpu's warnings are kept quiet
+  data = json.loads((tmp_path / "plan.json").read_text())
+  assert data["compiler"] == "tpu" and data["device_kind"] == "TPU v5 lite" and data["devices"] == 8
+  assert any(c["axes"] == "data" and c["dcn"] for c in data["collectives"])
+  assert data["memory"]["temporaries_scale"] == 1.0 and data["memory"]["fits"]
+
+
+def test_cli_emulate_keeps_the_cpu_path_for_a_tpu_mesh_config(tmp_path):
+  mesh = tmp_path / "v5e4.yaml"
+  mesh.write_text("topology: v5e:2x2\naxes:\n  data: 1\n  fsdp: -1\n  tensor: 1\nrules: fsdp_tensor\n")
+  out = _cli("--config", "tiny", "--mesh_config", str(mesh), "--emulate", "--json", str(tmp_path / "plan.json"))
+  assert out.returncode == 0, out.stderr
+  data = json.loads((tmp_path / "plan.json").read_text())
+  assert data["compiler"] == "cpu-emulated" and data["devices"] == 4 and data["kind"] == "v5e"
+
+
+def test_cli_recommend_compiles_its_finalists_with_libtpu(tmp_path):
+  mesh = tmp_path / "v4.yaml"
+  mesh.write_text("topology: v4:2x2x2\naxes:\n  data: 1\n  fsdp: -1\n  tensor: 1\nrules: fsdp_tensor\n")
+  out_yaml = tmp_path / "best.yaml"
+  out = _cli("--config", "tiny", "--mesh_config", str(mesh), "--recommend", "--max_compiles", "2", "--out",
+             str(out_yaml), "--json", str(tmp_path / "rec.json"))
+  assert out.returncode == 0, out.stderr
+  data = json.loads((tmp_path / "rec.json").read_text())
+  assert data["compiled"] == 2 and all(p["compiler"] == "tpu" for p in data["ranked"])
+  best = MeshConfig.from_yaml(out_yaml)
+  assert best.topology.name == "v4:2x2x2" and best.devices == 8
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tpu_topology", "v5e:2x2", "--devices", "8"], "--devices 8 but TPU topology v5e:2x2 has 4 chips"),
+    (["--tpu_topology", "v5e-4"], "is not a TPU topology"),
+    (["--num_slices", "2"], "--num_slices needs a TPU topology"),
+    (["--tpu_topology", "v5e:2x2", "--device_kind", "h100"], "--device_kind h100 but TPU topology v5e:2x2 is v5e"),
+    (["--tpu_topology", "v5e:2x2"], "cpu-8.yaml is for 8 devices; TPU topology v5e:2x2 has 4 chips"),
+])
+def test_bad_tpu_flags_are_one_line_and_exit_2(args, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    plan_cli.main(["--config", "tiny", *args])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and message in err, err
