@@ -1,5 +1,7 @@
 """Model adapters (nnx, linen) with local state, and the reference models."""
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -253,11 +255,11 @@ def _llama_batch(batch=8, length=64, seed=0):
   return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def _train_llama(mesh, steps, config_overrides=None):
+def _train_llama(mesh, steps, config_overrides=None, length=64):
   recipe = recipes.get("llama", "tiny", **(config_overrides or {}))
   make = lambda: dt.TrainState.initial_state(recipe.config.build(0), optax.adam(3e-3), jax.random.key(0))
   planner = dt.MeshPlanner(mesh, "fsdp_tensor")
-  batch = _llama_batch()
+  batch = _llama_batch(length=length)
   state, plan = planner.init(make, loss_fn=recipe.loss_fn, inputs=batch, input_axes=recipe.input_axes)
   step_fn = dt.build_train_step_fn(recipe.loss_fn, donate_params_and_state=True,
                                    train_state_shardings=plan.train_state_shardings,
@@ -340,3 +342,41 @@ def test_auto_attention_is_xla_off_gpu_and_explicit_choices_stand():
 def test_models_get_rejects_unknown_names(args, kwargs, message):
   with pytest.raises(ValueError, match=message):
     recipes.get(*args, **kwargs)
+
+
+def _attention_inputs(batch=4, length=128, heads=4, kv_heads=2, head_dim=16):
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(batch, length, n, head_dim)), jnp.float32)
+             for n in (heads, kv_heads, kv_heads))
+  # Two documents per row, split at a different place in each row.
+  segments = jnp.asarray(np.arange(length)[None, :] >= (np.arange(batch)[:, None] * 17 + 30), jnp.int32) + 1
+  return q, k, v, segments
+
+
+def _xla_attention(q, k, v, segments):
+  mask = segments[:, None, :, None] == segments[:, None, None, :]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_splash_attention_equals_xla_attention_and_its_gradients(sharded):
+  q, k, v, segments = _attention_inputs()
+  loss = lambda attention: jax.jit(jax.value_and_grad(
+      lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, segments))), argnums=(0, 1, 2)))
+  want, want_grads = loss(_xla_attention)(q, k, v)
+  context = contextlib.nullcontext()
+  if sharded:  # batch over data × fsdp, heads (and the 2 key/value heads) over tensor
+    mesh = _mesh((2, 2, 2))
+    context = activation_sharding(mesh, dt.AxisRules("fsdp_tensor"))
+  with context:
+    got, got_grads = loss(recipes.attention.splash_attention)(q, k, v)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for g, w in zip(got_grads, want_grads):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_llama_with_splash_attention_trains_as_with_xla_attention():
+  splash, _ = _train_llama(_mesh((2, 2, 2)), steps=3, config_overrides={"attention": "splash"}, length=128)
+  xla, _ = _train_llama(_mesh((1, 1, 1), devices=jax.devices()[:1]), steps=3, config_overrides={"attention": "xla"},
+                        length=128)
+  np.testing.assert_allclose(splash, xla, rtol=2e-5)

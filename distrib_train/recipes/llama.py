@@ -2,7 +2,8 @@
 
 RMSNorm, rotary position embeddings, a SwiGLU MLP, grouped-query attention
 through ``jax.nn.dot_product_attention`` (cuDNN flash attention on
-GPU where it runs, XLA elsewhere). Params are float32 and the compute dtype is
+GPU where it runs, XLA elsewhere) or, on TPU, splash attention
+(``attention.py``). Params are float32 and the compute dtype is
 bfloat16 by default. The blocks' params are stacked along a leading
 ``layers`` axis, so the forward pass either scans over them (``scan_layers``,
 one compiled block) or unrolls a Python loop; ``remat`` picks a
@@ -23,7 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distrib_train.sharding.axis_rules import constrain
+from distrib_train.recipes.attention import BLOCK as splash_block
+from distrib_train.recipes.attention import splash_attention
+from distrib_train.sharding.axis_rules import active_activation_sharding, constrain
 
 _REMAT_POLICIES = {
     "none": None,
@@ -50,7 +53,7 @@ class LlamaConfig:
   param_dtype: str = "float32"
   remat: str = "none"
   scan_layers: bool = True
-  attention: str = "auto"  # "auto" (cuDNN where it runs, see attention_implementation), "xla" or "cudnn"
+  attention: str = "auto"  # "auto" (see attention_implementation), "xla", "cudnn" or "splash" (TPU)
   loss_chunk_size: int = 1024  # tokens per cross-entropy chunk (per sequence)
   loss_remat: bool = True  # recompute each chunk's logits in the backward pass (False: keep them, more memory)
 
@@ -59,8 +62,8 @@ class LlamaConfig:
       raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}).")
     if self.remat not in _REMAT_POLICIES:
       raise ValueError(f"remat must be one of {sorted(_REMAT_POLICIES)}, got {self.remat!r}.")
-    if self.attention not in ("auto", "xla", "cudnn"):
-      raise ValueError(f"attention must be 'auto', 'xla' or 'cudnn', got {self.attention!r}.")
+    if self.attention not in ("auto", "xla", "cudnn", "splash"):
+      raise ValueError(f"attention must be 'auto', 'xla', 'cudnn' or 'splash', got {self.attention!r}.")
 
   def num_params(self) -> int:
     """Every parameter, embeddings and output head included."""
@@ -120,7 +123,12 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 def attention_implementation(requested: str, q: jax.Array, masked: bool = False) -> str | None:
-  """What ``jax.nn.dot_product_attention`` is asked for: ``"auto"`` picks cuDNN where it runs.
+  """The attention a block runs: ``"auto"`` picks splash on TPU, cuDNN where it runs, else XLA.
+
+  On TPU (the devices of the step's mesh, or JAX's) ``"auto"`` is splash
+  attention (``attention.py``) for lengths that are a multiple of 128: a
+  Pallas flash-attention kernel, segment masks included, where XLA's
+  attention materialises the [length, length] scores of every head.
 
   jax's own default (``None``) is the XLA path even on GPU, which materialises
   the [batch, heads, length, length] scores: 2.2 × slower for the 124m preset
@@ -131,7 +139,10 @@ def attention_implementation(requested: str, q: jax.Array, masked: bool = False)
   """
   if requested != "auto":
     return requested
-  device = jax.devices()[0]
+  active = active_activation_sharding()
+  device = active[0].devices.flat[0] if active else jax.devices()[0]
+  if device.platform == "tpu":
+    return "splash" if q.shape[1] % splash_block == 0 else None
   capability = getattr(device, "compute_capability", None)
   try:
     major = int(str(capability).split(".")[0])
@@ -157,8 +168,11 @@ def _block(config: LlamaConfig, x, layer, positions, segment_ids):
   mask = None
   if segment_ids is not None:
     mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-  attn = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                      implementation=attention_implementation(config.attention, q, mask is not None))
+  implementation = attention_implementation(config.attention, q, mask is not None)
+  if implementation == "splash":
+    attn = splash_attention(q, k, v, segment_ids)
+  else:
+    attn = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
   x = x + constrain(jnp.einsum("btnh,nhd->btd", attn, w["wo"]), ("batch", "length", "embed"))
   h = rms_norm(x, layer["mlp_norm"], config.norm_eps)
   gate = jnp.einsum("btd,df->btf", h, w["w_gate"])

@@ -339,6 +339,11 @@ def activation_sharding(mesh: Any, rules: AxisRules) -> Iterator[None]:
     _ACTIVATION_SHARDING.reset(token)
 
 
+def active_activation_sharding() -> tuple[Any, AxisRules] | None:
+  """The ``(mesh, rules)`` of the enclosing ``activation_sharding``, or None."""
+  return _ACTIVATION_SHARDING.get()
+
+
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
   """Constrains an activation's sharding by logical axes; a no-op outside
   ``activation_sharding``. Rules that do not divide a dimension are skipped."""
