@@ -114,6 +114,43 @@ def test_single_host_v5e_is_compiled_by_libtpu_with_no_correction(tmp_path):
   assert "libtpu" in pod.report()
 
 
+def test_the_tpu_plan_compiles_the_attention_a_tpu_run_uses_splash(tmp_path):
+  topology = TpuTopology.parse("v5e:2x2")
+  mesh_config = _mesh_config(tmp_path, "v5e4", "topology: v5e:2x2\naxes:\n  data: 1\n  fsdp: -1\n  tensor: 1\n"
+                                                "rules: fsdp_tensor\n")
+  config = config_lib.load("tiny")  # attention: auto, length 128
+  spec = podplan.step_spec(config, "tpu")
+  rules = podplan.rules_for(config, mesh_config)
+  plan = podplan.plan_state(spec, tpu.mesh(mesh_config, topology), rules)
+  compiled, _ = podplan.compile_step(spec, plan, rules)
+  # Pallas kernels: splash attention's forward, dq and dkv, compiled by libtpu's Mosaic.
+  assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
+  with pytest.raises(ValueError, match="model.attention is cudnn, a GPU kernel, and the target is a TPU"):
+    podplan.step_spec(config_lib.load("tiny", ["model.attention=cudnn"]), "tpu")
+
+
+def test_a_step_libtpu_refuses_for_memory_is_a_does_not_fit_verdict_with_its_figure(tmp_path):
+  topology = TpuTopology.parse("v5e:2x2")
+  mesh_config = _mesh_config(tmp_path, "v5e4", "topology: v5e:2x2\naxes:\n  data: 1\n  fsdp: -1\n  tensor: 1\n"
+                                                "rules: fsdp_tensor\n")
+  config = config_lib.load("tiny", ["data.global_batch_size=262144"])
+  pod = podplan.plan_pod(config, mesh_config, tpu.kind_of(topology), 4, target=topology)
+  assert not pod.memory.fits and pod.memory.temporaries > 100 * 2**30 and pod.collectives is None
+  assert "the compiler refused the step" in pod.notes[0] and "exceeds available HBM" in pod.notes[0]
+  assert "DOES NOT FIT" in pod.report()
+
+
+def test_out_of_memory_messages_are_read_in_both_spellings():
+  gib = 2**30
+  assert podplan.out_of_memory(RuntimeError(
+      "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (26.12G)"
+      " exceeds available HBM (15.75G).")) == (int(26.12 * gib), int(15.75 * gib))
+  assert podplan.out_of_memory(RuntimeError(
+      "RESOURCE_EXHAUSTED: Compilation failure: Aborting compilation early because it's unlikely to have enough"
+      " device memory. Requires 40.50G, has 15.75G available.")) == (int(40.5 * gib), int(15.75 * gib))
+  assert podplan.out_of_memory(RuntimeError("INTERNAL: something else")) is None
+
+
 def test_multi_host_v4_devices_span_hosts_and_both_mesh_axes_communicate(tmp_path):
   topology = TpuTopology.parse("v4:2x2x2")
   found = tpu.devices(topology)
@@ -175,6 +212,24 @@ ENTRY %main (x: f32[4]) -> f32[4] {
   assert hlo_module.multiplicities(hlo_module.parse_module(text)[0])["body"] == 7
   (found,) = collectives.find_collectives(text, (2,), ("fsdp",))
   assert found.count == 7 and found.axes == ("fsdp",)
+
+
+def test_a_custom_calls_config_spanning_lines_does_not_end_its_computation():
+  # libtpu writes a Pallas kernel's backend config over several lines; one starts with "}}".
+  text = """HloModule m, num_partitions=2
+
+ENTRY %main (x: f32[4,8], w: f32[8,8]) -> f32[4,8] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %w = f32[8,8]{1,0} parameter(1)
+  %k = f32[4,8]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "x",
+"xprof_metadata":"{\\"block_q\\": 512}"
+}}, metadata={op_name="splash"}
+  %ag = f32[8,8]{1,0} all-gather(%k), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+  ROOT %c = f32[4,8]{1,0} convolution(%k, %w), dim_labels=bf_io->bf
+}
+"""
+  assert hlo_module.matmul_flops(text) == 2 * 4 * 8 * 8
+  assert [c.kind for c in collectives.find_collectives(text, (2,), ("fsdp",))] == ["all-gather"]
 
 
 # --- the CLI --------------------------------------------------------------------------

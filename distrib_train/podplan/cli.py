@@ -155,11 +155,20 @@ def main(argv: Sequence[str]) -> int:
       if kind is None:
         kind = hardware.DEVICE_KINDS["h100"]
         notes.append("no --device_kind and none named by the mesh config or preset: figures are for h100.")
-    if target is not None:
+    if target is None and kind.platform == "gpu" and not (args.emulate or args.native):
+      if podplan.gpu_lib.available():
+        target = podplan.gpu_lib.GpuTarget(kind, devices, kind.devices_per_host)
+        podplan.gpu_lib.target_config(kind)  # a card it can describe, or a clear error now
+      else:
+        notes.append(f"planned on emulated CPU devices: XLA's CUDA compiler compiles for {kind.name} without a GPU"
+                     f" once JAX's CUDA plugin is installed ({podplan.gpu_lib.install_hint()}).")
+    if isinstance(target, podplan.TpuTopology):
       granules = target.num_slices
     else:
       granules = _granules(args, mesh_config, devices, kind, matches) if args.recommend else args.granules
-    if target is not None:
+    if isinstance(target, podplan.gpu_lib.GpuTarget):
+      podplan.tpu_lib.use_cpu_for_jax()
+    elif target is not None:
       if not podplan.tpu_lib.available():
         raise podplan.tpu_lib.TpuCompilerMissing(
             f"planning for TPU {target} needs libtpu's compiler: {podplan.tpu_lib.install_hint()}.")
@@ -247,7 +256,7 @@ def _recommend(args, config, mesh_config, kind, devices, granules, matches, note
             f" ({datetime.date.today().isoformat()}).",
             f"Estimated step {best.time.step_s:.3g} s, MFU {best.time.mfu or 0:.1%};"
             f" {podplan_report.human_bytes(best.memory.total)} of {podplan_report.human_bytes(best.memory.usable)}"
-            f" per device ({'compiled by libtpu for ' + str(target) if target else 'CPU-compiled estimate'})."]
+            f" per device ({podplan_report.compiler_line(best)})."]
   path = args.out or DEFAULT_OUT
   try:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 from typing import Any
 
@@ -48,8 +49,10 @@ from jax.sharding import Mesh
 
 from distrib_train.podplan import collectives as collectives_lib
 from distrib_train.podplan import cpu_attention
+from distrib_train.podplan import gpu as gpu_lib
 from distrib_train.podplan import tpu as tpu_lib
 from distrib_train.cluster import hardware
+from distrib_train.common.text import human_bytes
 from distrib_train.podplan import hlo as hlo_module
 # The layout, memory and time figures are importable from here, as before the split.
 from distrib_train.podplan.layout import Layout, emulated_mesh, layout, use_emulated_devices  # noqa: F401
@@ -83,16 +86,32 @@ def step_spec(config: Config, platform: str = "cpu") -> StepSpec:
   if platform == "tpu" and getattr(job.model_config, "attention", None) == "cudnn":
     raise ValueError("model.attention is cudnn, a GPU kernel, and the target is a TPU: set model.attention to auto"
                      " (splash attention on TPU) or xla.")
-  if platform == "cpu" and getattr(job.model_config, "attention", None) == "cudnn":
-    notes.append("model.attention is cudnn, which the CPU compiler cannot build: planned with a query-chunked XLA"
-                 " attention of the same memory profile (cpu_attention.py); its FLOPs include the causal half cuDNN"
-                 " skips.")
+  if getattr(job.model_config, "attention", None) in ("cudnn", "auto") and (
+      platform == "cpu" or (platform == "gpu" and not cudnn_loadable())):
+    what = "the CPU compiler" if platform == "cpu" else "this host (no cuDNN library)"
+    notes.append(f"cuDNN attention, which {what} cannot build, is planned as a query-chunked XLA attention of the"
+                 " same memory profile (cpu_attention.py); its FLOPs include the causal half cuDNN skips.")
   return StepSpec(**{field.name: getattr(job, field.name) for field in dataclasses.fields(JobSpec)}, notes=notes)
 
 
+def cudnn_loadable() -> bool:
+  """Whether NVIDIA's cuDNN library loads here (a GPU compile without it cannot build cuDNN attention)."""
+  try:
+    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+    check_cudnn_version()
+  except Exception:  # RuntimeError("cuDNN not found."), or no CUDA plugin at all
+    return False
+  return True
+
+
 def _stand_ins(mesh: Mesh):
-  """What a trace on CPU devices needs in place of GPU-only kernels (cuDNN attention)."""
-  return cpu_attention.emulating_cudnn() if mesh.devices.flat[0].platform == "cpu" else contextlib.nullcontext()
+  """What a trace needs in place of kernels this host cannot build: cuDNN attention on CPU devices, or on
+  compile-only GPU devices without the cuDNN library."""
+  platform = mesh.devices.flat[0].platform
+  if platform == "cpu" or (platform == "gpu" and not cudnn_loadable()):
+    return cpu_attention.emulating_cudnn()
+  return contextlib.nullcontext()
 
 
 def plan_state(spec: StepSpec, mesh: Mesh, rules: AxisRules) -> Plan:
@@ -118,6 +137,26 @@ def compile_step(spec: StepSpec, plan: Plan, rules: AxisRules, constrain_activat
   return compiled, {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at}
 
 
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_OOM = (re.compile(r"temporaries \(([\d.]+)([KMGT]?)i?B?\) exceeds available HBM \(([\d.]+)([KMGT]?)i?B?\)"),
+        re.compile(r"Requires ([\d.]+)([KMGT]?)i?B?, has ([\d.]+)([KMGT]?)i?B? available"))
+
+
+def out_of_memory(error: BaseException) -> tuple[int, int] | None:
+  """``(required, available)`` bytes per device when a compiler refused a step for memory (libtpu
+  does: "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries
+  (26.12G) exceeds available HBM (15.75G)"), else None."""
+  text = str(error)
+  if "RESOURCE_EXHAUSTED" not in text and "memory" not in text.lower():
+    return None
+  for pattern in _OOM:
+    match = pattern.search(text)
+    if match:
+      need, need_unit, have, have_unit = match.groups()
+      return int(float(need) * _UNITS[need_unit]), int(float(have) * _UNITS[have_unit])
+  return None
+
+
 @dataclasses.dataclass
 class PodPlan:
   """One planned (and usually compiled) configuration and its figures."""
@@ -139,7 +178,7 @@ class PodPlan:
   efficiency: float = DEFAULT_EFFICIENCY
   compiler: str = "cpu-emulated"  # "tpu": libtpu's compiler; else the platform of the devices compiled on
   device_kind: str = ""  # the compiled-for devices' own name ("TPU v5 lite"); emulated: the kind's
-  topology: TpuTopology | None = None
+  topology: TpuTopology | gpu_lib.GpuTarget | None = None
 
   @property
   def compiled(self) -> bool:
@@ -163,7 +202,7 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
              config_name: str = "", granules: int | None = None, compile: bool = True,  # noqa: A002 - the verb
              constrain_activations: bool = True, efficiency: float = DEFAULT_EFFICIENCY,
              memory_fraction: float | None = None, spec: StepSpec | None = None,
-             target: TpuTopology | None = None) -> PodPlan:
+             target: TpuTopology | gpu_lib.GpuTarget | None = None) -> PodPlan:
   """Plans (and compiles) ``config``'s step on ``mesh_config`` for ``devices`` devices of ``kind``.
 
   JAX must already run on ``devices`` devices (``use_emulated_devices``, or
@@ -184,7 +223,8 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
     memory_fraction: the usable share of device memory (default: the kind's).
     spec: a ``step_spec(config)`` to reuse.
     target: compile with libtpu for this TPU topology (its chips are the
-      devices; ``kind`` should be its chip's).
+      devices; ``kind`` should be its chip's), or with XLA's CUDA compiler
+      for a ``gpu.GpuTarget`` (``gpu.py``).
 
   Raises:
     ValueError: the mesh does not fit the devices, or the rules the mesh;
@@ -192,7 +232,12 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
   """
   rules = rules_for(config, mesh_config)
   start = time.perf_counter()
-  if target is not None:
+  if isinstance(target, gpu_lib.GpuTarget):
+    lay = layout(mesh_config, devices, kind, granules)
+    mesh = emulated_mesh(lay, gpu_lib.devices(target))
+    emulated, compiler, device_kind = False, "gpu", mesh.devices.flat[0].device_kind
+    spec = spec or step_spec(config, "gpu")
+  elif target is not None:
     if devices != target.devices:
       raise ValueError(f"TPU topology {target} has {target.devices} chips, not {devices} devices.")
     mesh = tpu_lib.mesh(mesh_config, target)
@@ -211,7 +256,10 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
   plan = plan_state(spec, mesh, rules)
   timings = {"plan_s": time.perf_counter() - start}
   notes = list(spec.notes)
-  if target is not None:
+  if isinstance(target, gpu_lib.GpuTarget):
+    notes.append(f"compiled by XLA's CUDA compiler for {device_kind} without a GPU: memory, collectives and FLOPs"
+                 " are the GPU program's own, with Triton matmuls where a card would autotune (nothing runs).")
+  elif target is not None:
     notes.append(f"compiled by libtpu for {device_kind} chips, topology {target}: memory, collectives and FLOPs are"
                  " the TPU program's own (nothing runs).")
   extra = dict(compiler=compiler, device_kind=device_kind, topology=target)
@@ -227,10 +275,23 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
     return PodPlan(config_name, mesh_config.source, devices, kind, lay, plan,
                    memory_of(plan, kind, None, memory_fraction), None, None, spec.tokens_per_step,
                    spec.param_count(), timings, notes, emulated, efficiency, **extra)
-  compiled, compile_timings = compile_step(spec, plan, rules, constrain_activations)
+  try:
+    compiled, compile_timings = compile_step(spec, plan, rules, constrain_activations)
+  except Exception as e:  # jax's JaxRuntimeError
+    refusal = out_of_memory(e) if target is not None else None
+    if refusal is None:
+      raise
+    required, available = refusal
+    notes.insert(0, f"the compiler refused the step: it needs {human_bytes(required)} of temporaries per device and"
+                    f" has {human_bytes(available)} ({str(e).splitlines()[0][:300]}). Shard more (fsdp, tensor),"
+                    " rematerialise more (model.remat) or lower the batch.")
+    memory = memory_of(plan, kind, None, memory_fraction)
+    memory = dataclasses.replace(memory, temporaries=required, compiled_temporaries=required)
+    return PodPlan(config_name, mesh_config.source, devices, kind, lay, plan, memory, None, None,
+                   spec.tokens_per_step, spec.param_count(), timings, notes, emulated, efficiency, **extra)
   timings.update(compile_timings)
   text = compiled.as_text()
-  if target is not None and target.num_slices > 1:
+  if isinstance(target, TpuTopology) and target.num_slices > 1:
     # One slice's program: ICI groups number a slice's devices; DCN is Megascale transfers.
     collectives = collectives_lib.find_collectives(
         text, lay.ici, lay.axis_names, None, dcn_axes=tpu_lib.dcn_axes(lay.shape, lay.axis_names, lay.granule_of),

@@ -112,7 +112,7 @@ def parse_module(hlo_text: str) -> tuple[dict[str, Computation], int | None]:
         current = Computation(match.group(2), bool(match.group(1)))
         computations[current.name] = current
       continue
-    if line.startswith("}"):
+    if line.rstrip() == "}":  # not "}}, metadata=…": a custom call's backend config spans lines
       current = None
       continue
     instruction = _parse_instruction(line)

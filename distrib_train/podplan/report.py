@@ -29,6 +29,8 @@ def compiler_line(pod: Any) -> str:
   """Which compiler made the figures."""
   if pod.compiler == "tpu":
     return f"TPU (libtpu, for {pod.device_kind}, topology {pod.topology}; nothing runs)"
+  if pod.compiler == "gpu" and pod.topology is not None:
+    return f"CUDA (XLA's GPU compiler for {pod.device_kind}, {pod.topology}, without a GPU; nothing runs)"
   if pod.compiler == "cpu-emulated":
     return (f"CPU, emulating {pod.devices} devices (figures for {pod.kind.name} are estimates; see notes)"
             if pod.compiled else f"none (not compiled; {pod.devices} emulated CPU devices)")
@@ -49,7 +51,8 @@ def memory_lines(pod: Any) -> list[str]:
           ("step, key, loss state", human_bytes(m.other_state), ""),
           ("batch", human_bytes(m.inputs), ""),
           ("step temporaries", human_bytes(m.temporaries),
-           "" if m.temporaries is None else "compiled step, memory_analysis()" if m.temporaries_scale == 1 else
+           "" if m.temporaries is None else "what the compiler said when it refused the step (see notes)"
+           if pod.collectives is None else "compiled step, memory_analysis()" if m.temporaries_scale == 1 else
            f"the CPU compile's {human_bytes(m.compiled_temporaries)} × {m.temporaries_scale} (bf16, see notes)"),
           ("outputs not donated", human_bytes(m.outputs_not_donated), "")]
   lines = ["Memory per device:"] + _table(rows, right=(1,))
@@ -149,14 +152,21 @@ def recommendation_text(rec: Any, top: int = 5) -> str:
   return "\n".join(lines)
 
 
+def _topology(topology: Any) -> dict[str, Any] | None:
+  if topology is None:
+    return None
+  if hasattr(topology, "num_slices"):  # a TPU topology
+    return {"name": topology.name, "slices": topology.num_slices, "chips": topology.devices}
+  return {"name": str(topology), "devices": topology.devices, "per_host": topology.per_host}
+
+
 def as_dict(pod: Any) -> dict[str, Any]:
   """The plan's figures as JSON-able data."""
   m, t = pod.memory, pod.time
   out: dict[str, Any] = {
       "config": pod.config_name, "mesh_config": pod.mesh_source, "devices": pod.devices,
       "compiler": pod.compiler, "device_kind": pod.device_kind or pod.kind.name, "kind": pod.kind.name,
-      "topology": None if pod.topology is None else {"name": pod.topology.name, "slices": pod.topology.num_slices,
-                                                     "chips": pod.topology.devices},
+      "topology": _topology(pod.topology),
       "emulated": pod.emulated,
       "mesh": {n: {"ici": i, "dcn": d} for n, i, d in zip(pod.layout.axis_names, pod.layout.ici, pod.layout.dcn)},
       "granules": pod.layout.granules, "param_count": pod.param_count, "tokens_per_step": pod.tokens_per_step,

@@ -130,7 +130,7 @@ class Recommendation:
 def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind, devices: int, *,
               granules: int = 1, max_compiles: int = 6, efficiency: float = DEFAULT_EFFICIENCY,
               memory_fraction: float | None = None, constrain_activations: bool = True,
-              progress: Any = None, target: TpuTopology | None = None) -> Recommendation:
+              progress: Any = None, target: Any = None) -> Recommendation:
   """Ranks the mesh factorisations of ``devices`` by estimated step time.
 
   Every candidate is planned without compiling (state bytes per device, rule
@@ -143,7 +143,8 @@ def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind
   dropped) and the finalists are compiled by libtpu.
   """
   say = progress or (lambda message: None)
-  spec = step_spec(config, "tpu" if target is not None else jax.devices()[0].platform)
+  platform = jax.devices()[0].platform if target is None else "tpu" if isinstance(target, TpuTopology) else "gpu"
+  spec = step_spec(config, platform)
   dropped = {"state does not fit": 0, "batch does not split": 0, "a rule skips a parameter dimension": 0,
              "does not map onto the TPU topology": 0}
   survivors = []
@@ -183,5 +184,6 @@ def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind
 def mesh_config_yaml(pod: PodPlan, rules: AxisRules, header: Sequence[str] = ()) -> str:
   """A mesh-config file for ``pod``'s mesh (loadable by ``MeshConfig.from_yaml``)."""
   layout = pod.layout
+  topology = pod.topology if isinstance(pod.topology, TpuTopology) else None
   return MeshConfig(layout.axis_names, layout.ici, layout.dcn, rules=rules, devices=pod.devices,
-                    topology=pod.topology).to_yaml(header)
+                    topology=topology).to_yaml(header)

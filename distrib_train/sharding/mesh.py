@@ -340,7 +340,9 @@ def build_mesh(config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh
   """Builds a ``jax.sharding.Mesh`` with Auto axis types from a config.
 
   Uses ``mesh_utils.create_device_mesh`` (topology-aware on TPU), or
-  ``create_hybrid_device_mesh`` when any DCN size is not 1.
+  ``create_hybrid_device_mesh`` when any DCN size is not 1; where a mesh
+  axis is not a product of whole physical TPU axes (tensor 4 on an 8x8x8
+  slice), it lets that axis take part of one (``allow_split_physical_axes``).
 
   Args:
     config: the mesh config; one that declares ``devices`` must get that
@@ -362,10 +364,16 @@ def build_mesh(config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh
     )
   num_granules, process_is_granule = _granules(devices)
   ici, dcn = config.resolve(len(devices), num_granules)
-  if config.is_hybrid:
-    device_array = mesh_utils.create_hybrid_device_mesh(
-        ici, dcn, devices, process_is_granule=process_is_granule
-    )
-  else:
-    device_array = mesh_utils.create_device_mesh(ici, devices)
+  def lay_out(split: bool) -> np.ndarray:
+    if config.is_hybrid:
+      return mesh_utils.create_hybrid_device_mesh(
+          ici, dcn, devices, process_is_granule=process_is_granule, allow_split_physical_axes=split
+      )
+    return mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=split)
+
+  try:
+    device_array = lay_out(split=False)
+  except (ValueError, NotImplementedError, AssertionError):
+    # An axis that is not a product of whole physical TPU axes (tensor 4 on an 8x8x8 slice) takes part of one.
+    device_array = lay_out(split=True)
   return Mesh(device_array, config.axis_names, axis_types=(AxisType.Auto,) * len(ici))

@@ -1,0 +1,54 @@
+"""``distrib-train plan`` with XLA's CUDA compiler on this GPU-less host (compile-only GPU devices).
+
+JAX's CUDA plugin is two wheels (``jax-cuda12-plugin``, ``jax-cuda12-pjrt``,
+about 180 MB, no NVIDIA libraries needed to compile). ``.ci/run`` installs
+them into ``.ci-venv/cuda-plugin`` — beside the test environment, not in it:
+loaded into every process, the plugin prints a line about missing CUDA
+drivers on each ``import jax``. These tests run ``distrib-train plan`` in a
+process that has it on ``PYTHONPATH``.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PLUGIN = pathlib.Path(os.environ.get("DISTRIB_TRAIN_CUDA_PLUGIN", ROOT / ".ci-venv" / "cuda-plugin"))
+
+if not (PLUGIN / "jax_plugins" / "xla_cuda12").is_dir():
+  if os.environ.get("CI"):
+    pytest.fail(f"JAX's CUDA plugin is not in {PLUGIN}; .ci/run installs it there", pytrace=False)
+  pytest.skip(f"JAX's CUDA plugin is not in {PLUGIN} (set DISTRIB_TRAIN_CUDA_PLUGIN)", allow_module_level=True)
+
+
+def _plan(*args):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(PLUGIN)}
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, "-m", "distrib_train", "plan", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_gpu_target_is_compiled_by_the_cuda_compiler_on_two_hosts(tmp_path):
+  mesh = tmp_path / "two-hosts.yaml"
+  mesh.write_text("devices: 16\ngranules: 2\naxes:\n  data: {ici: 1, dcn: 2}\n  fsdp: {ici: 8}\n  tensor: 1\n"
+                  "rules: fsdp_tensor\n")
+  out = _plan("--config", "tiny", "--mesh_config", str(mesh), "--device_kind", "h100", "--json",
+              str(tmp_path / "plan.json"))
+  assert out.returncode == 0, out.stderr
+  assert "compiler: CUDA (XLA's GPU compiler for NVIDIA H100 80GB HBM3" in out.stdout
+  data = json.loads((tmp_path / "plan.json").read_text())
+  assert data["compiler"] == "gpu" and data["device_kind"] == "NVIDIA H100 80GB HBM3" and not data["emulated"]
+  assert data["memory"]["temporaries_scale"] == 1.0 and data["memory"]["temporaries"] > 0
+  axes = {(c["axes"], c["dcn"]) for c in data["collectives"]}
+  assert ("fsdp", False) in axes and ("data", True) in axes  # NVLink inside a host, the network between the two
+
+
+def test_emulate_keeps_the_cpu_path_for_a_gpu_target(tmp_path):
+  out = _plan("--config", "tiny", "--device_kind", "a100", "--emulate", "--json", str(tmp_path / "plan.json"))
+  assert out.returncode == 0, out.stderr
+  data = json.loads((tmp_path / "plan.json").read_text())
+  assert data["compiler"] == "cpu-emulated" and data["kind"] == "a100"
