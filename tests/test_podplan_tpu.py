@@ -177,6 +177,22 @@ def test_two_slices_send_the_data_axis_over_dcn_and_the_rest_over_ici(tmp_path):
   assert pod.wire_bytes()["dcn"] > 0 and pod.time.dcn_s > 0
 
 
+@pytest.mark.parametrize("preset", sorted(n for n in config_lib.preset_names() if n.endswith("-tpu")))
+def test_every_shipped_tpu_preset_fits_the_chips_of_its_mesh_configs_topology(preset):
+  """A user who runs a shipped TPU preset on its pod must not meet an out-of-memory (libtpu's own figures)."""
+  import jax
+
+  config = config_lib.load(preset)
+  mesh_config = MeshConfig.from_yaml(find_mesh_config(config.mesh_config))
+  topology = mesh_config.topology
+  pod = podplan.plan_pod(config, mesh_config, tpu.kind_of(topology), topology.devices, config_name=preset,
+                         target=topology)
+  jax.clear_caches()
+  assert pod.compiler == "tpu" and pod.compiled, pod.notes
+  assert pod.memory.fits, pod.report()
+  assert not pod.plan.skips or all(not s.path.startswith("inputs") for s in pod.plan.skips), pod.plan.skips
+
+
 def test_a_mesh_needing_slices_on_one_slice_is_a_clear_error(tmp_path):
   mesh_config = _mesh_config(tmp_path, "two", "devices: 4\ngranules: 2\naxes:\n  data: {dcn: 2}\n  fsdp: 2\n")
   with pytest.raises(ValueError, match="span slices .* is one slice; pass --num_slices"):
