@@ -80,10 +80,11 @@ def main(argv=None) -> int:
       row += [f"{other:.2f}", f"{total / other:.2f}"]
     else:
       row += ["-", "-"]
-    row += ["yes" if memory["fits"] else f"NO ({memory['usable'] / GiB:.0f} usable)",
-            f"{tpu['timings']['compile_s']:.0f} s / {tpu_wall:.0f} s",
+    compile_s = tpu["timings"].get("compile_s")  # absent where libtpu refused the step for memory
+    row += ["yes" if memory["fits"] else f"NO ({memory['usable'] / GiB:.2f} usable)",
+            f"{'refused' if compile_s is None else f'{compile_s:.0f} s'} / {tpu_wall:.0f} s",
             "-" if emulated_wall is None else f"{emulated_wall:.0f} s",
-            f"{tpu['time']['step_s']:.3g} s, {tpu['time']['mfu']:.1%}"]
+            f"{tpu['time']['step_s']:.3g} s, {tpu['time']['mfu']:.1%}" if tpu.get("time") else "-"]
     rows.append("| " + " | ".join(row) + " |")
     print(rows[-1], flush=True)
     if not memory["fits"]:

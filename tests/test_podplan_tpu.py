@@ -59,6 +59,14 @@ def test_topology_names_parse_to_libtpu_spellings_and_counts():
   assert (v5e.name, v5e.devices, v5e.hosts_per_slice, v5e.wraparound) == ("v5e:16x16", 256, 64, (True, True, False))
   assert TpuTopology.parse("v5e:2x2").hosts_per_slice == 1
   assert TpuTopology.parse("v4:2x2x2").hosts_per_slice == 2
+  assert TpuTopology.parse("v5e:2x4").chips_per_host_bounds == (2, 4, 1)  # v5litepod-8: one host
+
+
+@pytest.mark.parametrize("name, chips, hosts", [("v5e:1x1", 1, 1), ("v5e:2x4", 8, 1), ("v4:1x1x1", 1, 1),
+                                                ("v5e:4x4", 16, 4)])
+def test_libtpu_makes_one_device_per_chip_on_the_right_hosts(name, chips, hosts):
+  found = tpu.devices(TpuTopology.parse(name))
+  assert len(found) == chips and len({d.process_index for d in found}) == hosts
 
 
 @pytest.mark.parametrize("text, message", [
@@ -80,9 +88,10 @@ def test_every_shipped_tpu_mesh_config_names_a_topology_that_matches_its_devices
     assert mesh_config.topology is not None, name
     assert mesh_config.topology.devices == mesh_config.devices, name
     assert mesh_config.topology.generation in name, name
-    assert MeshConfig.from_dict(json.loads(json.dumps({"topology": mesh_config.topology.name,
-                                                       "granules": mesh_config.topology.num_slices,
-                                                       "axes": {"fsdp": -1}}))).devices == mesh_config.devices
+    slices = mesh_config.topology.num_slices
+    axes = {"data": {"ici": 1, "dcn": slices}, "fsdp": -1} if slices > 1 else {"fsdp": -1}
+    assert MeshConfig.from_dict({"topology": mesh_config.topology.name, "granules": slices,
+                                 "axes": axes}).devices == mesh_config.devices
 
 
 def test_a_mesh_config_whose_axes_do_not_fit_its_topology_is_refused_at_load(tmp_path):
@@ -90,6 +99,8 @@ def test_a_mesh_config_whose_axes_do_not_fit_its_topology_is_refused_at_load(tmp
     _mesh_config(tmp_path, "bad", "topology: v5e:2x2\naxes:\n  fsdp: 2\n  tensor: 4\n")
   with pytest.raises(ValueError, match=r"'devices' is 8 but topology v5e:2x2 has 4 chips"):
     _mesh_config(tmp_path, "bad2", "topology: v5e:2x2\ndevices: 8\naxes:\n  fsdp: -1\n")
+  with pytest.raises(ValueError, match=r"has 2 slices \(granules\) but no axis spans them; give one axis a DCN size"):
+    _mesh_config(tmp_path, "bad3", "topology: v5e:2x2\ngranules: 2\naxes:\n  fsdp: -1\n")
 
 
 # --- compiling with libtpu --------------------------------------------------------------
@@ -246,6 +257,42 @@ ENTRY %main (x: f32[4,8], w: f32[8,8]) -> f32[4,8] {
 """
   assert hlo_module.matmul_flops(text) == 2 * 4 * 8 * 8
   assert [c.kind for c in collectives.find_collectives(text, (2,), ("fsdp",))] == ["all-gather"]
+
+
+def test_megascale_transfers_count_as_their_collectives_over_the_dcn_axes():
+  text = """HloModule m, num_partitions=4
+
+ENTRY %main (x: f32[8,128], y: f32[2,128]) -> f32[8,128] {
+  %x = f32[8,128]{1,0} parameter(0)
+  %y = f32[2,128]{1,0} parameter(1)
+  %t = token[] after-all()
+  %s1 = (f32[8,128]{1,0}, u32[], token[]) send(%x, %t), channel_id=1, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %s2 = (f32[2,128]{1,0}, u32[], token[]) send(%y, %t), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_transfer_type="ALL_GATHER"}
+  %s3 = (f32[2,128]{1,0}, u32[], token[]) send(%y, %t), channel_id=3, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_transfer_type="ONE_TO_ONE"}
+  ROOT %r = f32[8,128]{1,0} copy(%x)
+}
+"""
+  found = {c.kind: c for c in collectives.find_collectives(text, (4,), ("fsdp",), dcn_axes=("data",),
+                                                          dcn_group_size=4)}
+  assert set(found) == {"all-reduce", "all-gather", "collective-permute"}
+  assert all(c.dcn and c.axes == ("data",) and c.group_size == 4 for c in found.values())
+  assert found["all-reduce"].wire_bytes == 2 * 3 / 4 * 4096  # ring all-reduce of 4 KiB among 4 slices
+  assert found["all-gather"].payload_bytes == 4 * 1024 and found["all-gather"].wire_bytes == 3 / 4 * 4096
+  assert found["collective-permute"].wire_bytes == 1024
+
+
+def test_batched_matmuls_written_as_dilated_convolutions_count_their_real_taps():
+  # libtpu's bthd,bshd->bhts for 8 × 12 (batch × heads): the batch as a window over a dilated input, one
+  # real element per output; the 64-wide contraction is the input feature dimension.
+  text = """HloModule m
+
+ENTRY %main (q: bf16[8,12,64,1024], k: bf16[8,12,1024,1024]) -> bf16[8,12,64,1024] {
+  %q = bf16[8,12,64,1024]{3,2,1,0} parameter(0)
+  %k = bf16[8,12,1024,1024]{3,2,1,0} parameter(1)
+  ROOT %c = bf16[8,12,64,1024]{3,2,1,0} convolution(%q, %k), window={size=8x12 stride=7x11 lhs_dilate=8x12}, dim_labels=01bf_01io->01bf
+}
+"""
+  assert hlo_module.matmul_flops(text) == 2 * (8 * 12 * 64 * 1024) * 1024
 
 
 # --- the CLI --------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -141,9 +142,10 @@ def main(argv: Sequence[str]) -> int:
       kind = podplan.tpu_lib.kind_of(topology)
       if args.device_kind and hardware.device_kind(args.device_kind) != kind:
         raise _UsageError(f"--device_kind {args.device_kind} but TPU topology {topology} is {kind.name} chips.")
-      if args.devices and args.devices != topology.devices:
-        raise _UsageError(f"--devices {args.devices} but TPU topology {topology} has {topology.devices} chips.")
-      devices = topology.devices
+      if args.devices and args.devices != topology.devices and not args.emulate:
+        raise _UsageError(f"--devices {args.devices} but TPU topology {topology} has {topology.devices} chips; pass"
+                          f" --tpu_topology for a {args.devices}-chip slice, or --emulate.")
+      devices = args.devices if args.emulate and args.devices else topology.devices
       matches = mesh_config.devices in (None, devices)
       if not matches and not args.recommend:
         raise _UsageError(f"{mesh_config.source} is for {mesh_config.devices} devices; TPU topology {topology} has"
@@ -213,7 +215,9 @@ def _topology(args, mesh_config):
   from distrib_train.sharding.topology import TpuTopology
 
   if args.tpu_topology:
-    slices = args.num_slices or (mesh_config.topology.num_slices if mesh_config.topology else 1)
+    slices = args.num_slices or (mesh_config.topology.num_slices if mesh_config.topology else None)
+    if slices is None:  # the mesh config's DCN sizes, where it gives them all
+      slices = math.prod(mesh_config.dcn) if -1 not in mesh_config.dcn else 1
     return TpuTopology.parse(args.tpu_topology, slices, where="--tpu_topology")
   if mesh_config.topology is None:
     if args.num_slices:

@@ -25,7 +25,9 @@ A multi-slice TPU program (libtpu, ``num_slices`` > 1) is one slice's
 program: its replica groups number the devices of one slice (pass the
 slice's ICI mesh shape), and what crosses slices is a ``send`` to the
 Megascale runtime over DCN (``_xla_megascale_transfer_type="ALL_REDUCE"``,
-…), counted as that collective over the DCN axes the caller names.
+…), counted as that collective over the DCN axes the caller names, among
+all the slices (with two axes over DCN, a transfer along one of them is
+charged as if it spanned every slice: an upper bound).
 
 Wire bytes per device follow the ring model, for a group of ``n`` devices and
 a payload of ``S`` bytes per device: all-gather and reduce-scatter
@@ -288,6 +290,8 @@ class _SliceCheck:
 
 
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
+                    "ALL_TO_ALL": "all-to-all", "ONE_TO_ONE": "collective-permute", "PERMUTE": "collective-permute"}
 
 
 def find_collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[str],
@@ -353,9 +357,12 @@ def find_collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Seque
 def _megascale(instruction: Instruction, transfer: str, symbols: Mapping[str, str], count: int,
                dcn_axes: Sequence[str], n: int) -> Collective:
   """A cross-slice transfer of a multi-slice TPU program, as the collective it performs."""
-  kind = transfer.lower().replace("_", "-")
-  kind = kind if kind in KINDS else "collective-permute" if kind.startswith("send") else kind
+  kind = _MEGASCALE_KINDS.get(transfer, transfer.lower().replace("_", "-"))
+  if kind not in KINDS:  # a transfer type this reader does not know: counted as sending its operand once
+    kind = "collective-permute"
   payload = array_bytes(symbols.get(instruction.operands[0], "")) if instruction.operands else 0
+  if kind == "all-gather":  # the payload of an all-gather is the gathered buffer, n slices' operands
+    payload *= n
   return Collective(kind, instruction.name, count, n, payload, _wire_bytes(kind, payload, n), tuple(dcn_axes),
                     dcn=True)
 

@@ -86,8 +86,9 @@ def step_spec(config: Config, platform: str = "cpu") -> StepSpec:
   if platform == "tpu" and getattr(job.model_config, "attention", None) == "cudnn":
     raise ValueError("model.attention is cudnn, a GPU kernel, and the target is a TPU: set model.attention to auto"
                      " (splash attention on TPU) or xla.")
-  if getattr(job.model_config, "attention", None) in ("cudnn", "auto") and (
-      platform == "cpu" or (platform == "gpu" and not cudnn_loadable())):
+  attention = getattr(job.model_config, "attention", None)
+  if (attention == "cudnn" and platform == "cpu") or (
+      attention in ("cudnn", "auto") and platform == "gpu" and not cudnn_loadable()):
     what = "the CPU compiler" if platform == "cpu" else "this host (no cuDNN library)"
     notes.append(f"cuDNN attention, which {what} cannot build, is planned as a query-chunked XLA attention of the"
                  " same memory profile (cpu_attention.py); its FLOPs include the causal half cuDNN skips.")
@@ -137,9 +138,20 @@ def compile_step(spec: StepSpec, plan: Plan, rules: AxisRules, constrain_activat
   return compiled, {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at}
 
 
+@contextlib.contextmanager
+def _without_compilation_cache():
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _OOM = (re.compile(r"temporaries \(([\d.]+)([KMGT]?)i?B?\) exceeds available HBM \(([\d.]+)([KMGT]?)i?B?\)"),
-        re.compile(r"Requires ([\d.]+)([KMGT]?)i?B?, has ([\d.]+)([KMGT]?)i?B? available"))
+        re.compile(r"Requires ([\d.]+)([KMGT]?)i?B?, has ([\d.]+)([KMGT]?)i?B? available"),
+        re.compile(r"Used ([\d.]+)([KMGT]?)i?B? of ([\d.]+)([KMGT]?)i?B? hbm"))
 
 
 def out_of_memory(error: BaseException) -> tuple[int, int] | None:
@@ -276,17 +288,27 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
                    memory_of(plan, kind, None, memory_fraction), None, None, spec.tokens_per_step,
                    spec.param_count(), timings, notes, emulated, efficiency, **extra)
   try:
-    compiled, compile_timings = compile_step(spec, plan, rules, constrain_activations)
+    # A compile-only executable cannot be read back from the persistent cache (libtpu: "PjRtCompiler must be
+    # constructed with a Client"): keep it out of the cache.
+    no_cache = _without_compilation_cache() if target is not None else contextlib.nullcontext()
+    with no_cache:
+      compiled, compile_timings = compile_step(spec, plan, rules, constrain_activations)
   except Exception as e:  # jax's JaxRuntimeError
     refusal = out_of_memory(e) if target is not None else None
     if refusal is None:
-      raise
+      if target is None or isinstance(e, ValueError):
+        raise
+      said = str(e).splitlines()[0] if str(e) else type(e).__name__
+      raise ValueError(f"the {compiler.upper()} compiler could not compile the step on {lay.describe()}:"
+                       f" {said[:400]}") from None
     required, available = refusal
     notes.insert(0, f"the compiler refused the step: it needs {human_bytes(required)} of temporaries per device and"
                     f" has {human_bytes(available)} ({str(e).splitlines()[0][:300]}). Shard more (fsdp, tensor),"
                     " rematerialise more (model.remat) or lower the batch.")
     memory = memory_of(plan, kind, None, memory_fraction)
-    memory = dataclasses.replace(memory, temporaries=required, compiled_temporaries=required)
+    # The compiler's own limit (libtpu: 15.75 GiB of a 16 GiB v5e chip) is what the step did not fit.
+    memory = dataclasses.replace(memory, temporaries=required, compiled_temporaries=required,
+                                 usable=min(memory.usable, available))
     return PodPlan(config_name, mesh_config.source, devices, kind, lay, plan, memory, None, None,
                    spec.tokens_per_step, spec.param_count(), timings, notes, emulated, efficiency, **extra)
   timings.update(compile_timings)
@@ -303,6 +325,9 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
   times = step_time(model_flops, hlo_module.matmul_flops(text), wire, kind, efficiency, xla_flops(compiled))
   if not constrain_activations:
     notes.append("activations unconstrained (--no_activation_sharding): XLA chooses their layout.")
+    if isinstance(target, TpuTopology) and getattr(spec.model_config, "attention", None) in ("auto", "splash"):
+      notes.append("without the activation sharding the model cannot see the TPU mesh: its attention was compiled"
+                   " as XLA attention (auto) or the splash kernel unsharded, not as a TPU run has it.")
   scale = 1.0
   if emulated and str(getattr(spec.model_config, "dtype", "float32")) == "bfloat16":
     scale = CPU_BF16_TEMPORARIES

@@ -146,7 +146,7 @@ def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind
   platform = jax.devices()[0].platform if target is None else "tpu" if isinstance(target, TpuTopology) else "gpu"
   spec = step_spec(config, platform)
   dropped = {"state does not fit": 0, "batch does not split": 0, "a rule skips a parameter dimension": 0,
-             "does not map onto the TPU topology": 0}
+             "does not map onto the TPU topology": 0, "the compiler failed": 0}
   survivors = []
   candidates = candidate_meshes(mesh_config, devices, granules)
   for candidate in candidates:
@@ -173,10 +173,18 @@ def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind
   ranked, not_fitting = [], []
   for number, (*_, candidate) in enumerate(survivors[:max_compiles], 1):
     say(f"compiling {number}/{min(max_compiles, len(survivors))}: {candidate.source.removeprefix('candidate ')}")
-    pod = plan_pod(config, candidate, kind, devices, granules=granules, spec=spec, efficiency=efficiency,
-                   memory_fraction=memory_fraction, constrain_activations=constrain_activations, target=target)
+    try:
+      pod = plan_pod(config, candidate, kind, devices, granules=granules, spec=spec, efficiency=efficiency,
+                     memory_fraction=memory_fraction, constrain_activations=constrain_activations, target=target)
+    except ValueError as e:  # the target's compiler could not compile this layout
+      if target is None:
+        raise
+      say(f"  not compiled: {e}")
+      dropped["the compiler failed"] += 1
+      continue
+    finally:
+      jax.clear_caches()
     (ranked if pod.memory.fits else not_fitting).append(pod)
-    jax.clear_caches()
   ranked.sort(key=lambda p: p.time.step_s)
   return Recommendation(ranked, len(candidates), dropped, min(max_compiles, len(survivors)), not_fitting)
 

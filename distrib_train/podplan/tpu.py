@@ -89,8 +89,8 @@ def _devices(name: str, num_slices: int) -> tuple[Any, ...]:
 
   topology = TpuTopology.parse(name, num_slices)
   _quiet_environment(topology)
-  kwargs: dict[str, Any] = dict(chip_config_name=topology.chip_config, chips_per_host_bounds=(2, 2, 1),
-                                wrap=topology.wraparound)
+  kwargs: dict[str, Any] = dict(chip_config_name=topology.chip_config,
+                                chips_per_host_bounds=topology.chips_per_host_bounds, wrap=topology.wraparound)
   if num_slices > 1:
     kwargs["num_slices"] = num_slices
   # libtpu writes a line or two to stdout as it loads; the plan's output is the report.
@@ -135,10 +135,14 @@ def mesh(mesh_config: MeshConfig, topology: TpuTopology) -> Mesh:
     spans = [n for n, d in zip(mesh_config.axis_names, mesh_config.dcn) if d != 1]
     raise ValueError(f"{mesh_config.source}: axes {', '.join(spans)} span slices (dcn) but TPU topology {topology}"
                      " is one slice; pass --num_slices N (or granules: N in the mesh config).")
+  if topology.num_slices > 1 and not mesh_config.is_hybrid:
+    raise ValueError(f"{mesh_config.source}: TPU topology {topology} has {topology.num_slices} slices but no mesh axis"
+                     " spans them; give one axis a DCN size, e.g. data: {ici: 1, dcn: " + f"{topology.num_slices}}}.")
   try:
     return build_mesh(mesh_config, found)
   except (ValueError, AssertionError, NotImplementedError) as e:
-    raise ValueError(f"{mesh_config.source} does not fit TPU topology {topology}: {e}") from None
+    said = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise ValueError(f"{mesh_config.source} does not fit TPU topology {topology}: {said[:300]}") from None
 
 
 def granule_of(tpu_mesh: Mesh) -> tuple[int, ...]:

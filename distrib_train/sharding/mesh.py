@@ -211,6 +211,9 @@ class MeshConfig:
       if declared != topology.devices:
         raise ValueError(f"{source}: 'devices' is {declared!r} but topology {topology} has {topology.devices}"
                          " chips (one device each); fix one of them.")
+      if topology.num_slices > 1 and not mesh_config.is_hybrid:
+        raise ValueError(f"{source}: topology {topology} has {topology.num_slices} slices (granules) but no axis spans"
+                         " them; give one axis a DCN size, e.g. data: {ici: 1, dcn: " + f"{topology.num_slices}}}.")
       config = {**config, "devices": topology.devices}
       mesh_config = dataclasses.replace(mesh_config, topology=topology)
     if "devices" in config:

@@ -97,6 +97,14 @@ class TpuTopology:
     return 1 if chips <= _SINGLE_HOST_CHIPS[self.generation] else math.ceil(chips / 4)
 
   @property
+  def chips_per_host_bounds(self) -> tuple[int, int, int]:
+    """One host's block of chips: the whole grid for a one-host slice, else 2×2×1."""
+    grid = tuple(self.grid) + (1,) * (3 - len(self.grid))
+    if self.hosts_per_slice == 1:
+      return grid  # type: ignore[return-value]
+    return (2, 2, 1)
+
+  @property
   def libtpu_name(self) -> str:
     """libtpu's spelling: ``v5:4x4x4`` for a v5p slice."""
     return f"{_GENERATIONS[self.generation][0]}:{'x'.join(map(str, self.grid))}"
