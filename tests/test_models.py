@@ -358,9 +358,10 @@ def _xla_attention(q, k, v, segments):
   return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_splash_attention_equals_xla_attention_and_its_gradients(sharded):
-  q, k, v, segments = _attention_inputs()
+@pytest.mark.parametrize("sharded, kv_heads", [(False, 2), (True, 2), (True, 1)])
+def test_splash_attention_equals_xla_attention_and_its_gradients(sharded, kv_heads):
+  # kv_heads 1 does not split over tensor 2: each device gets copies of the key/value head.
+  q, k, v, segments = _attention_inputs(kv_heads=kv_heads)
   loss = lambda attention: jax.jit(jax.value_and_grad(
       lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, segments))), argnums=(0, 1, 2)))
   want, want_grads = loss(_xla_attention)(q, k, v)

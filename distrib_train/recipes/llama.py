@@ -56,12 +56,21 @@ class LlamaConfig:
   attention: str = "auto"  # "auto" (see attention_implementation), "xla", "cudnn" or "splash" (TPU)
   loss_chunk_size: int = 1024  # tokens per cross-entropy chunk (per sequence)
   loss_remat: bool = True  # recompute each chunk's logits in the backward pass (False: keep them, more memory)
+  tie_embeddings: bool = False  # the output head is the embedding table (Llama 3.2 1B/3B, small Qwen2.5)
+  attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+  rope_scaling: str = "none"  # "none", "linear" or "llama3" (Llama 3.1's frequency-dependent scaling)
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0  # llama3 scaling only
+  rope_high_freq_factor: float = 4.0  # llama3 scaling only
+  rope_original_max_len: int = 8192  # llama3 scaling only
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}).")
     if self.remat not in _REMAT_POLICIES:
       raise ValueError(f"remat must be one of {sorted(_REMAT_POLICIES)}, got {self.remat!r}.")
+    if self.rope_scaling not in ("none", "linear", "llama3"):
+      raise ValueError(f"rope_scaling must be 'none', 'linear' or 'llama3', got {self.rope_scaling!r}.")
     if self.attention not in ("auto", "xla", "cudnn", "splash"):
       raise ValueError(f"attention must be 'auto', 'xla', 'cudnn' or 'splash', got {self.attention!r}.")
 
@@ -69,7 +78,9 @@ class LlamaConfig:
     """Every parameter, embeddings and output head included."""
     d, h, kv, hd, f = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.mlp_dim
     per_layer = d * h * hd * 2 + d * kv * hd * 2 + 3 * d * f + 2 * d
-    return self.num_layers * per_layer + 2 * self.vocab_size * d + d
+    if self.attention_bias:
+      per_layer += (h + 2 * kv) * hd
+    return self.num_layers * per_layer + (1 if self.tie_embeddings else 2) * self.vocab_size * d + d
 
   def flops_per_token(self, seq_len: int) -> int:
     """Training FLOPs per token, PaLM's count: 6·N + 12·L·(heads·head_dim)·S."""
@@ -112,10 +123,38 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding on the last axis of ``x`` [batch, length, heads, dim]."""
+def rope_frequencies(config: LlamaConfig, dim: int) -> jax.Array:
+  """The rotary frequencies of ``dim``-wide heads, scaled as ``config.rope_scaling`` says.
+
+  ``linear`` divides every frequency by ``rope_factor``; ``llama3`` (Llama
+  3.1) divides the low frequencies (wavelengths above ``original / low``)
+  by ``rope_factor``, keeps the high ones (wavelengths below ``original /
+  high``) and blends in between.
+  """
+  half = dim // 2
+  freqs = config.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if config.rope_scaling == "linear":
+    return freqs / config.rope_factor
+  if config.rope_scaling == "llama3":
+    wavelength = 2 * math.pi / freqs
+    low_wavelength = config.rope_original_max_len / config.rope_low_freq_factor
+    high_wavelength = config.rope_original_max_len / config.rope_high_freq_factor
+    smooth = (config.rope_original_max_len / wavelength - config.rope_low_freq_factor) / (
+        config.rope_high_freq_factor - config.rope_low_freq_factor)
+    blended = (1 - smooth) * freqs / config.rope_factor + smooth * freqs
+    return jnp.where(wavelength > low_wavelength, freqs / config.rope_factor,
+                     jnp.where(wavelength < high_wavelength, freqs, blended))
+  return freqs
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float | jax.Array) -> jax.Array:
+  """Rotary embedding on the last axis of ``x`` [batch, length, heads, dim]; ``theta`` is the base, or
+  the frequencies themselves (``rope_frequencies``)."""
   half = x.shape[-1] // 2
-  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if isinstance(theta, (int, float)):
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  else:
+    freqs = theta
   angles = positions[..., None].astype(jnp.float32) * freqs  # [batch, length, half]
   sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -163,8 +202,11 @@ def _block(config: LlamaConfig, x, layer, positions, segment_ids):
   q = jnp.einsum("btd,dnh->btnh", h, w["wq"])
   k = jnp.einsum("btd,dkh->btkh", h, w["wk"])
   v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
-  q = constrain(rotary(q, positions, config.rope_theta), ("batch", "length", "heads", "head_dim"))
-  k = constrain(rotary(k, positions, config.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
+  if config.attention_bias:
+    q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+  freqs = rope_frequencies(config, q.shape[-1])
+  q = constrain(rotary(q, positions, freqs), ("batch", "length", "heads", "head_dim"))
+  k = constrain(rotary(k, positions, freqs), ("batch", "length", "kv_heads", "head_dim"))
   mask = None
   if segment_ids is not None:
     mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
@@ -204,8 +246,17 @@ class Llama(nnx.Module):
         "w_up": _param(rngs, (L, d, f), ("layers", "embed", "mlp"), pd, fan_in=d),
         "w_down": _param(rngs, (L, f, d), ("layers", "mlp", "embed"), pd, fan_in=f),
     })
+    if c.attention_bias:
+      self.layers["bq"] = _param(rngs, (L, h, hd), ("layers", "heads", "head_dim"), pd, None, value=0.0)
+      self.layers["bk"] = _param(rngs, (L, kv, hd), ("layers", "kv_heads", "head_dim"), pd, None, value=0.0)
+      self.layers["bv"] = _param(rngs, (L, kv, hd), ("layers", "kv_heads", "head_dim"), pd, None, value=0.0)
     self.final_norm = _param(rngs, (d,), ("embed",), pd, None, value=1.0)
-    self.head = _param(rngs, (d, c.vocab_size), ("embed", "vocab"), pd, fan_in=d)
+    if not c.tie_embeddings:
+      self.head = _param(rngs, (d, c.vocab_size), ("embed", "vocab"), pd, fan_in=d)
+
+  def head_weight(self) -> jax.Array:
+    """The output projection [embed, vocab]: the head, or the embedding table's transpose when tied."""
+    return self.embed[...].T if self.config.tie_embeddings else self.head[...]
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> jax.Array:
@@ -238,7 +289,7 @@ class Llama(nnx.Module):
     return rms_norm(x, self.final_norm[...], c.norm_eps)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
-    return jnp.einsum("btd,dv->btv", hidden, self.head[...].astype(hidden.dtype))
+    return jnp.einsum("btd,dv->btv", hidden, self.head_weight().astype(hidden.dtype))
 
 
 def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array,
@@ -279,7 +330,7 @@ def loss_fn(*, model: Llama, state: Any, rng: jax.Array, tokens: jax.Array, targ
   hidden = model(tokens, positions=positions, segment_ids=segment_ids)
   if weights is None:
     weights = jnp.ones(targets.shape, jnp.float32) if segment_ids is None else (segment_ids > 0).astype(jnp.float32)
-  total, count = chunked_cross_entropy(hidden, model.head[...], targets, weights, model.config.loss_chunk_size,
+  total, count = chunked_cross_entropy(hidden, model.head_weight(), targets, weights, model.config.loss_chunk_size,
                                        model.config.loss_remat)
   loss = total / jnp.maximum(count, 1.0)
   return loss, state, {"loss": loss, "tokens": count}
