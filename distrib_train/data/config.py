@@ -29,7 +29,11 @@ class DataConfig:
     num_workers: grain worker processes for prefetching (0: threads only).
     num_threads: reader threads per process.
     synthetic_documents: documents in the synthetic source.
-    tokenizer: ``str -> list[int]``; None for bytes (vocab 256).
+    tokenizer: a tokenizer spec (``bytes``, ``hf:<tokenizer.json>``,
+      ``sentencepiece:<model>``, ``tiktoken:<bpe file>``; ``tokenizer.py``),
+      or, from code, any ``str -> list[int]`` function.
+    bos_token, eos_token: the text of a special token put before / after
+      every document (a spec'd tokenizer only; empty: none).
     allow_replicated_batch: let the trainer run a global batch that the
       mesh's batch axes do not divide, computing the whole batch on every
       device (refused otherwise).
@@ -46,7 +50,9 @@ class DataConfig:
   num_threads: int = 4
   synthetic_documents: int = 4096
   allow_replicated_batch: bool = False
-  tokenizer: Tokenizer | None = dataclasses.field(default=None, compare=False)
+  tokenizer: str = "bytes"  # or, from code, a Tokenizer function
+  bos_token: str = ""
+  eos_token: str = ""
 
   def __post_init__(self):
     for name in ("seq_len", "global_batch_size", "synthetic_documents", "num_threads"):
@@ -61,3 +67,20 @@ class DataConfig:
       raise ValueError(f"Data config: unknown source {self.source!r}; known: synthetic, pydoc, text.")
     if self.source == "text" and not self.paths:
       raise ValueError("Data config: source 'text' needs paths (files or globs).")
+    if self.tokenizer is None:
+      object.__setattr__(self, "tokenizer", "bytes")
+    if isinstance(self.tokenizer, str):
+      from distrib_train.data import tokenizer as tokenizer_lib
+
+      tokenizer_lib.parse(self.tokenizer)  # a known kind and a file that exists, before anything runs
+    elif not callable(self.tokenizer):
+      raise ValueError(f"Data config: tokenizer must be a spec (bytes, hf:<file>, …) or a function, got"
+                       f" {type(self.tokenizer).__name__}.")
+    elif self.bos_token or self.eos_token:
+      raise ValueError("Data config: bos_token / eos_token need a tokenizer spec (a function adds its own).")
+
+  def tokenizer_name(self) -> str:
+    """The spec, or ``code:<function name>`` for a tokenizer given as a function."""
+    if isinstance(self.tokenizer, str):
+      return self.tokenizer
+    return f"code:{getattr(self.tokenizer, '__qualname__', type(self.tokenizer).__name__)}"

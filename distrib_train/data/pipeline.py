@@ -13,8 +13,10 @@ item, so a restarted job continues at exactly the next example.
 Sources: ``synthetic`` (random tokens), ``pydoc`` (the English documentation
 shipped with every CPython, ``pydoc_data.topics``: a real corpus with no
 download), ``text`` (files or globs: ``.txt`` files, ``.jsonl`` with a
-``"text"`` field, or ``.array_record`` shards). Text is byte-level (vocab
-256) unless a ``tokenizer`` (``str -> list[int]``) is given.
+``"text"`` field, or ``.array_record`` shards). Text is tokenized by
+``data.tokenizer`` (``tokenizer.py``: byte-level, vocab 256, by default;
+``hf:``, ``sentencepiece:`` or ``tiktoken:`` files; or, from code, any
+``str -> list[int]`` function).
 
 Which rows of the global batch a process feeds follows the input sharding:
 processes whose devices hold the same rows (a mesh axis that replicates the
@@ -33,6 +35,7 @@ import jax
 import numpy as np
 
 from distrib_train.data import sources
+from distrib_train.data import tokenizer as tokenizer_lib
 from distrib_train.data.config import DataConfig, Tokenizer
 
 # 2: tuples in grain's state survive the JSON round trip (see _state_to_json).
@@ -177,7 +180,12 @@ class DataLoader:
           f" data.eval_fraction={config.eval_fraction}), fewer than the {self.shard_count} data shard(s) it is"
           " read in; give more documents or change data.eval_fraction."
       )
-    tokenize = _tokenizer(config.tokenizer)
+    tokenize = _tokenizer(config)
+    if vocab_size is not None and isinstance(config.tokenizer, str):
+      ids = tokenizer_lib.load(config.tokenizer, config.bos_token, config.eos_token).vocab_size
+      if ids > vocab_size:
+        raise ValueError(f"data.tokenizer {config.tokenizer} has {ids} ids but the model's vocabulary holds"
+                         f" {vocab_size}; set model.vocab_size={ids} (or more), or use the model's own tokenizer.")
     if vocab_size is not None:
       _check_token_ids(tokenize, docs, indices[:: max(1, len(indices) // 16)][:16], vocab_size, split)
     seq = config.seq_len + 1  # inputs and targets are shifted by one
@@ -307,7 +315,13 @@ def to_global(batch: Mapping[str, np.ndarray], input_shardings: Mapping[str, Any
   }
 
 
-def _tokenizer(tokenizer: Tokenizer | None) -> Callable[[Any], np.ndarray]:
+def _tokenizer(config: DataConfig) -> Callable[[Any], np.ndarray]:
+  tokenizer: Tokenizer | None = config.tokenizer
+  if isinstance(tokenizer, str):
+    loaded = tokenizer_lib.load(tokenizer, config.bos_token, config.eos_token)
+    plain_bytes = tokenizer == "bytes" and loaded.bos_id is None and loaded.eos_id is None
+    tokenizer = None if plain_bytes else loaded
+
   def tokenize(doc: Any) -> np.ndarray:
     if isinstance(doc, np.ndarray):  # synthetic documents are tokens already
       return doc

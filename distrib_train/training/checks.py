@@ -6,6 +6,8 @@
   onto (a typo such as ``contxt``).
 - ``check_batch_is_split``: the global batch divides over the batch rule's
   mesh axes.
+- ``check_same_tokenizer``: a run that resumes tokenizes as the checkpoint's
+  run did.
 - ``check_token_ids``: the first batch's ids are inside the model's
   vocabulary.
 
@@ -118,3 +120,29 @@ def check_token_ids(batch: Mapping[str, jax.Array], vocab_size: int | None) -> N
           f"The first batch's {name} hold token id {bad}, outside the model's vocabulary of {vocab_size}"
           f" ids (0 to {vocab_size - 1}); use a tokenizer that matches the model or a larger"
           " model.vocab_size.")
+
+
+def tokenizer_fingerprint(data_config) -> dict:
+  """What a checkpoint records of the run's tokenizer (``data/tokenizer.py``)."""
+  if not isinstance(data_config.tokenizer, str):
+    return {"spec": data_config.tokenizer_name()}
+  from distrib_train.data import tokenizer as tokenizer_lib
+
+  return tokenizer_lib.load(data_config.tokenizer, data_config.bos_token, data_config.eos_token).fingerprint
+
+
+def check_same_tokenizer(meta: Mapping, fingerprint: Mapping, where: str) -> None:
+  """Refuses to resume a run whose checkpoint was trained on other token ids.
+
+  A checkpoint from before tokenizers were recorded was trained on bytes.
+  """
+  saved = meta.get("run", {}).get("tokenizer") or {"spec": "bytes", "sha256": "", "vocab_size": 256,
+                                                    "bos_id": None, "eos_id": None}
+  keys = ("spec", "sha256", "bos_id", "eos_id")
+  if all(saved.get(k) == fingerprint.get(k) for k in keys if k in saved or k in fingerprint):
+    return
+  what = lambda f: f"{f.get('spec')}" + (f" (sha256 {str(f.get('sha256'))[:12]}…)" if f.get("sha256") else "") + (
+      f", BOS {f.get('bos_id')}, EOS {f.get('eos_id')}" if f.get("bos_id") is not None or f.get("eos_id") is not None
+      else "")
+  raise ValueError(f"{where} was trained with tokenizer {what(saved)}; this run names {what(fingerprint)}. Resume"
+                   " with the checkpoint's tokenizer, or start in a new workdir (fine-tuning from its weights).")

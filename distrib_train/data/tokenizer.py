@@ -1,0 +1,193 @@
+"""Tokenizers named in the config: ``bytes``, ``hf:<tokenizer.json>``, ``sentencepiece:<model>``, ``tiktoken:<bpe>``.
+
+``data.tokenizer`` names one (YAML or ``--set data.tokenizer=hf:/data/tok/tokenizer.json``);
+``load(spec)`` reads it from a local file — nothing is ever downloaded — with
+its own library, imported only then:
+
+- ``bytes``: UTF-8 bytes, ids 0–255 (the default; no library).
+- ``hf:<path>``: a Hugging Face ``tokenizer.json`` (``pip install tokenizers``).
+- ``sentencepiece:<path>``: a SentencePiece ``.model`` (``pip install sentencepiece``).
+- ``tiktoken:<path>``: a tiktoken BPE file of ``base64-token rank`` lines
+  (``pip install tiktoken``); text is split with the cl100k pattern
+  unless the spec names another after ``#`` (``tiktoken:o200k.tiktoken#o200k``).
+
+Special tokens: a document is encoded as plain text (no special tokens
+added by the tokenizer itself); ``data.bos_token`` and ``data.eos_token`` name
+tokens (their text, e.g. ``<s>``, ``</s>``, ``<|endoftext|>``) to put before
+and after every document — with packing, the EOS is what separates documents
+inside a sequence. Empty (the default): none. A name the vocabulary does not
+hold is refused.
+
+``Tokenizer.fingerprint`` (the spec, a SHA-256 of the file, the vocabulary
+size and the special ids) goes into ``config.yaml`` and every checkpoint's
+metadata; a run that resumes with another tokenizer is refused.
+
+Not for: reading documents (``sources.py``), batching (``pipeline.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+KINDS = ("bytes", "hf", "sentencepiece", "tiktoken")
+_PACKAGES = {"hf": "tokenizers", "sentencepiece": "sentencepiece", "tiktoken": "tiktoken"}
+# tiktoken's cl100k / o200k pre-tokenisation patterns are tiktoken's own; named here, not copied.
+_TIKTOKEN_PATTERNS = ("cl100k_base", "o200k_base", "r50k_base", "p50k_base")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+  """A loaded tokenizer: ``encode(text)`` → ids, with the document's BOS/EOS.
+
+  Attributes:
+    spec: what the config named (``hf:/path/tokenizer.json``).
+    vocab_size: ids are in ``[0, vocab_size)``.
+    bos_id, eos_id: added before / after every document (None: not added).
+    sha256: of the tokenizer file (empty for ``bytes``).
+  """
+
+  spec: str
+  vocab_size: int
+  encode_text: Callable[[str], Sequence[int]] = dataclasses.field(repr=False, compare=False)
+  token_id: Callable[[str], int | None] = dataclasses.field(repr=False, compare=False)
+  bos_id: int | None = None
+  eos_id: int | None = None
+  sha256: str = ""
+
+  def __call__(self, text: str) -> list[int]:
+    """The document's ids: BOS (if any), the text's tokens, EOS (if any)."""
+    ids = list(self.encode_text(text))
+    if self.bos_id is not None:
+      ids.insert(0, self.bos_id)
+    if self.eos_id is not None:
+      ids.append(self.eos_id)
+    return ids
+
+  @property
+  def fingerprint(self) -> dict[str, Any]:
+    """What a checkpoint records to refuse a resume with another tokenizer."""
+    return {"spec": self.spec, "sha256": self.sha256, "vocab_size": self.vocab_size, "bos_id": self.bos_id,
+            "eos_id": self.eos_id}
+
+
+def parse(spec: str, where: str = "data.tokenizer") -> tuple[str, str]:
+  """``(kind, path)`` of a spec, checked: a known kind, and a file that exists.
+
+  Raises:
+    ValueError: an unknown kind or a missing file (named).
+  """
+  text = str(spec).strip()
+  kind, sep, path = text.partition(":")
+  if text == "bytes":
+    return "bytes", ""
+  if not sep or kind not in KINDS or kind == "bytes":
+    raise ValueError(f"{where}: {spec!r} is not a tokenizer; use bytes, hf:<tokenizer.json>,"
+                     " sentencepiece:<model file> or tiktoken:<bpe file> (local files; nothing is downloaded).")
+  file = os.path.expanduser(path.partition("#")[0] if kind == "tiktoken" else path)
+  if not file or not os.path.isfile(file):
+    raise ValueError(f"{where}: tokenizer file {file!r} does not exist (a local {kind} file is needed; nothing is"
+                     " downloaded).")
+  return kind, path
+
+
+def _sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def _import(kind: str):
+  import importlib
+
+  try:
+    return importlib.import_module(_PACKAGES[kind])
+  except ImportError:
+    raise ValueError(f"data.tokenizer {kind}: needs the {_PACKAGES[kind]!r} package: pip install"
+                     f" {_PACKAGES[kind]} (or pip install 'distrib_train[text]').") from None
+
+
+def _hf(path: str):
+  tokenizers = _import("hf")
+  try:
+    tok = tokenizers.Tokenizer.from_file(path)
+  except Exception as e:  # the library raises its own Exception type
+    raise ValueError(f"data.tokenizer: {path!r} is not a Hugging Face tokenizer.json: {e}") from None
+  return (lambda text: tok.encode(text, add_special_tokens=False).ids, tok.token_to_id,
+          tok.get_vocab_size(with_added_tokens=True))
+
+
+def _sentencepiece(path: str):
+  spm = _import("sentencepiece")
+  try:
+    proc = spm.SentencePieceProcessor(model_file=path)
+  except Exception as e:  # RuntimeError / OSError with the library's text
+    raise ValueError(f"data.tokenizer: {path!r} is not a SentencePiece model: {e}") from None
+  piece = lambda token: (lambda i: None if proc.id_to_piece(i) != token else i)(proc.piece_to_id(token))
+  return (lambda text: proc.encode(text, out_type=int), piece, proc.get_piece_size())
+
+
+def _tiktoken(path: str):
+  tiktoken = _import("tiktoken")
+  from tiktoken import load as tiktoken_load
+
+  file, _, pattern = path.partition("#")
+  pattern = pattern or "cl100k_base"
+  if pattern not in _TIKTOKEN_PATTERNS:
+    raise ValueError(f"data.tokenizer: unknown tiktoken pattern {pattern!r}; known: {', '.join(_TIKTOKEN_PATTERNS)}.")
+  try:
+    ranks = tiktoken_load.load_tiktoken_bpe(os.path.expanduser(file))
+  except Exception as e:  # ValueError / binascii.Error with the library's text
+    raise ValueError(f"data.tokenizer: {file!r} is not a tiktoken BPE file (base64 token, rank per line): {e}"
+                     ) from None
+  pat_str = _tiktoken_pattern(tiktoken, pattern)
+  encoding = tiktoken.Encoding(name=os.path.basename(file), pat_str=pat_str, mergeable_ranks=ranks,
+                               special_tokens={})
+  by_text = {token.decode("utf-8", "replace"): rank for token, rank in ranks.items()}
+  return (lambda text: encoding.encode_ordinary(text), by_text.get, max(ranks.values()) + 1)
+
+
+def _tiktoken_pattern(tiktoken: Any, name: str) -> str:
+  """The pre-tokenisation regex of one of tiktoken's own encodings (its constructor, without its file)."""
+  from tiktoken_ext import openai_public
+
+  constructor = {"cl100k_base": openai_public.cl100k_base, "o200k_base": openai_public.o200k_base,
+                 "r50k_base": openai_public.r50k_base, "p50k_base": openai_public.p50k_base}[name]
+  import unittest.mock
+
+  # The constructors fetch their vocabulary; only their pattern is wanted here.
+  with unittest.mock.patch.object(openai_public, "load_tiktoken_bpe", lambda *a, **k: {}):
+    return constructor()["pat_str"]
+
+
+@functools.lru_cache(maxsize=8)
+def load(spec: str = "bytes", bos_token: str = "", eos_token: str = "") -> Tokenizer:
+  """The tokenizer ``spec`` names, with ``bos_token`` / ``eos_token`` around every document.
+
+  Raises:
+    ValueError: an unknown kind, a missing or unreadable file, a missing
+      library, or a special token the vocabulary does not hold (named).
+  """
+  kind, path = parse(spec)
+  if kind == "bytes":
+    encode, token_id, vocab, sha = (lambda text: list(text.encode("utf-8"))), (lambda token: None), 256, ""
+  else:
+    encode, token_id, vocab = {"hf": _hf, "sentencepiece": _sentencepiece, "tiktoken": _tiktoken}[kind](
+        os.path.expanduser(path) if kind != "tiktoken" else path)
+    sha = _sha256(os.path.expanduser(path.partition("#")[0] if kind == "tiktoken" else path))
+  ids = {}
+  for name, token in (("bos_token", bos_token), ("eos_token", eos_token)):
+    if not token:
+      ids[name] = None
+      continue
+    ids[name] = token_id(token)
+    if ids[name] is None:
+      raise ValueError(f"data.{name}: {token!r} is not a token of {spec} (a tokenizer's special tokens are named"
+                       " by their text, e.g. <s>, </s>, <|endoftext|>).")
+  return Tokenizer(spec, vocab, encode, token_id, ids["bos_token"], ids["eos_token"], sha)

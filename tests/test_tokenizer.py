@@ -1,0 +1,168 @@
+"""Tokenizers named in the config: hf:, sentencepiece:, tiktoken: files (built here, never downloaded) and bytes."""
+
+import base64
+import json
+import pathlib
+
+import pytest
+import sentencepiece as spm  # the test extra installs the three tokenizer libraries
+import tiktoken  # noqa: F401
+import tokenizers
+
+import data_helpers
+from distrib_train import data
+from distrib_train.data import sources
+from distrib_train.data import tokenizer as tokenizer_lib
+from distrib_train.training import config as config_lib
+from distrib_train.training.checks import TrainerSetupError
+from distrib_train.training.trainer import Trainer
+
+CACHE = ""
+
+
+@pytest.fixture(autouse=True)
+def _cache(xla_cache):
+  global CACHE
+  CACHE = xla_cache
+
+
+def _mesh():
+  import distrib_train as dt
+
+  return dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2)))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  path = tmp_path_factory.mktemp("corpus") / "pydoc.txt"
+  path.write_text("\n\n".join(sources._pydoc_documents()[:60]), encoding="utf-8")
+  return path
+
+
+@pytest.fixture(scope="module")
+def hf_file(corpus, tmp_path_factory):
+  """A 512-token byte-level BPE trained on part of the pydoc corpus, with <s> and </s>."""
+  from tokenizers import models, pre_tokenizers, trainers, decoders
+
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<pad>", "<s>", "</s>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train([str(corpus)], trainer)
+  path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
+  tok.save(str(path))
+  return path
+
+
+@pytest.fixture(scope="module")
+def sp_file(corpus, tmp_path_factory):
+  prefix = tmp_path_factory.mktemp("sp") / "sp"
+  spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(prefix), vocab_size=300, model_type="bpe",
+                                 bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+  return pathlib.Path(f"{prefix}.model")
+
+
+@pytest.fixture(scope="module")
+def tiktoken_file(tmp_path_factory):
+  """Every byte, then a few merges, as tiktoken's ``base64-token rank`` lines."""
+  tokens = [bytes([b]) for b in range(256)] + [b"th", b"he", b"in", b" t", b"the", b" the"]
+  path = tmp_path_factory.mktemp("tt") / "tiny.tiktoken"
+  path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
+  return path
+
+
+TEXT = "The value of the expression is the object it names."
+
+
+def test_each_kind_encodes_as_its_own_library_does(hf_file, sp_file, tiktoken_file):
+  hf = tokenizer_lib.load(f"hf:{hf_file}")
+  assert hf(TEXT) == tokenizers.Tokenizer.from_file(str(hf_file)).encode(TEXT, add_special_tokens=False).ids
+  assert hf.vocab_size == 512 and hf.bos_id is None and len(hf.sha256) == 64
+  sp = tokenizer_lib.load(f"sentencepiece:{sp_file}", "<s>", "</s>")
+  assert sp(TEXT) == [1] + spm.SentencePieceProcessor(model_file=str(sp_file)).encode(TEXT) + [2]
+  tt = tokenizer_lib.load(f"tiktoken:{tiktoken_file}")
+  ids = tt(TEXT)
+  assert tt.vocab_size == 262 and 261 in ids  # " the" merged
+  assert b"".join(tiktoken_bytes(tiktoken_file)[i] for i in ids).decode() == TEXT
+  assert tokenizer_lib.load("bytes")(TEXT) == list(TEXT.encode())
+
+
+def tiktoken_bytes(path):
+  return {int(rank): base64.b64decode(token) for token, rank in (line.split() for line in open(path))}
+
+
+def test_bos_and_eos_surround_every_packed_document(hf_file, tmp_path):
+  short = tmp_path / "short.jsonl"
+  short.write_text("".join(json.dumps({"text": f"Document {i} says {'the value ' * (i % 5)}once."}) + "\n"
+                           for i in range(200)))
+  config = data.DataConfig(source="text", paths=(str(short),), seq_len=64, global_batch_size=8,
+                           tokenizer=f"hf:{hf_file}", bos_token="<s>", eos_token="</s>")
+  loader = data.DataLoader(config, data_helpers.shardings(_mesh()), vocab_size=512)
+  batch = loader.next_local()
+  loader.close()
+  bos, eos = 1, 2
+  for tokens, targets, segments in zip(batch["tokens"], batch["targets"], batch["segment_ids"]):
+    starts = [i for i in range(1, len(segments)) if segments[i] != segments[i - 1] and segments[i] > 0]
+    assert starts and all(tokens[i] == bos for i in starts)  # every document that starts inside a row: <s> first
+    assert all(tokens[i - 1] == eos for i in starts)  # … after the previous one's </s>
+  real = batch["tokens"][batch["segment_ids"] > 0]
+  assert real.max() < 512 and real.min() >= 0
+
+
+@pytest.mark.parametrize("spec, extra, message", [
+    ("gpt2", {}, "'gpt2' is not a tokenizer; use bytes, hf:"),
+    ("hf:/nowhere/tokenizer.json", {}, "tokenizer file '/nowhere/tokenizer.json' does not exist"),
+    ("HF", {"eos_token": "<eos>"}, "data.eos_token: '<eos>' is not a token of hf:"),
+    ("bytes", {"bos_token": "<s>"}, "data.bos_token: '<s>' is not a token of bytes"),
+])
+def test_bad_tokenizer_settings_are_named(spec, extra, message, hf_file):
+  spec = f"hf:{hf_file}" if spec == "HF" else spec
+  with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    config = data.DataConfig(tokenizer=spec, **extra)
+    tokenizer_lib.load(config.tokenizer, config.bos_token, config.eos_token)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_reading(hf_file):
+  config = data.DataConfig(seq_len=32, global_batch_size=8, tokenizer=f"hf:{hf_file}")
+  with pytest.raises(ValueError, match=r"has 512 ids but the model's vocabulary holds 256; set model.vocab_size=512"):
+    data.DataLoader(config, data_helpers.shardings(_mesh()), vocab_size=256)
+
+
+def test_the_config_names_a_tokenizer_from_yaml_or_set_and_records_it(hf_file, tmp_path):
+  config = config_lib.load("tiny", [f"data.tokenizer=hf:{hf_file}", "data.eos_token=</s>"])
+  assert config.data.tokenizer == f"hf:{hf_file}"
+  assert config.to_dict()["data"]["tokenizer"] == f"hf:{hf_file}"
+  (tmp_path / "run.yaml").write_text(config.to_yaml())
+  assert config_lib.load(str(tmp_path / "run.yaml")).data == config.data
+  with pytest.raises(ValueError, match="does not exist"):
+    config_lib.load("tiny", ["data.tokenizer=sentencepiece:/missing.model"])
+
+
+def _run_config(workdir_tokenizer, *overrides):
+  return config_lib.load("tiny", [
+      "data.seq_len=32", "data.global_batch_size=8", "train.steps=2", "train.log_every=1", "train.eval_every=0",
+      "train.checkpoint_every=2", "train.async_checkpoint=false", f"train.compilation_cache_dir={CACHE}",
+      f"data.tokenizer={workdir_tokenizer}", *overrides])
+
+
+def _tree(path):
+  return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
+
+
+def test_a_run_records_its_tokenizer_and_a_resume_with_another_is_refused(hf_file, tmp_path):
+  workdir = tmp_path / "run"
+  config = _run_config(f"hf:{hf_file}", "model.vocab_size=512", "data.eos_token=</s>")
+  assert Trainer(config, workdir, console=False).run().status == "finished"
+  assert f"tokenizer: hf:{hf_file}" in (workdir / "config.yaml").read_text()
+  meta = json.loads((workdir / "checkpoints" / "2" / "meta" / "metadata").read_text())
+  assert meta["run"]["tokenizer"]["spec"] == f"hf:{hf_file}" and meta["run"]["tokenizer"]["eos_id"] == 2
+  before = _tree(workdir)
+  for other in ("bytes", f"hf:{hf_file}"):  # another tokenizer; the same one without its EOS
+    overrides = ["model.vocab_size=512", "train.steps=4"]
+    with pytest.raises(TrainerSetupError, match=r"was trained with tokenizer hf:.*this run names"):
+      Trainer(_run_config(other, *overrides), workdir, console=False).run()
+  assert _tree(workdir) == before  # refused before anything was written
+  resumed = Trainer(_run_config(f"hf:{hf_file}", "model.vocab_size=512", "data.eos_token=</s>", "train.steps=4"),
+                    workdir, console=False).run()
+  assert resumed.status == "finished" and resumed.step == 4
