@@ -33,6 +33,9 @@ _MESH = flags.DEFINE_string("mesh_config", None, "Mesh config: a name in mesh_co
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: config, metrics, checkpoints (resumed from).")
 _SET = flags.DEFINE_multi_string("set", [], "Override a config key: --set train.steps=100 (repeatable).")
 _STEPS = flags.DEFINE_integer("steps", None, "Total train steps (same as --set train.steps=N).")
+_INIT_FROM = flags.DEFINE_string(
+    "init_from", None, "Start a new run from these weights with a fresh optimizer: hf:<Hugging Face dir> or"
+    " ckpt:<workdir or checkpoint step dir> (same as --set train.init_from=...).")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None, "Run on CPU, emulating this many devices per process.")
 _PROFILE = flags.DEFINE_string("profile_steps", None, "Trace steps A:B with the jax profiler into workdir/profile.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process jobs).")
@@ -100,6 +103,8 @@ def main(argv: Sequence[str]) -> None:
     overrides = config_lib.parse_overrides(_SET.value)
     if _STEPS.value is not None:
       overrides["train.steps"] = str(_STEPS.value)
+    if _INIT_FROM.value is not None:
+      overrides["train.init_from"] = _INIT_FROM.value
     if _MESH.value:
       overrides["mesh_config"] = _MESH.value
     config = config_lib.load(_CONFIG.value, overrides)

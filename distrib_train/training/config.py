@@ -85,6 +85,11 @@ class TrainConfig:
     peak_tflops: per-device peak for MFU (0: look the device kind up; CPU
       has none).
     rules: axis rules (a rule-set name) when the mesh config names none.
+    init_from: a new run's weights: ``hf:<dir>`` (a Hugging Face Llama /
+      Mistral / Qwen2 checkpoint; the model's shape comes from its
+      config.json) or ``ckpt:<workdir, checkpoints dir or step dir>`` (the
+      params of a distrib_train run); the optimizer starts fresh. Empty: a
+      random init. A run that resumes from its own checkpoint ignores it.
   """
 
   steps: int = 200
@@ -100,6 +105,7 @@ class TrainConfig:
   compilation_cache_dir: str = "~/.cache/distrib_train/xla"
   peak_tflops: float = 0.0
   rules: str = "fsdp_tensor"
+  init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +130,7 @@ class Config:
   def to_dict(self) -> dict[str, Any]:
     """Plain, YAML-able values (model overrides inlined into ``model``)."""
     out = dataclasses.asdict(self)
-    out["data"] = {k: v for k, v in out["data"].items() if k not in _NOT_CONFIG_KEYS}
+    out["data"]["tokenizer"] = self.data.tokenizer_name()
     model = out.pop("model")
     out = {"model": {"name": model["name"], "preset": model["preset"], **dict(model["overrides"])}, **out}
     out["data"]["paths"] = list(out["data"]["paths"])
@@ -134,10 +140,26 @@ class Config:
     return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
   def model_recipe(self):
-    """The ``ModelRecipe`` this config names (config fields overridden)."""
+    """The ``ModelRecipe`` this config names (config fields overridden); with ``train.init_from: hf:<dir>``,
+    the model's shape is the checkpoint's (``checkpoint/hf.py``)."""
     from distrib_train import recipes
 
-    return recipes.get(self.model.name, self.model.preset, **dict(self.model.overrides))
+    recipe = recipes.get(self.model.name, self.model.preset, **dict(self.model.overrides))
+    if not self.train.init_from.startswith("hf:"):
+      return recipe
+    from distrib_train.checkpoint import hf
+
+    if self.model.name != "llama":
+      raise ConfigError(f"train.init_from {self.train.init_from}: Hugging Face checkpoints load into the llama"
+                        f" model, not {self.model.name!r}.")
+    shape = hf.llama_config(os.path.expanduser(self.train.init_from[3:]))
+    clashes = [f"model.{k}={v!r} (the checkpoint has {getattr(shape, k)!r})"
+               for k, v in self.model.overrides.items() if k in hf.SHAPE_FIELDS and getattr(shape, k) != v]
+    if clashes:
+      raise ConfigError(f"train.init_from {self.train.init_from}: {', '.join(clashes)}; leave the model's shape to"
+                        " the checkpoint.")
+    config = dataclasses.replace(recipe.config, **{k: getattr(shape, k) for k in hf.SHAPE_FIELDS})
+    return dataclasses.replace(recipe, config=config)
 
   def data_config(self) -> DataConfig:
     """This config's ``distrib_train.data.DataConfig`` (the ``data`` section)."""
@@ -145,8 +167,8 @@ class Config:
 
 
 _SECTIONS = {"optimizer": OptimizerConfig, "data": DataConfig, "train": TrainConfig}
-# Fields set from code, not from a config file (a tokenizer is a function).
-_NOT_CONFIG_KEYS = ("tokenizer",)
+# Fields set from code, not from a config file.
+_NOT_CONFIG_KEYS: tuple[str, ...] = ()
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -377,13 +399,20 @@ def _check(config: Config) -> None:
     raise ConfigError(f"train.rules must be one of {', '.join(sorted(RULE_SETS))}, got {t.rules!r}.")
   if t.nonfinite not in NONFINITE_POLICIES:
     raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {t.nonfinite!r}.")
+  if t.init_from:
+    kind, _, path = t.init_from.partition(":")
+    if kind not in ("hf", "ckpt") or not path:
+      raise ConfigError(f"train.init_from must be hf:<Hugging Face dir> or ckpt:<workdir or step dir>, got"
+                        f" {short_repr(t.init_from)}.")
+    if not os.path.isdir(os.path.expanduser(path)):
+      raise ConfigError(f"train.init_from {t.init_from}: {path!r} is not a directory.")
   try:
     config.data_config()
     config.model_recipe()
   except (ValueError, TypeError, ArithmeticError) as e:  # values the model's own config refuses
     raise ConfigError(f"model: {e}" if not isinstance(e, ValueError) else str(e)) from None
   vocab = getattr(config.model_recipe().config, "vocab_size", None)
-  if vocab is not None and vocab < 256:
+  if vocab is not None and vocab < 256 and config.data.tokenizer == "bytes":
     raise ConfigError(f"model.vocab_size {vocab} is below 256, the byte-level vocabulary of the data sources.")
 
 

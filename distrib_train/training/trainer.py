@@ -29,6 +29,7 @@ refusals (``checks.py``).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import pathlib
 import time
@@ -42,13 +43,15 @@ from distrib_train.training import metrics as metrics_lib
 from distrib_train.training import job as job_lib
 from distrib_train.training import window as window_lib
 from distrib_train.sharding.axis_rules import activation_sharding
-from distrib_train.checkpoint.checks import check_restorable
+from distrib_train.checkpoint.checks import check_restorable, read_meta
 from distrib_train.checkpoint.manager import CheckpointManager, _quiet_echoes_of_failed_writes
 from distrib_train.checkpoint.checks import CheckpointError, first_line
 from distrib_train.training.checks import (TrainerSetupError, check_batch_is_split, check_every_axis_is_used,
+                                           check_same_tokenizer, tokenizer_fingerprint,
                                            check_path_components, check_workdir, local_value)
 from distrib_train.training.compilation import CacheEvents, memory_line, setup_compilation_cache
 from distrib_train.training.config import Config
+from distrib_train.training import init_from
 from distrib_train.training.hooks import Profiler
 from distrib_train.training.loop import RunResult, TrainLoop, aux_scalars
 from distrib_train.training.nonfinite import NonFiniteGuard
@@ -180,7 +183,13 @@ class Trainer:
       cache_dir = setup_compilation_cache(t.compilation_cache_dir)
       check_workdir(self.workdir)
       plan = self._plan()
-      check_restorable(self.workdir / "checkpoints", plan.abstract_train_state)  # reads metadata only
+      latest = check_restorable(self.workdir / "checkpoints", plan.abstract_train_state)  # reads metadata only
+      tokenizer = tokenizer_fingerprint(self.config.data_config())
+      if latest is not None:
+        check_same_tokenizer(read_meta(self.workdir / "checkpoints", latest), tokenizer,
+                             f"Checkpoint step {latest} in {str(self.workdir / 'checkpoints')!r}")
+      elif self.config.train.init_from:
+        init_from.check(self.config, plan.abstract_train_state)
       loader = DataLoader(self.config.data_config(), plan.input_kwarg_shardings, vocab_size=self.vocab_size)
       no_eval = self._missing_eval_split(plan)
       if jax.process_index() == 0:
@@ -209,7 +218,8 @@ class Trainer:
     ckpt = None
     try:
       ckpt = CheckpointManager(self.workdir / "checkpoints", max_to_keep=t.keep_checkpoints,
-                               async_save=t.async_checkpoint, metadata={"config": config.to_dict()})
+                               async_save=t.async_checkpoint,
+                               metadata={"config": config.to_dict(), "tokenizer": tokenizer})
       state = self._init_or_restore(ckpt, plan, loader)
       if primary:
         (self.workdir / "config.yaml").write_text(config.to_yaml())
@@ -257,6 +267,9 @@ class Trainer:
     if latest is None:
       state = plan.init(self.job.make_state)
       self.writer.log("Initialised a new train state (sharded).")
+      if self.config.train.init_from:
+        state, line = init_from.load(self.config, plan.abstract_train_state, state)
+        self.writer.log(line + " The optimizer starts fresh.")
       return state.replace(step=int(state.step))
     meta = ckpt.metadata_of(latest)
     saved = (meta.get("run") or {}).get("config") or {}
@@ -347,6 +360,7 @@ class Trainer:
       loader.close()
     eval_loss = total / max(count, 1.0)
     aux_means = {name: value / max(count, 1.0) for name, value in aux_totals.items()}
-    self.writer.write(step, {**aux_means, "loss": eval_loss, "tokens": count, "batches": batches,
-                             "seconds": time.perf_counter() - start}, prefix="eval/")
+    perplexity = math.exp(min(eval_loss, 700.0))  # exp of a mean token cross-entropy; capped below overflow
+    self.writer.write(step, {**aux_means, "loss": eval_loss, "perplexity": perplexity, "tokens": count,
+                             "batches": batches, "seconds": time.perf_counter() - start}, prefix="eval/")
     return eval_loss

@@ -1,0 +1,71 @@
+"""A new run's weights from elsewhere: ``train.init_from`` (``--init_from``) = ``hf:<dir>`` or ``ckpt:<dir>``.
+
+``check(config, plan)`` reads only headers and metadata (it runs with the
+other start-up checks, before the workdir is touched); ``load(config, plan,
+state)`` replaces a freshly initialised state's params with the checkpoint's,
+read onto the plan's shardings. The optimizer state, step and key stay
+fresh: this is fine-tuning, not resuming (a run that has its own checkpoint
+resumes from it and ignores ``init_from``).
+
+- ``hf:<dir>``: a Hugging Face Llama / Mistral / Qwen2 directory
+  (``checkpoint/hf.py``); the model's shape already comes from its
+  ``config.json`` (``Config.model_recipe``).
+- ``ckpt:<dir>``: a distrib_train workdir, its ``checkpoints`` directory, or
+  one step directory in it; the newest step unless a step is named; the
+  params only (the optimizer may differ).
+
+Not for: resuming a run (``trainer.py``), the formats (``checkpoint/``).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+from distrib_train.checkpoint import hf
+from distrib_train.checkpoint.checks import MODEL_FIELDS, abstract_target, check_matches, read_meta
+from distrib_train.train_state import TrainState
+from distrib_train.training.config import Config
+
+
+def _checkpoint(path: str) -> tuple[pathlib.Path, int]:
+  """``(checkpoints directory, step)`` of a workdir, a checkpoints directory or a step directory."""
+  where = pathlib.Path(os.path.expanduser(path))
+  if where.name.isdigit() and (where / "meta").exists():
+    return where.parent, int(where.name)
+  directory = where / "checkpoints" if (where / "checkpoints").is_dir() else where
+  steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()) \
+      if directory.is_dir() else []
+  if not steps:
+    raise ValueError(f"train.init_from ckpt:{path}: no checkpoint there (a workdir, its checkpoints directory or"
+                     " one step directory).")
+  return directory, steps[-1]
+
+
+def check(config: Config, abstract: TrainState) -> None:
+  """What ``load`` would refuse, from headers and metadata only.
+
+  Raises:
+    ValueError: a missing tensor or array, or one of another shape (named).
+  """
+  kind, _, path = config.train.init_from.partition(":")
+  if kind == "hf":
+    hf.check_params(os.path.expanduser(path), abstract.params, config.model_recipe().config)
+  elif kind == "ckpt":
+    directory, step = _checkpoint(path)
+    read_meta(directory, step)
+    check_matches(directory, step, abstract_target(abstract, MODEL_FIELDS), partial=True)
+
+
+def load(config: Config, abstract: TrainState, state: TrainState) -> tuple[TrainState, str]:
+  """``state`` with ``init_from``'s params, and a line saying what was loaded."""
+  kind, _, path = config.train.init_from.partition(":")
+  if kind == "hf":
+    params = hf.load_params(os.path.expanduser(path), abstract.params, config.model_recipe().config)
+    return state.replace(params=params), f"Initialised the params from Hugging Face checkpoint {path}."
+  from distrib_train.checkpoint.manager import CheckpointManager
+
+  directory, step = _checkpoint(path)
+  with CheckpointManager(directory, async_save=False) as manager:
+    restored = manager.restore(state, step, params_only=True)
+  return restored.replace(step=state.step), f"Initialised the params from step {step} of {directory}."

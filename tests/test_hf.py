@@ -1,0 +1,171 @@
+"""Hugging Face checkpoints in and out, against ``transformers`` (PyTorch, CPU) as the reference.
+
+Each family's tiny model is created here with random weights (nothing is
+downloaded), saved with ``save_pretrained``, imported onto an 8-device mesh
+(data 2 × fsdp 2 × tensor 2: every device reads only its slices), and must give
+transformers' logits (fp32, 1e-4); the export must load in transformers with
+the same logits, and import → export must give the same tensors, bit for bit.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+try:  # .ci/run installs them (PyTorch's CPU build); elsewhere: pip install torch transformers
+  import torch
+  import transformers
+except ImportError:
+  if os.environ.get("CI"):
+    raise
+  pytest.skip("transformers and torch are the reference here: pip install torch transformers",
+              allow_module_level=True)
+
+import distrib_train as dt
+from distrib_train import recipes
+from distrib_train.checkpoint import hf
+from distrib_train.sharding.axis_rules import activation_sharding
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=10000.0)),
+    "llama3.1": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32})),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(rope_theta=1e6,
+                                                                                  sliding_window=None)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1e6,
+                                                                            tie_word_embeddings=True)),
+}
+
+
+def _save(family, directory, dtype=torch.float32):
+  config_cls, model_cls, extra = FAMILIES[family]
+  torch.manual_seed(0)
+  model = model_cls(config_cls(**COMMON, **extra)).eval()
+  with torch.no_grad():  # biases and norms start at 0 / 1: make them count
+    for name, p in model.named_parameters():
+      if "bias" in name or "norm" in name:
+        p.add_(torch.randn_like(p) * 0.1)
+  model.to(dtype).save_pretrained(directory)
+  return model
+
+
+def _tokens():
+  return np.random.default_rng(0).integers(0, COMMON["vocab_size"], size=(4, 64)).astype(np.int32)
+
+
+def _reference_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.from_numpy(np.array(tokens)).long()).logits.float().numpy()
+
+
+def _import(directory):
+  config = hf.llama_config(directory, dtype="float32", attention="xla")
+  model = config.build(0)
+  planner = dt.MeshPlanner(dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2))), "fsdp_tensor")
+  state, plan = planner.init(lambda: dt.TrainState.initial_state(model, optax.sgd(0.0), jax.random.key(0)),
+                             loss_fn=recipes.llama.loss_fn, inputs={"tokens": _tokens(), "targets": _tokens()},
+                             input_axes=recipes.llama.INPUT_AXES)
+  params = hf.load_params(directory, plan.abstract_train_state.params, config)
+  return config, state.replace(params=params), plan, planner.rules
+
+
+def _logits(state, plan, rules, tokens):
+  @jax.jit
+  def forward(state, tokens):
+    model = state.model
+    return model.logits(model(tokens))
+
+  with activation_sharding(plan.mesh, rules):
+    return np.asarray(forward(state, jnp.asarray(tokens)))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_import_gives_transformers_logits_and_export_loads_back_bit_for_bit(family, tmp_path):
+  reference = _save(family, tmp_path / "hf")
+  tokens = _tokens()
+  config, state, plan, rules = _import(str(tmp_path / "hf"))
+  assert config.attention_bias == (family == "qwen2")
+  assert config.tie_embeddings == (family in ("llama3.1", "qwen2"))
+  assert config.rope_scaling == ("llama3" if family == "llama3.1" else "none")
+  planned = jax.tree_util.tree_leaves(plan.train_state_shardings.params)
+  for leaf, sharding in zip(jax.tree_util.tree_leaves(state.params), planned, strict=True):
+    assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)  # read onto the plan's shards
+  np.testing.assert_allclose(_logits(state, plan, rules, tokens), _reference_logits(reference, tokens),
+                             rtol=1e-4, atol=1e-4)
+
+  hf.save(state.params, config, str(tmp_path / "out"), max_shard_bytes=64 << 10)
+  exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+  np.testing.assert_allclose(_reference_logits(exported, tokens), _reference_logits(reference, tokens),
+                             rtol=1e-5, atol=1e-5)
+  original = hf.SafetensorsDirectory(str(tmp_path / "hf"))
+  again = hf.SafetensorsDirectory(str(tmp_path / "out"))
+  assert (tmp_path / "out" / "model.safetensors.index.json").exists()  # sharded at 64 KiB
+  names = [n for n in original.tensors if not (config.tie_embeddings and n == "lm_head.weight")]
+  assert sorted(names) == sorted(again.tensors)
+  assert hf.tensors_equal({n: original.read(n) for n in names}, {n: again.read(n) for n in names})
+
+
+def test_bfloat16_checkpoints_import_as_their_values(tmp_path):
+  reference = _save("llama", tmp_path / "bf16", dtype=torch.bfloat16)
+  _, state, _, _ = _import(str(tmp_path / "bf16"))
+  embed = reference.model.embed_tokens.weight.float().detach().numpy()
+  np.testing.assert_array_equal(np.asarray(state.params["embed"][...]), embed)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"architectures": ["GPT2LMHeadModel"]}, "architecture 'GPT2LMHeadModel' is not one this importer reads"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "RoPE scaling 'yarn'"),
+    ({"intermediate_size": 100}, r"tensor .model.layers.0.mlp.\w+_proj.weight. has shape \(\d+, \d+\), the config says"),
+])
+def test_what_the_importer_cannot_read_is_named(edit, message, tmp_path):
+  _save("llama", tmp_path / "hf")
+  path = tmp_path / "hf" / "config.json"
+  path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+  with pytest.raises(hf.HfCheckpointError, match=message):
+    _import(str(tmp_path / "hf"))
+
+
+def test_fine_tuning_starts_from_the_imported_weights_whose_eval_loss_is_transformers_loss(tmp_path):
+  # A Llama with the byte vocabulary, so the demo corpus (pydoc) feeds it as it is.
+  config_cls, model_cls, extra = FAMILIES["llama"]
+  torch.manual_seed(0)
+  reference = model_cls(config_cls(**{**COMMON, "vocab_size": 256}, **extra)).eval()
+  reference.save_pretrained(tmp_path / "hf")
+  from distrib_train import data
+  from distrib_train.training import config as config_lib
+  from distrib_train.training.trainer import Trainer
+
+  config = config_lib.load("tiny", [
+      "data.seq_len=64", "data.global_batch_size=8", "data.packing=false", "train.steps=1", "train.eval_batches=2",
+      "train.async_checkpoint=false", "train.compilation_cache_dir=", "model.dtype=float32", "model.attention=xla",
+      "optimizer.name=sgd", "optimizer.learning_rate=1e-30", f"train.init_from=hf:{tmp_path / 'hf'}"])
+  recipe = config.model_recipe().config
+  assert (recipe.d_model, recipe.mlp_dim, recipe.num_kv_heads) == (64, 96, 2)  # the checkpoint's shape
+  result = Trainer(config, tmp_path / "run", console=False).run()
+  assert result.status == "finished"
+  # transformers' loss on the same held-out batches (lr 1e-30: the step leaves the weights as imported).
+  mesh = dt.build_mesh(dt.MeshConfig(("data",), (8,)))
+  shardings = {k: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+               for k in data.DataLoader.batch_schema(config.data_config())}
+  loader = data.DataLoader(config.data_config(), shardings, split="eval", num_epochs=1)
+  total = count = 0.0
+  for _, batch in zip(range(2), loader):
+    logits = torch.from_numpy(_reference_logits(reference, np.asarray(batch["tokens"])))
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), torch.from_numpy(
+        np.asarray(batch["targets"])).long(), reduction="none").numpy()
+    weights = np.asarray(batch["weights"])
+    total, count = total + float((losses * weights).sum()), count + float(weights.sum())
+  loader.close()
+  np.testing.assert_allclose(result.eval_loss, total / count, rtol=1e-5)
+  metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  evals = [m for m in metrics if "eval/loss" in m]
+  np.testing.assert_allclose(evals[-1]["eval/perplexity"], np.exp(evals[-1]["eval/loss"]), rtol=1e-6)
