@@ -301,3 +301,28 @@ def test_unpacked_sequences_longer_than_every_document_are_refused(tmp_path):
 def test_a_batch_that_does_not_split_over_the_batch_axes_is_refused():
   with pytest.raises(ValueError, match=r"global_batch_size 6 does not split over the mesh's batch axes"):
     data.DataLoader(data.DataConfig(global_batch_size=6), data_helpers.shardings(_mesh()))
+
+
+def test_a_corpus_far_larger_than_the_memory_growth_allowed_streams(tmp_path):
+  """Documents are read when the pipeline needs them: a ~400 MB JSONL corpus costs the process no more
+  than 64 MiB beyond what a 1 MB one does (the documents held in memory would be > 380 MiB)."""
+  import subprocess
+  import sys
+
+  def corpus(path, mib):
+    line = json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 90}) + "\n"  # ~4 KiB
+    with open(path, "w") as f:
+      for _ in range(mib):
+        f.write(line * 256)
+    return path
+
+  def peak_mib(path):
+    out = subprocess.run([sys.executable, str(WORKERS / "data_memory_worker.py"), str(path)], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.split()[-1])
+
+  small, large = peak_mib(corpus(tmp_path / "small.jsonl", 1)), peak_mib(corpus(tmp_path / "large.jsonl", 400))
+  assert (tmp_path / "large.jsonl").stat().st_size > 380 * 2**20
+  print("peak RSS MiB, 1 MB corpus vs 400 MB:", small, large)
+  assert large - small < 64, (small, large)

@@ -228,3 +228,48 @@ def test_a_checkpoint_at_step_zero_or_at_a_document_end_resumes_exactly(tmp_path
       for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} after restoring step {step}")
     fresh.close()
+
+
+# --- every source: JSONL under another field, Parquet ---------------------------------
+
+
+def _as_other_sources(jsonl, directory):
+  """The same documents as JSONL under the field "body", and as Parquet (3 row groups) column "body"."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  texts = [json.loads(line)["text"] for line in open(jsonl)]
+  other = directory / "body.jsonl"
+  other.write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(texts)))
+  parquet = directory / "documents.parquet"
+  pq.write_table(pa.table({"id": list(range(len(texts))), "body": texts}), parquet,
+                 row_group_size=max(1, len(texts) // 3))
+  return str(other), str(parquet)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_jsonl_under_another_field_and_parquet_give_the_same_batches_and_resume_exactly(tmp_path, packing):
+  lengths = [5, 9, 14, 3, 27, 8, 8, 16, 40, 9, 11, 6, 18, 9, 9, 30, 12, 7]
+  jsonl = data_helpers.write_documents(tmp_path, lengths, seed=3)
+  other, parquet = _as_other_sources(jsonl, tmp_path)
+  shardings = _replicated_shardings()
+  kwargs = dict(seq_len=8, global_batch_size=2, packing=packing, seed=3)
+  _, want = _run(_config(jsonl, **kwargs), shardings, 6)
+  for path in (other, parquet):
+    config = _config(path, text_field="body", **kwargs)
+    states, batches = _run(config, shardings, 6)
+    for got, expected in zip(batches, want):
+      for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=f"{path}: {name}")
+    for step in (0, 2, 5):
+      _assert_resumes_exactly(config, shardings, states, batches, step)
+
+
+def test_a_missing_field_or_column_is_named(tmp_path):
+  jsonl = data_helpers.write_documents(tmp_path, [5, 6, 7])
+  other, parquet = _as_other_sources(jsonl, tmp_path)
+  shardings = _replicated_shardings()
+  with pytest.raises(ValueError, match=r"body.jsonl' line 1 has no string field 'text' \(data.text_field\)"):
+    data.DataLoader(_config(other, seq_len=4, global_batch_size=1), shardings)
+  with pytest.raises(ValueError, match=r"documents.parquet' has no column 'text' \(data.text_field\); its columns: id"):
+    data.DataLoader(_config(parquet, seq_len=4, global_batch_size=1), shardings)

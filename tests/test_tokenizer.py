@@ -166,3 +166,31 @@ def test_a_run_records_its_tokenizer_and_a_resume_with_another_is_refused(hf_fil
   resumed = Trainer(_run_config(f"hf:{hf_file}", "model.vocab_size=512", "data.eos_token=</s>", "train.steps=4"),
                     workdir, console=False).run()
   assert resumed.status == "finished" and resumed.step == 4
+
+
+def test_pretokenized_shards_hold_the_tokenizers_ids_and_refuse_another_tokenizer(hf_file, tmp_path):
+  import grain
+  import numpy as np
+
+  corpus = tmp_path / "docs.jsonl"
+  texts = [f"Record {i}: {'the value ' * (i % 7)}ends." for i in range(120)]
+  corpus.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+  sources.main(["convert", str(corpus), str(tmp_path / "tok" / "corpus"), "--shards", "3", "--text_field", "body",
+                "--tokenizer", f"hf:{hf_file}", "--eos_token", "</s>"])
+  assert json.loads((tmp_path / "tok" / "corpus.tokenizer.json").read_text())["eos_id"] == 2
+  shards = sorted(str(p) for p in (tmp_path / "tok").glob("corpus-*.array_record"))
+  tok = tokenizer_lib.load(f"hf:{hf_file}", "", "</s>")
+  records = grain.sources.ArrayRecordDataSource(shards)
+  by_shard = [texts[k::3] for k in range(3)]  # documents go round-robin over the shards
+  expected = [tok(t) for shard in by_shard for t in shard]
+  assert [np.frombuffer(records[i], np.int32).tolist() for i in range(len(records))] == expected
+  common = dict(source="text", paths=(str(tmp_path / "tok" / "corpus-*.array_record"),), seq_len=32,
+                global_batch_size=8, eval_fraction=0.0)
+  shardings = data_helpers.shardings(_mesh())
+  loader = data.DataLoader(data.DataConfig(tokenizer=f"hf:{hf_file}", eos_token="</s>", **common), shardings,
+                           vocab_size=512)
+  tokens = loader.next_local()["tokens"]
+  loader.close()
+  assert tokens.max() < 512 and (tokens == 2).any()  # the shards' ids, </s> between documents
+  with pytest.raises(ValueError, match=r"shards hold token ids of tokenizer hf:.*data.tokenizer says bytes"):
+    data.DataLoader(data.DataConfig(**common), shardings)

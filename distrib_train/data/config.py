@@ -18,7 +18,9 @@ class DataConfig:
 
   Attributes:
     source: ``synthetic``, ``pydoc`` or ``text``.
-    paths: files or globs for ``text`` (``.txt``, ``.jsonl``, ``.array_record``).
+    paths: files or globs for ``text`` (``.txt``, ``.jsonl``, ``.parquet``,
+      ``.array_record``); read lazily, document by document.
+    text_field: the JSONL field, or the Parquet column, that holds the text.
     seq_len: tokens per sequence (inputs and targets each).
     global_batch_size: sequences per step for the whole job.
     seed: shuffle seed (and the synthetic source's).
@@ -41,6 +43,7 @@ class DataConfig:
 
   source: str = "pydoc"
   paths: tuple[str, ...] = ()
+  text_field: str = "text"
   seq_len: int = 128
   global_batch_size: int = 32
   seed: int = 0

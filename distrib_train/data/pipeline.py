@@ -181,6 +181,8 @@ class DataLoader:
           " read in; give more documents or change data.eval_fraction."
       )
     tokenize = _tokenizer(config)
+    if docs.pretokenized is not None:
+      _check_pretokenized(docs.pretokenized, config)
     if vocab_size is not None and isinstance(config.tokenizer, str):
       ids = tokenizer_lib.load(config.tokenizer, config.bos_token, config.eos_token).vocab_size
       if ids > vocab_size:
@@ -330,6 +332,18 @@ def _tokenizer(config: DataConfig) -> Callable[[Any], np.ndarray]:
     return np.asarray(tokenizer(doc), dtype=np.int32)
 
   return tokenize
+
+
+def _check_pretokenized(fingerprint: Mapping[str, Any], config: DataConfig) -> None:
+  """Refuses pre-tokenized shards of another tokenizer than the run's ``data.tokenizer``."""
+  run = (tokenizer_lib.load(config.tokenizer, config.bos_token, config.eos_token).fingerprint
+         if isinstance(config.tokenizer, str) else {"spec": config.tokenizer_name()})
+  keys = ("spec", "sha256", "bos_id", "eos_id")
+  if any(fingerprint.get(k) != run.get(k) for k in keys):
+    raise ValueError(f"The data paths' shards hold token ids of tokenizer {fingerprint.get('spec')} (BOS"
+                     f" {fingerprint.get('bos_id')}, EOS {fingerprint.get('eos_id')}); data.tokenizer says"
+                     f" {run.get('spec')} (BOS {run.get('bos_id')}, EOS {run.get('eos_id')}). Set data.tokenizer,"
+                     " bos_token and eos_token as the shards were converted, or convert them again.")
 
 
 def _check_token_ids(tokenize, docs, sample: np.ndarray, vocab_size: int, split: str) -> None:

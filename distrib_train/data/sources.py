@@ -1,7 +1,11 @@
-"""Where documents come from: the pydoc corpus, text / JSONL files, ArrayRecord.
+"""Where documents come from: the pydoc corpus, text / JSONL / Parquet files, ArrayRecord.
 
 Each source is random access (``len`` and ``[index]``), as grain's
-``MapDataset.source`` wants. ``write_array_record`` (also ``python -m
+``MapDataset.source`` wants, and lazy: a ``.jsonl`` file is indexed by the
+byte offset of each document (8 bytes a document) and each line read when
+the pipeline asks for it; a ``.parquet`` file is read a row group at a time;
+a ``.txt`` file is one document, read when needed. A process holds only
+the documents it is tokenizing, whatever the corpus size. ``write_array_record`` (also ``python -m
 distrib_train.data convert IN [IN ...] OUT``) streams text or JSONL files
 into ArrayRecord shards, grain's native random-access format.
 """
@@ -13,7 +17,9 @@ import glob as globlib
 import itertools
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 import numpy as np
 
 from distrib_train.data.config import DataConfig
@@ -51,16 +57,22 @@ def _expand(paths: Sequence[str]) -> list[str]:
   return files
 
 
-def iter_text_file(path: str) -> Iterator[str]:
+def iter_text_file(path: str, field: str = "text") -> Iterator[str]:
   """The documents of one file, read as they are needed.
 
-  A ``.jsonl`` file yields the ``text`` field of each line, one line in
-  memory at a time; any other file is one document (blank ones yield none).
+  A ``.jsonl`` file yields the ``field`` of each line, one line in memory at
+  a time; a ``.parquet`` file the ``field`` column, one row group at a time;
+  any other file is one document (blank ones yield none).
 
   Raises:
     ValueError: an unreadable file, text that is not UTF-8, a line that is
-      not JSON or has no string ``text`` (file and line named).
+      not JSON or has no string ``field`` (file and line named).
   """
+  if path.endswith(".parquet"):
+    parquet = _ParquetFile(path, field)
+    for group in range(parquet.groups):
+      yield from (doc for doc in parquet.group(group) if doc.strip())
+    return
   try:
     if not path.endswith(".jsonl"):
       with open(path, "rb") as f:
@@ -70,18 +82,132 @@ def iter_text_file(path: str) -> Iterator[str]:
       return
     with open(path, "rb") as f:
       for number, raw in enumerate(f, 1):
-        line = _decode(raw, path, number)
-        if not line.strip():
-          continue
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ValueError(f"Data file {path!r} line {number} is not JSON: {e.msg}.") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-          raise ValueError(f"Data file {path!r} line {number} has no string field 'text'.")
-        yield record["text"]
+        if raw.strip():
+          yield _json_text(raw, path, number, field)
   except OSError as e:
     raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
+
+
+def _json_text(raw: bytes, path: str, number: int, field: str) -> str:
+  line = _decode(raw, path, number)
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"Data file {path!r} line {number} is not JSON: {e.msg}.") from None
+  if not isinstance(record, dict) or not isinstance(record.get(field), str):
+    raise ValueError(f"Data file {path!r} line {number} has no string field {field!r} (data.text_field).")
+  return record[field]
+
+
+class _JsonlFile:
+  """A JSONL file's documents by number: the byte offset of each non-blank line (8 bytes a document),
+  each line read from disk when asked for.
+
+  Every line is checked once, streaming, when the file is opened (JSON with
+  a string ``field``): a bad line fails the loader's construction, naming
+  the file and line, not a step hours later.
+  """
+
+  def __init__(self, path: str, field: str):
+    self.path, self.field = path, field
+    offsets, position = [], 0
+    try:
+      with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+          if raw.strip():
+            _json_text(raw, path, number, field)
+            offsets.append(position)
+          position += len(raw)
+    except OSError as e:
+      raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
+    self.offsets = np.asarray(offsets, np.int64)
+
+  def __len__(self) -> int:
+    return len(self.offsets)
+
+  def __getitem__(self, index: int) -> str:
+    with open(self.path, "rb") as f:
+      f.seek(int(self.offsets[index]))
+      return _json_text(f.readline(), self.path, 0, self.field)
+
+
+class _TextFile:
+  """A ``.txt`` file: one document, read when asked for (none if blank)."""
+
+  def __init__(self, path: str):
+    self.path = path
+    try:
+      with open(path, "rb") as f:
+        head = f.read(1 << 16)
+      self.blank = not head.strip() and os.path.getsize(path) <= 1 << 16
+      if not self.blank:
+        self[0]  # not UTF-8 fails now, naming the file
+    except OSError as e:
+      raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
+
+  def __len__(self) -> int:
+    return 0 if self.blank else 1
+
+  def __getitem__(self, index: int) -> str:
+    with open(self.path, "rb") as f:
+      return _decode(f.read(), self.path, None)
+
+
+class _ParquetFile:
+  """A Parquet file's ``field`` column by row, read one row group at a time (the last one kept)."""
+
+  def __init__(self, path: str, field: str):
+    try:
+      import pyarrow.parquet as pq
+    except ImportError:
+      raise ValueError("Parquet data needs pyarrow: pip install pyarrow (or 'distrib_train[text]').") from None
+    self.path, self.field = path, field
+    try:
+      self.file = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's ArrowInvalid / OSError with its own text
+      raise ValueError(f"Data file {path!r} is not a readable Parquet file: {e}") from None
+    schema = self.file.schema_arrow
+    if field not in schema.names:
+      raise ValueError(f"Data file {path!r} has no column {field!r} (data.text_field); its columns:"
+                       f" {', '.join(schema.names)}.")
+    if str(schema.field(field).type) not in ("string", "large_string"):
+      raise ValueError(f"Data file {path!r}: column {field!r} holds {schema.field(field).type}, not text.")
+    meta = self.file.metadata
+    self.groups = meta.num_row_groups
+    self.starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(self.groups)])
+    self._cached: tuple[int, list] | None = None
+
+  def __len__(self) -> int:
+    return int(self.starts[-1])
+
+  def group(self, group: int) -> list:
+    if self._cached is None or self._cached[0] != group:
+      column = self.file.read_row_group(group, columns=[self.field]).column(0).to_pylist()
+      bad = next((i for i, v in enumerate(column) if not isinstance(v, str)), None)
+      if bad is not None:
+        raise ValueError(f"Data file {self.path!r} row {int(self.starts[group]) + bad}: column {self.field!r}"
+                         f" holds {type(column[bad]).__name__}, not text.")
+      self._cached = (group, column)
+    return self._cached[1]
+
+  def __getitem__(self, index: int) -> str:
+    group = int(np.searchsorted(self.starts, index, side="right")) - 1
+    return self.group(group)[index - int(self.starts[group])]
+
+
+class _Concatenated:
+  """Several files' documents as one numbered sequence."""
+
+  def __init__(self, parts: Sequence[Any]):
+    self.parts = [p for p in parts if len(p)]
+    self.starts = np.cumsum([0] + [len(p) for p in self.parts])
+
+  def __len__(self) -> int:
+    return int(self.starts[-1])
+
+  def __getitem__(self, index: int) -> Any:
+    part = int(np.searchsorted(self.starts, index, side="right")) - 1
+    return self.parts[part][index - int(self.starts[part])]
 
 
 def _decode(raw: bytes, path: str, line: int | None) -> str:
@@ -92,16 +218,31 @@ def _decode(raw: bytes, path: str, line: int | None) -> str:
     raise ValueError(f"Data file {path!r}{where} is not UTF-8 text (byte {e.start}).") from None
 
 
-def _read_text_file(path: str) -> list[str]:
-  return list(iter_text_file(path))
+def _pretokenized(shards: Sequence[str]) -> dict[str, Any] | None:
+  """The tokenizer fingerprint of pre-tokenized shards (``convert --tokenizer``), or None for text.
+
+  Raises:
+    ValueError: shards of different tokenizers, or text and tokens mixed.
+  """
+  found = set()
+  for shard in shards:
+    prefix = re.sub(r"-\d{5}-of-\d{5}\.array_record$", "", shard)
+    sidecar = f"{prefix}.tokenizer.json"
+    found.add(open(sidecar, encoding="utf-8").read() if os.path.exists(sidecar) else None)
+  if len(found) > 1:
+    raise ValueError(f"Data paths mix ArrayRecord shards of different tokenizers (or tokens and text): {shards}.")
+  text = found.pop()
+  return None if text is None else json.loads(text)
 
 
 class Documents:
-  """Random-access documents (grain ``RandomAccessDataSource``)."""
+  """Random-access documents (grain ``RandomAccessDataSource``); ``pretokenized`` is the tokenizer
+  fingerprint of shards that hold token ids (``convert --tokenizer``), else None."""
 
   def __init__(self, config: DataConfig):
     self.config = config
     self._array_record = None
+    self.pretokenized: dict[str, Any] | None = None
     if config.source == "pydoc":
       self._docs = _pydoc_documents()
     elif config.source == "synthetic":
@@ -118,8 +259,12 @@ class Documents:
         for path in records:
           _check_array_record(path)
         self._array_record = grain.sources.ArrayRecordDataSource(records)
+        self.pretokenized = _pretokenized(records)
       else:
-        self._docs = [doc for path in texts for doc in _read_text_file(path)]
+        field = config.text_field
+        self._docs = _Concatenated([_JsonlFile(path, field) if path.endswith(".jsonl") else
+                                    _ParquetFile(path, field) if path.endswith(".parquet") else _TextFile(path)
+                                    for path in texts])
     if len(self) == 0:
       raise ValueError(f"Data source {config.source!r} {list(config.paths) or ''} holds no documents.")
 
@@ -132,7 +277,8 @@ class Documents:
 
   def __getitem__(self, index: int) -> str | np.ndarray:
     if self._array_record is not None:
-      return self._array_record[index].decode("utf-8")
+      record = self._array_record[index]
+      return np.frombuffer(record, np.int32) if self.pretokenized else record.decode("utf-8")
     if self._docs is None:  # synthetic: a random document of 16 to 4 × seq_len tokens
       rng = np.random.default_rng([self.config.seed, int(index)])
       return rng.integers(0, 256, size=int(rng.integers(16, 4 * self.config.seq_len)), dtype=np.int32)
@@ -172,21 +318,29 @@ def write_array_record(documents: Iterable[str] | str, output: str, *, num_shard
                  paths=isinstance(documents, str))
 
 
-def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: bool = True) -> list[str]:
+def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: bool = True,
+            text_field: str = "text", tokenizer: Any = None) -> list[str]:
   """Streams the documents of ``inputs`` into ArrayRecord shards.
 
   Args:
-    inputs: ``.txt`` / ``.jsonl`` paths or globs (``paths=True``), else texts.
+    inputs: ``.txt`` / ``.jsonl`` / ``.parquet`` paths or globs
+      (``paths=True``), else texts.
     output: path prefix of the shards; its directory is created if missing.
     num_shards: how many files to spread the records over.
     paths: whether ``inputs`` name files.
+    text_field: the JSONL field or Parquet column of the text.
+    tokenizer: a ``tokenizer.Tokenizer`` (``tokenizer.load(spec, bos, eos)``):
+      the records are its token ids (int32), tokenized once here, and
+      ``{output}.tokenizer.json`` says which tokenizer; training from the
+      shards skips tokenizing (and refuses another ``data.tokenizer``).
   """
   from array_record.python import array_record_module
 
   if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
     raise ValueError(f"num_shards must be a positive integer, got {num_shards!r}.")
   inputs = list(inputs) if paths else inputs
-  documents = (doc for path in _expand(inputs) for doc in iter_text_file(path)) if paths else iter(inputs)
+  documents = (doc for path in _expand(inputs) for doc in iter_text_file(path, text_field)) if paths else \
+      iter(inputs)
   first = next(documents, None)
   if first is None:
     raise ValueError("No documents to write" + (f" in {', '.join(inputs)}." if paths else "."))
@@ -198,7 +352,8 @@ def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: b
   writers = [array_record_module.ArrayRecordWriter(p, "group_size:1") for p in partial]
   try:
     for i, doc in enumerate(itertools.chain([first], documents)):
-      writers[i % num_shards].write(doc.encode("utf-8"))
+      record = doc.encode("utf-8") if tokenizer is None else np.asarray(tokenizer(doc), np.int32).tobytes()
+      writers[i % num_shards].write(record)
     for writer in writers:
       writer.close()
   except BaseException:
@@ -207,9 +362,12 @@ def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: b
       if os.path.exists(path):
         os.remove(path)
     raise
+  if tokenizer is not None:
+    with open(f"{output}.tokenizer.json", "w", encoding="utf-8") as f:
+      json.dump(tokenizer.fingerprint, f)
   for source, target in zip(partial, final):
     os.replace(source, target)
-  return final
+  return final + ([f"{output}.tokenizer.json"] if tokenizer is not None else [])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -221,9 +379,20 @@ def main(argv: Sequence[str] | None = None) -> None:
   convert_parser.add_argument("inputs", nargs="+", metavar="INPUT", help="a .txt or .jsonl file, or a glob")
   convert_parser.add_argument("output", help="path prefix of the shards (its directory is created)")
   convert_parser.add_argument("--shards", type=int, default=1)
+  convert_parser.add_argument("--text_field", default="text", help="the JSONL field or Parquet column of the text")
+  convert_parser.add_argument("--tokenizer", help="tokenize once, writing token ids: bytes, hf:<tokenizer.json>,"
+                              " sentencepiece:<model>, tiktoken:<file>")
+  convert_parser.add_argument("--bos_token", default="", help="with --tokenizer: a token before every document")
+  convert_parser.add_argument("--eos_token", default="", help="with --tokenizer: a token after every document")
   args = parser.parse_args(argv)
   try:
-    paths = convert(args.inputs, args.output, num_shards=args.shards)
+    tokenizer = None
+    if args.tokenizer:
+      from distrib_train.data import tokenizer as tokenizer_lib
+
+      tokenizer = tokenizer_lib.load(args.tokenizer, args.bos_token, args.eos_token)
+    paths = convert(args.inputs, args.output, num_shards=args.shards, text_field=args.text_field,
+                    tokenizer=tokenizer)
   except ValueError as e:
     parser.exit(2, f"error: {e}\n")
   print("\n".join(paths))
