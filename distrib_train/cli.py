@@ -160,11 +160,16 @@ def main(argv: Sequence[str]) -> None:
 
 
 def run() -> None:
-  """The ``distrib-train`` console script; ``distrib-train plan ...`` is ``plan_cli``."""
+  """The ``distrib-train`` console script; ``distrib-train plan ...`` is ``plan_cli``, ``distrib-train export
+  ...`` is ``training/export.py``."""
   if len(sys.argv) > 1 and sys.argv[1] == "plan":
     from distrib_train.podplan import cli as plan_cli
 
     sys.exit(plan_cli.main(sys.argv[2:]))
+  if len(sys.argv) > 1 and sys.argv[1] == "export":
+    from distrib_train.training import export
+
+    sys.exit(export.main(sys.argv[2:]))
   app.run(main, flags_parser=_parse_flags)
 
 

@@ -161,7 +161,7 @@ def test_fine_tuning_starts_from_the_imported_weights_whose_eval_loss_is_transfo
   for _, batch in zip(range(2), loader):
     logits = torch.from_numpy(_reference_logits(reference, np.asarray(batch["tokens"])))
     losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), torch.from_numpy(
-        np.asarray(batch["targets"])).long(), reduction="none").numpy()
+        np.array(batch["targets"])).long(), reduction="none").numpy()
     weights = np.asarray(batch["weights"])
     total, count = total + float((losses * weights).sum()), count + float(weights.sum())
   loader.close()
@@ -169,3 +169,22 @@ def test_fine_tuning_starts_from_the_imported_weights_whose_eval_loss_is_transfo
   metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   evals = [m for m in metrics if "eval/loss" in m]
   np.testing.assert_allclose(evals[-1]["eval/perplexity"], np.exp(evals[-1]["eval/loss"]), rtol=1e-6)
+
+  # Back out through the CLI: the run's params (unchanged by the 1e-30 step) as the same tensors.
+  import subprocess
+  import sys
+
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-m", "distrib_train", "export", "--workdir", str(tmp_path / "run"),
+                        "--out", str(tmp_path / "exported")], capture_output=True, text=True, timeout=300, env=env)
+  assert out.returncode == 0, out.stderr[-2000:]
+  original, exported = hf.SafetensorsDirectory(str(tmp_path / "hf")), hf.SafetensorsDirectory(str(tmp_path / "exported"))
+  assert hf.tensors_equal({n: original.read(n) for n in original.tensors}, {n: exported.read(n) for n in exported.tensors})
+  again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
+  tokens = np.random.default_rng(1).integers(0, 256, size=(2, 32)).astype(np.int32)
+  np.testing.assert_allclose(_reference_logits(again, tokens), _reference_logits(reference, tokens), rtol=1e-5,
+                             atol=1e-5)
+  bad = subprocess.run([sys.executable, "-m", "distrib_train", "export", "--workdir", str(tmp_path / "nowhere"),
+                        "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300, env=env)
+  assert bad.returncode == 2 and "is not a distrib_train run (no config.yaml)" in bad.stderr
+  assert not (tmp_path / "x").exists()

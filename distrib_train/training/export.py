@@ -1,0 +1,77 @@
+"""``distrib-train export``: a run's params as a Hugging Face checkpoint.
+
+  distrib-train export --workdir runs/ft --out hf/ft            # the newest checkpoint
+  distrib-train export --workdir runs/ft --out hf/ft --step 1000
+
+Reads the run's ``config.yaml``, restores the params of one checkpoint
+(params only: the optimizer state is not read) onto this host's first device
+and writes ``config.json`` and float32 safetensors (``checkpoint/hf.py``),
+which ``transformers.AutoModelForCausalLM.from_pretrained`` loads. The host
+needs the params' size in memory (4 bytes a parameter). The reference Llama
+only (``model.name: llama``).
+
+A mistake prints one ``error:`` line and exits with status 2; nothing is
+written then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+from collections.abc import Sequence
+
+
+def _fail(message: str) -> None:
+  print(f"distrib-train: error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def export(workdir: str | os.PathLike, out: str, step: int | None = None) -> list[str]:
+  """Writes the params of ``workdir``'s checkpoint ``step`` (default: the newest) to ``out`` as a Hugging Face
+  checkpoint; returns the files written.
+
+  Raises:
+    ValueError: no such run or step, another model than llama (named).
+  """
+  import jax
+  import optax
+
+  from distrib_train.checkpoint import hf
+  from distrib_train.checkpoint.manager import CheckpointManager
+  from distrib_train.sharding.mesh import MeshConfig, build_mesh
+  from distrib_train.sharding.planner import MeshPlanner
+  from distrib_train.train_state import TrainState
+  from distrib_train.training import config as config_lib
+
+  workdir = pathlib.Path(workdir)
+  if not (workdir / "config.yaml").exists():
+    raise ValueError(f"{str(workdir)!r} is not a distrib_train run (no config.yaml).")
+  config = config_lib.load(str(workdir / "config.yaml"))
+  if config.model.name != "llama":
+    raise ValueError(f"export writes the llama model as Hugging Face's; this run's model is {config.model.name!r}.")
+  recipe = config.model_recipe()
+  mesh = build_mesh(MeshConfig(("data", "fsdp", "tensor"), (1, 1, 1)), jax.devices()[:1])
+  planner = MeshPlanner(mesh, "fsdp_tensor")
+  make = lambda: TrainState.initial_state(recipe.config.build(0), optax.sgd(0.0), jax.random.key(0))
+  plan = planner.plan(jax.eval_shape(make))
+  with CheckpointManager(workdir / "checkpoints", async_save=False) as manager:
+    if manager.latest_step() is None:
+      raise ValueError(f"{str(workdir / 'checkpoints')!r} holds no checkpoint.")
+    state = manager.restore(plan.init(make), step, params_only=True)
+  return hf.save(state.params, recipe.config, out)
+
+
+def main(argv: Sequence[str]) -> int:
+  parser = argparse.ArgumentParser(prog="distrib-train export", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--workdir", required=True, help="the run's directory")
+  parser.add_argument("--out", required=True, help="the Hugging Face directory to write (created)")
+  parser.add_argument("--step", type=int, help="the checkpoint step (default: the newest)")
+  args = parser.parse_args(list(argv))
+  try:
+    written = export(args.workdir, args.out, args.step)
+  except ValueError as e:  # CheckpointError and HfCheckpointError are ValueErrors
+    _fail(str(e))
+  print(f"wrote {', '.join(written)} to {args.out}")
+  return 0
