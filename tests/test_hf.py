@@ -188,3 +188,19 @@ def test_fine_tuning_starts_from_the_imported_weights_whose_eval_loss_is_transfo
                         "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300, env=env)
   assert bad.returncode == 2 and "is not a distrib_train run (no config.yaml)" in bad.stderr
   assert not (tmp_path / "x").exists()
+
+
+def test_two_processes_each_read_only_their_half_and_give_transformers_logits(tmp_path):
+  import pathlib
+
+  import mp_harness
+
+  reference = _save("llama", tmp_path / "hf")
+  results = mp_harness.run_workers(pathlib.Path(__file__).parent / "workers" / "hf_worker.py", str(tmp_path / "hf"),
+                                   timeout=300)
+  tokens = np.random.default_rng(0).integers(0, COMMON["vocab_size"], size=(4, 32)).astype(np.int32)
+  want = _reference_logits(reference, tokens)
+  for r in results:
+    np.testing.assert_allclose(np.asarray(r.result["logits"]), want, rtol=1e-4, atol=1e-4)
+    # fsdp spans the processes: each reads about half the model (norms and replicated pieces in full).
+    assert r.result["read"] < 0.7 * r.result["total"], (r.result["read"], r.result["total"])

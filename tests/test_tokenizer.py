@@ -184,6 +184,14 @@ def test_pretokenized_shards_hold_the_tokenizers_ids_and_refuse_another_tokenize
   by_shard = [texts[k::3] for k in range(3)]  # documents go round-robin over the shards
   expected = [tok(t) for shard in by_shard for t in shard]
   assert [np.frombuffer(records[i], np.int32).tolist() for i in range(len(records))] == expected
+  # Two files tokenized by 2 worker processes: the same records as in this process.
+  half = tmp_path / "half.jsonl"
+  half.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts[:50]))
+  for workers in ("0", "2"):
+    sources.main(["convert", str(corpus), str(half), str(tmp_path / f"w{workers}" / "c"), "--shards", "2",
+                  "--text_field", "body", "--tokenizer", f"hf:{hf_file}", "--eos_token", "</s>", "--workers", workers])
+  read = lambda d: [bytes(r) for r in grain.sources.ArrayRecordDataSource(sorted(str(p) for p in d.glob("c-*")))]
+  assert read(tmp_path / "w0") == read(tmp_path / "w2") and len(read(tmp_path / "w2")) == 170
   common = dict(source="text", paths=(str(tmp_path / "tok" / "corpus-*.array_record"),), seq_len=32,
                 global_batch_size=8, eval_fraction=0.0)
   shardings = data_helpers.shardings(_mesh())

@@ -318,8 +318,20 @@ def write_array_record(documents: Iterable[str] | str, output: str, *, num_shard
                  paths=isinstance(documents, str))
 
 
+def _file_records(task: tuple[str, str, Any]) -> list[bytes]:
+  """One file's records (a worker process's task): UTF-8 text, or int32 token ids."""
+  path, field, spec = task
+  tokenizer = None
+  if spec is not None:
+    from distrib_train.data import tokenizer as tokenizer_lib
+
+    tokenizer = tokenizer_lib.load(*spec)
+  return [doc.encode("utf-8") if tokenizer is None else np.asarray(tokenizer(doc), np.int32).tobytes()
+          for doc in iter_text_file(path, field)]
+
+
 def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: bool = True,
-            text_field: str = "text", tokenizer: Any = None) -> list[str]:
+            text_field: str = "text", tokenizer: Any = None, workers: int = 0) -> list[str]:
   """Streams the documents of ``inputs`` into ArrayRecord shards.
 
   Args:
@@ -333,17 +345,48 @@ def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: b
       the records are its token ids (int32), tokenized once here, and
       ``{output}.tokenizer.json`` says which tokenizer; training from the
       shards skips tokenizing (and refuses another ``data.tokenizer``).
+    workers: read and tokenize this many files at once in worker processes
+      (0: in this process); the shards are the same, byte for byte, and
+      memory is bounded by ``workers`` files' records.
   """
-  from array_record.python import array_record_module
-
   if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
     raise ValueError(f"num_shards must be a positive integer, got {num_shards!r}.")
+  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+    raise ValueError(f"workers must be 0 or more, got {workers!r}.")
+  if workers and tokenizer is not None and not hasattr(tokenizer, "spec"):
+    raise ValueError("workers need a tokenizer loaded from a spec (tokenizer.load), which a worker can load again.")
   inputs = list(inputs) if paths else inputs
-  documents = (doc for path in _expand(inputs) for doc in iter_text_file(path, text_field)) if paths else \
-      iter(inputs)
-  first = next(documents, None)
+  encode = lambda doc: doc.encode("utf-8") if tokenizer is None else np.asarray(tokenizer(doc), np.int32).tobytes()
+  pool = None
+  if paths and workers > 0:
+    import multiprocessing
+
+    spec = None if tokenizer is None else (tokenizer.spec, *_special_tokens(tokenizer))
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    records = (r for rs in pool.imap(_file_records, [(p, text_field, spec) for p in _expand(inputs)]) for r in rs)
+  else:
+    documents = (doc for path in _expand(inputs) for doc in iter_text_file(path, text_field)) if paths else \
+        iter(inputs)
+    records = (encode(doc) for doc in documents)
+  try:
+    return _write_shards(records, output, num_shards, tokenizer, inputs if paths else None)
+  finally:
+    if pool is not None:
+      pool.terminate()
+
+
+def _special_tokens(tokenizer: Any) -> tuple[str, str]:
+  """The BOS / EOS token texts a loaded tokenizer was made with (for a worker to load it again)."""
+  return tokenizer.bos_token, tokenizer.eos_token
+
+
+def _write_shards(records: Iterator[bytes], output: str, num_shards: int, tokenizer: Any,
+                  inputs: Sequence[str] | None) -> list[str]:
+  from array_record.python import array_record_module
+
+  first = next(records, None)
   if first is None:
-    raise ValueError("No documents to write" + (f" in {', '.join(inputs)}." if paths else "."))
+    raise ValueError("No documents to write" + (f" in {', '.join(inputs)}." if inputs else "."))
   directory = os.path.dirname(output)
   if directory:
     os.makedirs(directory, exist_ok=True)
@@ -351,8 +394,7 @@ def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: b
   partial = [f"{p}.partial" for p in final]
   writers = [array_record_module.ArrayRecordWriter(p, "group_size:1") for p in partial]
   try:
-    for i, doc in enumerate(itertools.chain([first], documents)):
-      record = doc.encode("utf-8") if tokenizer is None else np.asarray(tokenizer(doc), np.int32).tobytes()
+    for i, record in enumerate(itertools.chain([first], records)):
       writers[i % num_shards].write(record)
     for writer in writers:
       writer.close()
@@ -384,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                               " sentencepiece:<model>, tiktoken:<file>")
   convert_parser.add_argument("--bos_token", default="", help="with --tokenizer: a token before every document")
   convert_parser.add_argument("--eos_token", default="", help="with --tokenizer: a token after every document")
+  convert_parser.add_argument("--workers", type=int, default=0, help="files read and tokenized at once in worker"
+                              " processes (default 0: in this one)")
   args = parser.parse_args(argv)
   try:
     tokenizer = None
@@ -392,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
       tokenizer = tokenizer_lib.load(args.tokenizer, args.bos_token, args.eos_token)
     paths = convert(args.inputs, args.output, num_shards=args.shards, text_field=args.text_field,
-                    tokenizer=tokenizer)
+                    tokenizer=tokenizer, workers=args.workers)
   except ValueError as e:
     parser.exit(2, f"error: {e}\n")
   print("\n".join(paths))

@@ -58,6 +58,8 @@ class Tokenizer:
   bos_id: int | None = None
   eos_id: int | None = None
   sha256: str = ""
+  bos_token: str = ""
+  eos_token: str = ""
 
   def __call__(self, text: str) -> list[int]:
     """The document's ids: BOS (if any), the text's tokens, EOS (if any)."""
@@ -190,4 +192,4 @@ def load(spec: str = "bytes", bos_token: str = "", eos_token: str = "") -> Token
     if ids[name] is None:
       raise ValueError(f"data.{name}: {token!r} is not a token of {spec} (a tokenizer's special tokens are named"
                        " by their text, e.g. <s>, </s>, <|endoftext|>).")
-  return Tokenizer(spec, vocab, encode, token_id, ids["bos_token"], ids["eos_token"], sha)
+  return Tokenizer(spec, vocab, encode, token_id, ids["bos_token"], ids["eos_token"], sha, bos_token, eos_token)
