@@ -273,3 +273,23 @@ def test_a_missing_field_or_column_is_named(tmp_path):
     data.DataLoader(_config(other, seq_len=4, global_batch_size=1), shardings)
   with pytest.raises(ValueError, match=r"documents.parquet' has no column 'text' \(data.text_field\); its columns: id"):
     data.DataLoader(_config(parquet, seq_len=4, global_batch_size=1), shardings)
+
+
+def test_txt_files_and_pretokenized_shards_resume_exactly(tmp_path):
+  lengths = [5, 9, 14, 3, 27, 8, 8, 16, 40, 9, 11, 6, 18, 9, 9, 30, 12, 7]
+  jsonl = data_helpers.write_documents(tmp_path, lengths, seed=5)
+  texts = [json.loads(line)["text"] for line in open(jsonl)]
+  (tmp_path / "txt").mkdir()
+  for i, text in enumerate(texts):  # one document per .txt file
+    (tmp_path / "txt" / f"{i:03d}.txt").write_text(text)
+  from distrib_train.data import sources
+  from distrib_train.data import tokenizer as tokenizer_lib
+
+  shards = sources.convert([jsonl], str(tmp_path / "tok" / "c"), num_shards=2, tokenizer=tokenizer_lib.load("bytes"))
+  shardings = _replicated_shardings()
+  for paths in (str(tmp_path / "txt" / "*.txt"), str(tmp_path / "tok" / "c-*.array_record")):
+    config = _config(paths, seq_len=8, global_batch_size=2, seed=5)
+    states, batches = _run(config, shardings, 6)
+    assert len(shards) == 3 and batches[0]["tokens"].max() < 256
+    for step in (0, 3, 5):
+      _assert_resumes_exactly(config, shardings, states, batches, step)
