@@ -6,6 +6,7 @@ Public API:
   models                               nnx / linen / penzai / pytree adapters
   recipes                              reference models by name (Llama, BatchNorm MLP)
   data                                 the grain input pipeline
+  parallel                             layer_stack: a model's repeated layers, pipelined on a stage axis
   AxisRules                            logical axis names → PartitionSpec
   activation_sharding, constrain       activation constraints by logical axes
   MeshConfig, build_mesh               ICI × DCN device meshes
@@ -19,7 +20,7 @@ is ``distrib_train.cluster``; the ``plan`` command is
 ``distrib_train.podplan``. ``ARCHITECTURE.md`` says what lives where.
 """
 
-from distrib_train import data, models, recipes
+from distrib_train import data, models, parallel, recipes
 from distrib_train.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError, check_restorable
 from distrib_train.common.auto_mesh import as_auto_mesh
 from distrib_train.sharding.axis_rules import AxisRules, RuleSkip, activation_sharding, constrain
@@ -55,5 +56,6 @@ __all__ = [
     "constrain",
     "data",
     "models",
+    "parallel",
     "recipes",
 ]

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
+import distrib_train.microbatches as microbatching
 from distrib_train import models
 from distrib_train.common.auto_mesh import as_auto_mesh
 from distrib_train.step_inputs import check_loss_fn_accepts, distinct_buffers, on_auto_mesh
@@ -60,6 +61,10 @@ class _StepStatics(NamedTuple):
   model_treedef: Any
   optimizer_def: optax.GradientTransformation
   loss_fn: LossFunction
+  microbatches: int = 1
+  microbatch_weight: str | None = None
+  pipelining: microbatching.Pipelining | None = None  # set when the mesh has a stage axis of size > 1
+  input_shardings: tuple[tuple[str, Any], ...] = ()
 
 
 # The arguments a donating train step gives up: the state it returns anew.
@@ -83,9 +88,9 @@ def _updated_params_and_states(
   step_rng = None if root_rng is None else jax.random.fold_in(root_rng, step)
   model_without_params = jax.tree_util.tree_unflatten(statics.model_treedef, model_leaves)
 
-  def loss_and_outputs(current_params):
-    model = models.merge_model(model_without_params, current_params, local_state, rng=step_rng)
-    out = loss_fn(model=model, state=loss_fn_state, rng=step_rng, **inputs)
+  def loss_and_outputs(current_params, loss_fn_state, local_state, rng, inputs):
+    model = models.merge_model(model_without_params, current_params, local_state, rng=rng)
+    out = _call_loss(statics, model, loss_fn_state, rng, inputs)
     if not isinstance(out, tuple) or len(out) != 3:
       raise TypeError(
           f"The loss function must return (loss, new_state, aux); it returned a"
@@ -98,11 +103,27 @@ def _updated_params_and_states(
     new_local_state = models.local_state_of(model_without_params, model, local_state)
     return loss, (new_state, new_local_state, aux)
 
-  grads, (new_loss_fn_state, new_local_state, aux) = jax.grad(loss_and_outputs, has_aux=True)(params)
+  grad_fn = jax.grad(loss_and_outputs, has_aux=True)
+  if statics.microbatches > 1 and statics.pipelining is None:
+    grads, new_loss_fn_state, new_local_state, aux = microbatching.accumulate(
+        grad_fn, params, loss_fn_state, local_state, step_rng, inputs, statics.microbatches,
+        statics.microbatch_weight, dict(statics.input_shardings))
+  else:
+    grads, (new_loss_fn_state, new_local_state, aux) = grad_fn(params, loss_fn_state, local_state, step_rng, inputs)
   new_params, new_opt_state = apply_optimizer(statics.optimizer_def, grads, opt_state, params)
   # The next step counter comes out of the step itself: an eager ``step + 1``
   # on a device counter would be one more dispatch per step, queued behind it.
   return new_params, new_opt_state, new_loss_fn_state, new_local_state, aux, step + 1
+
+
+def _call_loss(statics: _StepStatics, model: Any, loss_fn_state: Any, rng: Any, inputs: dict[str, Any]) -> Any:
+  """The loss function on ``model``; through the pipeline when the step has one."""
+  if statics.pipelining is None:
+    return statics.loss_fn(model=model, state=loss_fn_state, rng=rng, **inputs)
+  with microbatching.pipelining(statics.pipelining) as use:
+    out = statics.loss_fn(model=model, state=loss_fn_state, rng=rng, **inputs)
+  microbatching.check_used(use, model)
+  return out
 
 
 def _eval_outputs(
@@ -127,7 +148,7 @@ def _eval_outputs(
   model = models.merge_model(model_without_params, params, local_state, rng=step_rng)
   if isinstance(model, nnx.Module):
     model.eval()
-  return statics.loss_fn(model=model, state=loss_fn_state, rng=step_rng, **inputs)[2]
+  return _call_loss(statics, model, loss_fn_state, step_rng, inputs)[2]
 
 
 class _JittedCore:
@@ -142,7 +163,8 @@ class _JittedCore:
 
   def __init__(self, core: Any, loss_fn: LossFunction, *, jit: bool, donate: bool,
                train_state_shardings: TrainState | None, input_kwarg_shardings: dict[str, Any] | None,
-               out_shardings: Any):
+               out_shardings: Any, microbatches: int = 1, microbatch_weight: str | None = None,
+               pipeline_repeats: int = 1, accumulate: bool = True):
     self.loss_fn = loss_fn
     self.input_kwarg_shardings = input_kwarg_shardings
     self.donate = donate
@@ -150,6 +172,24 @@ class _JittedCore:
     # mesh has Explicit axes (jax.set_mesh(jax.make_mesh(...))).
     self._mesh = next((s.mesh for s in jax.tree_util.tree_leaves(train_state_shardings)
                        if isinstance(s, NamedSharding)), None)
+    if not isinstance(microbatches, int) or microbatches < 1:
+      raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
+    if not isinstance(pipeline_repeats, int) or pipeline_repeats < 1:
+      raise ValueError(f"pipeline_repeats must be a positive int, got {pipeline_repeats!r}.")
+    pipelining = None
+    if microbatching.stages_of(self._mesh) > 1:
+      # The stage axis pipelines the model's layer stack; the microbatches are the pipeline's.
+      pipelining = microbatching.Pipelining(self._mesh, microbatches, pipeline_repeats)
+      pipelining.check()
+    elif pipeline_repeats > 1:
+      raise ValueError(f"pipeline_repeats is {pipeline_repeats}, but the step's mesh has no stage axis"
+                       " (give train_state_shardings planned on a mesh with a stage axis of size > 1).")
+    self.pipelining = pipelining
+    self._options = dict(
+        microbatches=microbatches if accumulate or pipelining is not None else 1,
+        microbatch_weight=microbatch_weight, pipelining=pipelining,
+        input_shardings=tuple((name, sharding) for name, sharding in (input_kwarg_shardings or {}).items()
+                              if isinstance(sharding, NamedSharding)))
     if jit:
       ts = train_state_shardings
       in_shardings = _StepArrays(
@@ -210,7 +250,7 @@ class _JittedCore:
         step=train_state.step,
         inputs=dict(inputs),
     )
-    return arrays, _StepStatics(model_treedef, train_state.optimizer_def, self.loss_fn)
+    return arrays, _StepStatics(model_treedef, train_state.optimizer_def, self.loss_fn, **self._options)
 
   def _mesh_context(self):
     context = jax.sharding.get_abstract_mesh()
@@ -247,7 +287,8 @@ class TrainStep:
   (abstract ``jax.ShapeDtypeStruct`` leaves are fine there).
   """
 
-  def __init__(self, loss_fn, jit, donate, train_state_shardings, input_kwarg_shardings, aux_output_shardings):
+  def __init__(self, loss_fn, jit, donate, train_state_shardings, input_kwarg_shardings, aux_output_shardings,
+               microbatches=1, microbatch_weight=None, pipeline_repeats=1):
     ts = train_state_shardings
     out_shardings = (
         None if ts is None else ts.params,
@@ -259,11 +300,19 @@ class TrainStep:
     )
     self._core = _JittedCore(_updated_params_and_states, loss_fn, jit=jit, donate=donate,
                              train_state_shardings=train_state_shardings,
-                             input_kwarg_shardings=input_kwarg_shardings, out_shardings=out_shardings)
+                             input_kwarg_shardings=input_kwarg_shardings, out_shardings=out_shardings,
+                             microbatches=microbatches, microbatch_weight=microbatch_weight,
+                             pipeline_repeats=pipeline_repeats)
+    self.microbatches = microbatches
 
   @property
   def loss_fn(self) -> LossFunction:
     return self._core.loss_fn
+
+  @property
+  def pipelining(self) -> microbatching.Pipelining | None:
+    """The pipeline the step runs (its mesh has a stage axis of size > 1), else None."""
+    return self._core.pipelining
 
   @property
   def input_kwarg_shardings(self) -> dict[str, Any] | None:
@@ -315,6 +364,10 @@ def build_train_step_fn(
     train_state_shardings: TrainState | None = None,
     input_kwarg_shardings: dict[str, Any] | None = None,
     aux_output_shardings: AuxOutPyTree | None = None,
+    *,
+    microbatches: int = 1,
+    microbatch_weight: str | None = None,
+    pipeline_repeats: int = 1,
 ) -> TrainStep:
   """Builds a train step function, with penzai's signature and semantics.
 
@@ -335,6 +388,18 @@ def build_train_step_fn(
     input_kwarg_shardings: input name → sharding; then every call must pass
       exactly these inputs.
     aux_output_shardings: a pytree of shardings for ``aux``.
+    microbatches: split the batch into this many microbatches inside the
+      step (``microbatches.py``). Without a stage axis: gradient
+      accumulation, float32, one optimizer update; the loss function's
+      state and local state are threaded through the microbatches; float
+      aux leaves are averaged, integer ones summed. With a stage axis of
+      size > 1 in the shardings' mesh: the pipeline's microbatches.
+    microbatch_weight: the name of a scalar in aux (e.g. ``"tokens"``)
+      that weights each microbatch's loss, gradient and aux (and is itself
+      summed), so that a per-token mean equals the whole batch's; None
+      weighs microbatches equally.
+    pipeline_repeats: the pipeline's rounds through the stages (1: GPipe;
+      more: the circular schedule, a smaller bubble; needs a stage axis).
 
   Returns:
     The step, a ``TrainStep`` (callable; ``.lower`` for ahead-of-time use).
@@ -345,7 +410,8 @@ def build_train_step_fn(
   if donate_params_and_state and not jit:
     raise ValueError("Cannot donate params and state unless jit=True; pass jit=True or donate_params_and_state=False.")
   return TrainStep(
-      loss_fn, jit, donate_params_and_state, train_state_shardings, input_kwarg_shardings, aux_output_shardings
+      loss_fn, jit, donate_params_and_state, train_state_shardings, input_kwarg_shardings, aux_output_shardings,
+      microbatches=microbatches, microbatch_weight=microbatch_weight, pipeline_repeats=pipeline_repeats,
   )
 
 
@@ -356,10 +422,13 @@ class EvalStep:
   donated or updated. ``lower`` and ``compile`` work as on ``TrainStep``.
   """
 
-  def __init__(self, loss_fn, jit, train_state_shardings, input_kwarg_shardings, aux_output_shardings):
+  def __init__(self, loss_fn, jit, train_state_shardings, input_kwarg_shardings, aux_output_shardings,
+               microbatches=1, pipeline_repeats=1):
+    # Microbatches matter to eval only as a pipeline's; without one the whole batch runs at once.
     self._core = _JittedCore(_eval_outputs, loss_fn, jit=jit, donate=False,
                              train_state_shardings=train_state_shardings,
-                             input_kwarg_shardings=input_kwarg_shardings, out_shardings=aux_output_shardings)
+                             input_kwarg_shardings=input_kwarg_shardings, out_shardings=aux_output_shardings,
+                             microbatches=microbatches, pipeline_repeats=pipeline_repeats, accumulate=False)
 
   @property
   def loss_fn(self) -> LossFunction:
@@ -388,14 +457,21 @@ def build_eval_step_fn(
     train_state_shardings: TrainState | None = None,
     input_kwarg_shardings: dict[str, Any] | None = None,
     aux_output_shardings: AuxOutPyTree | None = None,
+    *,
+    microbatches: int = 1,
+    pipeline_repeats: int = 1,
 ) -> EvalStep:
   """Builds an eval step: the loss function's aux, with nothing updated.
 
   Built like the train step (same loss function, same shardings). nnx
   modules run in eval mode (``model.eval()``); for linen, pass a loss
   function that calls the module in its eval mode. Nothing is donated.
+  ``microbatches`` and ``pipeline_repeats`` apply only to a pipeline (a
+  stage axis in the shardings' mesh); otherwise the whole batch is
+  evaluated at once.
 
   Returns:
     ``eval_step(train_state, **inputs) -> aux``.
   """
-  return EvalStep(loss_fn, jit, train_state_shardings, input_kwarg_shardings, aux_output_shardings)
+  return EvalStep(loss_fn, jit, train_state_shardings, input_kwarg_shardings, aux_output_shardings,
+                  microbatches=microbatches, pipeline_repeats=pipeline_repeats)

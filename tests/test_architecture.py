@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "distrib_train"
 LAYERS = (
     ("common",),
     ("models",),
-    ("train_state", "train_step", "step_inputs"),
+    ("train_state", "train_step", "step_inputs", "microbatches"),
     ("sharding",),
     ("parallel", "recipes"),
     ("checkpoint", "data", "cluster"),

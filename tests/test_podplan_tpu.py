@@ -188,7 +188,7 @@ def test_two_slices_send_the_data_axis_over_dcn_and_the_rest_over_ici(tmp_path):
   assert pod.wire_bytes()["dcn"] > 0 and pod.time.dcn_s > 0
 
 
-@pytest.mark.parametrize("preset", sorted(n for n in config_lib.preset_names() if n.endswith("-tpu")))
+@pytest.mark.parametrize("preset", sorted(n for n in config_lib.preset_names() if n.endswith(("-tpu", "-tpu-pipeline"))))
 def test_every_shipped_tpu_preset_fits_the_chips_of_its_mesh_configs_topology(preset):
   """A user who runs a shipped TPU preset on its pod must not meet an out-of-memory (libtpu's own figures)."""
   import jax
@@ -202,6 +202,11 @@ def test_every_shipped_tpu_preset_fits_the_chips_of_its_mesh_configs_topology(pr
   assert pod.compiler == "tpu" and pod.compiled, pod.notes
   assert pod.memory.fits, pod.report()
   assert not pod.plan.skips or all(not s.path.startswith("inputs") for s in pod.plan.skips), pod.plan.skips
+  if preset.endswith("-pipeline"):  # stages across the slices: activations cross DCN by collective-permute
+    pipeline = pod.pipeline()
+    assert pipeline["stages"] > 1 and 0 < pipeline["bubble_fraction"] < 0.2, pipeline
+    assert any(c.kind == "collective-permute" and c.dcn and "stage" in c.axes for c in pod.collectives)
+    assert pipeline["stage_permute_bytes"] > 0 and "Pipeline: 4 stages, 16 microbatches" in pod.report()
 
 
 def test_a_mesh_needing_slices_on_one_slice_is_a_clear_error(tmp_path):

@@ -1,15 +1,19 @@
-"""Parallelism beyond sharding annotations: where XLA needs explicit collectives.
+"""Parallelism beyond sharding annotations: where XLA needs explicit schedules or collectives.
 
-Empty today. Each axis gets its own module here, written with ``shard_map``
-and explicit collectives, composing with data / fsdp / tensor:
+- ``pipeline.py``: the ``stage`` mesh axis. A model runs its repeated layers
+  through ``layer_stack``; under a step whose mesh has a stage axis the
+  microbatches (``train.microbatches``) flow through the stages (GPipe, or
+  the circular schedule with ``train.pipeline_repeats`` > 1), stage to stage
+  by collective-permute.
 
-- ``pipeline.py``: the ``stage`` mesh axis, microbatches through stages
-  (collective permutes), sharing ``train.microbatches`` with gradient
-  accumulation;
-- ``experts.py``: the ``expert`` mesh axis, routed tokens (all-to-all);
-- ``context.py``: the ``context`` mesh axis, ring attention (collective
-  permutes).
+Still to come, each in its own module, composing with data / fsdp / tensor:
+``experts.py`` (the ``expert`` axis, routed tokens by all-to-all) and
+``context.py`` (the ``context`` axis, ring attention).
 
 Modules here may import ``common``, ``models``, the core and ``sharding``;
 recipes (reference models) import them, never the other way round.
 """
+
+from distrib_train.parallel.pipeline import layer_stack
+
+__all__ = ["layer_stack"]

@@ -59,8 +59,9 @@ from distrib_train.podplan.layout import Layout, emulated_mesh, layout, use_emul
 from distrib_train.podplan.memory import CPU_BF16_TEMPORARIES, Memory, memory_of  # noqa: F401
 from distrib_train.podplan.timing import DEFAULT_EFFICIENCY, StepTime, step_time, xla_flops  # noqa: F401
 from distrib_train.sharding.axis_rules import AxisRules, activation_sharding
+from distrib_train.microbatches import STAGE_AXIS, bubble_fraction
 from distrib_train.training.config import Config
-from distrib_train.training.job import JobSpec, job_spec, plan_job, rules_for  # noqa: F401
+from distrib_train.training.job import JobSpec, job_spec, plan_job, rules_for, step_options  # noqa: F401
 from distrib_train.sharding.mesh import MeshConfig
 from distrib_train.sharding.plan import Plan
 from distrib_train.sharding.planner import MeshPlanner
@@ -126,7 +127,7 @@ def compile_step(spec: StepSpec, plan: Plan, rules: AxisRules, constrain_activat
   step = build_train_step_fn(spec.loss_fn, donate_params_and_state=True,
                              train_state_shardings=plan.train_state_shardings,
                              input_kwarg_shardings=plan.input_kwarg_shardings,
-                             aux_output_shardings=plan.aux_output_shardings)
+                             aux_output_shardings=plan.aux_output_shardings, **step_options(spec, plan))
   inputs = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.input_kwarg_shardings[name])
             for name, x in spec.inputs.items()}
   activations = activation_sharding(plan.mesh, rules) if constrain_activations else contextlib.nullcontext()
@@ -191,6 +192,8 @@ class PodPlan:
   compiler: str = "cpu-emulated"  # "tpu": libtpu's compiler; else the platform of the devices compiled on
   device_kind: str = ""  # the compiled-for devices' own name ("TPU v5 lite"); emulated: the kind's
   topology: TpuTopology | gpu_lib.GpuTarget | None = None
+  microbatches: int = 1
+  pipeline_repeats: int = 1
 
   @property
   def compiled(self) -> bool:
@@ -198,6 +201,22 @@ class PodPlan:
 
   def wire_bytes(self) -> dict[str, float]:
     return collectives_lib.wire_bytes_by_link(self.collectives or [])
+
+  def pipeline(self) -> dict[str, Any] | None:
+    """The pipeline's figures when the mesh has a stage axis of size > 1: stages, microbatches, repeats,
+    the bubble by formula, and the collective-permute bytes each device sends to its neighbour stage."""
+    sizes = dict(zip(self.layout.axis_names, self.layout.shape))
+    stages = sizes.get(STAGE_AXIS, 1)
+    if stages <= 1:
+      return None
+    permutes = [c for c in self.collectives or [] if c.kind == "collective-permute" and STAGE_AXIS in c.axes]
+    return {"stages": stages, "microbatches": self.microbatches, "repeats": self.pipeline_repeats,
+            "schedule": "gpipe" if self.pipeline_repeats == 1 else "circular",
+            "bubble_fraction": bubble_fraction(stages, self.microbatches, self.pipeline_repeats),
+            "stage_permute_bytes": None if self.collectives is None else
+            float(sum(c.payload_bytes * c.count for c in permutes)),
+            "stage_permute_wire_bytes": None if self.collectives is None else
+            float(sum(c.wire_bytes * c.count for c in permutes))}
 
   def report(self) -> str:
     from distrib_train.podplan import report as podplan_report
@@ -274,7 +293,8 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
   elif target is not None:
     notes.append(f"compiled by libtpu for {device_kind} chips, topology {target}: memory, collectives and FLOPs are"
                  " the TPU program's own (nothing runs).")
-  extra = dict(compiler=compiler, device_kind=device_kind, topology=target)
+  extra = dict(compiler=compiler, device_kind=device_kind, topology=target, microbatches=spec.microbatches,
+               pipeline_repeats=spec.pipeline_repeats)
   batch_skips = [s for s in plan.skips if s.path.startswith("inputs") and s.logical_name == "batch"]
   if batch_skips:
     skip = batch_skips[0]

@@ -84,6 +84,21 @@ def collective_lines(pod: Any) -> list[str]:
   return lines
 
 
+def pipeline_lines(pod: Any) -> list[str]:
+  p = pod.pipeline()
+  if p is None:
+    return []
+  s, m, r = p["stages"], p["microbatches"], p["repeats"]
+  formula = f"(S−1)/(M+S−1) = {s - 1}/{m + s - 1}" if r == 1 else f"(S−1)/(R·M+S−1) = {s - 1}/{r * m + s - 1}"
+  lines = [f"Pipeline: {s} stages, {m} microbatches, {'GPipe' if r == 1 else f'circular, {r} repeats'};"
+           f" bubble {p['bubble_fraction']:.1%} of each stage's iterations ({formula}).",
+           "  Memory above is each device's, so each stage's (every stage holds the same share)."]
+  if p["stage_permute_bytes"] is not None:
+    lines.append(f"  stage to stage (collective-permute on stage): {human_bytes(p['stage_permute_bytes'])} per device"
+                 f" per step, {human_bytes(p['stage_permute_wire_bytes'])} sent")
+  return lines
+
+
 def time_lines(pod: Any, efficiency: float | None = None) -> list[str]:
   t = pod.time
   if t is None:
@@ -114,7 +129,7 @@ def text(pod: Any, efficiency: float | None = None) -> str:
   timing = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in pod.timings.items())
   lines = [f"Plan: {headline(pod)}", f"  compiler: {compiler_line(pod)}; {timing}", ""]
   lines += memory_lines(pod)
-  for block in (collective_lines(pod), time_lines(pod, efficiency)):
+  for block in (pipeline_lines(pod), collective_lines(pod), time_lines(pod, efficiency)):
     if block:
       lines += [""] + block
   if pod.plan.skips:
@@ -174,6 +189,8 @@ def as_dict(pod: Any) -> dict[str, Any]:
                  "fits": m.fits},
       "timings": dict(pod.timings), "notes": list(pod.notes), "rule_skips": [str(s) for s in pod.plan.skips],
   }
+  if pod.pipeline() is not None:
+    out["pipeline"] = pod.pipeline()
   if pod.collectives is not None:
     out["collectives"] = collectives_lib.as_dicts(collectives_lib.summarize(pod.collectives))
     out["wire_bytes"] = pod.wire_bytes()

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from distrib_train.cluster import hardware
+from distrib_train.microbatches import STAGE_AXIS, bubble_fraction
 from distrib_train.sharding.axis_rules import AxisRules
 from distrib_train.training.config import Config
 from distrib_train.sharding.mesh import MeshConfig
@@ -71,15 +72,19 @@ def rough_seconds(candidate: Layout, spec: StepSpec, kind: hardware.DeviceKind,
   FSDP: the params gathered for the forward and the backward pass and the
   gradients reduce-scattered; data: the gradients all-reduced; tensor: two
   all-reduces of the activations per layer in each forward pass (two with
-  full remat) and in the backward pass, in f32 on the CPU compiler. An axis
-  that spans DCN moves at DCN speed.
+  full remat) and in the backward pass, in f32 on the CPU compiler; stage:
+  each stage holds 1/stage of the layers, and every pipeline iteration
+  sends one microbatch's activations to the next stage, forward and
+  backward, while the bubble's share of the compute is lost. An axis that
+  spans DCN moves at DCN speed.
   """
   sizes = {n: i * d for n, i, d in zip(candidate.axis_names, candidate.ici, candidate.dcn)}
   over_dcn = {n for n, d in zip(candidate.axis_names, candidate.dcn) if d > 1}
   bandwidth = lambda axis: kind.dcn_bandwidth if axis in over_dcn else kind.ici_bandwidth
   data, fsdp, tensor = sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1)
+  stage = sizes.get(STAGE_AXIS, 1)
   params = jax.tree_util.tree_leaves(spec.abstract_state.params)
-  param_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in params)
+  param_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in params) / stage
   seconds = 3 * param_bytes / tensor * (fsdp - 1) / fsdp / bandwidth("fsdp")
   seconds += 2 * param_bytes / (fsdp * tensor) * (data - 1) / data / bandwidth("data")
   config = spec.model_config
@@ -87,7 +92,16 @@ def rough_seconds(candidate: Layout, spec: StepSpec, kind: hardware.DeviceKind,
   local_tokens = spec.tokens_per_step / max(1, data * fsdp)
   value = 4 if emulated or str(getattr(config, "dtype", "float32")) == "float32" else 2
   passes = 3 if getattr(config, "remat", "none") == "full" else 2
-  seconds += 2 * passes * layers * local_tokens * d_model * value * 2 * (tensor - 1) / tensor / bandwidth("tensor")
+  seconds += (2 * passes * layers / stage * local_tokens * d_model * value * 2 * (tensor - 1) / tensor
+              / bandwidth("tensor"))
+  if stage > 1:
+    m, r = spec.microbatches, spec.pipeline_repeats
+    iterations = r * m + stage - 1
+    seconds += 2 * iterations * local_tokens / m * d_model * value / bandwidth(STAGE_AXIS)
+    flops = spec.model_flops_per_step()
+    if flops:  # the bubble: each stage idles (S-1)/(R·M+S-1) of its iterations
+      busy = flops / (data * fsdp * tensor * stage) / (kind.peak_flops * DEFAULT_EFFICIENCY)
+      seconds += busy * bubble_fraction(stage, m, r) / (1 - bubble_fraction(stage, m, r))
   return seconds
 
 
@@ -108,12 +122,28 @@ def rough_activation_bytes(candidate: Layout, spec: StepSpec) -> float:
     return 0.0
   sizes = {n: i * dc for n, i, dc in zip(candidate.axis_names, candidate.ici, candidate.dcn)}
   tensor = sizes.get("tensor", 1)
+  layers = layers / sizes.get(STAGE_AXIS, 1)  # a stage keeps its layers' activations for every microbatch
   tokens = spec.tokens_per_step / max(1, sizes.get("data", 1) * sizes.get("fsdp", 1))
   seq_len = spec.inputs["tokens"].shape[1] if "tokens" in spec.inputs else 0
   heads, mlp = getattr(config, "num_heads", 0) / tensor, getattr(config, "mlp_dim", 0) / tensor
   value = 2 if str(getattr(config, "dtype", "float32")) == "bfloat16" else 4
   kept = d if getattr(config, "remat", "none") == "full" else 6 * d + 3 * mlp
   return 1.25 * value * tokens * (layers * kept + 3 * heads * seq_len + 4 * mlp)
+
+
+def _pipeline_fits(pod: PodPlan, spec: StepSpec) -> bool:
+  """Whether a candidate's stage axis can pipeline the model: layers split into stages × repeats, the
+  microbatches fit the schedule, and a microbatch splits over the batch axes."""
+  sizes = dict(zip(pod.layout.axis_names, pod.layout.shape))
+  stage = sizes.get(STAGE_AXIS, 1)
+  if stage <= 1:
+    return spec.pipeline_repeats == 1 or STAGE_AXIS not in sizes
+  layers = getattr(spec.model_config, "num_layers", None)
+  m, r = spec.microbatches, spec.pipeline_repeats
+  batch = next(iter(spec.inputs.values())).shape[0]
+  ways = sizes.get("data", 1) * sizes.get("fsdp", 1)
+  return ((layers is None or layers % (stage * r) == 0) and (r == 1 or m >= stage) and batch % m == 0
+          and (batch // m) % ways == 0)
 
 
 @dataclasses.dataclass
@@ -146,6 +176,7 @@ def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind
   platform = jax.devices()[0].platform if target is None else "tpu" if isinstance(target, TpuTopology) else "gpu"
   spec = step_spec(config, platform)
   dropped = {"state does not fit": 0, "batch does not split": 0, "a rule skips a parameter dimension": 0,
+             "the pipeline cannot split the layers or the batch": 0,
              "does not map onto the TPU topology": 0, "the compiler failed": 0}
   survivors = []
   candidates = candidate_meshes(mesh_config, devices, granules)
@@ -158,7 +189,9 @@ def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind
         raise
       dropped["does not map onto the TPU topology"] += 1
       continue
-    if any(s.path.startswith("inputs") and s.logical_name == "batch" for s in pod.plan.skips):
+    if not _pipeline_fits(pod, spec):
+      dropped["the pipeline cannot split the layers or the batch"] += 1
+    elif any(s.path.startswith("inputs") and s.logical_name == "batch" for s in pod.plan.skips):
       dropped["batch does not split"] += 1
     elif any(s.path.startswith("params") for s in pod.plan.skips):
       dropped["a rule skips a parameter dimension"] += 1

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from distrib_train.parallel.pipeline import layer_stack
 from distrib_train.recipes.attention import BLOCK as splash_block
 from distrib_train.recipes.attention import splash_attention
 from distrib_train.sharding.axis_rules import active_activation_sharding, constrain
@@ -272,20 +273,15 @@ class Llama(nnx.Module):
     x = constrain(x, ("batch", "length", "embed"))
     layers = {k: v[...] for k, v in self.layers.items()}
 
-    def block(x, layer):
-      return _block(c, x, layer, positions, segment_ids), None
+    def block(x, layer, positions, segment_ids):
+      return _block(c, x, layer, positions, segment_ids)
 
-    policy = _REMAT_POLICIES[c.remat]
     if c.remat != "none":
-      block = jax.checkpoint(block, policy=policy)
-    if c.scan_layers:
-      x, _ = jax.lax.scan(block, x, layers)
-    else:
-      # Split, not index: the gradient of a split is one concatenate into the stacked array, where the
-      # gradient of ``v[i]`` is a zero-padded copy per layer, summed (bench/NOTES.md, lever 10).
-      parts = {k: jnp.split(v, c.num_layers, axis=0) for k, v in layers.items()}
-      for i in range(c.num_layers):
-        x, _ = block(x, {k: v[i][0] for k, v in parts.items()})
+      block = jax.checkpoint(block, policy=_REMAT_POLICIES[c.remat])
+    # A scan (or an unrolled loop) over the stacked layers; the stages of a pipeline when the step's mesh
+    # has a stage axis (parallel/pipeline.py).
+    x = layer_stack(block, x, layers, per_example={"positions": positions, "segment_ids": segment_ids},
+                    scan=c.scan_layers, layer_axes={k: tuple(v.out_sharding) for k, v in self.layers.items()})
     return rms_norm(x, self.final_norm[...], c.norm_eps)
 
   def logits(self, hidden: jax.Array) -> jax.Array:

@@ -39,10 +39,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 MeshAxes = Union[str, tuple[str, ...], None]
 LogicalAxes = Sequence[Union[str, None]]
 
+# Mesh axes a rule may name that a mesh need not have: rules naming one the
+# mesh lacks are passed over (a mesh without a "stage" axis has no pipeline).
+OPTIONAL_MESH_AXES = frozenset({"stage"})
+
 # A rule set that fits most decoder-only transformers on a
 # ("data", "fsdp", "tensor") mesh: the batch is split over data and fsdp,
 # weights are split over fsdp on their embedding side and over tensor on
-# their hidden side (Megatron-style), everything else is replicated.
+# their hidden side (Megatron-style), everything else is replicated. With a
+# "stage" axis, the stacked layers are split into pipeline stages.
 FSDP_TENSOR_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("batch", ("data", "fsdp")),
     ("embed", "fsdp"),
@@ -52,6 +57,7 @@ FSDP_TENSOR_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("vocab", "tensor"),
     ("length", None),
     ("head_dim", None),
+    ("layers", "stage"),
     ("layers", None),
 )
 
@@ -203,10 +209,11 @@ class AxisRules:
     return frozenset(a for _, axes in self.rules for a in (axes or ()))
 
   def check_mesh(self, mesh_axis_names: Sequence[str], where: str = "the mesh") -> None:
-    """Raises ValueError if a rule names a mesh axis ``where`` does not have."""
+    """Raises ValueError if a rule names a mesh axis ``where`` does not have
+    (``OPTIONAL_MESH_AXES`` excepted)."""
     for logical, axes in self.rules:
       for axis in axes or ():
-        if axis not in mesh_axis_names:
+        if axis not in mesh_axis_names and axis not in OPTIONAL_MESH_AXES:
           raise ValueError(
               f"Axis rule ({logical!r}, {_to_spec_entry(axes)!r}) names mesh"
               f" axis {axis!r}, which {where} does not have (axes:"
@@ -278,6 +285,8 @@ class AxisRules:
         continue
       if used.intersection(mesh_axes):
         continue
+      if mesh_sizes is not None and any(a not in mesh_sizes for a in mesh_axes):
+        continue  # an optional axis (stage) this mesh does not have
       if shape is not None and mesh_sizes is not None:
         size = math.prod(mesh_sizes[a] for a in mesh_axes)
         if shape[pos] % size:

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distrib_train.microbatches import Pipelining, stages_of
+
 NAME_MAX = 255  # bytes in one path component on Linux, macOS and GCS-fuse alike
 
 
@@ -91,6 +93,33 @@ def check_batch_is_split(plan, rules, global_batch_size: int) -> None:
         f" the batch would be {'replicated' if got_ways == 1 else f'split only {got_ways} ways'}, every device"
         f" computing {'all' if got_ways == 1 else 'more'} of it. Use a multiple of {ways}, or set"
         " data.allow_replicated_batch=true.")
+
+
+def check_microbatches(plan, global_batch_size: int, microbatches: int, pipeline_repeats: int) -> None:
+  """Refuses microbatches the global batch, or its split over the batch axes, cannot make: a microbatch's
+  rows must come evenly from every device holding part of the batch (``microbatches.split``)."""
+  sizes = plan.mesh.shape
+  if stages_of(plan.mesh) > 1:
+    Pipelining(plan.mesh, microbatches, pipeline_repeats).check()
+  elif pipeline_repeats > 1:
+    raise ValueError(f"train.pipeline_repeats is {pipeline_repeats}, but the mesh has no stage axis of size > 1"
+                     " (mesh " + " × ".join(f"{k}={v}" for k, v in sizes.items()) + "); set it to 1 or add a"
+                     " stage axis to the mesh config.")
+  if microbatches == 1:
+    return
+  if global_batch_size % microbatches:
+    raise ValueError(f"data.global_batch_size {global_batch_size} does not split into train.microbatches"
+                     f" {microbatches} equal microbatches; use a multiple of {microbatches}.")
+  spec = plan.input_kwarg_shardings["tokens"].spec
+  got = spec[0] if len(spec) else None
+  axes = (got,) if isinstance(got, str) else tuple(got or ())
+  ways = math.prod(sizes[a] for a in axes)
+  rows = global_batch_size // microbatches
+  if rows % ways:
+    split = " × ".join(f"{a}={sizes[a]}" for a in axes)
+    raise ValueError(f"A microbatch of data.global_batch_size {global_batch_size} / train.microbatches"
+                     f" {microbatches} = {rows} rows does not divide over the batch axes {split} = {ways}; use a"
+                     f" global batch that is a multiple of {microbatches * ways} or fewer microbatches.")
 
 
 _extremes = jax.jit(lambda x: jnp.stack([jnp.min(x), jnp.max(x)]))

@@ -90,6 +90,15 @@ class TrainConfig:
       config.json) or ``ckpt:<workdir, checkpoints dir or step dir>`` (the
       params of a distrib_train run); the optimizer starts fresh. Empty: a
       random init. A run that resumes from its own checkpoint ignores it.
+    microbatches: split each step's global batch into this many
+      microbatches inside the step. Without a ``stage`` mesh axis: gradient
+      accumulation (float32, one update per step; less activation memory).
+      With one: the pipeline's microbatches (more of them, a smaller
+      bubble).
+    pipeline_repeats: rounds each microbatch makes through the pipeline
+      stages (1: GPipe; R > 1: the circular schedule, bubble
+      ``(S − 1) / (R·M + S − 1)``, needs ``microbatches`` ≥ stages and
+      layers divisible by stages × R). Only with a ``stage`` axis.
   """
 
   steps: int = 200
@@ -106,6 +115,8 @@ class TrainConfig:
   peak_tflops: float = 0.0
   rules: str = "fsdp_tensor"
   init_from: str = ""
+  microbatches: int = 1
+  pipeline_repeats: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,7 +398,7 @@ def _check(config: Config) -> None:
     raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio!r}.")
   if t.steps < 1:
     raise ConfigError(f"train.steps must be at least 1, got {t.steps!r}.")
-  for key in ("log_every", "keep_checkpoints", "max_nonfinite"):
+  for key in ("log_every", "keep_checkpoints", "max_nonfinite", "microbatches", "pipeline_repeats"):
     if getattr(t, key) < 1:
       raise ConfigError(f"train.{key} must be at least 1, got {getattr(t, key)!r}.")
   for key in ("eval_every", "eval_batches", "checkpoint_every"):

@@ -56,6 +56,8 @@ class JobSpec:
   model_config: Any
   make_state: Callable[[], TrainState]
   optimizer: optax.GradientTransformation
+  microbatches: int = 1
+  pipeline_repeats: int = 1
 
   @property
   def tokens_per_step(self) -> int:
@@ -89,7 +91,21 @@ def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, lo
   with logical_annotations_only():
     abstract = jax.eval_shape(make_state)
   return JobSpec(abstract, DataLoader.batch_schema(config.data_config()), loss_fn or recipe.loss_fn,
-                 input_axes if input_axes is not None else recipe.input_axes, model_config, make_state, optimizer)
+                 input_axes if input_axes is not None else recipe.input_axes, model_config, make_state, optimizer,
+                 microbatches=t.microbatches, pipeline_repeats=t.pipeline_repeats)
+
+
+def step_options(job: JobSpec, plan: Plan) -> dict[str, Any]:
+  """``build_train_step_fn``'s microbatch options for the job: its microbatches and pipeline repeats, and
+  microbatches weighted by the aux ``tokens`` count when the loss reports one (a per-token mean stays exact)."""
+  aux = plan.aux_output_shardings
+  weight = "tokens" if isinstance(aux, Mapping) and "tokens" in aux else None
+  return {"microbatches": job.microbatches, "pipeline_repeats": job.pipeline_repeats, "microbatch_weight": weight}
+
+
+def eval_step_options(job: JobSpec) -> dict[str, Any]:
+  """``build_eval_step_fn``'s: the pipeline's microbatches and repeats (they matter only with a stage axis)."""
+  return {"microbatches": job.microbatches, "pipeline_repeats": job.pipeline_repeats}
 
 
 def rules_for(config: Config, mesh_config: MeshConfig) -> AxisRules:

@@ -47,7 +47,7 @@ from distrib_train.checkpoint.checks import check_restorable, read_meta
 from distrib_train.checkpoint.manager import CheckpointManager, _quiet_echoes_of_failed_writes
 from distrib_train.checkpoint.checks import CheckpointError, first_line
 from distrib_train.training.checks import (TrainerSetupError, check_batch_is_split, check_every_axis_is_used,
-                                           check_same_tokenizer, tokenizer_fingerprint,
+                                           check_microbatches, check_same_tokenizer, tokenizer_fingerprint,
                                            check_path_components, check_workdir, local_value)
 from distrib_train.training.compilation import CacheEvents, memory_line, setup_compilation_cache
 from distrib_train.training.config import Config
@@ -135,6 +135,8 @@ class Trainer:
     plan = job_lib.plan_job(self.job, planner)
     if not self.config.data.allow_replicated_batch:
       check_batch_is_split(plan, planner.rules, self.config.data.global_batch_size)
+    check_microbatches(plan, self.config.data.global_batch_size, self.config.train.microbatches,
+                       self.config.train.pipeline_repeats)
     return plan
 
   def _missing_eval_split(self, plan) -> str | None:
@@ -230,10 +232,12 @@ class Trainer:
         return RunResult("already_done", step)
       train_step = build_train_step_fn(
           self.loss_fn, donate_params_and_state=True, train_state_shardings=plan.train_state_shardings,
-          input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings)
+          input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings,
+          **job_lib.step_options(self.job, plan))
       eval_step = build_eval_step_fn(
           self.loss_fn, train_state_shardings=plan.train_state_shardings,
-          input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings)
+          input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings,
+          **job_lib.eval_step_options(self.job))
       compile_start = time.perf_counter()
       # The model's activation constraints (``axis_rules.constrain``) apply while a step is traced: here
       # for the train step, in the loop for the eval step. Without them XLA may keep every device's copy
@@ -244,6 +248,14 @@ class Trainer:
         source = "from the persistent cache" if cache.hits and not cache.misses else "compiled"
         writer.log(f"Train step {source} in {time.perf_counter() - compile_start:.1f} s; "
                    + memory_line(compiled))
+        if train_step.pipelining is not None:
+          p = train_step.pipelining
+          writer.log(f"Pipeline: {p.stages} stages, {p.microbatches} microbatches, "
+                     + ("GPipe" if p.repeats == 1 else f"circular with {p.repeats} repeats")
+                     + f"; bubble {p.bubble():.1%} of each stage's iterations.")
+        elif t.microbatches > 1:
+          writer.log(f"Gradient accumulation: {t.microbatches} microbatches of"
+                     f" {config.data.global_batch_size // t.microbatches} rows per step.")
         _wait_for_every_process("train step compiled")
         preemption.enter_steps()
         loop = TrainLoop(state=state, train_step=train_step, loader=loader, ckpt=ckpt,
