@@ -15,13 +15,19 @@ import optax
 
 import distrib_train as dt
 from distrib_train import microbatches as microbatching
-from distrib_train.recipes import llama
+from distrib_train.recipes import llama, moe
 
 BATCH, LENGTH = 16, 64
 
 
 def tiny_config(**overrides) -> llama.LlamaConfig:
-  return dataclasses.replace(llama.PRESETS["tiny"], **overrides)
+  """The tiny Llama, or with ``family="moe"`` the tiny mixture of experts, with fields overridden."""
+  family = overrides.pop("family", "llama")
+  return dataclasses.replace((moe.PRESETS if family == "moe" else llama.PRESETS)["tiny"], **overrides)
+
+
+def _loss_of(config):
+  return moe.loss_fn if isinstance(config, moe.MoEConfig) else llama.loss_fn
 
 
 def mesh_of(axes: dict, devices=None, dcn: dict | None = None) -> jax.sharding.Mesh:
@@ -57,18 +63,18 @@ def _plan(config, mesh, inputs):
   rules = dt.AxisRules("fsdp_tensor")
   make = lambda: dt.TrainState.initial_state(config.build(0), optax.sgd(0.5, momentum=0.9), jax.random.key(0))
   input_axes = {k: llama.INPUT_AXES[k] for k in inputs}
-  plan = dt.MeshPlanner(mesh, rules).plan(jax.eval_shape(make), loss_fn=llama.loss_fn, inputs=inputs,
+  plan = dt.MeshPlanner(mesh, rules).plan(jax.eval_shape(make), loss_fn=_loss_of(config), inputs=inputs,
                                           input_axes=input_axes)
   return rules, plan, plan.init(make)
 
 
 def train(mesh, steps: int = 10, microbatches: int = 1, repeats: int = 1, packed: bool = False,
-          weight: str | None = "tokens", **config) -> tuple[list[float], dict]:
+          weight: str | None = "tokens", aux: list | None = None, **config) -> tuple[list[float], dict]:
   """Losses of ``steps`` steps of the tiny Llama (fp32, SGD with momentum: linear in the gradients, so float noise stays noise) and its final params as numpy."""
   cfg = tiny_config(**config)
   data = batches(steps, packed)
   rules, plan, state = _plan(cfg, mesh, data[0])
-  step = dt.build_train_step_fn(llama.loss_fn, donate_params_and_state=True,
+  step = dt.build_train_step_fn(_loss_of(cfg), donate_params_and_state=True,
                                 train_state_shardings=plan.train_state_shardings,
                                 input_kwarg_shardings=plan.input_kwarg_shardings,
                                 aux_output_shardings=plan.aux_output_shardings,
@@ -78,8 +84,10 @@ def train(mesh, steps: int = 10, microbatches: int = 1, repeats: int = 1, packed
     for batch in data:
       placed = {k: jax.make_array_from_callback(v.shape, plan.input_kwarg_shardings[k], lambda i, v=v: v[i])
                 for k, v in batch.items()}
-      state, aux = step(state, **placed)
-      losses.append(float(aux["loss"]))
+      state, out = step(state, **placed)
+      losses.append(float(out["loss"]))
+      if aux is not None:
+        aux.append({k: float(v) for k, v in out.items()})
   return losses, _numpy(state.params)
 
 
@@ -100,7 +108,7 @@ def gradients(mesh, microbatches: int = 1, repeats: int = 1, packed: bool = Fals
 
   def loss(params, inputs):
     model = dt.models.merge_model(model_without_params, params, state.local_state)
-    return llama.loss_fn(model=model, state=None, rng=None, **inputs)[0]
+    return _loss_of(cfg)(model=model, state=None, rng=None, **inputs)[0]
 
   context = (microbatching.pipelining(microbatching.Pipelining(mesh, microbatches, repeats))
              if microbatching.stages_of(mesh) > 1 else dt.activation_sharding(mesh, rules))

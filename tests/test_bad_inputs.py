@@ -238,7 +238,7 @@ CLI_CASES: dict[str, Case] = {
     "cache-dir-under-a-file": Case(("--set", "train.compilation_cache_dir={dir}/f/cache"),
                                    ("train.compilation_cache_dir", "f/cache", "cannot be created"), {"f": "x\n"}),
     # mesh configs
-    "mesh-unknown-name": Case(("--mesh_config", "cpu-9"), "No mesh config named 'cpu-9'; known: cpu-2proc, cpu-8"),
+    "mesh-unknown-name": Case(("--mesh_config", "cpu-9"), "No mesh config named 'cpu-9'; known: cpu-2proc, cpu-2proc-pipeline, cpu-8,"),
     "mesh-device-count": Case(("--mesh_config", "tpu-v4-32"), "tpu-v4-32.yaml is for 16 devices; this job has 8"),
     "mesh-axes-product": Case(("--mesh_config", "{dir}/m.yaml"), "m.yaml: ici sizes data=3 × fsdp=2 = 6 do not"
                               " match the 8 devices found", {"m.yaml": "axes: {data: 3, fsdp: 2}\n"}),

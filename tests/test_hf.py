@@ -42,6 +42,11 @@ FAMILIES = {
                                                                                   sliding_window=None)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1e6,
                                                                             tie_word_embeddings=True)),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+        rope_theta=1e6, sliding_window=None, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, dict(
+        rope_theta=1e6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80, norm_topk_prob=False)),
 }
 
 
@@ -66,12 +71,16 @@ def _reference_logits(model, tokens):
     return model(torch.from_numpy(np.array(tokens)).long()).logits.float().numpy()
 
 
+def _recipe(config):
+  return recipes.moe if isinstance(config, recipes.moe.MoEConfig) else recipes.llama
+
+
 def _import(directory):
   config = hf.llama_config(directory, dtype="float32", attention="xla")
   model = config.build(0)
   planner = dt.MeshPlanner(dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2))), "fsdp_tensor")
   state, plan = planner.init(lambda: dt.TrainState.initial_state(model, optax.sgd(0.0), jax.random.key(0)),
-                             loss_fn=recipes.llama.loss_fn, inputs={"tokens": _tokens(), "targets": _tokens()},
+                             loss_fn=_recipe(config).loss_fn, inputs={"tokens": _tokens(), "targets": _tokens()},
                              input_axes=recipes.llama.INPUT_AXES)
   params = hf.load_params(directory, plan.abstract_train_state.params, config)
   return config, state.replace(params=params), plan, planner.rules
@@ -92,7 +101,8 @@ def test_import_gives_transformers_logits_and_export_loads_back_bit_for_bit(fami
   reference = _save(family, tmp_path / "hf")
   tokens = _tokens()
   config, state, plan, rules = _import(str(tmp_path / "hf"))
-  assert config.attention_bias == (family == "qwen2")
+  assert config.attention_bias == (family in ("qwen2", "qwen2_moe"))
+  assert isinstance(config, recipes.moe.MoEConfig) == (family in ("mixtral", "qwen2_moe"))
   assert config.tie_embeddings == (family in ("llama3.1", "qwen2"))
   assert config.rope_scaling == ("llama3" if family == "llama3.1" else "none")
   planned = jax.tree_util.tree_leaves(plan.train_state_shardings.params)

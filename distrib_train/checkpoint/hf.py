@@ -42,6 +42,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from distrib_train.checkpoint import hf_moe
+
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 # The LlamaConfig fields a checkpoint fixes; the rest (dtype, remat, attention, …) stay the run's.
 SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
@@ -72,20 +74,23 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def llama_config(directory: str, **overrides: Any):
-  """The ``LlamaConfig`` of a Hugging Face Llama / Mistral / Qwen2 directory (``overrides`` on top).
+  """The ``LlamaConfig`` of a Hugging Face Llama / Mistral / Qwen2 directory, or the ``MoEConfig`` of a
+  Mixtral / Qwen2-MoE one (``hf_moe.py``), ``overrides`` on top.
 
   Raises:
     HfCheckpointError: what the reference Llama cannot represent (key named).
   """
   from distrib_train.recipes.llama import LlamaConfig
+  from distrib_train.recipes.moe import MoEConfig
 
   path = os.path.join(directory, "config.json")
   hf = _read_json(path)
   arch = (hf.get("architectures") or ["?"])[0]
-  if arch not in FAMILIES:
+  known = {**FAMILIES, **hf_moe.FAMILIES}
+  if arch not in known:
     raise HfCheckpointError(f"{path}: architecture {arch!r} is not one this importer reads; known:"
-                            f" {', '.join(FAMILIES)}.")
-  family = FAMILIES[arch]
+                            f" {', '.join(known)}.")
+  family = known[arch]
   if hf.get("hidden_act", "silu") != "silu":
     raise HfCheckpointError(f"{path}: hidden_act {hf['hidden_act']!r}; the reference Llama's MLP is SwiGLU (silu).")
   if hf.get("mlp_bias"):
@@ -99,10 +104,11 @@ def llama_config(directory: str, **overrides: Any):
   fields: dict[str, Any] = dict(
       vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
       num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-      head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads), mlp_dim=int(hf["intermediate_size"]),
+      head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+      mlp_dim=int(hf.get("intermediate_size") or 0),
       max_seq_len=int(hf.get("max_position_embeddings", 4096)), rope_theta=theta,
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)))
+      attention_bias=family in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False)))
   if kind == "linear":
     fields.update(rope_scaling="linear", rope_factor=float(scaling["factor"]))
   elif kind == "llama3":
@@ -112,6 +118,10 @@ def llama_config(directory: str, **overrides: Any):
                   rope_original_max_len=int(scaling["original_max_position_embeddings"]))
   elif kind != "default":
     raise HfCheckpointError(f"{path}: RoPE scaling {kind!r}; this importer reads default, linear and llama3.")
+  if family in hf_moe.FAMILIES.values():
+    fields.update(hf_moe.fields(hf, path, family))
+    fields.update(overrides)
+    return MoEConfig(**fields)
   fields.update(overrides)
   return LlamaConfig(**fields)
 
@@ -254,6 +264,10 @@ def _layer_readers(config) -> dict[str, Any]:
   if config.attention_bias:
     readers.update(bq=_bias("self_attn.q_proj", h, hd), bk=_bias("self_attn.k_proj", kv, hd),
                    bv=_bias("self_attn.v_proj", kv, hd))
+  if hf_moe.is_moe(config):
+    for key in ("w_gate", "w_up", "w_down"):
+      del readers[key]
+    readers.update(hf_moe.layer_readers(config))
   return readers
 
 
@@ -332,13 +346,17 @@ def _check_shape(reader: SafetensorsDirectory, keys: tuple[str, ...], shape: tup
       "bq": (_name(0, "self_attn.q_proj", "bias"), (h * hd,)), "bk": (_name(0, "self_attn.k_proj", "bias"), (kv * hd,)),
       "bv": (_name(0, "self_attn.v_proj", "bias"), (kv * hd,)),
   }
-  name, want = expected[keys[-1]]
+  wanted = [expected[keys[-1]]] if keys[-1] in expected else []
+  if hf_moe.is_moe(config) and keys[0] == "layers":
+    wanted = hf_moe.expected_shapes(config).get(keys[-1], wanted)
   layers = range(shape[0]) if keys[0] == "layers" else [None]
-  for layer in layers:
-    tensor = name if layer is None else name.replace("layers.0.", f"layers.{layer}.")
-    found = reader.shape(tensor)
-    if found != want:
-      raise HfCheckpointError(f"{reader.directory}: tensor {tensor!r} has shape {found}, the config says {want}.")
+  for name, want in wanted:
+    for layer in layers:
+      tensor = name if layer is None else name.replace("layers.0.", f"layers.{layer}.")
+      found = reader.shape(tensor)
+      if found != want:
+        raise HfCheckpointError(f"{reader.directory}: tensor {tensor!r} has shape {found}, the config says"
+                                f" {want}.")
 
 
 # --- export -----------------------------------------------------------------------------------
@@ -367,8 +385,11 @@ def hf_tensors(params: Any, config) -> dict[str, np.ndarray]:
     for kind, key, n in (("q_proj", "wq", h), ("k_proj", "wk", kv), ("v_proj", "wv", kv)):
       out[_name(i, f"self_attn.{kind}")] = np.ascontiguousarray(layer[key][i].reshape(d, n * hd).T)
     out[_name(i, "self_attn.o_proj")] = np.ascontiguousarray(layer["wo"][i].reshape(h * hd, d).T)
-    for kind, key in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
-      out[_name(i, f"mlp.{kind}")] = np.ascontiguousarray(layer[key][i].T)
+    if hf_moe.is_moe(config):
+      out.update(hf_moe.layer_tensors(layer, config, i))
+    else:
+      for kind, key in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
+        out[_name(i, f"mlp.{kind}")] = np.ascontiguousarray(layer[key][i].T)
     if config.attention_bias:
       for kind, key in (("q_proj", "bq"), ("k_proj", "bk"), ("v_proj", "bv")):
         out[_name(i, f"self_attn.{kind}", "bias")] = layer[key][i].reshape(-1)
@@ -378,7 +399,7 @@ def hf_tensors(params: Any, config) -> dict[str, np.ndarray]:
 def hf_config(config, family: str = "") -> dict[str, Any]:
   """``config.json`` for ``config``: Qwen2 when it has attention biases, else Llama (or ``family``)."""
   family = family or ("qwen2" if config.attention_bias else "llama")
-  arch = {v: k for k, v in FAMILIES.items()}[family]
+  arch = {v: k for k, v in FAMILIES.items()}.get(family, "LlamaForCausalLM")
   out: dict[str, Any] = {
       "architectures": [arch], "model_type": family, "vocab_size": config.vocab_size,
       "hidden_size": config.d_model, "intermediate_size": config.mlp_dim, "num_hidden_layers": config.num_layers,
@@ -396,6 +417,8 @@ def hf_config(config, family: str = "") -> dict[str, Any]:
                            "low_freq_factor": config.rope_low_freq_factor,
                            "high_freq_factor": config.rope_high_freq_factor,
                            "original_max_position_embeddings": config.rope_original_max_len}
+  if hf_moe.is_moe(config):
+    return hf_moe.config_json(config, out)
   return out
 
 

@@ -6,9 +6,11 @@
   the circular schedule with ``train.pipeline_repeats`` > 1), stage to stage
   by collective-permute.
 
-Still to come, each in its own module, composing with data / fsdp / tensor:
-``experts.py`` (the ``expert`` axis, routed tokens by all-to-all) and
-``context.py`` (the ``context`` axis, ring attention).
+- ``experts.py``: the ``expert`` mesh axis. A mixture of experts' layers
+  call ``dispatch``: tokens to the devices holding their experts by
+  all-to-all, grouped matmuls (``ragged_dot``), and back.
+
+Still to come: ``context.py`` (the ``context`` axis, ring attention).
 
 Modules here may import ``common``, ``models``, the core and ``sharding``;
 recipes (reference models) import them, never the other way round.

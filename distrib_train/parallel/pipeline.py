@@ -84,7 +84,9 @@ def layer_stack(block: Callable[..., jax.Array], x: jax.Array, layers: Any, *,
   Args:
     block: ``block(x, layer, **per_example) -> x`` for one layer (``layer``: ``layers`` without the
       leading dimension).
-    x: the activations, batch first.
+    x: the activations, batch first: an array, or a pytree of arrays that all have the batch first
+      (e.g. the hidden states and per-example sums a layer adds to, such as a mixture of experts'
+      auxiliary losses).
     layers: a pytree of arrays stacked on a leading layers dimension.
     per_example: arrays with the batch first that the block reads (None values are passed as None).
     scan: scan over the layers (one compiled block) or unroll them.
@@ -92,7 +94,7 @@ def layer_stack(block: Callable[..., jax.Array], x: jax.Array, layers: Any, *,
       pipeline gathers each stage's weights over FSDP once per step; without them XLA places them.
 
   Returns:
-    The activations after the last layer, shaped like ``x``.
+    The activations after the last layer, shaped like ``x`` (the same pytree).
   """
   per_example = dict(per_example or {})
   given = {k: v for k, v in per_example.items() if v is not None}
@@ -141,10 +143,10 @@ def _stage_weight_sharding(config: Pipelining, leaf: jax.Array, axes: Any) -> Na
   return _spec(config.mesh, [None, STAGE_AXIS, None] + rest)
 
 
-def _pipelined(block: Callable[..., jax.Array], x: jax.Array, layers: Any, per_example: Mapping[str, jax.Array],
-               scan: bool, layer_axes: Any, config: Pipelining) -> jax.Array:
+def _pipelined(block: Callable[..., Any], x: Any, layers: Any, per_example: Mapping[str, jax.Array],
+               scan: bool, layer_axes: Any, config: Pipelining) -> Any:
   s, m, r = config.stages, config.microbatches, config.repeats
-  config.check(x.shape[0])
+  config.check(jax.tree_util.tree_leaves(x)[0].shape[0])
   leaves = jax.tree_util.tree_leaves(layers)
   n_layers = leaves[0].shape[0]
   if n_layers % (s * r):
@@ -153,19 +155,21 @@ def _pipelined(block: Callable[..., jax.Array], x: jax.Array, layers: Any, per_e
                      f" divides {n_layers}.")
   per_chunk = n_layers // (s * r)
   mesh = config.mesh
+  tmap = jax.tree_util.tree_map
 
   # Weights: [L, ...] → [R, S, L/(S·R), ...]; chunk r·S + s is stage s's in repeat r.
-  chunked = jax.tree_util.tree_map(lambda a: a.reshape(r, s, per_chunk, *a.shape[1:]), layers)
+  chunked = tmap(lambda a: a.reshape(r, s, per_chunk, *a.shape[1:]), layers)
   flat, treedef = jax.tree_util.tree_flatten(chunked)
   axes = [None] * len(flat) if layer_axes is None else treedef.flatten_up_to(layer_axes)
   chunked = treedef.unflatten([jax.lax.with_sharding_constraint(a, _stage_weight_sharding(config, a, ax))
                                for a, ax in zip(flat, axes)])
 
-  xs = split(x, m)  # [M, mb, ...]
-  xs = jax.lax.with_sharding_constraint(xs, _spec(mesh, _activation_dims(x.shape, 1)))
+  # Activations (a pytree whose leaves all have the batch first): [B, ...] → [M, mb, ...].
+  xs = tmap(lambda a: jax.lax.with_sharding_constraint(split(a, m), _spec(mesh, _activation_dims(a.shape, 1))), x)
   examples = {k: split(v, m) for k, v in per_example.items()}
-  state_sharding = _spec(mesh, [STAGE_AXIS] + _activation_dims(x.shape, 0))
-  buffer_sharding = _spec(mesh, [STAGE_AXIS, None] + _activation_dims(x.shape, 0))
+  on_stages = lambda a: jax.lax.with_sharding_constraint(a, _spec(mesh, [STAGE_AXIS] + _activation_dims(a.shape[1:], 0)))
+  in_buffer = lambda a: jax.lax.with_sharding_constraint(
+      a, _spec(mesh, [STAGE_AXIS, None] + _activation_dims(a.shape[2:], 0)))
   stage_ids = jnp.arange(s)
 
   def stage_fn(chunk, h, examples_s):
@@ -180,7 +184,7 @@ def _pipelined(block: Callable[..., jax.Array], x: jax.Array, layers: Any, per_e
         chosen = jnp.where((rep == k).reshape((s,) + (1,) * (a.ndim - 2)), a[k], chosen)
       return chosen
 
-    chunk = jax.tree_util.tree_map(pick, chunked)
+    chunk = tmap(pick, chunked)
     return run_stages(chunk, inputs, examples_s)
 
   if r > 1:
@@ -192,31 +196,34 @@ def _pipelined(block: Callable[..., jax.Array], x: jax.Array, layers: Any, per_e
   def iteration(carry, t):
     state, buffer = carry
     slot = t % m
-    fresh = jnp.broadcast_to(jax.lax.dynamic_index_in_dim(xs, slot, 0, keepdims=True), (s,) + xs.shape[1:])
-    if r > 1:  # a later repeat takes the microbatch back from the ring buffer
-      first = jnp.where(t < m, fresh, jax.lax.dynamic_index_in_dim(buffer, slot, 1, keepdims=False))
-    else:
-      first = fresh
-    is_first = (stage_ids == 0).reshape((s,) + (1,) * (x.ndim))
-    inputs = jax.lax.with_sharding_constraint(jnp.where(is_first, first, state), state_sharding)
+
+    def first_input(x_all, buf, st):
+      fresh = jnp.broadcast_to(jax.lax.dynamic_index_in_dim(x_all, slot, 0, keepdims=True), (s,) + x_all.shape[1:])
+      if r > 1:  # a later repeat takes the microbatch back from the ring buffer
+        fresh = jnp.where(t < m, fresh, jax.lax.dynamic_index_in_dim(buf, slot, 1, keepdims=False))
+      is_first = (stage_ids == 0).reshape((s,) + (1,) * (st.ndim - 1))
+      return on_stages(jnp.where(is_first, fresh, st))
+
+    inputs = tmap(first_input, xs, buffer, state)
     work = t - stage_ids  # the work item each stage runs: microbatch work % M, repeat work // M
     rep = jnp.clip(work // m, 0, r - 1)
     micro = work % m
-
     examples_s = {k: jnp.take(v, micro, axis=0) for k, v in examples.items()}
     out = run_iteration(chunked, rep, inputs, examples_s)
     # Stage s's output to stage s + 1; the last stage's wraps round to stage 0 (one collective-permute).
-    state = jax.lax.with_sharding_constraint(jnp.roll(out, 1, axis=0), state_sharding)
+    state = tmap(lambda a: on_stages(jnp.roll(a, 1, axis=0)), out)
     done = t - (s - 1)  # the work item the last stage just finished, now at row 0
     keep = jnp.where(done >= 0, done % m, 0)
-    old = jax.lax.dynamic_index_in_dim(buffer, keep, 1, keepdims=False)
-    buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(done >= 0, state, old), keep, 1)
-    return (jax.lax.with_sharding_constraint(state, state_sharding),
-            jax.lax.with_sharding_constraint(buffer, buffer_sharding)), None
 
-  state = jax.lax.with_sharding_constraint(jnp.zeros((s,) + xs.shape[1:], x.dtype), state_sharding)
-  buffer = jax.lax.with_sharding_constraint(jnp.zeros((s, m) + xs.shape[1:], x.dtype), buffer_sharding)
+    def store(buf, st):
+      old = jax.lax.dynamic_index_in_dim(buf, keep, 1, keepdims=False)
+      return in_buffer(jax.lax.dynamic_update_index_in_dim(buf, jnp.where(done >= 0, st, old), keep, 1))
+
+    return (state, tmap(store, buffer, state)), None
+
+  state = tmap(lambda a: on_stages(jnp.zeros((s,) + a.shape[1:], a.dtype)), xs)
+  buffer = tmap(lambda a: in_buffer(jnp.zeros((s, m) + a.shape[1:], a.dtype)), xs)
   (_, buffer), _ = jax.lax.scan(iteration, (state, buffer), jnp.arange(r * m + s - 1))
   # Row 0 (stage 0's devices) holds every microbatch's last output.
-  out = jax.lax.with_sharding_constraint(buffer[0], _spec(mesh, _activation_dims(x.shape, 1)))
-  return merge(out)
+  return tmap(lambda a: merge(jax.lax.with_sharding_constraint(a[0], _spec(mesh, _activation_dims(a.shape[2:], 1)))),
+              buffer)

@@ -1,7 +1,8 @@
 """Reference models by name: their config, penzai-style loss and input axes.
 
 ``get("llama", preset="tiny")`` (``recipes/llama.py``: a Llama-style decoder,
-presets tiny to 70b) and ``get("mlp")`` (``recipes/mlp.py``: BatchNorm and
+presets tiny to 70b), ``get("moe", preset="tiny")`` (``recipes/moe.py``: a
+mixture of experts, presets tiny, mixtral-8x7b, deepseek-v3) and ``get("mlp")`` (``recipes/mlp.py``: BatchNorm and
 Dropout). A new model family goes here as a module with ``PRESETS``,
 ``loss_fn`` and ``INPUT_AXES``, registered in ``_REGISTRY``.
 """
@@ -12,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from distrib_train.recipes import llama, mlp
+from distrib_train.recipes import llama, mlp, moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,7 @@ class ModelRecipe:
 _REGISTRY = {
     "llama": (llama.PRESETS, llama.loss_fn, llama.INPUT_AXES),
     "mlp": (mlp.PRESETS, mlp.loss_fn, mlp.INPUT_AXES),
+    "moe": (moe.PRESETS, moe.loss_fn, moe.INPUT_AXES),
 }
 
 

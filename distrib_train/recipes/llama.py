@@ -195,10 +195,10 @@ def attention_implementation(requested: str, q: jax.Array, masked: bool = False)
   return None
 
 
-def _block(config: LlamaConfig, x, layer, positions, segment_ids):
-  """One decoder block on ``x`` [batch, length, embed] with one layer's params."""
+def attention_sublayer(config: LlamaConfig, x, layer, positions, segment_ids):
+  """``x`` plus the attention of one layer (pre-norm): the first half of a decoder block."""
   dtype = jnp.dtype(config.dtype)
-  w = {k: v.astype(dtype) for k, v in layer.items()}
+  w = {k: layer[k].astype(dtype) for k in ("wq", "wk", "wv", "wo", "bq", "bk", "bv") if k in layer}
   h = rms_norm(x, layer["attn_norm"], config.norm_eps)
   q = jnp.einsum("btd,dnh->btnh", h, w["wq"])
   k = jnp.einsum("btd,dkh->btkh", h, w["wk"])
@@ -216,12 +216,22 @@ def _block(config: LlamaConfig, x, layer, positions, segment_ids):
     attn = splash_attention(q, k, v, segment_ids)
   else:
     attn = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
-  x = x + constrain(jnp.einsum("btnh,nhd->btd", attn, w["wo"]), ("batch", "length", "embed"))
-  h = rms_norm(x, layer["mlp_norm"], config.norm_eps)
-  gate = jnp.einsum("btd,df->btf", h, w["w_gate"])
-  up = jnp.einsum("btd,df->btf", h, w["w_up"])
+  return x + constrain(jnp.einsum("btnh,nhd->btd", attn, w["wo"]), ("batch", "length", "embed"))
+
+
+def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+  """The SwiGLU MLP on ``h`` [batch, length, embed]."""
+  gate = jnp.einsum("btd,df->btf", h, w_gate.astype(h.dtype))
+  up = jnp.einsum("btd,df->btf", h, w_up.astype(h.dtype))
   hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-  return x + constrain(jnp.einsum("btf,fd->btd", hidden, w["w_down"]), ("batch", "length", "embed"))
+  return constrain(jnp.einsum("btf,fd->btd", hidden, w_down.astype(h.dtype)), ("batch", "length", "embed"))
+
+
+def _block(config: LlamaConfig, x, layer, positions, segment_ids):
+  """One decoder block on ``x`` [batch, length, embed] with one layer's params."""
+  x = attention_sublayer(config, x, layer, positions, segment_ids)
+  h = rms_norm(x, layer["mlp_norm"], config.norm_eps)
+  return x + swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"])
 
 
 class Llama(nnx.Module):
@@ -243,9 +253,7 @@ class Llama(nnx.Module):
         "wv": _param(rngs, (L, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), pd, fan_in=d),
         "wo": _param(rngs, (L, h, hd, d), ("layers", "heads", "head_dim", "embed"), pd, fan_in=h * hd),
         "mlp_norm": _param(rngs, (L, d), ("layers", "embed"), pd, None, value=1.0),
-        "w_gate": _param(rngs, (L, d, f), ("layers", "embed", "mlp"), pd, fan_in=d),
-        "w_up": _param(rngs, (L, d, f), ("layers", "embed", "mlp"), pd, fan_in=d),
-        "w_down": _param(rngs, (L, f, d), ("layers", "mlp", "embed"), pd, fan_in=f),
+        **self._mlp_params(rngs),
     })
     if c.attention_bias:
       self.layers["bq"] = _param(rngs, (L, h, hd), ("layers", "heads", "head_dim"), pd, None, value=0.0)
@@ -255,12 +263,36 @@ class Llama(nnx.Module):
     if not c.tie_embeddings:
       self.head = _param(rngs, (d, c.vocab_size), ("embed", "vocab"), pd, fan_in=d)
 
+  def _mlp_params(self, rngs: nnx.Rngs) -> dict[str, nnx.Param]:
+    """Each layer's feed-forward params (a subclass's mixture of experts replaces them)."""
+    c, pd = self.config, jnp.dtype(self.config.param_dtype)
+    L, d, f = c.num_layers, c.d_model, c.mlp_dim
+    return {"w_gate": _param(rngs, (L, d, f), ("layers", "embed", "mlp"), pd, fan_in=d),
+            "w_up": _param(rngs, (L, d, f), ("layers", "embed", "mlp"), pd, fan_in=d),
+            "w_down": _param(rngs, (L, f, d), ("layers", "mlp", "embed"), pd, fan_in=f)}
+
+  def _block(self, carry, layer, positions, segment_ids):
+    """One layer on the layer stack's carry (here the hidden states)."""
+    return _block(self.config, carry, layer, positions, segment_ids)
+
+  def _carry(self, x: jax.Array) -> Any:
+    """The layer stack's carry for hidden states ``x``, and ``_hidden_and_aux`` to read it back."""
+    return x
+
+  def _hidden_and_aux(self, carry: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    return carry, {}
+
   def head_weight(self) -> jax.Array:
     """The output projection [embed, vocab]: the head, or the embedding table's transpose when tied."""
     return self.embed[...].T if self.config.tie_embeddings else self.head[...]
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> jax.Array:
+    return self.hidden_and_aux(tokens, positions, segment_ids)[0]
+
+  def hidden_and_aux(self, tokens: jax.Array, positions: jax.Array | None = None,
+                     segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The final hidden states and what the layers report besides (a mixture of experts' losses)."""
     c = self.config
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -273,16 +305,16 @@ class Llama(nnx.Module):
     x = constrain(x, ("batch", "length", "embed"))
     layers = {k: v[...] for k, v in self.layers.items()}
 
-    def block(x, layer, positions, segment_ids):
-      return _block(c, x, layer, positions, segment_ids)
-
+    block = self._block
     if c.remat != "none":
       block = jax.checkpoint(block, policy=_REMAT_POLICIES[c.remat])
     # A scan (or an unrolled loop) over the stacked layers; the stages of a pipeline when the step's mesh
     # has a stage axis (parallel/pipeline.py).
-    x = layer_stack(block, x, layers, per_example={"positions": positions, "segment_ids": segment_ids},
-                    scan=c.scan_layers, layer_axes={k: tuple(v.out_sharding) for k, v in self.layers.items()})
-    return rms_norm(x, self.final_norm[...], c.norm_eps)
+    carry = layer_stack(block, self._carry(x), layers,
+                        per_example={"positions": positions, "segment_ids": segment_ids}, scan=c.scan_layers,
+                        layer_axes={k: tuple(v.out_sharding) for k, v in self.layers.items()})
+    x, aux = self._hidden_and_aux(carry)
+    return rms_norm(x, self.final_norm[...], c.norm_eps), aux
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     return jnp.einsum("btd,dv->btv", hidden, self.head_weight().astype(hidden.dtype))

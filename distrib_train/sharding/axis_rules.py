@@ -41,15 +41,19 @@ LogicalAxes = Sequence[Union[str, None]]
 
 # Mesh axes a rule may name that a mesh need not have: rules naming one the
 # mesh lacks are passed over (a mesh without a "stage" axis has no pipeline).
-OPTIONAL_MESH_AXES = frozenset({"stage"})
+OPTIONAL_MESH_AXES = frozenset({"stage", "expert"})
 
 # A rule set that fits most decoder-only transformers on a
 # ("data", "fsdp", "tensor") mesh: the batch is split over data and fsdp,
 # weights are split over fsdp on their embedding side and over tensor on
 # their hidden side (Megatron-style), everything else is replicated. With a
-# "stage" axis, the stacked layers are split into pipeline stages.
+# "stage" axis, the stacked layers are split into pipeline stages; with an
+# "expert" axis, a mixture's experts are split over it and the batch too.
 FSDP_TENSOR_RULES: tuple[tuple[str, MeshAxes], ...] = (
+    ("batch", ("data", "fsdp", "expert")),
     ("batch", ("data", "fsdp")),
+    ("expert", "expert"),
+    ("expert_mlp", "tensor"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("heads", "tensor"),

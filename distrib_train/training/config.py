@@ -160,16 +160,18 @@ class Config:
       return recipe
     from distrib_train.checkpoint import hf
 
-    if self.model.name != "llama":
-      raise ConfigError(f"train.init_from {self.train.init_from}: Hugging Face checkpoints load into the llama"
-                        f" model, not {self.model.name!r}.")
     shape = hf.llama_config(os.path.expanduser(self.train.init_from[3:]))
+    moe = hf.hf_moe.is_moe(shape)
+    if self.model.name != ("moe" if moe else "llama"):
+      raise ConfigError(f"train.init_from {self.train.init_from}: this Hugging Face checkpoint loads into the"
+                        f" {'moe' if moe else 'llama'} model, not {self.model.name!r}; set model.name.")
+    fields = hf.SHAPE_FIELDS + (hf.hf_moe.SHAPE_FIELDS if moe else ())
     clashes = [f"model.{k}={v!r} (the checkpoint has {getattr(shape, k)!r})"
-               for k, v in self.model.overrides.items() if k in hf.SHAPE_FIELDS and getattr(shape, k) != v]
+               for k, v in self.model.overrides.items() if k in fields and getattr(shape, k) != v]
     if clashes:
       raise ConfigError(f"train.init_from {self.train.init_from}: {', '.join(clashes)}; leave the model's shape to"
                         " the checkpoint.")
-    config = dataclasses.replace(recipe.config, **{k: getattr(shape, k) for k in hf.SHAPE_FIELDS})
+    config = dataclasses.replace(recipe.config, **{k: getattr(shape, k) for k in fields})
     return dataclasses.replace(recipe, config=config)
 
   def data_config(self) -> DataConfig:

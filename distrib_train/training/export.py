@@ -8,7 +8,7 @@ Reads the run's ``config.yaml``, restores the params of one checkpoint
 and writes ``config.json`` and float32 safetensors (``checkpoint/hf.py``),
 which ``transformers.AutoModelForCausalLM.from_pretrained`` loads. The host
 needs the params' size in memory (4 bytes a parameter). The reference Llama
-only (``model.name: llama``).
+only (``model.name: llama`` or ``moe``: Mixtral / Qwen2-MoE).
 
 A mistake prints one ``error:`` line and exits with status 2; nothing is
 written then.
@@ -49,8 +49,9 @@ def export(workdir: str | os.PathLike, out: str, step: int | None = None) -> lis
   if not (workdir / "config.yaml").exists():
     raise ValueError(f"{str(workdir)!r} is not a distrib_train run (no config.yaml).")
   config = config_lib.load(str(workdir / "config.yaml"))
-  if config.model.name != "llama":
-    raise ValueError(f"export writes the llama model as Hugging Face's; this run's model is {config.model.name!r}.")
+  if config.model.name not in ("llama", "moe"):
+    raise ValueError(f"export writes the llama and moe models as Hugging Face's; this run's model is"
+                     f" {config.model.name!r}.")
   recipe = config.model_recipe()
   mesh = build_mesh(MeshConfig(("data", "fsdp", "tensor"), (1, 1, 1)), jax.devices()[:1])
   planner = MeshPlanner(mesh, "fsdp_tensor")

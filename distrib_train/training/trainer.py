@@ -372,7 +372,8 @@ class Trainer:
       loader.close()
     eval_loss = total / max(count, 1.0)
     aux_means = {name: value / max(count, 1.0) for name, value in aux_totals.items()}
-    perplexity = math.exp(min(eval_loss, 700.0))  # exp of a mean token cross-entropy; capped below overflow
+    # exp of a mean token cross-entropy (without a mixture's routing losses); capped below overflow
+    perplexity = math.exp(min(aux_means.get("cross_entropy", eval_loss), 700.0))
     self.writer.write(step, {**aux_means, "loss": eval_loss, "perplexity": perplexity, "tokens": count,
                              "batches": batches, "seconds": time.perf_counter() - start}, prefix="eval/")
     return eval_loss
