@@ -188,7 +188,9 @@ def test_two_slices_send_the_data_axis_over_dcn_and_the_rest_over_ici(tmp_path):
   assert pod.wire_bytes()["dcn"] > 0 and pod.time.dcn_s > 0
 
 
-@pytest.mark.parametrize("preset", sorted(n for n in config_lib.preset_names() if n.endswith(("-tpu", "-tpu-pipeline"))))
+# deepseek-v3-tpu compiles for 4.5 minutes on 2 cores: bench/tpu_presets.py checks it (bench/RESULTS.md).
+@pytest.mark.parametrize("preset", sorted(n for n in config_lib.preset_names()
+                                          if n.endswith(("-tpu", "-tpu-pipeline")) and n != "deepseek-v3-tpu"))
 def test_every_shipped_tpu_preset_fits_the_chips_of_its_mesh_configs_topology(preset):
   """A user who runs a shipped TPU preset on its pod must not meet an out-of-memory (libtpu's own figures)."""
   import jax
@@ -207,6 +209,8 @@ def test_every_shipped_tpu_preset_fits_the_chips_of_its_mesh_configs_topology(pr
     assert pipeline["stages"] > 1 and 0 < pipeline["bubble_fraction"] < 0.2, pipeline
     assert any(c.kind == "collective-permute" and c.dcn and "stage" in c.axes for c in pod.collectives)
     assert pipeline["stage_permute_bytes"] > 0 and "Pipeline: 4 stages, 16 microbatches" in pod.report()
+  if preset.startswith("mixtral"):  # tokens to their experts and back: all-to-all over the expert axis
+    assert any(c.kind == "all-to-all" and c.axes == ("expert",) for c in pod.collectives)
 
 
 def test_a_mesh_needing_slices_on_one_slice_is_a_clear_error(tmp_path):
