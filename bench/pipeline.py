@@ -50,28 +50,29 @@ from distrib_train.microbatches import bubble_fraction  # noqa: E402
 from distrib_train.recipes import llama  # noqa: E402
 
 
-def _mesh(axes: dict) -> jax.sharding.Mesh:
+def sharded_step(cfg: llama.LlamaConfig, axes: dict, batch: int, length: int, **options):
+  """The tiny Llama's step on 8 devices laid out as ``axes`` (data, fsdp, tensor 1 unless given):
+  ``(mesh, rules, plan, state, step, placed batch)``. ``options`` go to ``build_train_step_fn``."""
   sizes = {"data": 1, "fsdp": 1, "tensor": 1, **axes}
-  return dt.build_mesh(dt.MeshConfig.from_dict({"axes": sizes, "rules": "fsdp_tensor", "devices": 8}))
+  mesh = dt.build_mesh(dt.MeshConfig.from_dict({"axes": sizes, "rules": "fsdp_tensor", "devices": 8}))
+  rules = dt.AxisRules("fsdp_tensor")
+  make = lambda: dt.TrainState.initial_state(cfg.build(0), optax.adam(1e-3), jax.random.key(0))
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, length)).astype(np.int32)
+  inputs = {"tokens": tokens, "targets": np.roll(tokens, -1, 1)}
+  plan = dt.MeshPlanner(mesh, rules).plan(jax.eval_shape(make), loss_fn=llama.loss_fn, inputs=inputs,
+                                          input_axes=llama.INPUT_AXES)
+  step = dt.build_train_step_fn(llama.loss_fn, donate_params_and_state=True,
+                                train_state_shardings=plan.train_state_shardings,
+                                input_kwarg_shardings=plan.input_kwarg_shardings,
+                                aux_output_shardings=plan.aux_output_shardings, **options)
+  placed = {k: jax.device_put(v, plan.input_kwarg_shardings[k]) for k, v in inputs.items()}
+  return mesh, rules, plan, plan.init(make), step, placed
 
 
 def step_time(cfg: llama.LlamaConfig, axes: dict, batch: int, length: int, microbatches: int, repeats: int,
               steps: int) -> float:
-  mesh = _mesh(axes)
-  rules = dt.AxisRules("fsdp_tensor")
-  make = lambda: dt.TrainState.initial_state(cfg.build(0), optax.adam(1e-3), jax.random.key(0))
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, cfg.vocab_size, (batch, length)).astype(np.int32)
-  inputs = {"tokens": tokens, "targets": np.roll(tokens, -1, 1)}
-  plan = dt.MeshPlanner(mesh, rules).plan(jax.eval_shape(make), loss_fn=llama.loss_fn, inputs=inputs,
-                                          input_axes=llama.INPUT_AXES)
-  state = plan.init(make)
-  step = dt.build_train_step_fn(llama.loss_fn, donate_params_and_state=True,
-                                train_state_shardings=plan.train_state_shardings,
-                                input_kwarg_shardings=plan.input_kwarg_shardings,
-                                aux_output_shardings=plan.aux_output_shardings,
-                                microbatches=microbatches, pipeline_repeats=repeats, microbatch_weight="tokens")
-  placed = {k: jax.device_put(v, plan.input_kwarg_shardings[k]) for k, v in inputs.items()}
+  mesh, rules, _, state, step, placed = sharded_step(cfg, axes, batch, length, microbatches=microbatches,
+                                                     pipeline_repeats=repeats, microbatch_weight="tokens")
   times = []
   with dt.activation_sharding(mesh, rules):
     for i in range(steps + 1):

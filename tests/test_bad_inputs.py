@@ -258,8 +258,8 @@ CLI_CASES: dict[str, Case] = {
         "Mesh axis contxt (size 2) is used by no axis rule in the rules of", "m.yaml"),
         {"m.yaml": "devices: 8\naxes: {data: 2, fsdp: 2, contxt: 2}\nrules: [[batch, [data, fsdp]], [embed, fsdp]]\n"}),
     "rules-shipped-set-misses-an-axis": Case(("--mesh_config", "{dir}/m.yaml"), (
-        "Mesh axis expert (size 2) is used by no axis rule in rule set 'fsdp_tensor'"),
-        {"m.yaml": "devices: 8\naxes: {data: 2, fsdp: 2, tensor: 1, expert: 2}\n"}),
+        "Mesh axis sequence (size 2) is used by no axis rule in rule set 'fsdp_tensor'"),
+        {"m.yaml": "devices: 8\naxes: {data: 2, fsdp: 2, tensor: 1, sequence: 2}\n"}),
     "data-batch-not-divisible-by-the-mesh": Case(("--set", "data.global_batch_size=6"), (
         "data.global_batch_size 6 does not divide over the mesh's batch axes data=2 × fsdp=2 = 4",
         "data.allow_replicated_batch=true")),

@@ -9,8 +9,9 @@
 - ``experts.py``: the ``expert`` mesh axis. A mixture of experts' layers
   call ``dispatch``: tokens to the devices holding their experts by
   all-to-all, grouped matmuls (``ragged_dot``), and back.
-
-Still to come: ``context.py`` (the ``context`` axis, ring attention).
+- ``context.py``: the ``context`` mesh axis. Sequences split over it in a
+  load-balanced (zigzag) order; attention as ring attention (key/value
+  blocks passed round by ``ppermute``, online softmax) or all-gather.
 
 Modules here may import ``common``, ``models``, the core and ``sharding``;
 recipes (reference models) import them, never the other way round.

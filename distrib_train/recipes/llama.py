@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from distrib_train.parallel import context
 from distrib_train.parallel.pipeline import layer_stack
 from distrib_train.recipes.attention import BLOCK as splash_block
 from distrib_train.recipes.attention import splash_attention
@@ -64,6 +65,7 @@ class LlamaConfig:
   rope_low_freq_factor: float = 1.0  # llama3 scaling only
   rope_high_freq_factor: float = 4.0  # llama3 scaling only
   rope_original_max_len: int = 8192  # llama3 scaling only
+  context_attention: str = "ring"  # with a context mesh axis: "ring" or "all_gather" (parallel/context.py)
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -72,6 +74,8 @@ class LlamaConfig:
       raise ValueError(f"remat must be one of {sorted(_REMAT_POLICIES)}, got {self.remat!r}.")
     if self.rope_scaling not in ("none", "linear", "llama3"):
       raise ValueError(f"rope_scaling must be 'none', 'linear' or 'llama3', got {self.rope_scaling!r}.")
+    if self.context_attention not in ("ring", "all_gather"):
+      raise ValueError(f"context_attention must be 'ring' or 'all_gather', got {self.context_attention!r}.")
     if self.attention not in ("auto", "xla", "cudnn", "splash"):
       raise ValueError(f"attention must be 'auto', 'xla', 'cudnn' or 'splash', got {self.attention!r}.")
 
@@ -212,7 +216,9 @@ def attention_sublayer(config: LlamaConfig, x, layer, positions, segment_ids):
   if segment_ids is not None:
     mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
   implementation = attention_implementation(config.attention, q, mask is not None)
-  if implementation == "splash":
+  if context.context_size() > 1:  # the sequence is split over the context axis: ring (or all-gather) attention
+    attn = context.attention(q, k, v, positions, segment_ids, config.context_attention)
+  elif implementation == "splash":
     attn = splash_attention(q, k, v, segment_ids)
   else:
     attn = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
@@ -353,8 +359,15 @@ def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array
 def loss_fn(*, model: Llama, state: Any, rng: jax.Array, tokens: jax.Array, targets: jax.Array,
             segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
             weights: jax.Array | None = None) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
-  """Mean next-token cross-entropy (penzai contract); aux has loss and tokens."""
+  """Mean next-token cross-entropy (penzai contract); aux has loss and tokens.
+
+  On a mesh with a context axis the tokens are taken in its load-balanced order (``parallel/context.py``);
+  the loss, a sum over tokens, is the same.
+  """
   del rng
+  tokens, rest = context.reorder(tokens, targets=targets, positions=positions, segment_ids=segment_ids,
+                                 weights=weights)
+  targets, positions, segment_ids, weights = (rest[k] for k in ("targets", "positions", "segment_ids", "weights"))
   hidden = model(tokens, positions=positions, segment_ids=segment_ids)
   if weights is None:
     weights = jnp.ones(targets.shape, jnp.float32) if segment_ids is None else (segment_ids > 0).astype(jnp.float32)

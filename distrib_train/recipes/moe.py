@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from distrib_train.parallel import context
 from distrib_train.parallel.experts import dispatch
 from distrib_train.recipes import llama
 from distrib_train.recipes.llama import _param, attention_sublayer, rms_norm, swiglu
@@ -213,6 +214,9 @@ def loss_fn(*, model: MoE, state: Any, rng: jax.Array, tokens: jax.Array, target
   layers; ``dropped_tokens`` counts dropped assignments (capacity mode).
   """
   del rng
+  tokens, rest = context.reorder(tokens, targets=targets, positions=positions, segment_ids=segment_ids,
+                                 weights=weights)
+  targets, positions, segment_ids, weights = (rest[k] for k in ("targets", "positions", "segment_ids", "weights"))
   hidden, routing = model.hidden_and_aux(tokens, positions=positions, segment_ids=segment_ids)
   if weights is None:
     weights = jnp.ones(targets.shape, jnp.float32) if segment_ids is None else (segment_ids > 0).astype(jnp.float32)

@@ -41,14 +41,15 @@ LogicalAxes = Sequence[Union[str, None]]
 
 # Mesh axes a rule may name that a mesh need not have: rules naming one the
 # mesh lacks are passed over (a mesh without a "stage" axis has no pipeline).
-OPTIONAL_MESH_AXES = frozenset({"stage", "expert"})
+OPTIONAL_MESH_AXES = frozenset({"stage", "expert", "context"})
 
 # A rule set that fits most decoder-only transformers on a
 # ("data", "fsdp", "tensor") mesh: the batch is split over data and fsdp,
 # weights are split over fsdp on their embedding side and over tensor on
 # their hidden side (Megatron-style), everything else is replicated. With a
 # "stage" axis, the stacked layers are split into pipeline stages; with an
-# "expert" axis, a mixture's experts are split over it and the batch too.
+# "expert" axis, a mixture's experts are split over it and the batch too;
+# with a "context" axis, every sequence's length is split over it.
 FSDP_TENSOR_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("batch", ("data", "fsdp", "expert")),
     ("batch", ("data", "fsdp")),
@@ -59,6 +60,7 @@ FSDP_TENSOR_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("vocab", "tensor"),
+    ("length", "context"),
     ("length", None),
     ("head_dim", None),
     ("layers", "stage"),

@@ -47,7 +47,7 @@ from distrib_train.checkpoint.checks import check_restorable, read_meta
 from distrib_train.checkpoint.manager import CheckpointManager, _quiet_echoes_of_failed_writes
 from distrib_train.checkpoint.checks import CheckpointError, first_line
 from distrib_train.training.checks import (TrainerSetupError, check_batch_is_split, check_every_axis_is_used,
-                                           check_microbatches, check_same_tokenizer, tokenizer_fingerprint,
+                                           check_context, check_microbatches, check_same_tokenizer, tokenizer_fingerprint,
                                            check_path_components, check_workdir, local_value)
 from distrib_train.training.compilation import CacheEvents, memory_line, setup_compilation_cache
 from distrib_train.training.config import Config
@@ -137,6 +137,7 @@ class Trainer:
       check_batch_is_split(plan, planner.rules, self.config.data.global_batch_size)
     check_microbatches(plan, self.config.data.global_batch_size, self.config.train.microbatches,
                        self.config.train.pipeline_repeats)
+    check_context(plan, self.config.data.seq_len)
     return plan
 
   def _missing_eval_split(self, plan) -> str | None:

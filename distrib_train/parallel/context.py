@@ -1,0 +1,135 @@
+"""Context parallelism: sequences split over the ``context`` mesh axis, attention as ring or all-gather.
+
+With a ``context`` axis of size ``C`` > 1 the shipped rules split the
+``length`` of every activation over it (inputs, norms, MLP and loss run on a
+device's own tokens). Attention needs every earlier key of a sequence, so
+``attention(q, k, v, positions, segment_ids)`` runs under ``shard_map``:
+
+- ``ring`` (the default): each device keeps its queries and passes its key
+  and value block round the axis with ``ppermute``, ``C`` steps, combining
+  the blocks with an online softmax (float32); XLA overlaps each step's
+  permute with the previous block's compute. Memory: one key/value block in
+  flight; traffic: every device sends ``C − 1`` blocks.
+- ``all_gather``: the keys and values of the whole sequence are gathered on
+  every device and attended in one block. The same bytes arrive, in one
+  collective with no overlap and ``C`` times the key/value memory; pick it
+  for short sequences or a small axis, where the ring's ``C`` steps cost
+  more than they hide.
+
+The mask comes from the tokens' true positions and segment ids (a key is
+seen if it is in the query's segment and not after it), so packed documents
+stay apart across chunks and RoPE uses the true positions.
+
+Causal masks are load-balanced: ``reorder`` puts each sequence in zigzag
+order before the model — the sequence cut into ``2C`` chunks, device ``i``
+holding chunks ``i`` and ``2C − 1 − i`` — so every device has as many early
+as late tokens and none idles in the ring. The loss is a sum over tokens, so
+it is computed in that order without undoing it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from distrib_train.sharding.axis_rules import active_activation_sharding
+
+CONTEXT_AXIS = "context"
+_NEGATIVE = -1e30  # a masked score: finite, so a block with nothing to see gives no NaN
+
+
+def context_size() -> int:
+  """The active mesh's context axis size (1 outside ``activation_sharding`` or without the axis)."""
+  active = active_activation_sharding()
+  return 1 if active is None else int(dict(active[0].shape).get(CONTEXT_AXIS, 1))
+
+
+def zigzag(length: int, size: int) -> np.ndarray:
+  """The load-balanced order of ``length`` positions over ``size`` devices (module docstring)."""
+  if length % (2 * size):
+    raise ValueError(f"The sequence length {length} does not split over the context axis: it must be a multiple of"
+                     f" 2 × context ({2 * size}) for the load-balanced causal split; change data.seq_len or the"
+                     " context axis size.")
+  chunks = np.arange(length).reshape(2 * size, length // (2 * size))
+  return np.concatenate([np.concatenate([chunks[i], chunks[2 * size - 1 - i]]) for i in range(size)])
+
+
+def reorder(tokens: jax.Array, **per_token: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array | None]]:
+  """``tokens`` [batch, length] and the other per-token arrays in zigzag order on a context mesh (as they are
+  without one); ``positions`` is filled in first when None, so the model sees the true positions."""
+  size = context_size()
+  if size == 1:
+    return tokens, per_token
+  order = zigzag(tokens.shape[1], size)
+  if per_token.get("positions") is None:
+    per_token["positions"] = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  take = lambda a: None if a is None else jnp.take(a, order, axis=1)
+  return take(tokens), {k: take(v) for k, v in per_token.items()}
+
+
+def _block(q, k, v, pos_q, pos_k, seg_q, seg_k, state):
+  """Folds one key/value block into the online softmax ``state`` = (max, sum, accumulator)."""
+  m, l, acc = state
+  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k.astype(jnp.float32))
+  visible = pos_k[:, None, None, None, :] <= pos_q[:, None, None, :, None]
+  if seg_q is not None:
+    visible &= seg_k[:, None, None, None, :] == seg_q[:, None, None, :, None]
+  scores = jnp.where(visible, scores, _NEGATIVE)
+  m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+  p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+  correction = jnp.exp(m - m_new)
+  l = l * correction + jnp.sum(p, axis=-1)
+  acc = acc * jnp.moveaxis(correction, 3, 1)[..., None] + jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
+  return m_new, l, acc
+
+
+def _local(q, k, v, pos, seg, *, size: int, implementation: str):
+  batch, length, heads, dim = q.shape
+  kv = k.shape[2]
+  qg = q.astype(jnp.float32).reshape(batch, length, kv, heads // kv, dim) * dim ** -0.5
+  state = (jnp.full((batch, kv, heads // kv, length), _NEGATIVE, jnp.float32),
+           jnp.zeros((batch, kv, heads // kv, length), jnp.float32),
+           jnp.zeros((batch, length, kv, heads // kv, dim), jnp.float32))
+  fold = jax.checkpoint(_block)  # keep the blocks' inputs, not their [q, k] scores, for the backward pass
+  if implementation == "all_gather":
+    gather = lambda a: jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True)
+    state = fold(qg, gather(k), gather(v), pos, gather(pos), seg, None if seg is None else gather(seg), state)
+  else:
+    ring = [(i, (i + 1) % size) for i in range(size)]
+    block = (k, v, pos, seg)
+    for step in range(size):
+      k_b, v_b, pos_b, seg_b = block
+      state = fold(qg, k_b, v_b, pos, pos_b, seg, seg_b, state)
+      if step < size - 1:
+        block = jax.tree_util.tree_map(lambda a: jax.lax.ppermute(a, CONTEXT_AXIS, ring), block)
+  m, l, acc = state
+  out = acc / jnp.moveaxis(jnp.maximum(l, 1e-30), 3, 1)[..., None]
+  return out.reshape(batch, length, heads, dim).astype(q.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+              implementation: str = "ring") -> jax.Array:
+  """Causal attention of ``q`` [batch, length, heads, dim] over ``k``, ``v`` [batch, length, kv_heads, dim]
+  with the length split over the context axis (module docstring); grouped-query heads allowed."""
+  if implementation not in ("ring", "all_gather"):
+    raise ValueError(f"context attention must be 'ring' or 'all_gather', got {implementation!r}.")
+  mesh, rules = active_activation_sharding()
+  size = int(mesh.shape[CONTEXT_AXIS])
+  spec = lambda axes, shape: rules.spec(axes, shape=shape, mesh=mesh)
+  q_spec = spec(("batch", "length", "heads", "head_dim"), q.shape)
+  kv_spec = spec(("batch", "length", "kv_heads", "head_dim"), k.shape)
+  if q_spec[2] != kv_spec[2]:  # query and key heads must split alike for the grouped heads to line up
+    q_spec = kv_spec = P(q_spec[0], q_spec[1], None, None)
+  token_spec = P(q_spec[0], q_spec[1])
+  if q_spec[1] is None or CONTEXT_AXIS not in ((q_spec[1],) if isinstance(q_spec[1], str) else q_spec[1]):
+    raise ValueError("The mesh has a context axis but the rules do not split the logical 'length' axis over it;"
+                     " add ('length', 'context') to the axis rules (the shipped rules have it).")
+  run = jax.shard_map(
+      lambda q, k, v, pos, seg: _local(q, k, v, pos, seg, size=size, implementation=implementation),
+      mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, token_spec, None if segment_ids is None else token_spec),
+      out_specs=q_spec, axis_names=frozenset(mesh.axis_names), check_vma=False)
+  return run(q, k, v, positions, segment_ids)

@@ -1,0 +1,81 @@
+"""The context axis: sequences split over devices, ring and all-gather attention, against one device."""
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+import mp_harness
+import pipeline_helpers as ph
+from distrib_train.parallel import context
+
+_WORKERS = pathlib.Path(__file__).resolve().parent / "workers"
+RTOL = 1e-4
+LENGTH = 1024
+
+
+@pytest.fixture(autouse=True)
+def _long(monkeypatch):
+  monkeypatch.setattr(ph, "LENGTH", LENGTH)
+  monkeypatch.setattr(ph, "BATCH", 8)
+
+
+def _one_device(packed, steps=3):
+  return ph.train(ph.mesh_of({}, devices=jax.devices()[:1]), steps=steps, packed=packed)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_ring_attention_on_context_4_fsdp_2_matches_one_device(packed):
+  want_losses, want_params = _one_device(packed)
+  losses, params = ph.train(ph.mesh_of({"context": 4, "fsdp": 2}), steps=3, packed=packed)
+  np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+  for name, want in want_params.items():
+    np.testing.assert_allclose(params[name], want, rtol=RTOL, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("implementation", ["ring", "all_gather"])
+def test_gradients_match_one_device(implementation):
+  want = ph.gradients(ph.mesh_of({}, devices=jax.devices()[:1]), packed=True)
+  got = ph.gradients(ph.mesh_of({"context": 4, "fsdp": 2}), packed=True, context_attention=implementation)
+  for name in want:
+    scale = np.max(np.abs(want[name]))
+    np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=1e-5 * scale, err_msg=name)
+
+
+def test_context_composes_with_tensor_stage_and_expert_axes():
+  want = _one_device(True, steps=2)[0]
+  losses, _ = ph.train(ph.mesh_of({"context": 2, "tensor": 2, "fsdp": 2}), steps=2, packed=True)
+  np.testing.assert_allclose(losses, want, rtol=RTOL)
+  losses, _ = ph.train(ph.mesh_of({"stage": 2, "context": 2, "fsdp": 2}), steps=2, packed=True, microbatches=4)
+  np.testing.assert_allclose(losses, want, rtol=RTOL)
+  moe_want = ph.train(ph.mesh_of({}, devices=jax.devices()[:1]), steps=2, family="moe")[0]
+  moe_losses, _ = ph.train(ph.mesh_of({"context": 2, "expert": 2, "fsdp": 2}), steps=2, family="moe")
+  np.testing.assert_allclose(moe_losses, moe_want, rtol=RTOL)
+
+
+def test_the_zigzag_order_gives_each_device_a_front_and_a_back_chunk():
+  order = context.zigzag(16, 2)
+  assert order.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+  assert sorted(order.tolist()) == list(range(16))
+
+
+def test_a_length_the_context_axis_does_not_split_is_refused(tmp_path):
+  with pytest.raises(ValueError, match=r"sequence length 1004 does not split over the context axis: it must be a"
+                                       r" multiple of 2 × context \(8\)"):
+    context.zigzag(1004, 4)
+  from distrib_train.training import config as config_lib
+  from distrib_train.training.trainer import Trainer, TrainerSetupError
+
+  config = config_lib.load("tiny", ["mesh_config=cpu-8-context", "data.seq_len=100"])
+  with pytest.raises(TrainerSetupError, match=r"data.seq_len 100 does not split over the context axis \(4\)"):
+    Trainer(config, tmp_path / "run").run()
+  assert not (tmp_path / "run").exists()
+
+
+def test_context_axis_across_two_processes():
+  want = _one_device(True, steps=3)[0]
+  results = mp_harness.run_workers(_WORKERS / "context_worker.py", "3", str(LENGTH), timeout=300)
+  for r in results:
+    assert r.result["mesh"]["context"] == 4
+    np.testing.assert_allclose(r.result["losses"], want, rtol=RTOL)

@@ -1,0 +1,16 @@
+"""Worker: the tiny Llama on packed 1024-token rows, the context axis across the two processes (ring over DCN)."""
+
+import sys
+
+import mp_harness
+
+mp_harness.worker_init()
+
+import jax  # noqa: E402  (after jax.distributed.initialize)
+
+import pipeline_helpers as ph  # noqa: E402
+
+ph.LENGTH, ph.BATCH = int(sys.argv[2]), 8
+mesh = ph.mesh_of({"context": 4, "fsdp": 2}, devices=jax.devices(), dcn={"context": 2})
+losses, _ = ph.train(mesh, steps=int(sys.argv[1]), packed=True)
+mp_harness.write_result({"losses": losses, "mesh": dict(mesh.shape)})
