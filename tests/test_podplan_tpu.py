@@ -363,3 +363,16 @@ def test_bad_tpu_flags_are_one_line_and_exit_2(args, message, capsys):
   assert e.value.code == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_libtpu_compiles_the_context_and_expert_axes(tmp_path):
+  """Ring attention passes key/value blocks over the context axis; a mixture sends tokens over the expert axis."""
+  topology = TpuTopology.parse("v5e:2x2")
+  mesh_config = _mesh_config(tmp_path, "ctx", "topology: v5e:2x2\naxes:\n  data: 1\n  context: 2\n  fsdp: 2\n  tensor: 1\n")
+  pod = _plan(mesh_config, topology)
+  assert pod.compiler == "tpu" and pod.memory.fits
+  assert any(c.kind == "collective-permute" and c.axes == ("context",) for c in pod.collectives)
+  config = config_lib.load("moe-tiny")
+  mesh_config = _mesh_config(tmp_path, "exp", "topology: v5e:2x2\naxes:\n  data: 1\n  expert: 4\n  fsdp: 1\n  tensor: 1\n")
+  pod = podplan.plan_pod(config, mesh_config, tpu.kind_of(topology), 4, config_name="moe-tiny", target=topology)
+  assert any(c.kind == "all-to-all" and c.axes == ("expert",) for c in pod.collectives)
