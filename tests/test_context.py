@@ -54,6 +54,39 @@ def test_context_composes_with_tensor_stage_and_expert_axes():
   np.testing.assert_allclose(moe_losses, moe_want, rtol=RTOL)
 
 
+@pytest.mark.parametrize("implementation", ["ring", "all_gather"])
+def test_tiled_scores_give_the_attention_and_gradients_of_one_block(implementation):
+  """Tiles of 16 × 16 positions (4 × 4 tiles per ring block here) give plain causal attention in zigzag order."""
+  import jax.numpy as jnp
+  from distrib_train.sharding.axis_rules import AxisRules, FSDP_TENSOR_RULES, activation_sharding
+
+  batch, length, heads, kv_heads, dim = 2, 256, 4, 2, 8
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(batch, length, h, dim)), jnp.float32) for h in (heads, kv_heads, kv_heads))
+  segments = jnp.asarray(np.repeat([[1] * 100 + [2] * 120 + [0] * 36], batch, axis=0), jnp.int32)
+  order = context.zigzag(length, 4)
+  positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+
+  def reference(q, k, v):
+    seen = (positions[:, None, :] <= positions[:, :, None]) & (segments[:, None, :] == segments[:, :, None])
+    out = jax.nn.dot_product_attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), mask=seen[:, None])
+    return jnp.sum(jnp.sin(out) * (segments > 0)[..., None, None])
+
+  mesh = ph.mesh_of({"context": 4, "fsdp": 2})
+  take = lambda a: jnp.take(a, order, axis=1)
+
+  def tiled(q, k, v):
+    with activation_sharding(mesh, AxisRules(FSDP_TENSOR_RULES)):
+      out = context.attention(take(q), take(k), take(v), take(positions), take(segments), implementation, block=16)
+    return jnp.sum(jnp.sin(out) * (take(segments) > 0)[..., None, None])
+
+  want, want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(q, k, v)
+  got, got_grads = jax.jit(jax.value_and_grad(tiled, argnums=(0, 1, 2)))(q, k, v)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for name, g, w in zip("qkv", got_grads, want_grads):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_the_zigzag_order_gives_each_device_a_front_and_a_back_chunk():
   order = context.zigzag(16, 2)
   assert order.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]

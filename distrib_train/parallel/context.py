@@ -16,6 +16,13 @@ device's own tokens). Attention needs every earlier key of a sequence, so
   for short sequences or a small axis, where the ring's ``C`` steps cost
   more than they hide.
 
+Scores are computed in rematerialized tiles of at most ``block`` × ``block``
+(1024 by default) query and key positions per head, one tile at a time, so
+attention's memory grows linearly with the sequence, as with flash attention
+kernels; on TPU and GPU the tiles are XLA's (fused kernels such as splash or
+cuDNN would need a differentiable log-sum-exp per block, which neither
+exposes).
+
 The mask comes from the tokens' true positions and segment ids (a key is
 seen if it is in the query's segment and not after it), so packed documents
 stay apart across chunks and RoPE uses the true positions.
@@ -87,34 +94,69 @@ def _block(q, k, v, pos_q, pos_k, seg_q, seg_k, state):
   return m_new, l, acc
 
 
-def _local(q, k, v, pos, seg, *, size: int, implementation: str):
+def _divisor_at_most(n: int, target: int) -> int:
+  return max(d for d in range(1, min(n, target) + 1) if n % d == 0)
+
+
+def _fold(q, k, v, pos_q, pos_k, seg_q, seg_k, state, block: int):
+  """Folds a whole key/value block into ``state`` in tiles of at most ``block`` queries × ``block`` keys.
+
+  Each tile is rematerialized and the tiles run one after another (``lax.map`` over query tiles, ``lax.scan``
+  over key tiles), so the largest score array, forward or backward, is [block × block] per head whatever the
+  sequence length: the memory of flash attention, in plain XLA.
+  """
+  batch, q_len = q.shape[:2]
+  k_len = k.shape[1]
+  tq, tk = _divisor_at_most(q_len, block), _divisor_at_most(k_len, block)
+  tiles = lambda a, t, axis: None if a is None else jnp.moveaxis(
+      a.reshape(*a.shape[:axis], a.shape[axis] // t, t, *a.shape[axis + 1:]), axis, 0)
+  untile = lambda a, axis: jnp.moveaxis(a, 0, axis).reshape(*a.shape[1:axis + 1], -1, *a.shape[axis + 2:])
+  fold = jax.checkpoint(_block)  # keep the tiles' inputs, not their [q, k] scores, for the backward pass
+  key_tiles = (tiles(k, tk, 1), tiles(v, tk, 1), tiles(pos_k, tk, 1), tiles(seg_k, tk, 1))
+
+  def one_query_tile(xs):
+    q_t, pos_t, seg_t, m, l, acc = xs
+    def over_keys(state, kv):
+      k_t, v_t, posk_t, segk_t = kv
+      return fold(q_t, k_t, v_t, pos_t, posk_t, seg_t, segk_t, state), None
+    return jax.lax.scan(over_keys, (m, l, acc), key_tiles)[0]
+
+  m, l, acc = state
+  xs = (tiles(q, tq, 1), tiles(pos_q, tq, 1), tiles(seg_q, tq, 1), tiles(m, tq, 3), tiles(l, tq, 3),
+        tiles(acc, tq, 1))
+  m, l, acc = jax.lax.map(one_query_tile, xs)
+  return untile(m, 3), untile(l, 3), untile(acc, 1)
+
+
+def _local(q, k, v, pos, seg, *, size: int, implementation: str, block: int):
   batch, length, heads, dim = q.shape
   kv = k.shape[2]
   qg = q.astype(jnp.float32).reshape(batch, length, kv, heads // kv, dim) * dim ** -0.5
   state = (jnp.full((batch, kv, heads // kv, length), _NEGATIVE, jnp.float32),
            jnp.zeros((batch, kv, heads // kv, length), jnp.float32),
            jnp.zeros((batch, length, kv, heads // kv, dim), jnp.float32))
-  fold = jax.checkpoint(_block)  # keep the blocks' inputs, not their [q, k] scores, for the backward pass
   if implementation == "all_gather":
     gather = lambda a: jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True)
-    state = fold(qg, gather(k), gather(v), pos, gather(pos), seg, None if seg is None else gather(seg), state)
+    state = _fold(qg, gather(k), gather(v), pos, gather(pos), seg, None if seg is None else gather(seg), state,
+                  block)
   else:
     ring = [(i, (i + 1) % size) for i in range(size)]
-    block = (k, v, pos, seg)
+    chunk = (k, v, pos, seg)
     for step in range(size):
-      k_b, v_b, pos_b, seg_b = block
-      state = fold(qg, k_b, v_b, pos, pos_b, seg, seg_b, state)
+      k_b, v_b, pos_b, seg_b = chunk
+      state = _fold(qg, k_b, v_b, pos, pos_b, seg, seg_b, state, block)
       if step < size - 1:
-        block = jax.tree_util.tree_map(lambda a: jax.lax.ppermute(a, CONTEXT_AXIS, ring), block)
+        chunk = jax.tree_util.tree_map(lambda a: jax.lax.ppermute(a, CONTEXT_AXIS, ring), chunk)
   m, l, acc = state
   out = acc / jnp.moveaxis(jnp.maximum(l, 1e-30), 3, 1)[..., None]
   return out.reshape(batch, length, heads, dim).astype(q.dtype)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-              implementation: str = "ring") -> jax.Array:
+              implementation: str = "ring", block: int = 1024) -> jax.Array:
   """Causal attention of ``q`` [batch, length, heads, dim] over ``k``, ``v`` [batch, length, kv_heads, dim]
-  with the length split over the context axis (module docstring); grouped-query heads allowed."""
+  with the length split over the context axis (module docstring); grouped-query heads allowed. Scores are
+  computed in tiles of at most ``block`` queries × ``block`` keys (``_fold``)."""
   if implementation not in ("ring", "all_gather"):
     raise ValueError(f"context attention must be 'ring' or 'all_gather', got {implementation!r}.")
   mesh, rules = active_activation_sharding()
@@ -129,7 +171,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, se
     raise ValueError("The mesh has a context axis but the rules do not split the logical 'length' axis over it;"
                      " add ('length', 'context') to the axis rules (the shipped rules have it).")
   run = jax.shard_map(
-      lambda q, k, v, pos, seg: _local(q, k, v, pos, seg, size=size, implementation=implementation),
+      lambda q, k, v, pos, seg: _local(q, k, v, pos, seg, size=size, implementation=implementation,
+                                            block=block),
       mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, token_spec, None if segment_ids is None else token_spec),
       out_specs=q_spec, axis_names=frozenset(mesh.axis_names), check_vma=False)
   return run(q, k, v, positions, segment_ids)
