@@ -336,12 +336,19 @@ def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array
   without it the compute-dtype logits of every chunk are kept for it.
   """
   batch, length, d = hidden.shape
-  chunk = chunk_size if length % chunk_size == 0 else length
-  n = length // chunk
-  split = lambda a: jnp.moveaxis(a.reshape(batch, n, chunk, *a.shape[2:]), 1, 0)
+  # On a context mesh each device holds a block of the length: the chunks are taken inside every block at
+  # once ([batch, blocks, chunk] per iteration), so no iteration reads another device's tokens (scanning
+  # over chunks of the whole length gathered the hidden states over the context axis at every chunk).
+  blocks = context.context_size()
+  if length % blocks:
+    blocks = 1
+  local = length // blocks
+  chunk = chunk_size if local % chunk_size == 0 else local
+  n = local // chunk
+  split = lambda a: jnp.moveaxis(a.reshape(batch, blocks, n, chunk, *a.shape[2:]), 2, 0)
 
   def chunk_loss(h, t, w):
-    logits = jnp.einsum("btd,dv->btv", h, head.astype(h.dtype)).astype(jnp.float32)
+    logits = jnp.einsum("...d,dv->...v", h, head.astype(h.dtype)).astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
     return jnp.sum((logz - target_logit) * w)
