@@ -46,6 +46,7 @@ def test_global_array_content_matches_the_local_rows():
 
 
 def test_same_seed_same_batches_across_runs_and_worker_counts():
+  """Training batches are read in lanes, eval passes by grain workers; neither depends on the worker count."""
   shardings = data_helpers.shardings(_mesh())
   runs = []
   for workers in (0, 0, 2):
@@ -79,18 +80,55 @@ def test_resume_through_a_checkpoint_continues_at_the_next_batch(tmp_path, worke
   fresh.close()
 
 
-def test_restoring_with_another_worker_count_says_what_changed(tmp_path):
+def test_restoring_with_another_batch_size_says_what_changed(tmp_path):
   shardings = data_helpers.shardings(_mesh())
   state = dt.TrainState.create(apply_fn=None, params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.1))
   loader = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8), shardings)
   next(loader)
   with dt.CheckpointManager(tmp_path) as checkpoints:
     checkpoints.save(1, state, data_iterator=loader)
-  other = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8, num_workers=2), shardings)
+  other = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=16), shardings)
   with dt.CheckpointManager(tmp_path) as checkpoints:
-    with pytest.raises(ValueError, match=r"different data layout \(num_workers 0 → 2\)"):
+    with pytest.raises(ValueError, match=r"another data layout \(data.global_batch_size: 8 → 16\)"):
       checkpoints.restore(state, data_iterator=other)
   other.close()
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_each_row_reads_its_own_lane_so_any_split_of_the_rows_gives_the_same_batches(packing):
+  """The rows of a global batch do not depend on which process reads them: 8 rows read as one block, as two
+  blocks of 4 and as four blocks of 2 are the same, step after step, and resume from any lane's position."""
+  config = data.DataConfig(seq_len=48, global_batch_size=8, packing=packing, source="synthetic",
+                           synthetic_documents=64)
+  loader = data.DataLoader(config, data_helpers.shardings(_mesh()))
+  stream, tokenize = loader._lanes._stream, loader._lanes._tokenize
+  loader.close()
+
+  def read(blocks, steps, start=None):
+    readers = [data.lanes.Lanes(stream, tokenize, lanes=8, rows=range(b * 8 // blocks, (b + 1) * 8 // blocks),
+                                length=49, packing=packing, threads=2) for b in range(blocks)]
+    if start is not None:
+      for reader in readers:
+        reader.restore(start)
+    out, position = [], {}
+    for _ in range(steps):
+      rows = []
+      for reader in readers:
+        block, after = reader.next_rows()
+        rows += block
+        position.update(after)
+      out.append(np.stack([row["tokens"] for row in rows]))
+    return out, position
+
+  whole, after_3 = read(1, 3)
+  for blocks in (2, 4):
+    for got, want in zip(read(blocks, 3)[0], whole):
+      np.testing.assert_array_equal(got, want)
+  more, _ = read(1, 5)
+  resumed, _ = read(4, 2, start=after_3)
+  for got, want in zip(resumed, more[3:]):
+    np.testing.assert_array_equal(got, want)
+  assert len({a.tobytes() for a in more}) == 5
 
 
 def test_train_and_eval_splits_never_overlap(tmp_path):
@@ -242,12 +280,14 @@ def test_two_processes_shard_documents_and_replicate_when_the_mesh_says_so(tmp_p
   assert first["resume_equal"] and second["resume_equal"]
   assert first["exact_resume"] == second["exact_resume"] == {"0": True, "2": True}
   assert first["eval_batches"] == second["eval_batches"] > 0
-  # The data item was written by 2 processes; this job has 1.
+  # The data position was written by 2 processes; one process resumes with the rows both would have fed.
   loader = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8), data_helpers.shardings(_mesh()))
   state = dt.TrainState.create(apply_fn=None, params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.1))
   with dt.CheckpointManager(tmp_path / "ckpt") as checkpoints:
-    with pytest.raises(ValueError, match=r"data-iterator state of 2 process\(es\); this job has 1"):
-      checkpoints.restore(state, data_iterator=loader)
+    checkpoints.restore(state, data_iterator=loader)
+  for i in range(2):
+    assert loader.next_local()["tokens"].tolist() == first["after_save"][i] + second["after_save"][i]
+  loader.close()
 
 
 # --- bad input: one clear error at construction -------------------------------

@@ -1,7 +1,9 @@
 """Exact data resume: a restored loader continues bit for bit where it stopped.
 
-The data item of a checkpoint is the loader's ``get_state()`` written as JSON
-text and handed back to ``set_state()``. Whatever step it was taken at —
+A loader's ``get_state()`` is written as JSON text and handed back to
+``set_state()`` (grain's handler; ``CheckpointManager`` keeps an endless
+loader's every-lane ``data_position()`` instead, ``test_data.py``). Finite
+passes read through grain, whose state the grain-state tests use. Whatever step it was taken at —
 step 0, before any batch, or a step where a document ends exactly at a packed
 row's end — the restored loader yields the same batches as one that never
 stopped: with and without packing, for every data shard of a job.
@@ -46,14 +48,15 @@ def _as_data_shard(index, count):
     yield
 
 
-def _loader(config, shardings, shard=(0, 1)):
+def _loader(config, shardings, shard=(0, 1), num_epochs=None):
+  """An endless loader reads lanes; a finite pass (``num_epochs``) reads through grain, whose state it keeps."""
   with _as_data_shard(*shard):
-    return data.DataLoader(config, shardings)
+    return data.DataLoader(config, shardings, num_epochs=num_epochs)
 
 
-def _run(config, shardings, steps, shard=(0, 1)):
+def _run(config, shardings, steps, shard=(0, 1), num_epochs=None):
   """The uninterrupted run: the state after each of 0..steps batches, and the batches."""
-  loader = _loader(config, shardings, shard)
+  loader = _loader(config, shardings, shard, num_epochs)
   states, batches = [loader.get_state()], []
   for _ in range(steps):
     batches.append(loader.next_local())
@@ -67,8 +70,8 @@ def _through_the_checkpoint_file(state: bytes) -> bytes:
   return state.decode().encode()
 
 
-def _assert_resumes_exactly(config, shardings, states, batches, step, shard=(0, 1)):
-  restored = _loader(config, shardings, shard)
+def _assert_resumes_exactly(config, shardings, states, batches, step, shard=(0, 1), num_epochs=None):
+  restored = _loader(config, shardings, shard, num_epochs)
   restored.set_state(_through_the_checkpoint_file(states[step]))
   for expected in batches[step:]:
     got = restored.next_local()
@@ -111,7 +114,7 @@ def test_the_state_text_gives_back_grains_state_exactly(tmp_path):
   # Tuples stay tuples and lists stay lists: grain compares some of its
   # tuples ((-1, -1): "no partial document") and assigns into its lists.
   corpus = data_helpers.write_documents(tmp_path, [8, 16, 5, 3, 8] * 4)
-  loader = _loader(_config(corpus, seq_len=7, global_batch_size=8), data_helpers.shardings(_mesh()))
+  loader = _loader(_config(corpus, seq_len=7, global_batch_size=8), data_helpers.shardings(_mesh()), num_epochs=50)
   for _ in range(4):
     grain_state = loader._iterator.get_state()
     restored = json.loads(loader.get_state(), object_hook=pipeline._tuple_from_json)["grain"]
@@ -151,11 +154,11 @@ def _as_version_1(state: bytes) -> bytes:
 def test_states_written_by_version_1_resume_exactly(tmp_path):
   corpus = data_helpers.write_documents(tmp_path, [8, 16, 8, 5, 11, 8] * 6)
   config, shardings = _config(corpus, seq_len=7, global_batch_size=8), data_helpers.shardings(_mesh())
-  states, batches = _run(config, shardings, steps=4)
+  states, batches = _run(config, shardings, steps=4, num_epochs=50)
   old = [_as_version_1(s) for s in states]
   assert b"__tuple__" not in old[0] and json.loads(old[0])["version"] == 1
   for step in range(4):
-    _assert_resumes_exactly(config, shardings, old, batches, step)
+    _assert_resumes_exactly(config, shardings, old, batches, step, num_epochs=50)
 
 
 # --- the property: every step, every shard, packed or not -----------------------

@@ -1,5 +1,6 @@
 """launch/slurm_gpu.sbatch on a real SLURM (CPU variant: 2 tasks × 2 devices)."""
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -48,7 +49,9 @@ def test_two_process_training_job_through_the_real_sbatch_script(slurm, tmp_path
   assert out.returncode == 0, f"{out.stdout}\n{out.stderr}\n{job_log[-4000:]}\n{slurm.logs()}"
   assert "2 process(es) × 2 device(s) = 4 cpu device(s)" in job_log, job_log[-3000:]
   assert "on 1 node(s)" in job_log and "2 task(s)" in job_log
-  assert (workdir / "checkpoints" / "4" / "data" / "process_1-of-2.json").is_file()
+  # Both processes' rows' data positions, kept in the checkpoint's metadata by process 0.
+  saved_meta = json.loads((workdir / "checkpoints" / "4" / "meta" / "metadata").read_text())
+  assert saved_meta["process_count"] == 2 and len(saved_meta["data_position"]["lanes"]) == 8
   assert "Done: step 4" in job_log
 
 

@@ -240,8 +240,11 @@ class CheckpointManager:
         "versions": _package_versions(),
         "run": self.metadata,
     }
+    position = getattr(data_iterator, "data_position", lambda: None)()  # every row's, for any process count
+    if position is not None:
+      meta["data_position"] = position
     items = {"state": ocp.args.PyTreeSave(nest(flat)), "meta": ocp.args.JsonSave(meta)}
-    if data_iterator is not None:
+    if data_iterator is not None and position is None:
       items["data"] = _grain().checkpoint.CheckpointSave(data_iterator)
     try:
       saved = self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
@@ -293,7 +296,11 @@ class CheckpointManager:
     self._check_open()
     step = self._existing_step(step)
     meta = self.metadata_of(step)
-    if data_iterator is not None and meta.get("process_count") != jax.process_count():
+    position = meta.get("data_position")
+    if data_iterator is not None and position is not None and not hasattr(data_iterator, "set_data_position"):
+      raise ValueError(f"Checkpoint step {step} holds the data position of a DataLoader's lanes; restore it into a"
+                       " DataLoader, or without data_iterator.")
+    if data_iterator is not None and position is None and meta.get("process_count") != jax.process_count():
       raise ValueError(
           f"Checkpoint step {step} holds the data-iterator state of {meta.get('process_count')} process(es); this"
           f" job has {jax.process_count()}. Restore without data_iterator (the data restarts from its beginning)."
@@ -317,7 +324,12 @@ class CheckpointManager:
         restore_args=ocp.checkpoint_utils.construct_restore_args(nest(abstract)),
         partial_restore=params_only,
     )}
-    if data_iterator is not None:
+    if data_iterator is not None and position is not None:  # checked before any array is read
+      try:
+        data_iterator.set_data_position(position)
+      except ValueError as e:
+        raise CheckpointError(f"Checkpoint step {step} in {str(self.directory)!r}: {e}") from None
+    if data_iterator is not None and position is None:
       if not (self.directory / str(step) / "data").is_dir():
         raise CheckpointError(f"Checkpoint step {step} in {str(self.directory)!r} holds no data-iterator state.")
       items["data"] = _grain().checkpoint.CheckpointRestore(data_iterator)

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from distrib_train.data import lanes as lanes_lib
 from distrib_train.data import sources
 from distrib_train.data import tokenizer as tokenizer_lib
 from distrib_train.data.config import DataConfig, Tokenizer
@@ -157,12 +158,13 @@ class DataLoader:
     self.shard_index, self.shard_count = data_shard(tokens_sharding, config.global_batch_size)
     self.local_batch_size = config.global_batch_size // self.shard_count
     self._finite = num_epochs is not None
+    self._lanes: lanes_lib.Lanes | None = None  # an endless (training) loader reads lanes
     self._iterator = self._build(split, num_epochs, vocab_size)
+    self._position = None if self._lanes is None else dict(self._lanes.position)  # of the batches handed out
 
-  def _build(self, split: str, num_epochs: int | None, vocab_size: int | None = None) -> Any:
-    import grain
-
-    _allow_grain_workers_outside_absl()
+  def _documents(self, split: str, vocab_size: int | None) -> tuple[Any, np.ndarray, Callable[[Any], np.ndarray]]:
+    """The split's documents (indices into the source) and the tokenizer, checked: enough documents, ids the
+    model knows, some tokens, and documents long enough for unpacked sequences."""
     config = self.config
     docs = sources.Documents(config)
     order = np.random.default_rng(config.seed).permutation(len(docs))
@@ -190,13 +192,6 @@ class DataLoader:
                          f" {vocab_size}; set model.vocab_size={ids} (or more), or use the model's own tokenizer.")
     if vocab_size is not None:
       _check_token_ids(tokenize, docs, indices[:: max(1, len(indices) // 16)][:16], vocab_size, split)
-    seq = config.seq_len + 1  # inputs and targets are shifted by one
-
-    ds = grain.MapDataset.source(_Subset(docs, indices))  # the split's documents
-    ds = ds.shuffle(seed=config.seed)  # the same global order in every process
-    ds = ds[self.shard_index::self.shard_count]  # … of which this process reads its share
-    ds = ds.repeat(num_epochs)
-    ds = ds.map(lambda doc: {"tokens": tokenize(doc)})
     # A sample spread over the split: reading every document of a large
     # ArrayRecord corpus here would be too slow.
     sample = indices[:: max(1, len(indices) // 2000)]
@@ -205,12 +200,31 @@ class DataLoader:
       source = f"data source {config.source!r}" + (f" {list(config.paths)}" if config.paths else "")
       raise ValueError(f"The {split} split of {source} holds no tokens: all {len(sample)} document(s) checked are"
                        " empty; give documents with text.")
-    if not config.packing:
-      if longest < seq:
-        raise ValueError(
-            f"seq_len {config.seq_len} + 1 is longer than every {split} document (longest {longest} tokens of"
-            f" {len(sample)} checked) and packing is off; lower seq_len or turn packing on."
-        )
+    if not config.packing and longest < config.seq_len + 1:
+      raise ValueError(
+          f"seq_len {config.seq_len} + 1 is longer than every {split} document (longest {longest} tokens of"
+          f" {len(sample)} checked) and packing is off; lower seq_len or turn packing on."
+      )
+    return docs, indices, tokenize
+
+  def _build(self, split: str, num_epochs: int | None, vocab_size: int | None = None) -> Any:
+    import grain
+
+    _allow_grain_workers_outside_absl()
+    config = self.config
+    docs, indices, tokenize = self._documents(split, vocab_size)
+    seq = config.seq_len + 1  # inputs and targets are shifted by one
+    ds = grain.MapDataset.source(_Subset(docs, indices))  # the split's documents
+    ds = ds.shuffle(seed=config.seed)  # the same global order in every process
+    if num_epochs is None:  # training: each row from its own lane (lanes.py), whatever the job's shape
+      self._lanes = lanes_lib.Lanes(
+          ds.repeat(None), tokenize, lanes=config.global_batch_size, length=seq, packing=config.packing,
+          rows=range(self.shard_index * self.local_batch_size, (self.shard_index + 1) * self.local_batch_size),
+          threads=config.num_threads)
+      return lanes_lib.Prefetched(self._next_lane_batch)
+    ds = ds[self.shard_index::self.shard_count]  # … of which this process reads its share
+    ds = ds.repeat(num_epochs)
+    ds = ds.map(lambda doc: {"tokens": tokenize(doc)})
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=config.num_threads, prefetch_buffer_size=64))
     if config.num_workers:
       # Workers read and tokenize, one document at a time in the global
@@ -236,17 +250,30 @@ class DataLoader:
     it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=2)
     return iter(it)
 
+  def _next_lane_batch(self) -> dict[str, Any]:
+    rows, position = self._lanes.next_rows()
+    rows = [_shifted(row) if self.config.packing else _unpacked(row["tokens"]) for row in rows]
+    local = {name: np.stack([row[name] for row in rows]) for name in rows[0]}
+    return {"local": local, "global": to_global(local, self.input_shardings, self.config.global_batch_size),
+            "position": position}
+
+  def _next_item(self) -> dict[str, Any]:
+    item = next(self._iterator)
+    if self._lanes is not None:
+      self._position = item["position"]
+    return item
+
   def __iter__(self) -> Iterator[dict[str, jax.Array]]:
     return self
 
   def next_local(self) -> dict[str, np.ndarray]:
     """This process's rows of the next batch, as numpy (no cross-process
     agreement at the end of a finite pass: use ``next(loader)`` in jobs)."""
-    return next(self._iterator)["local"]
+    return self._next_item()["local"]
 
   def __next__(self) -> dict[str, jax.Array]:
     if not (self._finite and jax.process_count() > 1):
-      return next(self._iterator)["global"]
+      return self._next_item()["global"]
     # Shards of a finite pass hold different numbers of batches; every
     # process must stop at the same step or the others wait in the next
     # step's collectives forever. One tiny all-gather per batch decides.
@@ -261,9 +288,47 @@ class DataLoader:
       raise StopIteration
     return item["global"]
 
+  # An endless loader's position is every lane's: the same in every process, kept in the checkpoint's
+  # metadata by CheckpointManager, restorable by any number of processes.
+  def data_position(self) -> dict[str, Any] | None:
+    """Every lane's position after the batches handed out (a collective in a multi-process job: every
+    process calls it at the same batch); None for a finite pass, which is read in shards."""
+    if self._lanes is None:
+      return None
+    mine = np.array([[lane, *self._position[lane]] for lane in self._lanes.rows], np.int64)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+
+      mine = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
+    lanes = {int(lane): [int(done), int(used)] for lane, done, used in mine}
+    return {"version": lanes_lib.POSITION_VERSION, **self._layout(),
+            "lanes": [lanes[lane] for lane in range(self.config.global_batch_size)]}
+
+  def set_data_position(self, position: Mapping[str, Any]) -> None:
+    """Moves the loader to a ``data_position()`` saved by a job of any process count."""
+    if self._lanes is None:
+      raise ValueError("Only an endless (training) loader has a data position; a finite pass is read in shards.")
+    changed = [f"data.{k}: {position.get(k)!r} → {v!r}" for k, v in self._layout().items() if position.get(k) != v]
+    if position.get("version") != lanes_lib.POSITION_VERSION or changed:
+      raise ValueError("The saved data position was written for another data layout ("
+                       + "; ".join(changed or [f"position version {position.get('version')}"])
+                       + "); resume with the checkpoint's data config, or train in a new workdir.")
+    self._iterator.reset()
+    self._lanes.restore(dict(enumerate(map(tuple, position["lanes"]))))
+    self._position = dict(self._lanes.position)
+
+  def _layout(self) -> dict[str, Any]:
+    config = self.config
+    return {"global_batch_size": config.global_batch_size, "seq_len": config.seq_len, "packing": config.packing,
+            "seed": config.seed, "eval_fraction": config.eval_fraction}
+
   # grain's checkpoint handler stores get_state() per process and calls
   # set_state() on restore; bytes keep our own checks beside grain's state.
+  # An endless loader's state is its own rows' lanes (CheckpointManager keeps data_position() instead).
   def get_state(self) -> bytes:
+    if self._lanes is not None:
+      return json.dumps({"version": lanes_lib.POSITION_VERSION, **self._layout(),
+                         "rows": {str(lane): list(self._position[lane]) for lane in self._lanes.rows}}).encode()
     return json.dumps({
         "version": STATE_VERSION,
         "num_workers": self.config.num_workers,
@@ -275,6 +340,17 @@ class DataLoader:
 
   def set_state(self, state: bytes) -> None:
     saved = json.loads(state, object_hook=_tuple_from_json)
+    if self._lanes is not None:
+      if "rows" not in saved:
+        raise ValueError("The data-iterator state was written by a sharded (pre-lanes, or finite) pipeline; an"
+                         " endless loader reads lanes: restore without the data item.")
+      lanes = {int(lane): tuple(p) for lane, p in saved["rows"].items()}
+      if any(lane not in lanes for lane in self._lanes.rows):
+        raise ValueError("The data-iterator state holds other rows than this process feeds; restore through"
+                         " CheckpointManager, which keeps every row's position.")
+      self.set_data_position({**{k: saved.get(k) for k in ("version", *self._layout())},
+                              "lanes": [lanes.get(lane, (0, 0)) for lane in range(self.config.global_batch_size)]})
+      return
     mine = {"num_workers": self.config.num_workers, "shard_count": self.shard_count,
             "shard_index": self.shard_index, "process_count": jax.process_count()}
     changed = [f"{k} {saved.get(k)} → {v}" for k, v in mine.items() if saved.get(k) != v]
@@ -291,12 +367,18 @@ class DataLoader:
 
   def start_prefetch(self) -> None:
     """Called by grain's checkpoint handler after a restore."""
+    if self._lanes is not None:
+      return
     start = getattr(self._iterator, "start_prefetch", None)
     if start is not None:
       start()
 
   def close(self) -> None:
-    """Stops grain worker processes, if any."""
+    """Stops grain worker processes, if any (and the lanes' threads)."""
+    if self._lanes is not None:
+      self._iterator.reset()
+      self._lanes.close()
+      return
     close = getattr(self._iterator, "close", None)
     if close is not None:
       close()
