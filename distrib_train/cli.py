@@ -12,7 +12,9 @@ does not fit (another model, incomplete, damaged) prints one ``error:`` line
 and exits with status 2 before anything is written. Exit status: 0 finished,
 preempted (after the checkpoint) or already done; 2 bad flags, config,
 workdir, checkpoint or a workdir another job holds; 3 stopped by the
-non-finite guard; 143 (130) SIGTERM (SIGINT) outside the step loop or a
+non-finite guard; 4 ended by the hang watchdog (``train.hang_timeout_s``:
+stacks, then one ``error:`` line naming the phase and the silent process);
+143 (130) SIGTERM (SIGINT) outside the step loop or a
 second one, stopping at once; 1 a checkpoint
 that could not be written mid-run (a full or read-only disk: one ``error:``
 line naming the step, the directory and the cause) or a failed process.

@@ -139,6 +139,8 @@ def phase_of(log: str) -> str:
   """Where process 0 was at the end of its log (see the module docstring)."""
   if _RESTORED.search(log) is None and "Initialised a new train state" not in log:
     return "restore" if "Started load checkpoint" in log else "startup"
+  if open_local_save(log) is not None:
+    return "local_save"
   save = open_save(log)
   if save is not None:
     return save[1]
@@ -164,11 +166,12 @@ def step_dirs(directory: pathlib.Path, num_processes: int = 2) -> dict:
 def _complete(step_dir: pathlib.Path, num_processes: int) -> bool:
   needed = ["commit_success.txt", "state/_METADATA", "state/manifest.ocdbt", "meta/metadata"]
   needed += [f"state/ocdbt.process_{i}" for i in range(num_processes)]
-  needed += [f"data/process_{i}-of-{num_processes}.json" for i in range(num_processes)]
   if not all((step_dir / name).exists() for name in needed):
     return False
-  try:
-    return json.loads((step_dir / "_CHECKPOINT_METADATA").read_text()).get("commit_timestamp_nsecs") is not None
+  try:  # the data position of every row is in the metadata (data/lanes.py)
+    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    committed = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text()).get("commit_timestamp_nsecs")
+    return committed is not None and meta.get("data_position") is not None
   except (OSError, ValueError):
     return False
 
@@ -212,9 +215,24 @@ def saved_arrays(step_dir: pathlib.Path) -> dict:
   return flat
 
 
-def data_positions(step_dir: pathlib.Path) -> dict[str, dict]:
-  """Every process's data-iterator state saved in a checkpoint."""
-  return {p.name: json.loads(p.read_text()) for p in sorted((step_dir / "data").glob("process_*.json"))}
+def data_positions(step_dir: pathlib.Path) -> dict:
+  """Every row's data position saved in a checkpoint (the metadata's ``data_position``)."""
+  return json.loads((step_dir / "meta" / "metadata").read_text())["data_position"]
+
+
+def open_local_save(log: str) -> int | None:
+  """The local-tier save process 0 is inside at the end of ``log``, or None."""
+  writing = re.findall(r"Local checkpoint: writing step (\d+)", log)
+  if writing and f"Local checkpoint: committed step {writing[-1]} in" not in log:
+    return int(writing[-1])
+  return None
+
+
+def local_steps(local_dir: pathlib.Path, num_processes: int = 2) -> list[int]:
+  """The local-tier steps every process holds committed (a manifest in the step directory)."""
+  held = [{int(p.parent.name) for p in (local_dir / f"process_{i}").glob("*/manifest.json") if p.parent.name.isdigit()}
+          for i in range(num_processes)]
+  return sorted(set.intersection(*held)) if held else []
 
 
 def step_losses(workdir: pathlib.Path) -> tuple[dict[int, list[float]], list[str]]:

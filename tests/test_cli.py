@@ -105,11 +105,16 @@ def test_end_to_end_files_metrics_profile_and_cache(tmp_path, xla_cache):
   assert (workdir / "checkpoints" / "4").is_dir()
   assert list((workdir / "profile" / "process_0").rglob("*.xplane.pb"))
 
-  # A second launch resumes and takes the step from the persistent cache.
+  # A second launch resumes and takes the step from the persistent cache (jax ≥ 0.11: on jax 0.10 the
+  # trainer keeps multi-device CPU steps out of it, compilation.cache_unsafe_reason).
   again = cli("--workdir", str(workdir), "--cpu_devices", "8", "--steps", "6", *SMALL, cache=xla_cache)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "Restored step 4" in again.stderr
-  assert "Train step from the persistent cache" in again.stderr
+  import jax
+  if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11):
+    assert "Train step from the persistent cache" in again.stderr
+  else:
+    assert "compilation cache: off: jax" in again.stderr and "Train step compiled in" in again.stderr
   assert sorted(train_losses(workdir)) == [1, 2, 3, 4, 5, 6]
 
 
@@ -194,7 +199,9 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(tmp_path, xla_ca
   assert len(saved) == 1 and saved[0] >= 3
   stopped = saved[0]
   assert f"Preemption: saving step {stopped}" in outputs[0]
-  assert (workdir / "checkpoints" / str(stopped) / "data" / "process_1-of-2.json").is_file()
+  # Both processes' rows' data positions, kept in the checkpoint's metadata by process 0.
+  saved_meta = json.loads((workdir / "checkpoints" / str(stopped) / "meta" / "metadata").read_text())
+  assert saved_meta["process_count"] == 2 and len(saved_meta["data_position"]["lanes"]) == 8
   # The processes agree on one step at JAX's next preemption sync point and
   # both save it. How many steps run before that point depends on the
   # machine's load, so only the order is checked, not a count.

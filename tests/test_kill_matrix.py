@@ -3,17 +3,18 @@ restart it each time, and check that it ends exactly where an uninterrupted
 run ends.
 
 The job is the real CLI (``python -m distrib_train``, the ``tiny``
-preset, 2 processes × 4 CPU devices, an async checkpoint every 2 steps). Each
-launch gets a target moment — ``startup`` (a random time after launch),
-``restore``, ``steps``, ``save_blocking`` (inside ``save()``),
-``save_background`` (the background write) — reached by watching process 0's
-log, then both processes are killed (together, or one and then the other a
-random gap later). Where process 0 really was is read back from its log
+preset, 2 processes × 4 CPU devices, an async checkpoint every 2 steps and a
+local-tier one every 3). Each launch gets a target moment — ``startup`` (a
+random time after launch), ``restore``, ``steps``, ``save_blocking`` (inside
+``save()``), ``save_background`` (the background write), ``local_save`` (a
+local-tier save) — reached by watching process 0's log, then both processes
+are killed (together, or one and then the other a random gap later). Where process 0 really was is read back from its log
 after it died (``kill_harness.phase_of``), and those phases are the figures
 reported. After every kill:
 
 - orbax's own manager lists only complete, committed steps;
-- the next launch restores the newest of them (its log names the step).
+- the next launch restores the newest step complete in either tier (its log
+  names the step, and the tier).
 
 At the end: the final checkpoint's arrays, every process's data-iterator
 position and every logged loss (replays included) are bit-identical to an
@@ -27,6 +28,7 @@ uninterrupted run's, and no temporary directory is left.
 import collections
 import json
 import os
+import pathlib
 import random
 import signal
 import time
@@ -42,7 +44,7 @@ SEED = int(os.environ.get("DT_KILL_SEED", "0"))
 # A killed launch commits half a step of progress on average (0 to 4); near the
 # end only moments that cannot finish the run are picked (see _Moment).
 STEPS = KILLS // 2 + 14
-TARGETS = ("startup", "restore", "steps", "save_blocking", "save_background")
+TARGETS = ("startup", "restore", "steps", "save_blocking", "save_background", "local_save")
 LAUNCH_TIMEOUT = 150  # seconds from launch to the kill moment, or to the end of the final launch
 
 
@@ -51,6 +53,7 @@ def _args(workdir, xla_cache):
           "--steps", str(STEPS), "--set", "data.seq_len=32", "--set", "data.global_batch_size=8",
           "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "train.eval_batches=1",
           "--set", "train.checkpoint_every=2", "--set", "train.keep_checkpoints=2",
+          "--set", "train.local_checkpoint_every=3", "--set", f"train.local_checkpoint_dir={workdir}-local",
           "--set", "optimizer.warmup_steps=0", "--set", f"optimizer.decay_steps={STEPS}",
           "--set", f"train.compilation_cache_dir={xla_cache}", "--heartbeat_timeout", "10",
           "--verbosity", "0"]  # orbax's INFO lines mark the parts of a save
@@ -82,7 +85,8 @@ class _Moment:
     if remaining < 8:
       self.extra_steps = self.save_index = 1
     self.delay = {"startup": 0.0, "restore": rng.uniform(0, 0.2), "steps": rng.uniform(0, 0.15),
-                  "save_blocking": rng.uniform(0, 0.25), "save_background": rng.uniform(0, 0.35)}[target]
+                  "save_blocking": rng.uniform(0, 0.25), "save_background": rng.uniform(0, 0.35),
+                  "local_save": rng.uniform(0, 0.01)}[target]
     self.mode = rng.choice(["both", "0 then 1", "1 then 0"])
     self.gap = rng.uniform(0.05, 0.5)
 
@@ -102,6 +106,8 @@ class _Moment:
       return last is not None and last >= base + self.extra_steps and kill_harness.open_save(log) is None
     if self.target == "save_blocking":
       return log.count("Saving checkpoint at step") >= self.save_index
+    if self.target == "local_save":
+      return log.count("Local checkpoint: writing step") >= self.save_index
     return log.count("Finished blocking save in") >= self.save_index  # save_background
 
   def kill(self, job):
@@ -125,13 +131,17 @@ def _check_listing(checkpoints, when):
   return listed, on_disk
 
 
-def _check_restore(log, listed, when):
-  """The launch restored the newest listed step (or initialised when none)."""
+def _check_restore(log, listed, local, when):
+  """The launch restored the newest step complete in either tier (or initialised when none): ``listed`` the
+  persistent tier's, ``local`` the steps every process holds in the local tier, both as before the launch."""
   restored = kill_harness.restored_step(log)
+  newest = max(listed[-1:] + local[-1:], default=None)
   if restored is None:
-    assert "Initialised a new train state" in log and not listed, (when, listed)
+    assert "Initialised a new train state" in log and newest is None, (when, listed, local)
   else:
-    assert listed and restored == listed[-1], f"{when}: restored step {restored}, listed {listed}"
+    assert restored == newest, f"{when}: restored step {restored}, persistent {listed}, local {local}"
+    from_local = bool(local) and local[-1] > (listed[-1] if listed else -1)
+    assert ("from the local tier" in log) == from_local, (when, listed, local)
   return restored
 
 
@@ -164,6 +174,7 @@ def test_kill_matrix_resumes_bit_identically(tmp_path, xla_cache):
         targets[index], targets[later[0]] = targets[later[0]], targets[index]
       target = targets[index] if later else "steps"
     when = f"launch {index} (target {target})"
+    local = kill_harness.local_steps(pathlib.Path(f"{workdir}-local"))
     moment = _Moment(target, rng, STEPS - (listed[-1] if listed else 0))
     job = Job(_args(workdir, xla_cache), logs / f"launch_{index:02d}", env)
     deadline = time.monotonic() + LAUNCH_TIMEOUT
@@ -198,18 +209,20 @@ def test_kill_matrix_resumes_bit_identically(tmp_path, xla_cache):
                           f" steps than {STEPS}")
     log = job.text(0)
     if "Restored step" in log or "Initialised a new train state" in log:
-      _check_restore(log, listed, when)
+      _check_restore(log, listed, local, when)
     phase = kill_harness.phase_of(log)
     listed, on_disk = _check_listing(checkpoints, f"after {when}")
     records.append({"launch": index, "target": target, "missed": was_missed, "phase": phase, "mode": moment.mode,
                     "seconds_after_launch": round(killed_at, 2), "restored": kill_harness.restored_step(log),
+                    "restored_from_local": "from the local tier" in log,
                     "last_step_logged": kill_harness.last_step(log), "open_save": kill_harness.open_save(log),
                     "committed_after": sorted(on_disk["committed"]), "tmp_after": on_disk["tmp"]})
 
+  local = kill_harness.local_steps(pathlib.Path(f"{workdir}-local"))
   final = Job(_args(workdir, xla_cache), logs / "final", env)
   assert final.wait(LAUNCH_TIMEOUT + 60) == [0, 0], final.tails()
   final_log = final.text(0)
-  _check_restore(final_log, listed, "the final launch")
+  _check_restore(final_log, listed, local, "the final launch")
   listed, on_disk = _check_listing(checkpoints, "at the end")
   assert listed[-1] == STEPS and not on_disk["tmp"], on_disk
 
@@ -231,6 +244,8 @@ def test_kill_matrix_resumes_bit_identically(tmp_path, xla_cache):
       "kills": len(records), "seed": SEED, "steps": STEPS, "launches": len(records) + 2,
       "restarts_that_restored": sum(r["restored"] is not None for r in records)
                                 + (kill_harness.restored_step(final_log) is not None),
+      "restores_from_the_local_tier": sum(r["restored_from_local"] for r in records)
+                                      + ("from the local tier" in final_log),
       "phases": dict(sorted(phases.items())),
       "targets_to_phases": {t: dict(collections.Counter(r["phase"] for r in records if r["target"] == t))
                             for t in TARGETS},
@@ -274,3 +289,51 @@ def test_a_process_late_to_the_first_step_does_not_fail_the_job(tmp_path, xla_ca
     assert job.wait(LAUNCH_TIMEOUT) == [0, 0], job.tails()
   finally:
     job.kill_all()
+
+
+@pytest.mark.timeout(900)
+def test_a_kill_then_restarts_on_one_and_on_four_processes_continue_the_run(tmp_path, xla_cache):
+  """2 processes × 4 devices SIGKILLed right after step 6 (persistent step 4, local step 6), restarted on
+  1 process × 8 devices and SIGKILLed again after step 9 (persistent step 8), restarted on 4 × 2 to the end: the local
+  tier is refused on the other shapes (the log says so) and the persistent step restores; the losses are an
+  uninterrupted run's."""
+  import subprocess
+  import sys
+
+  from test_cli import train_losses
+  from test_elastic_resume import _mesh_config
+  from test_local_checkpoints import _args as local_args, _launch
+
+  # SGD: the meshes differ, so float sums do; synchronous saves: a kill right after a step keeps its save.
+  sgd = ["--set", "optimizer.name=sgd", "--set", "optimizer.learning_rate=0.5", "--set", "train.async_checkpoint=false"]
+  codes, outputs = _launch(local_args(tmp_path / "straight", tmp_path / "straight-local", xla_cache, steps=12)
+                           + sgd)
+  assert codes == [0, 0], outputs[0][-3000:]
+  want = train_losses(tmp_path / "straight")
+
+  run, local = tmp_path / "run", tmp_path / "local"
+  codes, outputs = _launch(local_args(run, local, xla_cache, steps=12) + sgd, kill_at=6)
+  assert codes == [-9, -9], outputs[0][-3000:]
+  one = local_args(run, local, xla_cache, steps=12) + sgd
+  one[one.index("--cpu_devices") + 1] = "8"
+  one[one.index("--mesh_config") + 1] = str(_mesh_config(tmp_path, 1))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", DT_KILL_AT_STEP="9")
+  env.pop("XLA_FLAGS", None)
+  killed = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / "workers" / "kill_at_step.py"), *one],
+                          env=env, capture_output=True, text=True, timeout=300)
+  assert killed.returncode == -9, killed.stderr[-3000:]
+  assert "local tier's step 6 is not complete on every process (or not of this run and layout)" in killed.stderr
+  assert "Restored step 4 from" in killed.stderr
+  four = local_args(run, local, xla_cache, steps=12) + sgd
+  four[four.index("--cpu_devices") + 1] = "2"
+  four[four.index("--mesh_config") + 1] = str(_mesh_config(tmp_path, 4))
+  env.pop("DT_KILL_AT_STEP")
+  jobs = Job(four, tmp_path / "four", env, num_processes=4)
+  try:
+    assert jobs.wait(300) == [0] * 4, jobs.tails()
+  finally:
+    jobs.kill_all()
+  assert "Restored step 8 from" in jobs.text(0)
+  got = train_losses(run)
+  assert sorted(got) == list(range(1, 13))
+  np.testing.assert_allclose([got[s] for s in range(1, 13)], [want[s] for s in range(1, 13)], rtol=2e-5)

@@ -7,6 +7,8 @@
   loop with its hooks (log, checkpoint, evaluation, profile).
 - ``loop``: ``TrainLoop``, the step loop; ``hooks``: periodic work with an
   interval; ``window``: the metrics window between log points.
+- ``goodput``: the phase clock and ``goodput.json`` (where a workdir's time
+  goes, across restarts); ``watchdog``: the hang watchdog.
 - ``nonfinite``: the non-finite guard (optax wrapper and skip / halt /
   rollback decision).
 - ``checks``: the start-up refusals (workdir, mesh axes, batch split, token ids).

@@ -45,6 +45,20 @@ def setup_compilation_cache(directory: str) -> str | None:
   return path
 
 
+def cache_unsafe_reason() -> str | None:
+  """Why this process must not load multi-device executables from the persistent cache, or None.
+
+  jax 0.10 on CPU: a step with collectives loaded from the cache can deadlock in its first all-gather (seen
+  with fsdp 8 on 8 emulated devices: one device's thread runs ahead to a later collective and the runtime
+  aborts after 40 s; the same program compiled afresh, or cached with jax 0.12, runs). BUILD_NOTES.md.
+  """
+  version = tuple(int(p) for p in jax.__version__.split(".")[:2])
+  if version < (0, 11) and jax.default_backend() == "cpu" and jax.device_count() > 1:
+    return (f"off: jax {jax.__version__} on CPU can deadlock in the collectives of a multi-device step"
+            " loaded from the persistent cache (jax 0.11 and later, GPU and TPU use it)")
+  return None
+
+
 class CacheEvents:
   """Counts persistent-cache hits and misses while it is entered."""
 

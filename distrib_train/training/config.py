@@ -75,6 +75,14 @@ class TrainConfig:
     eval_batches: batches per evaluation (0: the whole held-out split).
     checkpoint_every: steps between checkpoints (0: only at the end).
     keep_checkpoints: newest checkpoints kept.
+    local_checkpoint_every: steps between fast-tier checkpoints: every
+      process writes its own shards to ``local_checkpoint_dir``
+      (``checkpoint/local.py``); a restart takes the newest step complete in
+      either tier. 0: off.
+    local_checkpoint_dir: the fast tier's directory on each host's own disk
+      (``/dev/shm/…`` for memory); each process writes under
+      ``process_<i>`` in it. Empty: ``<temp dir>/distrib_train-local/<a hash
+      of the workdir>``.
     async_checkpoint: write checkpoints in the background.
     nonfinite: what a non-finite loss or gradient does: ``skip`` (drop the
       update and count it), ``halt`` (stop with a message, no checkpoint) or
@@ -99,6 +107,15 @@ class TrainConfig:
       stages (1: GPipe; R > 1: the circular schedule, bubble
       ``(S − 1) / (R·M + S − 1)``, needs ``microbatches`` ≥ stages and
       layers divisible by stages × R). Only with a ``stage`` axis.
+    hang_timeout_s: the hang watchdog (``watchdog.py``): seconds a step (or
+      the wait for its batch) may go without progress before every process
+      writes its Python stacks and exits with status 4, naming the phase and
+      the silent process. 0: off. Keep it below the launcher's
+      ``--heartbeat_timeout``.
+    hang_compile_timeout_s: the same for compiling, evaluating and a run's
+      first step (0: 10 × ``hang_timeout_s``, at least 600 s).
+    hang_checkpoint_timeout_s: the same for start-up, init, restoring and
+      the blocking part of a save (0: 10 × ``hang_timeout_s``, at least 600 s).
   """
 
   steps: int = 200
@@ -108,6 +125,8 @@ class TrainConfig:
   eval_batches: int = 0
   checkpoint_every: int = 0
   keep_checkpoints: int = 3
+  local_checkpoint_every: int = 0
+  local_checkpoint_dir: str = ""
   async_checkpoint: bool = True
   nonfinite: str = "skip"
   max_nonfinite: int = 10
@@ -117,6 +136,9 @@ class TrainConfig:
   init_from: str = ""
   microbatches: int = 1
   pipeline_repeats: int = 1
+  hang_timeout_s: float = 0.0
+  hang_compile_timeout_s: float = 0.0
+  hang_checkpoint_timeout_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,9 +425,14 @@ def _check(config: Config) -> None:
   for key in ("log_every", "keep_checkpoints", "max_nonfinite", "microbatches", "pipeline_repeats"):
     if getattr(t, key) < 1:
       raise ConfigError(f"train.{key} must be at least 1, got {getattr(t, key)!r}.")
-  for key in ("eval_every", "eval_batches", "checkpoint_every"):
+  for key in ("eval_every", "eval_batches", "checkpoint_every", "local_checkpoint_every", "hang_timeout_s",
+              "hang_compile_timeout_s", "hang_checkpoint_timeout_s"):
     if getattr(t, key) < 0:
       raise ConfigError(f"train.{key} must be 0 or more, got {getattr(t, key)!r}.")
+  for key in ("hang_compile_timeout_s", "hang_checkpoint_timeout_s"):
+    if getattr(t, key) and not t.hang_timeout_s:
+      raise ConfigError(f"train.{key} is set but the hang watchdog is off (train.hang_timeout_s=0); set"
+                        " train.hang_timeout_s too.")
   from distrib_train.sharding.axis_rules import RULE_SETS
 
   if t.rules not in RULE_SETS:

@@ -26,6 +26,7 @@ import numpy as np
 
 from distrib_train.training import optimizers
 from distrib_train.training.checks import check_token_ids, local_value
+from distrib_train.training.goodput import PhaseClock
 from distrib_train.training.hooks import Hooks
 from distrib_train.training.nonfinite import OK, NonFiniteGuard, Verdict
 from distrib_train.training.window import MetricsWindow
@@ -92,11 +93,13 @@ class TrainLoop:
     vocab_size: the model's vocabulary, checked on the first batch (None:
       not checked).
     started: ``time.perf_counter()`` when the run started.
+    phases: the process's phase clock (``goodput.py``): the loop marks
+      ``data``, ``step``, ``checkpoint`` and ``restore`` on it.
   """
 
   def __init__(self, *, state: Any, train_step: Callable[..., Any], loader: Any, ckpt: Any,
                abstract_train_state: Any, writer: Any, guard: NonFiniteGuard, preemption: Any, last_step: int,
-               vocab_size: int | None, started: float):
+               vocab_size: int | None, started: float, phases: PhaseClock | None = None):
     self.state = state
     self.step = int(state.step)
     self.train_step = train_step
@@ -109,6 +112,7 @@ class TrainLoop:
     self.last_step = last_step
     self.vocab_size = vocab_size
     self.started = started
+    self.phases = phases or PhaseClock()
     self.result = RunResult("finished", self.step)
     self.window = MetricsWindow()
     self.hooks = Hooks(last_step)
@@ -135,6 +139,7 @@ class TrainLoop:
     self.preemption.leave_steps()  # a signal from here stops at once: the last save is only being finished
     self.result.step = self.step
     self.hooks.finish(self)
+    self.phases.enter("checkpoint")
     self.ckpt.wait_until_finished()
     self.writer.log(f"Done: step {self.step}" + (f", eval loss {self.result.eval_loss:.4f}"
                                                  if self.result.eval_loss is not None else "")
@@ -146,7 +151,9 @@ class TrainLoop:
     if verdict is not None:
       return verdict
     wait_start = time.perf_counter()
+    self.phases.enter("data", self.step)
     batch = next(self.loader)
+    self.phases.enter("step")
     self.window.data_wait_s += time.perf_counter() - wait_start
     if not self.steps_this_run:
       check_token_ids(batch, self.vocab_size)
@@ -205,6 +212,7 @@ class TrainLoop:
     verdict = self.guard.may_roll_back(bad_step, latest)
     if verdict is not OK:
       return verdict
+    self.phases.enter("restore")
     self.ckpt.wait_until_finished()
     self.state = self.ckpt.restore(self.abstract_train_state, latest).replace(step=latest)
     self.writer.log(f"Non-finite loss or gradients at step {bad_step}: rolled back to step {latest}; the data moves"
@@ -222,6 +230,7 @@ class TrainLoop:
     if verdict is not OK:
       return verdict
     self.writer.log(f"Preemption: saving step {self.step} and stopping.")
+    self.phases.enter("checkpoint")
     if self.ckpt.latest_step() != self.step:
       self.ckpt.save(self.step, self.state, self.loader, force=True)
     self.ckpt.wait_until_finished()

@@ -13,6 +13,8 @@ writes its checkpoint shards)::
   metrics.jsonl    one JSON object per log point and per evaluation
   tensorboard/     event files
   checkpoints/     orbax checkpoints with the data-iterator state
+  goodput.json     where the workdir's time went, run by run (``goodput.py``)
+  watchdog/        heartbeats and, after a hang, stacks (train.hang_timeout_s)
   profile/         a jax profiler trace, when asked for
 
 The step is compiled ahead of the loop with the real shardings, so its
@@ -28,15 +30,20 @@ refusals (``checks.py``).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import os
 import pathlib
+import sys
+import tempfile
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from distrib_train.cluster import distributed
 from distrib_train.training import metrics as metrics_lib
@@ -49,9 +56,12 @@ from distrib_train.checkpoint.checks import CheckpointError, first_line
 from distrib_train.training.checks import (TrainerSetupError, check_batch_is_split, check_every_axis_is_used,
                                            check_context, check_microbatches, check_same_tokenizer, tokenizer_fingerprint,
                                            check_path_components, check_workdir, local_value)
-from distrib_train.training.compilation import CacheEvents, memory_line, setup_compilation_cache
+from distrib_train.checkpoint.local import LocalCheckpoints
+from distrib_train.training.compilation import (CacheEvents, cache_unsafe_reason, memory_line,
+                                                setup_compilation_cache)
 from distrib_train.training.config import Config
 from distrib_train.training import init_from
+from distrib_train.training.goodput import Goodput, PhaseClock
 from distrib_train.training.hooks import Profiler
 from distrib_train.training.loop import RunResult, TrainLoop, aux_scalars
 from distrib_train.training.nonfinite import NonFiniteGuard
@@ -59,6 +69,7 @@ from distrib_train.sharding.mesh import MeshConfig, build_mesh, find_mesh_config
 from distrib_train.sharding.planner import MeshPlanner
 from distrib_train.train_state import TrainState
 from distrib_train.train_step import build_eval_step_fn, build_train_step_fn
+from distrib_train.training.watchdog import Limits, Watchdog
 from distrib_train.training.workdir_lock import acquire_for_job
 
 # Importable from here as before: the run's result, the start-up error, the path check.
@@ -183,7 +194,8 @@ class Trainer:
     loader = lock = None
     try:  # everything that can fail on a bad setup, before the workdir is touched
       _quiet_echoes_of_failed_writes()  # a damaged checkpoint's failed reads echo too, from the first check on
-      cache_dir = setup_compilation_cache(t.compilation_cache_dir)
+      cache_off = cache_unsafe_reason() if t.compilation_cache_dir else None
+      cache_dir = setup_compilation_cache("" if cache_off else t.compilation_cache_dir)
       check_workdir(self.workdir)
       plan = self._plan()
       latest = check_restorable(self.workdir / "checkpoints", plan.abstract_train_state)  # reads metadata only
@@ -210,27 +222,34 @@ class Trainer:
     primary = jax.process_index() == 0
     writer = metrics_lib.MetricWriter(self.workdir if primary else None, t.steps, console=self.console)
     self.writer = writer
+    # Phases for the goodput record (process 0 writes goodput.json) and the hang watchdog (off unless asked for).
+    self.phases = PhaseClock()
+    goodput = self.goodput = Goodput(self.workdir, self.phases, started=started, log=writer.log)
+    watchdog = Watchdog(Limits.from_config(t), self.phases, self.workdir).start()
     self._evaluations = no_eval is None
     if lock.warning:
       writer.log(lock.warning)
     if no_eval is not None:
       writer.log(f"No evaluation in this run: {no_eval}")
     writer.log(f"{distributed.topology()}; mesh " + " × ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
-               + f"; compilation cache: {cache_dir or 'off'}")
+               + f"; compilation cache: {cache_dir or cache_off or 'off'}")
     writer.log(plan.summary() + ("\n  the whole table: " + str(self.workdir / "plan.txt") if primary else ""))
     ckpt = None
     try:
       ckpt = CheckpointManager(self.workdir / "checkpoints", max_to_keep=t.keep_checkpoints,
                                async_save=t.async_checkpoint,
                                metadata={"config": config.to_dict(), "tokenizer": tokenizer})
+      self.local = self._local_tier()
       state = self._init_or_restore(ckpt, plan, loader)
       if primary:
         (self.workdir / "config.yaml").write_text(config.to_yaml())
         (self.workdir / "plan.txt").write_text(plan.report() + "\n")
       step = int(state.step)
+      self.phases.enter("compile", step)
       if step >= t.steps:
         writer.log(f"Step {step} of {t.steps} is already done in {self.workdir}; nothing to train.")
         return RunResult("already_done", step)
+      goodput.start(step)
       train_step = build_train_step_fn(
           self.loss_fn, donate_params_and_state=True, train_state_shardings=plan.train_state_shardings,
           input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings,
@@ -262,9 +281,11 @@ class Trainer:
         loop = TrainLoop(state=state, train_step=train_step, loader=loader, ckpt=ckpt,
                          abstract_train_state=plan.abstract_train_state, writer=writer,
                          guard=NonFiniteGuard(t.nonfinite, t.max_nonfinite, writer.log), preemption=preemption,
-                         last_step=t.steps, vocab_size=self.vocab_size, started=started)
+                         last_step=t.steps, vocab_size=self.vocab_size, started=started, phases=self.phases)
         self._add_hooks(loop, plan, eval_step)
-        return loop.run()
+        result = loop.run()
+        goodput.finish(result.status)
+        return result
     finally:
       try:
         preemption.close()
@@ -272,11 +293,47 @@ class Trainer:
           ckpt.close()
       finally:
         loader.close()
+        goodput.finish("failed")  # when not finished above
         writer.close()
         lock.release()
+        watchdog.close(failed=sys.exc_info()[1] is not None)  # last: a cleanup that waits for a dead peer is a hang
+
+  def _local_tier(self) -> LocalCheckpoints | None:
+    """The fast tier (``train.local_checkpoint_every``), tied to this workdir's run id: a local step of an
+    earlier run in a wiped and recreated workdir of the same path is never restored."""
+    t = self.config.train
+    if not t.local_checkpoint_every:
+      return None
+    run_id = np.zeros(32, np.uint8)
+    if jax.process_index() == 0:
+      path = self.workdir / "run_id"
+      if not path.exists():
+        path.write_text(uuid.uuid4().hex)
+      run_id[:] = np.frombuffer(path.read_text().strip()[:32].encode().ljust(32), np.uint8)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+
+      run_id = np.asarray(multihost_utils.broadcast_one_to_all(run_id))
+    base = t.local_checkpoint_dir or os.path.join(
+        tempfile.gettempdir(), "distrib_train-local",
+        hashlib.sha1(str(self.workdir.resolve()).encode()).hexdigest()[:16])
+    return LocalCheckpoints(os.path.join(os.path.expanduser(base), f"process_{jax.process_index()}"),
+                            bytes(run_id).decode().strip())
 
   def _init_or_restore(self, ckpt: CheckpointManager, plan, loader) -> TrainState:
     latest = ckpt.latest_step()
+    self.phases.enter("init" if latest is None else "restore")
+    if self.local is not None:
+      local_step = self.local.complete_step(plan.abstract_train_state, latest)
+      if local_step is not None:
+        state = self.local.restore(plan.abstract_train_state, local_step, loader)
+        self.writer.log(f"Restored step {local_step} from the local tier ({self.local.directory.parent}); the"
+                        f" persistent tier's newest is {latest}.")
+        return state.replace(step=int(local_step))
+      newest = max(self.local.steps(), default=None)
+      if newest is not None and (latest is None or newest > latest):
+        self.writer.log(f"The local tier's step {newest} is not complete on every process (or not of this run"
+                        f" and layout): restoring from the persistent tier ({latest}).")
     if latest is None:
       state = plan.init(self.job.make_state)
       self.writer.log("Initialised a new train state (sharded).")
@@ -296,7 +353,8 @@ class Trainer:
                if (keys is None or key in keys) and saved[section].get(key) != value]
     if changed:
       self.writer.log("The config differs from the checkpoint's: " + "; ".join(changed))
-    same_layout = meta.get("process_count") == jax.process_count()
+    # A DataLoader's lanes resume on any process count; grain's per-process state only on the same one.
+    same_layout = meta.get("process_count") == jax.process_count() or "data_position" in meta
     try:
       state = ckpt.restore(plan.abstract_train_state, latest, data_iterator=loader if same_layout else None)
     except CheckpointError as e:
@@ -332,21 +390,30 @@ class Trainer:
         loop.window.reset()
 
     def save_checkpoint(loop: TrainLoop) -> None:
-      if loop.ckpt.latest_step() != loop.step:
-        loop.ckpt.save(loop.step, loop.state, loop.loader, force=True)
-        loop.guard.checkpoint_saved()
-      else:
-        loop.ckpt.check_background_save()
+      with loop.phases.phase("checkpoint"):
+        if loop.ckpt.latest_step() != loop.step:
+          loop.ckpt.save(loop.step, loop.state, loop.loader, force=True)
+          loop.guard.checkpoint_saved()
+        else:
+          loop.ckpt.check_background_save()
+
+    def save_local(loop: TrainLoop) -> None:
+      with loop.phases.phase("checkpoint"):
+        self.local.save(loop.step, loop.state, loop.loader)
 
     def evaluate(loop: TrainLoop) -> None:
       if self._evaluations:
-        loop.result.eval_loss = self._evaluate(loop.step, loop.state, plan, eval_step)
+        with loop.phases.phase("eval"):
+          loop.result.eval_loss = self._evaluate(loop.step, loop.state, plan, eval_step)
 
     loop.hooks.add_hook(log_window, every=t.log_every)
     # The checkpoint before the evaluation: an evaluation that fails must not lose the steps trained.
     loop.hooks.add_hook(save_checkpoint, every=t.checkpoint_every, pauses_clock=True,
                         between=lambda loop: loop.ckpt.check_background_save())  # a full disk stops the run now
+    if self.local is not None:
+      loop.hooks.add_hook(save_local, every=t.local_checkpoint_every, pauses_clock=True)
     loop.hooks.add_hook(evaluate, every=t.eval_every, pauses_clock=True)
+    self.goodput.register(loop.hooks, every=t.log_every, checkpoint_every=t.checkpoint_every)  # last: after the rest
 
   def _evaluate(self, step, state, plan, eval_step) -> float:
     from distrib_train.data.pipeline import DataLoader
@@ -359,6 +426,7 @@ class Trainer:
     aux_totals: dict[str, float] = {}
     try:
       for batch in loader:
+        self.phases.enter("eval")  # progress, for the watchdog
         aux = eval_step(state, **batch)
         tokens = float(local_value(aux["tokens"])) if isinstance(aux, Mapping) and "tokens" in aux else 1.0
         loss = aux["loss"] if isinstance(aux, Mapping) else aux
