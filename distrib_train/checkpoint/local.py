@@ -18,6 +18,7 @@ one tiny all-gather, so all processes restore the same one or none does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -34,6 +35,7 @@ from distrib_train.checkpoint.checks import SAVED_FIELDS, abstract_target
 from distrib_train.checkpoint.tree import fill_fields, flatten_fields, is_prng_key
 
 _KEEP = 2
+_WRITERS = 8
 _MANIFEST = "manifest.json"
 
 
@@ -47,6 +49,12 @@ def _layout(abstract: dict[tuple[str, ...], jax.ShapeDtypeStruct]) -> dict[str, 
                               leaf.sharding.addressable_devices_indices_map(leaf.shape).items()})
   return {"process_count": jax.process_count(), "process_index": jax.process_index(),
           "leaves": {"/".join(keys): [list(leaf.shape), mine(leaf)] for keys, leaf in abstract.items()}}
+
+
+def _read(path: pathlib.Path) -> np.ndarray:
+  """One shard file: the .npy format, never a pickle."""
+  with open(path, "rb") as f:
+    return np.lib.format.read_array(f, allow_pickle=False)
 
 
 class LocalCheckpoints:
@@ -71,7 +79,7 @@ class LocalCheckpoints:
     logging.info("Local checkpoint: writing step %d to %s", step, self.directory)
     tmp = self.directory / f"{step}.tmp{os.getpid()}"
     tmp.mkdir(parents=True)
-    files, key_impls = {}, {}
+    files, key_impls, writes = {}, {}, []
     for keys, leaf in flatten_fields(state, SAVED_FIELDS).items():
       name = "/".join(keys)
       if is_prng_key(leaf):
@@ -82,7 +90,10 @@ class LocalCheckpoints:
         block = _index_key(shard.index, array.shape)
         if block not in blocks:  # a block replicated over this process's devices is written once
           blocks[block] = f"{sum(map(len, files.values())):05d}.npy"
-          np.save(tmp / blocks[block], np.asarray(shard.data))
+          writes.append((tmp / blocks[block], shard.data))
+    # Device → host copies and file writes overlap, several at a time (numpy releases the GIL while writing).
+    with concurrent.futures.ThreadPoolExecutor(_WRITERS) as pool:
+      list(pool.map(lambda job: np.save(job[0], np.asarray(job[1])), writes))
     manifest = {"step": int(step), "run_id": self.run_id, "layout": _layout(abstract_target(state, SAVED_FIELDS)),
                 "files": files, "key_impls": key_impls, "data_position": position}
     (tmp / _MANIFEST).write_text(json.dumps(manifest))
@@ -124,7 +135,7 @@ class LocalCheckpoints:
     for keys, leaf in abstract_target(target, SAVED_FIELDS).items():
       name = "/".join(keys)
       blocks = manifest["files"][name]
-      shards = [jax.device_put(np.load(folder / blocks[_index_key(index, leaf.shape)]), device)
+      shards = [jax.device_put(_read(folder / blocks[_index_key(index, leaf.shape)]), device)
                 for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items()]
       value = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
       if name in manifest["key_impls"]:

@@ -18,11 +18,14 @@ import jax
 from distrib_train.common.text import human_bytes
 
 
-def setup_compilation_cache(directory: str) -> str | None:
+def setup_compilation_cache(directory: str, enable: bool = True) -> str | None:
   """Points JAX's persistent compilation cache at ``directory`` ('' : off).
 
   Takes effect even when this process compiled something before (JAX
   decides whether to use the cache once, at the first compile).
+
+  With ``enable`` False the directory is only checked (created), and the
+  cache is off for this process's compiles from here on.
 
   Raises:
     ValueError: the directory cannot be created.
@@ -36,6 +39,11 @@ def setup_compilation_cache(directory: str) -> str | None:
     os.makedirs(path, exist_ok=True)
   except OSError as e:
     raise ValueError(f"train.compilation_cache_dir {directory!r} cannot be created: {e.strerror}.") from None
+  if jax.config.jax_enable_compilation_cache != enable:  # a cache an earlier run in this process turned on too
+    jax.config.update("jax_enable_compilation_cache", enable)
+    compilation_cache.reset_cache()
+  if not enable:
+    return None
   if jax.config.jax_compilation_cache_dir != path:
     jax.config.update("jax_compilation_cache_dir", path)
     compilation_cache.reset_cache()

@@ -195,7 +195,7 @@ class Trainer:
     try:  # everything that can fail on a bad setup, before the workdir is touched
       _quiet_echoes_of_failed_writes()  # a damaged checkpoint's failed reads echo too, from the first check on
       cache_off = cache_unsafe_reason() if t.compilation_cache_dir else None
-      cache_dir = setup_compilation_cache("" if cache_off else t.compilation_cache_dir)
+      cache_dir = setup_compilation_cache(t.compilation_cache_dir, enable=not cache_off)
       check_workdir(self.workdir)
       plan = self._plan()
       latest = check_restorable(self.workdir / "checkpoints", plan.abstract_train_state)  # reads metadata only
