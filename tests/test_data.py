@@ -366,3 +366,24 @@ def test_a_corpus_far_larger_than_the_memory_growth_allowed_streams(tmp_path):
   assert (tmp_path / "large.jsonl").stat().st_size > 380 * 2**20
   print("peak RSS MiB, 1 MB corpus vs 400 MB:", small, large)
   assert large - small < 64, (small, large)
+
+
+def test_an_endless_loader_refuses_grain_state_of_an_earlier_release_with_the_way_out(tmp_path):
+  """A checkpoint whose data item is grain's per-process state (what every checkpoint held before lanes, and
+  what a finite pass still saves) cannot position lanes: one clear error, before any array is read."""
+  shardings = data_helpers.shardings(_mesh())
+  state = dt.TrainState.create(apply_fn=None, params={"w": np.zeros(2, np.float32)}, tx=optax.sgd(0.1))
+  finite = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8), shardings, num_epochs=3)
+  assert not finite.endless and finite.data_position() is None
+  next(finite)
+  with dt.CheckpointManager(tmp_path) as checkpoints:
+    checkpoints.save(1, state, data_iterator=finite)
+  assert (tmp_path / "1" / "data").is_dir()
+  endless = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8), shardings)
+  with dt.CheckpointManager(tmp_path) as checkpoints:
+    with pytest.raises(dt.CheckpointError, match=r"holds grain's per-process data state .* Restore without"
+                                                 r" data_iterator"):
+      checkpoints.restore(state, data_iterator=endless)
+    assert int(checkpoints.restore(state).step) == 0  # without the data item it restores
+  endless.close()
+  finite.close()

@@ -250,6 +250,11 @@ class DataLoader:
     it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=2)
     return iter(it)
 
+  @property
+  def endless(self) -> bool:
+    """Whether this loader repeats forever and reads lanes (training); a finite pass reads grain shards."""
+    return self._lanes is not None
+
   def _next_lane_batch(self) -> dict[str, Any]:
     rows, position = self._lanes.next_rows()
     rows = [_shifted(row) if self.config.packing else _unpacked(row["tokens"]) for row in rows]

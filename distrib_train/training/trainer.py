@@ -353,8 +353,9 @@ class Trainer:
                if (keys is None or key in keys) and saved[section].get(key) != value]
     if changed:
       self.writer.log("The config differs from the checkpoint's: " + "; ".join(changed))
-    # A DataLoader's lanes resume on any process count; grain's per-process state only on the same one.
-    same_layout = meta.get("process_count") == jax.process_count() or "data_position" in meta
+    # The loader's lanes resume from the position every checkpoint of this release holds, on any process
+    # count; a checkpoint of an earlier release holds grain's per-process state, which lanes cannot read.
+    same_layout = "data_position" in meta
     try:
       state = ckpt.restore(plan.abstract_train_state, latest, data_iterator=loader if same_layout else None)
     except CheckpointError as e:
@@ -367,8 +368,8 @@ class Trainer:
           f" data config ({'; '.join(data_changed)}); resume with the checkpoint's values, or train in a new"
           f" workdir. (Restoring said: {first_line(e)})") from None
     if not same_layout:
-      self.writer.log(f"The checkpoint was written by {meta.get('process_count')} process(es), this job has "
-                      f"{jax.process_count()}: the data pipeline restarts from its beginning.")
+      self.writer.log(f"Checkpoint step {latest} holds no data position this release reads (it was written by an"
+                      " earlier release): the data pipeline restarts from its beginning.")
     self.writer.log(f"Restored step {latest} from {ckpt.directory}.")
     return state.replace(step=int(latest))
 
