@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distrib_train.parallel import context
+from distrib_train.recipes import fp8
 from distrib_train.parallel.pipeline import layer_stack
 from distrib_train.recipes.attention import BLOCK as splash_block
 from distrib_train.recipes.attention import splash_attention
@@ -66,6 +67,7 @@ class LlamaConfig:
   rope_high_freq_factor: float = 4.0  # llama3 scaling only
   rope_original_max_len: int = 8192  # llama3 scaling only
   context_attention: str = "ring"  # with a context mesh axis: "ring" or "all_gather" (parallel/context.py)
+  fp8: str = "none"  # "none" or "current": the projections' operands rounded to FP8 (recipes/fp8.py)
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -74,6 +76,9 @@ class LlamaConfig:
       raise ValueError(f"remat must be one of {sorted(_REMAT_POLICIES)}, got {self.remat!r}.")
     if self.rope_scaling not in ("none", "linear", "llama3"):
       raise ValueError(f"rope_scaling must be 'none', 'linear' or 'llama3', got {self.rope_scaling!r}.")
+    if self.fp8 not in fp8.MODES:
+      raise ValueError(f"fp8 must be one of {', '.join(fp8.MODES)}, got {self.fp8!r}"
+                       + (" (delayed scaling is not built; use current)" if self.fp8 == "delayed" else "") + ".")
     if self.context_attention not in ("ring", "all_gather"):
       raise ValueError(f"context_attention must be 'ring' or 'all_gather', got {self.context_attention!r}.")
     if self.attention not in ("auto", "xla", "cudnn", "splash"):
@@ -204,9 +209,9 @@ def attention_sublayer(config: LlamaConfig, x, layer, positions, segment_ids):
   dtype = jnp.dtype(config.dtype)
   w = {k: layer[k].astype(dtype) for k in ("wq", "wk", "wv", "wo", "bq", "bk", "bv") if k in layer}
   h = rms_norm(x, layer["attn_norm"], config.norm_eps)
-  q = jnp.einsum("btd,dnh->btnh", h, w["wq"])
-  k = jnp.einsum("btd,dkh->btkh", h, w["wk"])
-  v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
+  q = fp8.einsum("btd,dnh->btnh", h, w["wq"])
+  k = fp8.einsum("btd,dkh->btkh", h, w["wk"])
+  v = fp8.einsum("btd,dkh->btkh", h, w["wv"])
   if config.attention_bias:
     q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
   freqs = rope_frequencies(config, q.shape[-1])
@@ -222,15 +227,15 @@ def attention_sublayer(config: LlamaConfig, x, layer, positions, segment_ids):
     attn = splash_attention(q, k, v, segment_ids)
   else:
     attn = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
-  return x + constrain(jnp.einsum("btnh,nhd->btd", attn, w["wo"]), ("batch", "length", "embed"))
+  return x + constrain(fp8.einsum("btnh,nhd->btd", attn, w["wo"]), ("batch", "length", "embed"))
 
 
 def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
   """The SwiGLU MLP on ``h`` [batch, length, embed]."""
-  gate = jnp.einsum("btd,df->btf", h, w_gate.astype(h.dtype))
-  up = jnp.einsum("btd,df->btf", h, w_up.astype(h.dtype))
+  gate = fp8.einsum("btd,df->btf", h, w_gate.astype(h.dtype))
+  up = fp8.einsum("btd,df->btf", h, w_up.astype(h.dtype))
   hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-  return constrain(jnp.einsum("btf,fd->btd", hidden, w_down.astype(h.dtype)), ("batch", "length", "embed"))
+  return constrain(fp8.einsum("btf,fd->btd", hidden, w_down.astype(h.dtype)), ("batch", "length", "embed"))
 
 
 def _block(config: LlamaConfig, x, layer, positions, segment_ids):
@@ -316,9 +321,10 @@ class Llama(nnx.Module):
       block = jax.checkpoint(block, policy=_REMAT_POLICIES[c.remat])
     # A scan (or an unrolled loop) over the stacked layers; the stages of a pipeline when the step's mesh
     # has a stage axis (parallel/pipeline.py).
-    carry = layer_stack(block, self._carry(x), layers,
-                        per_example={"positions": positions, "segment_ids": segment_ids}, scan=c.scan_layers,
-                        layer_axes={k: tuple(v.out_sharding) for k, v in self.layers.items()})
+    with fp8.active(c.fp8):
+      carry = layer_stack(block, self._carry(x), layers,
+                          per_example={"positions": positions, "segment_ids": segment_ids}, scan=c.scan_layers,
+                          layer_axes={k: tuple(v.out_sharding) for k, v in self.layers.items()})
     x, aux = self._hidden_and_aux(carry)
     return rms_norm(x, self.final_norm[...], c.norm_eps), aux
 
