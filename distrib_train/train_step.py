@@ -10,7 +10,7 @@ shardings (``planner.py``) or running a loop (``trainer.py``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -104,6 +104,9 @@ def _updated_params_and_states(
     return loss, (new_state, new_local_state, aux)
 
   grad_fn = jax.grad(loss_and_outputs, has_aux=True)
+  overwritten = models.overwritten_by_gradient(model_without_params, local_state)
+  if overwritten is not None:
+    grad_fn = _overwriting_with_gradient(loss_and_outputs, overwritten)
   if statics.microbatches > 1 and statics.pipelining is None:
     grads, new_loss_fn_state, new_local_state, aux = microbatching.accumulate(
         grad_fn, params, loss_fn_state, local_state, step_rng, inputs, statics.microbatches,
@@ -114,6 +117,32 @@ def _updated_params_and_states(
   # The next step counter comes out of the step itself: an eager ``step + 1``
   # on a device counter would be one more dispatch per step, queued behind it.
   return new_params, new_opt_state, new_loss_fn_state, new_local_state, aux, step + 1
+
+
+def _overwriting_with_gradient(loss_and_outputs: Callable[..., Any], marks: tuple[bool, ...]) -> Callable[..., Any]:
+  """``jax.grad(loss_and_outputs)`` that also differentiates the marked local-state leaves and returns their
+  gradients as their next values (nnx ``OverwriteWithGradient``: FP8 amax histories written by the backward
+  pass); the params' gradients are unchanged."""
+
+  def with_marked(current_params, marked, loss_fn_state, local_state, rng, inputs):
+    leaves, treedef = jax.tree_util.tree_flatten(local_state)
+    values = iter(marked)
+    local_state = treedef.unflatten([next(values) if m else leaf for leaf, m in zip(leaves, marks)])
+    return loss_and_outputs(current_params, loss_fn_state, local_state, rng, inputs)
+
+  both = jax.grad(with_marked, argnums=(0, 1), has_aux=True)
+
+  def grad_fn(current_params, loss_fn_state, local_state, rng, inputs):
+    marked = [leaf for leaf, m in zip(jax.tree_util.tree_leaves(local_state), marks) if m]
+    (grads, written), (new_loss_fn_state, new_local_state, aux) = both(
+        current_params, marked, loss_fn_state, local_state, rng, inputs)
+    leaves, treedef = jax.tree_util.tree_flatten(new_local_state)
+    written = iter(written)
+    new_local_state = treedef.unflatten([next(written).astype(leaf.dtype) if m else leaf
+                                         for leaf, m in zip(leaves, marks)])
+    return grads, (new_loss_fn_state, new_local_state, aux)
+
+  return grad_fn
 
 
 def _call_loss(statics: _StepStatics, model: Any, loss_fn_state: Any, rng: Any, inputs: dict[str, Any]) -> Any:

@@ -89,6 +89,44 @@ def test_nnx_batch_stats_update_every_step_and_never_reach_the_optimizer():
   assert _only(plan.train_state_shardings.params["norm"]["scale"]).spec == P("tensor")
 
 
+class _GradientMeter(nnx.Module):
+  """A linear layer whose ``seen`` state records, in the backward pass, the largest |gradient| at its output."""
+
+  def __init__(self):
+    self.w = nnx.Param(jnp.full((4, 2), 0.5))
+    self.seen = dt.models.OverwriteWithGradient(jnp.zeros(()))
+
+  def __call__(self, x):
+    return _meter(x @ self.w[...], self.seen[...])
+
+
+@jax.custom_vjp
+def _meter(y, seen):
+  return y
+
+
+_meter.defvjp(lambda y, seen: (y, None), lambda _, g: (g, jnp.max(jnp.abs(g))))
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_nnx_overwrite_with_gradient_state_is_written_by_the_backward_pass(microbatches):
+  def loss_fn(*, model, state, rng, x):
+    loss = jnp.sum(model(x) ** 2)
+    return loss, state, {"loss": loss}
+
+  state = dt.TrainState.initial_state(_GradientMeter(), optax.adam(0.1), jax.random.key(0))
+  assert jax.tree_util.tree_leaves(state.local_state) and "seen" not in str(jax.tree_util.tree_structure(state.params))
+  x = jnp.arange(8.0).reshape(2, 4)
+  step = jax.jit(dt.build_train_step_fn(loss_fn, microbatches=microbatches))
+  new, _ = step(state, x=x)
+  # d(sum y²)/dy = 2y; with two microbatches the state threads through both and the last (row 1) writes it.
+  y = np.asarray(x @ state.params["w"][...])
+  want = np.abs(2 * y).max() if microbatches == 1 else np.abs(2 * y[1:]).max()
+  np.testing.assert_allclose(float(new.local_state["seen"][...]), want, rtol=1e-6)
+  assert "seen" not in str(jax.tree_util.tree_structure(new.opt_state))  # never seen by the optimizer
+  assert not np.allclose(new.params["w"][...], state.params["w"][...])
+
+
 def test_gradients_cover_params_only():
   state = _make_bn_mlp_state()()
   grads = jax.grad(lambda p: mlp.loss_fn(model=models.merge_model(state.model_without_params, p, state.local_state),

@@ -32,7 +32,7 @@ from flax import nnx
 
 from distrib_train.models import linen_model, nnx_model, penzai_model
 from distrib_train.models.linen_model import LinenModel, LinenModelDef
-from distrib_train.models.nnx_model import NnxModelDef
+from distrib_train.models.nnx_model import NnxModelDef, OverwriteWithGradient
 from distrib_train.models.pytree import ParamSlot, StaticValue, merge_params, split_params
 
 _ADAPTER_DEFS = (NnxModelDef, LinenModelDef)
@@ -85,6 +85,14 @@ def local_state_of(model_without_params: Any, model: Any, local_state: Any) -> A
   if isinstance(model_without_params, _ADAPTER_DEFS):
     return model_without_params.local_state_of(model)
   return local_state
+
+
+def overwritten_by_gradient(model_without_params: Any, local_state: Any) -> tuple[bool, ...] | None:
+  """Which array leaves of ``local_state`` the backward pass writes (nnx ``OverwriteWithGradient``), or None."""
+  if isinstance(model_without_params, NnxModelDef) and local_state is not None:
+    marks = model_without_params.overwritten_by_gradient(local_state)
+    return marks if any(marks) else None
+  return None
 
 
 def annotated_axes(model_without_params: Any, params: Any = None) -> Mapping[str, tuple[str | None, ...]]:
@@ -143,10 +151,12 @@ def __getattr__(name: str) -> Any:
 # importable for tests and tools, but are not public API.
 __all__ = [
     "LinenModel",
+    "OverwriteWithGradient",
     "annotated_axes",
     "from_pure_dict",
     "to_pure_dict",
     "local_state_of",
     "merge_model",
+    "overwritten_by_gradient",
     "split_model",
 ]

@@ -6,7 +6,11 @@
   selects) — learned by the optimizer;
 - ``local_state``: every other variable that the forward pass may update
   (``nnx.BatchStat``, custom ``nnx.Variable`` subclasses) — carried, donated,
-  sharded and checkpointed by the step, never seen by the optimizer;
+  sharded and checkpointed by the step, never seen by the optimizer. Local
+  state of the kind ``OverwriteWithGradient`` is written by the backward pass
+  instead: the step differentiates the loss with respect to it too and takes
+  that "gradient" as its next value (flax's ``OVERWRITE_WITH_GRADIENT``, for
+  nnx; FP8 amax histories that record the gradients' amax use it);
 - ``NnxModelDef``: the graph definition plus the frozen rest (params left out
   by ``is_param``, and the RNG streams), which goes into
   ``model_without_params``.
@@ -42,14 +46,28 @@ def variable_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
   return None
 
 
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
 def _axes_by_path(state: Any) -> dict[str, tuple[str | None, ...]]:
   out = {}
-  for path, variable in jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+  for path, variable in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]:
     if isinstance(variable, nnx.Variable):
       axes = variable_axes(variable)
       if axes is not None:
         out[path_str(path)] = axes
   return out
+
+
+class OverwriteWithGradient(nnx.Variable):
+  """Local state whose next value is the gradient the backward pass gives it (see the module docstring).
+
+  A custom VJP that reads such a variable returns its new value as the
+  variable's cotangent; the train step puts that value in the next step's
+  local state, the optimizer never sees it. It must be floating point and
+  read once per forward pass (a layer stack's scan reads one slice per layer).
+  """
 
 
 def _stream_tags(module: nnx.Module) -> tuple[str, ...]:
@@ -96,6 +114,14 @@ class NnxModelDef:
   def local_state_of(self, module: nnx.Module) -> Any:
     """The module's local state now (after the loss function ran)."""
     return nnx.state(module, self.local_filter)
+
+  def overwritten_by_gradient(self, local_state: Any) -> tuple[bool, ...]:
+    """For each array leaf of ``local_state``: is it ``OverwriteWithGradient`` state."""
+    marks = []
+    for variable in jax.tree_util.tree_leaves(local_state, is_leaf=_is_variable):
+      count = len(jax.tree_util.tree_leaves(variable)) if isinstance(variable, nnx.Variable) else 1
+      marks += [isinstance(variable, OverwriteWithGradient)] * count
+    return tuple(marks)
 
 
 def split(module: nnx.Module, is_param: Any = None) -> tuple[nnx.State, NnxModelDef, nnx.State]:
