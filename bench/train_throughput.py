@@ -97,7 +97,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import distrib_train as dt  # noqa: E402
-from distrib_train import metrics  # noqa: E402
+from distrib_train.training import metrics  # noqa: E402
 from bench import reference_step  # noqa: E402
 
 
@@ -128,7 +128,9 @@ SWEEPS = {
              "xla_gpu_enable_triton_gemm=false", "mu_dtype=bfloat16"],
     "350m": ["", "scan=0", "remat=dots_saveable", "batch=32"],
     "1b": ["", "scan=0", "remat=dots_saveable,batch=16", "xla_gpu_enable_triton_gemm=false", "remat=dots_saveable",
-           "loss_chunk=2048", "loss_chunk=512", "mu_dtype=bfloat16", "remat=full,batch=16"],
+           "loss_chunk=2048", "loss_chunk=512", "mu_dtype=bfloat16", "remat=full,batch=16",
+           "scan=0,loss_remat=0,batch=16", "scan=0,loss_remat=0,batch=16,fp8=current",
+           "scan=0,loss_remat=0,batch=16,fp8=delayed", "scan=0,loss_remat=0,batch=8,fp8=current"],
 }
 
 
@@ -144,9 +146,11 @@ class Setting:
   mu_dtype: str = "float32"
   loss_remat: bool = True
   compiler_options: tuple[tuple[str, Any], ...] = ()
+  fp8: str = "none"  # model.fp8 of the framework path (the reference stays in bf16)
 
   def label(self) -> str:
     extra = [f"mu={self.mu_dtype}"] if self.mu_dtype != "float32" else []
+    extra += [f"fp8={self.fp8}"] if self.fp8 != "none" else []
     extra += [] if self.loss_remat else ["loss_remat=0"]
     extra += [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.compiler_options]
     return " ".join([f"remat={self.remat}", f"scan={int(self.scan)}", f"attn={self.attention}",
@@ -171,7 +175,7 @@ def parse_setting(text: str, base: Setting) -> Setting:
       raise ValueError(f"Sweep entry {item!r} is not key=value.")
     if key.startswith("xla_"):
       options[key] = _parse_value(value)
-    elif key in ("remat", "attention", "mu_dtype"):
+    elif key in ("remat", "attention", "mu_dtype", "fp8"):
       fields[key] = value
     elif key in ("loss_chunk", "batch"):
       fields[key] = int(value)
@@ -179,7 +183,7 @@ def parse_setting(text: str, base: Setting) -> Setting:
       fields[key] = value.lower() in ("1", "true", "yes")
     else:
       raise ValueError(f"Unknown sweep key {key!r}; use remat, scan, attention, loss_chunk, loss_remat, batch,"
-                       " mu_dtype or an XLA option (xla_...).")
+                       " mu_dtype, fp8 or an XLA option (xla_...).")
   return dataclasses.replace(base, **fields, compiler_options=tuple(sorted(options.items())))
 
 
@@ -204,7 +208,7 @@ class FrameworkRun:
   def __init__(self, shape: Shape, setting: Setting, mesh: Any, tokens: np.ndarray, targets: np.ndarray):
     overrides = {**dict(shape.overrides), "remat": setting.remat, "scan_layers": setting.scan,
                  "attention": setting.attention, "loss_chunk_size": setting.loss_chunk,
-                 "loss_remat": setting.loss_remat,
+                 "loss_remat": setting.loss_remat, "fp8": setting.fp8,
                  "max_seq_len": max(tokens.shape[1], dt.recipes.llama.PRESETS[shape.preset].max_seq_len)}
     recipe = dt.recipes.get("llama", shape.preset, **overrides)
     self.config = recipe.config
@@ -373,7 +377,8 @@ def run_shape(shape_name: str, args: argparse.Namespace, table: Table, mesh: Any
   preset = dataclasses.replace(dt.recipes.llama.PRESETS[shape.preset], **dict(shape.overrides))
   seq_len = args.seq_len or shape.seq_len
   base = Setting(remat=args.remat or preset.remat, scan=args.scan, attention=args.attention,
-                 loss_chunk=args.loss_chunk or preset.loss_chunk_size, batch=args.batch or shape.batch)
+                 loss_chunk=args.loss_chunk or preset.loss_chunk_size, batch=args.batch or shape.batch,
+                 fp8=args.fp8)
   entries = (args.settings.split(";") if args.settings else SWEEPS[shape_name]) if args.sweep else [""]
   rng = np.random.default_rng(0)
   data = rng.integers(0, preset.vocab_size, (max(base.batch, 64), seq_len + 1), dtype=np.int32)
@@ -494,6 +499,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--attention", choices=("auto", "xla", "cudnn"),
                       help="default: cudnn on GPU, else xla ('auto' is XLA in jax 0.10/0.11)")
   parser.add_argument("--loss_chunk", type=int, help="cross-entropy chunk, tokens per sequence (default: preset's)")
+  parser.add_argument("--fp8", choices=("none", "current", "delayed"), default="none",
+                      help="model.fp8 of the framework path (sweep key fp8=); the reference stays bf16")
   parser.add_argument("--sweep", action="store_true", help="run a list of framework settings per shape")
   parser.add_argument("--settings", help="with --sweep: 'remat=full,batch=16;scan=0;xla_gpu_...=v' (';' between "
                       "settings, ',' within; '' is the base); default: a list per shape")

@@ -69,8 +69,9 @@ def _plan(config, mesh, inputs):
 
 
 def train(mesh, steps: int = 10, microbatches: int = 1, repeats: int = 1, packed: bool = False,
-          weight: str | None = "tokens", aux: list | None = None, **config) -> tuple[list[float], dict]:
-  """Losses of ``steps`` steps of the tiny Llama (fp32, SGD with momentum: linear in the gradients, so float noise stays noise) and its final params as numpy."""
+          weight: str | None = "tokens", aux: list | None = None, final: list | None = None,
+          **config) -> tuple[list[float], dict]:
+  """Losses of ``steps`` steps of the tiny Llama (fp32, SGD with momentum: linear in the gradients, so float noise stays noise) and its final params as numpy (``final`` gets the last train state)."""
   cfg = tiny_config(**config)
   data = batches(steps, packed)
   rules, plan, state = _plan(cfg, mesh, data[0])
@@ -88,6 +89,8 @@ def train(mesh, steps: int = 10, microbatches: int = 1, repeats: int = 1, packed
       losses.append(float(out["loss"]))
       if aux is not None:
         aux.append({k: float(v) for k, v in out.items()})
+  if final is not None:
+    final.append(state)
   return losses, _numpy(state.params)
 
 

@@ -52,3 +52,50 @@ def test_emulate_keeps_the_cpu_path_for_a_gpu_target(tmp_path):
   assert out.returncode == 0, out.stderr
   data = json.loads((tmp_path / "plan.json").read_text())
   assert data["compiler"] == "cpu-emulated" and data["kind"] == "a100"
+
+
+_FP8_DOTS = r"""
+import json, re
+import jax, jax.numpy as jnp
+from distrib_train.podplan import gpu
+from distrib_train.recipes import fp8
+
+mesh = jax.sharding.Mesh(list(gpu._devices("h100", 1, 1)), ("x",))
+replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def dot_operand_types(mode, matmul, shapes):
+  def loss(x, w, extra):
+    with fp8.active(mode):
+      return jnp.sum(matmul(x, w, extra).astype(jnp.float32) ** 2)
+  args = [jax.ShapeDtypeStruct(s, t, sharding=replicated) for s, t in shapes]
+  text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+  types = dict(re.findall(r"%(\S+) = (\w+)\[", text))
+  return [[types[name] for name in re.findall(r"%([\w.-]+)", operands)]
+          for operands in re.findall(r"= \w+\[[^\]]*\]\S* dot\(([^)]*)\)", text)]
+
+
+dense = [((256, 512), jnp.bfloat16), ((512, 384), jnp.bfloat16), ((3, 16), jnp.float32)]
+out = {mode: dot_operand_types(mode, lambda x, w, h: fp8.einsum("bd,df->bf", x, w, h), dense)
+       for mode in ("none", "current", "delayed")}
+grouped = [((512, 256), jnp.bfloat16), ((4, 256, 128), jnp.bfloat16), ((4,), jnp.int32)]
+out["ragged"] = dot_operand_types("current", fp8.ragged_dot, grouped)  # the routed experts' grouped matmul
+print(json.dumps(out))
+"""
+
+
+def test_fp8_matmuls_compile_to_float8_gemms_for_an_h100():
+  """XLA's GPU compiler keeps the FP8 operands: the forward matmul and both gradient matmuls multiply float8
+  arrays (e4m3 × e4m3, e5m2 × e4m3), the routed experts' grouped matmul (``ragged``) too. A quantize → dequantize written around a bf16 matmul did not survive
+  this compiler: it simplified the f32 → f8 → f32 converts away and multiplied bf16."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(PLUGIN), str(ROOT)])}
+  env.pop("XLA_FLAGS", None)
+  run = subprocess.run([sys.executable, "-c", _FP8_DOTS], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  dots = json.loads(run.stdout.strip().splitlines()[-1])
+  assert dots["none"] and all(t == ["bf16", "bf16"] for t in dots["none"]), dots
+  for mode in ("current", "delayed", "ragged"):
+    assert len(dots[mode]) == 3, dots
+    assert sorted(tuple(sorted(t)) for t in dots[mode]) == [("f8e4m3fn", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2"),
+                                                            ("f8e4m3fn", "f8e5m2")], dots

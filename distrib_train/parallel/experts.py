@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from distrib_train.microbatches import STAGE_AXIS
+from distrib_train.recipes import fp8
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 EXPERT_AXIS = "expert"
@@ -55,8 +57,13 @@ def _positions(keys: jax.Array, groups: int) -> jax.Array:
 
 def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
            w_down: jax.Array, *, num_experts: int, capacity_factor: float, expert_axis: str | None, shards: int,
-           gather_axes: tuple[str, ...], sum_axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
-  """One device's part: ``x`` [rows, length, embed] of its tokens → (routed output, dropped per row)."""
+           gather_axes: tuple[str, ...], sum_axes: tuple[str, ...],
+           amax_axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+  """One device's part: ``x`` [rows, length, embed] of its tokens → (routed output, dropped per row).
+
+  ``amax_axes``: the mesh axes one layer's tensors are split over, so FP8 scales (``model.fp8``) are whole
+  tensors' (every axis but a pipeline's stage axis, whose stages hold other layers).
+  """
   rows, length, d = x.shape
   k = indices.shape[-1]
   tokens = x.reshape(rows * length, d)
@@ -88,8 +95,9 @@ def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Arr
   order = jnp.argsort(local_expert, stable=True)  # empty slots (local_expert == per_shard) last
   sizes = jnp.bincount(local_expert, length=per_shard + 1)[:per_shard].astype(jnp.int32)
   grouped = received[order]
-  hidden = jax.nn.silu(jax.lax.ragged_dot(grouped, w_gate, sizes)) * jax.lax.ragged_dot(grouped, w_up, sizes)
-  out = jax.lax.ragged_dot(hidden, w_down, sizes)
+  dot = lambda a, w: fp8.ragged_dot(a, w, sizes, amax_axes)
+  hidden = jax.nn.silu(dot(grouped, w_gate)) * dot(grouped, w_up)
+  out = dot(hidden, w_down)
   for axis in sum_axes:  # the hidden side split over tensor: partial sums
     out = jax.lax.psum(out, axis)
   out = jnp.zeros_like(out).at[order].set(out).reshape(shards, slots, d)
@@ -141,7 +149,8 @@ def dispatch(h: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.A
   tokens_spec = P(batch or None, None, None)
   manual = frozenset(mesh.axis_names)  # under a pipeline, vmap adds the stage axis to the specs
   run = jax.shard_map(
-      lambda *a: _local(*a, expert_axis=EXPERT_AXIS, shards=shards, gather_axes=embed, sum_axes=hidden, **options),
+      lambda *a: _local(*a, expert_axis=EXPERT_AXIS, shards=shards, gather_axes=embed, sum_axes=hidden,
+                        amax_axes=tuple(a for a in mesh.axis_names if a != STAGE_AXIS), **options),
       mesh=mesh, in_specs=(tokens_spec, tokens_spec, tokens_spec, gate_spec, gate_spec, down_spec),
       out_specs=(tokens_spec, P(batch or None)), axis_names=manual, check_vma=False)
   return run(h, indices, weights, w_gate, w_up, w_down)

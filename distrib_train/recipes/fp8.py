@@ -1,46 +1,67 @@
-"""FP8 matmuls for the reference models (``model.fp8``), by quantize-dequantize with current scaling.
+"""FP8 matmuls for the reference models (``model.fp8``): float8 operands, per-tensor scales.
 
-``model.fp8: current`` makes the Llama's projections (q, k, v, attention
-output, the MLP's three matrices; a mixture's shared experts) run with their
-operands rounded to float8: activations and weights to e4m3 in the forward
-pass, the gradient arriving at the matmul's output to e5m2 in the backward
-pass, each with one scale per tensor computed from the tensor itself at
-that step (``current`` scaling: ``scale = fp8 max / amax``). The embedding,
-the head, attention's scores and the routed experts' grouped matmuls stay in
-the model's dtype.
+``model.fp8: current | delayed`` makes the Llama's projections (q, k, v,
+attention output, the MLP's three matrices) and a mixture's expert matmuls
+(shared experts; the routed experts' grouped matmuls) multiply float8
+operands: activations and weights in e4m3 in the forward pass, the gradient
+arriving at the matmul's output in e5m2 in the backward pass (times e4m3
+operands), each with one scale for the whole tensor and float32
+accumulation. The embedding, the head and attention's scores stay in the
+model's dtype.
 
-The rounding is written as quantize → dequantize around an ordinary
-``jnp.einsum`` — the pattern XLA's GPU compiler rewrites into cuBLASLt FP8
-GEMMs on Hopper (and flax's ``fp8_ops`` emit) — so on CPU and TPU the step
-computes exactly the numbers an FP8 GEMM with float32 accumulation would
-(products of FP8 values are exact in float32), at the speed of the model's
-dtype. The gradients pass the operand rounding straight through.
+- ``current``: each scale is ``fp8 max / amax`` of the tensor itself at that
+  step.
+- ``delayed``: each scale comes from the largest amax of the tensor's last
+  ``fp8_amax_history`` steps (a tensor that outgrows it saturates), kept per
+  layer and matmul in ``AmaxHistory`` local state (newest first; an empty
+  history, the first step, takes the current amax). The gradient's amax is
+  only known in the backward pass, so the histories are written there, as
+  their "gradient" (``OverwriteWithGradient``): the step carries, shards and
+  checkpoints them with the rest of the local state and the optimizer never
+  sees them. The routed experts use current scaling under either mode (a
+  history read inside their ``shard_map`` would have its written value summed
+  over the shards), and a pipeline refuses ``delayed`` (it runs a layer once
+  per microbatch).
 
-``delayed`` scaling (scales from an amax history kept in local state) is not
-built; ``model.fp8`` refuses it by name.
+Each matmul is one custom VJP whose three products (``y = x·w``, ``dx = g·wᵀ``,
+``dw = xᵀ·g``) are ``dot_general`` / ``ragged_dot`` on float8 arrays with
+``preferred_element_type=float32``, divided by the two scales after. XLA's GPU
+compiler keeps these as FP8 GEMMs for Hopper (checked with its CUDA compiler
+on a host without a GPU: ``tests/test_podplan_gpu.py``); a quantize →
+dequantize written around a bf16 matmul lost its rounding there, its f32 → f8
+→ f32 converts simplified away. CPU and TPU compute the same numbers. The
+backward pass keeps the float8 operands as residuals, half the bytes of bf16.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 
-MODES = ("none", "current")
+from distrib_train.models.nnx_model import OverwriteWithGradient
+
+MODES = ("none", "current", "delayed")
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+# The three tensors of one matmul that carry a history under ``delayed``: rows of its (3, history) array.
+OPERAND_X, OPERAND_W, OUTPUT_GRAD = 0, 1, 2
 
 _MODE: contextvars.ContextVar[str] = contextvars.ContextVar("distrib_train_fp8", default="none")
+
+
+def check_mode(mode: str) -> None:
+  if mode not in MODES:
+    raise ValueError(f"fp8 must be one of {', '.join(MODES)}, got {mode!r}.")
 
 
 @contextlib.contextmanager
 def active(mode: str) -> Iterator[None]:
   """Makes ``einsum`` round its operands to FP8 while a model is traced (``mode`` in ``MODES``)."""
-  if mode not in MODES:
-    raise ValueError(f"model.fp8 must be one of {', '.join(MODES)}, got {mode!r}"
-                     + (" (delayed scaling is not built; use current)" if mode == "delayed" else "") + ".")
+  check_mode(mode)
   token = _MODE.set(mode)
   try:
     yield
@@ -48,34 +69,147 @@ def active(mode: str) -> Iterator[None]:
     _MODE.reset(token)
 
 
-def quantize_dequantize(x: jax.Array, dtype) -> jax.Array:
-  """``x`` rounded to ``dtype`` (an FP8 type) with one scale for the whole tensor, saturating, and back."""
-  wide = x.astype(jnp.float32)
-  amax = jax.lax.stop_gradient(jnp.max(jnp.abs(wide)))
-  largest = float(jnp.finfo(dtype).max)
-  scale = jnp.where(amax > 0, largest / jnp.maximum(amax, 1e-30), 1.0)
-  rounded = jnp.clip(wide * scale, -largest, largest).astype(dtype).astype(jnp.float32)
-  return (rounded / scale).astype(x.dtype)
+def mode() -> str:
+  """The FP8 mode of the model being traced (``"none"`` outside ``active``)."""
+  return _MODE.get()
 
 
-@jax.custom_vjp
-def _operand(x: jax.Array) -> jax.Array:
-  return quantize_dequantize(x, E4M3)
+class AmaxHistory(OverwriteWithGradient):
+  """A matmul's amax histories under ``delayed`` scaling: float32 [..., 3, history], rows ``OPERAND_X``,
+  ``OPERAND_W``, ``OUTPUT_GRAD``, newest first. Local state written by the backward pass (the gradient's amax
+  is only known there), checkpointed with the rest of the train state, never seen by the optimizer."""
 
 
-_operand.defvjp(lambda x: (quantize_dequantize(x, E4M3), None), lambda _, g: (g,))
+def _largest(dtype) -> float:
+  return float(jnp.finfo(dtype).max)
 
 
-@jax.custom_vjp
-def _output(y: jax.Array) -> jax.Array:
-  return y
+def _amax(x: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
+  """The largest magnitude in ``x``; inside ``shard_map``, over the shards of mesh ``axes`` too."""
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+  return jax.lax.stop_gradient(jax.lax.pmax(amax, axes) if axes else amax)
 
 
-_output.defvjp(lambda y: (y, None), lambda _, g: (quantize_dequantize(g, E5M2),))
+def _scale(amax: jax.Array, dtype) -> jax.Array:
+  return jnp.where(amax > 0, _largest(dtype) / jnp.maximum(amax, 1e-30), 1.0)
 
 
-def einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-  """``jnp.einsum(subscripts, x, w)``, with FP8 operands and output gradient inside ``active("current")``."""
-  if _MODE.get() == "none":
+def quantize_dequantize(x: jax.Array, dtype, axes: tuple[str, ...] = ()) -> jax.Array:
+  """``x`` rounded to ``dtype`` (an FP8 type) with one scale for the whole tensor, saturating, and back.
+
+  Inside ``shard_map`` ``axes`` names the mesh axes ``x`` is split over, so the scale is the whole tensor's.
+  """
+  scale = _scale(_amax(x, axes), dtype)
+  return (_to_fp8(x, dtype, scale).astype(jnp.float32) / scale).astype(x.dtype)
+
+
+def _to_fp8(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
+  """``x`` times ``scale``, saturated to ``dtype``'s range and cast to it: the FP8 operand of a matmul."""
+  largest = _largest(dtype)
+  return jnp.clip(x.astype(jnp.float32) * scale, -largest, largest).astype(dtype)
+
+
+def _scale_for(amax: jax.Array, history: jax.Array | None, dtype) -> jax.Array:
+  """Current scaling (no history), or the history's largest amax (its first step: the current amax)."""
+  if history is not None:
+    past = jnp.max(history)
+    amax = jnp.where(past > 0, past, amax)
+  return _scale(amax, dtype)
+
+
+def _push(history: jax.Array, amax: jax.Array) -> jax.Array:
+  return jnp.roll(history, 1).at[0].set(amax)
+
+
+def delayed_quantize_dequantize(x: jax.Array, dtype, history: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``x`` rounded to ``dtype`` with the scale of the largest amax in ``history`` (saturating where ``x``
+  outgrew it), and the history with ``x``'s own amax pushed in front. An empty history (all zeros: the first
+  step) takes ``x``'s amax, as current scaling would."""
+  amax = _amax(x)
+  scale = _scale_for(amax, history, dtype)
+  return (_to_fp8(x, dtype, scale).astype(jnp.float32) / scale).astype(x.dtype), _push(history, amax)
+
+
+# How each kind of matmul multiplies FP8 operands (float32 accumulation), and its two transposes.
+_RAGGED_DW = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                               lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+def _products(kind: tuple, extra: jax.Array | None):
+  f32 = jnp.float32
+  if kind[0] == "einsum":
+    x_sub, w_sub, out_sub = kind[1:]
+    return (lambda a, b: jnp.einsum(f"{x_sub},{w_sub}->{out_sub}", a, b, preferred_element_type=f32),
+            lambda g, b: jnp.einsum(f"{out_sub},{w_sub}->{x_sub}", g, b, preferred_element_type=f32),
+            lambda a, g: jnp.einsum(f"{x_sub},{out_sub}->{w_sub}", a, g, preferred_element_type=f32))
+  return (lambda a, b: jax.lax.ragged_dot(a, b, extra, preferred_element_type=f32),
+          lambda g, b: jax.lax.ragged_dot(g, jnp.swapaxes(b, 1, 2), extra, preferred_element_type=f32),
+          lambda a, g: jax.lax.ragged_dot_general(a, g, extra, _RAGGED_DW, preferred_element_type=f32))
+
+
+def _matmul_fwd(kind, axes, x, w, history, extra):
+  ax, aw = _amax(x, axes), _amax(w, axes)
+  sx = _scale_for(ax, None if history is None else history[OPERAND_X], E4M3)
+  sw = _scale_for(aw, None if history is None else history[OPERAND_W], E4M3)
+  qx, qw = _to_fp8(x, E4M3, sx), _to_fp8(w, E4M3, sw)
+  y = (_products(kind, extra)[0](qx, qw) / (sx * sw)).astype(x.dtype)
+  return y, (qx, qw, sx, sw, ax, aw, history, extra)
+
+
+def _matmul_bwd(kind, axes, residuals, g):
+  qx, qw, sx, sw, ax, aw, history, extra = residuals
+  ag = _amax(g, axes)
+  sg = _scale_for(ag, None if history is None else history[OUTPUT_GRAD], E5M2)
+  qg = _to_fp8(g, E5M2, sg)
+  _, product_dx, product_dw = _products(kind, extra)
+  dx = (product_dx(qg, qw) / (sg * sw)).astype(g.dtype)
+  dw = (product_dw(qx, qg) / (sx * sg)).astype(g.dtype)
+  written = None
+  if history is not None:  # the next histories, as this "gradient" (AmaxHistory)
+    written = jnp.stack([_push(history[OPERAND_X], ax), _push(history[OPERAND_W], aw),
+                         _push(history[OUTPUT_GRAD], ag)])
+  return dx, dw, written, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _matmul(kind, axes, x, w, history, extra):
+  return _matmul_fwd(kind, axes, x, w, history, extra)[0]
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _einsum_kind(subscripts: str) -> tuple[str, str, str, str]:
+  """``("einsum", x, w, out)`` index strings; each operand's indices must appear in the other or the output,
+  so both transposes are einsums too."""
+  inputs, _, out = subscripts.replace(" ", "").partition("->")
+  x_sub, _, w_sub = inputs.partition(",")
+  if (not out or not w_sub or any(len(set(s)) != len(s) for s in (x_sub, w_sub, out))
+      or set(x_sub) - set(w_sub) - set(out) or set(w_sub) - set(x_sub) - set(out)):
+    raise ValueError(f"fp8.einsum takes two operands whose every index is in the other or in the output,"
+                     f" 'xy,yz->xz' style; got {subscripts!r}.")
+  return ("einsum", x_sub, w_sub, out)
+
+
+def einsum(subscripts: str, x: jax.Array, w: jax.Array, history: jax.Array | None = None) -> jax.Array:
+  """``jnp.einsum(subscripts, x, w)``; inside ``active``, an FP8 matmul (module docstring).
+
+  ``history`` is the matmul's ``AmaxHistory`` value (3, history length); ``delayed`` needs it.
+  """
+  current = _MODE.get()
+  if current == "none":
     return jnp.einsum(subscripts, x, w)
-  return _output(jnp.einsum(subscripts, _operand(x), _operand(w)))
+  if current == "delayed" and history is None:
+    raise ValueError("model.fp8=delayed: this matmul was given no amax history (fp8.AmaxHistory local state).")
+  return _matmul(_einsum_kind(subscripts), (), x, w.astype(x.dtype), history if current == "delayed" else None,
+                 None)
+
+
+def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
+  """``jax.lax.ragged_dot`` (the routed experts' grouped matmul); inside ``active``, an FP8 grouped matmul with
+  current scaling in either mode (an amax history read inside ``shard_map``, where the experts run, would
+  have its written value summed over the shards). ``axes``: the mesh axes the operands are split over inside
+  ``shard_map``, so each scale is the whole tensor's."""
+  if _MODE.get() == "none":
+    return jax.lax.ragged_dot(x, w, group_sizes)
+  return _matmul(("ragged",), tuple(axes), x, w.astype(x.dtype), None, group_sizes)

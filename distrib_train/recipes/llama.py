@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import distrib_train.microbatches as microbatching
 from distrib_train.parallel import context
 from distrib_train.recipes import fp8
 from distrib_train.parallel.pipeline import layer_stack
@@ -67,7 +68,8 @@ class LlamaConfig:
   rope_high_freq_factor: float = 4.0  # llama3 scaling only
   rope_original_max_len: int = 8192  # llama3 scaling only
   context_attention: str = "ring"  # with a context mesh axis: "ring" or "all_gather" (parallel/context.py)
-  fp8: str = "none"  # "none" or "current": the projections' operands rounded to FP8 (recipes/fp8.py)
+  fp8: str = "none"  # "none", "current" or "delayed": the projections' operands rounded to FP8 (recipes/fp8.py)
+  fp8_amax_history: int = 16  # steps of amax each delayed scale is taken from (fp8 "delayed" only)
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -76,9 +78,9 @@ class LlamaConfig:
       raise ValueError(f"remat must be one of {sorted(_REMAT_POLICIES)}, got {self.remat!r}.")
     if self.rope_scaling not in ("none", "linear", "llama3"):
       raise ValueError(f"rope_scaling must be 'none', 'linear' or 'llama3', got {self.rope_scaling!r}.")
-    if self.fp8 not in fp8.MODES:
-      raise ValueError(f"fp8 must be one of {', '.join(fp8.MODES)}, got {self.fp8!r}"
-                       + (" (delayed scaling is not built; use current)" if self.fp8 == "delayed" else "") + ".")
+    fp8.check_mode(self.fp8)
+    if self.fp8_amax_history < 1:
+      raise ValueError(f"fp8_amax_history must be at least 1, got {self.fp8_amax_history}.")
     if self.context_attention not in ("ring", "all_gather"):
       raise ValueError(f"context_attention must be 'ring' or 'all_gather', got {self.context_attention!r}.")
     if self.attention not in ("auto", "xla", "cudnn", "splash"):
@@ -209,9 +211,9 @@ def attention_sublayer(config: LlamaConfig, x, layer, positions, segment_ids):
   dtype = jnp.dtype(config.dtype)
   w = {k: layer[k].astype(dtype) for k in ("wq", "wk", "wv", "wo", "bq", "bk", "bv") if k in layer}
   h = rms_norm(x, layer["attn_norm"], config.norm_eps)
-  q = fp8.einsum("btd,dnh->btnh", h, w["wq"])
-  k = fp8.einsum("btd,dkh->btkh", h, w["wk"])
-  v = fp8.einsum("btd,dkh->btkh", h, w["wv"])
+  q = fp8.einsum("btd,dnh->btnh", h, w["wq"], layer.get("fp8_wq"))
+  k = fp8.einsum("btd,dkh->btkh", h, w["wk"], layer.get("fp8_wk"))
+  v = fp8.einsum("btd,dkh->btkh", h, w["wv"], layer.get("fp8_wv"))
   if config.attention_bias:
     q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
   freqs = rope_frequencies(config, q.shape[-1])
@@ -227,22 +229,26 @@ def attention_sublayer(config: LlamaConfig, x, layer, positions, segment_ids):
     attn = splash_attention(q, k, v, segment_ids)
   else:
     attn = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
-  return x + constrain(fp8.einsum("btnh,nhd->btd", attn, w["wo"]), ("batch", "length", "embed"))
+  out = fp8.einsum("btnh,nhd->btd", attn, w["wo"], layer.get("fp8_wo"))
+  return x + constrain(out, ("batch", "length", "embed"))
 
 
-def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-  """The SwiGLU MLP on ``h`` [batch, length, embed]."""
-  gate = fp8.einsum("btd,df->btf", h, w_gate.astype(h.dtype))
-  up = fp8.einsum("btd,df->btf", h, w_up.astype(h.dtype))
+def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+           histories: tuple[jax.Array | None, ...] = (None, None, None)) -> jax.Array:
+  """The SwiGLU MLP on ``h`` [batch, length, embed]; ``histories``: the three matmuls' FP8 amax histories."""
+  gate = fp8.einsum("btd,df->btf", h, w_gate.astype(h.dtype), histories[0])
+  up = fp8.einsum("btd,df->btf", h, w_up.astype(h.dtype), histories[1])
   hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-  return constrain(fp8.einsum("btf,fd->btd", hidden, w_down.astype(h.dtype)), ("batch", "length", "embed"))
+  out = fp8.einsum("btf,fd->btd", hidden, w_down.astype(h.dtype), histories[2])
+  return constrain(out, ("batch", "length", "embed"))
 
 
 def _block(config: LlamaConfig, x, layer, positions, segment_ids):
   """One decoder block on ``x`` [batch, length, embed] with one layer's params."""
   x = attention_sublayer(config, x, layer, positions, segment_ids)
   h = rms_norm(x, layer["mlp_norm"], config.norm_eps)
-  return x + swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"])
+  return x + swiglu(h, layer["w_gate"], layer["w_up"], layer["w_down"],
+                    tuple(layer.get(f"fp8_{k}") for k in ("w_gate", "w_up", "w_down")))
 
 
 class Llama(nnx.Module):
@@ -270,6 +276,10 @@ class Llama(nnx.Module):
       self.layers["bq"] = _param(rngs, (L, h, hd), ("layers", "heads", "head_dim"), pd, None, value=0.0)
       self.layers["bk"] = _param(rngs, (L, kv, hd), ("layers", "kv_heads", "head_dim"), pd, None, value=0.0)
       self.layers["bv"] = _param(rngs, (L, kv, hd), ("layers", "kv_heads", "head_dim"), pd, None, value=0.0)
+    if c.fp8 == "delayed":  # one (3, history) amax history per layer and matmul, in local state
+      for name in self._fp8_matmuls():
+        self.layers[f"fp8_{name}"] = fp8.AmaxHistory(jnp.zeros((L, 3, c.fp8_amax_history), jnp.float32),
+                                                     out_sharding=("layers", None, None))
     self.final_norm = _param(rngs, (d,), ("embed",), pd, None, value=1.0)
     if not c.tie_embeddings:
       self.head = _param(rngs, (d, c.vocab_size), ("embed", "vocab"), pd, fan_in=d)
@@ -281,6 +291,10 @@ class Llama(nnx.Module):
     return {"w_gate": _param(rngs, (L, d, f), ("layers", "embed", "mlp"), pd, fan_in=d),
             "w_up": _param(rngs, (L, d, f), ("layers", "embed", "mlp"), pd, fan_in=d),
             "w_down": _param(rngs, (L, f, d), ("layers", "mlp", "embed"), pd, fan_in=f)}
+
+  def _fp8_matmuls(self) -> tuple[str, ...]:
+    """The weights whose matmuls run in FP8 (each gets an amax history under ``delayed``)."""
+    return ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
   def _block(self, carry, layer, positions, segment_ids):
     """One layer on the layer stack's carry (here the hidden states)."""
@@ -321,6 +335,9 @@ class Llama(nnx.Module):
       block = jax.checkpoint(block, policy=_REMAT_POLICIES[c.remat])
     # A scan (or an unrolled loop) over the stacked layers; the stages of a pipeline when the step's mesh
     # has a stage axis (parallel/pipeline.py).
+    if c.fp8 == "delayed" and (use := microbatching.active_pipelining()) is not None and use.request.stages > 1:
+      raise ValueError("model.fp8=delayed does not run with a stage axis: the pipeline runs every layer once per"
+                       " microbatch, and each run would write the layer's amax history. Use fp8=current.")
     with fp8.active(c.fp8):
       carry = layer_stack(block, self._carry(x), layers,
                           per_example={"positions": positions, "segment_ids": segment_ids}, scan=c.scan_layers,

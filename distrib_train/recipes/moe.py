@@ -152,7 +152,8 @@ def moe_sublayer(config: MoEConfig, x: jax.Array, layer: dict[str, jax.Array]) -
                              capacity_factor=config.capacity_factor)
   out = routed
   if config.num_shared_experts:
-    shared = swiglu(h, layer["shared_gate"], layer["shared_up"], layer["shared_down"])
+    shared = swiglu(h, layer["shared_gate"], layer["shared_up"], layer["shared_down"],
+                    tuple(layer.get(f"fp8_{k}") for k in ("shared_gate", "shared_up", "shared_down")))
     if config.shared_expert_gate:
       shared = shared * jax.nn.sigmoid(jnp.einsum("btd,do->bto", h, layer["shared_expert_gate"].astype(dtype)))
     out = out + shared
@@ -182,6 +183,10 @@ class MoE(llama.Llama):
       if c.shared_expert_gate:
         params["shared_expert_gate"] = _param(rngs, (L, d, 1), ("layers", "embed", None), pd, fan_in=d)
     return params
+
+  def _fp8_matmuls(self) -> tuple[str, ...]:
+    shared = ("shared_gate", "shared_up", "shared_down") if self.config.num_shared_experts else ()
+    return ("wq", "wk", "wv", "wo", *shared)
 
   def _block(self, carry, layer, positions, segment_ids):
     x, sums = carry

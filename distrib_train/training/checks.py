@@ -131,6 +131,16 @@ def check_context(plan, seq_len: int) -> None:
                      f" of 2 × context = {2 * size} (each device holds a front and a back chunk of every sequence).")
 
 
+def check_fp8(plan, fp8_mode: str) -> None:
+  """Refuses ``model.fp8=delayed`` on a mesh with a stage axis: a pipeline runs each layer once per
+  microbatch (and in bubble slots), so a layer's amax history would be written several times in one step."""
+  stages = stages_of(plan.mesh)
+  if fp8_mode == "delayed" and stages > 1:
+    raise ValueError(f"model.fp8=delayed does not run with a stage axis ({stages} stages): the pipeline runs every"
+                     " layer once per microbatch, and each run would write the layer's amax history. Use"
+                     " model.fp8=current with a pipeline.")
+
+
 _extremes = jax.jit(lambda x: jnp.stack([jnp.min(x), jnp.max(x)]))
 
 

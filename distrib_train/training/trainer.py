@@ -54,8 +54,9 @@ from distrib_train.checkpoint.checks import check_restorable, read_meta
 from distrib_train.checkpoint.manager import CheckpointManager, _quiet_echoes_of_failed_writes
 from distrib_train.checkpoint.checks import CheckpointError, first_line
 from distrib_train.training.checks import (TrainerSetupError, check_batch_is_split, check_every_axis_is_used,
-                                           check_context, check_microbatches, check_same_tokenizer, tokenizer_fingerprint,
-                                           check_path_components, check_workdir, local_value)
+                                           check_context, check_fp8, check_microbatches, check_same_tokenizer,
+                                           check_path_components, check_workdir, local_value,
+                                           tokenizer_fingerprint)
 from distrib_train.checkpoint.local import LocalCheckpoints
 from distrib_train.training.compilation import (CacheEvents, cache_unsafe_reason, memory_line,
                                                 setup_compilation_cache)
@@ -127,6 +128,7 @@ class Trainer:
       self.flops_per_token = model_config.flops_per_token(config.data.seq_len)
     # Ids at or beyond it would be looked up as NaN: every step skipped.
     self.vocab_size = getattr(model_config, "vocab_size", None)
+    self.fp8 = getattr(model_config, "fp8", "none")
     self.profile_steps = profile_steps
     self.console = console
     try:
@@ -149,6 +151,7 @@ class Trainer:
     check_microbatches(plan, self.config.data.global_batch_size, self.config.train.microbatches,
                        self.config.train.pipeline_repeats)
     check_context(plan, self.config.data.seq_len)
+    check_fp8(plan, self.fp8)
     return plan
 
   def _missing_eval_split(self, plan) -> str | None:
