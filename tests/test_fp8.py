@@ -244,7 +244,8 @@ def test_the_mixture_of_experts_routed_experts_run_in_fp8_and_a_sharded_run_foll
 
 def test_the_trainer_resumes_delayed_scaling_exactly_and_refuses_it_with_a_pipeline(tmp_path):
   """The CLI: 6 steps straight equal 3 steps, a restart and 3 more, loss for loss (the histories come back from
-  the checkpoint); a stage mesh is refused before the workdir is made (exit 2)."""
+  the checkpoint); a checkpoint without histories and a stage mesh are refused before anything is written
+  (exit 2)."""
   from test_cli import SMALL, checkpoint_arrays, cli, train_losses
 
   args = [*SMALL, "--cpu_devices", "8", "--set", "model.fp8=delayed", "--set", "train.checkpoint_every=3"]
@@ -256,6 +257,12 @@ def test_the_trainer_resumes_delayed_scaling_exactly_and_refuses_it_with_a_pipel
   assert train_losses(resumed) == train_losses(straight) and len(train_losses(straight)) == 6
   histories = {k: v for k, v in checkpoint_arrays(resumed, 3).items() if "fp8_" in k}
   assert len(histories) == 7 and all(np.all(v[..., :3] > 0) and np.all(v[..., 3:] == 0) for v in histories.values())
+
+  plain = tmp_path / "plain"  # a checkpoint without histories: delayed scaling cannot resume it
+  assert cli("--workdir", str(plain), "--steps", "1", *SMALL, "--cpu_devices", "8").returncode == 0
+  switched = cli("--workdir", str(plain), "--steps", "2", *args)
+  assert switched.returncode == 2 and "Only local state is new" in switched.stderr, switched.stderr[-2000:]
+  assert "local_state/layers/fp8_w" in switched.stderr
 
   refused = cli("--workdir", str(tmp_path / "pipeline"), "--steps", "2", "--cpu_devices", "8", "--mesh_config",
                 "cpu-8-pipeline", "--set", "model.fp8=delayed", "--set", "train.microbatches=4")

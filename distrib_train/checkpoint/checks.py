@@ -133,9 +133,14 @@ def check_matches(directory: epath.Path, step: int, abstract: Mapping[tuple[str,
       problems.append(f"{'/'.join(keys)}: in the checkpoint {list(shape)}, not in the target")
   if problems:
     shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+    missing = [keys for keys in abstract if keys not in saved]
+    new_local_state = len(missing) == len(problems) and all(keys[0] == "local_state" for keys in missing)
+    hint = ("Only local state is new: this run's model keeps state the checkpoint's run did not have (a setting"
+            " that adds some, such as model.fp8=delayed's amax histories); resume with the settings it was"
+            " written with." if new_local_state else "Was it written for another model or config?")
     raise CheckpointError(
         f"Checkpoint step {step} in {str(directory)!r} does not fit the target state"
-        f" ({len(problems)} difference(s)): {shown}. Was it written for another model or config?"
+        f" ({len(problems)} difference(s)): {shown}. {hint}"
     )
 
 
