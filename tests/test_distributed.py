@@ -77,7 +77,7 @@ def test_gloo_banner_lines_are_dropped_from_stdout_and_the_rest_kept():
 
   code = (
       "import os, sys\n"
-      "from distrib_train import distributed\n"
+      "from distrib_train.cluster import distributed\n"
       "distributed._drop_gloo_banner()\n"
       "print('before', flush=True)\n"
       "os.write(1, b'[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\\n')\n"

@@ -133,18 +133,6 @@ def from_pure_dict(template: Any, pure_dict: Any) -> Any:
   return pure_dict
 
 
-def __getattr__(name: str) -> Any:
-  # The reference models moved to distrib_train.recipes; these names stay
-  # here, with a warning, for one release.
-  if name in ("get", "ModelRecipe"):
-    import warnings
-
-    from distrib_train import recipes
-
-    warnings.warn(f"distrib_train.models.{name} moved to distrib_train.recipes.{name}; the old name goes in the"
-                  " next release.", DeprecationWarning, stacklevel=2)
-    return getattr(recipes, name)
-  raise AttributeError(f"module 'distrib_train.models' has no attribute {name!r}")
 
 
 # ParamSlot and StaticValue (the pytree adapter's placeholders) stay
