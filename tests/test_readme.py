@@ -1,18 +1,24 @@
-"""The README as a new user reads it: its Python runs, its commands exist.
+"""The README and the guides in docs/ as a new user reads them: their Python
+runs, their commands, flags, config keys and links exist.
 
-Every ```python block of README.md runs as it is, in a fresh interpreter on
-8 emulated CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``,
-``JAX_PLATFORMS=cpu``) with a hard timeout, unless the line right before it
-is an HTML comment saying why it cannot::
+Every ```python block of README.md and docs/*.md runs as it is, in a fresh
+interpreter on 8 emulated CPU devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8``, ``JAX_PLATFORMS=cpu``)
+with a hard timeout, unless the line right before it is an HTML comment saying
+why it cannot::
 
   <!-- not run: uses placeholders my_apply/my_batches -->
 
 (a fragment with placeholders, or a block that needs a GPU, TPU or pod). A
 block of another language marked ``<!-- run -->`` runs as Python too. Also
-checked: every ``distrib-train …`` / ``python -m distrib_train…`` command the
-README names answers ``--help`` with exit status 0, the flags its flag tables
-list are the commands' own, and the config block labelled as the tiny preset
-holds the tiny preset's values.
+checked, over the same files: every ``distrib-train …`` / ``python -m
+distrib_train…`` command they name answers ``--help`` with exit status 0; the
+flags their flag tables list are the commands' own; every config key they
+name (``--set train.steps=…``, `` `model.fp8` ``) is one the config accepts;
+every relative link points at a file that exists (and, for a ``#section``
+of a Markdown file, a heading that exists). The config block labelled as the
+tiny preset holds the tiny preset's values. README.md stays at most 300
+lines, and its table of guides names exactly the files in docs/.
 """
 
 import os
@@ -27,11 +33,22 @@ import yaml
 
 ROOT = pathlib.Path(__file__).parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+README_MAX_LINES = 300
 TIMEOUT_S = 240  # per block; the slowest (the Trainer example) takes ~10 s on an idle 2-core machine
 
 _FENCE = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 _NOT_RUN = re.compile(r"^<!--\s*not run:\s*(.*?)\s*-->$")
 _RUN = re.compile(r"^<!--\s*run\s*-->$")
+
+
+def _name(path):
+  return path.relative_to(ROOT).as_posix()
+
+
+# The files a reader is sent to: the README, then every guide.
+_FILES = [README] + sorted(DOCS.glob("*.md"))
+_TEXTS = {_name(path): path.read_text() for path in _FILES}
 
 
 def _blocks(text):
@@ -57,29 +74,39 @@ def _runnable(text):
   return run, not_run
 
 
-_TEXT = README.read_text()
-_RUN_BLOCKS, _NOT_RUN_BLOCKS = _runnable(_TEXT)
+_RUN_BLOCKS = [(name, line, code) for name, text in _TEXTS.items() for line, code in _runnable(text)[0]]
 
 
-def test_every_python_block_is_run_or_says_why_not():
+def test_the_guides_are_read():
+  assert len(_FILES) > 1, "no docs/*.md found"
+
+
+@pytest.mark.parametrize("name", list(_TEXTS))
+def test_every_python_block_is_run_or_says_why_not(name):
+  text = _TEXTS[name]
   problems = []
-  for line, language, _, marker in _blocks(_TEXT):
+  for line, language, _, marker in _blocks(text):
     skip = _NOT_RUN.match(marker) if marker else None
     if skip and not skip.group(1):
-      problems.append(f"README.md:{line}: a 'not run' marker without a reason")
+      problems.append(f"{name}:{line}: a 'not run' marker without a reason")
     if marker and not skip and not _RUN.match(marker):
-      problems.append(f"README.md:{line}: an HTML comment before a block that is neither"
+      problems.append(f"{name}:{line}: an HTML comment before a block that is neither"
                       f" '<!-- not run: REASON -->' nor '<!-- run -->': {marker}")
     if skip and language not in ("python", "py"):
-      problems.append(f"README.md:{line}: 'not run' marks a {language or 'plain'} block (only Python blocks run)")
+      problems.append(f"{name}:{line}: 'not run' marks a {language or 'plain'} block (only Python blocks run)")
   # A marker must sit right before a fence, not drift away from the block it was for.
-  for number, text_line in enumerate(_TEXT.splitlines(), 1):
+  lines = text.splitlines()
+  for number, text_line in enumerate(lines, 1):
     if _NOT_RUN.match(text_line.strip()) or _RUN.match(text_line.strip()):
-      following = [line for line in _TEXT.splitlines()[number:] if line.strip()]
+      following = [line for line in lines[number:] if line.strip()]
       if not following or not following[0].startswith("```"):
-        problems.append(f"README.md:{number}: a run marker not followed by a code block")
+        problems.append(f"{name}:{number}: a run marker not followed by a code block")
   assert not problems, "\n".join(problems)
-  assert _RUN_BLOCKS, "no runnable Python block found in README.md"
+
+
+def test_runnable_python_blocks_are_found():
+  assert any(name == "README.md" for name, _, _ in _RUN_BLOCKS), "no runnable Python block found in README.md"
+  assert any(name.startswith("docs/") for name, _, _ in _RUN_BLOCKS), "no runnable Python block found in docs/"
 
 
 def _env(tmp_path):
@@ -91,16 +118,16 @@ def _env(tmp_path):
   return env
 
 
-@pytest.mark.parametrize("line,code", _RUN_BLOCKS, ids=[f"README.md:{line}" for line, _ in _RUN_BLOCKS])
-def test_python_block_runs(line, code, tmp_path):
-  script = tmp_path / f"readme_block_{line}.py"
+@pytest.mark.parametrize("name,line,code", _RUN_BLOCKS, ids=[f"{name}:{line}" for name, line, _ in _RUN_BLOCKS])
+def test_python_block_runs(name, line, code, tmp_path):
+  script = tmp_path / f"block_{line}.py"
   script.write_text(code)
   try:
     out = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(tmp_path), capture_output=True,
                          text=True, timeout=TIMEOUT_S)
   except subprocess.TimeoutExpired as e:
-    pytest.fail(f"README.md:{line}: the block did not finish in {TIMEOUT_S} s:\n{(e.stderr or '')[-3000:]}")
-  assert out.returncode == 0, f"README.md:{line}: exit status {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    pytest.fail(f"{name}:{line}: the block did not finish in {TIMEOUT_S} s:\n{(e.stderr or '')[-3000:]}")
+  assert out.returncode == 0, f"{name}:{line}: exit status {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
   if "trainer.Trainer(" in code:  # the Trainer example trains to its last step and evaluates, not only exits 0
     status, step, eval_loss = out.stdout.split()[-3:]
     assert (status, step) == ("finished", "100"), out.stdout[-2000:]
@@ -108,16 +135,86 @@ def test_python_block_runs(line, code, tmp_path):
 
 
 def test_the_trainer_example_is_among_the_blocks_run():
-  assert any("trainer.Trainer(" in code for _, code in _RUN_BLOCKS)
+  assert any("trainer.Trainer(" in code for name, _, code in _RUN_BLOCKS if name == "README.md")
 
 
-# --- commands --------------------------------------------------------------------------------------------
+# --- the README's size and its table of guides ------------------------------------------------------------
+
+
+def test_the_readme_is_short():
+  lines = len(_TEXTS["README.md"].splitlines())
+  assert lines <= README_MAX_LINES, f"README.md has {lines} lines; at most {README_MAX_LINES} (move text to docs/)"
+
+
+def _section(text, heading):
+  """The text under a Markdown heading (any level), up to the next heading of the same or a higher level."""
+  match = re.search(rf"^(#+) {re.escape(heading)}[ \t]*$", text, re.MULTILINE)
+  assert match, f"no heading '{heading}'"
+  level = len(match.group(1))
+  end = re.compile(rf"^#{{1,{level}}} ", re.MULTILINE).search(text, match.end())
+  return text[match.end():end.start() if end else len(text)]
+
+
+def test_the_guides_table_names_every_guide_and_only_guides_that_exist():
+  rows = [line for line in _section(_TEXTS["README.md"], "Guides").splitlines() if line.startswith("| [")]
+  named = [re.match(r"\| \[[^\]]*\]\(([^)#]+)\)", row).group(1) for row in rows]
+  assert named, "no table of guides under '## Guides' in README.md"
+  missing = [path for path in named if not (ROOT / path).is_file()]
+  assert not missing, f"README.md's table of guides names files that do not exist: {missing}"
+  on_disk = {_name(path) for path in DOCS.glob("*.md")}
+  assert not on_disk - set(named), f"guides in docs/ that README.md's table does not name: {sorted(on_disk - set(named))}"
+  assert len(named) == len(set(named)), f"a guide named twice in README.md's table: {named}"
+
+
+def test_the_readme_states_the_test_command():
+  assert "Test command: `python -m pytest -q tests --durations=15`" in _TEXTS["README.md"]
+
+
+# --- links ------------------------------------------------------------------------------------------------
+
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def _prose(text):
+  """The text outside fenced blocks and inline code, where a link is a link."""
+  text = _FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+  return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _anchors(text):
+  """GitHub's anchors for a Markdown file's headings."""
+  anchors, seen = set(), {}
+  for heading in re.findall(r"^#+ (.+?)[ \t]*#*$", _FENCE.sub("", text), re.MULTILINE):
+    slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+    count = seen.get(slug, 0)
+    seen[slug] = count + 1
+    anchors.add(slug if count == 0 else f"{slug}-{count}")
+  return anchors
+
+
+@pytest.mark.parametrize("name", list(_TEXTS))
+def test_relative_links_point_at_files_that_exist(name):
+  source = ROOT / name
+  problems = []
+  for target in _LINK.findall(_prose(_TEXTS[name])):
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:, …: not checked here
+      continue
+    path, _, anchor = target.partition("#")
+    resolved = (source.parent / path).resolve() if path else source
+    if not resolved.exists():
+      problems.append(f"{name}: a link to {target}: {path} does not exist")
+    elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved.read_text()):
+      problems.append(f"{name}: a link to {target}: {_name(resolved)} has no heading for #{anchor}")
+  assert not problems, "\n".join(problems)
+
+
+# --- commands ---------------------------------------------------------------------------------------------
 
 _COMMAND = re.compile(r"(distrib-train|python -m distrib_train(?:\.[A-Za-z_][\w.]*)?)(?=[\s`]|$)(?:[ \t]+([a-z]\w*))?")
 
 
 def _commands(text):
-  """The distinct ``(program, subcommand or None)`` pairs the README names: a
+  """The distinct ``(program, subcommand or None)`` pairs a text names: a
   lower-case word right after the program is taken as its subcommand (write
   the name in backquotes, `distrib-train`, to mention it in prose)."""
   found = {(match.group(1), match.group(2)) for match in _COMMAND.finditer(text)}
@@ -132,11 +229,12 @@ def _argv(program):
   return [sys.executable, "-m", program.removeprefix("python -m ")]
 
 
-_COMMANDS = _commands(_TEXT)
+_COMMANDS = _commands("\n".join(_TEXTS.values()))
 
 
 def test_the_readme_names_the_commands_it_should():
-  assert ("distrib-train", None) in _COMMANDS and ("distrib-train", "plan") in _COMMANDS, _COMMANDS
+  named = _commands(_TEXTS["README.md"])
+  assert ("distrib-train", None) in named and ("distrib-train", "plan") in named, named
 
 
 @pytest.mark.parametrize("program,sub", _COMMANDS, ids=[f"{p} {s or ''}".strip() for p, s in _COMMANDS])
@@ -148,29 +246,80 @@ def test_command_exists(program, sub, tmp_path):
     assert f" {sub}" in (out.stdout + out.stderr).splitlines()[0], (out.stdout + out.stderr)[:500]
 
 
-def _section(text, heading):
-  start = text.index(f"\n## {heading}\n")
-  end = text.find("\n## ", start + 1)
-  return text[start:end if end > 0 else len(text)]
+# Every flag table, by the file and heading it sits under, and the command whose flags it lists.
+_FLAG_TABLES = [("README.md", "The command line", None),
+                ("docs/planning.md", "Flags", "plan"),
+                ("docs/launching.md", "Multi-host", None)]
 
 
-@pytest.mark.parametrize("heading,sub", [("Training from the command line", None),
-                                         ("Planning a pod from a laptop", "plan")])
-def test_flag_tables_list_real_flags(heading, sub, tmp_path):
-  rows = [line for line in _section(_TEXT, heading).splitlines() if line.startswith("| `--")]
+def _flag_rows(text):
+  return [line for line in text.splitlines() if line.startswith("| `--")]
+
+
+@pytest.mark.parametrize("name,heading,sub", _FLAG_TABLES)
+def test_flag_tables_list_real_flags(name, heading, sub, tmp_path):
+  rows = _flag_rows(_section(_TEXTS[name], heading))
   listed = {flag for row in rows for flag in re.findall(r"`(--[a-z_]+)", row.split("|")[1])}
-  assert listed, f"no flag table under '## {heading}'"
+  assert listed, f"no flag table under '{heading}' in {name}"
   argv = _argv("distrib-train") + ([sub] if sub else []) + ["--help"]
   out = subprocess.run(argv, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
   known = set(re.findall(r"--[a-z_]+", out.stdout + out.stderr))
-  assert listed <= known, f"README lists flags that {' '.join(argv[:-1])} does not have: {sorted(listed - known)}"
+  assert listed <= known, f"{name} lists flags that {' '.join(argv[:-1])} does not have: {sorted(listed - known)}"
+
+
+def test_every_flag_table_is_checked():
+  checked = {(name, row) for name, heading, _ in _FLAG_TABLES for row in _flag_rows(_section(_TEXTS[name], heading))}
+  unchecked = [f"{name}: {row[:60]}" for name, text in _TEXTS.items() for row in _flag_rows(text)
+               if (name, row) not in checked]
+  assert not unchecked, "flag tables not in _FLAG_TABLES (add them with their command):\n" + "\n".join(unchecked)
+
+
+# --- config keys ------------------------------------------------------------------------------------------
+
+_SECTIONS = ("model", "optimizer", "data", "train")
+# `--set key=value` / `--set "key=value"`, anywhere; and a config key alone in inline code, or leading it:
+# `train.steps`, `model.fp8=current`, `train.pipeline_repeats: 1` (not `data.DataLoader(...)`, `model.eval()`).
+_SET_KEY = re.compile(r"--set[ \t]+[\"']?([a-z_][a-z0-9_.]*)=")
+_CODE_KEY = re.compile(rf"`((?:{'|'.join(_SECTIONS)})\.[a-z_][a-z0-9_]*)(?:`|[=:\s][^`]*`)")
+
+
+_PLACEHOLDER_KEYS = {"key"}  # `--set key=value` in the flag table
+
+
+def _config_keys(text):
+  return (set(_SET_KEY.findall(text)) | set(_CODE_KEY.findall(text))) - _PLACEHOLDER_KEYS
+
+
+def _valid_keys():
+  import dataclasses
+
+  from distrib_train import recipes
+  from distrib_train.training import config
+
+  fields = set()
+  for name in ("llama", "moe", "mlp"):
+    recipe = recipes.get(name, preset="tiny")
+    fields |= {f.name for f in dataclasses.fields(recipe.config)}
+  return set(config.valid_keys(sorted(fields)))
+
+
+@pytest.mark.parametrize("name", list(_TEXTS))
+def test_config_keys_named_exist(name):
+  named = _config_keys(_TEXTS[name])
+  unknown = sorted(named - _valid_keys())
+  assert not unknown, f"{name} names config keys the config does not accept: {unknown}"
+
+
+def test_config_keys_are_found():
+  assert {"train.steps", "model.fp8", "data.tokenizer", "train.hang_timeout_s"} <= set().union(
+      *map(_config_keys, _TEXTS.values()))
 
 
 def test_config_block_is_the_tiny_preset():
   from distrib_train import recipes
   from distrib_train.training import config
 
-  [(_, _, code, _)] = [b for b in _blocks(_TEXT) if b[1] == "yaml" and "the tiny preset" in b[2]]
+  [(_, _, code, _)] = [b for b in _blocks(_TEXTS["README.md"]) if b[1] == "yaml" and "the tiny preset" in b[2]]
   shown = yaml.safe_load(code)
   preset = config.load("tiny").to_dict()
   model = dict(shown["model"])
