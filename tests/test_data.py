@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import time
 
 import numpy as np
 import optax
@@ -129,6 +130,29 @@ def test_each_row_reads_its_own_lane_so_any_split_of_the_rows_gives_the_same_bat
   for got, want in zip(resumed, more[3:]):
     np.testing.assert_array_equal(got, want)
   assert len({a.tobytes() for a in more}) == 5
+
+
+def test_the_position_is_after_the_batches_handed_out_not_those_prefetched_ahead():
+  """The loader makes batches ahead in a background thread; its position is that of the batches it handed
+  out, so a loader moved there hands out next exactly what this one does."""
+  config = data.DataConfig(seq_len=48, global_batch_size=8, source="synthetic", synthetic_documents=64)
+  shardings = data_helpers.shardings(_mesh())
+  loader = data.DataLoader(config, shardings)
+  _batches(loader, 3)
+  handed_out = {lane: tuple(p) for lane, p in enumerate(loader.data_position()["lanes"])}
+  deadline = time.monotonic() + 60
+  while loader._lanes.position == handed_out:  # until the thread has read the next batch's rows
+    assert time.monotonic() < deadline, "the loader never read ahead"
+    time.sleep(0.01)
+  position = loader.data_position()
+  assert {lane: tuple(p) for lane, p in enumerate(position["lanes"])} == handed_out
+  moved = data.DataLoader(config, shardings)
+  moved.set_data_position(position)
+  for got, want in zip(_batches(moved, 2), _batches(loader, 2)):
+    for name in want:
+      np.testing.assert_array_equal(got[name], want[name])
+  moved.close()
+  loader.close()
 
 
 def test_train_and_eval_splits_never_overlap(tmp_path):

@@ -25,6 +25,7 @@ import pytest
 import data_helpers
 import distrib_train as dt
 from distrib_train import data
+from distrib_train.data import finite
 from distrib_train.data import pipeline
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -117,13 +118,13 @@ def test_the_state_text_gives_back_grains_state_exactly(tmp_path):
   loader = _loader(_config(corpus, seq_len=7, global_batch_size=8), data_helpers.shardings(_mesh()), num_epochs=50)
   for _ in range(4):
     grain_state = loader._iterator.get_state()
-    restored = json.loads(loader.get_state(), object_hook=pipeline._tuple_from_json)["grain"]
+    restored = json.loads(loader.get_state(), object_hook=finite._tuple_from_json)["grain"]
     assert _typed(restored) == _typed(grain_state)
     loader.next_local()
   loader.close()
   nested = {"a": (1, [2, (3, "x")], {"b": ()}), "c": [[], (None,)]}
-  assert _typed(json.loads(json.dumps(pipeline._state_to_json(nested)),
-                           object_hook=pipeline._tuple_from_json)) == _typed(nested)
+  assert _typed(json.loads(json.dumps(finite._state_to_json(nested)),
+                           object_hook=finite._tuple_from_json)) == _typed(nested)
 
 
 def _typed(value):
@@ -285,10 +286,11 @@ def test_txt_files_and_pretokenized_shards_resume_exactly(tmp_path):
   (tmp_path / "txt").mkdir()
   for i, text in enumerate(texts):  # one document per .txt file
     (tmp_path / "txt" / f"{i:03d}.txt").write_text(text)
-  from distrib_train.data import sources
+  from distrib_train.data import record_shards
   from distrib_train.data import tokenizer as tokenizer_lib
 
-  shards = sources.convert([jsonl], str(tmp_path / "tok" / "c"), num_shards=2, tokenizer=tokenizer_lib.load("bytes"))
+  shards = record_shards.convert([jsonl], str(tmp_path / "tok" / "c"), num_shards=2,
+                                 tokenizer=tokenizer_lib.load("bytes"))
   shardings = _replicated_shardings()
   for paths in (str(tmp_path / "txt" / "*.txt"), str(tmp_path / "tok" / "c-*.array_record")):
     config = _config(paths, seq_len=8, global_batch_size=2, seed=5)

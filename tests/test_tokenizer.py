@@ -11,6 +11,7 @@ import tokenizers
 
 import data_helpers
 from distrib_train import data
+from distrib_train.data import record_shards
 from distrib_train.data import sources
 from distrib_train.data import tokenizer as tokenizer_lib
 from distrib_train.training import config as config_lib
@@ -175,8 +176,8 @@ def test_pretokenized_shards_hold_the_tokenizers_ids_and_refuse_another_tokenize
   corpus = tmp_path / "docs.jsonl"
   texts = [f"Record {i}: {'the value ' * (i % 7)}ends." for i in range(120)]
   corpus.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
-  sources.main(["convert", str(corpus), str(tmp_path / "tok" / "corpus"), "--shards", "3", "--text_field", "body",
-                "--tokenizer", f"hf:{hf_file}", "--eos_token", "</s>"])
+  record_shards.main(["convert", str(corpus), str(tmp_path / "tok" / "corpus"), "--shards", "3", "--text_field",
+                      "body", "--tokenizer", f"hf:{hf_file}", "--eos_token", "</s>"])
   assert json.loads((tmp_path / "tok" / "corpus.tokenizer.json").read_text())["eos_id"] == 2
   shards = sorted(str(p) for p in (tmp_path / "tok").glob("corpus-*.array_record"))
   tok = tokenizer_lib.load(f"hf:{hf_file}", "", "</s>")
@@ -188,8 +189,9 @@ def test_pretokenized_shards_hold_the_tokenizers_ids_and_refuse_another_tokenize
   half = tmp_path / "half.jsonl"
   half.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts[:50]))
   for workers in ("0", "2"):
-    sources.main(["convert", str(corpus), str(half), str(tmp_path / f"w{workers}" / "c"), "--shards", "2",
-                  "--text_field", "body", "--tokenizer", f"hf:{hf_file}", "--eos_token", "</s>", "--workers", workers])
+    record_shards.main(["convert", str(corpus), str(half), str(tmp_path / f"w{workers}" / "c"), "--shards", "2",
+                        "--text_field", "body", "--tokenizer", f"hf:{hf_file}", "--eos_token", "</s>",
+                        "--workers", workers])
   read = lambda d: [bytes(r) for r in grain.sources.ArrayRecordDataSource(sorted(str(p) for p in d.glob("c-*")))]
   assert read(tmp_path / "w0") == read(tmp_path / "w2") and len(read(tmp_path / "w2")) == 170
   common = dict(source="text", paths=(str(tmp_path / "tok" / "corpus-*.array_record"),), seq_len=32,

@@ -15,13 +15,13 @@ A lane's position is two integers, the documents it has finished and the
 tokens it has used of the next one; the checkpoint keeps every lane's
 (gathered from all processes, a few bytes per row), so any process can take
 over any row on restore.
+
+Not for: making the rows a batch, placing and prefetching it (``endless.py``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import queue
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -102,46 +102,3 @@ class Lanes:
   def close(self) -> None:
     self._pool.shutdown(wait=False, cancel_futures=True)
 
-
-class Prefetched:
-  """``make()`` → an item, run ahead in a background thread (``depth`` items); ``reset`` drops what is ahead."""
-
-  def __init__(self, make: Callable[[], Any], depth: int = 2):
-    self._make, self._depth = make, depth
-    self._queue: queue.Queue | None = None
-    self._stop = threading.Event()
-    self._thread: threading.Thread | None = None
-
-  def _run(self, out: queue.Queue, stop: threading.Event) -> None:
-    while not stop.is_set():
-      try:
-        item = (self._make(), None)
-      except BaseException as e:  # handed to the consumer, which raises it
-        item = (None, e)
-      while not stop.is_set():
-        try:
-          out.put(item, timeout=0.1)
-          break
-        except queue.Full:
-          continue
-      if item[1] is not None:
-        return
-
-  def __next__(self) -> Any:
-    if self._thread is None:
-      self._queue, self._stop = queue.Queue(self._depth), threading.Event()
-      self._thread = threading.Thread(target=self._run, args=(self._queue, self._stop), daemon=True,
-                                      name="distrib_train-prefetch")
-      self._thread.start()
-    item, error = self._queue.get()
-    if error is not None:
-      self.reset()
-      raise error
-    return item
-
-  def reset(self) -> None:
-    """Stops the thread and forgets the items made ahead; the next ``next`` starts afresh."""
-    if self._thread is not None:
-      self._stop.set()
-      self._thread.join()
-      self._thread = None

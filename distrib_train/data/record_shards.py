@@ -1,0 +1,204 @@
+"""ArrayRecord shards, grain's native random-access format: writing them, and what a reader checks of them.
+
+``write_array_record`` (also ``python -m distrib_train.data convert IN [IN ...]
+OUT``) streams text, JSONL or Parquet files into shards, one record per
+document: UTF-8 text, or with a tokenizer its int32 token ids and a
+``{output}.tokenizer.json`` sidecar naming it. ``pretokenized`` reads that
+sidecar back and ``check_readable`` opens a shard, for ``sources.Documents``.
+
+Not for: reading the text files themselves (``text_files.py``), choosing a
+source from the config (``sources.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from distrib_train.data.text_files import expand, iter_text_file
+
+
+def pretokenized(shards: Sequence[str]) -> dict[str, Any] | None:
+  """The tokenizer fingerprint of pre-tokenized shards (``convert --tokenizer``), or None for text.
+
+  Raises:
+    ValueError: shards of different tokenizers, or text and tokens mixed.
+  """
+  found = set()
+  for shard in shards:
+    prefix = re.sub(r"-\d{5}-of-\d{5}\.array_record$", "", shard)
+    sidecar = f"{prefix}.tokenizer.json"
+    found.add(open(sidecar, encoding="utf-8").read() if os.path.exists(sidecar) else None)
+  if len(found) > 1:
+    raise ValueError(f"Data paths mix ArrayRecord shards of different tokenizers (or tokens and text): {shards}.")
+  text = found.pop()
+  return None if text is None else json.loads(text)
+
+
+def check_readable(path: str) -> None:
+  """Opens and closes one shard.
+
+  Raises:
+    ValueError: not a readable ArrayRecord file (named).
+  """
+  from array_record.python import array_record_module
+
+  try:
+    reader = array_record_module.ArrayRecordReader(path)
+    reader.close()
+  except Exception as e:  # the reader raises plain RuntimeErrors for bad files
+    raise ValueError(f"Data file {path!r} is not a readable ArrayRecord file: {e}") from None
+
+
+def write_array_record(documents: Iterable[str] | str, output: str, *, num_shards: int = 1) -> list[str]:
+  """Writes documents as ArrayRecord shards, one record per document.
+
+  Documents are streamed: a corpus larger than memory converts in memory
+  bounded by its largest document. The shards appear only once all of them
+  are written; a failure part way leaves nothing behind.
+
+  Args:
+    documents: texts (any iterable), or a ``.txt`` / ``.jsonl`` path or glob.
+    output: path prefix; shards are ``{output}-00000-of-0000N.array_record``.
+      Its directory is created if missing.
+    num_shards: how many files to spread the records over.
+
+  Returns:
+    The shard paths.
+
+  Raises:
+    ValueError: no documents, a bad input file (named), or ``num_shards < 1``.
+  """
+  return convert([documents] if isinstance(documents, str) else documents, output, num_shards=num_shards,
+                 paths=isinstance(documents, str))
+
+
+def _file_records(task: tuple[str, str, Any]) -> list[bytes]:
+  """One file's records (a worker process's task): UTF-8 text, or int32 token ids."""
+  path, field, spec = task
+  tokenizer = None
+  if spec is not None:
+    from distrib_train.data import tokenizer as tokenizer_lib
+
+    tokenizer = tokenizer_lib.load(*spec)
+  return [doc.encode("utf-8") if tokenizer is None else np.asarray(tokenizer(doc), np.int32).tobytes()
+          for doc in iter_text_file(path, field)]
+
+
+def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: bool = True,
+            text_field: str = "text", tokenizer: Any = None, workers: int = 0) -> list[str]:
+  """Streams the documents of ``inputs`` into ArrayRecord shards.
+
+  Args:
+    inputs: ``.txt`` / ``.jsonl`` / ``.parquet`` paths or globs
+      (``paths=True``), else texts.
+    output: path prefix of the shards; its directory is created if missing.
+    num_shards: how many files to spread the records over.
+    paths: whether ``inputs`` name files.
+    text_field: the JSONL field or Parquet column of the text.
+    tokenizer: a ``tokenizer.Tokenizer`` (``tokenizer.load(spec, bos, eos)``):
+      the records are its token ids (int32), tokenized once here, and
+      ``{output}.tokenizer.json`` says which tokenizer; training from the
+      shards skips tokenizing (and refuses another ``data.tokenizer``).
+    workers: read and tokenize this many files at once in worker processes
+      (0: in this process); the shards are the same, byte for byte, and
+      memory is bounded by ``workers`` files' records.
+  """
+  if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
+    raise ValueError(f"num_shards must be a positive integer, got {num_shards!r}.")
+  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+    raise ValueError(f"workers must be 0 or more, got {workers!r}.")
+  if workers and tokenizer is not None and not hasattr(tokenizer, "spec"):
+    raise ValueError("workers need a tokenizer loaded from a spec (tokenizer.load), which a worker can load again.")
+  inputs = list(inputs) if paths else inputs
+  encode = lambda doc: doc.encode("utf-8") if tokenizer is None else np.asarray(tokenizer(doc), np.int32).tobytes()
+  pool = None
+  if paths and workers > 0:
+    import multiprocessing
+
+    spec = None if tokenizer is None else (tokenizer.spec, *_special_tokens(tokenizer))
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    records = (r for rs in pool.imap(_file_records, [(p, text_field, spec) for p in expand(inputs)]) for r in rs)
+  else:
+    documents = (doc for path in expand(inputs) for doc in iter_text_file(path, text_field)) if paths else \
+        iter(inputs)
+    records = (encode(doc) for doc in documents)
+  try:
+    return _write_shards(records, output, num_shards, tokenizer, inputs if paths else None)
+  finally:
+    if pool is not None:
+      pool.terminate()
+
+
+def _special_tokens(tokenizer: Any) -> tuple[str, str]:
+  """The BOS / EOS token texts a loaded tokenizer was made with (for a worker to load it again)."""
+  return tokenizer.bos_token, tokenizer.eos_token
+
+
+def _write_shards(records: Iterator[bytes], output: str, num_shards: int, tokenizer: Any,
+                  inputs: Sequence[str] | None) -> list[str]:
+  from array_record.python import array_record_module
+
+  first = next(records, None)
+  if first is None:
+    raise ValueError("No documents to write" + (f" in {', '.join(inputs)}." if inputs else "."))
+  directory = os.path.dirname(output)
+  if directory:
+    os.makedirs(directory, exist_ok=True)
+  final = [f"{output}-{i:05d}-of-{num_shards:05d}.array_record" for i in range(num_shards)]
+  partial = [f"{p}.partial" for p in final]
+  writers = [array_record_module.ArrayRecordWriter(p, "group_size:1") for p in partial]
+  try:
+    for i, record in enumerate(itertools.chain([first], records)):
+      writers[i % num_shards].write(record)
+    for writer in writers:
+      writer.close()
+  except BaseException:
+    for writer, path in zip(writers, partial):
+      writer.close()
+      if os.path.exists(path):
+        os.remove(path)
+    raise
+  if tokenizer is not None:
+    with open(f"{output}.tokenizer.json", "w", encoding="utf-8") as f:
+      json.dump(tokenizer.fingerprint, f)
+  for source, target in zip(partial, final):
+    os.replace(source, target)
+  return final + ([f"{output}.tokenizer.json"] if tokenizer is not None else [])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  """``convert INPUT [INPUT ...] OUTPUT [--shards N]``: text or JSONL to ArrayRecord."""
+  parser = argparse.ArgumentParser(prog="python -m distrib_train.data")
+  sub = parser.add_subparsers(dest="command", required=True)
+  convert_parser = sub.add_parser(
+      "convert", help="write .txt / .jsonl files (paths or globs) as ArrayRecord shards, streaming")
+  convert_parser.add_argument("inputs", nargs="+", metavar="INPUT", help="a .txt or .jsonl file, or a glob")
+  convert_parser.add_argument("output", help="path prefix of the shards (its directory is created)")
+  convert_parser.add_argument("--shards", type=int, default=1)
+  convert_parser.add_argument("--text_field", default="text", help="the JSONL field or Parquet column of the text")
+  convert_parser.add_argument("--tokenizer", help="tokenize once, writing token ids: bytes, hf:<tokenizer.json>,"
+                              " sentencepiece:<model>, tiktoken:<file>")
+  convert_parser.add_argument("--bos_token", default="", help="with --tokenizer: a token before every document")
+  convert_parser.add_argument("--eos_token", default="", help="with --tokenizer: a token after every document")
+  convert_parser.add_argument("--workers", type=int, default=0, help="files read and tokenized at once in worker"
+                              " processes (default 0: in this one)")
+  args = parser.parse_args(argv)
+  try:
+    tokenizer = None
+    if args.tokenizer:
+      from distrib_train.data import tokenizer as tokenizer_lib
+
+      tokenizer = tokenizer_lib.load(args.tokenizer, args.bos_token, args.eos_token)
+    paths = convert(args.inputs, args.output, num_shards=args.shards, text_field=args.text_field,
+                    tokenizer=tokenizer, workers=args.workers)
+  except ValueError as e:
+    parser.exit(2, f"error: {e}\n")
+  print("\n".join(paths))

@@ -1,0 +1,40 @@
+"""One sequence of ``seq_len + 1`` tokens → one batch row: inputs, targets and their weights.
+
+A row's ``tokens`` are the sequence less its last token and its ``targets``
+the sequence less its first (each ``seq_len``). A packed sequence (the names
+grain's packing gives: ``tokens``, ``tokens_segment_ids``,
+``tokens_positions``) also yields ``segment_ids`` and ``positions``, and a
+target weighs 0 where it is padding or belongs to another document than its
+input; an unpacked sequence (the head of one document) weighs 1 throughout.
+
+Both reads use these: the endless lanes (``lanes.py``) and the finite pass
+(``finite.py``). Not for: packing, batching or placing rows on devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+
+def shifted(packed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """The row of a packed sequence (``tokens``, ``tokens_segment_ids``, ``tokens_positions``)."""
+  tokens, segments, positions = packed["tokens"], packed["tokens_segment_ids"], packed["tokens_positions"]
+  same_document = (segments[1:] == segments[:-1]) & (segments[:-1] > 0)
+  return {
+      "tokens": tokens[:-1].astype(np.int32),
+      "targets": tokens[1:].astype(np.int32),
+      "segment_ids": segments[:-1].astype(np.int32),
+      "positions": positions[:-1].astype(np.int32),
+      "weights": same_document.astype(np.float32),
+  }
+
+
+def unpacked(tokens: np.ndarray) -> dict[str, np.ndarray]:
+  """The row of one document's head, ``seq_len + 1`` tokens."""
+  return {
+      "tokens": tokens[:-1].astype(np.int32),
+      "targets": tokens[1:].astype(np.int32),
+      "weights": np.ones(len(tokens) - 1, np.float32),
+  }

@@ -1,0 +1,140 @@
+"""A split of the source's documents: which ones it holds, how they are tokenized, and the checks before reading.
+
+The documents are dealt into ``eval`` (``data.eval_fraction`` of them, drawn
+by the seed) and ``train`` (the rest), each kept in the source's order. Before
+any batch is read, the split is checked against its readers and the model: a
+document for every data shard, pre-tokenized shards of the run's tokenizer,
+ids inside the model's vocabulary and some tokens (in a sample of documents),
+and, without packing, documents long enough for a sequence.
+
+Not for: where documents come from (``sources.py``), shuffling, sharding and
+batching them (``pipeline.py`` and the reads it builds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from distrib_train.data import sources
+from distrib_train.data import tokenizer as tokenizer_lib
+from distrib_train.data.config import DataConfig, Tokenizer
+
+# A document (text, or token ids) → its token ids.
+Tokenize = Callable[[Any], np.ndarray]
+
+
+class Subset:
+  """The documents at ``indices`` of a source, as a source of their own."""
+
+  def __init__(self, source: sources.Documents, indices: np.ndarray):
+    self._source = source
+    self._indices = indices
+
+  def __len__(self) -> int:
+    return len(self._indices)
+
+  def __getitem__(self, index: int) -> str | np.ndarray:
+    return self._source[int(self._indices[index])]
+
+
+def split_documents(config: DataConfig, split: str, shard_count: int,
+                    vocab_size: int | None) -> tuple[sources.Documents, np.ndarray, Tokenize]:
+  """The source's documents, the split's indices into them (sorted) and the tokenizer, checked.
+
+  Args:
+    config: the data config.
+    split: ``train`` or ``eval``.
+    shard_count: the data shards the split is read in (one document each at least).
+    vocab_size: the model's vocabulary, or None: no check of the ids.
+
+  Raises:
+    ValueError: an empty eval split, fewer documents than shards, shards of
+      another tokenizer, ids the model does not know, no tokens, or (without
+      packing) no document longer than a sequence.
+  """
+  docs = sources.Documents(config)
+  order = np.random.default_rng(config.seed).permutation(len(docs))
+  n_eval = int(round(len(docs) * config.eval_fraction))
+  if config.eval_fraction > 0:
+    n_eval = max(1, min(n_eval, len(docs) - 1))
+  held_out = np.sort(order[:n_eval])
+  if split == "eval" and not n_eval:
+    raise ValueError("The eval split is empty: eval_fraction is 0.")
+  indices = held_out if split == "eval" else np.sort(order[n_eval:])
+  if len(indices) < shard_count:
+    source = f"data source {config.source!r}" + (f" {list(config.paths)}" if config.paths else "")
+    raise ValueError(
+        f"The {split} split has {len(indices)} document(s) ({source} holds {len(docs)}, {n_eval} held out by"
+        f" data.eval_fraction={config.eval_fraction}), fewer than the {shard_count} data shard(s) it is"
+        " read in; give more documents or change data.eval_fraction."
+    )
+  tokenize = _tokenizer(config)
+  if docs.pretokenized is not None:
+    _check_pretokenized(docs.pretokenized, config)
+  if vocab_size is not None and isinstance(config.tokenizer, str):
+    ids = tokenizer_lib.load(config.tokenizer, config.bos_token, config.eos_token).vocab_size
+    if ids > vocab_size:
+      raise ValueError(f"data.tokenizer {config.tokenizer} has {ids} ids but the model's vocabulary holds"
+                       f" {vocab_size}; set model.vocab_size={ids} (or more), or use the model's own tokenizer.")
+  if vocab_size is not None:
+    _check_token_ids(tokenize, docs, indices[:: max(1, len(indices) // 16)][:16], vocab_size, split)
+  # A sample spread over the split: reading every document of a large
+  # ArrayRecord corpus here would be too slow.
+  sample = indices[:: max(1, len(indices) // 2000)]
+  longest = max(len(tokenize(docs[int(i)])) for i in sample)
+  if longest == 0:  # packing would look for tokens forever
+    source = f"data source {config.source!r}" + (f" {list(config.paths)}" if config.paths else "")
+    raise ValueError(f"The {split} split of {source} holds no tokens: all {len(sample)} document(s) checked are"
+                     " empty; give documents with text.")
+  if not config.packing and longest < config.seq_len + 1:
+    raise ValueError(
+        f"seq_len {config.seq_len} + 1 is longer than every {split} document (longest {longest} tokens of"
+        f" {len(sample)} checked) and packing is off; lower seq_len or turn packing on."
+    )
+  return docs, indices, tokenize
+
+
+def _tokenizer(config: DataConfig) -> Tokenize:
+  """The config's tokenizer as document → int32 ids (a document of ids, pre-tokenized or synthetic, as it is)."""
+  tokenizer: Tokenizer | None = config.tokenizer
+  if isinstance(tokenizer, str):
+    loaded = tokenizer_lib.load(tokenizer, config.bos_token, config.eos_token)
+    plain_bytes = tokenizer == "bytes" and loaded.bos_id is None and loaded.eos_id is None
+    tokenizer = None if plain_bytes else loaded
+
+  def tokenize(doc: Any) -> np.ndarray:
+    if isinstance(doc, np.ndarray):  # synthetic documents are tokens already
+      return doc
+    if tokenizer is None:
+      return np.frombuffer(doc.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+    return np.asarray(tokenizer(doc), dtype=np.int32)
+
+  return tokenize
+
+
+def _check_pretokenized(fingerprint: Mapping[str, Any], config: DataConfig) -> None:
+  """Refuses pre-tokenized shards of another tokenizer than the run's ``data.tokenizer``."""
+  run = (tokenizer_lib.load(config.tokenizer, config.bos_token, config.eos_token).fingerprint
+         if isinstance(config.tokenizer, str) else {"spec": config.tokenizer_name()})
+  keys = ("spec", "sha256", "bos_id", "eos_id")
+  if any(fingerprint.get(k) != run.get(k) for k in keys):
+    raise ValueError(f"The data paths' shards hold token ids of tokenizer {fingerprint.get('spec')} (BOS"
+                     f" {fingerprint.get('bos_id')}, EOS {fingerprint.get('eos_id')}); data.tokenizer says"
+                     f" {run.get('spec')} (BOS {run.get('bos_id')}, EOS {run.get('eos_id')}). Set data.tokenizer,"
+                     " bos_token and eos_token as the shards were converted, or convert them again.")
+
+
+def _check_token_ids(tokenize, docs, sample: np.ndarray, vocab_size: int, split: str) -> None:
+  """Refuses ids outside the model's vocabulary in a sample of documents
+  (the model would look them up as NaN and every step would be skipped)."""
+  for index in sample:
+    ids = tokenize(docs[int(index)])
+    if len(ids) and (ids.max() >= vocab_size or ids.min() < 0):
+      bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
+      raise ValueError(
+          f"The {split} data holds token id {bad} (document {int(index)}), outside the model's vocabulary of"
+          f" {vocab_size} ids (0 to {vocab_size - 1}); use a tokenizer that matches the model or a model with a"
+          " larger vocab_size.")

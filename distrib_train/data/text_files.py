@@ -1,0 +1,199 @@
+"""Text files as documents: ``.txt`` (one document), ``.jsonl`` (a field of each line), ``.parquet`` (a column).
+
+Each reader is random access (``len`` and ``[index]``), as grain's
+``MapDataset.source`` wants, and lazy: a ``.jsonl`` file is indexed by the
+byte offset of each document (8 bytes a document) and each line read when
+the pipeline asks for it; a ``.parquet`` file is read a row group at a time;
+a ``.txt`` file is one document, read when needed. A process holds only
+the documents it is tokenizing, whatever the corpus size. ``iter_text_file``
+streams one file's documents in order (the converter's input).
+
+Not for: choosing a source from the config (``sources.py``), ArrayRecord
+shards (``record_shards.py``).
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def expand(paths: Sequence[str]) -> list[str]:
+  """The files that ``paths`` (files or globs) name, each glob's matches sorted.
+
+  Raises:
+    ValueError: a path or glob that matches no file.
+  """
+  files = []
+  for pattern in paths:
+    matched = sorted(globlib.glob(os.path.expanduser(pattern)))
+    if not matched:
+      raise ValueError(f"Data path {pattern!r} matches no file.")
+    files.extend(matched)
+  return files
+
+
+def iter_text_file(path: str, field: str = "text") -> Iterator[str]:
+  """The documents of one file, read as they are needed.
+
+  A ``.jsonl`` file yields the ``field`` of each line, one line in memory at
+  a time; a ``.parquet`` file the ``field`` column, one row group at a time;
+  any other file is one document (blank ones yield none).
+
+  Raises:
+    ValueError: an unreadable file, text that is not UTF-8, a line that is
+      not JSON or has no string ``field`` (file and line named).
+  """
+  if path.endswith(".parquet"):
+    parquet = ParquetFile(path, field)
+    for group in range(parquet.groups):
+      yield from (doc for doc in parquet.group(group) if doc.strip())
+    return
+  try:
+    if not path.endswith(".jsonl"):
+      with open(path, "rb") as f:
+        text = _decode(f.read(), path, None)
+      if text.strip():
+        yield text
+      return
+    with open(path, "rb") as f:
+      for number, raw in enumerate(f, 1):
+        if raw.strip():
+          yield _json_text(raw, path, number, field)
+  except OSError as e:
+    raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
+
+
+def _json_text(raw: bytes, path: str, number: int, field: str) -> str:
+  line = _decode(raw, path, number)
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"Data file {path!r} line {number} is not JSON: {e.msg}.") from None
+  if not isinstance(record, dict) or not isinstance(record.get(field), str):
+    raise ValueError(f"Data file {path!r} line {number} has no string field {field!r} (data.text_field).")
+  return record[field]
+
+
+class JsonlFile:
+  """A JSONL file's documents by number: the byte offset of each non-blank line (8 bytes a document),
+  each line read from disk when asked for.
+
+  Every line is checked once, streaming, when the file is opened (JSON with
+  a string ``field``): a bad line fails the loader's construction, naming
+  the file and line, not a step hours later.
+  """
+
+  def __init__(self, path: str, field: str):
+    self.path, self.field = path, field
+    offsets, position = [], 0
+    try:
+      with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+          if raw.strip():
+            _json_text(raw, path, number, field)
+            offsets.append(position)
+          position += len(raw)
+    except OSError as e:
+      raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
+    self.offsets = np.asarray(offsets, np.int64)
+
+  def __len__(self) -> int:
+    return len(self.offsets)
+
+  def __getitem__(self, index: int) -> str:
+    with open(self.path, "rb") as f:
+      f.seek(int(self.offsets[index]))
+      return _json_text(f.readline(), self.path, 0, self.field)
+
+
+class TextFile:
+  """A ``.txt`` file: one document, read when asked for (none if blank)."""
+
+  def __init__(self, path: str):
+    self.path = path
+    try:
+      with open(path, "rb") as f:
+        head = f.read(1 << 16)
+      self.blank = not head.strip() and os.path.getsize(path) <= 1 << 16
+      if not self.blank:
+        self[0]  # not UTF-8 fails now, naming the file
+    except OSError as e:
+      raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
+
+  def __len__(self) -> int:
+    return 0 if self.blank else 1
+
+  def __getitem__(self, index: int) -> str:
+    with open(self.path, "rb") as f:
+      return _decode(f.read(), self.path, None)
+
+
+class ParquetFile:
+  """A Parquet file's ``field`` column by row, read one row group at a time (the last one kept)."""
+
+  def __init__(self, path: str, field: str):
+    try:
+      import pyarrow.parquet as pq
+    except ImportError:
+      raise ValueError("Parquet data needs pyarrow: pip install pyarrow (or 'distrib_train[text]').") from None
+    self.path, self.field = path, field
+    try:
+      self.file = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's ArrowInvalid / OSError with its own text
+      raise ValueError(f"Data file {path!r} is not a readable Parquet file: {e}") from None
+    schema = self.file.schema_arrow
+    if field not in schema.names:
+      raise ValueError(f"Data file {path!r} has no column {field!r} (data.text_field); its columns:"
+                       f" {', '.join(schema.names)}.")
+    if str(schema.field(field).type) not in ("string", "large_string"):
+      raise ValueError(f"Data file {path!r}: column {field!r} holds {schema.field(field).type}, not text.")
+    meta = self.file.metadata
+    self.groups = meta.num_row_groups
+    self.starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(self.groups)])
+    self._cached: tuple[int, list] | None = None
+
+  def __len__(self) -> int:
+    return int(self.starts[-1])
+
+  def group(self, group: int) -> list:
+    if self._cached is None or self._cached[0] != group:
+      column = self.file.read_row_group(group, columns=[self.field]).column(0).to_pylist()
+      bad = next((i for i, v in enumerate(column) if not isinstance(v, str)), None)
+      if bad is not None:
+        raise ValueError(f"Data file {self.path!r} row {int(self.starts[group]) + bad}: column {self.field!r}"
+                         f" holds {type(column[bad]).__name__}, not text.")
+      self._cached = (group, column)
+    return self._cached[1]
+
+  def __getitem__(self, index: int) -> str:
+    group = int(np.searchsorted(self.starts, index, side="right")) - 1
+    return self.group(group)[index - int(self.starts[group])]
+
+
+class Concatenated:
+  """Several files' documents as one numbered sequence."""
+
+  def __init__(self, parts: Sequence[Any]):
+    self.parts = [p for p in parts if len(p)]
+    self.starts = np.cumsum([0] + [len(p) for p in self.parts])
+
+  def __len__(self) -> int:
+    return int(self.starts[-1])
+
+  def __getitem__(self, index: int) -> Any:
+    part = int(np.searchsorted(self.starts, index, side="right")) - 1
+    return self.parts[part][index - int(self.starts[part])]
+
+
+def _decode(raw: bytes, path: str, line: int | None) -> str:
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    where = f" line {line}" if line is not None else ""
+    raise ValueError(f"Data file {path!r}{where} is not UTF-8 text (byte {e.start}).") from None
