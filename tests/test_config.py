@@ -128,3 +128,50 @@ def test_peak_flops_table():
   assert metrics.peak_flops(Device("TPU v6 lite")) == 918e12
   assert metrics.peak_flops(Device("cpu")) is None
   assert metrics.peak_flops(Device("cpu"), configured_tflops=2.0) == 2e12
+
+
+def _hf_config_json(directory, **fields):
+  import json
+
+  directory.mkdir()
+  (directory / "config.json").write_text(json.dumps({
+      "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+      **fields}))
+  return directory
+
+
+def test_an_hf_init_from_gives_the_model_the_checkpoints_shape_from_its_config_json(tmp_path):
+  directory = _hf_config_json(tmp_path / "hf")
+  config = config_lib.load("tiny", [f"train.init_from=hf:{directory}", "model.dtype=float32"])
+  model = config.model_recipe().config
+  assert (model.d_model, model.mlp_dim, model.num_layers, model.num_kv_heads, model.head_dim) == (64, 96, 2, 2, 16)
+  assert model.dtype == "float32"  # what is not shape stays the run's
+  with pytest.raises(ConfigError, match=r"model.d_model=128 \(the checkpoint has 64\); leave the model's shape"):
+    config_lib.load("tiny", [f"train.init_from=hf:{directory}", "model.d_model=128"])
+
+
+def test_a_mixture_checkpoint_asks_for_the_moe_model(tmp_path):
+  directory = _hf_config_json(tmp_path / "hf", architectures=["MixtralForCausalLM"], num_local_experts=4,
+                              num_experts_per_tok=2)
+  with pytest.raises(ConfigError, match="loads into the moe model, not 'llama'; set model.name"):
+    config_lib.load("tiny", [f"train.init_from=hf:{directory}"])
+  model = config_lib.load("tiny", [f"train.init_from=hf:{directory}", "model.name=moe"]).model_recipe().config
+  assert (model.num_experts, model.experts_per_token, model.expert_mlp_dim, model.d_model) == (4, 2, 96, 64)
+
+
+def test_reading_the_config_does_not_import_the_checkpoint_package():
+  # A checkpoint's model shape is read in recipes/hf_shape.py, a layer below checkpoint/.
+  import ast
+  import pathlib
+
+  from distrib_train.training import config_values
+
+  imported = set()
+  for module in (config_lib, config_values):
+    for node in ast.walk(ast.parse(pathlib.Path(module.__file__).read_text())):
+      if isinstance(node, ast.ImportFrom):
+        imported |= {node.module or ""} | {f"{node.module}.{alias.name}" for alias in node.names}
+      elif isinstance(node, ast.Import):
+        imported |= {alias.name for alias in node.names}
+  assert not {name for name in imported if name.startswith("distrib_train.checkpoint")}

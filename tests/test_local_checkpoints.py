@@ -15,6 +15,7 @@ import distrib_train as dt
 import kill_harness
 import mp_harness
 from distrib_train.checkpoint.local import LocalCheckpoints
+from distrib_train.checkpoint.tiers import CheckpointTiers, local_tier
 from test_cli import train_losses
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -54,6 +55,24 @@ def test_a_local_step_restores_onto_the_same_shards_and_refuses_other_runs_and_l
   for step in (5, 7):
     local.save(step, state)
   assert local.steps() == [5, 7]  # the newest two are kept
+
+
+def test_the_tiers_restore_the_newer_tier_of_this_run_and_say_which(tmp_path):
+  plan, state = _state()
+  logged = []
+  with dt.CheckpointManager(tmp_path / "checkpoints", async_save=False) as ckpt:
+    local = local_tier(tmp_path, str(tmp_path / "local"))
+    assert CheckpointTiers(ckpt, local, logged.append).restore(plan.abstract_train_state) is None  # a new run
+    ckpt.save(2, state.replace(step=2))
+    local.save(4, state.replace(step=4))
+    restored = CheckpointTiers(ckpt, local, logged.append).restore(plan.abstract_train_state)
+    assert restored.step == 4 and logged[-1].startswith("Restored step 4 from the local tier")
+    assert "persistent tier's newest is 2" in logged[-1]
+    (tmp_path / "run_id").unlink()  # a wiped and recreated workdir: another run, whose local steps are not its own
+    restored = CheckpointTiers(ckpt, local_tier(tmp_path, str(tmp_path / "local")), logged.append).restore(
+        plan.abstract_train_state)
+    assert restored.step == 2 and logged[-1] == f"Restored step 2 from {ckpt.directory}."
+    assert any("local tier's step 4 is not complete on every process" in line for line in logged)
 
 
 def _args(workdir, local_dir, cache, steps=8, checkpoint_every=4):

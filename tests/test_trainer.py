@@ -131,10 +131,10 @@ def test_token_ids_beyond_the_vocabulary_are_refused_before_the_workdir_is_made(
 def test_the_first_batch_is_checked_against_the_vocabulary(tmp_path, monkeypatch):
   """Ids the pipeline's sample of documents missed are caught before the
   first step, naming the largest id and the vocabulary size."""
-  from distrib_train.data import pipeline
+  from distrib_train.data import splits
   from distrib_train.training.trainer import TrainerSetupError
 
-  monkeypatch.setattr(pipeline, "_check_token_ids", lambda *args: None)
+  monkeypatch.setattr(splits, "_check_token_ids", lambda *args: None)
   config = _with_tokenizer(small_config(), _too_large_ids)
   with pytest.raises(TrainerSetupError, match=r"first batch's tokens hold token id 30\d, outside the model's"
                                               r" vocabulary of 256 ids"):

@@ -6,6 +6,12 @@
 - ``checks``: the on-disk layout and the read-only checks
   (``check_restorable``, ``CheckpointError``), run before anything is read.
 - ``tree``: a ``TrainState``'s saved fields as nested dicts of arrays.
+- ``data_state``: a data iterator's state in a checkpoint (the lanes'
+  position, or grain's per-process item).
+- ``local``: the fast tier, each process's shards on its own disk;
+  ``tiers``: which tier a restart restores from (``CheckpointTiers``).
+- ``hf``, ``hf_moe``, ``hf_common``: Hugging Face checkpoints in and out
+  (dense, mixtures, the safetensors reader and tensor names they share).
 
 New tiers (local disk, peer memory) and Hugging Face conversion go here.
 """

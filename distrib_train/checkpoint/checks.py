@@ -6,6 +6,8 @@ read-only checks on it: a step is complete, its metadata readable and of this
 format version, and every array's path and shape matches a target state.
 ``check_restorable`` runs them before a run touches its directory;
 ``CheckpointManager.restore`` runs them before it reads any array.
+``step_meta`` is what a step's ``meta`` JSON holds; ``read_meta`` reads it
+back.
 
 Nothing here unpickles or evaluates: metadata is read as JSON text, array
 shapes from orbax's metadata files.
@@ -13,6 +15,7 @@ shapes from orbax's metadata files.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 from collections.abc import Mapping
@@ -33,6 +36,7 @@ FORMAT_VERSION = 1
 # code, and an abstract target then restores to a complete, runnable state.
 SAVED_FIELDS = ("step", "root_rng", "params", "model_without_params", "opt_state", "loss_fn_state", "local_state")
 MODEL_FIELDS = ("params", "model_without_params", "local_state")
+_VERSIONED_PACKAGES = ("distrib_train", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore")
 
 
 def shape_of(x: Any) -> tuple[int, ...]:
@@ -76,6 +80,44 @@ def read_meta(directory: epath.Path, step: int) -> dict[str, Any]:
         f" this distrib_train reads version {FORMAT_VERSION}."
     )
   return dict(meta)
+
+
+def step_meta(step: int, state: TrainState, prng_impls: Mapping[str, str], run: Mapping[str, Any]) -> dict[str, Any]:
+  """A step's ``meta`` JSON (what ``read_meta`` reads back), less the data iterator's part (``data_state.py``).
+
+  Args:
+    step: the step being saved.
+    state: the train state being saved (its params' mesh is recorded).
+    prng_impls: the PRNG key implementation of each typed key, by saved path.
+    run: the caller's JSON-able run metadata (config, tokenizer).
+  """
+  return {
+      "format_version": FORMAT_VERSION,
+      "step": int(step),
+      "prng_impls": prng_impls,
+      "mesh": _mesh_of(state),
+      "process_count": jax.process_count(),
+      "versions": _package_versions(),
+      "run": run,
+  }
+
+
+def _package_versions() -> dict[str, str]:
+  versions = {}
+  for name in _VERSIONED_PACKAGES:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return versions
+
+
+def _mesh_of(state: TrainState) -> dict[str, int] | None:
+  for leaf in jax.tree_util.tree_leaves(state.params):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      return {str(k): int(v) for k, v in sharding.mesh.shape.items()}
+  return None
 
 
 def saved_shapes(directory: epath.Path, step: int) -> dict[tuple[str, ...], tuple[int, ...]]:

@@ -7,7 +7,9 @@ layer ``l``, Mixtral's ``block_sparse_moe.experts.{j}.w1`` (gate), ``w3``
 expert ``mlp.shared_expert.*`` behind ``mlp.shared_expert_gate``. The
 reference model (``recipes/moe.py``) stacks the experts: ``w_gate`` [layers,
 experts, embed, expert_mlp]. A config with shared experts is Qwen2-MoE's,
-else Mixtral's.
+else Mixtral's. A ``config.json``'s mixture fields are read with the dense
+ones, in ``recipes/hf_shape.py``; the shared readers and names are in
+``hf_common.py``.
 """
 
 from __future__ import annotations
@@ -16,38 +18,15 @@ from typing import Any
 
 import numpy as np
 
-FAMILIES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}
-# The MoEConfig fields a checkpoint fixes, beyond the dense ones (``hf.SHAPE_FIELDS``).
-SHAPE_FIELDS = ("num_experts", "experts_per_token", "expert_mlp_dim", "num_shared_experts", "shared_mlp_dim",
-                "shared_expert_gate", "norm_topk_prob", "router")
-
-
-def is_moe(config: Any) -> bool:
-  return hasattr(config, "num_experts")
+from distrib_train.checkpoint.hf_common import shard_range, tensor_name, transposed
+# Where config.json is read (recipes/hf_shape.py); SHAPE_FIELDS and is_moe are importable from here too.
+from distrib_train.recipes.hf_shape import MOE_FAMILIES as FAMILIES
+from distrib_train.recipes.hf_shape import MOE_SHAPE_FIELDS as SHAPE_FIELDS  # noqa: F401
+from distrib_train.recipes.hf_shape import HfCheckpointError, is_moe  # noqa: F401
 
 
 def family_of(config: Any) -> str:
   return "qwen2_moe" if config.num_shared_experts else "mixtral"
-
-
-def fields(hf: dict[str, Any], path: str, family: str) -> dict[str, Any]:
-  """The MoEConfig fields of a Mixtral or Qwen2-MoE ``config.json`` (``HfCheckpointError`` where the
-  reference model differs)."""
-  from distrib_train.checkpoint.hf import HfCheckpointError
-
-  if family == "mixtral":
-    return dict(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
-                expert_mlp_dim=int(hf["intermediate_size"]), router="softmax", norm_topk_prob=True,
-                aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.02)), z_loss_weight=0.0)
-  if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
-    raise HfCheckpointError(f"{path}: decoder_sparse_step / mlp_only_layers give some layers a dense MLP; the"
-                            " reference mixture has experts in every layer.")
-  shared = int(hf.get("shared_expert_intermediate_size") or 0)
-  return dict(num_experts=int(hf["num_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
-              expert_mlp_dim=int(hf["moe_intermediate_size"]), num_shared_experts=1 if shared else 0,
-              shared_mlp_dim=shared, shared_expert_gate=bool(shared), router="softmax",
-              norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-              aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)), z_loss_weight=0.0)
 
 
 def _names(config: Any) -> dict[str, Any]:
@@ -62,56 +41,51 @@ def _names(config: Any) -> dict[str, Any]:
 
 def layer_readers(config: Any) -> dict[str, Any]:
   """Readers of each layer's mixture params (``hf._layer_readers``'s contract: ``read(reader, layer, index)``)."""
-  from distrib_train.checkpoint.hf import _name, _range, _transposed
-
   names = _names(config)
 
   def experts(kind: str):
     def read(reader, layer, index):  # [experts, in, out] from each expert's [out, in]
-      e0, e1 = _range(index[0], config.num_experts)
-      return np.stack([reader.read(_name(layer, kind.format(j)), (index[2], index[1])).T for j in range(e0, e1)])
+      e0, e1 = shard_range(index[0], config.num_experts)
+      return np.stack([reader.read(tensor_name(layer, kind.format(j)), (index[2], index[1])).T
+                       for j in range(e0, e1)])
     return read
 
-  readers = {"router": _transposed(names["router"])}
+  readers = {"router": transposed(names["router"])}
   readers.update({k: experts(names[k]) for k in ("w_gate", "w_up", "w_down")})
   if config.num_shared_experts:
-    readers.update({k: _transposed(names[k]) for k in ("shared_gate", "shared_up", "shared_down")})
+    readers.update({k: transposed(names[k]) for k in ("shared_gate", "shared_up", "shared_down")})
     if config.shared_expert_gate:
-      readers["shared_expert_gate"] = _transposed(names["shared_expert_gate"])
+      readers["shared_expert_gate"] = transposed(names["shared_expert_gate"])
   return readers
 
 
 def expected_shapes(config: Any) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
   """Per param name, the layer-0 tensors it reads and their shapes."""
-  from distrib_train.checkpoint.hf import _name
-
   names, d, e, f = _names(config), config.d_model, config.num_experts, config.expert_mlp_dim
-  out = {"router": [(_name(0, names["router"]), (e, d))],
-         "w_gate": [(_name(0, names["w_gate"].format(j)), (f, d)) for j in range(e)],
-         "w_up": [(_name(0, names["w_up"].format(j)), (f, d)) for j in range(e)],
-         "w_down": [(_name(0, names["w_down"].format(j)), (d, f)) for j in range(e)]}
+  out = {"router": [(tensor_name(0, names["router"]), (e, d))],
+         "w_gate": [(tensor_name(0, names["w_gate"].format(j)), (f, d)) for j in range(e)],
+         "w_up": [(tensor_name(0, names["w_up"].format(j)), (f, d)) for j in range(e)],
+         "w_down": [(tensor_name(0, names["w_down"].format(j)), (d, f)) for j in range(e)]}
   if config.num_shared_experts:
     fs = config.shared_width
-    out.update(shared_gate=[(_name(0, names["shared_gate"]), (fs, d))],
-               shared_up=[(_name(0, names["shared_up"]), (fs, d))],
-               shared_down=[(_name(0, names["shared_down"]), (d, fs))],
-               shared_expert_gate=[(_name(0, names["shared_expert_gate"]), (1, d))])
+    out.update(shared_gate=[(tensor_name(0, names["shared_gate"]), (fs, d))],
+               shared_up=[(tensor_name(0, names["shared_up"]), (fs, d))],
+               shared_down=[(tensor_name(0, names["shared_down"]), (d, fs))],
+               shared_expert_gate=[(tensor_name(0, names["shared_expert_gate"]), (1, d))])
   return out
 
 
 def layer_tensors(layer: dict[str, np.ndarray], config: Any, i: int) -> dict[str, np.ndarray]:
   """Layer ``i``'s mixture tensors, Hugging Face's names and ``[out, in]`` layout."""
-  from distrib_train.checkpoint.hf import _name
-
   names = _names(config)
-  out = {_name(i, names["router"]): np.ascontiguousarray(layer["router"][i].T)}
+  out = {tensor_name(i, names["router"]): np.ascontiguousarray(layer["router"][i].T)}
   for key in ("w_gate", "w_up", "w_down"):
     for j in range(config.num_experts):
-      out[_name(i, names[key].format(j))] = np.ascontiguousarray(layer[key][i][j].T)
+      out[tensor_name(i, names[key].format(j))] = np.ascontiguousarray(layer[key][i][j].T)
   if config.num_shared_experts:
     for key in ("shared_gate", "shared_up", "shared_down") + (("shared_expert_gate",) if config.shared_expert_gate
                                                                else ()):
-      out[_name(i, names[key])] = np.ascontiguousarray(layer[key][i].T)
+      out[tensor_name(i, names[key])] = np.ascontiguousarray(layer[key][i].T)
   return out
 
 
@@ -121,8 +95,6 @@ def config_json(config: Any, out: dict[str, Any]) -> dict[str, Any]:
   Raises:
     HfCheckpointError: a mixture neither family can express (named).
   """
-  from distrib_train.checkpoint.hf import HfCheckpointError
-
   family = family_of(config)
   problems = []
   if config.router != "softmax" or config.routed_scaling != 1.0:

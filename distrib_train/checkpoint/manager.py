@@ -20,7 +20,9 @@ count. Nothing is pickled; restoring runs no code from the checkpoint.
 
 The on-disk layout and the read-only checks (``check_restorable``, the
 errors a damaged or foreign checkpoint gets) are in ``checks.py``; what a
-storage fault (a full disk) raises and silences is in ``faults.py``.
+storage fault (a full disk) raises and silences is in ``faults.py``; how a
+data iterator's state is kept and what it restores from, in
+``data_state.py``.
 
 Not for: choosing what to save when (``trainer.py``).
 """
@@ -28,7 +30,6 @@ Not for: choosing what to save when (``trainer.py``).
 from __future__ import annotations
 
 import atexit
-import importlib.metadata
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -37,31 +38,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import NamedSharding
 from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 
+from distrib_train.checkpoint import data_state
 from distrib_train.checkpoint.checks import check_restorable  # noqa: F401 (public here too)
-from distrib_train.checkpoint.checks import (FORMAT_VERSION, MODEL_FIELDS, SAVED_FIELDS, CheckpointError,
-                                             abstract_target, check_matches, first_line, read_meta)
+from distrib_train.checkpoint.checks import (MODEL_FIELDS, SAVED_FIELDS, CheckpointError, abstract_target,
+                                             check_matches, first_line, read_meta, step_meta)
 from distrib_train.checkpoint.faults import (CheckpointWriteError, finish_at_exit, is_storage_failure,
                                              quiet_echoes_of_failed_writes, write_error)
 from distrib_train.checkpoint.tree import fill_fields, flatten_fields, is_prng_key, nest, unnest
 from distrib_train.train_state import TrainState
-
-# Still importable from here (the trainer imports it), like CheckpointWriteError.
-_quiet_echoes_of_failed_writes = quiet_echoes_of_failed_writes
-
-_VERSIONED_PACKAGES = ("distrib_train", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore")
-
-
-def _package_versions() -> dict[str, str]:
-  versions = {}
-  for name in _VERSIONED_PACKAGES:
-    try:
-      versions[name] = importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-      pass
-  return versions
 
 
 class CheckpointManager:
@@ -231,21 +217,9 @@ class CheckpointManager:
         flat[keys] = jax.random.key_data(leaf)
       elif not isinstance(leaf, jax.Array):
         flat[keys] = np.asarray(leaf)
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "step": int(step),
-        "prng_impls": prng_impls,
-        "mesh": _mesh_of(train_state),
-        "process_count": jax.process_count(),
-        "versions": _package_versions(),
-        "run": self.metadata,
-    }
-    position = getattr(data_iterator, "data_position", lambda: None)()  # every row's, for any process count
-    if position is not None:
-      meta["data_position"] = position
-    items = {"state": ocp.args.PyTreeSave(nest(flat)), "meta": ocp.args.JsonSave(meta)}
-    if data_iterator is not None and position is None:
-      items["data"] = _grain().checkpoint.CheckpointSave(data_iterator)
+    data_meta, data_items = data_state.save_items(data_iterator)  # every process: a DataLoader gathers it
+    meta = {**step_meta(step, train_state, prng_impls, self.metadata), **data_meta}
+    items = {"state": ocp.args.PyTreeSave(nest(flat)), "meta": ocp.args.JsonSave(meta), **data_items}
     try:
       saved = self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
     except Exception as e:
@@ -296,20 +270,7 @@ class CheckpointManager:
     self._check_open()
     step = self._existing_step(step)
     meta = self.metadata_of(step)
-    position = meta.get("data_position")
-    if data_iterator is not None and position is not None and not hasattr(data_iterator, "set_data_position"):
-      raise ValueError(f"Checkpoint step {step} holds the data position of a DataLoader's lanes; restore it into a"
-                       " DataLoader, or without data_iterator.")
-    if data_iterator is not None and position is None and getattr(data_iterator, "endless", False):
-      raise CheckpointError(
-          f"Checkpoint step {step} in {str(self.directory)!r} holds grain's per-process data state (an earlier"
-          " release); this DataLoader reads lanes, whose position it lacks. Restore without data_iterator (the"
-          " data restarts from its beginning).")
-    if data_iterator is not None and position is None and meta.get("process_count") != jax.process_count():
-      raise ValueError(
-          f"Checkpoint step {step} holds the data-iterator state of {meta.get('process_count')} process(es); this"
-          f" job has {jax.process_count()}. Restore without data_iterator (the data restarts from its beginning)."
-      )
+    data_state.check_restorable_into(data_iterator, meta, step, self.directory)
     if params_only:
       abstract_rest = [name for name, leaf in flatten_fields(target, ("step", "root_rng", "opt_state", "loss_fn_state")).items()
                        if isinstance(leaf, jax.ShapeDtypeStruct)]
@@ -329,15 +290,7 @@ class CheckpointManager:
         restore_args=ocp.checkpoint_utils.construct_restore_args(nest(abstract)),
         partial_restore=params_only,
     )}
-    if data_iterator is not None and position is not None:  # checked before any array is read
-      try:
-        data_iterator.set_data_position(position)
-      except ValueError as e:
-        raise CheckpointError(f"Checkpoint step {step} in {str(self.directory)!r}: {e}") from None
-    if data_iterator is not None and position is None:
-      if not (self.directory / str(step) / "data").is_dir():
-        raise CheckpointError(f"Checkpoint step {step} in {str(self.directory)!r} holds no data-iterator state.")
-      items["data"] = _grain().checkpoint.CheckpointRestore(data_iterator)
+    items.update(data_state.restore_items(data_iterator, meta, step, self.directory))
     try:
       restored = unnest(self._manager.restore(step, args=ocp.args.Composite(**items))["state"])
     except Exception as e:  # a truncated or damaged array file: tensorstore's message names the array
@@ -415,19 +368,3 @@ class CheckpointManager:
 
   def __exit__(self, *exc_info: Any) -> None:
     self.close()
-
-
-def _grain():
-  try:
-    import grain
-  except ImportError:
-    raise ValueError("Saving or restoring a data iterator needs grain: pip install grain.") from None
-  return grain
-
-
-def _mesh_of(state: TrainState) -> dict[str, int] | None:
-  for leaf in jax.tree_util.tree_leaves(state.params):
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, NamedSharding):
-      return {str(k): int(v) for k, v in sharding.mesh.shape.items()}
-  return None

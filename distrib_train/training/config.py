@@ -13,7 +13,8 @@ plus ``mesh_config`` (a file in ``mesh_configs/`` or a path). ``load``
 reads a YAML file (or a preset shipped in ``distrib_train/configs/``) over
 the defaults, applies ``key=value`` overrides and checks every key and type
 before anything runs; mistakes raise ``ConfigError`` naming the key, with
-the closest valid keys for a misspelling.
+the closest valid keys for a misspelling (a value is parsed into its field's
+type in ``config_values.py``).
 
 Not for: building the optimizer (``optimizers.py``) or running (``trainer.py``).
 """
@@ -21,8 +22,6 @@ Not for: building the optimizer (``optimizers.py``) or running (``trainer.py``).
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import os
 import pathlib
 import sys
@@ -34,6 +33,7 @@ import yaml
 
 from distrib_train.common.text import short_repr
 from distrib_train.common.yaml_loader import ConfigError, safe_load_yaml
+from distrib_train.training.config_values import check_model_value, closest_keys, coerce, model_field_types
 
 from distrib_train.data.pipeline import DataConfig
 
@@ -174,20 +174,20 @@ class Config:
 
   def model_recipe(self):
     """The ``ModelRecipe`` this config names (config fields overridden); with ``train.init_from: hf:<dir>``,
-    the model's shape is the checkpoint's (``checkpoint/hf.py``)."""
+    the model's shape is the checkpoint's (its config.json, read by ``recipes/hf_shape.py``)."""
     from distrib_train import recipes
 
     recipe = recipes.get(self.model.name, self.model.preset, **dict(self.model.overrides))
     if not self.train.init_from.startswith("hf:"):
       return recipe
-    from distrib_train.checkpoint import hf
+    from distrib_train.recipes import hf_shape
 
-    shape = hf.llama_config(os.path.expanduser(self.train.init_from[3:]))
-    moe = hf.hf_moe.is_moe(shape)
+    shape = hf_shape.llama_config(os.path.expanduser(self.train.init_from[3:]))
+    moe = hf_shape.is_moe(shape)
     if self.model.name != ("moe" if moe else "llama"):
       raise ConfigError(f"train.init_from {self.train.init_from}: this Hugging Face checkpoint loads into the"
                         f" {'moe' if moe else 'llama'} model, not {self.model.name!r}; set model.name.")
-    fields = hf.SHAPE_FIELDS + (hf.hf_moe.SHAPE_FIELDS if moe else ())
+    fields = hf_shape.shape_fields(shape)
     clashes = [f"model.{k}={v!r} (the checkpoint has {getattr(shape, k)!r})"
                for k, v in self.model.overrides.items() if k in fields and getattr(shape, k) != v]
     if clashes:
@@ -211,100 +211,12 @@ def _field_types(cls: type) -> dict[str, Any]:
   return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name not in _NOT_CONFIG_KEYS}
 
 
-def _closest(key: str, known: Sequence[str]) -> str:
-  """Suggestions for a mistyped key: close spellings, then keys that start
-  with (or contain) what was typed, in the same section first."""
-  section, _, field = key.rpartition(".")
-  close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
-  if field:
-    same = [k for k in known if k.rpartition(".")[0] == section]
-    initials = lambda k: "".join(w[:1] for w in k.rpartition(".")[2].split("_"))
-    close = [k for k in same if initials(k) == field and "_" in k] + close  # lr → learning_rate
-    close += [k for k in same if k.rpartition(".")[2].startswith(field[:2]) and k not in close]
-    close += [k for k in difflib.get_close_matches(key, same, n=3, cutoff=0.5) if k not in close]
-  if close:
-    return f"did you mean {', '.join(close[:3])}?"
-  return f"valid keys: {', '.join(sorted(known))}."
-
-
 def valid_keys(model_fields: Sequence[str] = ()) -> list[str]:
   """Every ``section.key`` a config or ``--set`` accepts."""
   keys = ["mesh_config", "model.name", "model.preset"] + [f"model.{f}" for f in model_fields]
   for section, cls in _SECTIONS.items():
     keys += [f"{section}.{name}" for name in _field_types(cls)]
   return keys
-
-
-def _coerce(value: Any, kind: Any, key: str) -> Any:
-  """``value`` as ``kind``; strings (from ``--set`` or YAML) are parsed."""
-  def wrong(what: str) -> ConfigError:
-    return ConfigError(f"{key} must be {what}, got {short_repr(value)}.")
-
-  origin = typing.get_origin(kind)
-  if origin is tuple:
-    if isinstance(value, str):
-      value = [v.strip() for v in value.split(",") if v.strip()]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-      raise wrong("a list of strings (a,b,c)")
-    return tuple(value)
-  if kind is bool:
-    if isinstance(value, bool):
-      return value
-    if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
-      return value.lower() in ("true", "yes", "1", "on")
-    raise wrong("true or false")
-  numbers = {int: (int, "an integer"), float: ((int, float), "a number")}
-  if kind in numbers:
-    accepted, what = numbers[kind]
-    if not isinstance(value, bool):
-      number = None
-      if isinstance(value, (accepted, str)):
-        try:
-          number = kind(value)
-        except (ValueError, OverflowError):  # not a number, or an int too large for a float
-          pass
-      if number is not None:
-        if not math.isfinite(number):  # nan or inf would poison the run, not stop it
-          raise wrong("finite")
-        return number
-    raise wrong(what)
-  if kind is str:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return str(value)
-    if not isinstance(value, str):
-      raise wrong("a string")
-    return value
-  raise ConfigError(f"{key}: unsupported type {kind}.")  # pragma: no cover - a field type this code lacks
-
-
-def _model_field_types(name: str, preset: str) -> dict[str, type]:
-  """Field → type of the named model's config, from the preset's values."""
-  from distrib_train import recipes
-
-  try:
-    recipe = recipes.get(name, preset)
-  except ValueError as e:
-    raise ConfigError(f"model: {e}") from None
-  config = recipe.config
-  return {f.name: type(getattr(config, f.name)) for f in dataclasses.fields(config)}
-
-
-def _check_model_value(key: str, value: Any) -> Any:
-  """What a model config cannot catch before it builds: every integer field
-  of the reference models is a size (0 or less fails deep inside jit, or
-  trains and then fails to checkpoint), and a dtype must name a float type."""
-  if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-    raise ConfigError(f"{key} must be at least 1, got {short_repr(value)}.")
-  if key.endswith("dtype"):
-    import jax.numpy as jnp
-
-    try:
-      floating = jnp.issubdtype(jnp.dtype(value), jnp.floating)
-    except (TypeError, ValueError, SyntaxError):  # numpy's dtype parser raises all three ("01": SyntaxError)
-      floating = False
-    if not floating:
-      raise ConfigError(f"{key} must name a float dtype (float32, bfloat16, float16), got {short_repr(value)}.")
-  return value
 
 
 def _flat(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -375,24 +287,24 @@ def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str 
   values = _flat(raw, where)
   for key, value in dict(overrides).items():
     values[key] = value
-  name = _coerce(values.pop("model.name", "llama"), str, "model.name")
-  preset = _coerce(values.pop("model.preset", "tiny"), str, "model.preset")
-  model_types = _model_field_types(name, preset)
+  name = coerce(values.pop("model.name", "llama"), str, "model.name")
+  preset = coerce(values.pop("model.preset", "tiny"), str, "model.preset")
+  model_types = model_field_types(name, preset)
   known = valid_keys(sorted(model_types))
   sections: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
   model_overrides: dict[str, Any] = {}
   mesh_config = Config.mesh_config
   for key, value in values.items():
     if key == "mesh_config":
-      mesh_config = _coerce(value, str, key)
+      mesh_config = coerce(value, str, key)
       continue
     section, _, field = key.partition(".")
     if section == "model" and field in model_types:
-      model_overrides[field] = _check_model_value(key, _coerce(value, model_types[field], key))
+      model_overrides[field] = check_model_value(key, coerce(value, model_types[field], key))
     elif section in _SECTIONS and field in (types_ := _field_types(_SECTIONS[section])):
-      sections[section][field] = _coerce(value, types_[field], key)
+      sections[section][field] = coerce(value, types_[field], key)
     else:
-      raise ConfigError(f"Unknown config key {key!r} ({where}); {_closest(key, known)}")
+      raise ConfigError(f"Unknown config key {key!r} ({where}); {closest_keys(key, known)}")
   try:
     config = Config(
         model=ModelSection(name, preset, model_overrides),

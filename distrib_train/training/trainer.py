@@ -30,20 +30,16 @@ refusals (``checks.py``).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 import os
 import pathlib
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from distrib_train.cluster import distributed
 from distrib_train.training import metrics as metrics_lib
@@ -51,13 +47,13 @@ from distrib_train.training import job as job_lib
 from distrib_train.training import window as window_lib
 from distrib_train.sharding.axis_rules import activation_sharding
 from distrib_train.checkpoint.checks import check_restorable, read_meta
-from distrib_train.checkpoint.manager import CheckpointManager, _quiet_echoes_of_failed_writes
-from distrib_train.checkpoint.checks import CheckpointError, first_line
+from distrib_train.checkpoint.faults import quiet_echoes_of_failed_writes
+from distrib_train.checkpoint.manager import CheckpointManager
+from distrib_train.checkpoint.tiers import CheckpointTiers, local_tier
 from distrib_train.training.checks import (TrainerSetupError, check_batch_is_split, check_every_axis_is_used,
                                            check_context, check_fp8, check_microbatches, check_same_tokenizer,
                                            check_path_components, check_workdir, local_value,
                                            tokenizer_fingerprint)
-from distrib_train.checkpoint.local import LocalCheckpoints
 from distrib_train.training.compilation import (CacheEvents, cache_unsafe_reason, memory_line,
                                                 setup_compilation_cache)
 from distrib_train.training.config import Config
@@ -196,7 +192,7 @@ class Trainer:
     preemption = distributed.Preemption()
     loader = lock = None
     try:  # everything that can fail on a bad setup, before the workdir is touched
-      _quiet_echoes_of_failed_writes()  # a damaged checkpoint's failed reads echo too, from the first check on
+      quiet_echoes_of_failed_writes()  # a damaged checkpoint's failed reads echo too, from the first check on
       cache_off = cache_unsafe_reason() if t.compilation_cache_dir else None
       cache_dir = setup_compilation_cache(t.compilation_cache_dir, enable=not cache_off)
       check_workdir(self.workdir)
@@ -242,8 +238,9 @@ class Trainer:
       ckpt = CheckpointManager(self.workdir / "checkpoints", max_to_keep=t.keep_checkpoints,
                                async_save=t.async_checkpoint,
                                metadata={"config": config.to_dict(), "tokenizer": tokenizer})
-      self.local = self._local_tier()
-      state = self._init_or_restore(ckpt, plan, loader)
+      local = local_tier(self.workdir, t.local_checkpoint_dir) if t.local_checkpoint_every else None
+      self.tiers = CheckpointTiers(ckpt, local, writer.log)
+      state = self._init_or_restore(plan, loader)
       if primary:
         (self.workdir / "config.yaml").write_text(config.to_yaml())
         (self.workdir / "plan.txt").write_text(plan.report() + "\n")
@@ -301,80 +298,30 @@ class Trainer:
         lock.release()
         watchdog.close(failed=sys.exc_info()[1] is not None)  # last: a cleanup that waits for a dead peer is a hang
 
-  def _local_tier(self) -> LocalCheckpoints | None:
-    """The fast tier (``train.local_checkpoint_every``), tied to this workdir's run id: a local step of an
-    earlier run in a wiped and recreated workdir of the same path is never restored."""
-    t = self.config.train
-    if not t.local_checkpoint_every:
-      return None
-    run_id = np.zeros(32, np.uint8)
-    if jax.process_index() == 0:
-      path = self.workdir / "run_id"
-      if not path.exists():
-        path.write_text(uuid.uuid4().hex)
-      run_id[:] = np.frombuffer(path.read_text().strip()[:32].encode().ljust(32), np.uint8)
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
+  def _init_or_restore(self, plan, loader) -> TrainState:
+    """The newest state either checkpoint tier holds (``checkpoint/tiers.py``), else a new one."""
+    self.phases.enter("init" if self.tiers.persistent.latest_step() is None else "restore")
+    state = self.tiers.restore(plan.abstract_train_state, loader, self._config_changes)
+    if state is not None:
+      return state
+    state = plan.init(self.job.make_state)
+    self.writer.log("Initialised a new train state (sharded).")
+    if self.config.train.init_from:
+      state, line = init_from.load(self.config, plan.abstract_train_state, state)
+      self.writer.log(line + " The optimizer starts fresh.")
+    return state.replace(step=int(state.step))
 
-      run_id = np.asarray(multihost_utils.broadcast_one_to_all(run_id))
-    base = t.local_checkpoint_dir or os.path.join(
-        tempfile.gettempdir(), "distrib_train-local",
-        hashlib.sha1(str(self.workdir.resolve()).encode()).hexdigest()[:16])
-    return LocalCheckpoints(os.path.join(os.path.expanduser(base), f"process_{jax.process_index()}"),
-                            bytes(run_id).decode().strip())
-
-  def _init_or_restore(self, ckpt: CheckpointManager, plan, loader) -> TrainState:
-    latest = ckpt.latest_step()
-    self.phases.enter("init" if latest is None else "restore")
-    if self.local is not None:
-      local_step = self.local.complete_step(plan.abstract_train_state, latest)
-      if local_step is not None:
-        state = self.local.restore(plan.abstract_train_state, local_step, loader)
-        self.writer.log(f"Restored step {local_step} from the local tier ({self.local.directory.parent}); the"
-                        f" persistent tier's newest is {latest}.")
-        return state.replace(step=int(local_step))
-      newest = max(self.local.steps(), default=None)
-      if newest is not None and (latest is None or newest > latest):
-        self.writer.log(f"The local tier's step {newest} is not complete on every process (or not of this run"
-                        f" and layout): restoring from the persistent tier ({latest}).")
-    if latest is None:
-      state = plan.init(self.job.make_state)
-      self.writer.log("Initialised a new train state (sharded).")
-      if self.config.train.init_from:
-        state, line = init_from.load(self.config, plan.abstract_train_state, state)
-        self.writer.log(line + " The optimizer starts fresh.")
-      return state.replace(step=int(state.step))
-    meta = ckpt.metadata_of(latest)
-    saved = (meta.get("run") or {}).get("config") or {}
+  def _config_changes(self, run: Mapping[str, Any]) -> list[str]:
+    """What differs between a checkpoint's config (in its run metadata) and this run's: ``section.key: old → new``."""
+    saved = run.get("config") or {}
     now = self.config.to_dict()
     # Of the train section only the seed shapes what a checkpoint holds; steps and intervals may change.
     compared = {"model": None, "optimizer": None, "data": None, "train": ("seed",)}
-    changed = [f"{section}.{key}: {saved[section].get(key)!r} → {value!r}"
-               + (" (ignored: the weights and keys continue from the checkpoint)" if section == "train" else "")
-               for section, keys in compared.items() if isinstance(saved.get(section), dict)
-               for key, value in now[section].items()
-               if (keys is None or key in keys) and saved[section].get(key) != value]
-    if changed:
-      self.writer.log("The config differs from the checkpoint's: " + "; ".join(changed))
-    # The loader's lanes resume from the position every checkpoint of this release holds, on any process
-    # count; a checkpoint of an earlier release holds grain's per-process state, which lanes cannot read.
-    same_layout = "data_position" in meta
-    try:
-      state = ckpt.restore(plan.abstract_train_state, latest, data_iterator=loader if same_layout else None)
-    except CheckpointError as e:
-      data_changed = [c for c in changed if c.startswith("data.")]
-      if not (same_layout and data_changed):
-        raise
-      # grain's own error ("'next_index'") would blame the checkpoint for a changed setting.
-      raise CheckpointError(
-          f"Checkpoint step {latest} in {str(ckpt.directory)!r} holds the data pipeline's position for another"
-          f" data config ({'; '.join(data_changed)}); resume with the checkpoint's values, or train in a new"
-          f" workdir. (Restoring said: {first_line(e)})") from None
-    if not same_layout:
-      self.writer.log(f"Checkpoint step {latest} holds no data position this release reads (it was written by an"
-                      " earlier release): the data pipeline restarts from its beginning.")
-    self.writer.log(f"Restored step {latest} from {ckpt.directory}.")
-    return state.replace(step=int(latest))
+    return [f"{section}.{key}: {saved[section].get(key)!r} → {value!r}"
+            + (" (ignored: the weights and keys continue from the checkpoint)" if section == "train" else "")
+            for section, keys in compared.items() if isinstance(saved.get(section), dict)
+            for key, value in now[section].items()
+            if (keys is None or key in keys) and saved[section].get(key) != value]
 
   # --- the loop's periodic work --------------------------------------------------
 
@@ -403,7 +350,7 @@ class Trainer:
 
     def save_local(loop: TrainLoop) -> None:
       with loop.phases.phase("checkpoint"):
-        self.local.save(loop.step, loop.state, loop.loader)
+        self.tiers.local.save(loop.step, loop.state, loop.loader)
 
     def evaluate(loop: TrainLoop) -> None:
       if self._evaluations:
@@ -414,7 +361,7 @@ class Trainer:
     # The checkpoint before the evaluation: an evaluation that fails must not lose the steps trained.
     loop.hooks.add_hook(save_checkpoint, every=t.checkpoint_every, pauses_clock=True,
                         between=lambda loop: loop.ckpt.check_background_save())  # a full disk stops the run now
-    if self.local is not None:
+    if self.tiers.local is not None:
       loop.hooks.add_hook(save_local, every=t.local_checkpoint_every, pauses_clock=True)
     loop.hooks.add_hook(evaluate, every=t.eval_every, pauses_clock=True)
     self.goodput.register(loop.hooks, every=t.log_every, checkpoint_every=t.checkpoint_every)  # last: after the rest

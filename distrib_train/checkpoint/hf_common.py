@@ -1,0 +1,118 @@
+"""What the dense and the mixture halves of the Hugging Face importer share: the files and the tensor names.
+
+``SafetensorsDirectory(directory)`` reads a directory's ``*.safetensors``
+files (with or without an index) lazily: only their headers at first, then
+each slice asked for, memory-mapped, so a process reads only what its devices
+hold. ``tensor_name`` spells a layer's tensor as Hugging Face does,
+``shard_range`` turns a shard's index into its contiguous range, and
+``transposed`` reads a ``[out, in]`` projection as the reference model's
+``[in, out]``: ``hf.py`` (Llama, Mistral, Qwen2) and ``hf_moe.py`` (Mixtral,
+Qwen2-MoE) build their readers from them.
+
+Not for: which tensor goes where (``hf.py``, ``hf_moe.py``) or
+``config.json`` (``recipes/hf_shape.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from distrib_train.recipes.hf_shape import HfCheckpointError, read_json
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+  file: str
+  dtype: Any
+  shape: tuple[int, ...]
+  begin: int  # byte offset of the data in the file
+
+
+class SafetensorsDirectory:
+  """The tensors of a directory's ``*.safetensors`` files (with or without an index), memory-mapped."""
+
+  def __init__(self, directory: str):
+    self.directory = directory
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+      files = sorted(set(read_json(index).get("weight_map", {}).values()))
+    else:
+      files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+      raise HfCheckpointError(f"{directory} holds no *.safetensors files (PyTorch .bin checkpoints are not read:"
+                              " convert them with transformers' save_pretrained(safe_serialization=True)).")
+    self.tensors: dict[str, _Tensor] = {}
+    for name in files:
+      self.tensors.update(self._header(os.path.join(directory, name)))
+    self._maps: dict[str, np.memmap] = {}
+
+  @staticmethod
+  def _header(path: str) -> dict[str, _Tensor]:
+    try:
+      with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size < 100 << 20:
+          raise ValueError(f"header size {size}")
+        header = json.loads(f.read(size))
+    except (OSError, ValueError) as e:
+      raise HfCheckpointError(f"{path} is not a safetensors file: {e}") from None
+    out = {}
+    for name, info in header.items():
+      if name == "__metadata__":
+        continue
+      if info.get("dtype") not in _DTYPES:
+        raise HfCheckpointError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}; read are"
+                                f" {', '.join(_DTYPES)}.")
+      out[name] = _Tensor(path, _DTYPES[info["dtype"]], tuple(info["shape"]), 8 + size + info["data_offsets"][0])
+    return out
+
+  def has(self, name: str) -> bool:
+    return name in self.tensors
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self._get(name).shape
+
+  def _get(self, name: str) -> _Tensor:
+    if name not in self.tensors:
+      raise HfCheckpointError(f"{self.directory}: no tensor {name!r} in its safetensors files.")
+    return self.tensors[name]
+
+  def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+    """``tensor[index]``, reading only the pages that slice touches."""
+    t = self._get(name)
+    if t.file not in self._maps:
+      self._maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")
+    count = math.prod(t.shape)
+    raw = self._maps[t.file][t.begin:t.begin + count * np.dtype(t.dtype).itemsize]
+    return np.asarray(raw.view(t.dtype).reshape(t.shape)[index])
+
+
+def tensor_name(layer: int, kind: str, what: str = "weight") -> str:
+  """Hugging Face's name of layer ``layer``'s ``{kind}.{what}`` (``model.layers.3.mlp.up_proj.weight``)."""
+  return f"model.layers.{layer}.{kind}.{what}"
+
+
+def shard_range(index: slice, size: int) -> tuple[int, int]:
+  """``(start, stop)`` of a shard's slice along an axis of ``size``.
+
+  Raises:
+    HfCheckpointError: a strided slice (jax shards are contiguous).
+  """
+  start, stop, step = index.indices(size)
+  if step != 1:
+    raise HfCheckpointError("a strided shard index")  # jax shards are contiguous
+  return start, stop
+
+
+def transposed(kind: str):
+  """[in, out] of layer ``l`` from ``{kind}.weight`` [out, in]."""
+  return lambda reader, layer, index: reader.read(tensor_name(layer, kind), (index[1], index[0])).T
