@@ -74,7 +74,6 @@ class Pipelining:
   mesh: Any
   microbatches: int
   repeats: int = 1
-  gather_once: bool = True
 
   @property
   def stages(self) -> int:

@@ -131,10 +131,40 @@ def test_repeated_logical_name_in_one_array_is_an_error():
     dt.AxisRules(RULES).spec(("embed", "embed"))
 
 
-def test_rule_naming_a_mesh_axis_the_mesh_lacks_is_an_error():
+def test_rule_naming_an_unknown_mesh_axis_the_mesh_lacks_is_an_error():
   mesh = _mesh((8,), ("data",))
-  with pytest.raises(ValueError, match="names mesh axis 'fsdp', which the mesh does not have"):
-    dt.AxisRules([("embed", "fsdp")]).spec(("embed",), shape=(8,), mesh=mesh)
+  with pytest.raises(ValueError, match="names mesh axis 'fsdpp', which the mesh does not have .* A mesh may leave"
+                                       " out only context, data, expert, fsdp, stage, tensor"):
+    dt.AxisRules([("embed", "fsdpp")]).spec(("embed",), shape=(8,), mesh=mesh)
+
+
+@pytest.mark.parametrize("logical_axes, shape, expected", [
+    (("embed", "mlp"), (8, 6), P("fsdp", None)),  # ("mlp", "tensor"): tensor is size 1, mlp whole
+    (("batch", "length"), (8, 4), P(("data", "fsdp"), None)),  # ("batch", (data, fsdp, expert)) without expert
+    (("expert", "embed", "expert_mlp"), (2, 8, 6), P(None, "fsdp", None)),
+    (("layers", "vocab", "length"), (2, 6, 4), P(None, None, None)),
+])
+def test_a_known_mesh_axis_the_mesh_leaves_out_reads_as_size_1(logical_axes, shape, expected):
+  # data × fsdp only: tensor, stage, expert and context split nothing, as on a mesh where they have size 1;
+  # strict rules do not fail for them (a size-1 axis is a usable rule).
+  mesh = _mesh((2, 4), ("data", "fsdp"))
+  spec, skips = dt.AxisRules("fsdp_tensor", strict=True).resolve(logical_axes, shape=shape, mesh=mesh)
+  assert spec == expected and not skips
+
+
+def test_a_missing_axis_in_a_tuple_rule_leaves_the_rest_of_the_rule():
+  mesh = _mesh((2, 4), ("data", "fsdp"))
+  rules = dt.AxisRules([("embed", ("fsdp", "tensor")), ("batch", ("data", "fsdp", "expert"))])
+  assert rules.spec(("embed",), shape=(8,), mesh=mesh) == P("fsdp")
+  assert rules.spec(("batch",), shape=(8,), mesh=mesh) == P(("data", "fsdp"))
+  assert rules.spec(("batch", "embed"), shape=(8, 8), mesh=mesh) == P(None, "fsdp")  # embed's rule comes first
+
+
+def test_a_fallback_that_differs_only_in_a_missing_axis_records_one_skip():
+  mesh = _mesh((2, 4), ("data", "fsdp"))
+  spec, skips = dt.AxisRules("fsdp_tensor").resolve(("batch",), shape=(6,), mesh=mesh)
+  assert spec == P(None) and [str(s) for s in skips] == ["dim 0 ('batch', size 6) not split over data×fsdp (size 8):"
+                                                          " 6 is not a multiple of 8"]
 
 
 def test_logical_axes_of_the_wrong_rank_is_an_error_naming_the_path():

@@ -247,9 +247,9 @@ CLI_CASES: dict[str, Case] = {
     # axis rules
     "rules-unknown-mesh-axis": Case(("--mesh_config", "{dir}/m.yaml"), ("names mesh axis 'model'", "m.yaml"),
                                     {"m.yaml": _MESH_AXES + "rules: [[batch, data], [mlp, model]]\n"}),
-    "rules-default-set-misses-mesh-axis": Case(("--mesh_config", "{dir}/m.yaml"),
-                                               ("names mesh axis 'data'", "axes: x"),
-                                               {"m.yaml": "devices: 8\naxes: {x: 8}\n"}),
+    "rules-default-set-uses-no-mesh-axis": Case(("--mesh_config", "{dir}/m.yaml"),
+                                                "Mesh axis x (size 8) is used by no axis rule in rule set 'fsdp_tensor'",
+                                                {"m.yaml": "devices: 8\naxes: {x: 8}\n"}),
     "rules-logical-name-twice": Case(("--mesh_config", "{dir}/m.yaml"), "axis rule #2 ('embed', 'fsdp') repeats"
                                      " rule #1", {"m.yaml": _MESH_AXES + "rules: [[batch, data], [embed, fsdp],"
                                                   " [embed, fsdp]]\n"}),

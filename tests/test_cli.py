@@ -38,10 +38,11 @@ def train_losses(workdir):
   return {m["step"]: m["loss"] for m in metrics(workdir) if "eval/loss" not in m and "loss" in m}
 
 
-def tensorboard_scalars(workdir):
+def tensorboard_events(workdir):
+  """Every scalar in the TensorBoard files, as ``(tag, step, value)``, repeats included."""
   from tensorboardX.proto import event_pb2
 
-  out = {}
+  out = []
   for path in (workdir / "tensorboard").glob("events.out.tfevents.*"):
     data, i = path.read_bytes(), 0
     while i < len(data):
@@ -49,8 +50,14 @@ def tensorboard_scalars(workdir):
       event = event_pb2.Event()
       event.ParseFromString(data[i + 12:i + 12 + n])
       i += 16 + n
-      for value in event.summary.value:
-        out.setdefault(value.tag, {})[event.step] = value.simple_value
+      out += [(value.tag, event.step, value.simple_value) for value in event.summary.value]
+  return out
+
+
+def tensorboard_scalars(workdir):
+  out = {}
+  for tag, step, value in tensorboard_events(workdir):
+    out.setdefault(tag, {})[step] = value
   return out
 
 
@@ -110,12 +117,28 @@ def test_end_to_end_files_metrics_profile_and_cache(tmp_path, xla_cache):
   again = cli("--workdir", str(workdir), "--cpu_devices", "8", "--steps", "6", *SMALL, cache=xla_cache)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "Restored step 4" in again.stderr
-  import jax
-  if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11):
+  from distrib_train.common.versions import jax_version
+
+  if jax_version() >= (0, 11):
     assert "Train step from the persistent cache" in again.stderr
   else:
     assert "compilation cache: off: jax" in again.stderr and "Train step compiled in" in again.stderr
   assert sorted(train_losses(workdir)) == [1, 2, 3, 4, 5, 6]
+
+
+def test_each_log_point_and_the_final_evaluation_are_written_once(tmp_path, xla_cache):
+  # 6 steps, a log point every 2, the evaluation and the checkpoint at the end only: the last step's record
+  # must not be written again by the work done after it (a reader or TensorBoard would count it twice).
+  workdir = tmp_path / "run"
+  out = cli("--workdir", str(workdir), "--cpu_devices", "8", "--steps", "6", *SMALL, "--set", "train.log_every=2",
+            "--set", "train.eval_every=0", "--set", "train.checkpoint_every=0", cache=xla_cache)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = metrics(workdir)
+  assert [(m["step"], "eval/loss" in m) for m in lines] == [(2, False), (4, False), (6, False), (6, True)]
+  assert len({json.dumps(m, sort_keys=True) for m in lines}) == len(lines)
+  steps_of = lambda tag: sorted(step for t, step, _ in tensorboard_events(workdir) if t == tag)
+  assert steps_of("loss") == [2, 4, 6] and steps_of("eval/loss") == [6]
+  assert out.stderr.count("step 6  loss") == 1 and out.stderr.count("step 6  eval/loss") == 1
 
 
 def test_resume_matches_a_straight_run(tmp_path, xla_cache):

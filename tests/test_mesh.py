@@ -59,7 +59,7 @@ def test_dcn_axes_need_as_many_granules_as_they_say():
         (dict(axis_names=("a",), ici=(2.0,)), r"must be an integer"),
         (dict(axis_names=("a", "b"), ici=(2,)), r"2 axes .* but 1 ici sizes"),
         (dict(axis_names=("a", "a"), ici=(2, 2)), r"repeat a name"),
-        (dict(axis_names=("a",), ici=(2,), rules=[("embed", "fsdp")]), r"names mesh axis 'fsdp'"),
+        (dict(axis_names=("a",), ici=(2,), rules=[("embed", "fsdpp")]), r"names mesh axis 'fsdpp'"),
     ],
 )
 def test_bad_mesh_configs_are_rejected(kwargs, message):
@@ -97,7 +97,7 @@ def _write(tmp_path, text):
         ("axes: {data: {icy: 2}}\n", r"axis 'data' has unknown key\(s\) 'icy'"),
         ("axes: []\n", r"'axes' must map"),
         ("- 1\n", r"expected a mapping"),
-        ("axes: {data: 2}\nrules: [[embed, fsdp]]\n", r"names mesh axis 'fsdp'.*mesh.yaml"),
+        ("axes: {data: 2}\nrules: [[embed, fsdpp]]\n", r"names mesh axis 'fsdpp'.*mesh.yaml"),
         ("axes: {data: 2, fsdp: 2}\ndevices: 8\n", r"ici sizes data=2 × fsdp=2 = 4 do not match the 8"),
         ("axes: {data: 2}\ndevices: eight\n", r"'devices' must be a positive integer"),
         ("axes: {data: 2\n", r"not valid YAML"),
@@ -165,3 +165,28 @@ def test_to_yaml_loads_back_as_the_same_config(tmp_path, path):
   if config.rules is not None:
     assert loaded.rules.rules == config.rules.rules
     assert [(r.pattern, a) for r, a in loaded.rules.param_axes] == [(r.pattern, a) for r, a in config.rules.param_axes]
+
+
+def test_a_data_by_fsdp_mesh_config_trains_the_tiny_llama_with_tensor_as_size_1(tmp_path, xla_cache):
+  # The fsdp_tensor rules name tensor, stage, expert and context; a mesh config may leave any of them out.
+  import io
+  import re
+
+  from distrib_train.training import config as config_lib
+  from distrib_train.training.trainer import Trainer
+
+  mesh_file = tmp_path / "data-fsdp.yaml"
+  mesh_file.write_text("devices: 8\naxes: {data: 2, fsdp: 4}\nrules: fsdp_tensor\n")
+  config = config_lib.load("tiny", [
+      "data.seq_len=32", "data.global_batch_size=8", "train.steps=2", "train.log_every=1", "train.eval_every=0",
+      "train.checkpoint_every=0", "train.async_checkpoint=false", f"train.compilation_cache_dir={xla_cache}",
+      "optimizer.warmup_steps=0", f"mesh_config={mesh_file}"])
+  console = io.StringIO()
+  result = Trainer(config, tmp_path / "run", console=console).run()
+  assert result.status == "finished" and sorted(result.losses) == [1, 2], console.getvalue()[-3000:]
+  assert "mesh data=2 × fsdp=4;" in console.getvalue()
+  plan = (tmp_path / "run" / "plan.txt").read_text()
+  # ("heads", "tensor") and ("mlp", "tensor"): whole, as on a tensor axis of size 1; embed still on fsdp.
+  assert re.search(r"params +layers/wq .* P\(None, 'fsdp', None, None\)", plan)
+  assert re.search(r"params +layers/w_gate .* P\(None, 'fsdp', None\)", plan)
+  assert re.search(r"inputs +tokens .* P\(\('data', 'fsdp'\), None\)", plan)

@@ -169,10 +169,21 @@ def test_init_fn_unlike_the_plan_is_an_error():
     plan.init(other)
 
 
-def test_rules_naming_an_axis_the_mesh_lacks_fail_at_construction():
+def test_rules_naming_an_unknown_axis_the_mesh_lacks_fail_at_construction():
   mesh = dt.build_mesh(dt.MeshConfig(("data",), (8,)))
-  with pytest.raises(ValueError, match="names mesh axis 'fsdp', which the mesh does not have"):
-    dt.MeshPlanner(mesh, "fsdp_tensor")
+  with pytest.raises(ValueError, match="names mesh axis 'fsdpp', which the mesh does not have"):
+    dt.MeshPlanner(mesh, dt.AxisRules([("batch", "data"), ("embed", "fsdpp")]))
+
+
+def test_the_fsdp_tensor_rules_plan_a_data_by_fsdp_mesh_with_tensor_as_size_1():
+  mesh = dt.build_mesh(dt.MeshConfig(("data", "fsdp"), (2, 4)))
+  plan = dt.MeshPlanner(mesh, dt.AxisRules("fsdp_tensor", param_axes=helpers.MLP_PARAM_AXES)).plan(
+      jax.eval_shape(helpers.make_state), inputs=_example_inputs())
+  shardings = plan.train_state_shardings.params
+  assert shardings["0/w"].spec == P("fsdp", None) and shardings["0/b"].spec == P(None)  # ("mlp", "tensor"): whole
+  assert plan.input_kwarg_shardings["inputs"].spec[0] == ("data", "fsdp")
+  state = plan.init(helpers.make_state)
+  assert state.params["0/w"].sharding.spec == P("fsdp", None)
 
 
 def test_a_jax_make_mesh_explicit_mesh_is_accepted_and_the_step_runs():

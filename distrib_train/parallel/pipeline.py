@@ -26,10 +26,10 @@ bubble is ``(S − 1) / (R·M + S − 1)`` for iterations ``R`` times shorter
 forwards, then all backwards, as in GPipe; rematerialisation is the model's
 (its blocks' ``remat``).
 
-With ``gather_once`` the stage's weights are gathered over the batch mesh
-axes (FSDP) once per step, before the loop, instead of in every iteration;
-their gradients are accumulated in the weights' dtype (float32 params: fp32)
-and reduce-scattered once.
+The stage's weights are gathered over the batch mesh axes (FSDP) once per
+step, before the loop, instead of in every iteration (when the model gives
+their ``layer_axes``); their gradients are accumulated in the weights' dtype
+(float32 params: fp32) and reduce-scattered once.
 
 What a model must provide (the pipeline protocol): its repeated layers as
 one pytree of arrays stacked on a leading ``layers`` dimension, a
@@ -131,7 +131,7 @@ def _stage_weight_sharding(config: Pipelining, leaf: jax.Array, axes: Any) -> Na
   """[R, S, Lc, ...] weights: S on the stage axis; the rest by the rules with the batch (FSDP) axes dropped."""
   rest = [PartitionSpec.UNCONSTRAINED] * (leaf.ndim - 3)
   active = active_activation_sharding()
-  if axes is not None and active is not None and config.gather_once:
+  if axes is not None and active is not None:
     mesh, rules = active
     drop = set(_batch_mesh_axes()) | {STAGE_AXIS}
     spec = rules.spec(tuple(axes)[1:], shape=leaf.shape[3:], mesh=mesh)

@@ -7,7 +7,7 @@
 - ``timing``: the step-time model (compute + ICI + DCN) and MFU.
 - ``search``: ``--recommend``, ranking mesh factorisations.
 - ``report``: the printed tables.
-- ``hlo`` and ``collectives``: reading the compiled HLO.
+- ``hlo``, ``collectives`` and ``replica_groups``: reading the compiled HLO.
 - ``cpu_attention``: a CPU stand-in for cuDNN attention with its memory profile.
 - ``cli``: the subcommand's flags.
 

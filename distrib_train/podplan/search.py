@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from distrib_train.cluster import hardware
-from distrib_train.microbatches import STAGE_AXIS, bubble_fraction
+from distrib_train.microbatches import STAGE_AXIS, Pipelining, bubble_fraction
 from distrib_train.sharding.axis_rules import AxisRules
 from distrib_train.training.config import Config
 from distrib_train.sharding.mesh import MeshConfig
@@ -132,18 +132,22 @@ def rough_activation_bytes(candidate: Layout, spec: StepSpec) -> float:
 
 
 def _pipeline_fits(pod: PodPlan, spec: StepSpec) -> bool:
-  """Whether a candidate's stage axis can pipeline the model: layers split into stages × repeats, the
-  microbatches fit the schedule, and a microbatch splits over the batch axes."""
+  """Whether a candidate's stage axis can pipeline the model: the schedule runs these microbatches on this
+  batch (``Pipelining.check``, the step's own check), the layers split into stages × repeats, and a
+  microbatch splits over the batch axes."""
   sizes = dict(zip(pod.layout.axis_names, pod.layout.shape))
   stage = sizes.get(STAGE_AXIS, 1)
   if stage <= 1:
     return spec.pipeline_repeats == 1 or STAGE_AXIS not in sizes
-  layers = getattr(spec.model_config, "num_layers", None)
   m, r = spec.microbatches, spec.pipeline_repeats
   batch = next(iter(spec.inputs.values())).shape[0]
+  try:
+    Pipelining(pod.plan.mesh, m, r).check(batch)
+  except ValueError:
+    return False
+  layers = getattr(spec.model_config, "num_layers", None)
   ways = sizes.get("data", 1) * sizes.get("fsdp", 1)
-  return ((layers is None or layers % (stage * r) == 0) and (r == 1 or m >= stage) and batch % m == 0
-          and (batch // m) % ways == 0)
+  return (layers is None or layers % (stage * r) == 0) and (batch // m) % ways == 0
 
 
 @dataclasses.dataclass

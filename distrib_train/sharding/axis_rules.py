@@ -39,9 +39,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 MeshAxes = Union[str, tuple[str, ...], None]
 LogicalAxes = Sequence[Union[str, None]]
 
-# Mesh axes a rule may name that a mesh need not have: rules naming one the
-# mesh lacks are passed over (a mesh without a "stage" axis has no pipeline).
-OPTIONAL_MESH_AXES = frozenset({"stage", "expert", "context"})
+# The mesh axes the shipped rule sets and the parallel/ modules name. A mesh
+# may leave any of them out: a rule reads a missing one as an axis of size 1
+# (a mesh without "tensor" has no tensor parallelism, one without "stage" no
+# pipeline). Any other axis a rule names must be in the mesh, so that a typo
+# ("tensr") fails rather than silently replicating.
+KNOWN_MESH_AXES = frozenset({"data", "fsdp", "tensor", "stage", "expert", "context"})
 
 # A rule set that fits most decoder-only transformers on a
 # ("data", "fsdp", "tensor") mesh: the batch is split over data and fsdp,
@@ -216,14 +219,16 @@ class AxisRules:
 
   def check_mesh(self, mesh_axis_names: Sequence[str], where: str = "the mesh") -> None:
     """Raises ValueError if a rule names a mesh axis ``where`` does not have
-    (``OPTIONAL_MESH_AXES`` excepted)."""
+    (``KNOWN_MESH_AXES`` excepted: a missing one is read as size 1)."""
     for logical, axes in self.rules:
       for axis in axes or ():
-        if axis not in mesh_axis_names and axis not in OPTIONAL_MESH_AXES:
+        if axis not in mesh_axis_names and axis not in KNOWN_MESH_AXES:
           raise ValueError(
               f"Axis rule ({logical!r}, {_to_spec_entry(axes)!r}) names mesh"
               f" axis {axis!r}, which {where} does not have (axes:"
-              f" {', '.join(mesh_axis_names)})."
+              f" {', '.join(mesh_axis_names)}). A mesh may leave out only"
+              f" {', '.join(sorted(KNOWN_MESH_AXES))} (read as size 1); fix the"
+              " axis name or add the axis to the mesh."
           )
 
   def axes_for_path(self, path: str) -> tuple[str | None, ...] | None:
@@ -244,7 +249,9 @@ class AxisRules:
     Args:
       logical_axes: one logical name (or None) per array dimension.
       shape: the array's shape; with ``mesh``, enables divisibility checks.
-      mesh: a ``jax.sharding.Mesh``; rules naming axes it lacks are errors.
+      mesh: a ``jax.sharding.Mesh``; a rule naming one of
+        ``KNOWN_MESH_AXES`` it lacks reads that axis as size 1 (left out of
+        the spec), naming any other axis it lacks is an error.
 
     Returns:
       The PartitionSpec, one entry per dimension.
@@ -291,14 +298,16 @@ class AxisRules:
         continue
       if used.intersection(mesh_axes):
         continue
-      if mesh_sizes is not None and any(a not in mesh_sizes for a in mesh_axes):
-        continue  # an optional axis (stage) this mesh does not have
-      if shape is not None and mesh_sizes is not None:
-        size = math.prod(mesh_sizes[a] for a in mesh_axes)
+      # An axis the mesh leaves out is one of size 1: it splits nothing, and the spec cannot name it.
+      present = mesh_axes if mesh_sizes is None else tuple(a for a in mesh_axes if a in mesh_sizes)
+      if shape is not None and mesh_sizes is not None and present:
+        size = math.prod(mesh_sizes[a] for a in present)
         if shape[pos] % size:
-          skips.append(RuleSkip(path, pos, logical, int(shape[pos]), mesh_axes, size))
+          skip = RuleSkip(path, pos, logical, int(shape[pos]), present, size)
+          if skip not in skips:  # a fallback rule that differs only in a missing axis
+            skips.append(skip)
           continue
-      result[pos] = mesh_axes
+      result[pos] = present or None
       used.update(mesh_axes)
 
     missing = [n for n, r in zip(names, result) if r is unassigned]

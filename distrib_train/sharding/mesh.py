@@ -16,6 +16,10 @@ YAML form (``mesh_configs/*.yaml``)::
     tensor: 2              # shorthand for {ici: 2}
   rules: fsdp_tensor       # a shipped rule set, or a list of [name, axes]
 
+Any of the axes the shipped rules name (data, fsdp, tensor, stage, expert,
+context) may be left out: the rules read it as size 1 (``data`` × ``fsdp``
+alone is plain FSDP).
+
 A file may say the job it is for: ``devices`` (and ``granules``: slices or
 hosts), and for a TPU slice its ``topology`` (``v5e:16x16``; with
 ``granules: 2``, two such slices). ``distrib-train plan`` compiles a mesh
@@ -35,7 +39,6 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from distrib_train.common.auto_mesh import as_auto_mesh
 from distrib_train.common.yaml_loader import safe_load_yaml
 from distrib_train.sharding.axis_rules import RULE_SETS, AxisRules
 from distrib_train.sharding.topology import TpuTopology
@@ -98,7 +101,8 @@ class MeshConfig:
 
   Raises:
     ValueError: lengths that differ, repeated names, zero or negative sizes,
-      two -1s in one level, or rules naming an axis the config lacks.
+      two -1s in one level, or rules naming an axis the config lacks (the
+      axes of ``axis_rules.KNOWN_MESH_AXES`` excepted: one left out is size 1).
   """
 
   axis_names: tuple[str, ...]

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from distrib_train.common.text import human_bytes
+from distrib_train.common.versions import jax_version
 
 
 def setup_compilation_cache(directory: str, enable: bool = True) -> str | None:
@@ -60,8 +61,7 @@ def cache_unsafe_reason() -> str | None:
   with fsdp 8 on 8 emulated devices: one device's thread runs ahead to a later collective and the runtime
   aborts after 40 s; the same program compiled afresh, or cached with jax 0.12, runs). BUILD_NOTES.md.
   """
-  version = tuple(int(p) for p in jax.__version__.split(".")[:2])
-  if version < (0, 11) and jax.default_backend() == "cpu" and jax.device_count() > 1:
+  if jax_version() < (0, 11) and jax.default_backend() == "cpu" and jax.device_count() > 1:
     return (f"off: jax {jax.__version__} on CPU can deadlock in the collectives of a multi-device step"
             " loaded from the persistent cache (jax 0.11 and later, GPU and TPU use it)")
   return None

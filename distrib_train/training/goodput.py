@@ -43,13 +43,11 @@ import pathlib
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
-if TYPE_CHECKING:
-  from distrib_train.training.hooks import Hooks
-  from distrib_train.training.loop import TrainLoop
+from distrib_train.training.hooks import Hooks, LoopView
 
 CATEGORIES = ("productive", "compile", "checkpoint", "data_wait", "restore", "replayed", "eval", "other")
 _CATEGORY_OF_PHASE = {"step": "productive", "compile": "compile", "checkpoint": "checkpoint", "data": "data_wait",
@@ -164,7 +162,7 @@ class Goodput:
 
   def register(self, hooks: Hooks, *, every: int, checkpoint_every: int = 0) -> None:
     """Counts every step; writes ``goodput.json`` every ``every`` steps and at each checkpoint."""
-    def write_file(loop: TrainLoop) -> None:
+    def write_file(loop: LoopView) -> None:
       self.on_step(loop)
       self.write()
 
@@ -177,7 +175,7 @@ class Goodput:
     self.max_step = max(self.max_step, step)  # a workdir older than its goodput.json
     self.write()
 
-  def on_step(self, loop: TrainLoop) -> None:
+  def on_step(self, loop: LoopView) -> None:
     """``loop.step`` is trained: a replayed step when an earlier run reached it already."""
     step = loop.step
     self.phases.step_done(step)

@@ -8,13 +8,14 @@ the preemption check are hooks::
   hooks.add_hook(save, every=100, between=check_save)   # ``between``: the other steps
   hooks.add_hook(check_preemption, before_step=True)    # every step, before it
 
-A hook is called with the loop (``TrainLoop``: its ``step``, ``state``,
-``window``, ``result``, …). Hooks after a step run in the order they were
-added, once the step's loss has been read and judged — the loop waits for
-the devices only on steps where one is due. A hook returns None, or a
-``Verdict`` other than ``ok`` to end or roll back the run (the preemption
-check does). A hook marked ``pauses_clock`` is not step time: the metrics
-window's clock restarts after it.
+A hook is called with the loop (``loop.TrainLoop``: its ``step``, ``state``,
+``window``, ``result``, …); ``LoopView`` names the part of it this module and
+``goodput.py`` rely on, so neither imports the loop. Hooks after a step run
+in the order they were added, once the step's loss has been read and judged
+— the loop waits for the devices only on steps where one is due. A hook
+returns None, or a ``Verdict`` other than ``ok`` to end or roll back the run
+(the preemption check does). A hook marked ``pauses_clock`` is not step
+time: the metrics window's clock restarts after it.
 
 New periodic work (goodput, a pipeline schedule's statistics) is a hook, not
 a branch in the loop.
@@ -25,15 +26,35 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 
-if TYPE_CHECKING:
-  from distrib_train.training.loop import TrainLoop
-  from distrib_train.training.nonfinite import Verdict
+from distrib_train.training.nonfinite import Verdict
+from distrib_train.training.window import MetricsWindow
 
-HookFn = Callable[["TrainLoop"], "Verdict | None"]
+
+class LoopView(Protocol):
+  """What hooks are handed: the loop they run in (``loop.TrainLoop`` is the one).
+
+  Only what the hook machinery and the hooks written beside it read; a hook a
+  trainer registers may read more of the loop it registered on (``ckpt``,
+  ``loader``, ``guard``, ``phases``, ``result``). Declared here so that the
+  loop depends on its hooks and never the other way round.
+
+  Attributes:
+    step: the last step trained.
+    state: the train state after it.
+    window: the metrics window (its clock restarts after a hook that
+      ``pauses_clock``).
+  """
+
+  step: int
+  state: Any
+  window: MetricsWindow
+
+
+HookFn = Callable[[LoopView], Verdict | None]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -51,7 +72,7 @@ class Hook:
 
   fn: HookFn
   due: Callable[[int], bool]
-  between: Callable[["TrainLoop"], None] | None = None
+  between: Callable[[LoopView], None] | None = None
   before_step: bool = False
   pauses_clock: bool = False
 
@@ -67,10 +88,10 @@ class Hooks:
   def __init__(self, last_step: int):
     self.last_step = last_step
     self._hooks: list[Hook] = []
-    self._at_finish: list[Callable[["TrainLoop"], None]] = []
+    self._at_finish: list[Callable[[LoopView], None]] = []
 
   def add_hook(self, fn: HookFn, every: int = 1, *, when: Callable[[int], bool] | None = None,
-               at_last: bool = True, between: Callable[["TrainLoop"], None] | None = None,
+               at_last: bool = True, between: Callable[[LoopView], None] | None = None,
                before_step: bool = False, pauses_clock: bool = False) -> Hook:
     """Runs ``fn`` every ``every`` steps (0: only at the last step), or at the steps ``when(step)`` names.
 
@@ -89,11 +110,11 @@ class Hooks:
     self._hooks.append(hook)
     return hook
 
-  def add_finisher(self, fn: Callable[["TrainLoop"], None]) -> None:
+  def add_finisher(self, fn: Callable[[LoopView], None]) -> None:
     """Runs ``fn(loop)`` once when the run has trained its last step."""
     self._at_finish.append(fn)
 
-  def finish(self, loop: TrainLoop) -> None:
+  def finish(self, loop: LoopView) -> None:
     for fn in self._at_finish:
       fn(loop)
 
@@ -105,7 +126,7 @@ class Hooks:
     """The hooks to run now that ``step`` is trained."""
     return [h for h in self._hooks if not h.before_step and h.due(step)]
 
-  def run(self, loop: TrainLoop, due: list[Hook], *, before_step: bool = False) -> Verdict | None:
+  def run(self, loop: LoopView, due: list[Hook], *, before_step: bool = False) -> Verdict | None:
     """Runs the due hooks (and the others' ``between``) in order; the first
     verdict that is not ``ok`` ends the round and is returned."""
     for hook in self._hooks:
@@ -143,11 +164,11 @@ class Profiler:
     hooks.add_hook(self.stop, when=lambda step: self.tracing and step == self.last)
     hooks.add_finisher(lambda loop: self.close())
 
-  def start(self, loop: Any) -> None:
+  def start(self, loop: LoopView) -> None:
     jax.profiler.start_trace(str(self.directory / f"process_{jax.process_index()}"))
     self.tracing = True
 
-  def stop(self, loop: Any) -> None:
+  def stop(self, loop: LoopView) -> None:
     jax.profiler.stop_trace()
     self.tracing = False
     self._log(f"Profile of steps {self.first}–{loop.step} written to {self.directory}.")

@@ -1,0 +1,55 @@
+"""Token cross-entropy over a large vocabulary, chunk by chunk.
+
+``chunked_cross_entropy(hidden, head, targets, weights, chunk_size)`` is the
+reference models' training loss (``llama.py``, ``moe.py``): the summed
+cross-entropy of the output head's logits and the weight total, computed a
+chunk of positions at a time so that no float32 [batch, length, vocab] array
+exists. On a context mesh the chunks stay inside each device's block of the
+length.
+
+Not for: the model's forward pass or the mean a loss function returns.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from distrib_train.parallel import context
+
+
+def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array,
+                          chunk_size: int, remat: bool = True) -> tuple[jax.Array, jax.Array]:
+  """Summed token cross-entropy and the weight total, chunk by chunk.
+
+  Logits for ``chunk_size`` positions at a time are computed and reduced, so
+  no float32 [batch, length, vocab] array ever exists. With ``remat`` each
+  chunk's logits are recomputed in the backward pass (one more head matmul);
+  without it the compute-dtype logits of every chunk are kept for it.
+  """
+  batch, length, d = hidden.shape
+  # On a context mesh each device holds a block of the length: the chunks are taken inside every block at
+  # once ([batch, blocks, chunk] per iteration), so no iteration reads another device's tokens (scanning
+  # over chunks of the whole length gathered the hidden states over the context axis at every chunk).
+  blocks = context.context_size()
+  if length % blocks:
+    blocks = 1
+  local = length // blocks
+  chunk = chunk_size if local % chunk_size == 0 else local
+  n = local // chunk
+  split = lambda a: jnp.moveaxis(a.reshape(batch, blocks, n, chunk, *a.shape[2:]), 2, 0)
+
+  def chunk_loss(h, t, w):
+    logits = jnp.einsum("...d,dv->...v", h, head.astype(h.dtype)).astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+    return jnp.sum((logz - target_logit) * w)
+
+  if remat:
+    chunk_loss = jax.checkpoint(chunk_loss)
+
+  def body(total, xs):
+    return total + chunk_loss(*xs), None
+
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(hidden), split(targets), split(weights)))
+  return total, jnp.sum(weights)
