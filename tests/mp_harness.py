@@ -25,6 +25,8 @@ import tempfile
 import time
 from typing import Any
 
+import xla_test_flags
+
 _TESTS_DIR = pathlib.Path(__file__).resolve().parent
 
 
@@ -68,7 +70,7 @@ def run_workers(
     proc_env.update(env or {})
     proc_env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+        XLA_FLAGS=xla_test_flags.with_device_count(devices_per_process),
         PYTHONPATH=os.pathsep.join(filter(None, [str(_TESTS_DIR), proc_env.get("PYTHONPATH", "")])),
         DT_TEST_COORDINATOR=f"127.0.0.1:{port}",
         DT_TEST_NUM_PROCESSES=str(num_processes),

@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
+import xla_test_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PARALLEL = 4
@@ -136,7 +137,7 @@ def _write_files(directory: pathlib.Path, files: Mapping[str, str | bytes | None
 
 def _env() -> dict[str, str]:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)  # --cpu_devices sets the device count
+  env["XLA_FLAGS"] = xla_test_flags.FAST_COMPILE  # --cpu_devices sets the device count
   return env
 
 

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+import xla_test_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAST = ["--cpu_devices", "8", "--set", "data.seq_len=32", "--set", "data.global_batch_size=8",
@@ -23,7 +24,7 @@ FAST = ["--cpu_devices", "8", "--set", "data.seq_len=32", "--set", "data.global_
 
 def _env():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)  # --cpu_devices sets the device count
+  env["XLA_FLAGS"] = xla_test_flags.FAST_COMPILE  # --cpu_devices sets the device count
   return env
 
 

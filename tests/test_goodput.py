@@ -14,6 +14,7 @@ import types
 import pytest
 
 from distrib_train.training.goodput import CATEGORIES, Goodput, PhaseClock
+import xla_test_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -114,7 +115,7 @@ def _cli_args(workdir, cache):
 def test_a_kill_and_a_restart_report_the_steps_trained_again(tmp_path, xla_cache):
   env = dict(os.environ, JAX_PLATFORMS="cpu", DT_KILL_AT_STEP="5",
              PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
-  env.pop("XLA_FLAGS", None)  # --cpu_devices sets the device count
+  env["XLA_FLAGS"] = xla_test_flags.FAST_COMPILE  # --cpu_devices sets the device count
   workdir = tmp_path / "run"
   killed = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "kill_at_step.py"),
                            *_cli_args(workdir, xla_cache)], env=env, capture_output=True, text=True, timeout=240)

@@ -20,7 +20,7 @@ At the end: the final checkpoint's arrays, every process's data-iterator
 position and every logged loss (replays included) are bit-identical to an
 uninterrupted run's, and no temporary directory is left.
 
-20 kills by default (a few minutes on 2 cores). ``DT_LONG_TESTS=1`` makes it
+10 kills by default (a few minutes on 2 cores). ``DT_LONG_TESTS=1`` makes it
 60; ``DT_KILLS=N`` sets any number, ``DT_KILL_SEED`` the seed, and
 ``DT_KILL_MATRIX_REPORT=path.json`` keeps the figures.
 """
@@ -38,8 +38,9 @@ import pytest
 
 import kill_harness
 from kill_harness import Job
+import xla_test_flags
 
-KILLS = int(os.environ.get("DT_KILLS") or (60 if os.environ.get("DT_LONG_TESTS") == "1" else 20))
+KILLS = int(os.environ.get("DT_KILLS") or (60 if os.environ.get("DT_LONG_TESTS") == "1" else 10))
 SEED = int(os.environ.get("DT_KILL_SEED", "0"))
 # A killed launch commits half a step of progress on average (0 to 4); near the
 # end only moments that cannot finish the run are picked (see _Moment).
@@ -64,7 +65,7 @@ def _env():
   # CPU process 1's cache key differs, so process 1 compiles the step at every
   # launch: the cheapest XLA backend settles that in half the time.
   return dict(os.environ, JAX_PLATFORMS="cpu",
-              XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+              XLA_FLAGS=xla_test_flags.FAST_COMPILE)
 
 
 class _Moment:
@@ -318,7 +319,7 @@ def test_a_kill_then_restarts_on_one_and_on_four_processes_continue_the_run(tmp_
   one[one.index("--cpu_devices") + 1] = "8"
   one[one.index("--mesh_config") + 1] = str(_mesh_config(tmp_path, 1))
   env = dict(os.environ, JAX_PLATFORMS="cpu", DT_KILL_AT_STEP="9")
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_test_flags.FAST_COMPILE
   killed = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / "workers" / "kill_at_step.py"), *one],
                           env=env, capture_output=True, text=True, timeout=300)
   assert killed.returncode == -9, killed.stderr[-3000:]

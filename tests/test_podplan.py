@@ -19,6 +19,7 @@ from distrib_train.podplan import hlo as hlo_module
 from distrib_train.podplan import cli as plan_cli
 from distrib_train.podplan import estimate as podplan
 from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
+import xla_test_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AXES = ("data", "fsdp", "tensor")
@@ -300,7 +301,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
 def test_plan_validate_runs_on_cpu(tmp_path, cache_env, tiny_pod):
   del tiny_pod
   # The tiny_pod fixture's step (cpu-8, 8 devices) again: both compiles come from the cache.
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8", **cache_env)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_test_flags.with_device_count(8), **cache_env)
   out = subprocess.run([sys.executable, "bench/plan_validate.py", "--config", "tiny", "--mesh_config", "cpu-8",
                         "--steps", "1", "--json", str(tmp_path / "v.json")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

@@ -166,8 +166,11 @@ def test_the_guides_table_names_every_guide_and_only_guides_that_exist():
   assert len(named) == len(set(named)), f"a guide named twice in README.md's table: {named}"
 
 
-def test_the_readme_states_the_test_command():
-  assert "Test command: `python -m pytest -q tests --durations=15`" in _TEXTS["README.md"]
+def test_the_readme_states_the_test_command_that_ci_runs():
+  match = re.search(r"^Test command: `([^`]+)`", _TEXTS["README.md"], re.M)
+  assert match, "README.md has no line 'Test command: `...`'"
+  ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+  assert match.group(1) in ci_lines, f"README's test command {match.group(1)!r} is not a line of .ci/run"
 
 
 # --- links ------------------------------------------------------------------------------------------------
