@@ -3,8 +3,11 @@
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 import jax
 import numpy as np
@@ -17,6 +20,7 @@ import mp_harness
 from distrib_train.checkpoint.local import LocalCheckpoints
 from distrib_train.checkpoint.tiers import CheckpointTiers, local_tier
 from test_cli import train_losses
+import xla_test_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -86,31 +90,54 @@ def _args(workdir, local_dir, cache, steps=8, checkpoint_every=4):
 
 def _launch(args, kill_at=None, kill_in_local_save=None):
   """Both processes of a 2-process job; with ``kill_at`` each SIGKILLs itself right after that step; with
-  ``kill_in_local_save`` process 0 SIGKILLs itself inside that step's local save, and process 1, left waiting
-  for it, is SIGKILLed by the test."""
+  ``kill_in_local_save`` process 0 stops inside that step's local save (two shard files written, no commit) and
+  process 1 right after its own save of the step committed, and the test SIGKILLs both once both are there.
+
+  Neither process may die on its own in that kill: the survivor of a peer's death notices it (a gloo collective
+  or the coordination service fails) and exits 1 at a moment that depends on the machine's load, before or
+  after the test's kill, and before or after its own save committed."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_test_flags.FAST_COMPILE
   script = ["-m", "distrib_train"]
   if kill_at:
     script, env["DT_KILL_AT_STEP"] = [str(ROOT / "tests" / "workers" / "kill_at_step.py")], str(kill_at)
+  markers = pathlib.Path(tempfile.mkdtemp(prefix="kill_markers_"))  # each process's "at my kill point"
   if kill_in_local_save:
     script = [str(ROOT / "tests" / "workers" / "kill_in_local_save.py")]
-    env.update(DT_KILL_IN_LOCAL_SAVE=str(kill_in_local_save), DT_KILL_PROCESS="0")
+    env.update(DT_KILL_IN_LOCAL_SAVE=str(kill_in_local_save), DT_KILL_PROCESS="0", DT_KILL_MARKERS=str(markers))
   port = mp_harness.free_port()
+  # Output to files, not pipes: a process never blocks on a full pipe while the test waits for it.
+  logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
   procs = [subprocess.Popen([sys.executable, *script, *args, "--coordinator_address", f"127.0.0.1:{port}",
                              "--num_processes", "2", "--process_id", str(i)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=logs[i], stderr=subprocess.STDOUT, text=True, start_new_session=True)
            for i in range(2)]
   try:
     if kill_in_local_save:
-      procs[0].wait(timeout=300)
-      os.killpg(procs[1].pid, 9)
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+      deadline = time.monotonic() + 300
+      while not all((markers / str(i)).exists() for i in range(2)):
+        if any(p.poll() is not None for p in procs):
+          break  # a process failed before its kill point: its exit code says so, the other is killed
+        assert time.monotonic() < deadline, "the job did not reach its kill point within 300 s"
+        time.sleep(0.05)
+      for sig in (signal.SIGSTOP, signal.SIGKILL):  # both stopped first: neither can see the other die
+        for p in procs:
+          if p.poll() is None:
+            os.killpg(p.pid, sig)
+    for p in procs:
+      p.wait(timeout=300)
   finally:
     for p in procs:
       if p.poll() is None:
-        os.killpg(p.pid, 9)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    shutil.rmtree(markers, ignore_errors=True)
+  outputs = []
+  for log in logs:
+    log.seek(0)
+    outputs.append(log.read())
+    log.close()
   return [p.returncode for p in procs], outputs
 
 
@@ -156,8 +183,12 @@ def test_a_kill_inside_a_local_save_leaves_the_previous_local_step_to_resume_fro
   run, local = tmp_path / "run", tmp_path / "local"
   # No persistent checkpoint before the end: the local tier is all there is to resume from.
   codes, outputs = _launch(_args(run, local, xla_cache, steps=7, checkpoint_every=0), kill_in_local_save=6)
-  assert codes == [-9, -9], outputs[0][-3000:]
-  assert list((local / "process_0").glob("6.tmp*")) and not (run / "checkpoints" / "6").exists()
+  assert codes == [-9, -9], "\n".join(f"--- process {i} (exit {c}) ---\n{out[-3000:]}"
+                                      for i, (c, out) in enumerate(zip(codes, outputs)))
+  # Process 0 was killed after two shard files of step 6 and before its manifest; process 1 after its commit.
+  tmp = list((local / "process_0").glob("6.tmp*"))
+  assert len(tmp) == 1 and len(list(tmp[0].glob("*.npy"))) == 2 and not (tmp[0] / "manifest.json").exists()
+  assert not (run / "checkpoints" / "6").exists()
   assert kill_harness.local_steps(local, 1) == [2, 4]  # process 0's step 6 is only a temporary directory
   assert sorted(int(p.parent.name) for p in (local / "process_1").glob("*/manifest.json")) == [4, 6]
   codes, outputs = _launch(_args(run, local, xla_cache, steps=7, checkpoint_every=0))
