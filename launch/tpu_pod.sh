@@ -354,7 +354,7 @@ install() {
   if [[ -n $pip_spec ]]; then
     script="set -e; $make_venv; \"$REMOTE_VENV/bin/pip\" install --quiet --upgrade pip; \"$REMOTE_VENV/bin/pip\" install --quiet $(quote "$pip_spec")"
   else
-    run tar -czf "$tarball" --exclude=.git --exclude=.venv --exclude=.ci-venv --exclude=__pycache__ \
+    run tar -czf "$tarball" --exclude=.git --exclude=.venv --exclude='.ci-venv*' --exclude=.pytest-xla-cache --exclude='.ci-install-*.log' --exclude=__pycache__ \
       --exclude='*.egg-info' --exclude=.pytest_cache --exclude=./build --exclude=./dist --exclude=./tpu_logs \
       -C "$ROOT" . || return
     run gcloud compute tpus "${kind[@]}" scp "$tarball" "$name:distrib_train.tar.gz" "${location[@]}" "${targets[@]}" || return
