@@ -65,7 +65,7 @@ COMPAT_TESTS = {
 
 
 # Seconds each file took in a serial run (Python 3.12, jax 0.12, 2 cores, 2026-11-26). The xdist workers take work
-# in collection order (`--dist loadgroup --no-loadscope-reorder`, the README's test command), each the next unit as it
+# in collection order (`--dist loadgroup --no-loadscopereorder`, the README's test command), each the next unit as it
 # gets free: heaviest first, so the run ends on short tests, not on one worker's last libtpu compile. Only the order
 # depends on these figures; a new file runs after them.
 FILE_SECONDS = {
