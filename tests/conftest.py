@@ -64,10 +64,9 @@ COMPAT_TESTS = {
 }
 
 
-# Seconds each file took in a serial run (Python 3.12, jax 0.12, 2 cores, 2026-11-26). The xdist workers take work
-# in collection order (`--dist loadgroup --no-loadscopereorder`, the README's test command), each the next unit as it
-# gets free: heaviest first, so the run ends on short tests, not on one worker's last libtpu compile. Only the order
-# depends on these figures; a new file runs after them.
+# Seconds each file took in a serial run (Python 3.12, jax 0.12, 2 cores, 2026-11-26). The heaviest run first, so
+# that two xdist workers end on short tests instead of one waiting for the other's last libtpu compile. Only the
+# order depends on these figures; a new file runs after them.
 FILE_SECONDS = {
     "test_fp8.py": 463, "test_kill_matrix.py": 370, "test_podplan_tpu.py": 366, "test_context.py": 248,
     "test_local_checkpoints.py": 180, "test_moe.py": 145, "test_elastic_resume.py": 144, "test_pipeline.py": 143,
@@ -76,12 +75,6 @@ FILE_SECONDS = {
     "test_watchdog.py": 45, "test_tokenizer.py": 41, "test_init_from.py": 36, "test_readme.py": 34,
     "test_checkpoint.py": 32, "test_train_step.py": 28,
 }
-# Files whose module-scoped fixtures (a trained workdir, a batch of CLI runs, a SLURM cluster) would run again on a
-# second worker: each goes to one worker whole.
-ONE_WORKER_FILES = {
-    "test_bad_inputs.py", "test_disk_full.py", "test_faults.py", "test_moe.py", "test_pipeline.py", "test_podplan.py",
-    "test_slurm.py", "test_tokenizer.py",
-}
 
 
 def pytest_collection_modifyitems(items):
@@ -89,6 +82,4 @@ def pytest_collection_modifyitems(items):
     file = item.path.name
     if file in COMPAT_FILES or f"{file}::{item.originalname}" in COMPAT_TESTS:
       item.add_marker(pytest.mark.compat)
-    if file in ONE_WORKER_FILES:
-      item.add_marker(pytest.mark.xdist_group(file))
   items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))  # stable: a file's own order is kept
