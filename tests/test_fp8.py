@@ -10,6 +10,7 @@ import pytest
 
 import pipeline_helpers as ph
 from distrib_train.parallel import experts
+from distrib_train import recipes
 from distrib_train.recipes import fp8
 from distrib_train.training import config as config_lib
 
@@ -273,3 +274,20 @@ def test_the_trainer_resumes_delayed_scaling_exactly_and_refuses_it_with_a_pipel
                 "cpu-8-pipeline", "--set", "model.fp8=delayed", "--set", "train.microbatches=4")
   assert refused.returncode == 2 and "model.fp8=delayed does not run with a stage axis (2 stages)" in refused.stderr
   assert not (tmp_path / "pipeline").exists()
+
+
+def test_the_per_matmul_policy_keeps_small_matmuls_in_the_models_dtype():
+  """``model.fp8_min_dim`` (2048 by default, 0 in the tiny presets): a weight smaller than that along its
+  contraction or its output multiplies in the model's dtype; larger ones in FP8. The shipped 124m and 350m
+  presets (d_model 768, 1024) thus stay bf16 under ``fp8=current``; the 1b (2048, MLP 5632) goes FP8."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+  plain = jnp.einsum("bd,df->bf", x, w)
+  for min_dim, rounded in ((0, True), (32, True), (33, False), (2048, False)):
+    with fp8.active("current", min_dim):
+      got = fp8.einsum("bd,df->bf", x, w)
+      program = jax.jit(lambda x, w: fp8.einsum("bd,df->bf", x, w)).lower(x, w).as_text()
+    assert (not np.array_equal(got, plain)) == rounded and ("f8E4M3FN" in program) == rounded, min_dim
+  assert recipes.llama.PRESETS["124m"].fp8_min_dim == 2048 > recipes.llama.PRESETS["124m"].d_model
+  assert min(recipes.llama.PRESETS["1b"].d_model, recipes.llama.PRESETS["1b"].mlp_dim) >= 2048

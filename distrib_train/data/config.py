@@ -27,6 +27,11 @@ class DataConfig:
     packing: concatenate documents and split at ``seq_len`` (with segment and
       position ids); otherwise each sequence is the start of one document and
       shorter documents are skipped.
+    max_documents_per_row: with packing, the documents a row holds at most;
+      those past it in a row weigh 0 and attend to each other
+      (``sequences.shifted``). 0: any number, or, in the trainer, what the
+      model's packed attention takes (the Llama models' ``max_segments`` -
+      1).
     eval_fraction: share of the documents held out for evaluation.
     num_workers: grain worker processes for prefetching (0: threads only).
     num_threads: reader threads per process.
@@ -48,6 +53,7 @@ class DataConfig:
   global_batch_size: int = 32
   seed: int = 0
   packing: bool = True
+  max_documents_per_row: int = 0
   eval_fraction: float = 0.05
   num_workers: int = 0
   num_threads: int = 4
@@ -62,8 +68,10 @@ class DataConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Data config: {name} must be a positive integer, got {value!r}.")
-    if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
-      raise ValueError(f"Data config: num_workers must be 0 or more, got {self.num_workers!r}.")
+    for name in ("num_workers", "max_documents_per_row"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"Data config: {name} must be 0 or more, got {value!r}.")
     if not 0.0 <= self.eval_fraction < 1.0:
       raise ValueError(f"Data config: eval_fraction must be in [0, 1), got {self.eval_fraction!r}.")
     if self.source not in ("synthetic", "pydoc", "text"):

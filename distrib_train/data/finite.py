@@ -20,6 +20,8 @@ batches do not depend on the job's shape and whose position any job restores.
 
 from __future__ import annotations
 
+import functools
+
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -65,7 +67,8 @@ def batches(ds: Any, *, config: DataConfig, tokenize: Callable[[Any], np.ndarray
     # not depend on the worker count.
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.num_workers))
   if config.packing:
-    it = grain.experimental.ConcatThenSplitIterDataset(it, length_struct={"tokens": seq}).map(sequences.shifted)
+    it = grain.experimental.ConcatThenSplitIterDataset(it, length_struct={"tokens": seq}).map(
+        functools.partial(sequences.shifted, max_documents=config.max_documents_per_row))
   else:
     it = it.filter(lambda ex: len(ex["tokens"]) >= seq).map(lambda ex: sequences.unpacked(ex["tokens"][:seq]))
   if pad_last_batch:

@@ -18,10 +18,20 @@ from collections.abc import Mapping
 import numpy as np
 
 
-def shifted(packed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """The row of a packed sequence (``tokens``, ``tokens_segment_ids``, ``tokens_positions``)."""
+def shifted(packed: Mapping[str, np.ndarray], max_documents: int = 0) -> dict[str, np.ndarray]:
+  """The row of a packed sequence (``tokens``, ``tokens_segment_ids``, ``tokens_positions``).
+
+  ``max_documents`` (0: any number): the documents past that many in the
+  row become one segment whose targets weigh 0, so the row holds at most
+  ``max_documents + 1`` runs of segment ids, the padding at its end
+  included (cuDNN's packed attention takes a fixed number,
+  ``recipes/cudnn_attention.py``).
+  """
   tokens, segments, positions = packed["tokens"], packed["tokens_segment_ids"], packed["tokens_positions"]
   same_document = (segments[1:] == segments[:-1]) & (segments[:-1] > 0)
+  if max_documents and segments.max(initial=0) > max_documents:
+    same_document &= segments[:-1] <= max_documents
+    segments = np.where((segments > max_documents) | (segments == 0), max_documents + 1, segments)
   return {
       "tokens": tokens[:-1].astype(np.int32),
       "targets": tokens[1:].astype(np.int32),

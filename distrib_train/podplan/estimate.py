@@ -49,6 +49,7 @@ from jax.sharding import Mesh
 
 from distrib_train.podplan import collectives as collectives_lib
 from distrib_train.podplan import cpu_attention
+from distrib_train.recipes import cudnn_attention, llama
 from distrib_train.podplan import gpu as gpu_lib
 from distrib_train.podplan import tpu as tpu_lib
 from distrib_train.cluster import hardware
@@ -88,11 +89,13 @@ def step_spec(config: Config, platform: str = "cpu") -> StepSpec:
     raise ValueError("model.attention is cudnn, a GPU kernel, and the target is a TPU: set model.attention to auto"
                      " (splash attention on TPU) or xla.")
   attention = getattr(job.model_config, "attention", None)
-  if (attention == "cudnn" and platform == "cpu") or (
-      attention in ("cudnn", "auto") and platform == "gpu" and not cudnn_loadable()):
-    what = "the CPU compiler" if platform == "cpu" else "this host (no cuDNN library)"
-    notes.append(f"cuDNN attention, which {what} cannot build, is planned as a query-chunked XLA attention of the"
-                 " same memory profile (cpu_attention.py); its FLOPs include the causal half cuDNN skips.")
+  if attention == "cudnn" and platform == "cpu":
+    notes.append("cuDNN attention, which the CPU compiler cannot build, is planned as a query-chunked XLA attention"
+                 " of the same memory profile (cpu_attention.py); its FLOPs include the causal half cuDNN skips.")
+  elif attention in ("cudnn", "auto") and platform == "gpu" and not cudnn_loadable():
+    notes.append("cuDNN attention is compiled as its custom calls without the cuDNN library (cuDNN"
+                 f" {cudnn_attention.ASSUMED_CUDNN_VERSION // 10000}.{cudnn_attention.ASSUMED_CUDNN_VERSION // 100 % 100}"
+                 " assumed); its workspace is sized when it first runs, outside the compiled figures.")
   return StepSpec(**{field.name: getattr(job, field.name) for field in dataclasses.fields(JobSpec)}, notes=notes)
 
 
@@ -110,9 +113,11 @@ def cudnn_loadable() -> bool:
 def _stand_ins(mesh: Mesh):
   """What a trace needs in place of kernels this host cannot build: cuDNN attention on CPU devices, or on
   compile-only GPU devices without the cuDNN library."""
-  platform = mesh.devices.flat[0].platform
-  if platform == "cpu" or (platform == "gpu" and not cudnn_loadable()):
+  device = mesh.devices.flat[0]
+  if device.platform == "cpu":
     return cpu_attention.emulating_cudnn()
+  if device.platform == "gpu" and not cudnn_loadable():  # XLA's CUDA compiler builds cuDNN's custom calls
+    return cudnn_attention.compile_only(llama.gpu_capability(device))
   return contextlib.nullcontext()
 
 
@@ -194,6 +199,7 @@ class PodPlan:
   topology: TpuTopology | gpu_lib.GpuTarget | None = None
   microbatches: int = 1
   pipeline_repeats: int = 1
+  custom_calls: tuple[str, ...] = ()  # the compiled program's custom-call targets (cuDNN attention, cuBLAS, …)
 
   @property
   def compiled(self) -> bool:
@@ -356,4 +362,5 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
                  " be up to 2× what the TPU or GPU compiler sends.")
   return PodPlan(config_name, mesh_config.source, devices, kind, lay, plan,
                  memory_of(plan, kind, compiled, memory_fraction, scale), collectives, times, spec.tokens_per_step,
-                 spec.param_count(), timings, notes, emulated, efficiency, **extra)
+                 spec.param_count(), timings, notes, emulated, efficiency, **extra,
+                 custom_calls=tuple(sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))))

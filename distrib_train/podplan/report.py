@@ -191,6 +191,8 @@ def as_dict(pod: Any) -> dict[str, Any]:
   }
   if pod.pipeline() is not None:
     out["pipeline"] = pod.pipeline()
+  if pod.custom_calls:
+    out["custom_calls"] = list(pod.custom_calls)
   if pod.collectives is not None:
     out["collectives"] = collectives_lib.as_dicts(collectives_lib.summarize(pod.collectives))
     out["wire_bytes"] = pod.wire_bytes()

@@ -26,7 +26,7 @@ from flax import nnx
 
 import distrib_train.microbatches as microbatching
 from distrib_train.parallel import context
-from distrib_train.recipes import fp8
+from distrib_train.recipes import cudnn_attention, fp8
 from distrib_train.parallel.pipeline import layer_stack
 from distrib_train.recipes.attention import BLOCK as splash_block
 from distrib_train.recipes.attention import splash_attention
@@ -59,6 +59,7 @@ class LlamaConfig:
   remat: str = "none"
   scan_layers: bool = True
   attention: str = "auto"  # "auto" (see attention_implementation), "xla", "cudnn" or "splash" (TPU)
+  max_segments: int = 8  # runs a packed row may hold in cuDNN's packed attention (cudnn_attention.py); 0: a mask
   loss_chunk_size: int = 1024  # tokens per cross-entropy chunk (per sequence)
   loss_remat: bool = True  # recompute each chunk's logits in the backward pass (False: keep them, more memory)
   tie_embeddings: bool = False  # the output head is the embedding table (Llama 3.2 1B/3B, small Qwen2.5)
@@ -71,6 +72,7 @@ class LlamaConfig:
   context_attention: str = "ring"  # with a context mesh axis: "ring" or "all_gather" (parallel/context.py)
   fp8: str = "none"  # "none", "current" or "delayed": the projections' operands rounded to FP8 (recipes/fp8.py)
   fp8_amax_history: int = 16  # steps of amax each delayed scale is taken from (fp8 "delayed" only)
+  fp8_min_dim: int = 2048  # a matmul whose weight is smaller along its contraction or output stays bf16 (fp8.active)
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -84,6 +86,10 @@ class LlamaConfig:
       raise ValueError(f"fp8_amax_history must be at least 1, got {self.fp8_amax_history}.")
     if self.context_attention not in ("ring", "all_gather"):
       raise ValueError(f"context_attention must be 'ring' or 'all_gather', got {self.context_attention!r}.")
+    if isinstance(self.max_segments, bool) or not isinstance(self.max_segments, int) or not (
+        self.max_segments == 0 or self.max_segments >= 2):
+      raise ValueError(f"max_segments must be 0 (a dense segment mask) or at least 2 (a document and the"
+                       f" padding), got {self.max_segments!r}.")
     if self.attention not in ("auto", "xla", "cudnn", "splash"):
       raise ValueError(f"attention must be 'auto', 'xla', 'cudnn' or 'splash', got {self.attention!r}.")
 
@@ -109,7 +115,7 @@ class LlamaConfig:
 PRESETS: dict[str, LlamaConfig] = {
     # Trains in seconds on CPU; byte-level vocabulary.
     "tiny": LlamaConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                        mlp_dim=192, max_seq_len=256, dtype="float32", loss_chunk_size=64),
+                        mlp_dim=192, max_seq_len=256, dtype="float32", loss_chunk_size=64, fp8_min_dim=0),
     "124m": LlamaConfig(d_model=768, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64, mlp_dim=2048),
     "350m": LlamaConfig(d_model=1024, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=64, mlp_dim=2816),
     "1b": LlamaConfig(d_model=2048, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=128, mlp_dim=5632,
@@ -174,6 +180,19 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float | jax.Array) -> jax.
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def _device(q: jax.Array):  # the step's mesh's first device, or JAX's
+  return active[0].devices.flat[0] if (active := active_activation_sharding()) else jax.devices()[0]
+
+
+def gpu_capability(device) -> tuple[int, int]:
+  """A GPU's compute capability (``(0, 0)`` for anything else, or where the device does not say)."""
+  try:
+    major, minor = (int(x) for x in str(getattr(device, "compute_capability", "")).split(".")[:2])
+  except ValueError:
+    return (0, 0)
+  return (major, minor) if device.platform == "gpu" else (0, 0)
+
+
 def attention_implementation(requested: str, q: jax.Array, masked: bool = False) -> str | None:
   """The attention a block runs: ``"auto"`` picks splash on TPU, cuDNN where it runs, else XLA.
 
@@ -186,25 +205,34 @@ def attention_implementation(requested: str, q: jax.Array, masked: bool = False)
   the [batch, heads, length, length] scores: 2.2 × slower for the 124m preset
   on an H100 (bench/NOTES.md, lever 1). cuDNN's flash attention needs an
   Ampere or newer GPU, 16-bit inputs and a head size that is a multiple of 8
-  up to 128; anything else, and a segment mask (packed documents), keeps
-  jax's default.
+  up to 128; anything else keeps jax's default. Packed rows (``masked``) go to cuDNN too: its packed layout
+  on Hopper (``cudnn_attention.py``), its dense segment mask before (3.8 × faster than XLA's on an H100).
   """
+  del masked  # packed and unpacked rows alike
   if requested != "auto":
     return requested
-  active = active_activation_sharding()
-  device = active[0].devices.flat[0] if active else jax.devices()[0]
+  device = _device(q)
   if device.platform == "tpu":
     return "splash" if q.shape[1] % splash_block == 0 else None
-  capability = getattr(device, "compute_capability", None)
-  try:
-    major = int(str(capability).split(".")[0])
-  except ValueError:
-    major = 0
   head_dim = q.shape[-1]
-  if (not masked and device.platform == "gpu" and major >= 8 and q.dtype in (jnp.bfloat16, jnp.float16)
+  if (gpu_capability(device) >= (8, 0) and q.dtype in (jnp.bfloat16, jnp.float16)
       and head_dim % 8 == 0 and head_dim <= 128):
     return "cudnn"
   return None
+
+
+def _attention(config: LlamaConfig, q, k, v, positions, segment_ids):
+  """Causal attention of ``q``, ``k``, ``v`` [batch, length, heads, head_dim], each document to itself."""
+  implementation = attention_implementation(config.attention, q, segment_ids is not None)
+  if context.context_size() > 1:  # the sequence is split over the context axis: ring (or all-gather) attention
+    return context.attention(q, k, v, positions, segment_ids, config.context_attention)
+  if implementation == "splash":
+    return splash_attention(q, k, v, segment_ids)
+  if (implementation == "cudnn" and segment_ids is not None and config.max_segments
+      and gpu_capability(_device(q)) >= (9, 0)):  # packed rows without a mask array
+    return cudnn_attention.packed_attention(q, k, v, segment_ids, max_segments=config.max_segments)
+  mask = None if segment_ids is None else cudnn_attention.segment_mask(segment_ids)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
 
 
 def attention_sublayer(config: LlamaConfig, x, layer, positions, segment_ids):
@@ -220,16 +248,7 @@ def attention_sublayer(config: LlamaConfig, x, layer, positions, segment_ids):
   freqs = rope_frequencies(config, q.shape[-1])
   q = constrain(rotary(q, positions, freqs), ("batch", "length", "heads", "head_dim"))
   k = constrain(rotary(k, positions, freqs), ("batch", "length", "kv_heads", "head_dim"))
-  mask = None
-  if segment_ids is not None:
-    mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-  implementation = attention_implementation(config.attention, q, mask is not None)
-  if context.context_size() > 1:  # the sequence is split over the context axis: ring (or all-gather) attention
-    attn = context.attention(q, k, v, positions, segment_ids, config.context_attention)
-  elif implementation == "splash":
-    attn = splash_attention(q, k, v, segment_ids)
-  else:
-    attn = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+  attn = _attention(config, q, k, v, positions, segment_ids)
   out = fp8.einsum("btnh,nhd->btd", attn, w["wo"], layer.get("fp8_wo"))
   return x + constrain(out, ("batch", "length", "embed"))
 
@@ -339,7 +358,7 @@ class Llama(nnx.Module):
     if c.fp8 == "delayed" and (use := microbatching.active_pipelining()) is not None and use.request.stages > 1:
       raise ValueError("model.fp8=delayed does not run with a stage axis: the pipeline runs every layer once per"
                        " microbatch, and each run would write the layer's amax history. Use fp8=current.")
-    with fp8.active(c.fp8):
+    with fp8.active(c.fp8, c.fp8_min_dim):
       carry = layer_stack(block, self._carry(x), layers,
                           per_example={"positions": positions, "segment_ids": segment_ids}, scan=c.scan_layers,
                           layer_axes={k: tuple(v.out_sharding) for k, v in self.layers.items()})

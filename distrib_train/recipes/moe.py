@@ -100,7 +100,7 @@ PRESETS: dict[str, MoEConfig] = {
     # Trains in seconds on CPU: 4 layers of 8 experts, 2 per token; byte-level vocabulary.
     "tiny": MoEConfig(vocab_size=256, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
                           max_seq_len=256, dtype="float32", loss_chunk_size=64, num_experts=8,
-                          experts_per_token=2, expert_mlp_dim=96),
+                          experts_per_token=2, expert_mlp_dim=96, fp8_min_dim=0),
     # Mixtral-8x7B's shape: 46.7B parameters, 12.9B active.
     "mixtral-8x7b": MoEConfig(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                               head_dim=128, max_seq_len=4096, rope_theta=1e6, num_experts=8, experts_per_token=2,

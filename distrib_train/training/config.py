@@ -197,7 +197,17 @@ class Config:
     return dataclasses.replace(recipe, config=config)
 
   def data_config(self) -> DataConfig:
-    """This config's ``distrib_train.data.DataConfig`` (the ``data`` section)."""
+    """This config's ``distrib_train.data.DataConfig`` (the ``data`` section); with packing and
+    ``max_documents_per_row`` 0, rows hold what the model's packed attention takes (``max_segments`` - 1)."""
+    segments = getattr(self.model_recipe().config, "max_segments", 0)
+    if not (self.data.packing and segments):
+      return self.data
+    if not self.data.max_documents_per_row:
+      return dataclasses.replace(self.data, max_documents_per_row=segments - 1)
+    if self.data.max_documents_per_row > segments - 1:
+      raise ConfigError(f"data.max_documents_per_row={self.data.max_documents_per_row} is more than the model's"
+                        f" packed attention takes: model.max_segments={segments} runs a row, the padding included;"
+                        f" raise model.max_segments to {self.data.max_documents_per_row + 1} or lower the data's.")
     return self.data
 
 

@@ -116,6 +116,9 @@ def model_field_types(name: str, preset: str) -> dict[str, type]:
   return {f.name: type(getattr(config, f.name)) for f in dataclasses.fields(config)}
 
 
+_MAY_BE_ZERO = ("max_segments", "fp8_min_dim")  # integer model fields where 0 is a setting (off), not a size
+
+
 def check_model_value(key: str, value: Any) -> Any:
   """What a model config cannot catch before it builds: every integer field
   of the reference models is a size (0 or less fails deep inside jit, or
@@ -127,8 +130,9 @@ def check_model_value(key: str, value: Any) -> Any:
   Raises:
     ConfigError: a size below 1 or a dtype that is not a float type, the key named.
   """
-  if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-    raise ConfigError(f"{key} must be at least 1, got {short_repr(value)}.")
+  zero_ok = key.rsplit(".", 1)[-1] in _MAY_BE_ZERO
+  if isinstance(value, int) and not isinstance(value, bool) and value < (0 if zero_ok else 1):
+    raise ConfigError(f"{key} must be at least {0 if zero_ok else 1}, got {short_repr(value)}.")
   if key.endswith("dtype"):
     import jax.numpy as jnp
 
