@@ -17,7 +17,9 @@ stacks, then one ``error:`` line naming the phase and the silent process);
 143 (130) SIGTERM (SIGINT) outside the step loop or a
 second one, stopping at once; 1 a checkpoint
 that could not be written mid-run (a full or read-only disk: one ``error:``
-line naming the step, the directory and the cause) or a failed process.
+line naming the step, the directory and the cause), a step out of device memory mid-run (one
+``error:`` line with the levers; a step that cannot fit is refused before the first step, status 2) or a
+failed process.
 """
 
 from __future__ import annotations
@@ -143,6 +145,11 @@ def main(argv: Sequence[str]) -> None:
       os._exit(128 + signum)
     sys.exit(128 + signum)
   except Exception as e:
+    from distrib_train.training.checks import out_of_memory_message
+
+    if (oom := out_of_memory_message(e, None)) is not None:  # one line with the levers, not the allocator's
+      print(f"distrib-train: error: {oom}", file=sys.stderr, flush=True)
+      os._exit(1) if distributed.is_multiprocess() else sys.exit(1)
     if not distributed.is_multiprocess():
       from distrib_train.checkpoint import CheckpointError
 

@@ -43,6 +43,8 @@ from collections.abc import Sequence
 
 import jax
 
+from distrib_train.cluster import gpu_environment
+
 _LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
@@ -169,6 +171,7 @@ def initialize(
     ValueError: an incomplete or inconsistent setup (named), before any
       connection is tried.
   """
+  gpu_environment.prepare()  # the GPU client's memory fraction and command buffers, before JAX starts it
   coordinator_address = coordinator_address or os.environ.get("DT_COORDINATOR_ADDRESS") or None
   num_processes = num_processes if num_processes is not None else _env_int("DT_NUM_PROCESSES")
   process_id = process_id if process_id is not None else _env_int("DT_PROCESS_ID")

@@ -63,9 +63,10 @@ class DeviceKind:
     return int(self.memory_bytes * self.usable_fraction)
 
 
-# GPU memory fraction: launch/slurm_gpu.sbatch and the benchmarks set
-# XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 (jax's own default is 0.75).
-_GPU_FRACTION = 0.92
+# GPU memory fraction the presets are tuned at: the trainer (cluster/gpu_environment.py), launch/slurm_gpu.sbatch
+# and the benchmarks set XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 unless it is set (jax's own default is 0.75).
+GPU_MEMORY_FRACTION = 0.92
+_GPU_FRACTION = GPU_MEMORY_FRACTION
 
 DEVICE_KINDS: dict[str, DeviceKind] = {
     k.name: k for k in (

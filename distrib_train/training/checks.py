@@ -10,6 +10,9 @@
   run did.
 - ``check_token_ids``: the first batch's ids are inside the model's
   vocabulary.
+- ``check_step_fits``: the compiled step fits the GPU's memory (after
+  compiling, before the first step); ``out_of_memory_message`` says the
+  same for an out-of-memory error mid-run.
 
 All but the last run before the workdir is written to; all raise
 ``ValueError`` (``TrainerSetupError`` for the first batch), which the trainer
@@ -194,3 +197,54 @@ def check_same_tokenizer(meta: Mapping, fingerprint: Mapping, where: str) -> Non
       else "")
   raise ValueError(f"{where} was trained with tokenizer {what(saved)}; this run names {what(fingerprint)}. Resume"
                    " with the checkpoint's tokenizer, or start in a new workdir (fine-tuning from its weights).")
+
+
+# Memory a GPU step needs beyond its compiled figures: cuDNN's workspace (sized when a kernel first runs) and
+# the autotuner's scratch, both taken from the same pool.
+CUDNN_ALLOWANCE_BYTES = 1 << 30
+CUDNN_ALLOWANCE_FRACTION = 0.03
+MEMORY_LEVERS = ("lower data.global_batch_size, raise train.microbatches, set model.remat (dots_saveable or full),"
+                 " or shard the state over more devices (an fsdp axis in the mesh config)")
+
+
+def step_memory_need(analysis, limit: int) -> tuple[int, int]:
+  """``(need, allowance)``: the bytes a compiled step holds at its peak on one device (arguments, outputs
+  that do not reuse them, temporaries) plus the allowance for cuDNN and autotuning, against a pool of
+  ``limit`` bytes."""
+  allowance = max(CUDNN_ALLOWANCE_BYTES, int(CUDNN_ALLOWANCE_FRACTION * limit))
+  need = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+          + analysis.temp_size_in_bytes)
+  return need + allowance, allowance
+
+
+def check_step_fits(compiled, device) -> None:
+  """Refuses a step that cannot fit ``device``'s memory pool (a GPU's ``bytes_limit``).
+
+  Raises:
+    TrainerSetupError: one sentence with the figures and the levers.
+  """
+  stats = device.memory_stats() if device.platform == "gpu" else None
+  analysis = compiled.memory_analysis()
+  if not stats or "bytes_limit" not in stats or analysis is None:
+    return
+  limit = int(stats["bytes_limit"])
+  need, allowance = step_memory_need(analysis, limit)
+  if need > limit:
+    from distrib_train.common.text import human_bytes as size
+
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75, JAX's default")
+    raise TrainerSetupError(
+        f"The train step does not fit {device.device_kind}: it needs {size(need)} per device (arguments"
+        f" {size(analysis.argument_size_in_bytes)}, temporaries {size(analysis.temp_size_in_bytes)}, cuDNN and"
+        f" autotuning {size(allowance)}) of the {size(limit)} JAX may use (XLA_PYTHON_CLIENT_MEM_FRACTION"
+        f" {fraction}); {MEMORY_LEVERS}.")
+
+
+def out_of_memory_message(error: BaseException, step: int | None) -> str | None:
+  """One line for an out-of-memory error of a step (``None`` for any other error)."""
+  text = str(error)
+  if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+    return None
+  first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+  at = f" at step {step}" if step is not None else ""
+  return (f"the device ran out of memory{at} ({first[:200]}); the last checkpoint is intact. To fit: {MEMORY_LEVERS}.")

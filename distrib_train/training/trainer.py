@@ -52,7 +52,7 @@ from distrib_train.checkpoint.manager import CheckpointManager
 from distrib_train.checkpoint.tiers import CheckpointTiers, local_tier
 from distrib_train.training.checks import (TrainerSetupError, check_batch_is_split, check_every_axis_is_used,
                                            check_context, check_fp8, check_microbatches, check_same_tokenizer,
-                                           check_path_components, check_workdir, local_value,
+                                           check_path_components, check_step_fits, check_workdir, local_value,
                                            tokenizer_fingerprint)
 from distrib_train.training.compilation import (CacheEvents, cache_unsafe_reason, memory_line,
                                                 setup_compilation_cache)
@@ -268,6 +268,7 @@ class Trainer:
         source = "from the persistent cache" if cache.hits and not cache.misses else "compiled"
         writer.log(f"Train step {source} in {time.perf_counter() - compile_start:.1f} s; "
                    + memory_line(compiled))
+        check_step_fits(compiled, plan.mesh.devices.flat[0])  # a GPU step too large: one line, exit 2
         if train_step.pipelining is not None:
           p = train_step.pipelining
           writer.log(f"Pipeline: {p.stages} stages, {p.microbatches} microbatches, "
