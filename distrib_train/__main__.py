@@ -2,4 +2,5 @@
 
 from distrib_train.cli import run
 
-run()
+if __name__ == "__main__":  # not in a data worker process, which imports this module as __mp_main__
+  run()

@@ -333,7 +333,9 @@ def test_bad_data_configs_are_rejected(kwargs, message):
     data.DataConfig(**kwargs)
 
 
-def test_bad_data_files_are_named(tmp_path):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_bad_data_files_are_named(tmp_path, workers):
+  """Named alike whether the lanes run in this process or in a worker process (``lane_process.py``)."""
   shardings = data_helpers.shardings(_mesh())
   cases = [
       (str(tmp_path / "missing-*.jsonl"), r"Data path '.*missing-\*.jsonl' matches no file"),
@@ -352,7 +354,8 @@ def test_bad_data_files_are_named(tmp_path):
   cases.append((str(corrupt), r"Data file '.*corrupt.array_record' is not a readable ArrayRecord file"))
   for path, message in cases:
     with pytest.raises(ValueError, match=message):
-      data.DataLoader(data.DataConfig(source="text", paths=(path,), seq_len=8, global_batch_size=8), shardings)
+      data.DataLoader(data.DataConfig(source="text", paths=(path,), seq_len=8, global_batch_size=8,
+                                      num_workers=workers), shardings)
 
 
 def test_unpacked_sequences_longer_than_every_document_are_refused(tmp_path):

@@ -155,18 +155,17 @@ class DataLoader:
 
     _allow_grain_workers_outside_absl()
     config = self.config
+    shardings, global_batch = self.input_shardings, config.global_batch_size
+    if num_epochs is None:  # training: each row from its own lane (lanes.py), whatever the job's shape
+      from distrib_train.data import endless, lane_process
+
+      self._lanes = lane_process.open_lanes(
+          config, split, self.shard_count, vocab_size,
+          rows=range(self.shard_index * self.local_batch_size, (self.shard_index + 1) * self.local_batch_size))
+      return endless.prefetched(self._lanes, self._lane_batch)
     docs, indices, tokenize = splits.split_documents(config, split, self.shard_count, vocab_size)
     ds = grain.MapDataset.source(splits.Subset(docs, indices))  # the split's documents
     ds = ds.shuffle(seed=config.seed)  # the same global order in every process
-    shardings, global_batch = self.input_shardings, config.global_batch_size
-    if num_epochs is None:  # training: each row from its own lane (lanes.py), whatever the job's shape
-      from distrib_train.data import endless
-
-      self._lanes = lanes_lib.Lanes(
-          ds.repeat(None), tokenize, lanes=config.global_batch_size, length=config.seq_len + 1,
-          packing=config.packing, threads=config.num_threads,
-          rows=range(self.shard_index * self.local_batch_size, (self.shard_index + 1) * self.local_batch_size))
-      return endless.prefetched(self._lanes, self._lane_batch)
     return finite.batches(ds, config=config, tokenize=tokenize, shard_index=self.shard_index,
                           shard_count=self.shard_count, num_epochs=num_epochs,
                           local_batch_size=self.local_batch_size, pad_last_batch=split == "eval",
@@ -179,7 +178,8 @@ class DataLoader:
 
   def _lane_batch(self, rows: list[dict[str, np.ndarray]]) -> dict[str, Any]:
     """The lanes' next rows (endless.py) → this process's rows and the global batch."""
-    rows = [sequences.shifted(row) if self.config.packing else sequences.unpacked(row["tokens"]) for row in rows]
+    cap = self.config.max_documents_per_row
+    rows = [sequences.shifted(row, cap) if self.config.packing else sequences.unpacked(row["tokens"]) for row in rows]
     local = {name: np.stack([row[name] for row in rows]) for name in rows[0]}
     return {"local": local, "global": to_global(local, self.input_shardings, self.config.global_batch_size)}
 
