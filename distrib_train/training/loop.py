@@ -77,6 +77,22 @@ _stack_figures = jax.jit(lambda loss, optimizer_figures, aux: jnp.stack(
     + [jnp.asarray(aux[k], jnp.float32) for k in sorted(aux)]))
 
 
+def _shards_on_one_device(figures: Any) -> Any:
+  """Each replicated figure's shard on one device of this process (the first figure's first)."""
+  arrays = [x for x in jax.tree_util.tree_leaves(figures) if isinstance(x, jax.Array)]
+  if not arrays:
+    return figures
+  device = arrays[0].addressable_shards[0].device
+
+  def shard(x: Any) -> Any:
+    if not isinstance(x, jax.Array):
+      return x
+    mine = [s.data for s in x.addressable_shards if s.device == device]
+    return mine[0] if mine else jax.device_put(x.addressable_data(0), device)
+
+  return jax.tree_util.tree_map(shard, figures)
+
+
 class TrainLoop:
   """Trains from ``state`` to ``last_step``.
 
@@ -186,7 +202,10 @@ class TrainLoop:
   def _dispatch_figures(self, aux: Any) -> _Pending:
     loss = aux["loss"] if isinstance(aux, Mapping) and "loss" in aux else aux
     extra = aux_scalars(aux)
-    figures = _stack_figures(loss, optimizers.metrics_of(self.state.opt_state), extra)
+    # From each figure's first shard: the figures are replicated scalars, and stacking the replicated arrays
+    # would wait (on CPU devices) for the whole step before the next one is dispatched (8 ms a step, tiny
+    # model on 8 CPU devices: trainer 0.93 → 1.02 × its bare step).
+    figures = _stack_figures(*_shards_on_one_device((loss, optimizers.metrics_of(self.state.opt_state), extra)))
     return _Pending(self.step, figures, sorted(extra))
 
   def _judge_pending(self) -> Verdict:
