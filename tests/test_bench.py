@@ -23,3 +23,22 @@ def test_train_throughput_smoke_on_cpu(tmp_path):
   rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
   assert {r["path"] for r in rows} == {"reference", "framework"}
   assert all(not r.get("error") and r["tokens_per_s"] > 0 for r in rows), rows
+
+
+def test_trainer_loop_bench_runs_the_trainer_beside_its_bare_step_on_cpu(tmp_path):
+  """bench/trainer_loop.py on the tiny preset with real text and a worker process: both figures, their ratio
+  and the data wait are written (the ratio itself is a benchmark's figure, not a test's)."""
+  corpus = tmp_path / "corpus.jsonl"
+  corpus.write_text("".join(json.dumps({"text": f"document {i} " + "lorem ipsum dolor " * (5 + i % 40)}) + "\n"
+                            for i in range(400)))
+  out = subprocess.run(
+      [sys.executable, "bench/trainer_loop.py", "--config", "tiny", "--cpu_devices", "8", "--steps", "6",
+       "--log_every", "2", "--text", str(corpus), "--set", "data.num_workers=1", "--set", "data.seq_len=64",
+       "--json", str(tmp_path / "loop.json")],
+      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=400)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  assert "trainer / bare step:" in out.stdout
+  found = json.loads((tmp_path / "loop.json").read_text())
+  assert found["bare"]["tokens_per_s"] > 0 and found["trainer"]["tokens_per_s"] > 0
+  assert found["trainer"]["windows"] == 2 and found["ratio"] > 0 and 0 <= found["data_wait_share"] < 1
+  assert "data.num_workers=1" in found["sets"]

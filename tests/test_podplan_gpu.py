@@ -16,6 +16,10 @@ import sys
 
 import pytest
 
+from distrib_train.cluster import hardware
+from distrib_train.training import checks
+from distrib_train.training import config as config_lib
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PLUGIN = pathlib.Path(os.environ.get("DISTRIB_TRAIN_CUDA_PLUGIN", ROOT / ".ci-venv" / "cuda-plugin"))
 
@@ -99,3 +103,61 @@ def test_fp8_matmuls_compile_to_float8_gemms_for_an_h100():
     assert len(dots[mode]) == 3, dots
     assert sorted(tuple(sorted(t)) for t in dots[mode]) == [("f8e4m3fn", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2"),
                                                             ("f8e4m3fn", "f8e5m2")], dots
+
+
+_PACKED_PROGRAM = r"""
+import json, re
+from distrib_train.cluster import hardware
+from distrib_train.podplan import estimate, gpu
+from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
+from distrib_train.training import config as config_lib
+
+config = config_lib.load("tiny", {"model.dtype": "bfloat16", "model.attention": ATTENTION, "data.source": "synthetic",
+                                   "data.seq_len": 320, "data.global_batch_size": 4, "mesh_config": "gpu-1"})
+kind = hardware.device_kind("h100")
+target = gpu.GpuTarget(kind, 1, 1)
+mesh_config = MeshConfig.from_yaml(find_mesh_config("gpu-1"))
+spec = estimate.step_spec(config, "gpu")
+mesh = estimate.emulated_mesh(estimate.layout(mesh_config, 1, kind), gpu.devices(target))
+rules = estimate.rules_for(config, mesh_config)
+plan = estimate.plan_state(spec, mesh, rules)
+text = estimate.compile_step(spec, plan, rules)[0].as_text()
+calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
+fmha = [line for line in text.splitlines() if "custom-call(" in line and "fmhaSoftmax" in line]
+print(json.dumps({"calls": calls, "square": sorted(set(re.findall(r"\w+\[[\d,]*320,320\]", text))),
+                  "offsets": sorted(set(s for line in fmha for s in re.findall(r"s32\[4,\d+\]", line)))}))
+"""
+
+
+@pytest.mark.parametrize("attention", ["auto", "cudnn"])
+def test_packed_rows_compile_to_cudnn_packed_attention_without_a_length_by_length_array(attention):
+  """The trainer's step for packed rows (the synthetic source packs documents) on an H100, by XLA's CUDA
+  compiler without a GPU: cuDNN's fused attention forward and backward, fed each row's segment lengths and
+  offsets ([batch, max_segments] and [batch, max_segments + 1]), and no [.., length, length] array anywhere —
+  neither the scores nor a segment mask."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(PLUGIN), str(ROOT)])}
+  env.pop("XLA_FLAGS", None)
+  run = subprocess.run([sys.executable, "-c", _PACKED_PROGRAM.replace("ATTENTION", repr(attention))], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  found = json.loads(run.stdout.strip().splitlines()[-1])
+  assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= set(found["calls"]), found
+  assert found["square"] == [], found
+  assert found["offsets"] == ["s32[4,8]", "s32[4,9]"], found  # max_segments 8: lengths and offsets
+
+
+@pytest.mark.parametrize("preset", sorted(n for n in config_lib.preset_names() if n.endswith("-gpu")))
+def test_every_shipped_gpu_preset_fits_its_gpus_as_the_trainer_checks_it(preset, tmp_path):
+  """A user who runs a shipped GPU preset must not meet an out-of-memory: ``distrib-train plan`` compiles it with
+  XLA's CUDA compiler for the GPUs of its mesh config (real cuDNN attention calls, no GPU needed), and the step
+  fits the share of the card the trainer gives JAX (``XLA_PYTHON_CLIENT_MEM_FRACTION``,
+  ``cluster/gpu_environment.py``) with the trainer's own allowance for cuDNN's workspace and autotuning
+  (``training/checks.check_step_fits``)."""
+  out = _plan("--config", preset, "--json", str(tmp_path / "plan.json"))
+  assert out.returncode == 0, out.stderr[-3000:]
+  plan = json.loads((tmp_path / "plan.json").read_text())
+  memory = plan["memory"]
+  assert plan["compiler"] == "gpu" and memory["usable"] == int(memory["capacity"] * hardware.GPU_MEMORY_FRACTION)
+  assert "__cudnn$fmhaSoftmaxBackward" in plan["custom_calls"], plan["custom_calls"]
+  allowance = max(checks.CUDNN_ALLOWANCE_BYTES, int(checks.CUDNN_ALLOWANCE_FRACTION * memory["usable"]))
+  assert memory["total"] + allowance <= memory["usable"], (memory, allowance)

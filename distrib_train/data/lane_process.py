@@ -35,6 +35,7 @@ import dataclasses
 import json
 import struct
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -123,6 +124,8 @@ def _serve() -> None:
   """A worker's main (``python -m distrib_train.data.lane_process``): its arguments come as the first frame
   on stdin, its rows go to stdout as frames; later frames on stdin restore (``generation``, ``positions``)
   or stop it."""
+  for signum in (signal.SIGINT, signal.SIGTERM):  # the training process handles them and then closes this one;
+    signal.signal(signum, signal.SIG_IGN)         # if it dies instead, its pipes close and this one ends
   frames = os.fdopen(os.dup(1), "wb")
   os.dup2(2, 1)  # anything else printed goes to stderr, not into the frames
   commands = sys.stdin.buffer

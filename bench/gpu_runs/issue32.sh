@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 32's GPU checks, in one call of the device tool (H100 or H200, jax 0.11 image without grain):
+#   bash bench/gpu_runs/issue32.sh a   # attention check and timings, 124m synthetic and real text, a refusal
+#   bash bench/gpu_runs/issue32.sh b   # 1b as shipped in bf16 and fp8, unpacked real text
+# Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/
+# (corpus.jsonl and tokenizer.json) carried along. Writes $OUT/issue32-<part>.log and the benches' JSON.
+set -u
+part=${1:-a}
+out=${OUT:-/tmp}
+log=$out/issue32-$part.log
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+# The bare step and the trainer compile the same program: the second reads it from this cache.
+export JAX_COMPILATION_CACHE_DIR=/tmp/xla-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+start=$SECONDS
+run() {
+  local limit=$1
+  shift
+  echo "=== [$((SECONDS - start)) s] $*" | tee -a "$log"
+  timeout "$limit" "$@" > /tmp/run.out 2>&1
+  echo "exit $?" >> /tmp/run.out
+  grep -v "^W[0-9]\{4\} \|^I[0-9]\{4\} \|cuda_executor\|bfc_allocator" /tmp/run.out | tail -n 30 | tee -a "$log"
+}
+text=(--text .gpu_data/corpus.jsonl --tokenizer hf:.gpu_data/tokenizer.json)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
+python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -1 | tee -a "$log"
+if [[ $part == a ]]; then
+  run 150 python3 bench/gpu_attention.py
+  run 90 python3 bench/gpu_attention.py --kv_heads 4 --documents 7 --max_segments 8 --iters 5
+  run 200 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 60 --json "$out/124m-synthetic.json"
+  run 240 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 60 "${text[@]}" --json "$out/124m-text.json"
+  run 120 python3 -m distrib_train --config llama-124m-gpu --workdir /tmp/refused --steps 5 \
+    --set data.global_batch_size=512
+  find /tmp/refused 2>&1 | tee -a "$log"
+else
+  run 200 python3 bench/trainer_loop.py --config llama-1b-gpu --steps 30 --json "$out/1b.json"
+  run 120 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 60 "${text[@]}" --json "$out/124m-text.json"
+  run 160 python3 bench/trainer_loop.py --config llama-1b-gpu --steps 30 --set model.fp8=current \
+    --json "$out/1b-fp8.json"
+  run 100 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 30 "${text[@]}" --set data.packing=false \
+    --json "$out/124m-unpacked.json"
+fi
+echo "=== done in $((SECONDS - start)) s" | tee -a "$log"
