@@ -19,7 +19,8 @@ the loader's lanes reading, tokenizing and packing, the batch transfer, the
 previous-step check, the metrics windows and the hooks.
 
 The figure is (b) / (a) tokens/s over the steps after the first log window
-(compilation and warm-up excluded), with (b)'s data wait as a share of its
+(compilation and warm-up excluded; ``--bracket`` times (a) before and after
+(b) and takes their mean), with (b)'s data wait as a share of its
 step time. ``--text`` and ``--tokenizer`` train (b) on a real corpus
 (``data.source=text``); (a) then steps on that corpus's first batch.
 Target (issue 32): ≥ 0.98 on synthetic tokens, ≥ 0.95 on real text.
@@ -69,7 +70,7 @@ def bare(args: argparse.Namespace) -> dict:
   config = config_lib.load(args.config, config_lib.parse_overrides(_overrides(args)))
   trainer = Trainer(config, tempfile.mkdtemp(prefix="bare-"))
   plan = trainer._plan()  # the trainer's own planning and checks
-  loader = DataLoader(config.data_config(), plan.input_kwarg_shardings, vocab_size=trainer.vocab_size)
+  loader = DataLoader(trainer.data_config, plan.input_kwarg_shardings, vocab_size=trainer.vocab_size)
   batch = next(loader)
   loader.close()
   step = build_train_step_fn(trainer.loss_fn, donate_params_and_state=True,
@@ -146,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--tokenizer", help="data.tokenizer, e.g. hf:tokenizer.json")
   parser.add_argument("--cpu_devices", type=int, help="emulated CPU devices (as the trainer's flag)")
   parser.add_argument("--timeout", type=float, default=1800)
+  parser.add_argument("--bracket", action="store_true", help="time the bare step before and after the trainer"
+                      " (their mean; their spread is the host's drift)")
   parser.add_argument("--json", help="write the figures here")
   parser.add_argument("--role", choices=("both", "bare"), default="both", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -155,16 +158,24 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(bare(args)))
     return
   command = [sys.executable, __file__, "--role", "bare", *(argv if argv is not None else sys.argv[1:])]
-  run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
-  if run.returncode:
-    raise SystemExit(f"the bare step failed ({run.returncode}):\n{run.stderr[-3000:]}")
-  base = json.loads(run.stdout.strip().splitlines()[-1])
+
+  def bare_run() -> dict:
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    if run.returncode:
+      raise SystemExit(f"the bare step failed ({run.returncode}):\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+  before = bare_run()
   loop = trainer_run(args)
+  after = bare_run() if args.bracket else before  # drift of the host between the runs shows as their spread
+  base = {key: (before[key] + after[key]) / 2 for key in before}
+  base["spread"] = abs(before["tokens_per_s"] - after["tokens_per_s"]) / base["tokens_per_s"]
   out = {"config": args.config, "sets": _overrides(args), "bare": base, "trainer": loop,
          "ratio": loop["tokens_per_s"] / base["tokens_per_s"],
          "data_wait_share": loop["data_wait_ms"] / loop["step_ms"] if loop["step_ms"] else 0.0}
   print(f"{args.config} {' '.join(out['sets'])}".strip())
-  print(f"  bare step   {base['tokens_per_s']:>12,.0f} tokens/s  {base['step_ms']:8.2f} ms/step")
+  print(f"  bare step   {base['tokens_per_s']:>12,.0f} tokens/s  {base['step_ms']:8.2f} ms/step"
+        + (f"  (before and after the trainer, {base['spread']:.1%} apart)" if args.bracket else ""))
   print(f"  trainer     {loop['tokens_per_s']:>12,.0f} tokens/s  {loop['step_ms']:8.2f} ms/step"
         f"  data wait {loop['data_wait_ms']:.2f} ms ({out['data_wait_share']:.1%})")
   print(f"  trainer / bare step: {out['ratio']:.3f}")

@@ -17,6 +17,7 @@ from distrib_train.data import sequences
 from distrib_train.recipes import cudnn_attention
 from distrib_train.training import checks
 from distrib_train.training import config as config_lib
+from distrib_train.training import job as job_lib
 
 
 def _runs(row):
@@ -65,13 +66,23 @@ def test_the_loader_merges_documents_past_the_cap_into_one_run_of_weight_zero():
 
 
 def test_the_trainer_keeps_rows_to_what_the_models_packed_attention_takes():
-  assert config_lib.load("tiny").data_config().max_documents_per_row == 7  # model.max_segments 8: 7 + padding
-  assert config_lib.load("tiny", {"model.max_segments": "16"}).data_config().max_documents_per_row == 15
-  assert config_lib.load("tiny", {"data.max_documents_per_row": "3"}).data_config().max_documents_per_row == 3
-  assert config_lib.load("tiny", {"model.max_segments": "0"}).data_config().max_documents_per_row == 0
-  assert config_lib.load("tiny", {"data.packing": "false"}).data_config().max_documents_per_row == 0
+  """Only where cuDNN's packed layout runs (a Hopper GPU, attention auto or cudnn, no context axis); elsewhere
+  a row holds any number of documents."""
+  def cap(overrides=(), packed=True):
+    config = config_lib.load("tiny", dict(overrides))
+    return job_lib.data_config(config, config.model_recipe().config, packed=packed).max_documents_per_row
+
+  assert cap() == 7 and cap(packed=False) == 0  # model.max_segments 8: 7 documents and the padding
+  assert cap({"model.max_segments": "16"}) == 15
+  assert cap({"data.max_documents_per_row": "3"}) == 3
+  assert cap({"model.max_segments": "0"}) == 0
+  assert cap({"data.packing": "false"}) == 0
+  assert cap({"data.max_documents_per_row": "9"}, packed=False) == 9
   with pytest.raises(config_lib.ConfigError, match=r"data.max_documents_per_row=9 .* model.max_segments=8"):
-    config_lib.load("tiny", {"data.max_documents_per_row": "9"}).data_config()
+    cap({"data.max_documents_per_row": "9"})
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  assert not job_lib.packed_attention(config_lib.load("tiny", {"model.attention": "cudnn"}).model_recipe().config,
+                                      mesh)  # a CPU device
   with pytest.raises(ValueError, match="max_segments must be 0 .* or at least 2"):
     config_lib.load("tiny", {"model.max_segments": "1"}).model_recipe()
 
@@ -116,9 +127,11 @@ def test_a_step_that_cannot_fit_the_gpu_is_refused_with_its_figures_and_the_leve
 
 
 def test_an_out_of_memory_error_mid_run_is_one_line_with_the_levers():
-  error = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 60.61GiB with allocator"
-                       " GPU_0_bfc.\nCurrent allocation summary follows.\n" + "chunk\n" * 50)
+  error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 60.61GiB with"
+                                     " allocator GPU_0_bfc.\nCurrent allocation summary follows.\n" + "chunk\n" * 50)
   line = checks.out_of_memory_message(error, 120)
   assert "\n" not in line and "at step 120" in line and "60.61GiB" in line and "last checkpoint is intact" in line
   assert "train.microbatches" in line
   assert checks.out_of_memory_message(ValueError("bad shape"), 3) is None
+  # A storage service's quota (a checkpoint write to GCS, say) is not the device's memory.
+  assert checks.out_of_memory_message(RuntimeError("RESOURCE_EXHAUSTED: rate limit exceeded"), 3) is None

@@ -2,6 +2,8 @@
 # Issue 32's GPU checks, in one call of the device tool (H100 or H200, jax 0.11 image without grain):
 #   bash bench/gpu_runs/issue32.sh a   # attention check and timings, 124m synthetic and real text, a refusal
 #   bash bench/gpu_runs/issue32.sh b   # 1b as shipped in bf16 and fp8, unpacked real text
+#   bash bench/gpu_runs/issue32.sh c   # what is left: real text with the lanes in worker processes, unpacked
+#                                      # with four workers, FP8's policy on the small presets, attention table
 # Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/
 # (corpus.jsonl and tokenizer.json) carried along. Writes $OUT/issue32-<part>.log and the benches' JSON.
 set -u
@@ -34,6 +36,13 @@ if [[ $part == a ]]; then
   run 120 python3 -m distrib_train --config llama-124m-gpu --workdir /tmp/refused --steps 5 \
     --set data.global_batch_size=512
   find /tmp/refused 2>&1 | tee -a "$log"
+elif [[ $part == c ]]; then
+  run 200 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 60 "${text[@]}" --json "$out/124m-text-w1.json"
+  run 200 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 30 "${text[@]}" --set data.packing=false \
+    --set data.num_workers=4 --json "$out/124m-unpacked-w4.json"
+  run 150 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 60 --set model.fp8=current \
+    --json "$out/124m-fp8.json"
+  run 150 python3 bench/gpu_attention.py
 else
   run 200 python3 bench/trainer_loop.py --config llama-1b-gpu --steps 30 --json "$out/1b.json"
   run 120 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 60 "${text[@]}" --json "$out/124m-text.json"

@@ -39,6 +39,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -209,18 +210,20 @@ class ProcessLanes:
         frame = (kind, _rows_of(header, arrays) if kind == "rows" else header.get("message"))
       except (EOFError, OSError, ValueError, KeyError):
         frame = ("gone", None)
-      while not self._closing.is_set():
-        try:
+      while not self._closing.is_set():  # closing: frames are read and dropped, so a worker blocked writing
+        try:                              # one can finish it and see the stop
           received.put(frame, timeout=_POLL_S)
           break
         except queue.Full:
           continue
-      if frame[0] in ("gone", "error") or self._closing.is_set():
+      if frame[0] in ("gone", "error"):
         return
 
   def _receive(self, index: int, kind: str) -> Any:
     process, received = self._workers[index]
     while True:
+      if self._closing.is_set():
+        raise RuntimeError("the data worker processes were closed")
       try:
         got, payload = received.get(timeout=_POLL_S)
       except queue.Empty:
@@ -263,9 +266,10 @@ class ProcessLanes:
         process.stdin.close()
       except OSError:
         pass
+    deadline = time.monotonic() + 10
     for process, _ in self._workers:
       try:
-        process.wait(timeout=5)
+        process.wait(timeout=max(0.1, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
         process.kill()
         process.wait()

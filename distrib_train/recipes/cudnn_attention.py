@@ -38,6 +38,8 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
+from distrib_train.sharding.axis_rules import constrain
+
 # cuDNN's version the deviceless compile assumes: the packed layout and the
 # flash kernels of 9.x (jax's CUDA 12 wheels bring 9.8 and later).
 ASSUMED_CUDNN_VERSION = 90800
@@ -76,6 +78,8 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
   """
   fa = _module()
   seqlen, offsets = segment_layout(segment_ids, max_segments)
+  # Split over the batch as the queries are: jax's partitioning leaves them free, and its offsets are per shard.
+  seqlen, offsets = (constrain(x, ("batch", None)) for x in (seqlen, offsets))
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
   return fa.dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
                                   kv_offsets=offsets, scale=scale, mask_type=fa.MaskType.PADDING_CAUSAL)

@@ -231,6 +231,6 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, axes: tuple[s
   current scaling in either mode (an amax history read inside ``shard_map``, where the experts run, would
   have its written value summed over the shards). ``axes``: the mesh axes the operands are split over inside
   ``shard_map``, so each scale is the whole tensor's."""
-  if _MODE.get() == "none" or not _pays(w.shape[-2], w.shape[-1]):
+  if _MODE.get() == "none":  # no per-matmul policy: inside shard_map ``w`` is a shard, its sizes not the weight's
     return jax.lax.ragged_dot(x, w, group_sizes)
   return _matmul(("ragged",), tuple(axes), x, w.astype(x.dtype), None, group_sizes)

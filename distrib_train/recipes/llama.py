@@ -205,17 +205,16 @@ def attention_implementation(requested: str, q: jax.Array, masked: bool = False)
   the [batch, heads, length, length] scores: 2.2 × slower for the 124m preset
   on an H100 (bench/NOTES.md, lever 1). cuDNN's flash attention needs an
   Ampere or newer GPU, 16-bit inputs and a head size that is a multiple of 8
-  up to 128; anything else keeps jax's default. Packed rows (``masked``) go to cuDNN too: its packed layout
-  on Hopper (``cudnn_attention.py``), its dense segment mask before (3.8 × faster than XLA's on an H100).
+  up to 128; anything else keeps jax's default. Packed rows (``masked``) go to cuDNN on Hopper or newer, in
+  its packed layout (``cudnn_attention.py``); before Hopper to XLA (cuDNN's dense mask refuses odd lengths).
   """
-  del masked  # packed and unpacked rows alike
   if requested != "auto":
     return requested
   device = _device(q)
   if device.platform == "tpu":
     return "splash" if q.shape[1] % splash_block == 0 else None
   head_dim = q.shape[-1]
-  if (gpu_capability(device) >= (8, 0) and q.dtype in (jnp.bfloat16, jnp.float16)
+  if (gpu_capability(device) >= ((9, 0) if masked else (8, 0)) and q.dtype in (jnp.bfloat16, jnp.float16)
       and head_dim % 8 == 0 and head_dim <= 128):
     return "cudnn"
   return None

@@ -223,8 +223,11 @@ def check_step_fits(compiled, device) -> None:
   Raises:
     TrainerSetupError: one sentence with the figures and the levers.
   """
-  stats = device.memory_stats() if device.platform == "gpu" else None
-  analysis = compiled.memory_analysis()
+  try:  # this process's device; some backends have no figures
+    stats = device.memory_stats() if device.platform == "gpu" else None
+    analysis = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001
+    return
   if not stats or "bytes_limit" not in stats or analysis is None:
     return
   limit = int(stats["bytes_limit"])
@@ -243,8 +246,9 @@ def check_step_fits(compiled, device) -> None:
 def out_of_memory_message(error: BaseException, step: int | None) -> str | None:
   """One line for an out-of-memory error of a step (``None`` for any other error)."""
   text = str(error)
-  if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
-    return None
+  if type(error).__name__ not in ("JaxRuntimeError", "XlaRuntimeError") or (
+      "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower()):
+    return None  # not the device's (a storage service's RESOURCE_EXHAUSTED is not an out-of-memory)
   first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
   at = f" at step {step}" if step is not None else ""
   return (f"the device ran out of memory{at} ({first[:200]}); the last checkpoint is intact. To fit: {MEMORY_LEVERS}.")

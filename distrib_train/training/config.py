@@ -197,11 +197,16 @@ class Config:
     return dataclasses.replace(recipe, config=config)
 
   def data_config(self) -> DataConfig:
-    """This config's ``distrib_train.data.DataConfig`` (the ``data`` section); with packing and
-    ``max_documents_per_row`` 0, rows hold what the model's packed attention takes (``max_segments`` - 1)."""
-    segments = getattr(self.model_recipe().config, "max_segments", 0)
-    if not (self.data.packing and segments):
-      return self.data
+    """This config's ``distrib_train.data.DataConfig`` (the ``data`` section); the trainer's own, rows capped
+    for cuDNN's packed attention where it runs, is ``training/job.data_config``."""
+    return self.data
+    if not self.data.max_documents_per_row:
+      import jax
+
+      from distrib_train.recipes.llama import gpu_capability
+
+      if gpu_capability(jax.devices()[0]) < (9, 0):
+        return self.data
     if not self.data.max_documents_per_row:
       return dataclasses.replace(self.data, max_documents_per_row=segments - 1)
     if self.data.max_documents_per_row > segments - 1:

@@ -32,6 +32,8 @@ from distrib_train.sharding.plan import Plan, logical_annotations_only
 from distrib_train.sharding.planner import MeshPlanner
 from distrib_train.train_state import TrainState
 from distrib_train.training import optimizers
+from distrib_train.common.yaml_loader import ConfigError
+from distrib_train.data.config import DataConfig
 from distrib_train.training.config import Config
 
 
@@ -93,6 +95,36 @@ def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, lo
   return JobSpec(abstract, DataLoader.batch_schema(config.data_config()), loss_fn or recipe.loss_fn,
                  input_axes if input_axes is not None else recipe.input_axes, model_config, make_state, optimizer,
                  microbatches=t.microbatches, pipeline_repeats=t.pipeline_repeats)
+
+
+def packed_attention(model_config: Any, mesh: Any) -> bool:
+  """Whether the reference model runs packed rows through cuDNN's packed layout on ``mesh``: a Hopper or newer
+  GPU, ``model.attention`` auto or cudnn, ``model.max_segments`` > 0, no context axis (ring attention)."""
+  from distrib_train.recipes.llama import gpu_capability
+
+  return (getattr(model_config, "max_segments", 0) > 0 and getattr(model_config, "attention", "") in ("auto", "cudnn")
+          and dict(mesh.shape).get("context", 1) == 1 and gpu_capability(mesh.devices.flat[0]) >= (9, 0))
+
+
+def data_config(config: Config, model_config: Any, mesh: Any = None, *, packed: bool | None = None) -> DataConfig:
+  """The run's data config: where the model runs cuDNN's packed attention on ``mesh`` (or where ``packed``
+  says so), with packing and ``data.max_documents_per_row`` 0, rows hold what it takes: ``model.max_segments``
+  - 1 documents.
+
+  Raises:
+    ConfigError: a larger ``data.max_documents_per_row`` than that.
+  """
+  packed = packed_attention(model_config, mesh) if packed is None else packed
+  data, segments = config.data, getattr(model_config, "max_segments", 0) if packed else 0
+  if not (data.packing and segments):
+    return data
+  if not data.max_documents_per_row:
+    return dataclasses.replace(data, max_documents_per_row=segments - 1)
+  if data.max_documents_per_row > segments - 1:
+    raise ConfigError(f"data.max_documents_per_row={data.max_documents_per_row} is more than the model's packed"
+                      f" attention takes: model.max_segments={segments} runs a row, the padding included; raise"
+                      f" model.max_segments to {data.max_documents_per_row + 1} or lower the data's.")
+  return data
 
 
 def step_options(job: JobSpec, plan: Plan) -> dict[str, Any]:

@@ -17,11 +17,10 @@ writes its checkpoint shards)::
   watchdog/        heartbeats and, after a hang, stacks (train.hang_timeout_s)
   profile/         a jax profiler trace, when asked for
 
-The step is compiled ahead of the loop with the real shardings, so its
-memory analysis is known before the first step. The trainer then hands a
-``TrainLoop`` (``loop.py``) the state and the step, with its periodic work
-as hooks (``hooks.py``: profile, log, checkpoint, evaluation) and the
-non-finite guard (``nonfinite.py``).
+The step is compiled ahead of the loop with the real shardings, so its memory analysis is known (and a GPU
+step that cannot fit refused) before the first step. The trainer then hands a ``TrainLoop`` (``loop.py``) the
+state and the step, with its periodic work as hooks (``hooks.py``: profile, log, checkpoint, evaluation)
+and the non-finite guard (``nonfinite.py``).
 
 Not for: parsing flags (``cli.py``), what a step computes
 (``train_step.py``), the step loop itself (``loop.py``) or the start-up
@@ -138,6 +137,7 @@ class Trainer:
     self.job = job_lib.job_spec(self.config, model_fn=self.model_fn, loss_fn=self.loss_fn,
                                 input_axes=self.input_axes)
     mesh = build_mesh(self.mesh_config)
+    self.data_config = job_lib.data_config(self.config, self.job.model_config, mesh)
     planner = MeshPlanner(mesh, job_lib.rules_for(self.config, self.mesh_config))
     self.rules = planner.rules  # for activation_sharding while the steps are traced
     check_every_axis_is_used(mesh, planner.rules, job_lib.rule_set_name(self.config, self.mesh_config))
@@ -163,7 +163,7 @@ class Trainer:
     from distrib_train.data.pipeline import DataLoader
 
     try:
-      DataLoader(self.config.data_config(), plan.input_kwarg_shardings, split="eval", num_epochs=1,
+      DataLoader(self.data_config, plan.input_kwarg_shardings, split="eval", num_epochs=1,
                  vocab_size=self.vocab_size).close()
       return None
     except ValueError as e:
@@ -204,7 +204,7 @@ class Trainer:
                              f"Checkpoint step {latest} in {str(self.workdir / 'checkpoints')!r}")
       elif self.config.train.init_from:
         init_from.check(self.config, plan.abstract_train_state)
-      loader = DataLoader(self.config.data_config(), plan.input_kwarg_shardings, vocab_size=self.vocab_size)
+      loader = DataLoader(self.data_config, plan.input_kwarg_shardings, vocab_size=self.vocab_size)
       no_eval = self._missing_eval_split(plan)
       if jax.process_index() == 0:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -268,7 +268,7 @@ class Trainer:
         source = "from the persistent cache" if cache.hits and not cache.misses else "compiled"
         writer.log(f"Train step {source} in {time.perf_counter() - compile_start:.1f} s; "
                    + memory_line(compiled))
-        check_step_fits(compiled, plan.mesh.devices.flat[0])  # a GPU step too large: one line, exit 2
+        check_step_fits(compiled, plan.mesh.local_devices[0])  # a GPU step too large: one line, exit 2
         if train_step.pipelining is not None:
           p = train_step.pipelining
           writer.log(f"Pipeline: {p.stages} stages, {p.microbatches} microbatches, "
@@ -372,7 +372,7 @@ class Trainer:
 
     t = self.config.train
     start = time.perf_counter()
-    loader = DataLoader(self.config.data_config(), plan.input_kwarg_shardings, split="eval", num_epochs=1)
+    loader = DataLoader(self.data_config, plan.input_kwarg_shardings, split="eval", num_epochs=1)
     total = count = 0.0
     batches = 0
     aux_totals: dict[str, float] = {}
