@@ -69,6 +69,7 @@ COMPAT_TESTS = {
 # order depends on these figures; a new file runs after them.
 FILE_SECONDS = {
     "test_fp8.py": 463, "test_kill_matrix.py": 370, "test_podplan_tpu.py": 366, "test_context.py": 248,
+    "test_podplan_gpu.py": 200,
     "test_local_checkpoints.py": 180, "test_moe.py": 145, "test_elastic_resume.py": 144, "test_pipeline.py": 143,
     "test_trainer.py": 128, "test_cli.py": 128, "test_bad_inputs.py": 107, "test_models.py": 91,
     "test_slurm.py": 74, "test_faults.py": 63, "test_launchers.py": 60, "test_disk_full.py": 54,
