@@ -21,6 +21,9 @@ class DataConfig:
     paths: files or globs for ``text`` (``.txt``, ``.jsonl``, ``.parquet``,
       ``.array_record``); read lazily, document by document.
     text_field: the JSONL field, or the Parquet column, that holds the text.
+    index_cache_dir: where the indexes of data files are kept
+      (``index_cache.py``); '' keeps each beside its file where that
+      directory is writable, else in ``~/.cache/distrib_train/indexes``.
     seq_len: tokens per sequence (inputs and targets each).
     global_batch_size: sequences per step for the whole job.
     seed: shuffle seed (and the synthetic source's).
@@ -49,6 +52,7 @@ class DataConfig:
   source: str = "pydoc"
   paths: tuple[str, ...] = ()
   text_field: str = "text"
+  index_cache_dir: str = ""
   seq_len: int = 128
   global_batch_size: int = 32
   seed: int = 0

@@ -1,0 +1,186 @@
+"""Indexes of data files, built once and kept: beside the data, or in a cache directory.
+
+Opening a corpus must cost O(files), not O(bytes): a reader that needs an
+index of a file (where each document starts, how many a block holds) builds
+it once, with ``load_or_build``, and every later open, by any process of
+this or a later run, maps the kept arrays instead.
+
+An index is kept as ``.<file name>.<kind>.dtindex`` beside the data file,
+or, where that directory is not writable (or ``cache_dir`` is given), under
+``cache_dir`` (default ``$XDG_CACHE_HOME/distrib_train/indexes``, else
+``~/.cache/…``) as ``<hash of the path>-<file name>.<kind>.dtindex``. It
+is keyed by the file's absolute path, size, modification time and a hash of
+its first and last 64 KiB: a file that changed, was replaced or was moved
+gets a new index, never a stale one. The format is a magic line, a JSON
+header (the key and each array's dtype, shape and offset) and the arrays'
+raw bytes, mapped read-only when loaded: no pickle.
+
+Processes of one host that open the same file at once take a lock
+(``fcntl.flock`` on ``<index>.lock``): one builds, the others wait and map
+what it wrote. The index is written to a temporary name and renamed, so a
+reader never sees half of one.
+
+Not for: reading documents (``text_files.py`` and the readers beside it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+VERSION = 1
+_MAGIC = b"distrib_train index\n"
+_LENGTH = struct.Struct("<Q")
+_EDGE = 1 << 16  # bytes hashed at each end of the file
+_ALIGN = 64
+
+
+def default_cache_dir() -> str:
+  """``$XDG_CACHE_HOME/distrib_train/indexes``, else ``~/.cache/distrib_train/indexes``."""
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(root, "distrib_train", "indexes")
+
+
+def file_key(path: str, kind: str) -> dict:
+  """What an index of ``path`` is valid for: its path, size, mtime and a hash of its head and tail."""
+  path = os.path.abspath(path)
+  stat = os.stat(path)
+  digest = hashlib.blake2b(digest_size=16)
+  with open(path, "rb") as f:
+    digest.update(f.read(_EDGE))
+    if stat.st_size > _EDGE:
+      f.seek(max(_EDGE, stat.st_size - _EDGE))
+      digest.update(f.read(_EDGE))
+  return {"version": VERSION, "kind": kind, "path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+          "edges": digest.hexdigest()}
+
+
+def index_path(path: str, kind: str, cache_dir: str = "") -> str:
+  """Where the index of ``path`` is kept: beside it where its directory is writable and no ``cache_dir`` is
+  given, else under ``cache_dir`` (or ``default_cache_dir()``)."""
+  path = os.path.abspath(path)
+  folder, name = os.path.split(path)
+  if not cache_dir and os.access(folder, os.W_OK):
+    return os.path.join(folder, f".{name}.{kind}.dtindex")
+  tag = hashlib.sha256(path.encode()).hexdigest()[:16]
+  return os.path.join(cache_dir or default_cache_dir(), f"{tag}-{name}.{kind}.dtindex")
+
+
+def load_or_build(path: str, kind: str, build: Callable[[], dict[str, np.ndarray]],
+                  cache_dir: str = "") -> tuple[dict[str, np.ndarray], bool]:
+  """The index ``build()`` makes of ``path``: kept from an earlier call where it is still valid, else built
+  (by one process of this host at a time) and kept.
+
+  Args:
+    path: the data file.
+    kind: the index's name (a reader may keep several of one file).
+    build: makes the index: array name → numpy array.
+    cache_dir: where indexes are kept when not beside the data ('' : beside
+      it where writable, else ``default_cache_dir()``).
+
+  Returns:
+    The arrays (read-only, mapped from the kept file) and whether they were built now.
+
+  Raises:
+    ValueError: the data file cannot be read, or the index can be written
+      neither beside it nor in the cache directory (named).
+  """
+  try:
+    key = file_key(path, kind)
+  except OSError as e:
+    raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
+  where = index_path(path, kind, cache_dir)
+  kept = _read(where, key)
+  if kept is not None:
+    return kept, False
+  try:
+    os.makedirs(os.path.dirname(where), exist_ok=True)
+    lock = _locked(where + ".lock")
+  except OSError as e:
+    raise ValueError(f"Cannot keep the index of data file {path!r} at {where!r}: {e.strerror}; set"
+                     " data.index_cache_dir to a writable directory.") from None
+  with lock:
+    kept = _read(where, key)  # another process may have built it while this one waited
+    if kept is not None:
+      return kept, False
+    arrays = build()
+    if file_key(path, kind) != key:
+      raise ValueError(f"Data file {path!r} changed while it was being indexed; open it again once it is"
+                       " written.")
+    _write(where, key, arrays)
+  kept = _read(where, key)
+  if kept is None:
+    raise ValueError(f"The index of data file {path!r} written at {where!r} cannot be read back.")
+  return kept, True
+
+
+@contextlib.contextmanager
+def _locked(lock_path: str) -> Iterator[None]:
+  with open(lock_path, "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read(where: str, key: dict) -> dict[str, np.ndarray] | None:
+  """The kept arrays if ``where`` holds a whole index for ``key``; None if absent, stale or damaged."""
+  try:
+    with open(where, "rb") as f:
+      if f.read(len(_MAGIC)) != _MAGIC:
+        return None
+      (size,) = _LENGTH.unpack(f.read(_LENGTH.size))
+      header = json.loads(f.read(size))
+      total = os.fstat(f.fileno()).st_size
+  except (OSError, ValueError, struct.error):
+    return None
+  if not isinstance(header, dict) or header.get("key") != key:
+    return None
+  arrays = {}
+  for name, (dtype, shape, offset) in header.get("arrays", {}).items():
+    dtype, count = np.dtype(dtype), int(np.prod(shape))
+    if offset + count * dtype.itemsize > total:
+      return None
+    if count == 0:
+      arrays[name] = np.zeros(shape, dtype)
+    else:
+      arrays[name] = np.memmap(where, dtype=dtype, mode="r", offset=offset, shape=tuple(shape))
+  return arrays
+
+
+def _write(where: str, key: dict, arrays: dict[str, np.ndarray]) -> None:
+  arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
+  layout, offset = {}, 0
+  for name, a in arrays.items():
+    layout[name] = [a.dtype.str, list(a.shape), offset]
+    offset += -(-a.nbytes // _ALIGN) * _ALIGN
+  # The offsets above are relative to the data's start, which follows the header; 256 bytes of room let the
+  # header's offsets grow by that start without moving it.
+  start = len(_MAGIC) + _LENGTH.size + len(json.dumps({"key": key, "arrays": layout})) + 256
+  start = -(-start // _ALIGN) * _ALIGN
+  for entry in layout.values():
+    entry[2] += start
+  header = json.dumps({"key": key, "arrays": layout}).encode()
+  prefix = _MAGIC + _LENGTH.pack(len(header)) + header
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(where), prefix=".tmp-", suffix=".dtindex")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(prefix + b"\0" * (start - len(prefix)))
+      for name, a in arrays.items():
+        f.seek(layout[name][2])
+        f.write(a.tobytes())
+      f.truncate(max([start] + [layout[n][2] + -(-a.nbytes // _ALIGN) * _ALIGN for n, a in arrays.items()]))
+    os.replace(tmp, where)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
