@@ -3,7 +3,8 @@
 #   bash bench/gpu_runs/issue32.sh a   # attention check and timings, 124m synthetic and real text, a refusal
 #   bash bench/gpu_runs/issue32.sh b   # 1b as shipped in bf16 and fp8, unpacked real text
 #   bash bench/gpu_runs/issue32.sh c   # what is left: real text with the lanes in worker processes, unpacked
-#                                      # with four workers, FP8's policy on the small presets, attention table
+#                                      # with four workers, FP8's policy on the small presets, attention table,
+#                                      # the 1b with delayed FP8
 # Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/
 # (corpus.jsonl and tokenizer.json) carried along. Writes $OUT/issue32-<part>.log and the benches' JSON.
 set -u
@@ -43,6 +44,8 @@ elif [[ $part == c ]]; then
   run 150 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 60 --set model.fp8=current \
     --json "$out/124m-fp8.json"
   run 150 python3 bench/gpu_attention.py
+  run 170 python3 bench/trainer_loop.py --config llama-1b-gpu --steps 30 --set model.fp8=delayed \
+    --json "$out/1b-fp8-delayed.json"
 else
   run 200 python3 bench/trainer_loop.py --config llama-1b-gpu --steps 30 --json "$out/1b.json"
   run 120 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 60 "${text[@]}" --json "$out/124m-text.json"
