@@ -49,8 +49,8 @@ class Strings:
   """
 
   def __init__(self, array: Any, path: str, field: str, first_row: int = 0):
-    if hasattr(array, "combine_chunks"):
-      array = array.combine_chunks()
+    if hasattr(array, "combine_chunks"):  # a row group's column; 32-bit offsets may not hold it whole
+      array = (array.cast("large_string") if array.num_chunks > 1 else array).combine_chunks()
     if array.null_count:
       bad = int(np.flatnonzero(np.asarray(array.is_null()))[0])
       raise ValueError(f"Data file {path!r} row {first_row + bad}: column {field!r} holds NoneType, not text.")
