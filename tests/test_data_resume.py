@@ -252,7 +252,7 @@ def _as_other_sources(jsonl, directory):
 
 
 @pytest.mark.parametrize("packing", [True, False])
-def test_jsonl_under_another_field_and_parquet_give_the_same_batches_and_resume_exactly(tmp_path, packing):
+def test_jsonl_under_another_field_gives_the_same_batches_and_both_resume_exactly(tmp_path, packing):
   lengths = [5, 9, 14, 3, 27, 8, 8, 16, 40, 9, 11, 6, 18, 9, 9, 30, 12, 7]
   jsonl = data_helpers.write_documents(tmp_path, lengths, seed=3)
   other, parquet = _as_other_sources(jsonl, tmp_path)
@@ -262,7 +262,8 @@ def test_jsonl_under_another_field_and_parquet_give_the_same_batches_and_resume_
   for path in (other, parquet):
     config = _config(path, text_field="body", **kwargs)
     states, batches = _run(config, shardings, 6)
-    for got, expected in zip(batches, want):
+    # Parquet is shuffled by its row groups instead (block_order.py; tests/test_block_sources.py).
+    for got, expected in zip(batches if path == other else [], want):
       for name in expected:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=f"{path}: {name}")
     for step in (0, 2, 5):

@@ -18,9 +18,14 @@ class DataConfig:
 
   Attributes:
     source: ``synthetic``, ``pydoc`` or ``text``.
-    paths: files or globs for ``text`` (``.txt``, ``.jsonl``, ``.parquet``,
-      ``.array_record``); read lazily, document by document.
-    text_field: the JSONL field, or the Parquet column, that holds the text.
+    paths: files or globs for ``text`` (``.txt``, ``.jsonl``, ``.jsonl.zst``,
+      ``.jsonl.gz``, ``.parquet``, ``.array_record``, or folders written by
+      ``datasets``' ``save_to_disk``); read lazily, document by document.
+    text_field: the JSONL field, or the Parquet / ``datasets`` column, that holds the text.
+    block_cache: decoded blocks (Parquet row groups, compressed JSONL's
+      ``compressed.BLOCK_BYTES`` blocks) a process's source keeps, an LRU:
+      its memory is about this many times the block size
+      (``block_order.py``).
     index_cache_dir: where the indexes of data files are kept
       (``index_cache.py``); '' keeps each beside its file where that
       directory is writable, else in ``~/.cache/distrib_train/indexes``.
@@ -52,6 +57,7 @@ class DataConfig:
   source: str = "pydoc"
   paths: tuple[str, ...] = ()
   text_field: str = "text"
+  block_cache: int = 16
   index_cache_dir: str = ""
   seq_len: int = 128
   global_batch_size: int = 32
@@ -68,7 +74,7 @@ class DataConfig:
   eos_token: str = ""
 
   def __post_init__(self):
-    for name in ("seq_len", "global_batch_size", "synthetic_documents", "num_threads"):
+    for name in ("seq_len", "global_batch_size", "synthetic_documents", "num_threads", "block_cache"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Data config: {name} must be a positive integer, got {value!r}.")

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from distrib_train.data import block_order
 from distrib_train.data import lanes as lanes_lib
 from distrib_train.data import splits
 from distrib_train.data.config import DataConfig
@@ -102,12 +103,15 @@ def _rows_of(header: dict, arrays: list[np.ndarray]) -> tuple[int, list[dict[str
 
 def in_process(config: DataConfig, split: str, shard_count: int, vocab_size: int | None,
                rows: Sequence[int]) -> lanes_lib.Lanes:
-  """The split's lanes ``rows`` in this process: the seeded, shuffled, endlessly repeated documents."""
+  """The split's lanes ``rows`` in this process: the seeded, shuffled, endlessly repeated documents
+  (shuffled by blocks where the source has block-read files: ``block_order.py``)."""
   import grain
 
   docs, indices, tokenize = splits.split_documents(config, split, shard_count, vocab_size)
-  ds = grain.MapDataset.source(splits.Subset(docs, indices)).shuffle(seed=config.seed)  # every process's order
-  return lanes_lib.Lanes(ds.repeat(None), tokenize, lanes=config.global_batch_size, length=config.seq_len + 1,
+  stream = block_order.shuffled(docs, indices, config.seed)  # every process's order
+  if stream is None:
+    stream = grain.MapDataset.source(splits.Subset(docs, indices)).shuffle(seed=config.seed).repeat(None)
+  return lanes_lib.Lanes(stream, tokenize, lanes=config.global_batch_size, length=config.seq_len + 1,
                          packing=config.packing, threads=config.num_threads, rows=rows)
 
 

@@ -3,7 +3,8 @@
 Row ``r`` of every global batch is read from lane ``r`` of ``global_batch_size``
 lanes. Lane ``r`` owns the documents at positions ``r, r + B, r + 2B, …`` of
 the split's seeded, per-epoch shuffled, endlessly repeated order (grain's
-index shuffle: random access, no permutation held in memory) and packs them
+index shuffle, or by blocks where files are read by blocks:
+``block_order.py``; random access, no permutation held in memory) and packs them
 into sequences on its own (or, without packing, takes the head of each
 document long enough). So the global batch at step ``s`` is a function of
 the seed, ``s`` and the data config, and a process feeds the rows its

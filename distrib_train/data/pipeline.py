@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from distrib_train.data import block_order
 from distrib_train.data import finite
 from distrib_train.data import lanes as lanes_lib
 from distrib_train.data import sequences
@@ -164,8 +165,12 @@ class DataLoader:
           rows=range(self.shard_index * self.local_batch_size, (self.shard_index + 1) * self.local_batch_size))
       return endless.prefetched(self._lanes, self._lane_batch)
     docs, indices, tokenize = splits.split_documents(config, split, self.shard_count, vocab_size)
-    ds = grain.MapDataset.source(splits.Subset(docs, indices))  # the split's documents
-    ds = ds.shuffle(seed=config.seed)  # the same global order in every process
+    stream = block_order.shuffled(docs, indices, config.seed)  # block-read files: the shuffle by blocks
+    if stream is not None:
+      ds = block_order.dataset(stream)
+    else:
+      ds = grain.MapDataset.source(splits.Subset(docs, indices))  # the split's documents
+      ds = ds.shuffle(seed=config.seed)  # the same global order in every process
     return finite.batches(ds, config=config, tokenize=tokenize, shard_index=self.shard_index,
                           shard_count=self.shard_count, num_epochs=num_epochs,
                           local_batch_size=self.local_batch_size, pad_last_batch=split == "eval",

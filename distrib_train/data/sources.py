@@ -3,9 +3,12 @@
 ``synthetic`` (random tokens), ``pydoc`` (the English documentation shipped
 with every CPython, ``pydoc_data.topics``: a real corpus with no download), or
 ``text``: files or globs of text, JSONL or Parquet (read lazily by
-``text_files.py``), or ArrayRecord shards of text or of token ids (written by
-``record_shards.py``). Each is random access (``len`` and ``[index]``), as
-grain's ``MapDataset.source`` wants.
+``text_files.py``), compressed JSONL (``compressed.py``), Hugging Face
+``datasets`` folders (``arrow_text.py``), or ArrayRecord shards of text or of
+token ids (written by ``record_shards.py``). Each is random access (``len``
+and ``[index]``), as grain's ``MapDataset.source`` wants; a corpus with files
+read by blocks (Parquet, compressed JSONL) says so (``blocks()``) and its
+readers share one ``block_order.BlockCache`` of ``data.block_cache`` blocks.
 
 Not for: reading a file format (``text_files.py``), writing shards
 (``record_shards.py``), splitting, shuffling or batching (``pipeline.py``).
@@ -17,6 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from distrib_train.data import arrow_text
+from distrib_train.data import block_order
+from distrib_train.data import compressed
 from distrib_train.data import record_shards
 from distrib_train.data import text_files
 from distrib_train.data.config import DataConfig
@@ -52,6 +58,7 @@ class Documents:
     self.config = config
     self._array_record = None
     self.pretokenized: dict[str, Any] | None = None
+    self._block_cache = block_order.BlockCache(config.block_cache)
     if config.source == "pydoc":
       self._docs = _pydoc_documents()
     elif config.source == "synthetic":
@@ -70,13 +77,28 @@ class Documents:
         self._array_record = grain.sources.ArrayRecordDataSource(records)
         self.pretokenized = record_shards.pretokenized(records)
       else:
-        field = config.text_field
-        self._docs = text_files.Concatenated([
-            text_files.JsonlFile(path, field) if path.endswith(".jsonl") else
-            text_files.ParquetFile(path, field) if path.endswith(".parquet") else text_files.TextFile(path)
-            for path in texts])
+        self._docs = text_files.Concatenated([self._reader(path) for path in texts])
     if len(self) == 0:
       raise ValueError(f"Data source {config.source!r} {list(config.paths) or ''} holds no documents.")
+
+  def _reader(self, path: str) -> Any:
+    """The reader of one text file (or ``datasets`` folder)."""
+    field = self.config.text_field
+    if path.endswith(".jsonl"):
+      return text_files.JsonlFile(path, field)
+    if path.endswith(".parquet"):
+      return text_files.ParquetFile(path, field, self._block_cache)
+    if compressed.is_compressed(path):
+      return compressed.CompressedJsonl(path, field, text_files._json_text, self._block_cache,
+                                        self.config.index_cache_dir)
+    if arrow_text.is_dataset_folder(path):
+      return arrow_text.DatasetFolder(path, field)
+    return text_files.TextFile(path)
+
+  def blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The source's blocks where it has files read by blocks (``text_files.Concatenated.blocks``), else None."""
+    docs = getattr(self, "_docs", None)  # ArrayRecord shards have none
+    return docs.blocks() if isinstance(docs, text_files.Concatenated) else None
 
   def __len__(self) -> int:
     if self._array_record is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from distrib_train.data import block_order
 from distrib_train.data import sources
 from distrib_train.data import tokenizer as tokenizer_lib
 from distrib_train.data.config import DataConfig, Tokenizer
@@ -72,6 +73,13 @@ def split_documents(config: DataConfig, split: str, shard_count: int,
         " read in; give more documents or change data.eval_fraction."
     )
   tokenize = _tokenizer(config)
+  # The documents checked: spread over the split; where the source has block-read files, those the
+  # shuffle by blocks reads first instead (decoded once, kept for it: a spread would decode every block).
+  checked = indices[:: max(1, len(indices) // 2000)]
+  blocks = docs.blocks()
+  if blocks is not None:
+    order = block_order.BlockOrder(*blocks, indices=indices, seed=config.seed)
+    checked = indices[[order.position(p) for p in range(min(len(indices), 2000))]]
   if docs.pretokenized is not None:
     _check_pretokenized(docs.pretokenized, config)
   if vocab_size is not None and isinstance(config.tokenizer, str):
@@ -80,10 +88,9 @@ def split_documents(config: DataConfig, split: str, shard_count: int,
       raise ValueError(f"data.tokenizer {config.tokenizer} has {ids} ids but the model's vocabulary holds"
                        f" {vocab_size}; set model.vocab_size={ids} (or more), or use the model's own tokenizer.")
   if vocab_size is not None:
-    _check_token_ids(tokenize, docs, indices[:: max(1, len(indices) // 16)][:16], vocab_size, split)
-  # A sample spread over the split: reading every document of a large
-  # ArrayRecord corpus here would be too slow.
-  sample = indices[:: max(1, len(indices) // 2000)]
+    _check_token_ids(tokenize, docs, checked[:: max(1, len(checked) // 16)][:16], vocab_size, split)
+  # A sample: reading every document of a large ArrayRecord corpus here would be too slow.
+  sample = checked
   longest = max(len(tokenize(docs[int(i)])) for i in sample)
   if longest == 0:  # packing would look for tokens forever
     source = f"data source {config.source!r}" + (f" {list(config.paths)}" if config.paths else "")

@@ -1,0 +1,216 @@
+"""Compressed JSONL files (``.jsonl.zst``, ``.jsonl.gz``): documents by number, read a block at a time.
+
+A compressed stream can only be read forward. The first open of a file
+decompresses it once, streaming, and keeps an index of it
+(``index_cache.load_or_build``, kind ``zlines``): where each document (a
+non-blank line) starts and ends in the decompressed stream and its line
+number (24 bytes a document). Later opens, by any process, map that index:
+O(1) (and cut the file into blocks — runs of whole lines of about
+``BLOCK_BYTES`` decompressed bytes — with one binary search a block).
+
+A document is read from its block, decoded whole into the source's
+``block_order.BlockCache`` (raw bytes: memory is the cache's block count ×
+``BLOCK_BYTES``). The file's decompressor continues forward to a block ahead
+of it (keeping the blocks it passes, which the shuffle by blocks reads
+next); a block behind it that is no longer cached restarts the file from its
+start (after a resume that costs one decompression of the file). The
+shuffle by blocks (``block_order.py``) reads each file's blocks in order, so
+a file is decompressed about once an epoch.
+
+zstandard is imported only for ``.zst`` files (``pip install zstandard``);
+gzip is the standard library's.
+
+Not for: uncompressed files (``text_files.py``), choosing the order
+(``block_order.py``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import threading
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from distrib_train.data import block_order
+from distrib_train.data import index_cache
+
+BLOCK_BYTES = 16 << 20  # decompressed bytes a block holds, about
+_CHUNK = 4 << 20  # decompressed bytes read at a time
+SUFFIXES = (".jsonl.zst", ".jsonl.gz")
+_WHITESPACE = np.zeros(256, bool)
+_WHITESPACE[list(b" \t\r\n\x0b\x0c")] = True
+
+
+def is_compressed(path: str) -> bool:
+  return path.endswith(SUFFIXES)
+
+
+def _open(path: str) -> Any:
+  """A binary reader of ``path``'s decompressed stream."""
+  if os.path.getsize(path) == 0:
+    raise ValueError(f"Data file {path!r} is empty: not a {'zstd' if path.endswith('.zst') else 'gzip'} stream.")
+  if path.endswith(".gz"):
+    return gzip.open(path, "rb")
+  try:
+    import zstandard
+  except ImportError:
+    raise ValueError(f"Data file {path!r} is zstd-compressed: pip install zstandard (or"
+                     " 'distrib_train[text]').") from None
+  return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
+
+
+def _read(stream: Any, size: int, path: str) -> bytes:
+  """``size`` decompressed bytes, fewer only at the stream's end; a damaged stream is a ValueError naming
+  the file."""
+  try:
+    parts, left = [], size
+    while left > 0 and (part := stream.read(left)):
+      parts.append(part)
+      left -= len(part)
+    return b"".join(parts)
+  except (OSError, EOFError, zlib.error) as e:
+    raise ValueError(f"Data file {path!r} is not a readable compressed stream: {e}") from None
+  except Exception as e:  # zstandard.ZstdError
+    if type(e).__name__ == "ZstdError":
+      raise ValueError(f"Data file {path!r} is not a readable compressed stream: {e}") from None
+    raise
+
+
+def iter_chunks(path: str) -> Iterator[bytes]:
+  """The decompressed stream of ``path`` in chunks that end at a line's end (the last one may not)."""
+  with _open(path) as stream:
+    rest = b""
+    while chunk := _read(stream, _CHUNK, path):
+      cut = chunk.rfind(b"\n") + 1
+      if cut:
+        yield rest + chunk[:cut]
+        rest = chunk[cut:]
+      else:
+        rest += chunk
+    if rest:
+      yield rest
+
+
+def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
+  """``(line number, line)`` of each non-blank line, streaming (the converter's input)."""
+  number = 0
+  for chunk in iter_chunks(path):
+    lines = chunk.split(b"\n")
+    if chunk.endswith(b"\n"):
+      lines.pop()
+    for line in lines:
+      number += 1
+      if line.strip():
+        yield number, line
+
+
+def _scan(path: str) -> dict[str, np.ndarray]:
+  """The index of ``path``: each document's start, end and line number in the decompressed stream, and its
+  size."""
+  starts, ends, lines, base, line_base = [], [], [], 0, 0
+  for chunk in iter_chunks(path):
+    data = np.frombuffer(chunk, np.uint8)
+    newlines = np.flatnonzero(data == 10)
+    line_end = np.append(newlines, len(data)) if not chunk.endswith(b"\n") else newlines
+    line_start = np.concatenate([[0], newlines + 1])[:len(line_end)]
+    text = np.concatenate([[0], np.cumsum(~_WHITESPACE[data])])  # non-whitespace bytes before each byte
+    filled = text[line_end] > text[line_start]
+    starts.append(line_start[filled] + base)
+    ends.append(line_end[filled] + base)
+    lines.append(np.flatnonzero(filled) + 1 + line_base)
+    base, line_base = base + len(data), line_base + len(line_end)
+  starts = np.concatenate(starts or [np.zeros(0, np.int64)]).astype(np.int64)
+  ends = np.concatenate(ends or [np.zeros(0, np.int64)]).astype(np.int64)
+  lines = np.concatenate(lines or [np.zeros(0, np.int64)]).astype(np.int64)
+  return {"starts": starts, "ends": ends, "lines": lines, "size": np.array([base], np.int64)}
+
+
+def _blocks(starts: np.ndarray, size: int) -> np.ndarray:
+  """The first document of each block (and the document count last): the first line at or past every
+  ``BLOCK_BYTES``-th decompressed byte (made at each open, O(blocks); not kept in the index)."""
+  first = np.unique(np.searchsorted(starts, np.arange(0, max(size, 1), BLOCK_BYTES)))
+  return np.append(first[first < len(starts)], len(starts)).astype(np.int64)
+
+
+class CompressedJsonl:
+  """A ``.jsonl.zst`` / ``.jsonl.gz`` file's documents by number (the ``field`` of each non-blank line).
+
+  Args:
+    path: the file.
+    field: the JSON field that holds the text.
+    parse: (line bytes, path, line number, field) → the document (``text_files._json_text``).
+    cache: the source's block cache.
+    index_cache_dir: where the index is kept when not beside the file (``data.index_cache_dir``).
+  """
+
+  sequential = True
+
+  def __init__(self, path: str, field: str, parse: Any, cache: block_order.BlockCache | None = None,
+               index_cache_dir: str = ""):
+    self.path, self.field, self._parse = path, field, parse
+    self.cache = cache or block_order.BlockCache(2)
+    _open(path).close()  # no zstandard, or an empty file: named now
+    index, _ = index_cache.load_or_build(path, "zlines", lambda: _scan(path), index_cache_dir)
+    self.starts, self.ends, self.lines = index["starts"], index["ends"], index["lines"]
+    self._size = int(index["size"][0])
+    self.block_starts = _blocks(self.starts, self._size)
+    self._lock = threading.Lock()
+    self._stream: Any = None
+    self._at = 0  # the next block the decompressor reads
+
+  def __len__(self) -> int:
+    return len(self.starts)
+
+  def _first_byte(self, block: int) -> int:
+    return 0 if block == 0 else int(self.starts[self.block_starts[block]])
+
+  def _block(self, block: int) -> bytes:
+    key = (self.path, block)
+    data = self.cache.get(key)
+    if data is not None:
+      return data
+    with self._lock:  # one decompressor a file; another thread may have read the block meanwhile
+      data = self.cache.get(key)
+      if data is not None:
+        return data
+      if self._stream is None or block < self._at:  # behind the decompressor: start the file again
+        if self._stream is not None:
+          self._stream.close()
+        self._stream, self._at = _open(self.path), 0
+      keep_from = block - max(1, self.cache.capacity // 4)  # blocks passed on the way that are kept
+      while self._at <= block:
+        at = self._at
+        end = self._first_byte(at + 1) if at + 1 < len(self.block_starts) - 1 else self._size
+        data = _read(self._stream, end - self._first_byte(at), self.path)
+        if len(data) != end - self._first_byte(at):
+          raise ValueError(f"Data file {self.path!r} changed since it was indexed (it ended early); open it again.")
+        if at >= keep_from:
+          self.cache.put((self.path, at), data)
+        self._at += 1
+      return data
+
+  def __getitem__(self, index: int) -> Any:
+    index = int(index)
+    block = int(np.searchsorted(self.block_starts, index, side="right")) - 1
+    first = self._first_byte(block)
+    raw = self._block(block)[int(self.starts[index]) - first:int(self.ends[index]) - first]
+    return self._parse(raw, self.path, int(self.lines[index]), self.field)
+
+  def close(self) -> None:
+    with self._lock:
+      if self._stream is not None:
+        self._stream.close()
+        self._stream = None
+
+  def __getstate__(self) -> dict:  # a copy sent to another process opens its own decompressor
+    state = dict(self.__dict__)
+    state.update(_lock=None, _stream=None, _at=0)
+    return state
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state)
+    self._lock = threading.Lock()
