@@ -46,11 +46,13 @@ def _pydoc_documents(target_bytes: int = 4096) -> list[str]:
 
 class Documents:
   """Random-access documents (grain ``RandomAccessDataSource``); ``pretokenized`` is the tokenizer
-  fingerprint of shards that hold token ids (``convert --tokenizer``), else None."""
+  fingerprint of shards that hold token ids (``convert --tokenizer``), else None. A malformed JSONL line
+  reads as None under ``data.bad_records=skip`` (counted in ``skipped_documents``)."""
 
   def __init__(self, config: DataConfig):
     self.config = config
     self._array_record = None
+    self.bad_records = text_files.BadRecords(config.bad_records)
     self.pretokenized: dict[str, Any] | None = None
     if config.source == "pydoc":
       self._docs = _pydoc_documents()
@@ -71,12 +73,18 @@ class Documents:
         self.pretokenized = record_shards.pretokenized(records)
       else:
         field = config.text_field
+        text_files.allow_open_files(2 * sum(path.endswith(".jsonl") for path in texts))
         self._docs = text_files.Concatenated([
-            text_files.JsonlFile(path, field) if path.endswith(".jsonl") else
-            text_files.ParquetFile(path, field) if path.endswith(".parquet") else text_files.TextFile(path)
+            text_files.JsonlFile(path, field, self.bad_records, config.index_cache_dir) if path.endswith(".jsonl")
+            else text_files.ParquetFile(path, field) if path.endswith(".parquet") else text_files.TextFile(path)
             for path in texts])
     if len(self) == 0:
       raise ValueError(f"Data source {config.source!r} {list(config.paths) or ''} holds no documents.")
+
+  @property
+  def skipped_documents(self) -> int:
+    """Malformed JSONL lines read so far (``data.bad_records=skip``), in this process."""
+    return self.bad_records.skipped
 
   def __len__(self) -> int:
     if self._array_record is not None:
@@ -85,7 +93,7 @@ class Documents:
       return self.config.synthetic_documents
     return len(self._docs)
 
-  def __getitem__(self, index: int) -> str | np.ndarray:
+  def __getitem__(self, index: int) -> str | np.ndarray | None:
     if self._array_record is not None:
       record = self._array_record[index]
       return np.frombuffer(record, np.int32) if self.pretokenized else record.decode("utf-8")
