@@ -134,7 +134,8 @@ def main(argv: Sequence[str]) -> None:
   except TrainerSetupError as e:
     _fail(str(e))
   except (CheckpointWriteError, BadRecordError) as e:  # a full or read-only disk, or a malformed line, mid-run
-    print(f"distrib-train: error: {e}", file=sys.stderr, flush=True)
+    # Its first line: grain's prefetch thread appends a note on its own traceback filtering.
+    print(f"distrib-train: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
     if distributed.is_multiprocess():
       os._exit(1)  # the other processes may wait for this one in the save's barrier
     sys.exit(1)

@@ -52,15 +52,18 @@ def test_the_index_is_built_once_and_mapped_by_the_next_open(tmp_path):
   assert first.built_now and not second.built_now
   assert isinstance(second.offsets, np.memmap)
   assert _texts(second) == [f"doc {i}" for i in range(50)]
-  assert (tmp_path / ".a.jsonl.lines.dtindex").is_file()
+  data_mode = os.stat(path).st_mode & 0o777
+  assert data_mode & 0o044  # readable by others: so is the index (a temporary file's 0o600 would not be)
+  assert os.stat(tmp_path / ".a.jsonl.lines.dtindex").st_mode & 0o777 == data_mode & 0o444 | 0o200
 
 
 def test_the_newline_scan_finds_every_non_blank_line_across_chunks(tmp_path, monkeypatch):
   """Blank lines (spaces, tabs, CR), CRLF, no final newline, an empty file and lines longer than a chunk."""
   rng = random.Random(0)
   pieces = [b"", b" ", b"\t", b"\r", b"x", b"{}", b"a b", b" \t\r ", b"yyyyyyyyyyyyyyyyyyyyyy"]
-  for size in (0, 1, 3, 50, 400):
-    raw = b"".join(rng.choice(pieces) + rng.choice([b"\n", b"\r\n"]) for _ in range(size))
+  mostly_ink = b"x\n" * 300 + b" \t\n" + b"x\n" * 50 + b"  y\r\n" + b"\r\n" + b"x\n" * 100  # few to look at
+  for size in (0, 1, 3, 50, 400, -1):
+    raw = mostly_ink if size < 0 else b"".join(rng.choice(pieces) + rng.choice([b"\n", b"\r\n"]) for _ in range(size))
     for tail in (b"", b"last", b"  "):
       path = tmp_path / f"s{size}.jsonl"
       path.write_bytes(raw + tail)
@@ -282,3 +285,22 @@ def test_the_converter_skips_or_stops_at_malformed_lines(tmp_path, capsys):
   record_shards.main(["convert", path, str(tmp_path / "skip" / "c")])
   [shard] = capsys.readouterr().out.split()
   assert _texts(data.Documents(data.DataConfig(source="text", paths=(shard,)))) == ["one", "two"]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_malformed_line_met_in_training_stops_the_loader_with_its_one_line(tmp_path, workers):
+  """Past the checks at construction (which read every other document of this corpus, the even ones), the
+  first malformed line the lanes read raises ``BadRecordError`` (the trainer's command line prints it as one
+  line), whether the lanes run in this process or in a worker."""
+  lines = [json.dumps({"text": f"document {i} " + "text " * 5}) if i % 2 == 0 or i % 100 != 1 else "{oops"
+           for i in range(4000)]
+  path = _write(tmp_path / "late.jsonl", lines)
+  shardings = data_helpers.shardings(dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2))))
+  loader = data.DataLoader(data.DataConfig(source="text", paths=(path,), seq_len=16, global_batch_size=8,
+                                           eval_fraction=0.0, bad_records="error", num_workers=workers), shardings)
+  try:
+    with pytest.raises(text_files.BadRecordError, match=r"late.jsonl' line \d+02 is not JSON.*skip would skip it"):
+      for _ in range(2000):
+        loader.next_local()
+  finally:
+    loader.close()

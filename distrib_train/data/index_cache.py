@@ -198,6 +198,7 @@ def _write(where: str, key: dict, arrays: dict[str, np.ndarray]) -> None:
   prefix = _MAGIC + _LENGTH.pack(len(header)) + header
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(where), prefix=".tmp-", suffix=".dtindex")
   try:
+    os.fchmod(fd, os.stat(key["path"]).st_mode & 0o444 | 0o200)  # readable by whoever may read the data
     with os.fdopen(fd, "wb") as f:
       f.write(prefix + b"\0" * (start - len(prefix)))
       for name, a in arrays.items():

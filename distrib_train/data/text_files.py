@@ -25,6 +25,7 @@ shards (``record_shards.py``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob as globlib
 import json
 import mmap
@@ -149,27 +150,51 @@ def _json_text(raw: bytes, field: str) -> str:
 
 def scan_lines(path: str) -> dict[str, np.ndarray]:
   """``{"offsets": int64}``: the byte offset of every non-blank line of ``path`` (one with a byte other than
-  space, tab or CR), by a numpy scan of its memory map in 64 MiB chunks (the ``lines`` index)."""
+  space, tab or CR), by a numpy scan of 64 MiB chunks, each read while the one before is scanned (the
+  ``lines`` index)."""
+  found, begin, carry = [], 0, b""
   try:
-    size = os.path.getsize(path)
-    data = np.memmap(path, np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    with open(path, "rb", buffering=0) as f, concurrent.futures.ThreadPoolExecutor(1) as reader:
+      ahead = reader.submit(f.read, _SCAN_BYTES)
+      while True:
+        data = ahead.result()
+        if data:
+          ahead = reader.submit(f.read, _SCAN_BYTES)
+        elif not carry:
+          break
+        block = np.frombuffer((carry + data) if carry else data, np.uint8)
+        newlines = np.flatnonzero(block == 10)
+        if data:  # more may follow: whole lines only, the rest starts the next block
+          if not len(newlines):
+            carry = block.tobytes()
+            continue
+          carry, block = block[newlines[-1] + 1:].tobytes(), block[:newlines[-1] + 1]
+        else:
+          carry = b""
+        starts = np.concatenate([[0], newlines[newlines + 1 < len(block)] + 1])
+        found.append(begin + starts[_inked(block, starts)])
+        begin += len(block)
   except OSError as e:
     raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
-  found, begin, chunk = [], 0, _SCAN_BYTES
-  while begin < size:
-    block = data[begin:begin + chunk]
-    newlines = np.flatnonzero(block == 10)
-    if begin + len(block) < size:
-      if not len(newlines):  # a line longer than the chunk: look further
-        chunk *= 2
-        continue
-      block = block[:newlines[-1] + 1]  # whole lines only; the rest starts the next chunk
-    starts = np.concatenate([[0], newlines[newlines + 1 < len(block)] + 1])
-    ink = (block != 32) & (block != 9) & (block != 13) & (block != 10)
-    found.append(begin + starts[np.logical_or.reduceat(ink, starts)])
-    begin, chunk = begin + len(block), _SCAN_BYTES
-  del data
   return {"offsets": np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)}
+
+
+def _inked(block: np.ndarray, starts: np.ndarray) -> np.ndarray:
+  """Which of the lines of ``block`` (whole lines, starting at ``starts``) hold a byte other than whitespace.
+
+  A line that starts with another byte does (nearly all: a JSON line starts with ``{``); the few that start
+  with whitespace are looked at whole, one by one, or, where they are many, by a mask of the block.
+  """
+  first = block[starts]
+  maybe = (first == 32) | (first == 9) | (first == 13) | (first == 10)
+  doubtful = np.flatnonzero(maybe)
+  if len(doubtful) > len(starts) // 16 + 16:
+    ink = (block != 32) & (block != 9) & (block != 13) & (block != 10)
+    return np.logical_or.reduceat(ink, starts)
+  ends = np.append(starts[1:], len(block))
+  for line in doubtful:
+    maybe[line] = not bytes(block[starts[line]:ends[line]]).strip(b" \t\r\n")
+  return ~maybe
 
 
 class JsonlFile:
