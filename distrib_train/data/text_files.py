@@ -25,7 +25,6 @@ shards (``record_shards.py``).
 
 from __future__ import annotations
 
-import concurrent.futures
 import glob as globlib
 import json
 import mmap
@@ -150,33 +149,46 @@ def _json_text(raw: bytes, field: str) -> str:
 
 def scan_lines(path: str) -> dict[str, np.ndarray]:
   """``{"offsets": int64}``: the byte offset of every non-blank line of ``path`` (one with a byte other than
-  space, tab or CR), by a numpy scan of 64 MiB chunks, each read while the one before is scanned (the
-  ``lines`` index)."""
-  found, begin, carry = [], 0, b""
+  space, tab or CR), by a numpy scan of its memory map in 64 MiB chunks (the ``lines`` index).
+
+  The kernel is asked to read the next chunks while one is scanned
+  (``MADV_WILLNEED``): 10 GiB not in the page cache took 12 s, as long as
+  ``dd`` took to read it, against 17 s without (2-core VM). Reading chunks
+  into fresh buffers instead was slower still: their page faults cost more
+  than the scan.
+  """
   try:
-    with open(path, "rb", buffering=0) as f, concurrent.futures.ThreadPoolExecutor(1) as reader:
-      ahead = reader.submit(f.read, _SCAN_BYTES)
-      while True:
-        data = ahead.result()
-        if data:
-          ahead = reader.submit(f.read, _SCAN_BYTES)
-        elif not carry:
-          break
-        block = np.frombuffer((carry + data) if carry else data, np.uint8)
-        newlines = np.flatnonzero(block == 10)
-        if data:  # more may follow: whole lines only, the rest starts the next block
-          if not len(newlines):
-            carry = block.tobytes()
-            continue
-          carry, block = block[newlines[-1] + 1:].tobytes(), block[:newlines[-1] + 1]
-        else:
-          carry = b""
-        starts = np.concatenate([[0], newlines[newlines + 1 < len(block)] + 1])
-        found.append(begin + starts[_inked(block, starts)])
-        begin += len(block)
+    size = os.path.getsize(path)
+    if not size:
+      return {"offsets": np.zeros(0, np.int64)}
+    with open(path, "rb") as f:
+      mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
   except OSError as e:
     raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
-  return {"offsets": np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)}
+  data = np.frombuffer(mapped, np.uint8)
+  found, begin, chunk = [], 0, _SCAN_BYTES
+  while begin < size:
+    _read_ahead(mapped, begin + chunk, 2 * chunk)
+    block = data[begin:begin + chunk]
+    newlines = np.flatnonzero(block == 10)
+    if begin + len(block) < size:
+      if not len(newlines):  # a line longer than the chunk: look further
+        chunk *= 2
+        continue
+      block = block[:newlines[-1] + 1]  # whole lines only; the rest starts the next chunk
+    starts = np.concatenate([[0], newlines[newlines + 1 < len(block)] + 1])
+    found.append(begin + starts[_inked(block, starts)])
+    begin, chunk = begin + len(block), _SCAN_BYTES
+  del data, block
+  mapped.close()
+  return {"offsets": np.concatenate(found).astype(np.int64)}
+
+
+def _read_ahead(mapped: mmap.mmap, start: int, length: int) -> None:
+  """Asks the kernel to start reading ``length`` bytes of the map from ``start`` (where it can be asked)."""
+  start -= start % mmap.PAGESIZE
+  if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_WILLNEED") and start < len(mapped):
+    mapped.madvise(mmap.MADV_WILLNEED, start, min(length, len(mapped) - start))
 
 
 def _inked(block: np.ndarray, starts: np.ndarray) -> np.ndarray:
