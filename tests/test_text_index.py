@@ -304,3 +304,16 @@ def test_a_malformed_line_met_in_training_stops_the_loader_with_its_one_line(tmp
         loader.next_local()
   finally:
     loader.close()
+
+
+def test_a_source_sent_to_a_worker_process_maps_its_index_again(tmp_path):
+  """grain sends a finite pass's source to its workers (cloudpickle): the copy holds no map, lock or array."""
+  import cloudpickle
+
+  path = _write(tmp_path / "w.jsonl", [json.dumps({"text": "a"}), "{bad", json.dumps({"text": "b"})])
+  docs = data.Documents(data.DataConfig(source="text", paths=(path,), index_cache_dir=str(tmp_path / "idx")))
+  assert _texts(docs) == ["a", None, "b"]
+  sent = cloudpickle.dumps(docs)
+  assert len(sent) < 4096
+  copy = cloudpickle.loads(sent)
+  assert _texts(copy) == ["a", None, "b"] and copy.skipped_documents == 2 and docs.skipped_documents == 1

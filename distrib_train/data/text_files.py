@@ -78,6 +78,14 @@ class BadRecords:
     self._logged: dict[str, int] = {}
     self._lock = threading.Lock()
 
+  # grain sends a finite pass's source to its worker processes (cloudpickle): a copy there counts and logs
+  # on its own.
+  def __getstate__(self) -> dict[str, Any]:
+    return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state, _lock=threading.Lock())
+
   def bad(self, path: str, message: Callable[[], str]) -> None:
     """One malformed line of ``path``; ``message()`` names it (called only when it is logged or raised)."""
     if self.policy == "error":
@@ -239,9 +247,22 @@ class JsonlFile:
       raise ValueError(f"Data file {path!r} line {number} {e}.") from None
     except OSError as e:
       raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
+    self._open_index(cache_dir)
+
+  def _open_index(self, cache_dir: str) -> None:
+    self.cache_dir = cache_dir
+    path = self.path
     arrays, self.built_now = index_cache.load_or_build(path, "lines", lambda: scan_lines(path), cache_dir)
     self.offsets = arrays["offsets"]
     self._map: mmap.mmap | None = None
+
+  # A copy sent to a worker process (grain's, for a finite pass) maps the kept index and the file again.
+  def __getstate__(self) -> dict[str, Any]:
+    return {"path": self.path, "field": self.field, "bad_records": self.bad_records, "cache_dir": self.cache_dir}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.path, self.field, self.bad_records = state["path"], state["field"], state["bad_records"]
+    self._open_index(state["cache_dir"])
 
   def __len__(self) -> int:
     return len(self.offsets)
