@@ -125,6 +125,7 @@ def main(argv: Sequence[str]) -> None:
   except ValueError as e:
     _fail(str(e))
   from distrib_train.checkpoint import CheckpointWriteError
+  from distrib_train.data.text_files import BadRecordError
   from distrib_train.training.trainer import EXIT_HALTED, Trainer, TrainerSetupError
 
   try:
@@ -132,8 +133,9 @@ def main(argv: Sequence[str]) -> None:
     result = trainer.run()
   except TrainerSetupError as e:
     _fail(str(e))
-  except CheckpointWriteError as e:  # a full or read-only disk mid-run
-    print(f"distrib-train: error: {e}", file=sys.stderr, flush=True)
+  except (CheckpointWriteError, BadRecordError) as e:  # a full or read-only disk, or a malformed line, mid-run
+    # Its first line: grain's prefetch thread appends a note on its own traceback filtering.
+    print(f"distrib-train: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
     if distributed.is_multiprocess():
       os._exit(1)  # the other processes may wait for this one in the save's barrier
     sys.exit(1)

@@ -110,6 +110,8 @@ def snapshot(root: pathlib.Path) -> dict[str, Any]:
       # Names the last job that held the workdir; a job that got the lock and then found a damaged array
       # rewrote it. A job refused the lock never writes it (test_cli_refuses_a_workdir_another_job_holds).
       continue
+    if path.name.endswith((".dtindex", ".dtindex.lock")):
+      continue  # the kept index of a data file (data/index_cache.py): valid whatever the run went on to do
     if path.is_dir():
       out[rel] = "dir"
     else:
@@ -273,8 +275,9 @@ CLI_CASES: dict[str, Case] = {
                           "b.txt' is not UTF-8 text (byte 0)", {"b.txt": b"\xff\xfe\x00binary"}),
     "data-unreadable-directory": Case(("--set", "data.source=text", "--set", "data.paths={dir}/d.txt"),
                                       ("Cannot read data file", "d.txt", "Is a directory"), {"d.txt": None}),
-    "data-bad-jsonl": Case(("--set", "data.source=text", "--set", "data.paths={dir}/x.jsonl"),
-                           "x.jsonl' line 2 is not JSON", {"x.jsonl": '{"text": "a"}\n{text\n'}),
+    "data-bad-jsonl": Case(("--set", "data.source=text", "--set", "data.paths={dir}/x.jsonl", "--set",
+                            "data.bad_records=error"), ("x.jsonl' line ", "is not JSON", "data.bad_records=skip would"),
+                           {"x.jsonl": '{"text": "a"}\n' + '{text\n' * 40}),
     "data-too-few-documents": Case(("--set", "data.source=text", "--set", "data.paths={dir}/one.txt"),
                                    ("The train split has 0 document(s)", "data.eval_fraction=0.05"),
                                    {"one.txt": "one document\n"}),

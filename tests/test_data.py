@@ -272,8 +272,11 @@ def test_convert_failing_part_way_leaves_no_shards(tmp_path):
   corpus = tmp_path / "bad.jsonl"
   corpus.write_text(json.dumps({"text": "fine"}) + "\nnot json\n")
   with pytest.raises(ValueError, match=r"bad.jsonl' line 2 is not JSON"):
-    data.write_array_record(str(corpus), str(tmp_path / "out" / "c"))
+    data.write_array_record(str(corpus), str(tmp_path / "out" / "c"), bad_records="error")
   assert list((tmp_path / "out").iterdir()) == []
+  [shard] = data.write_array_record(str(corpus), str(tmp_path / "out" / "c"))  # skip (the default): left out
+  docs = data.Documents(data.DataConfig(source="text", paths=(shard,)))
+  assert [docs[i] for i in range(len(docs))] == ["fine"]
   with pytest.raises(ValueError, match="No documents to write"):
     data.write_array_record([], str(tmp_path / "none" / "c"))
   assert not (tmp_path / "none").exists()
@@ -343,9 +346,9 @@ def test_bad_data_files_are_named(tmp_path, workers):
   binary = tmp_path / "binary.txt"
   binary.write_bytes(b"\xff\xfe\x00 not text")
   cases.append((str(binary), r"Data file '.*binary.txt' is not UTF-8 text"))
-  broken = tmp_path / "broken.jsonl"
+  broken = tmp_path / "broken.jsonl"  # a malformed line stops the run under data.bad_records=error
   broken.write_text('{"text": "fine"}\n{"text": oops}\n')
-  cases.append((str(broken), r"Data file '.*broken.jsonl' line 2 is not JSON"))
+  cases.append((str(broken), r"Data file '.*broken.jsonl' line 2 is not JSON.*data.bad_records=skip would skip it"))
   no_text = tmp_path / "no_text.jsonl"
   no_text.write_text('{"body": "x"}\n')
   cases.append((str(no_text), r"line 1 has no string field 'text'"))
@@ -354,8 +357,8 @@ def test_bad_data_files_are_named(tmp_path, workers):
   cases.append((str(corrupt), r"Data file '.*corrupt.array_record' is not a readable ArrayRecord file"))
   for path, message in cases:
     with pytest.raises(ValueError, match=message):
-      data.DataLoader(data.DataConfig(source="text", paths=(path,), seq_len=8, global_batch_size=8,
-                                      num_workers=workers), shardings)
+      data.DataLoader(data.DataConfig(source="text", paths=(path,), seq_len=8, global_batch_size=8, eval_fraction=0,
+                                      bad_records="error", num_workers=workers), shardings)
 
 
 def test_unpacked_sequences_longer_than_every_document_are_refused(tmp_path):

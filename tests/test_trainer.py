@@ -163,11 +163,18 @@ def test_scalars_in_aux_reach_the_console_the_jsonl_and_tensorboard_for_train_an
     return loss, state, {**aux, "accuracy": jnp.float32(0.25), "perplexity": jnp.exp(loss),
                          "per_row": jnp.zeros(4)}
 
-  config = small_config("train.steps=4", "train.log_every=2", "train.eval_every=4", "train.eval_batches=1")
+  # A corpus with malformed lines: the loader's count of those it skipped is a scalar of the records too.
+  corpus = tmp_path / "half_broken.jsonl"
+  corpus.write_text("".join((json.dumps({"text": f"document {i} " + "words " * 12}) if i % 2 == 0 else "{broken")
+                            + "\n" for i in range(64)))
+  config = small_config("train.steps=4", "train.log_every=2", "train.eval_every=4", "train.eval_batches=1",
+                        "data.source=text", f"data.paths={corpus}")
   result, console = run(config, tmp_path, loss_with_extras)
   assert result.status == "finished"
   records = read_metrics(tmp_path)
   train = [r for r in records if "tokens_per_s" in r]
+  assert 0 < train[0]["data/skipped_documents"] <= train[1]["data/skipped_documents"] <= 64
+  assert "data/skipped_documents" in console
   evals = [r for r in records if "eval/loss" in r]
   assert [r["step"] for r in train] == [2, 4] and all(r["accuracy"] == 0.25 for r in train)
   expected = float(np.mean([np.exp(result.losses[3]), np.exp(result.losses[4])]))

@@ -26,6 +26,12 @@ class DataConfig:
       ``compressed.BLOCK_BYTES`` blocks) a process's source keeps, an LRU:
       its memory is about this many times the block size
       (``block_order.py``).
+    bad_records: what a malformed JSONL line (not UTF-8, not JSON, not an
+      object, no string ``text_field``) does when it is read: ``skip`` logs
+      it (the first 10 of each file), counts it
+      (``data/skipped_documents``) and reads no document from it; ``error``
+      stops the run, naming the file and line. The first line of each file
+      must parse either way.
     index_cache_dir: where the indexes of data files are kept
       (``index_cache.py``); '' keeps each beside its file where that
       directory is writable, else in ``~/.cache/distrib_train/indexes``.
@@ -58,6 +64,7 @@ class DataConfig:
   paths: tuple[str, ...] = ()
   text_field: str = "text"
   block_cache: int = 16
+  bad_records: str = "skip"
   index_cache_dir: str = ""
   seq_len: int = 128
   global_batch_size: int = 32
@@ -86,6 +93,8 @@ class DataConfig:
       raise ValueError(f"Data config: eval_fraction must be in [0, 1), got {self.eval_fraction!r}.")
     if self.source not in ("synthetic", "pydoc", "text"):
       raise ValueError(f"Data config: unknown source {self.source!r}; known: synthetic, pydoc, text.")
+    if self.bad_records not in ("skip", "error"):
+      raise ValueError(f"Data config: unknown bad_records {self.bad_records!r}; known: skip, error.")
     if self.source == "text" and not self.paths:
       raise ValueError("Data config: source 'text' needs paths (files or globs).")
     if self.tokenizer is None:

@@ -6,7 +6,8 @@ it once, with ``load_or_build``, and every later open, by any process of
 this or a later run, maps the kept arrays instead.
 
 An index is kept as ``.<file name>.<kind>.dtindex`` beside the data file,
-or, where that directory is not writable (or ``cache_dir`` is given), under
+or, where that directory is not writable (or refuses the write: EACCES,
+EPERM, EROFS) or ``cache_dir`` is given, under
 ``cache_dir`` (default ``$XDG_CACHE_HOME/distrib_train/indexes``, else
 ``~/.cache/…``) as ``<hash of the path>-<file name>.<kind>.dtindex``. It
 is keyed by the file's absolute path, size, modification time and a hash of
@@ -26,6 +27,7 @@ Not for: reading documents (``text_files.py`` and the readers beside it).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -66,12 +68,24 @@ def file_key(path: str, kind: str) -> dict:
 def index_path(path: str, kind: str, cache_dir: str = "") -> str:
   """Where the index of ``path`` is kept: beside it where its directory is writable and no ``cache_dir`` is
   given, else under ``cache_dir`` (or ``default_cache_dir()``)."""
+  return _places(path, kind, cache_dir)[0]
+
+
+def _places(path: str, kind: str, cache_dir: str) -> list[str]:
+  """Where the index of ``path`` may be kept, in order: beside it (no ``cache_dir`` given, and its directory
+  writable as far as ``os.access`` knows), then the cache directory."""
   path = os.path.abspath(path)
   folder, name = os.path.split(path)
-  if not cache_dir and os.access(folder, os.W_OK):
-    return os.path.join(folder, f".{name}.{kind}.dtindex")
   tag = hashlib.sha256(path.encode()).hexdigest()[:16]
-  return os.path.join(cache_dir or default_cache_dir(), f"{tag}-{name}.{kind}.dtindex")
+  cached = os.path.join(cache_dir or default_cache_dir(), f"{tag}-{name}.{kind}.dtindex")
+  if not cache_dir and os.access(folder, os.W_OK):
+    return [os.path.join(folder, f".{name}.{kind}.dtindex"), cached]
+  return [cached]
+
+
+# A directory that refuses writes whatever os.access said (a read-only mount, root squashed over NFS): the
+# index goes to the next place.
+_REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def load_or_build(path: str, kind: str, build: Callable[[], dict[str, np.ndarray]],
@@ -97,17 +111,28 @@ def load_or_build(path: str, kind: str, build: Callable[[], dict[str, np.ndarray
     key = file_key(path, kind)
   except OSError as e:
     raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
-  where = index_path(path, kind, cache_dir)
-  kept = _read(where, key)
-  if kept is not None:
-    return kept, False
-  try:
-    os.makedirs(os.path.dirname(where), exist_ok=True)
-    lock = _locked(where + ".lock")
-  except OSError as e:
-    raise ValueError(f"Cannot keep the index of data file {path!r} at {where!r}: {e.strerror}; set"
-                     " data.index_cache_dir to a writable directory.") from None
-  with lock:
+  places = _places(path, kind, cache_dir)
+  for where in places:
+    kept = _read(where, key)
+    if kept is not None:
+      return kept, False
+  for i, where in enumerate(places):
+    try:
+      return _build_at(where, path, kind, key, build)
+    except OSError as e:
+      if e.errno in _REFUSED and i + 1 < len(places):
+        continue
+      raise ValueError(f"Cannot keep the index of data file {path!r} at {where!r}: {e.strerror}; set"
+                       " data.index_cache_dir to a writable directory.") from None
+  raise AssertionError("unreachable")  # pragma: no cover - the last place returns or raises
+
+
+def _build_at(where: str, path: str, kind: str, key: dict,
+              build: Callable[[], dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], bool]:
+  """Builds and keeps the index at ``where`` under its lock (or maps the one another process kept there
+  meanwhile). OSError: ``where`` cannot be written."""
+  os.makedirs(os.path.dirname(where), exist_ok=True)
+  with _locked(where + ".lock"):
     kept = _read(where, key)  # another process may have built it while this one waited
     if kept is not None:
       return kept, False
@@ -173,6 +198,7 @@ def _write(where: str, key: dict, arrays: dict[str, np.ndarray]) -> None:
   prefix = _MAGIC + _LENGTH.pack(len(header)) + header
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(where), prefix=".tmp-", suffix=".dtindex")
   try:
+    os.fchmod(fd, os.stat(key["path"]).st_mode & 0o444 | 0o200)  # readable by whoever may read the data
     with os.fdopen(fd, "wb") as f:
       f.write(prefix + b"\0" * (start - len(prefix)))
       for name, a in arrays.items():

@@ -21,8 +21,11 @@ tagged with a generation number; older ones are skipped).
 
 A worker opens the source and the tokenizer itself, from the data config
 (a tokenizer given as a Python function stays in process). A worker that
-cannot open them reports the error, raised here as the ``ValueError`` the
-in-process lanes raise; one that dies is named with its exit code.
+cannot open them, or reads a malformed line under
+``data.bad_records=error``, reports the error, raised here as the
+``ValueError`` the in-process lanes raise; one that dies is named with its
+exit code. Each rows frame's header also carries the documents the worker
+has skipped (``ProcessLanes.skipped_documents``).
 
 Not for: packing (``lanes.py``), batching and prefetching (``endless.py``).
 """
@@ -50,6 +53,7 @@ from distrib_train.data import block_order
 from distrib_train.data import lanes as lanes_lib
 from distrib_train.data import splits
 from distrib_train.data.config import DataConfig
+from distrib_train.data.text_files import BadRecordError
 
 DEPTH = 4  # batches each worker makes ahead
 _POLL_S = 0.2
@@ -88,17 +92,29 @@ def _positions(positions: Mapping[int, tuple[int, int]]) -> list[list[int]]:
   return [[int(lane), int(done), int(used)] for lane, (done, used) in positions.items()]
 
 
-def _rows_frame(generation: int, rows: list[dict[str, np.ndarray]], after: Mapping[int, tuple[int, int]]):
+def _rows_frame(generation: int, rows: list[dict[str, np.ndarray]], after: Mapping[int, tuple[int, int]],
+                skipped: int):
   names = [sorted(row) for row in rows]
   arrays = [row[name] for row, keys in zip(rows, names) for name in keys]
-  return {"kind": "rows", "generation": generation, "names": names, "positions": _positions(after)}, arrays
+  return {"kind": "rows", "generation": generation, "names": names, "positions": _positions(after),
+          "skipped": skipped}, arrays
 
 
-def _rows_of(header: dict, arrays: list[np.ndarray]) -> tuple[int, list[dict[str, np.ndarray]], dict]:
+def _rows_of(header: dict, arrays: list[np.ndarray]) -> tuple[int, list[dict[str, np.ndarray]], dict, int]:
   rows, it = [], iter(arrays)
   for keys in header["names"]:
     rows.append({name: next(it) for name in keys})
-  return header["generation"], rows, {lane: (done, used) for lane, done, used in header["positions"]}
+  return (header["generation"], rows, {lane: (done, used) for lane, done, used in header["positions"]},
+          header["skipped"])
+
+
+def _error(e: BaseException) -> dict:
+  """An error frame: a ValueError's one line (raised as one in the training process, a malformed line as
+  ``text_files.BadRecordError``), else the traceback."""
+  if isinstance(e, ValueError):
+    name = "BadRecordError" if isinstance(e, BadRecordError) else "ValueError"
+    return {"kind": "error", "message": f"{name}: {e}"}
+  return {"kind": "error", "message": traceback.format_exc()}
 
 
 def in_process(config: DataConfig, split: str, shard_count: int, vocab_size: int | None,
@@ -111,8 +127,10 @@ def in_process(config: DataConfig, split: str, shard_count: int, vocab_size: int
   stream = block_order.shuffled(docs, indices, config.seed)  # every process's order
   if stream is None:
     stream = grain.MapDataset.source(splits.Subset(docs, indices)).shuffle(seed=config.seed).repeat(None)
+  checked = docs.skipped_documents  # by split_documents' sample, read again by the lanes
   return lanes_lib.Lanes(stream, tokenize, lanes=config.global_batch_size, length=config.seq_len + 1,
-                         packing=config.packing, threads=config.num_threads, rows=rows)
+                         packing=config.packing, threads=config.num_threads, rows=rows,
+                         skipped=lambda: docs.skipped_documents - checked)
 
 
 def open_lanes(config: DataConfig, split: str, shard_count: int, vocab_size: int | None,
@@ -139,8 +157,7 @@ def _serve() -> None:
     config = DataConfig(**{**args["config"], "paths": tuple(args["config"]["paths"])})
     lanes = in_process(config, args["split"], args["shard_count"], args["vocab_size"], args["rows"])
   except BaseException as e:  # noqa: BLE001 - reported to the training process, which raises it
-    message = f"ValueError: {e}" if isinstance(e, ValueError) else traceback.format_exc()
-    _send(frames, {"kind": "error", "message": message})
+    _send(frames, _error(e))
     return
   lock, pending, stop = threading.Lock(), [], threading.Event()
 
@@ -166,11 +183,11 @@ def _serve() -> None:
           generation = pending[-1]["generation"]
           lanes.restore({lane: (done, used) for lane, done, used in pending[-1]["positions"]})
           pending.clear()
-      _send(frames, *_rows_frame(generation, *lanes.next_rows()))
+      _send(frames, *_rows_frame(generation, *lanes.next_rows(), lanes.skipped_documents))
   except (BrokenPipeError, OSError):  # the training process has gone
     pass
-  except BaseException:  # noqa: BLE001
-    _send(frames, {"kind": "error", "message": traceback.format_exc()})
+  except BaseException as e:  # noqa: BLE001 - a malformed line under data.bad_records=error is a ValueError
+    _send(frames, _error(e))
   finally:
     lanes.close()
 
@@ -183,6 +200,7 @@ class ProcessLanes:
     self.rows = list(rows)
     self.lanes = config.global_batch_size
     self.position = {r: (0, 0) for r in self.rows}
+    self._skipped = [0] * workers  # each worker's skipped documents, as of its last rows
     self._generation = 0
     self._closing = threading.Event()
     package_root = str(pathlib.Path(__file__).resolve().parents[2])
@@ -236,8 +254,9 @@ class ProcessLanes:
         raise RuntimeError(f"data worker process {index} (pid {process.pid}) ended with exit code"
                            f" {process.wait()}; its lanes cannot be read (its error is above).")
       if got == "error":
-        if payload.startswith("ValueError: "):
-          raise ValueError(payload[len("ValueError: "):])
+        for error in (ValueError, BadRecordError):
+          if payload.startswith(f"{error.__name__}: "):
+            raise error(payload[len(error.__name__) + 2:])
         raise RuntimeError(f"data worker process {index} failed:\n{payload}")
       if got == kind and (kind != "rows" or payload[0] == self._generation):
         return payload
@@ -246,10 +265,15 @@ class ProcessLanes:
     """Every lane's next sequence, in ``rows`` order, and the positions after them (as ``Lanes.next_rows``)."""
     rows: list[dict[str, np.ndarray]] = []
     for index in range(len(self._workers)):
-      _, made, after = self._receive(index, "rows")
+      _, made, after, self._skipped[index] = self._receive(index, "rows")
       rows.extend(made)
       self.position.update(after)
     return rows, dict(self.position)
+
+  @property
+  def skipped_documents(self) -> int:
+    """The malformed documents the workers have skipped (as of the rows received; they read ahead)."""
+    return sum(self._skipped)
 
   def restore(self, positions: Mapping[int, tuple[int, int]]) -> None:
     missing = [r for r in self.rows if r not in positions]

@@ -45,15 +45,21 @@ class Lanes:
       otherwise each sequence is the head of the lane's next document of at
       least ``length`` tokens.
     threads: lanes read and tokenized in parallel.
+    skipped: the malformed documents skipped so far (``skipped_documents``).
   """
 
   def __init__(self, stream: Any, tokenize: Callable[[Any], np.ndarray], *, lanes: int, rows: Sequence[int],
-               length: int, packing: bool, threads: int):
+               length: int, packing: bool, threads: int, skipped: Callable[[], int] = lambda: 0):
     self._stream, self._tokenize = stream, tokenize
     self.lanes, self.rows, self.length, self.packing = lanes, list(rows), length, packing
     self.position = {r: (0, 0) for r in self.rows}  # lane → (documents finished, tokens used of the next)
     self._pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="distrib_train-lanes")
     self._held: dict[int, tuple[int, np.ndarray]] = {}  # lane → its next document's tokens, once read
+    self._skipped = skipped
+
+  @property
+  def skipped_documents(self) -> int:
+    return self._skipped()
 
   def _document(self, lane: int, index: int) -> np.ndarray:
     held = self._held.get(lane)

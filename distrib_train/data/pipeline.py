@@ -149,6 +149,7 @@ class DataLoader:
     self.local_batch_size = config.global_batch_size // self.shard_count
     self._finite = num_epochs is not None
     self._lanes: lanes_lib.Lanes | None = None  # an endless (training) loader reads lanes
+    self._skipped = lambda: 0  # a finite pass's skipped documents (its lanes count an endless loader's)
     self._iterator = self._build(split, num_epochs, vocab_size)
 
   def _build(self, split: str, num_epochs: int | None, vocab_size: int | None = None) -> Any:
@@ -165,6 +166,8 @@ class DataLoader:
           rows=range(self.shard_index * self.local_batch_size, (self.shard_index + 1) * self.local_batch_size))
       return endless.prefetched(self._lanes, self._lane_batch)
     docs, indices, tokenize = splits.split_documents(config, split, self.shard_count, vocab_size)
+    checked = docs.skipped_documents
+    self._skipped = lambda: docs.skipped_documents - checked
     stream = block_order.shuffled(docs, indices, config.seed)  # block-read files: the shuffle by blocks
     if stream is not None:
       ds = block_order.dataset(stream)
@@ -175,6 +178,12 @@ class DataLoader:
                           shard_count=self.shard_count, num_epochs=num_epochs,
                           local_batch_size=self.local_batch_size, pad_last_batch=split == "eval",
                           place=lambda local: to_global(local, shardings, global_batch))
+
+  @property
+  def skipped_documents(self) -> int:
+    """Malformed JSONL lines this loader has read (``data.bad_records=skip``: read as no document), read
+    ahead included, in this process and its lane workers (not in a finite pass's grain workers)."""
+    return self._skipped() if self._lanes is None else self._lanes.skipped_documents
 
   @property
   def endless(self) -> bool:

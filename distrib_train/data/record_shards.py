@@ -21,8 +21,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+from absl import logging
 
-from distrib_train.data.text_files import expand, iter_text_file
+from distrib_train.data.text_files import BadRecords, expand, iter_text_file
 
 
 def pretokenized(shards: Sequence[str]) -> dict[str, Any] | None:
@@ -57,7 +58,8 @@ def check_readable(path: str) -> None:
     raise ValueError(f"Data file {path!r} is not a readable ArrayRecord file: {e}") from None
 
 
-def write_array_record(documents: Iterable[str] | str, output: str, *, num_shards: int = 1) -> list[str]:
+def write_array_record(documents: Iterable[str] | str, output: str, *, num_shards: int = 1,
+                       bad_records: str = "skip") -> list[str]:
   """Writes documents as ArrayRecord shards, one record per document.
 
   Documents are streamed: a corpus larger than memory converts in memory
@@ -69,6 +71,8 @@ def write_array_record(documents: Iterable[str] | str, output: str, *, num_shard
     output: path prefix; shards are ``{output}-00000-of-0000N.array_record``.
       Its directory is created if missing.
     num_shards: how many files to spread the records over.
+    bad_records: a malformed JSONL line is skipped (``skip``: logged) or
+      stops the conversion (``error``), as ``data.bad_records``.
 
   Returns:
     The shard paths.
@@ -77,23 +81,24 @@ def write_array_record(documents: Iterable[str] | str, output: str, *, num_shard
     ValueError: no documents, a bad input file (named), or ``num_shards < 1``.
   """
   return convert([documents] if isinstance(documents, str) else documents, output, num_shards=num_shards,
-                 paths=isinstance(documents, str))
+                 paths=isinstance(documents, str), bad_records=bad_records)
 
 
 def _file_records(task: tuple[str, str, Any]) -> list[bytes]:
   """One file's records (a worker process's task): UTF-8 text, or int32 token ids."""
-  path, field, spec = task
+  path, field, spec, policy = task
   tokenizer = None
   if spec is not None:
     from distrib_train.data import tokenizer as tokenizer_lib
 
     tokenizer = tokenizer_lib.load(*spec)
   return [doc.encode("utf-8") if tokenizer is None else np.asarray(tokenizer(doc), np.int32).tobytes()
-          for doc in iter_text_file(path, field)]
+          for doc in iter_text_file(path, field, BadRecords(policy, "bad_records"))]
 
 
 def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: bool = True,
-            text_field: str = "text", tokenizer: Any = None, workers: int = 0) -> list[str]:
+            text_field: str = "text", tokenizer: Any = None, workers: int = 0,
+            bad_records: str = "skip") -> list[str]:
   """Streams the documents of ``inputs`` into ArrayRecord shards.
 
   Args:
@@ -110,7 +115,11 @@ def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: b
     workers: read and tokenize this many files at once in worker processes
       (0: in this process); the shards are the same, byte for byte, and
       memory is bounded by ``workers`` files' records.
+    bad_records: ``skip`` (a malformed JSONL line is logged, the first 10
+      of a file, and left out) or ``error`` (it stops the conversion,
+      named), as ``data.bad_records``.
   """
+  policy = BadRecords(bad_records, "bad_records")  # checks the name
   if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
     raise ValueError(f"num_shards must be a positive integer, got {num_shards!r}.")
   if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
@@ -125,13 +134,17 @@ def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: b
 
     spec = None if tokenizer is None else (tokenizer.spec, *_special_tokens(tokenizer))
     pool = multiprocessing.get_context("spawn").Pool(workers)
-    records = (r for rs in pool.imap(_file_records, [(p, text_field, spec) for p in expand(inputs)]) for r in rs)
+    tasks = [(p, text_field, spec, bad_records) for p in expand(inputs)]
+    records = (r for rs in pool.imap(_file_records, tasks) for r in rs)
   else:
-    documents = (doc for path in expand(inputs) for doc in iter_text_file(path, text_field)) if paths else \
+    documents = (doc for path in expand(inputs) for doc in iter_text_file(path, text_field, policy)) if paths else \
         iter(inputs)
     records = (encode(doc) for doc in documents)
   try:
-    return _write_shards(records, output, num_shards, tokenizer, inputs if paths else None)
+    shards = _write_shards(records, output, num_shards, tokenizer, inputs if paths else None)
+    if policy.skipped:
+      logging.warning("Skipped %d malformed JSONL line(s) (bad_records=skip).", policy.skipped)
+    return shards
   finally:
     if pool is not None:
       pool.terminate()
@@ -188,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                               " sentencepiece:<model>, tiktoken:<file>")
   convert_parser.add_argument("--bos_token", default="", help="with --tokenizer: a token before every document")
   convert_parser.add_argument("--eos_token", default="", help="with --tokenizer: a token after every document")
+  convert_parser.add_argument("--bad_records", choices=("skip", "error"), default="skip",
+                              help="a malformed JSONL line: skip it (logged; default) or stop")
   convert_parser.add_argument("--workers", type=int, default=0, help="files read and tokenized at once in worker"
                               " processes (default 0: in this one)")
   args = parser.parse_args(argv)
@@ -198,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
       tokenizer = tokenizer_lib.load(args.tokenizer, args.bos_token, args.eos_token)
     paths = convert(args.inputs, args.output, num_shards=args.shards, text_field=args.text_field,
-                    tokenizer=tokenizer, workers=args.workers)
+                    tokenizer=tokenizer, workers=args.workers, bad_records=args.bad_records)
   except ValueError as e:
     parser.exit(2, f"error: {e}\n")
   print("\n".join(paths))

@@ -16,6 +16,7 @@ Not for: reading a file format (``text_files.py``), writing shards
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -52,11 +53,13 @@ def _pydoc_documents(target_bytes: int = 4096) -> list[str]:
 
 class Documents:
   """Random-access documents (grain ``RandomAccessDataSource``); ``pretokenized`` is the tokenizer
-  fingerprint of shards that hold token ids (``convert --tokenizer``), else None."""
+  fingerprint of shards that hold token ids (``convert --tokenizer``), else None. A malformed JSONL line
+  reads as None under ``data.bad_records=skip`` (counted in ``skipped_documents``)."""
 
   def __init__(self, config: DataConfig):
     self.config = config
     self._array_record = None
+    self.bad_records = text_files.BadRecords(config.bad_records)
     self.pretokenized: dict[str, Any] | None = None
     self._block_cache = block_order.BlockCache(config.block_cache)
     if config.source == "pydoc":
@@ -77,23 +80,29 @@ class Documents:
         self._array_record = grain.sources.ArrayRecordDataSource(records)
         self.pretokenized = record_shards.pretokenized(records)
       else:
+        text_files.allow_open_files(2 * sum(path.endswith(".jsonl") for path in texts))
         self._docs = text_files.Concatenated([self._reader(path) for path in texts])
     if len(self) == 0:
       raise ValueError(f"Data source {config.source!r} {list(config.paths) or ''} holds no documents.")
 
   def _reader(self, path: str) -> Any:
     """The reader of one text file (or ``datasets`` folder)."""
-    field = self.config.text_field
+    field, config = self.config.text_field, self.config
     if path.endswith(".jsonl"):
-      return text_files.JsonlFile(path, field)
+      return text_files.JsonlFile(path, field, self.bad_records, config.index_cache_dir)
     if path.endswith(".parquet"):
       return text_files.ParquetFile(path, field, self._block_cache)
     if compressed.is_compressed(path):
-      return compressed.CompressedJsonl(path, field, text_files._json_text, self._block_cache,
-                                        self.config.index_cache_dir)
+      parse = functools.partial(text_files.json_document, bad_records=self.bad_records)
+      return compressed.CompressedJsonl(path, field, parse, self._block_cache, config.index_cache_dir)
     if arrow_text.is_dataset_folder(path):
       return arrow_text.DatasetFolder(path, field)
     return text_files.TextFile(path)
+
+  @property
+  def skipped_documents(self) -> int:
+    """Malformed JSONL lines read so far (``data.bad_records=skip``), in this process."""
+    return self.bad_records.skipped
 
   def blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The source's blocks where it has files read by blocks (``text_files.Concatenated.blocks``), else None."""
@@ -107,7 +116,7 @@ class Documents:
       return self.config.synthetic_documents
     return len(self._docs)
 
-  def __getitem__(self, index: int) -> str | np.ndarray:
+  def __getitem__(self, index: int) -> str | np.ndarray | None:
     if self._array_record is not None:
       record = self._array_record[index]
       return np.frombuffer(record, np.int32) if self.pretokenized else record.decode("utf-8")

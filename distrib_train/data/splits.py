@@ -94,8 +94,10 @@ def split_documents(config: DataConfig, split: str, shard_count: int,
   longest = max(len(tokenize(docs[int(i)])) for i in sample)
   if longest == 0:  # packing would look for tokens forever
     source = f"data source {config.source!r}" + (f" {list(config.paths)}" if config.paths else "")
+    skipped = f" ({docs.skipped_documents} of them malformed lines, skipped: data.bad_records=skip)" \
+        if docs.skipped_documents else ""
     raise ValueError(f"The {split} split of {source} holds no tokens: all {len(sample)} document(s) checked are"
-                     " empty; give documents with text.")
+                     f" empty{skipped}; give documents with text.")
   if not config.packing and longest < config.seq_len + 1:
     raise ValueError(
         f"seq_len {config.seq_len} + 1 is longer than every {split} document (longest {longest} tokens of"
@@ -105,7 +107,8 @@ def split_documents(config: DataConfig, split: str, shard_count: int,
 
 
 def _tokenizer(config: DataConfig) -> Tokenize:
-  """The config's tokenizer as document → int32 ids (a document of ids, pre-tokenized or synthetic, as it is)."""
+  """The config's tokenizer as document → int32 ids (a document of ids, pre-tokenized or synthetic, as it is;
+  None, a skipped malformed line, as no ids)."""
   tokenizer: Tokenizer | None = config.tokenizer
   if isinstance(tokenizer, str):
     loaded = tokenizer_lib.load(tokenizer, config.bos_token, config.eos_token)
@@ -113,6 +116,8 @@ def _tokenizer(config: DataConfig) -> Tokenize:
     tokenizer = None if plain_bytes else loaded
 
   def tokenize(doc: Any) -> np.ndarray:
+    if doc is None:  # a malformed line skipped (data.bad_records=skip): no tokens
+      return np.zeros(0, np.int32)
     if isinstance(doc, np.ndarray):  # synthetic documents are tokens already
       return doc
     if tokenizer is None:

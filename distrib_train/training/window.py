@@ -3,8 +3,9 @@
 ``MetricsWindow`` holds the finite steps' losses, gradient norms and aux
 scalars, the last step's optimizer figures (learning rate, skipped count),
 and the clock: steps and seconds since it last restarted, and how long the
-loop waited for data. ``figures`` turns it into the record a log point
-writes (means, throughput, MFU, memory).
+loop waited for data (and the malformed documents its loader skipped).
+``figures`` turns it into the record a log point writes (means,
+throughput, MFU, memory).
 
 Not for: where records go (``metrics.MetricWriter``).
 """
@@ -34,6 +35,9 @@ class MetricsWindow:
     grad_norms: their gradient norms.
     aux: their aux scalars, by name (first seen first).
     last: the last judged step's figures (``learning_rate``, ``skipped``, …).
+    skipped_documents: the loader's malformed documents skipped this run
+      (``data/skipped_documents``), as of the last batch; None: a loader
+      that does not count them.
   """
 
   start: float = dataclasses.field(default_factory=time.perf_counter)
@@ -43,6 +47,7 @@ class MetricsWindow:
   grad_norms: list[float] = dataclasses.field(default_factory=list)
   aux: dict[str, list[float]] = dataclasses.field(default_factory=dict)
   last: dict[str, float] = dataclasses.field(default_factory=dict)
+  skipped_documents: int | None = None
 
   def add(self, loss: float, grad_norm: float, aux: Mapping[str, float]) -> None:
     """One finite step's figures."""
@@ -86,6 +91,8 @@ def figures(window: MetricsWindow, *, tokens_per_step: int, num_devices: int, pe
     out["skipped"] = int(window.last["skipped"])
   out.update(step_time_ms=step_time * 1e3, tokens_per_s=tokens_per_s, tokens_per_s_per_device=tokens_per_s / num_devices,
              data_wait_ms=window.data_wait_s / steps * 1e3)
+  if window.skipped_documents is not None:
+    out["data/skipped_documents"] = int(window.skipped_documents)
   if peak_flops and flops_per_token:
     out["mfu"] = flops_per_token * tokens_per_s / (peak_flops * num_devices)
   memory = metrics_lib.memory_in_use(jax.local_devices()[0])

@@ -1,0 +1,319 @@
+"""JSONL files opened through a kept index of line offsets, and the malformed-line policy (``data.bad_records``).
+
+The index (``data/index_cache.py``, built by ``text_files.scan_lines``) is
+built by the first open and mapped by every later one, rebuilt when the file
+changes, kept in the cache directory when the data's directory refuses it,
+and built by one process when several open a new file at once. A malformed
+line is found when it is read: skipped (logged with file and line, counted,
+read as no document) or raised.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import data_helpers
+import distrib_train as dt
+from distrib_train import data
+from distrib_train.data import index_cache, record_shards, text_files
+
+
+def _write(path, lines, end="\n"):
+  path.write_bytes("".join(line + end for line in lines).encode())
+  return str(path)
+
+
+def _texts(reader):
+  return [reader[i] for i in range(len(reader))]
+
+
+def _reference_offsets(raw: bytes) -> list[int]:
+  """Each non-blank line's offset, line by line in Python."""
+  out, position = [], 0
+  for line in raw.split(b"\n"):
+    if line.strip(b" \t\r"):
+      out.append(position)
+    position += len(line) + 1
+  return out
+
+
+def test_the_index_is_built_once_and_mapped_by_the_next_open(tmp_path):
+  path = _write(tmp_path / "a.jsonl", [json.dumps({"text": f"doc {i}"}) for i in range(50)])
+  first = text_files.JsonlFile(path, "text")
+  second = text_files.JsonlFile(path, "text")
+  assert first.built_now and not second.built_now
+  assert isinstance(second.offsets, np.memmap)
+  assert _texts(second) == [f"doc {i}" for i in range(50)]
+  data_mode = os.stat(path).st_mode & 0o777
+  assert data_mode & 0o044  # readable by others: so is the index (a temporary file's 0o600 would not be)
+  assert os.stat(tmp_path / ".a.jsonl.lines.dtindex").st_mode & 0o777 == data_mode & 0o444 | 0o200
+
+
+def test_the_newline_scan_finds_every_non_blank_line_across_chunks(tmp_path, monkeypatch):
+  """Blank lines (spaces, tabs, CR), CRLF, no final newline, an empty file and lines longer than a chunk."""
+  rng = random.Random(0)
+  pieces = [b"", b" ", b"\t", b"\r", b"x", b"{}", b"a b", b" \t\r ", b"yyyyyyyyyyyyyyyyyyyyyy"]
+  mostly_ink = b"x\n" * 300 + b" \t\n" + b"x\n" * 50 + b"  y\r\n" + b"\r\n" + b"x\n" * 100  # few to look at
+  for size in (0, 1, 3, 50, 400, -1):
+    raw = mostly_ink if size < 0 else b"".join(rng.choice(pieces) + rng.choice([b"\n", b"\r\n"]) for _ in range(size))
+    for tail in (b"", b"last", b"  "):
+      path = tmp_path / f"s{size}.jsonl"
+      path.write_bytes(raw + tail)
+      for chunk in (5, 64 << 20):
+        monkeypatch.setattr(text_files, "_SCAN_BYTES", chunk)
+        assert text_files.scan_lines(str(path))["offsets"].tolist() == _reference_offsets(raw + tail), (size, tail)
+
+
+def test_blank_lines_crlf_and_no_final_newline_read_right(tmp_path):
+  raw = b'\r\n  \t\r\n{"text": "one"}\r\n\n{"text": "two\\r\\n"}\r\n \n{"text": "three"}'
+  path = tmp_path / "c.jsonl"
+  path.write_bytes(raw)
+  reader = text_files.JsonlFile(str(path), "text")
+  assert _texts(reader) == ["one", "two\r\n", "three"]
+  assert [reader.line_number(i) for i in range(3)] == [3, 5, 7]
+  (tmp_path / "empty.jsonl").write_bytes(b"")
+  (tmp_path / "blank.jsonl").write_bytes(b"\n \r\n\t")
+  assert len(text_files.JsonlFile(str(tmp_path / "empty.jsonl"), "text")) == 0
+  assert len(text_files.JsonlFile(str(tmp_path / "blank.jsonl"), "text")) == 0
+
+
+@pytest.mark.parametrize("change", ["appended", "same_size_other_bytes", "touched"])
+def test_a_changed_file_gets_a_new_index(tmp_path, change):
+  path = tmp_path / "d.jsonl"
+  _write(path, [json.dumps({"text": t}) for t in ("aa", "bb", "cc")])
+  assert text_files.JsonlFile(str(path), "text").built_now
+  stat = os.stat(path)
+  if change == "appended":
+    with open(path, "a") as f:
+      f.write(json.dumps({"text": "dd"}) + "\n")
+    want = ["aa", "bb", "cc", "dd"]
+  elif change == "same_size_other_bytes":  # same size, same mtime: the bytes' hash tells
+    _write(path, [json.dumps({"text": t}) for t in ("a", "bbb", "cc")])
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(path).st_size == stat.st_size
+    want = ["a", "bbb", "cc"]
+  else:
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    want = ["aa", "bb", "cc"]
+  reader = text_files.JsonlFile(str(path), "text")
+  assert reader.built_now and _texts(reader) == want
+  assert not text_files.JsonlFile(str(path), "text").built_now
+
+
+def test_a_corpus_that_changes_between_runs_is_read_as_it_is_now(tmp_path):
+  for name in ("a", "b"):
+    _write(tmp_path / f"{name}.jsonl", [json.dumps({"text": f"{name}{i}"}) for i in range(3)])
+  config = data.DataConfig(source="text", paths=(str(tmp_path / "*.jsonl"),))
+  assert _texts(data.Documents(config)) == ["a0", "a1", "a2", "b0", "b1", "b2"]
+  _write(tmp_path / "a.jsonl", [json.dumps({"text": "new a"})])
+  _write(tmp_path / "c.jsonl", [json.dumps({"text": "c0"})], end="")
+  assert _texts(data.Documents(config)) == ["new a", "b0", "b1", "b2", "c0"]
+
+
+def test_an_index_the_data_directory_refuses_goes_to_the_cache_directory(tmp_path, monkeypatch):
+  """As a read-only mount or root squashed over NFS do: the directory looks writable and refuses the write."""
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  data_dir = tmp_path / "data"
+  data_dir.mkdir()
+  path = _write(data_dir / "r.jsonl", [json.dumps({"text": "x"}), json.dumps({"text": "y"})])
+  build_at = index_cache._build_at
+
+  def refusing(where, *args):
+    if where.startswith(str(data_dir)):
+      raise PermissionError(errno.EROFS, "Read-only file system")
+    return build_at(where, *args)
+
+  monkeypatch.setattr(index_cache, "_build_at", refusing)
+  first = text_files.JsonlFile(path, "text")
+  assert first.built_now and _texts(first) == ["x", "y"]
+  assert sorted(os.listdir(data_dir)) == ["r.jsonl"]
+  kept = list((tmp_path / "cache" / "distrib_train" / "indexes").glob("*-r.jsonl.lines.dtindex"))
+  assert len(kept) == 1
+  assert not text_files.JsonlFile(path, "text").built_now  # found there by the next open
+
+
+def test_an_index_goes_where_data_index_cache_dir_says(tmp_path):
+  (tmp_path / "data").mkdir()
+  path = _write(tmp_path / "data" / "k.jsonl", [json.dumps({"text": "x"})])
+  config = data.DataConfig(source="text", paths=(path,), index_cache_dir=str(tmp_path / "indexes"))
+  assert _texts(data.Documents(config)) == ["x"]
+  assert os.listdir(tmp_path / "data") == ["k.jsonl"]
+  assert [p.name.split("-", 1)[1] for p in (tmp_path / "indexes").glob("*.dtindex")] == ["k.jsonl.lines.dtindex"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_a_read_only_data_directory_keeps_its_index_in_the_cache(tmp_path, monkeypatch):
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  (tmp_path / "data").mkdir()
+  path = _write(tmp_path / "data" / "r.jsonl", [json.dumps({"text": "x"})])
+  os.chmod(tmp_path / "data", 0o555)
+  try:
+    assert _texts(text_files.JsonlFile(path, "text")) == ["x"]
+    assert os.listdir(tmp_path / "data") == ["r.jsonl"]
+  finally:
+    os.chmod(tmp_path / "data", 0o755)
+  assert list((tmp_path / "cache").rglob("*-r.jsonl.lines.dtindex"))
+
+
+_OPEN = """
+import hashlib, os, sys, time
+while not os.path.exists(sys.argv[2]):
+  time.sleep(0.005)
+from distrib_train.data import text_files
+reader = text_files.JsonlFile(sys.argv[1], "text")
+print(reader.built_now, hashlib.sha256(reader.offsets.tobytes()).hexdigest(), len(reader))
+"""
+
+
+def test_two_processes_opening_a_new_file_at_once_build_its_index_once(tmp_path):
+  path = _write(tmp_path / "big.jsonl", [json.dumps({"text": f"{i} " + "x" * (i % 300)}) for i in range(20_000)])
+  go = tmp_path / "go"
+  root = str(pathlib_root())
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+  procs = [subprocess.Popen([sys.executable, "-c", _OPEN, path, str(go)], stdout=subprocess.PIPE, text=True,
+                            env=env) for _ in range(2)]
+  go.touch()
+  outs = [p.communicate(timeout=120)[0].split() for p in procs]
+  assert all(p.returncode == 0 for p in procs)
+  assert sorted(built for built, _, _ in outs) == ["False", "True"]
+  assert outs[0][1:] == outs[1][1:] and outs[0][2] == "20000"
+
+
+def pathlib_root():
+  import pathlib
+
+  return pathlib.Path(dt.__file__).resolve().parents[1]
+
+
+def _bad_corpus(tmp_path, bad_every=3, documents=60):
+  """Documents 'doc NN …'; every ``bad_every``-th line (but the first) malformed, one of four ways. Also the
+  same corpus with each malformed line an empty document instead."""
+  bad = ['{"text": oops}', '{"body": "no text"}', '["a list"]', '{"text": 7}']
+  lines, empty = [], []
+  for i in range(documents):
+    if i and i % bad_every == 0:
+      lines.append(bad[i % 4])
+      empty.append('{"text": ""}')
+    else:
+      lines.append(json.dumps({"text": f"doc {i:02d} " + "lorem ipsum " * (1 + i % 4)}))
+      empty.append(lines[-1])
+  (tmp_path / "with_empty").mkdir(exist_ok=True)
+  return _write(tmp_path / "bad.jsonl", lines), _write(tmp_path / "with_empty" / "bad.jsonl", empty)
+
+
+def test_malformed_lines_are_skipped_logged_with_file_and_line_and_counted(tmp_path, caplog):
+  lines = [json.dumps({"text": "fine"})] + ["not json"] * 13 + [json.dumps({"text": "end"})]
+  path = _write(tmp_path / "m.jsonl", lines)
+  docs = data.Documents(data.DataConfig(source="text", paths=(path,)))
+  with caplog.at_level("WARNING"):
+    assert _texts(docs) == ["fine"] + [None] * 13 + ["end"]
+  assert docs.skipped_documents == 13
+  messages = [r.getMessage() for r in caplog.records]
+  assert messages[:10] == [f"Data file {path!r} line {n} is not JSON: Expecting value: skipped"
+                           " (data.bad_records=skip)." for n in range(2, 12)]
+  assert len(messages) == 11 and "more malformed lines skipped" in messages[10]
+
+
+def test_a_malformed_line_under_error_raises_one_value_error_naming_file_line_and_field(tmp_path):
+  path, _ = _bad_corpus(tmp_path)
+  docs = data.Documents(data.DataConfig(source="text", paths=(path,), bad_records="error"))
+  assert docs[1].startswith("doc 01")
+  for index, what in ((3, r"has no string field 'text' \(data.text_field\)"),
+                      (6, r"holds a JSON list, not an object with a string field 'text'"), (12, "is not JSON")):
+    with pytest.raises(text_files.BadRecordError, match=rf"'{path}' line {index + 1} {what}.*bad_records=skip"):
+      docs[index]
+
+
+def test_a_wrong_text_field_or_a_file_that_is_not_jsonl_fails_at_open(tmp_path):
+  path = _write(tmp_path / "body.jsonl", ["", "  ", json.dumps({"body": "x"})])
+  for policy in ("skip", "error"):
+    with pytest.raises(ValueError, match=r"body.jsonl' line 3 has no string field 'text' \(data.text_field\)\.$"):
+      data.Documents(data.DataConfig(source="text", paths=(path,), bad_records=policy))
+  (tmp_path / "bin.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+  with pytest.raises(ValueError, match=r"bin.jsonl' line 1 is not UTF-8 text \(byte 0\)"):
+    data.Documents(data.DataConfig(source="text", paths=(str(tmp_path / "bin.jsonl"),)))
+  with pytest.raises(ValueError, match=r"unknown bad_records 'warn'; known: skip, error"):
+    data.DataConfig(bad_records="warn")
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_skipped_lines_read_as_empty_documents_count_and_resume_exactly(tmp_path, workers):
+  """The batches are those of the corpus with each malformed line an empty document, and a restored loader
+  continues them exactly; the loader counts the skipped lines (those its lane workers skip too)."""
+  path, with_empty = _bad_corpus(tmp_path)
+  shardings = data_helpers.shardings(dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2))))
+
+  def loader(corpus):
+    return data.DataLoader(data.DataConfig(source="text", paths=(corpus,), seq_len=16, global_batch_size=8,
+                                           eval_fraction=0.0, num_threads=1, num_workers=workers), shardings)
+
+  want = loader(with_empty)
+  expected = [want.next_local() for _ in range(6)]
+  want.close()
+  got = loader(path)
+  states = []
+  for batch in expected:
+    states.append(got.get_state())
+    mine = got.next_local()
+    for name in batch:
+      np.testing.assert_array_equal(mine[name], batch[name], err_msg=name)
+  assert 0 < got.skipped_documents <= 60 // 3 * 2  # read ahead, and more than one pass over the corpus
+  got.close()
+  if workers:  # resuming in workers is the same code (lane_process.py's tests); one start less
+    return
+  restored = loader(path)
+  restored.set_state(states[3])
+  for batch in expected[3:]:
+    np.testing.assert_array_equal(restored.next_local()["tokens"], batch["tokens"])
+  restored.close()
+
+
+def test_the_converter_skips_or_stops_at_malformed_lines(tmp_path, capsys):
+  path = _write(tmp_path / "c.jsonl", [json.dumps({"text": "one"}), "{bad", json.dumps({"text": "two"})])
+  with pytest.raises(SystemExit) as stopped:
+    record_shards.main(["convert", path, str(tmp_path / "stop" / "c"), "--bad_records", "error"])
+  assert stopped.value.code == 2 and "c.jsonl' line 2 is not JSON" in capsys.readouterr().err
+  assert list((tmp_path / "stop").iterdir()) == []  # no shard
+  record_shards.main(["convert", path, str(tmp_path / "skip" / "c")])
+  [shard] = capsys.readouterr().out.split()
+  assert _texts(data.Documents(data.DataConfig(source="text", paths=(shard,)))) == ["one", "two"]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_malformed_line_met_in_training_stops_the_loader_with_its_one_line(tmp_path, workers):
+  """Past the checks at construction (which read every other document of this corpus, the even ones), the
+  first malformed line the lanes read raises ``BadRecordError`` (the trainer's command line prints it as one
+  line), whether the lanes run in this process or in a worker."""
+  lines = [json.dumps({"text": f"document {i} " + "text " * 5}) if i % 2 == 0 or i % 100 != 1 else "{oops"
+           for i in range(4000)]
+  path = _write(tmp_path / "late.jsonl", lines)
+  shardings = data_helpers.shardings(dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2))))
+  loader = data.DataLoader(data.DataConfig(source="text", paths=(path,), seq_len=16, global_batch_size=8,
+                                           eval_fraction=0.0, bad_records="error", num_workers=workers), shardings)
+  try:
+    with pytest.raises(text_files.BadRecordError, match=r"late.jsonl' line \d+02 is not JSON.*skip would skip it"):
+      for _ in range(2000):
+        loader.next_local()
+  finally:
+    loader.close()
+
+
+def test_a_source_sent_to_a_worker_process_maps_its_index_again(tmp_path):
+  """grain sends a finite pass's source to its workers (cloudpickle): the copy holds no map, lock or array."""
+  import cloudpickle
+
+  path = _write(tmp_path / "w.jsonl", [json.dumps({"text": "a"}), "{bad", json.dumps({"text": "b"})])
+  docs = data.Documents(data.DataConfig(source="text", paths=(path,), index_cache_dir=str(tmp_path / "idx")))
+  assert _texts(docs) == ["a", None, "b"]
+  sent = cloudpickle.dumps(docs)
+  assert len(sent) < 4096
+  copy = cloudpickle.loads(sent)
+  assert _texts(copy) == ["a", None, "b"] and copy.skipped_documents == 2 and docs.skipped_documents == 1
