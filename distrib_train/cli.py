@@ -125,7 +125,7 @@ def main(argv: Sequence[str]) -> None:
   except ValueError as e:
     _fail(str(e))
   from distrib_train.checkpoint import CheckpointWriteError
-  from distrib_train.data.text_files import BadRecordError
+  from distrib_train.data.jsonl import BadRecordError
   from distrib_train.training.trainer import EXIT_HALTED, Trainer, TrainerSetupError
 
   try:

@@ -12,6 +12,7 @@ named ValueError.
 from __future__ import annotations
 
 import collections
+import functools
 import gzip
 import json
 import os
@@ -25,8 +26,12 @@ import distrib_train as dt
 from distrib_train import data
 from distrib_train.data import block_order
 from distrib_train.data import compressed
+from distrib_train.data import jsonl as jsonl_lib
 from distrib_train.data import sources
 from distrib_train.data import text_files
+
+# A compressed reader's parse, as a source gives it (data.bad_records=error: a bad line raises).
+_PARSE = functools.partial(jsonl_lib.json_document, bad_records=jsonl_lib.BadRecords("error"))
 
 import test_data_resume as resume
 
@@ -229,7 +234,7 @@ def test_a_shuffled_parquet_corpus_reads_each_row_group_about_once_an_epoch(tmp_
 def test_a_compressed_file_reads_blocks_behind_its_decompressor_again(tmp_path, small_blocks):
   jsonl = data_helpers.write_documents(tmp_path, [30] * 40)
   for kind in ("zst", "gz"):
-    reader = compressed.CompressedJsonl(_as_format(jsonl, tmp_path, kind), "text", text_files._json_text,
+    reader = compressed.CompressedJsonl(_as_format(jsonl, tmp_path, kind), "text", _PARSE,
                                         block_order.BlockCache(1))
     assert len(reader.block_starts) > 5
     order = list(range(40)) + [0, 39, 3, 2, 1]
@@ -240,11 +245,11 @@ def test_a_compressed_file_reads_blocks_behind_its_decompressor_again(tmp_path, 
 def test_a_stale_compressed_index_is_rebuilt(tmp_path):
   path = tmp_path / "docs.jsonl.gz"
   path.write_bytes(gzip.compress(b'{"text": "one"}\n\n{"text": "two"}\n'))
-  first = compressed.CompressedJsonl(str(path), "text", text_files._json_text)
+  first = compressed.CompressedJsonl(str(path), "text", _PARSE)
   assert [first[0], first[1]] == ["one", "two"] and list(first.lines) == [1, 3]
   path.write_bytes(gzip.compress(b'{"text": "three"}\n{"text": "four"}\n{"text": "five"}\n'))
   os.utime(path, ns=(os.stat(path).st_mtime_ns + 10**9,) * 2)
-  again = compressed.CompressedJsonl(str(path), "text", text_files._json_text)
+  again = compressed.CompressedJsonl(str(path), "text", _PARSE)
   assert len(again) == 3 and [again[i] for i in range(3)] == ["three", "four", "five"]
 
 

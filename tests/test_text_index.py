@@ -1,6 +1,6 @@
 """JSONL files opened through a kept index of line offsets, and the malformed-line policy (``data.bad_records``).
 
-The index (``data/index_cache.py``, built by ``text_files.scan_lines``) is
+The index (``data/index_cache.py``, built by ``jsonl.scan_lines``) is
 built by the first open and mapped by every later one, rebuilt when the file
 changes, kept in the cache directory when the data's directory refuses it,
 and built by one process when several open a new file at once. A malformed
@@ -23,7 +23,7 @@ import pytest
 import data_helpers
 import distrib_train as dt
 from distrib_train import data
-from distrib_train.data import index_cache, record_shards, text_files
+from distrib_train.data import index_cache, jsonl, record_shards
 
 
 def _write(path, lines, end="\n"):
@@ -47,8 +47,8 @@ def _reference_offsets(raw: bytes) -> list[int]:
 
 def test_the_index_is_built_once_and_mapped_by_the_next_open(tmp_path):
   path = _write(tmp_path / "a.jsonl", [json.dumps({"text": f"doc {i}"}) for i in range(50)])
-  first = text_files.JsonlFile(path, "text")
-  second = text_files.JsonlFile(path, "text")
+  first = jsonl.JsonlFile(path, "text")
+  second = jsonl.JsonlFile(path, "text")
   assert first.built_now and not second.built_now
   assert isinstance(second.offsets, np.memmap)
   assert _texts(second) == [f"doc {i}" for i in range(50)]
@@ -68,28 +68,28 @@ def test_the_newline_scan_finds_every_non_blank_line_across_chunks(tmp_path, mon
       path = tmp_path / f"s{size}.jsonl"
       path.write_bytes(raw + tail)
       for chunk in (5, 64 << 20):
-        monkeypatch.setattr(text_files, "_SCAN_BYTES", chunk)
-        assert text_files.scan_lines(str(path))["offsets"].tolist() == _reference_offsets(raw + tail), (size, tail)
+        monkeypatch.setattr(jsonl, "_SCAN_BYTES", chunk)
+        assert jsonl.scan_lines(str(path))["offsets"].tolist() == _reference_offsets(raw + tail), (size, tail)
 
 
 def test_blank_lines_crlf_and_no_final_newline_read_right(tmp_path):
   raw = b'\r\n  \t\r\n{"text": "one"}\r\n\n{"text": "two\\r\\n"}\r\n \n{"text": "three"}'
   path = tmp_path / "c.jsonl"
   path.write_bytes(raw)
-  reader = text_files.JsonlFile(str(path), "text")
+  reader = jsonl.JsonlFile(str(path), "text")
   assert _texts(reader) == ["one", "two\r\n", "three"]
   assert [reader.line_number(i) for i in range(3)] == [3, 5, 7]
   (tmp_path / "empty.jsonl").write_bytes(b"")
   (tmp_path / "blank.jsonl").write_bytes(b"\n \r\n\t")
-  assert len(text_files.JsonlFile(str(tmp_path / "empty.jsonl"), "text")) == 0
-  assert len(text_files.JsonlFile(str(tmp_path / "blank.jsonl"), "text")) == 0
+  assert len(jsonl.JsonlFile(str(tmp_path / "empty.jsonl"), "text")) == 0
+  assert len(jsonl.JsonlFile(str(tmp_path / "blank.jsonl"), "text")) == 0
 
 
 @pytest.mark.parametrize("change", ["appended", "same_size_other_bytes", "touched"])
 def test_a_changed_file_gets_a_new_index(tmp_path, change):
   path = tmp_path / "d.jsonl"
   _write(path, [json.dumps({"text": t}) for t in ("aa", "bb", "cc")])
-  assert text_files.JsonlFile(str(path), "text").built_now
+  assert jsonl.JsonlFile(str(path), "text").built_now
   stat = os.stat(path)
   if change == "appended":
     with open(path, "a") as f:
@@ -103,9 +103,9 @@ def test_a_changed_file_gets_a_new_index(tmp_path, change):
   else:
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     want = ["aa", "bb", "cc"]
-  reader = text_files.JsonlFile(str(path), "text")
+  reader = jsonl.JsonlFile(str(path), "text")
   assert reader.built_now and _texts(reader) == want
-  assert not text_files.JsonlFile(str(path), "text").built_now
+  assert not jsonl.JsonlFile(str(path), "text").built_now
 
 
 def test_a_corpus_that_changes_between_runs_is_read_as_it_is_now(tmp_path):
@@ -132,12 +132,12 @@ def test_an_index_the_data_directory_refuses_goes_to_the_cache_directory(tmp_pat
     return build_at(where, *args)
 
   monkeypatch.setattr(index_cache, "_build_at", refusing)
-  first = text_files.JsonlFile(path, "text")
+  first = jsonl.JsonlFile(path, "text")
   assert first.built_now and _texts(first) == ["x", "y"]
   assert sorted(os.listdir(data_dir)) == ["r.jsonl"]
   kept = list((tmp_path / "cache" / "distrib_train" / "indexes").glob("*-r.jsonl.lines.dtindex"))
   assert len(kept) == 1
-  assert not text_files.JsonlFile(path, "text").built_now  # found there by the next open
+  assert not jsonl.JsonlFile(path, "text").built_now  # found there by the next open
 
 
 def test_an_index_goes_where_data_index_cache_dir_says(tmp_path):
@@ -156,7 +156,7 @@ def test_a_read_only_data_directory_keeps_its_index_in_the_cache(tmp_path, monke
   path = _write(tmp_path / "data" / "r.jsonl", [json.dumps({"text": "x"})])
   os.chmod(tmp_path / "data", 0o555)
   try:
-    assert _texts(text_files.JsonlFile(path, "text")) == ["x"]
+    assert _texts(jsonl.JsonlFile(path, "text")) == ["x"]
     assert os.listdir(tmp_path / "data") == ["r.jsonl"]
   finally:
     os.chmod(tmp_path / "data", 0o755)
@@ -167,8 +167,8 @@ _OPEN = """
 import hashlib, os, sys, time
 while not os.path.exists(sys.argv[2]):
   time.sleep(0.005)
-from distrib_train.data import text_files
-reader = text_files.JsonlFile(sys.argv[1], "text")
+from distrib_train.data import jsonl
+reader = jsonl.JsonlFile(sys.argv[1], "text")
 print(reader.built_now, hashlib.sha256(reader.offsets.tobytes()).hexdigest(), len(reader))
 """
 
@@ -228,7 +228,7 @@ def test_a_malformed_line_under_error_raises_one_value_error_naming_file_line_an
   assert docs[1].startswith("doc 01")
   for index, what in ((3, r"has no string field 'text' \(data.text_field\)"),
                       (6, r"holds a JSON list, not an object with a string field 'text'"), (12, "is not JSON")):
-    with pytest.raises(text_files.BadRecordError, match=rf"'{path}' line {index + 1} {what}.*bad_records=skip"):
+    with pytest.raises(jsonl.BadRecordError, match=rf"'{path}' line {index + 1} {what}.*bad_records=skip"):
       docs[index]
 
 
@@ -299,7 +299,7 @@ def test_a_malformed_line_met_in_training_stops_the_loader_with_its_one_line(tmp
   loader = data.DataLoader(data.DataConfig(source="text", paths=(path,), seq_len=16, global_batch_size=8,
                                            eval_fraction=0.0, bad_records="error", num_workers=workers), shardings)
   try:
-    with pytest.raises(text_files.BadRecordError, match=r"late.jsonl' line \d+02 is not JSON.*skip would skip it"):
+    with pytest.raises(jsonl.BadRecordError, match=r"late.jsonl' line \d+02 is not JSON.*skip would skip it"):
       for _ in range(2000):
         loader.next_local()
   finally:

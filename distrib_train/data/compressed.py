@@ -143,7 +143,7 @@ class CompressedJsonl:
     path: the file.
     field: the JSON field that holds the text.
     parse: (line bytes, path, line number, field) → the document, or None for a malformed line skipped
-      (``text_files.json_document`` with the source's ``BadRecords``).
+      (``jsonl.json_document`` with the source's ``BadRecords``).
     cache: the source's block cache.
     index_cache_dir: where the index is kept when not beside the file (``data.index_cache_dir``).
   """

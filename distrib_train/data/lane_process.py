@@ -53,7 +53,7 @@ from distrib_train.data import block_order
 from distrib_train.data import lanes as lanes_lib
 from distrib_train.data import splits
 from distrib_train.data.config import DataConfig
-from distrib_train.data.text_files import BadRecordError
+from distrib_train.data.jsonl import BadRecordError
 
 DEPTH = 4  # batches each worker makes ahead
 _POLL_S = 0.2
@@ -110,7 +110,7 @@ def _rows_of(header: dict, arrays: list[np.ndarray]) -> tuple[int, list[dict[str
 
 def _error(e: BaseException) -> dict:
   """An error frame: a ValueError's one line (raised as one in the training process, a malformed line as
-  ``text_files.BadRecordError``), else the traceback."""
+  ``jsonl.BadRecordError``), else the traceback."""
   if isinstance(e, ValueError):
     name = "BadRecordError" if isinstance(e, BadRecordError) else "ValueError"
     return {"kind": "error", "message": f"{name}: {e}"}

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from distrib_train.data.text_files import BadRecords, expand, iter_text_file
+from distrib_train.data.jsonl import BadRecords
+from distrib_train.data.text_files import expand, iter_text_file
 
 
 def pretokenized(shards: Sequence[str]) -> dict[str, Any] | None:

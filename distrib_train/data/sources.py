@@ -24,6 +24,7 @@ import numpy as np
 from distrib_train.data import arrow_text
 from distrib_train.data import block_order
 from distrib_train.data import compressed
+from distrib_train.data import jsonl
 from distrib_train.data import record_shards
 from distrib_train.data import text_files
 from distrib_train.data.config import DataConfig
@@ -59,7 +60,7 @@ class Documents:
   def __init__(self, config: DataConfig):
     self.config = config
     self._array_record = None
-    self.bad_records = text_files.BadRecords(config.bad_records)
+    self.bad_records = jsonl.BadRecords(config.bad_records)
     self.pretokenized: dict[str, Any] | None = None
     self._block_cache = block_order.BlockCache(config.block_cache)
     if config.source == "pydoc":
@@ -80,7 +81,7 @@ class Documents:
         self._array_record = grain.sources.ArrayRecordDataSource(records)
         self.pretokenized = record_shards.pretokenized(records)
       else:
-        text_files.allow_open_files(2 * sum(path.endswith(".jsonl") for path in texts))
+        jsonl.allow_open_files(2 * sum(path.endswith(".jsonl") for path in texts))
         self._docs = text_files.Concatenated([self._reader(path) for path in texts])
     if len(self) == 0:
       raise ValueError(f"Data source {config.source!r} {list(config.paths) or ''} holds no documents.")
@@ -89,11 +90,11 @@ class Documents:
     """The reader of one text file (or ``datasets`` folder)."""
     field, config = self.config.text_field, self.config
     if path.endswith(".jsonl"):
-      return text_files.JsonlFile(path, field, self.bad_records, config.index_cache_dir)
+      return jsonl.JsonlFile(path, field, self.bad_records, config.index_cache_dir)
     if path.endswith(".parquet"):
       return text_files.ParquetFile(path, field, self._block_cache)
     if compressed.is_compressed(path):
-      parse = functools.partial(text_files.json_document, bad_records=self.bad_records)
+      parse = functools.partial(jsonl.json_document, bad_records=self.bad_records)
       return compressed.CompressedJsonl(path, field, parse, self._block_cache, config.index_cache_dir)
     if arrow_text.is_dataset_folder(path):
       return arrow_text.DatasetFolder(path, field)

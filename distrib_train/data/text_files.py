@@ -17,14 +17,8 @@ tokenizing and the cached blocks, whatever the corpus size.
 ``iter_text_file`` streams one file's documents in order (the converter's
 input).
 
-Malformed JSONL lines, plain or compressed (not UTF-8, not JSON, not an
-object, no string ``data.text_field``) are found when they are read and
-handled by the source's ``BadRecords`` (``data.bad_records``): ``skip`` logs
-the first 10 of each file (file and line) and one line for the rest, counts
-them, and the document reads as None (no tokens); ``error`` raises one
-ValueError. The first non-blank line of each plain JSONL file is parsed
-strictly at open, so a wrong ``data.text_field`` or a file that is not JSONL
-fails at once.
+JSONL files are read by ``jsonl.py`` (its index, and the policy for
+malformed lines, ``data.bad_records``).
 
 Not for: choosing a source from the config (``sources.py``), ArrayRecord
 shards (``record_shards.py``).
@@ -33,21 +27,17 @@ shards (``record_shards.py``).
 from __future__ import annotations
 
 import glob as globlib
-import json
-import mmap
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from absl import logging
-
-from distrib_train.data import index_cache
 
 from distrib_train.data import arrow_text
 from distrib_train.data import block_order
 from distrib_train.data import compressed
+from distrib_train.data import jsonl
 
 
 def expand(paths: Sequence[str]) -> list[str]:
@@ -69,53 +59,7 @@ def expand(paths: Sequence[str]) -> list[str]:
   return files
 
 
-BAD_RECORDS = ("skip", "error")  # data.bad_records
-_LOGGED_PER_FILE = 10
-_SCAN_BYTES = 64 << 20  # the newline scan's chunk
-
-
-class BadRecordError(ValueError):
-  """A malformed JSONL line read under ``data.bad_records=error`` (the trainer stops with its one line)."""
-
-
-class BadRecords:
-  """What a source does with malformed JSONL lines (``data.bad_records``), and how many it has skipped.
-
-  ``skip``: each is logged (absl, a warning: the first 10 of each file in
-  this process, then one line saying more are skipped), counted in
-  ``skipped`` and read as no document. ``error``: the first one raises.
-  """
-
-  def __init__(self, policy: str = "skip", key: str = "data.bad_records"):
-    if policy not in BAD_RECORDS:
-      raise ValueError(f"{key} must be one of {', '.join(BAD_RECORDS)}, got {policy!r}.")
-    self.policy, self.key, self.skipped = policy, key, 0
-    self._logged: dict[str, int] = {}
-    self._lock = threading.Lock()
-
-  # grain sends a finite pass's source to its worker processes (cloudpickle): a copy there counts and logs
-  # on its own.
-  def __getstate__(self) -> dict[str, Any]:
-    return {k: v for k, v in self.__dict__.items() if k != "_lock"}
-
-  def __setstate__(self, state: dict[str, Any]) -> None:
-    self.__dict__.update(state, _lock=threading.Lock())
-
-  def bad(self, path: str, message: Callable[[], str]) -> None:
-    """One malformed line of ``path``; ``message()`` names it (called only when it is logged or raised)."""
-    if self.policy == "error":
-      raise BadRecordError(f"{message()}; {self.key}=skip would skip it.")
-    with self._lock:
-      self.skipped += 1
-      logged = self._logged[path] = self._logged.get(path, 0) + 1
-    if logged <= _LOGGED_PER_FILE:
-      logging.warning("%s: skipped (%s=skip).", message(), self.key)
-    elif logged == _LOGGED_PER_FILE + 1:
-      logging.warning("Data file %r: more malformed lines skipped; only the first %d are logged in this process.",
-                      path, _LOGGED_PER_FILE)
-
-
-def iter_text_file(path: str, field: str = "text", bad_records: BadRecords | None = None) -> Iterator[str]:
+def iter_text_file(path: str, field: str = "text", bad_records: jsonl.BadRecords | None = None) -> Iterator[str]:
   """The documents of one file, read as they are needed.
 
   A ``.jsonl`` file yields the ``field`` of each line, one line in memory at
@@ -134,13 +78,13 @@ def iter_text_file(path: str, field: str = "text", bad_records: BadRecords | Non
     for group in range(parquet.groups):
       yield from (doc for doc in parquet.group(group) if doc.strip())
     return
-  bad_records = bad_records or BadRecords()
+  bad_records = bad_records or jsonl.BadRecords()
   if arrow_text.is_dataset_folder(path):
     yield from (doc for doc in arrow_text.DatasetFolder(path, field) if doc.strip())
     return
   if compressed.is_compressed(path):
     for number, line in compressed.iter_lines(path):
-      doc = json_document(line, path, number, field, bad_records)
+      doc = jsonl.json_document(line, path, number, field, bad_records)
       if doc is not None:
         yield doc
     return
@@ -153,188 +97,10 @@ def iter_text_file(path: str, field: str = "text", bad_records: BadRecords | Non
       return
     with open(path, "rb") as f:
       for number, raw in enumerate(f, 1):
-        if raw.strip() and (doc := json_document(raw, path, number, field, bad_records)) is not None:
+        if raw.strip() and (doc := jsonl.json_document(raw, path, number, field, bad_records)) is not None:
           yield doc
   except OSError as e:
     raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
-
-
-class _Malformed(Exception):
-  """What is wrong with a JSONL line (the message names it, the caller says which line)."""
-
-
-def _json_text(raw: bytes, field: str) -> str:
-  try:
-    record = json.loads(raw.decode("utf-8"))
-  except UnicodeDecodeError as e:
-    raise _Malformed(f"is not UTF-8 text (byte {e.start})") from None
-  except json.JSONDecodeError as e:
-    raise _Malformed(f"is not JSON: {e.msg}") from None
-  if not isinstance(record, dict):
-    raise _Malformed(f"holds a JSON {type(record).__name__}, not an object with a string field {field!r}"
-                     " (data.text_field)")
-  if not isinstance(record.get(field), str):
-    raise _Malformed(f"has no string field {field!r} (data.text_field)")
-  return record[field]
-
-
-def json_document(raw: bytes, path: str, number: int, field: str, bad_records: BadRecords) -> str | None:
-  """Line ``number`` of JSONL file ``path``: its string ``field``, or None where it is malformed and
-  ``bad_records`` skips it (or raises)."""
-  try:
-    return _json_text(raw, field)
-  except _Malformed as e:
-    bad_records.bad(path, lambda: f"Data file {path!r} line {number} {e}")
-    return None
-
-
-def scan_lines(path: str) -> dict[str, np.ndarray]:
-  """``{"offsets": int64}``: the byte offset of every non-blank line of ``path`` (one with a byte other than
-  space, tab or CR), by a numpy scan of its memory map in 64 MiB chunks (the ``lines`` index).
-
-  The kernel is asked to read the next chunks while one is scanned
-  (``MADV_WILLNEED``): 10 GiB not in the page cache took 12 s, as long as
-  ``dd`` took to read it, against 17 s without (2-core VM). Reading chunks
-  into fresh buffers instead was slower still: their page faults cost more
-  than the scan. Each chunk scanned is unmapped (``MADV_DONTNEED``: the
-  pages stay cached), so the process's resident set does not grow by the
-  file's size.
-  """
-  try:
-    size = os.path.getsize(path)
-    if not size:
-      return {"offsets": np.zeros(0, np.int64)}
-    with open(path, "rb") as f:
-      mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-  except OSError as e:
-    raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
-  data = np.frombuffer(mapped, np.uint8)
-  found, begin, chunk = [], 0, _SCAN_BYTES
-  while begin < size:
-    _advise(mapped, "MADV_WILLNEED", begin + chunk, 2 * chunk)
-    block = data[begin:begin + chunk]
-    newlines = np.flatnonzero(block == 10)
-    if begin + len(block) < size:
-      if not len(newlines):  # a line longer than the chunk: look further
-        chunk *= 2
-        continue
-      block = block[:newlines[-1] + 1]  # whole lines only; the rest starts the next chunk
-    starts = np.concatenate([[0], newlines[newlines + 1 < len(block)] + 1])
-    found.append(begin + starts[_inked(block, starts)])
-    _advise(mapped, "MADV_DONTNEED", begin, len(block))  # out of this process's memory; still cached
-    begin, chunk = begin + len(block), _SCAN_BYTES
-  del data, block
-  mapped.close()
-  return {"offsets": np.concatenate(found).astype(np.int64)}
-
-
-def _advise(mapped: mmap.mmap, advice: str, start: int, length: int) -> None:
-  """``madvise`` for ``length`` bytes of the map from ``start`` (moved down to its page), where the system has
-  it."""
-  start -= start % mmap.PAGESIZE
-  if hasattr(mapped, "madvise") and hasattr(mmap, advice) and start < len(mapped):
-    mapped.madvise(getattr(mmap, advice), start, min(length, len(mapped) - start))
-
-
-def _inked(block: np.ndarray, starts: np.ndarray) -> np.ndarray:
-  """Which of the lines of ``block`` (whole lines, starting at ``starts``) hold a byte other than whitespace.
-
-  A line that starts with another byte does (nearly all: a JSON line starts with ``{``); the few that start
-  with whitespace are looked at whole, one by one, or, where they are many, by a mask of the block.
-  """
-  first = block[starts]
-  maybe = (first == 32) | (first == 9) | (first == 13) | (first == 10)
-  doubtful = np.flatnonzero(maybe)
-  if len(doubtful) > len(starts) // 16 + 16:
-    ink = (block != 32) & (block != 9) & (block != 13) & (block != 10)
-    return np.logical_or.reduceat(ink, starts)
-  ends = np.append(starts[1:], len(block))
-  for line in doubtful:
-    maybe[line] = not bytes(block[starts[line]:ends[line]]).strip(b" \t\r\n")
-  return ~maybe
-
-
-class JsonlFile:
-  """A JSONL file's documents by number: the byte offset of each non-blank line (the ``lines`` index of
-  ``index_cache.py``: built by the first open, mapped by every later one), each line sliced from a memory
-  map of the file and parsed when asked for.
-
-  The first non-blank line is parsed at open, strictly, whatever the policy:
-  a wrong ``field`` or a file that is not JSONL fails at once, named. Any
-  other malformed line goes to ``bad_records`` when it is read (skipped and
-  read as None, by default; or raised).
-  """
-
-  def __init__(self, path: str, field: str, bad_records: BadRecords | None = None, cache_dir: str = ""):
-    self.path, self.field = path, field
-    self.bad_records = bad_records or BadRecords()
-    try:
-      with open(path, "rb") as f:  # the first non-blank line, before any index is built
-        for number, raw in enumerate(iter(lambda: f.readline(_SCAN_BYTES), b""), 1):
-          if len(raw) == _SCAN_BYTES and not raw.endswith(b"\n"):
-            break  # a longer line is checked when it is read
-          if raw.strip():
-            _json_text(raw, field)
-            break
-    except _Malformed as e:
-      raise ValueError(f"Data file {path!r} line {number} {e}.") from None
-    except OSError as e:
-      raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
-    self._open_index(cache_dir)
-
-  def _open_index(self, cache_dir: str) -> None:
-    self.cache_dir = cache_dir
-    path = self.path
-    arrays, self.built_now = index_cache.load_or_build(path, "lines", lambda: scan_lines(path), cache_dir)
-    self.offsets = arrays["offsets"]
-    self._map: mmap.mmap | None = None
-
-  # A copy sent to a worker process (grain's, for a finite pass) maps the kept index and the file again.
-  def __getstate__(self) -> dict[str, Any]:
-    return {"path": self.path, "field": self.field, "bad_records": self.bad_records, "cache_dir": self.cache_dir}
-
-  def __setstate__(self, state: dict[str, Any]) -> None:
-    self.path, self.field, self.bad_records = state["path"], state["field"], state["bad_records"]
-    self._open_index(state["cache_dir"])
-
-  def __len__(self) -> int:
-    return len(self.offsets)
-
-  def _line(self, index: int) -> bytes:
-    if self._map is None:
-      try:
-        with open(self.path, "rb") as f:
-          self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-      except OSError as e:
-        raise ValueError(f"Cannot read data file {self.path!r}: {e.strerror}.") from None
-    start = int(self.offsets[index])
-    end = self._map.find(b"\n", start)
-    return self._map[start:end if end >= 0 else len(self._map)]
-
-  def line_number(self, index: int) -> int:
-    """The line number (from 1) of document ``index``: the newlines before it, counted (for messages)."""
-    offset, newlines = int(self.offsets[index]), 0
-    for begin in range(0, offset, _SCAN_BYTES):
-      newlines += self._map[begin:min(offset, begin + _SCAN_BYTES)].count(b"\n")
-    return newlines + 1
-
-  def __getitem__(self, index: int) -> str | None:
-    try:
-      return _json_text(self._line(index), self.field)
-    except _Malformed as e:
-      self.bad_records.bad(self.path, lambda: f"Data file {self.path!r} line {self.line_number(index)} {e}")
-      return None
-
-
-def allow_open_files(count: int) -> None:
-  """Raises this process's soft limit of open files to hold ``count`` more (each JSONL file keeps its index
-  and its text mapped: two descriptors), up to the hard limit."""
-  import resource
-
-  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-  want = count + 1024
-  if soft != resource.RLIM_INFINITY and soft < want:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
 
 
 class TextFile:
