@@ -55,8 +55,12 @@ class _Stream:
 def test_lanes_read_in_batches_give_the_rows_and_positions_of_one_document_at_a_time(packing):
   tokenize = splits.DocumentTokenizer(data.DataConfig())
   calls = []
-  counting = type("Counting", (), {"__call__": staticmethod(tokenize),
-                                   "batch": staticmethod(lambda docs: calls.append(len(docs)) or tokenize.batch(docs))})()
+
+  class Counting:
+    __call__ = staticmethod(tokenize)
+    batch = staticmethod(lambda docs: calls.append(len(docs)) or tokenize.batch(docs))
+
+  counting = Counting()
   stream, rows, length = _Stream(), [1, 2, 3, 5], 33
   lanes = lanes_lib.Lanes(stream, counting, lanes=6, rows=rows, length=length, packing=packing, threads=2)
   position = {r: (0, 0) for r in rows}

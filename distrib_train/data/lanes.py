@@ -22,7 +22,7 @@ all the lanes short of tokens are read together (``data.num_threads``
 threads, each a contiguous share of them) and tokenized in one call
 (``splits.DocumentTokenizer.batch``: a named tokenizer's own batch encode,
 in parallel in its library). Each lane keeps a queue of its next documents'
-tokens; a row is cut from it with numpy slices, a few per document.
+tokens; the batch's rows are cut from them with numpy, a slice per document and a few calls per batch.
 
 Not for: making the rows a batch, placing and prefetching it (``endless.py``).
 """
@@ -77,7 +77,7 @@ class Lanes:
     getitems = getattr(self._stream, "_getitems", None)  # grain's batched read, where the dataset has it
     read = (lambda part: list(getitems(part))) if getitems is not None else \
         (lambda part: [self._stream[p] for p in part])
-    if self._pool is None or len(positions) < 2 * self._threads:
+    if self._pool is None or len(positions) < 16 * self._threads:  # small reads: a thread hand-off costs more
       return read(positions)
     parts = [list(p) for p in np.array_split(np.asarray(positions, np.int64), self._threads) if len(p)]
     return [doc for part in self._pool.map(read, parts) for doc in part]
@@ -106,15 +106,17 @@ class Lanes:
       self._read_docs += len(plan)
       self._read_tokens += sum(len(ids) for ids in tokens)
 
-  def _sequence(self, lane: int) -> tuple[dict[str, np.ndarray], tuple[int, int]]:
-    index, used = self.position[lane]
-    queue = self._queues[lane]
-    if not self.packing:
-      while len(tokens := queue.popleft()) < self.length:
-        index += 1
-      return {"tokens": tokens[:self.length]}, (index + 1, 0)
-    # The names grain's packing gives, so that both paths share the shifting into inputs and targets.
-    pieces, takes, filled = [], [], 0
+  def _head(self, lane: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """Without packing: the head of the lane's next document of a sequence's length; the position after it."""
+    index, queue = self.position[lane][0], self._queues[lane]
+    while len(tokens := queue.popleft()) < self.length:
+      index += 1
+    return tokens[:self.length], (index + 1, 0)
+
+  def _cut(self, lane: int, pieces: list[np.ndarray], takes: list[int]) -> tuple[int, int]:
+    """With packing: appends the pieces of the lane's next sequence (a run of tokens of each document it
+    reaches into) and their lengths; the position after them."""
+    (index, used), queue, filled = self.position[lane], self._queues[lane], 0
     while filled < self.length:
       tokens = queue[0]
       take = min(len(tokens) - used, self.length - filled)
@@ -125,20 +127,34 @@ class Lanes:
       if used >= len(tokens):
         index, used = index + 1, 0
         queue.popleft()
-    takes = np.asarray(takes, np.int64)
-    starts = np.cumsum(takes) - takes
-    out = {"tokens": np.concatenate(pieces).astype(np.int32, copy=False),
-           "tokens_segment_ids": np.repeat(np.arange(1, len(takes) + 1, dtype=np.int32), takes),
-           "tokens_positions": (np.arange(self.length) - np.repeat(starts, takes)).astype(np.int32)}
-    return out, (index, used)
+    return index, used
 
   def next_rows(self) -> tuple[list[dict[str, np.ndarray]], dict[int, tuple[int, int]]]:
     """The next sequence of every lane this process feeds, and the lanes' positions after them (a
     prefetching caller keeps the position that goes with the rows it has handed out)."""
     self._fill()
-    done = [self._sequence(lane) for lane in self.rows]
-    self.position = {r: after for r, (_, after) in zip(self.rows, done)}
-    return [row for row, _ in done], dict(self.position)
+    if not self.packing:
+      done = [self._head(lane) for lane in self.rows]
+      self.position = {r: after for r, (_, after) in zip(self.rows, done)}
+      return [{"tokens": tokens} for tokens, _ in done], dict(self.position)
+    pieces: list[np.ndarray] = []
+    takes: list[int] = []
+    counts = []  # pieces per row
+    for lane in self.rows:
+      before = len(takes)
+      self.position[lane] = self._cut(lane, pieces, takes)
+      counts.append(len(takes) - before)
+    # The whole batch at once; each piece is a new segment (numbered from 1 in its row), its positions from 0.
+    rows, sizes, counts = len(self.rows), np.asarray(takes, np.int64), np.asarray(counts, np.int64)
+    first = np.repeat(np.cumsum(counts) - counts, counts)  # each piece's row's first piece
+    tokens = np.concatenate(pieces).astype(np.int32, copy=False).reshape(rows, self.length)
+    segments = np.repeat((np.arange(len(sizes)) - first + 1).astype(np.int32), sizes).reshape(rows, self.length)
+    positions = (np.arange(rows * self.length) - np.repeat(np.cumsum(sizes) - sizes, sizes)).astype(np.int32)
+    # The names grain's packing gives, so that both paths share the shifting into inputs and targets.
+    out = [{"tokens": tokens[i], "tokens_segment_ids": segments[i], "tokens_positions": positions[i * self.length:
+                                                                                                 (i + 1) * self.length]}
+           for i in range(rows)]
+    return out, dict(self.position)
 
   def restore(self, positions: Mapping[int, tuple[int, int]]) -> None:
     missing = [r for r in self.rows if r not in positions]
