@@ -141,6 +141,7 @@ def _range_records(task: tuple[str, int, int, str, Any]) -> list[bytes]:
   if spec is not None:
     from distrib_train.data import tokenizer as tokenizer_lib
 
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism: no extra threads each
     tokenizer = tokenizer_lib.load(*spec)
   documents = iter_text_file(path, field) if end < 0 else _jsonl_range(path, start, end, field)
   return list(_encoded(documents, tokenizer))
