@@ -92,7 +92,8 @@ def write_corpus(directory: str, size: int, formats, tokenizers) -> tuple[dict[s
         started = time.perf_counter()
         prefix = os.path.join(directory, f"tokens-{len(made)}", "corpus")
         shards = max(1, size // (256 << 20))
-        workers = (os.cpu_count() or 1) if size >= 64 << 20 else 0  # workers take seconds to start
+        cpus = os.cpu_count() or 1  # workers take seconds to start and beat in-process only on many cores
+        workers = cpus if size >= 64 << 20 and cpus > 4 else 0
         made[key] = [p for p in record_shards.convert(made["jsonl"], prefix, num_shards=shards,
                                                       tokenizer=tokenizer_lib.load(spec), workers=workers)
                      if p.endswith(".array_record")]
