@@ -1,109 +1,220 @@
-"""Input pipeline speed: packed, batched tokens per second on this host.
+"""Input pipeline speed per corpus format: opening a corpus (its index built, then reused) and training tokens/s.
 
 Run from the repository root:
 
-  python bench/data_bench.py [--seconds 10] [--seq_len 1024] [--batch 32]
+  python bench/data_bench.py [--sizes 100MB,1GB,10GB] [--dir /tmp/distrib_train_data_bench]
+      [--tokenizer hf:/path/tokenizer.json] [--seconds 5] [--seq_len 1024] [--batch 32] [--json out.json]
 
-For the embedded pydoc corpus (byte-level), times in one run:
-- the grain pipeline (shuffle → shard → tokenize → pack with segment ids →
-  batch), with 0 and 2 worker processes;
-- a plain numpy slice of the same bytes into [batch, seq_len + 1] windows,
-  the floor any pipeline pays.
-Then trains the tiny Llama for --train_steps steps on 8 emulated devices
-from the pipeline (planner → sharded init → donated step) and reports the
-data wait: time spent in ``next(loader)`` as a share of the step time.
-Targets: ≥ 1M tokens/s per host; data wait ≤ 1 % of step time.
+For each size, a corpus of text documents (pydoc paragraphs drawn at random,
+300 B to 12 KB each, every one numbered) is written once under ``--dir`` in
+each format: ``.jsonl``, ``.parquet`` (row groups of 20,000 rows, pyarrow),
+``.jsonl.zst`` (zstandard), ``.jsonl.gz``, a ``datasets`` directory
+(``Dataset.save_to_disk``) and pre-tokenized ``.array_record`` shards
+(``convert --tokenizer``, one set per tokenizer). Then, through the public
+config (``DataConfig(source="text", paths=(...))``) on a 1-device mesh, it
+times the first open (``DataLoader`` construction with its index built in an
+emptied ``data.index_cache_dir``), the second open (the index reused) and
+the shuffled, packed training tokens/s of ``DataLoader.next_local``, with
+the byte tokenizer and with ``--tokenizer``. A format no reader of this
+checkout reads (its documents not all found) is skipped with a line saying so.
+
+Not for: the trainer's data wait beside its step (``trainer_loop.py``), GPU throughput (``train_throughput.py``).
 """
 
+from __future__ import annotations
+
 import argparse
+import gzip
+import json
 import os
+import shutil
+import sys
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-import distrib_train as dt  # noqa: E402
-from distrib_train import data  # noqa: E402
-
-
-def tokens_per_second(next_batch, tokens_per_batch, seconds):
-  next_batch()  # warm up (workers start, buffers fill)
-  count, start = 0, time.perf_counter()
-  while time.perf_counter() - start < seconds:
-    next_batch()
-    count += 1
-  return count * tokens_per_batch / (time.perf_counter() - start)
+FORMATS = ("jsonl", "parquet", "jsonl.zst", "jsonl.gz", "datasets", "array_record")
+ROW_GROUP = 20_000
 
 
-def main():
+def parse_size(text: str) -> int:
+  """``100MB`` / ``1GB`` / ``5MB`` / ``300KB`` → bytes."""
+  units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+  for unit, scale in units.items():
+    if text.upper().endswith(unit):
+      return int(float(text[:-2]) * scale)
+  return int(text)
+
+
+def documents(size: int, seed: int = 0):
+  """Texts of pydoc paragraphs, about ``size`` bytes of them in all, in a seeded order."""
+  from pydoc_data import topics
+
+  paragraphs = [p for topic in topics.topics.values() for p in topic.split("\n\n") if p.strip()]
+  rng = np.random.default_rng(seed)
+  written, number = 0, 0
+  while written < size:
+    target = int(rng.integers(300, 12_000))
+    picks = rng.integers(0, len(paragraphs), size=max(1, target // 300))
+    text = f"Document {number}.\n\n" + "\n\n".join(paragraphs[i] for i in picks)[:target]
+    written, number = written + len(text.encode()), number + 1
+    yield text
+
+
+def write_corpus(directory: str, size: int, formats, tokenizers) -> tuple[dict[str, list[str]], int]:
+  """The corpus in every format (written once, reused), and its document count."""
+  os.makedirs(directory, exist_ok=True)
+  base = os.path.join(directory, "corpus")
+  done = os.path.join(directory, "written.json")
+  made = json.load(open(done)) if os.path.exists(done) else {}
+  if "jsonl" not in made:
+    with open(base + ".jsonl", "w", encoding="utf-8") as f:
+      made["count"] = sum(f.write(json.dumps({"text": t}) + "\n") > 0 for t in documents(size))
+    made["jsonl"] = [base + ".jsonl"]
+  lines = lambda: open(base + ".jsonl", "rb")
+  for fmt in formats:
+    if fmt in ("jsonl", "array_record") or fmt in made:
+      continue
+    started = time.perf_counter()
+    made[fmt] = write_format(fmt, base, lines)
+    print(f"  wrote {fmt} in {time.perf_counter() - started:.1f} s", flush=True)
+    json.dump(made, open(done, "w"))
+  if "array_record" in formats:
+    from distrib_train.data import record_shards
+    from distrib_train.data import tokenizer as tokenizer_lib
+
+    for spec in tokenizers:
+      key = f"array_record/{spec}"
+      if key not in made:
+        started = time.perf_counter()
+        prefix = os.path.join(directory, f"tokens-{len(made)}", "corpus")
+        shards = max(1, size // (256 << 20))
+        cpus = os.cpu_count() or 1  # workers take seconds to start and beat in-process only on many cores
+        workers = cpus if size >= 64 << 20 and cpus > 4 else 0
+        made[key] = [p for p in record_shards.convert(made["jsonl"], prefix, num_shards=shards,
+                                                      tokenizer=tokenizer_lib.load(spec), workers=workers)
+                     if p.endswith(".array_record")]
+        print(f"  converted ({spec}) in {time.perf_counter() - started:.1f} s", flush=True)
+        json.dump(made, open(done, "w"))
+  return made, made["count"]
+
+
+def write_format(fmt: str, base: str, lines) -> list[str]:
+  """One format from the JSONL, streaming (``lines`` opens it)."""
+  if fmt == "jsonl.zst":
+    import zstandard
+
+    with lines() as src, open(base + ".jsonl.zst", "wb") as out:
+      zstandard.ZstdCompressor(level=3).copy_stream(src, out)
+    return [base + ".jsonl.zst"]
+  if fmt == "jsonl.gz":
+    with lines() as src, gzip.open(base + ".jsonl.gz", "wb", compresslevel=1) as out:
+      shutil.copyfileobj(src, out, 1 << 22)
+    return [base + ".jsonl.gz"]
+  texts = lambda: (json.loads(line)["text"] for line in lines())
+  if fmt == "parquet":
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with pq.ParquetWriter(base + ".parquet", pa.schema([("text", pa.string())])) as writer:
+      batch = []
+      for text in texts():
+        batch.append(text)
+        if len(batch) == ROW_GROUP:
+          writer.write_table(pa.table({"text": batch}), row_group_size=ROW_GROUP)
+          batch = []
+      if batch:
+        writer.write_table(pa.table({"text": batch}), row_group_size=ROW_GROUP)
+    return [base + ".parquet"]
+  if fmt == "datasets":
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.Dataset.from_generator(lambda: ({"text": t} for t in texts())).save_to_disk(base + "_dataset")
+    return [base + "_dataset"]
+  raise ValueError(f"unknown format {fmt!r}")
+
+
+def measure(paths, count: int, tokenizer: str, args, cache_dir: str) -> dict:
+  """First open, second open and training tokens/s of one format with one tokenizer."""
+  import jax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  from distrib_train import data
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  shardings = {k: NamedSharding(mesh, P("data", None)) for k in ("tokens", "targets", "segment_ids", "positions",
+                                                                   "weights")}
+  config = data.DataConfig(source="text", paths=tuple(paths), tokenizer=tokenizer, seq_len=args.seq_len,
+                           global_batch_size=args.batch, eval_fraction=0.0, index_cache_dir=cache_dir,
+                           num_workers=args.num_workers)
+  shutil.rmtree(cache_dir, ignore_errors=True)
+  try:  # the formats another reader of this checkout may not know yet: are all their documents found?
+    found = len(data.Documents(config)) if paths[0].endswith((".zst", ".gz", "_dataset")) else count
+  except ValueError as e:
+    return {"skipped": f"no reader for it in this checkout ({str(e)[:120]})"}
+  if found != count:
+    return {"skipped": f"read as {found} document(s), not {count}: no reader for this format in this checkout"}
+  shutil.rmtree(cache_dir, ignore_errors=True)
+  opens = []
+  for _ in range(2):
+    started = time.perf_counter()
+    loader = data.DataLoader(config, shardings)
+    opens.append(time.perf_counter() - started)
+    if len(opens) == 1:
+      loader.close()
+  loader.next_local()  # warm up: workers started, read-ahead filled
+  batches, started = 0, time.perf_counter()
+  while time.perf_counter() - started < args.seconds:
+    loader.next_local()
+    batches += 1
+  rate = batches * args.batch * args.seq_len / (time.perf_counter() - started)
+  loader.close()
+  return {"first_open_s": opens[0], "second_open_s": opens[1], "tokens_per_s": rate}
+
+
+def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--seconds", type=float, default=10.0)
+  parser.add_argument("--sizes", default="100MB", help="comma-separated corpus sizes: 100MB,1GB,10GB")
+  parser.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "distrib_train_data_bench"))
+  parser.add_argument("--formats", default=",".join(FORMATS))
+  parser.add_argument("--tokenizer", default="", help="a second tokenizer to time beside bytes (hf:<tokenizer.json>)")
+  parser.add_argument("--seconds", type=float, default=5.0)
   parser.add_argument("--seq_len", type=int, default=1024)
   parser.add_argument("--batch", type=int, default=32)
-  parser.add_argument("--train_steps", type=int, default=30)
-  args = parser.parse_args()
-  tokens_per_batch = args.batch * args.seq_len
-
-  mesh = dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2)))
-  sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
-  shardings = {k: sharding for k in ("tokens", "targets", "segment_ids", "positions", "weights")}
-
-  corpus = np.frombuffer("\n\n".join(data.Documents(data.DataConfig())._docs).encode(), np.uint8)
-  window = args.seq_len + 1
-  rows = len(corpus) // window
-
-  def numpy_batch(state={"i": 0}):
-    start = (state["i"] * args.batch) % (rows - args.batch)
-    state["i"] += 1
-    block = corpus[start * window:(start + args.batch) * window].reshape(args.batch, window).astype(np.int32)
-    return block[:, :-1], block[:, 1:]
-
-  baseline = tokens_per_second(numpy_batch, tokens_per_batch, args.seconds)
-  print(f"numpy slice of the same bytes: {baseline / 1e6:.2f} M tokens/s")
-  for workers in (0, 2):
-    config = data.DataConfig(seq_len=args.seq_len, global_batch_size=args.batch, num_workers=workers)
-    loader = data.DataLoader(config, shardings)
-    rate = tokens_per_second(loader.next_local, tokens_per_batch, args.seconds)
-    loader.close()
-    print(f"grain pipeline, {workers} workers: {rate / 1e6:.2f} M tokens/s ({rate / baseline:.1%} of the numpy slice;"
-          f" target ≥ 1 M tokens/s: {'met' if rate >= 1e6 else 'NOT met'})")
-  print(f"(seq_len {args.seq_len}, batch {args.batch}, {os.cpu_count()} CPUs, corpus {len(corpus) / 1e6:.2f} MB)")
-  data_wait(mesh, args.train_steps)
-
-
-def data_wait(mesh, steps):
-  """The tiny Llama fed by the loader: how long the step waits for data."""
-  import jax
-  import optax
-
-  recipe = dt.recipes.get("llama", "tiny")
-  planner = dt.MeshPlanner(mesh, "fsdp_tensor")
-  config = data.DataConfig(seq_len=128, global_batch_size=32)
-  example = {k: jax.ShapeDtypeStruct((32, 128), np.float32 if k == "weights" else np.int32)
-             for k in ("tokens", "targets", "segment_ids", "positions", "weights")}
-  make = lambda: dt.TrainState.initial_state(recipe.config.build(0), optax.adam(1e-3), jax.random.key(0))
-  state, plan = planner.init(make, loss_fn=recipe.loss_fn, inputs=example, input_axes=recipe.input_axes)
-  step = dt.build_train_step_fn(recipe.loss_fn, donate_params_and_state=True,
-                                train_state_shardings=plan.train_state_shardings,
-                                input_kwarg_shardings=plan.input_kwarg_shardings,
-                                aux_output_shardings=plan.aux_output_shardings)
-  loader = data.DataLoader(config, plan.input_kwarg_shardings)
-  state, aux = step(state, **next(loader))  # compile
-  jax.block_until_ready(aux)
-  waited, start = 0.0, time.perf_counter()
-  for _ in range(steps):
-    t = time.perf_counter()
-    batch = next(loader)
-    waited += time.perf_counter() - t
-    state, aux = step(state, **batch)
-    jax.block_until_ready(aux)  # as a trainer logging the loss each step does
-  total = time.perf_counter() - start
-  print(f"tiny Llama, batch 32 × 128, 8 emulated devices: step {total / steps * 1e3:.1f} ms, data wait"
-        f" {waited / steps * 1e3:.2f} ms = {waited / total:.2%} of step time (target ≤ 1 %), loss"
-        f" {float(aux['loss']):.3f}")
+  parser.add_argument("--num_workers", type=int, default=0, help="data.num_workers")
+  parser.add_argument("--json", default="", help="write the rows here")
+  args = parser.parse_args(argv)
+  formats = [f for f in args.formats.split(",") if f]
+  unknown = sorted(set(formats) - set(FORMATS))
+  if unknown:
+    parser.error(f"unknown formats {unknown}; known: {', '.join(FORMATS)}")
+  tokenizers = ["bytes"] + ([args.tokenizer] if args.tokenizer else [])
+  rows = []
+  print(f"{'size':>7} {'format':<13} {'tokenizer':<10} {'1st open s':>10} {'2nd open s':>10} {'M tokens/s':>10}")
+  for size_text in args.sizes.split(","):
+    directory = os.path.join(args.dir, size_text)
+    made, count = write_corpus(directory, parse_size(size_text), formats, tokenizers)
+    for fmt in formats:
+      for spec in tokenizers:
+        paths = made[f"array_record/{spec}"] if fmt == "array_record" else made[fmt]
+        found = measure(paths, count, spec, args, os.path.join(directory, "index-cache"))
+        row = {"size": size_text, "format": fmt, "tokenizer": spec.split(":")[0], "documents": count, **found}
+        rows.append(row)
+        name = spec.split(":")[0]
+        if "skipped" in found:
+          print(f"{size_text:>7} {fmt:<13} {name:<10} skipped: {found['skipped']}", flush=True)
+        else:
+          print(f"{size_text:>7} {fmt:<13} {name:<10} {found['first_open_s']:>10.2f} {found['second_open_s']:>10.2f}"
+                f" {found['tokens_per_s'] / 1e6:>10.3f}", flush=True)
+  result = {"seq_len": args.seq_len, "batch": args.batch, "cpus": os.cpu_count(), "rows": rows}
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+  return result
 
 
 if __name__ == "__main__":

@@ -42,3 +42,22 @@ def test_trainer_loop_bench_runs_the_trainer_beside_its_bare_step_on_cpu(tmp_pat
   assert found["bare"]["tokens_per_s"] > 0 and found["trainer"]["tokens_per_s"] > 0
   assert found["trainer"]["windows"] == 2 and found["ratio"] > 0 and 0 <= found["data_wait_share"] < 1
   assert "data.num_workers=1" in found["sets"]
+
+
+def test_data_bench_writes_every_format_and_times_what_this_checkout_reads(tmp_path):
+  """bench/data_bench.py at 2 MB: every format written, each timed or skipped with its reason, and the formats read
+  today (JSONL, Parquet, pre-tokenized ArrayRecord) timed: both opens and training tokens/s."""
+  out = subprocess.run(
+      [sys.executable, "bench/data_bench.py", "--sizes", "2MB", "--dir", str(tmp_path / "corpora"), "--seconds", "0.3",
+       "--seq_len", "256", "--batch", "8", "--json", str(tmp_path / "rows.json")],
+      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""), capture_output=True, text=True, timeout=240)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+  assert [r["format"] for r in rows] == ["jsonl", "parquet", "jsonl.zst", "jsonl.gz", "datasets", "array_record"]
+  assert all(r["documents"] > 100 for r in rows)
+  for row in rows:
+    assert row.get("skipped") or (row["tokens_per_s"] > 0 and row["first_open_s"] > 0 and row["second_open_s"] > 0)
+    assert (f"{row['format']:<13} bytes" in out.stdout)
+  assert all("skipped" not in r for r in rows if r["format"] in ("jsonl", "parquet", "array_record")), rows
+  assert (tmp_path / "corpora" / "2MB" / "corpus.parquet").exists()
+  assert any((tmp_path / "corpora" / "2MB").glob("tokens-*/corpus-00000-of-00001.array_record"))

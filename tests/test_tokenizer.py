@@ -4,6 +4,7 @@ import base64
 import json
 import pathlib
 
+import numpy as np
 import pytest
 import sentencepiece as spm  # the test extra installs the three tokenizer libraries
 import tiktoken  # noqa: F401
@@ -89,6 +90,16 @@ def test_each_kind_encodes_as_its_own_library_does(hf_file, sp_file, tiktoken_fi
   assert tokenizer_lib.load("bytes")(TEXT) == list(TEXT.encode())
 
 
+def test_a_batch_encodes_as_one_by_one_with_bos_and_eos(hf_file, sp_file, tiktoken_file):
+  texts = [TEXT, "", "ünïcode and the value", TEXT * 3]
+  for spec, bos, eos in ((f"hf:{hf_file}", "<s>", "</s>"), (f"sentencepiece:{sp_file}", "", "</s>"),
+                         (f"tiktoken:{tiktoken_file}", "", ""), ("bytes", "", "")):
+    tok = tokenizer_lib.load(spec, bos, eos)
+    batch = tok.encode_batch(texts)
+    assert [ids.tolist() for ids in batch] == [tok(t) for t in texts], spec
+    assert all(ids.dtype == np.int32 for ids in batch) and tok.encode_batch([]) == []
+
+
 def tiktoken_bytes(path):
   return {int(rank): base64.b64decode(token) for token, rank in (line.split() for line in open(path))}
 
@@ -171,7 +182,6 @@ def test_a_run_records_its_tokenizer_and_a_resume_with_another_is_refused(hf_fil
 
 def test_pretokenized_shards_hold_the_tokenizers_ids_and_refuse_another_tokenizer(hf_file, tmp_path):
   import grain
-  import numpy as np
 
   corpus = tmp_path / "docs.jsonl"
   texts = [f"Record {i}: {'the value ' * (i % 7)}ends." for i in range(120)]

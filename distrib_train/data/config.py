@@ -47,8 +47,10 @@ class DataConfig:
       model's packed attention takes (the Llama models' ``max_segments`` -
       1).
     eval_fraction: share of the documents held out for evaluation.
-    num_workers: grain worker processes for prefetching (0: threads only).
-    num_threads: reader threads per process.
+    num_workers: worker processes making the training rows ahead
+      (``lane_process.py``; 0: in this process), or grain's for a finite pass.
+    num_threads: threads reading one batch of documents, per process (the
+      lanes tokenize the batch in one call, ``lanes.py``).
     synthetic_documents: documents in the synthetic source.
     tokenizer: a tokenizer spec (``bytes``, ``hf:<tokenizer.json>``,
       ``sentencepiece:<model>``, ``tiktoken:<bpe file>``; ``tokenizer.py``),

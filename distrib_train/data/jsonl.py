@@ -98,13 +98,14 @@ def _json_text(raw: bytes, field: str) -> str:
   return record[field]
 
 
-def json_document(raw: bytes, path: str, number: int, field: str, bad_records: BadRecords) -> str | None:
+def json_document(raw: bytes, path: str, number: int | Callable[[], int], field: str,
+                  bad_records: BadRecords) -> str | None:
   """Line ``number`` of JSONL file ``path``: its string ``field``, or None where it is malformed and
-  ``bad_records`` skips it (or raises)."""
+  ``bad_records`` skips it (or raises). ``number`` may be a function, called only to name a malformed line."""
   try:
     return _json_text(raw, field)
   except _Malformed as e:
-    bad_records.bad(path, lambda: f"Data file {path!r} line {number} {e}")
+    bad_records.bad(path, lambda: f"Data file {path!r} line {number() if callable(number) else number} {e}")
     return None
 
 

@@ -17,18 +17,29 @@ tokens it has used of the next one; the checkpoint keeps every lane's
 (gathered from all processes, a few bytes per row), so any process can take
 over any row on restore.
 
+Reading is batched: the next document of every lane this process feeds is
+one stream position per lane (``index * lanes + lane``), so the documents of
+all the lanes short of tokens are read together (``data.num_threads``
+threads, each a contiguous share of them) and tokenized in one call
+(``splits.DocumentTokenizer.batch``: a named tokenizer's own batch encode,
+in parallel in its library). Each lane keeps a queue of its next documents'
+tokens; the batch's rows are cut from them with numpy, a slice per document and a few calls per batch.
+
 Not for: making the rows a batch, placing and prefetching it (``endless.py``).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 POSITION_VERSION = 1
+READ_AHEAD = 4  # sequences of tokens a lane reads ahead, once a read is due
 
 
 class Lanes:
@@ -37,66 +48,120 @@ class Lanes:
   Args:
     stream: random access to the split's documents in the repeated, shuffled
       order (``stream[i]``, ``i`` ≥ 0 unbounded).
-    tokenize: document → token ids (numpy).
+    tokenize: document → token ids (numpy); its ``batch`` (documents → ids,
+      ``splits.DocumentTokenizer``), if it has one, tokenizes many at once.
     lanes: the number of lanes, the global batch size.
     rows: the lanes this process feeds, in batch order.
     length: tokens per sequence (``seq_len + 1``: inputs and targets share it).
     packing: concatenate a lane's documents (segment and position ids);
       otherwise each sequence is the head of the lane's next document of at
       least ``length`` tokens.
-    threads: lanes read and tokenized in parallel.
+    threads: threads reading the documents of one batched read (each a
+      contiguous share of them); tokenizing is one call, parallel in the
+      tokenizer's library where it has a batch encode.
     skipped: the malformed documents skipped so far (``skipped_documents``).
   """
 
   def __init__(self, stream: Any, tokenize: Callable[[Any], np.ndarray], *, lanes: int, rows: Sequence[int],
                length: int, packing: bool, threads: int, skipped: Callable[[], int] = lambda: 0):
     self._stream, self._tokenize = stream, tokenize
+    self._batch = getattr(tokenize, "batch", None) or (lambda docs: [np.asarray(tokenize(d)) for d in docs])
     self.lanes, self.rows, self.length, self.packing = lanes, list(rows), length, packing
     self.position = {r: (0, 0) for r in self.rows}  # lane → (documents finished, tokens used of the next)
-    self._pool = concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="distrib_train-lanes")
-    self._held: dict[int, tuple[int, np.ndarray]] = {}  # lane → its next document's tokens, once read
+    self._threads = max(1, threads)
+    self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="distrib_train-lanes") \
+        if self._threads > 1 else None
+    # lane → the tokens of its next documents, from its position's on, in order
+    self._queues: dict[int, collections.deque[np.ndarray]] = {r: collections.deque() for r in self.rows}
+    self._read_docs, self._read_tokens = 0, 0  # to guess how many documents a short lane needs
     self._skipped = skipped
 
   @property
   def skipped_documents(self) -> int:
     return self._skipped()
 
-  def _document(self, lane: int, index: int) -> np.ndarray:
-    held = self._held.get(lane)
-    if held is not None and held[0] == index:
-      return held[1]
-    tokens = np.asarray(self._tokenize(self._stream[index * self.lanes + lane]))
-    self._held[lane] = (index, tokens)
-    return tokens
+  def _documents(self, positions: list[int]) -> list[Any]:
+    getitems = getattr(self._stream, "_getitems", None)  # grain's batched read, where the dataset has it
+    read = (lambda part: list(getitems(part))) if getitems is not None else \
+        (lambda part: [self._stream[p] for p in part])
+    if self._pool is None or len(positions) < 16 * self._threads:  # small reads: a thread hand-off costs more
+      return read(positions)
+    parts = [list(p) for p in np.array_split(np.asarray(positions, np.int64), self._threads) if len(p)]
+    return [doc for part in self._pool.map(read, parts) for doc in part]
 
-  def _sequence(self, lane: int) -> tuple[dict[str, np.ndarray], tuple[int, int]]:
-    index, used = self.position[lane]
+  def _shortfall(self, lane: int, tokens: int) -> int:
+    """Documents to read for this lane to hold ``tokens`` past its position (0: it does), a guess from the
+    mean length read so far; without packing, one until it holds a document of a sequence's length."""
+    queue, (_, used) = self._queues[lane], self.position[lane]
     if not self.packing:
-      while len(tokens := self._document(lane, index)) < self.length:
-        index += 1
-      return {"tokens": tokens[:self.length]}, (index + 1, 0)
-    # The names grain's packing gives, so that both paths share the shifting into inputs and targets.
-    out = {name: np.zeros(self.length, np.int32) for name in ("tokens", "tokens_segment_ids", "tokens_positions")}
-    filled = segment = 0
+      return 0 if any(len(ids) >= self.length for ids in queue) else 1
+    missing = tokens + used - sum(len(ids) for ids in queue)
+    if missing <= 0:
+      return 0
+    mean = self._read_tokens / self._read_docs if self._read_tokens else self.length
+    return min(64, max(1, math.ceil(missing / max(mean, 1.0))))
+
+  def _fill(self) -> None:
+    """Reads and tokenizes, in batches, until every lane's queue holds its next sequence. A read, once one
+    lane needs it, also tops every other lane up to ``READ_AHEAD`` sequences: fewer, larger batches."""
+    while any(self._shortfall(lane, self.length) for lane in self.rows):
+      wanted = [(lane, self._shortfall(lane, READ_AHEAD * self.length)) for lane in self.rows]
+      plan = [(lane, self.position[lane][0] + len(self._queues[lane]) + k) for lane, n in wanted for k in range(n)]
+      tokens = self._batch(self._documents([index * self.lanes + lane for lane, index in plan]))
+      for (lane, _), ids in zip(plan, tokens):
+        self._queues[lane].append(np.asarray(ids))
+      self._read_docs += len(plan)
+      self._read_tokens += sum(len(ids) for ids in tokens)
+
+  def _head(self, lane: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """Without packing: the head of the lane's next document of a sequence's length; the position after it."""
+    index, queue = self.position[lane][0], self._queues[lane]
+    while len(tokens := queue.popleft()) < self.length:
+      index += 1
+    return tokens[:self.length], (index + 1, 0)
+
+  def _cut(self, lane: int, pieces: list[np.ndarray], takes: list[int]) -> tuple[int, int]:
+    """With packing: appends the pieces of the lane's next sequence (a run of tokens of each document it
+    reaches into) and their lengths; the position after them."""
+    (index, used), queue, filled = self.position[lane], self._queues[lane], 0
     while filled < self.length:
-      tokens = self._document(lane, index)
+      tokens = queue[0]
       take = min(len(tokens) - used, self.length - filled)
       if take > 0:
-        segment += 1
-        out["tokens"][filled:filled + take] = tokens[used:used + take]
-        out["tokens_segment_ids"][filled:filled + take] = segment
-        out["tokens_positions"][filled:filled + take] = np.arange(take)
+        pieces.append(tokens[used:used + take])
+        takes.append(take)
         filled, used = filled + take, used + take
       if used >= len(tokens):
         index, used = index + 1, 0
-    return out, (index, used)
+        queue.popleft()
+    return index, used
 
   def next_rows(self) -> tuple[list[dict[str, np.ndarray]], dict[int, tuple[int, int]]]:
     """The next sequence of every lane this process feeds, and the lanes' positions after them (a
     prefetching caller keeps the position that goes with the rows it has handed out)."""
-    done = list(self._pool.map(self._sequence, self.rows))
-    self.position = {r: after for r, (_, after) in zip(self.rows, done)}
-    return [row for row, _ in done], dict(self.position)
+    self._fill()
+    if not self.packing:
+      done = [self._head(lane) for lane in self.rows]
+      self.position = {r: after for r, (_, after) in zip(self.rows, done)}
+      return [{"tokens": tokens} for tokens, _ in done], dict(self.position)
+    pieces: list[np.ndarray] = []
+    takes: list[int] = []
+    counts = []  # pieces per row
+    for lane in self.rows:
+      before = len(takes)
+      self.position[lane] = self._cut(lane, pieces, takes)
+      counts.append(len(takes) - before)
+    # The whole batch at once; each piece is a new segment (numbered from 1 in its row), its positions from 0.
+    rows, sizes, counts = len(self.rows), np.asarray(takes, np.int64), np.asarray(counts, np.int64)
+    first = np.repeat(np.cumsum(counts) - counts, counts)  # each piece's row's first piece
+    tokens = np.concatenate(pieces).astype(np.int32, copy=False).reshape(rows, self.length)
+    segments = np.repeat((np.arange(len(sizes)) - first + 1).astype(np.int32), sizes).reshape(rows, self.length)
+    positions = (np.arange(rows * self.length) - np.repeat(np.cumsum(sizes) - sizes, sizes)).astype(np.int32)
+    # The names grain's packing gives, so that both paths share the shifting into inputs and targets.
+    out = [{"tokens": tokens[i], "tokens_segment_ids": segments[i], "tokens_positions": positions[i * self.length:
+                                                                                                 (i + 1) * self.length]}
+           for i in range(rows)]
+    return out, dict(self.position)
 
   def restore(self, positions: Mapping[int, tuple[int, int]]) -> None:
     missing = [r for r in self.rows if r not in positions]
@@ -104,8 +169,9 @@ class Lanes:
       raise ValueError(f"The saved data position has no lane {missing[0]} (of {len(positions)}); it was written"
                        " for another global batch size.")
     self.position = {r: tuple(positions[r]) for r in self.rows}
-    self._held.clear()
+    for queue in self._queues.values():
+      queue.clear()
 
   def close(self) -> None:
-    self._pool.shutdown(wait=False, cancel_futures=True)
-
+    if self._pool is not None:
+      self._pool.shutdown(wait=False, cancel_futures=True)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from distrib_train.data.jsonl import BadRecords
+from distrib_train.data.jsonl import BadRecords, json_document
 from distrib_train.data.text_files import expand, iter_text_file
 
 
@@ -85,22 +85,93 @@ def write_array_record(documents: Iterable[str] | str, output: str, *, num_shard
                  paths=isinstance(documents, str), bad_records=bad_records)
 
 
-def _file_records(task: tuple[str, str, Any]) -> list[bytes]:
-  """One file's records (a worker process's task): UTF-8 text, or int32 token ids."""
-  path, field, spec, policy = task
+_BATCH = 256  # documents tokenized in one call
+_MIN_RANGE, _MAX_RANGE = 1 << 20, 64 << 20  # bytes of a .jsonl file one worker task reads, at least / at most
+
+
+def _encoded(documents: Iterable[str], tokenizer: Any) -> Iterator[bytes]:
+  """Each document's record: its UTF-8 text, or its int32 token ids, tokenized ``_BATCH`` at a time."""
+  if tokenizer is None:
+    yield from (doc.encode("utf-8") for doc in documents)
+    return
+  batch_encode = getattr(tokenizer, "encode_batch", None) or \
+      (lambda texts: [np.asarray(tokenizer(t), np.int32) for t in texts])
+  iterator = iter(documents)
+  while batch := list(itertools.islice(iterator, _BATCH)):
+    yield from (np.asarray(ids, np.int32).tobytes() for ids in batch_encode(batch))
+
+
+def _ranges(files: Sequence[str], workers: int) -> list[tuple[str, int, int]]:
+  """Worker tasks: ``(file, first byte, end byte)``; a ``.jsonl`` file in byte ranges (a line belongs to the
+  range it starts in), so that one large file spreads over the workers; any other file whole (end -1)."""
+  tasks = []
+  for path in files:
+    size = os.path.getsize(path) if path.endswith(".jsonl") else 0
+    step = max(_MIN_RANGE, min(_MAX_RANGE, size // (4 * workers) + 1))
+    tasks.extend([(path, start, min(start + step, size)) for start in range(0, size, step)] or [(path, 0, -1)])
+  return tasks
+
+
+def _jsonl_range(path: str, start: int, end: int, field: str, bad_records: BadRecords) -> Iterator[str]:
+  """The documents of the lines of a ``.jsonl`` file that start in ``[start, end)`` (a malformed one to
+  ``bad_records``, named by its line number in the file, counted only then)."""
+  with open(path, "rb") as f:
+    if start:
+      f.seek(start - 1)
+      if f.read(1) != b"\n":
+        f.readline()  # the line under way belongs to the range before
+    number, position = 0, f.tell()
+    while position < end and (raw := f.readline()):
+      number, position = number + 1, position + len(raw)
+      at = position - len(raw)
+      if raw.strip() and (doc := json_document(raw, path, lambda: _lines_before(path, at) + 1, field,
+                                               bad_records)) is not None:
+        yield doc
+
+
+def _lines_before(path: str, offset: int) -> int:
+  count = 0
+  with open(path, "rb") as f:
+    while offset > 0 and (block := f.read(min(offset, 1 << 24))):
+      count, offset = count + block.count(b"\n"), offset - len(block)
+  return count
+
+
+def _range_records(task: tuple[str, int, int, str, Any, str]) -> list[bytes]:
+  """One task's records (in a worker process): UTF-8 text, or int32 token ids."""
+  path, start, end, field, spec, policy = task
   tokenizer = None
   if spec is not None:
     from distrib_train.data import tokenizer as tokenizer_lib
 
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism: no extra threads each
     tokenizer = tokenizer_lib.load(*spec)
-  return [doc.encode("utf-8") if tokenizer is None else np.asarray(tokenizer(doc), np.int32).tobytes()
-          for doc in iter_text_file(path, field, BadRecords(policy, "bad_records"))]
+  bad_records = BadRecords(policy, "bad_records")
+  documents = (iter_text_file(path, field, bad_records) if end < 0 else
+               _jsonl_range(path, start, end, field, bad_records))
+  return list(_encoded(documents, tokenizer))
+
+
+def _in_order(pool: Any, tasks: Sequence[tuple], workers: int) -> Iterator[bytes]:
+  """The records of ``tasks``, in order, with at most ``2 × workers`` tasks under way or waiting to be written."""
+  import collections
+
+  pending: collections.deque = collections.deque()
+  for task in tasks:
+    pending.append(pool.apply_async(_range_records, (task,)))
+    if len(pending) >= 2 * workers:
+      yield from pending.popleft().get()
+  while pending:
+    yield from pending.popleft().get()
 
 
 def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: bool = True,
             text_field: str = "text", tokenizer: Any = None, workers: int = 0,
             bad_records: str = "skip") -> list[str]:
   """Streams the documents of ``inputs`` into ArrayRecord shards.
+
+  Record ``i`` (the ``i``-th document of the inputs, in order) goes to shard
+  ``i % num_shards``, whatever ``workers``.
 
   Args:
     inputs: ``.txt`` / ``.jsonl`` / ``.parquet`` paths or globs
@@ -110,12 +181,14 @@ def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: b
     paths: whether ``inputs`` name files.
     text_field: the JSONL field or Parquet column of the text.
     tokenizer: a ``tokenizer.Tokenizer`` (``tokenizer.load(spec, bos, eos)``):
-      the records are its token ids (int32), tokenized once here, and
-      ``{output}.tokenizer.json`` says which tokenizer; training from the
-      shards skips tokenizing (and refuses another ``data.tokenizer``).
-    workers: read and tokenize this many files at once in worker processes
-      (0: in this process); the shards are the same, byte for byte, and
-      memory is bounded by ``workers`` files' records.
+      the records are its token ids (int32), tokenized once here,
+      ``_BATCH`` documents to a call, and ``{output}.tokenizer.json`` says
+      which tokenizer; training from the shards skips tokenizing (and
+      refuses another ``data.tokenizer``).
+    workers: read and tokenize in this many worker processes (0: in this
+      process): files, and ``.jsonl`` files in byte ranges of at most 64 MiB,
+      handed out in order; the shards are the same, byte for byte, and
+      memory is bounded by ``2 × workers`` ranges' records.
     bad_records: ``skip`` (a malformed JSONL line is logged, the first 10
       of a file, and left out) or ``error`` (it stops the conversion,
       named), as ``data.bad_records``.
@@ -128,19 +201,18 @@ def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: b
   if workers and tokenizer is not None and not hasattr(tokenizer, "spec"):
     raise ValueError("workers need a tokenizer loaded from a spec (tokenizer.load), which a worker can load again.")
   inputs = list(inputs) if paths else inputs
-  encode = lambda doc: doc.encode("utf-8") if tokenizer is None else np.asarray(tokenizer(doc), np.int32).tobytes()
   pool = None
   if paths and workers > 0:
     import multiprocessing
 
     spec = None if tokenizer is None else (tokenizer.spec, *_special_tokens(tokenizer))
     pool = multiprocessing.get_context("spawn").Pool(workers)
-    tasks = [(p, text_field, spec, bad_records) for p in expand(inputs)]
-    records = (r for rs in pool.imap(_file_records, tasks) for r in rs)
+    tasks = [(*task, text_field, spec, bad_records) for task in _ranges(expand(inputs), workers)]
+    records = _in_order(pool, tasks, workers)
   else:
     documents = (doc for path in expand(inputs) for doc in iter_text_file(path, text_field, policy)) if paths else \
         iter(inputs)
-    records = (encode(doc) for doc in documents)
+    records = _encoded(documents, tokenizer)
   try:
     shards = _write_shards(records, output, num_shards, tokenizer, inputs if paths else None)
     if policy.skipped:
@@ -204,8 +276,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   convert_parser.add_argument("--eos_token", default="", help="with --tokenizer: a token after every document")
   convert_parser.add_argument("--bad_records", choices=("skip", "error"), default="skip",
                               help="a malformed JSONL line: skip it (logged; default) or stop")
-  convert_parser.add_argument("--workers", type=int, default=0, help="files read and tokenized at once in worker"
-                              " processes (default 0: in this one)")
+  convert_parser.add_argument("--workers", type=int, default=0, help="worker processes reading and tokenizing files"
+                              " and .jsonl byte ranges at once (default 0: this process); the shards are the same")
   args = parser.parse_args(argv)
   try:
     tokenizer = None

@@ -13,7 +13,7 @@ batching them (``pipeline.py`` and the reads it builds).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,7 +42,7 @@ class Subset:
 
 
 def split_documents(config: DataConfig, split: str, shard_count: int,
-                    vocab_size: int | None) -> tuple[sources.Documents, np.ndarray, Tokenize]:
+                    vocab_size: int | None) -> tuple[sources.Documents, np.ndarray, DocumentTokenizer]:
   """The source's documents, the split's indices into them (sorted) and the tokenizer, checked.
 
   Args:
@@ -91,7 +91,8 @@ def split_documents(config: DataConfig, split: str, shard_count: int,
     _check_token_ids(tokenize, docs, checked[:: max(1, len(checked) // 16)][:16], vocab_size, split)
   # A sample: reading every document of a large ArrayRecord corpus here would be too slow.
   sample = checked
-  longest = max(len(tokenize(docs[int(i)])) for i in sample)
+  longest = max(max(map(len, tokenize.batch([docs[int(i)] for i in sample[start:start + 256]])))
+                for start in range(0, len(sample), 256))
   if longest == 0:  # packing would look for tokens forever
     source = f"data source {config.source!r}" + (f" {list(config.paths)}" if config.paths else "")
     skipped = f" ({docs.skipped_documents} of them malformed lines, skipped: data.bad_records=skip)" \
@@ -106,25 +107,59 @@ def split_documents(config: DataConfig, split: str, shard_count: int,
   return docs, indices, tokenize
 
 
-def _tokenizer(config: DataConfig) -> Tokenize:
-  """The config's tokenizer as document → int32 ids (a document of ids, pre-tokenized or synthetic, as it is;
-  None, a skipped malformed line, as no ids)."""
-  tokenizer: Tokenizer | None = config.tokenizer
-  if isinstance(tokenizer, str):
-    loaded = tokenizer_lib.load(tokenizer, config.bos_token, config.eos_token)
-    plain_bytes = tokenizer == "bytes" and loaded.bos_id is None and loaded.eos_id is None
-    tokenizer = None if plain_bytes else loaded
+class DocumentTokenizer:
+  """A document → its int32 ids (``tokenize(doc)``), or many documents in one call (``tokenize.batch(docs)``).
 
-  def tokenize(doc: Any) -> np.ndarray:
-    if doc is None:  # a malformed line skipped (data.bad_records=skip): no tokens
-      return np.zeros(0, np.int32)
+  A document of ids (pre-tokenized or synthetic) passes through as it is; a
+  skipped document (``None``, a malformed one its source dropped) has no ids.
+  A tokenizer named in the config encodes a batch in one call
+  (``tokenizer.Tokenizer.encode_batch``); one given as a Python function,
+  document by document.
+  """
+
+  def __init__(self, config: DataConfig):
+    tokenizer: Tokenizer | None = config.tokenizer
+    self._loaded = None
+    if isinstance(tokenizer, str):
+      loaded = tokenizer_lib.load(tokenizer, config.bos_token, config.eos_token)
+      plain_bytes = tokenizer == "bytes" and loaded.bos_id is None and loaded.eos_id is None
+      self._loaded = None if plain_bytes else loaded
+      tokenizer = None if plain_bytes else loaded
+    self._function = tokenizer
+
+  def __call__(self, doc: Any) -> np.ndarray:
     if isinstance(doc, np.ndarray):  # synthetic documents are tokens already
       return doc
-    if tokenizer is None:
+    if doc is None:
+      return _EMPTY
+    if self._function is None:
       return np.frombuffer(doc.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-    return np.asarray(tokenizer(doc), dtype=np.int32)
+    return np.asarray(self._function(doc), dtype=np.int32)
 
-  return tokenize
+  def batch(self, docs: Sequence[Any]) -> list[np.ndarray]:
+    """Each document's ids, as ``__call__`` gives them; the texts among them encoded in one call."""
+    out: list[np.ndarray | None] = [doc if isinstance(doc, np.ndarray) else _EMPTY if doc is None else None
+                                    for doc in docs]
+    texts = [i for i, got in enumerate(out) if got is None]
+    if texts:
+      if self._function is None:
+        encoded = tokenizer_lib.utf8_bytes([docs[i] for i in texts])
+      elif self._loaded is not None:
+        encoded = self._loaded.encode_batch([docs[i] for i in texts])
+      else:
+        encoded = [self(docs[i]) for i in texts]
+      for i, ids in zip(texts, encoded):
+        out[i] = ids
+    return out  # type: ignore[return-value]
+
+
+_EMPTY = np.zeros(0, np.int32)
+_EMPTY.flags.writeable = False
+
+
+def _tokenizer(config: DataConfig) -> DocumentTokenizer:
+  """The config's tokenizer as document → int32 ids (a document of ids, pre-tokenized or synthetic, as it is)."""
+  return DocumentTokenizer(config)
 
 
 def _check_pretokenized(fingerprint: Mapping[str, Any], config: DataConfig) -> None:

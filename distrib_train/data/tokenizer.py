@@ -11,6 +11,12 @@ its own library, imported only then:
   (``pip install tiktoken``); text is split with the cl100k pattern
   unless the spec names another after ``#`` (``tiktoken:o200k.tiktoken#o200k``).
 
+``Tokenizer.encode_batch(texts)`` encodes many documents in one call, as
+int32 arrays (the same ids as one by one): the Hugging Face library's
+``encode_batch`` (its Rust threads, in parallel), tiktoken's
+``encode_ordinary_batch``, SentencePiece's list encode, and for ``bytes``
+one UTF-8 buffer split with numpy.
+
 Special tokens: a document is encoded as plain text (no special tokens
 added by the tokenizer itself); ``data.bos_token`` and ``data.eos_token`` name
 tokens (their text, e.g. ``<s>``, ``</s>``, ``<|endoftext|>``) to put before
@@ -34,6 +40,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 KINDS = ("bytes", "hf", "sentencepiece", "tiktoken")
 _PACKAGES = {"hf": "tokenizers", "sentencepiece": "sentencepiece", "tiktoken": "tiktoken"}
 # tiktoken's cl100k / o200k pre-tokenisation patterns are tiktoken's own; named here, not copied.
@@ -42,7 +50,7 @@ _TIKTOKEN_PATTERNS = ("cl100k_base", "o200k_base", "r50k_base", "p50k_base")
 
 @dataclasses.dataclass(frozen=True)
 class Tokenizer:
-  """A loaded tokenizer: ``encode(text)`` → ids, with the document's BOS/EOS.
+  """A loaded tokenizer: ``tokenizer(text)`` → ids, with the document's BOS/EOS (``encode_batch``: many at once).
 
   Attributes:
     spec: what the config named (``hf:/path/tokenizer.json``).
@@ -60,6 +68,22 @@ class Tokenizer:
   sha256: str = ""
   bos_token: str = ""
   eos_token: str = ""
+  encode_texts: Callable[[Sequence[str]], Sequence[Sequence[int]]] | None = dataclasses.field(
+      default=None, repr=False, compare=False)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """Each text's ids (int32), BOS and EOS as ``__call__`` adds them, encoded in one call."""
+    if not texts:
+      return []
+    if self.encode_texts is None:
+      encoded = [np.asarray(self.encode_text(t), np.int32) for t in texts]
+    else:
+      encoded = [np.asarray(ids, np.int32) for ids in self.encode_texts(texts)]
+    if self.bos_id is None and self.eos_id is None:
+      return encoded
+    head = [] if self.bos_id is None else [self.bos_id]
+    tail = [] if self.eos_id is None else [self.eos_id]
+    return [np.concatenate([np.asarray(head, np.int32), ids, np.asarray(tail, np.int32)]) for ids in encoded]
 
   def __call__(self, text: str) -> list[int]:
     """The document's ids: BOS (if any), the text's tokens, EOS (if any)."""
@@ -121,8 +145,9 @@ def _hf(path: str):
     tok = tokenizers.Tokenizer.from_file(path)
   except Exception as e:  # the library raises its own Exception type
     raise ValueError(f"data.tokenizer: {path!r} is not a Hugging Face tokenizer.json: {e}") from None
+  batch = lambda texts: [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
   return (lambda text: tok.encode(text, add_special_tokens=False).ids, tok.token_to_id,
-          tok.get_vocab_size(with_added_tokens=True))
+          tok.get_vocab_size(with_added_tokens=True), batch)
 
 
 def _sentencepiece(path: str):
@@ -132,7 +157,8 @@ def _sentencepiece(path: str):
   except Exception as e:  # RuntimeError / OSError with the library's text
     raise ValueError(f"data.tokenizer: {path!r} is not a SentencePiece model: {e}") from None
   piece = lambda token: (lambda i: None if proc.id_to_piece(i) != token else i)(proc.piece_to_id(token))
-  return (lambda text: proc.encode(text, out_type=int), piece, proc.get_piece_size())
+  return (lambda text: proc.encode(text, out_type=int), piece, proc.get_piece_size(),
+          lambda texts: proc.encode(list(texts), out_type=int))
 
 
 def _tiktoken(path: str):
@@ -152,7 +178,8 @@ def _tiktoken(path: str):
   encoding = tiktoken.Encoding(name=os.path.basename(file), pat_str=pat_str, mergeable_ranks=ranks,
                                special_tokens={})
   by_text = {token.decode("utf-8", "replace"): rank for token, rank in ranks.items()}
-  return (lambda text: encoding.encode_ordinary(text), by_text.get, max(ranks.values()) + 1)
+  return (lambda text: encoding.encode_ordinary(text), by_text.get, max(ranks.values()) + 1,
+          lambda texts: encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1))
 
 
 def _tiktoken_pattern(tiktoken: Any, name: str) -> str:
@@ -178,9 +205,10 @@ def load(spec: str = "bytes", bos_token: str = "", eos_token: str = "") -> Token
   """
   kind, path = parse(spec)
   if kind == "bytes":
-    encode, token_id, vocab, sha = (lambda text: list(text.encode("utf-8"))), (lambda token: None), 256, ""
+    encode, token_id, vocab, batch, sha = (lambda text: list(text.encode("utf-8"))), (lambda token: None), 256, \
+        utf8_bytes, ""
   else:
-    encode, token_id, vocab = {"hf": _hf, "sentencepiece": _sentencepiece, "tiktoken": _tiktoken}[kind](
+    encode, token_id, vocab, batch = {"hf": _hf, "sentencepiece": _sentencepiece, "tiktoken": _tiktoken}[kind](
         os.path.expanduser(path) if kind != "tiktoken" else path)
     sha = _sha256(os.path.expanduser(path.partition("#")[0] if kind == "tiktoken" else path))
   ids = {}
@@ -192,4 +220,12 @@ def load(spec: str = "bytes", bos_token: str = "", eos_token: str = "") -> Token
     if ids[name] is None:
       raise ValueError(f"data.{name}: {token!r} is not a token of {spec} (a tokenizer's special tokens are named"
                        " by their text, e.g. <s>, </s>, <|endoftext|>).")
-  return Tokenizer(spec, vocab, encode, token_id, ids["bos_token"], ids["eos_token"], sha, bos_token, eos_token)
+  return Tokenizer(spec, vocab, encode, token_id, ids["bos_token"], ids["eos_token"], sha, bos_token, eos_token,
+                   batch)
+
+
+def utf8_bytes(texts: Sequence[str]) -> list[np.ndarray]:
+  """Each text's UTF-8 bytes as int32 ids: one buffer converted at once, then split (views into it)."""
+  raw = [t.encode("utf-8") for t in texts]
+  ids = np.frombuffer(b"".join(raw), np.uint8).astype(np.int32)
+  return np.split(ids, np.cumsum([len(r) for r in raw[:-1]], dtype=np.int64)) if raw else []
