@@ -103,4 +103,6 @@ def test_convert_splits_a_jsonl_file_over_workers_in_byte_ranges_and_writes_the_
   assert sorted(r.decode() for r in read("w2")) == sorted(json.loads(line)["text"] for line in lines)
   corpus.write_text("\n".join(lines[:450]) + "\n{not json\n" + "\n".join(lines[450:]) + "\n")
   with pytest.raises(ValueError, match=r"c.jsonl' line 451 is not JSON"):
-    record_shards.convert([str(corpus)], str(tmp_path / "bad"), workers=2)
+    record_shards.convert([str(corpus)], str(tmp_path / "bad"), workers=2, bad_records="error")
+  record_shards.convert([str(corpus)], str(tmp_path / "skipped"), num_shards=3, workers=2)  # the default: skip
+  assert read("skipped") == read("w2")
