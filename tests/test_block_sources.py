@@ -16,6 +16,7 @@ import functools
 import gzip
 import json
 import os
+import pickle
 import sys
 
 import numpy as np
@@ -237,9 +238,26 @@ def test_a_compressed_file_reads_blocks_behind_its_decompressor_again(tmp_path, 
     reader = compressed.CompressedJsonl(_as_format(jsonl, tmp_path, kind), "text", _PARSE,
                                         block_order.BlockCache(1))
     assert len(reader.block_starts) > 5
-    order = list(range(40)) + [0, 39, 3, 2, 1]
+    assert [reader[i] for i in range(40)] == _texts(jsonl)
+    assert reader._stream is None and reader.restarts == 0  # its last block read: the decompressor closed
+    order = [0, 39, 3, 2, 1]
     assert [reader[i] for i in order] == [_texts(jsonl)[i] for i in order]
+    assert reader.restarts == 2  # block 2 after 3 and block 1 after 2, each from the file's start
+    copy = pickle.loads(pickle.dumps(reader))  # as grain sends a finite pass's source to its workers
+    assert len(pickle.dumps(reader)) < 1000 and [copy[i] for i in order] == [_texts(jsonl)[i] for i in order]
     reader.close()
+
+
+def test_a_position_saved_in_grains_order_is_refused_for_a_corpus_shuffled_by_blocks(tmp_path):
+  jsonl = data_helpers.write_documents(tmp_path, [5, 9, 14, 3, 27, 8, 8, 16] * 3)
+  config = resume._config(_as_format(jsonl, tmp_path, "parquet"), seq_len=7, global_batch_size=4)
+  loader = data.DataLoader(config, resume._replicated_shardings())
+  position = loader.data_position()
+  assert position["order"] == "blocks"
+  loader.set_data_position(position)
+  with pytest.raises(ValueError, match=r"another data layout \(data.order: None → 'blocks'\)"):
+    loader.set_data_position({k: v for k, v in position.items() if k != "order"})  # the previous release's
+  loader.close()
 
 
 def test_a_stale_compressed_index_is_rebuilt(tmp_path):

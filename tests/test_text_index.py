@@ -10,12 +10,14 @@ read as no document) or raised.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import os
 import random
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -50,7 +52,7 @@ def test_the_index_is_built_once_and_mapped_by_the_next_open(tmp_path):
   first = jsonl.JsonlFile(path, "text")
   second = jsonl.JsonlFile(path, "text")
   assert first.built_now and not second.built_now
-  assert isinstance(second.offsets, np.memmap)
+  assert not second.offsets.flags.owndata and not second.offsets.flags.writeable  # mapped from the kept file
   assert _texts(second) == [f"doc {i}" for i in range(50)]
   data_mode = os.stat(path).st_mode & 0o777
   assert data_mode & 0o044  # readable by others: so is the index (a temporary file's 0o600 would not be)
@@ -317,3 +319,29 @@ def test_a_source_sent_to_a_worker_process_maps_its_index_again(tmp_path):
   assert len(sent) < 4096
   copy = cloudpickle.loads(sent)
   assert _texts(copy) == ["a", None, "b"] and copy.skipped_documents == 2 and docs.skipped_documents == 1
+
+
+def test_threads_making_a_files_first_reads_together_open_one_descriptor(tmp_path):
+  path = _write(tmp_path / "t.jsonl", [json.dumps({"text": f"doc {i}"}) for i in range(64)])
+  for _ in range(20):
+    reader = jsonl.JsonlFile(path, "text")
+    before = len(os.listdir("/proc/self/fd"))
+    barrier = threading.Barrier(8)
+
+    def read(i):
+      barrier.wait()
+      return reader[i]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      assert list(pool.map(read, range(8))) == [f"doc {i}" for i in range(8)]
+    assert len(os.listdir("/proc/self/fd")) - before == 1
+    del reader
+
+
+def test_a_lone_surrogate_is_a_malformed_line_named_by_file_and_line(tmp_path):
+  path = _write(tmp_path / "s.jsonl", ['{"text": "fine"}', '{"text": "ab\\ud83d cd"}', '{"text": "after"}'])
+  with pytest.raises(jsonl.BadRecordError, match=r"s.jsonl' line 2 holds a lone surrogate in field 'text'"):
+    jsonl.JsonlFile(path, "text", jsonl.BadRecords("error"))[1]
+  skipping = jsonl.BadRecords("skip")
+  assert _texts(jsonl.JsonlFile(path, "text", skipping)) == ["fine", None, "after"]
+  assert skipping.skipped == 1

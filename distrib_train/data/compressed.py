@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from absl import logging
 
 from distrib_train.data import block_order
 from distrib_train.data import index_cache
@@ -153,9 +154,14 @@ class CompressedJsonl:
   def __init__(self, path: str, field: str, parse: Any, cache: block_order.BlockCache | None = None,
                index_cache_dir: str = ""):
     self.path, self.field, self._parse = path, field, parse
-    self.cache = cache or block_order.BlockCache(2)
+    self.cache, self.index_cache_dir = cache or block_order.BlockCache(2), index_cache_dir
     _open(path).close()  # no zstandard, or an empty file: named now
-    index, _ = index_cache.load_or_build(path, "zlines", lambda: _scan(path), index_cache_dir)
+    self._open_index()
+    self.restarts = 0  # times the decompressor went back to the file's start for a block behind it
+
+  def _open_index(self) -> None:
+    path = self.path
+    index, _ = index_cache.load_or_build(path, "zlines", lambda: _scan(path), self.index_cache_dir)
     self.starts, self.ends, self.lines = index["starts"], index["ends"], index["lines"]
     self._size = int(index["size"][0])
     self.block_starts = _blocks(self.starts, self._size)
@@ -181,6 +187,7 @@ class CompressedJsonl:
       if self._stream is None or block < self._at:  # behind the decompressor: start the file again
         if self._stream is not None:
           self._stream.close()
+          self._restarted()
         self._stream, self._at = _open(self.path), 0
       keep_from = block - max(1, self.cache.capacity // 4)  # blocks passed on the way that are kept
       while self._at <= block:
@@ -192,7 +199,19 @@ class CompressedJsonl:
         if at >= keep_from:
           self.cache.put((self.path, at), data)
         self._at += 1
+      if self._at == len(self.block_starts) - 1:  # the file's last block: its decompressor is done
+        self._stream.close()
+        self._stream = None
       return data
+
+  def _restarted(self) -> None:
+    """Logs a restart of the decompressor (the first, then at each power of two): the lanes' rows have
+    drifted further apart than the block cache holds (``data.block_cache``)."""
+    self.restarts += 1
+    if self.restarts & (self.restarts - 1) == 0:
+      logging.warning("Data file %r: decompressed from its start again for a block behind the decompressor"
+                      " (%d time(s) in this process); the lanes are spread over more blocks than data.block_cache"
+                      " (%d) holds: raise it.", self.path, self.restarts, self.cache.capacity)
 
   def __getitem__(self, index: int) -> Any:
     index = int(index)
@@ -207,11 +226,12 @@ class CompressedJsonl:
         self._stream.close()
         self._stream = None
 
-  def __getstate__(self) -> dict:  # a copy sent to another process opens its own decompressor
-    state = dict(self.__dict__)
-    state.update(_lock=None, _stream=None, _at=0)
-    return state
+  # A copy sent to another process maps the kept index again and opens its own decompressor (the index's
+  # arrays are not copied: 24 bytes a document).
+  def __getstate__(self) -> dict:
+    return {"path": self.path, "field": self.field, "_parse": self._parse, "cache": self.cache,
+            "index_cache_dir": self.index_cache_dir, "restarts": 0}
 
   def __setstate__(self, state: dict) -> None:
     self.__dict__.update(state)
-    self._lock = threading.Lock()
+    self._open_index()

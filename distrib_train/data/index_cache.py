@@ -31,6 +31,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import struct
 import tempfile
@@ -166,19 +167,20 @@ def _read(where: str, key: dict) -> dict[str, np.ndarray] | None:
       (size,) = _LENGTH.unpack(f.read(_LENGTH.size))
       header = json.loads(f.read(size))
       total = os.fstat(f.fileno()).st_size
+      if not isinstance(header, dict) or header.get("key") != key:
+        return None
+      # One map of the file this header was read from (not of the path again: another process may have
+      # renamed a new index over it meanwhile), one descriptor for all the arrays.
+      mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if total else None
   except (OSError, ValueError, struct.error):
-    return None
-  if not isinstance(header, dict) or header.get("key") != key:
     return None
   arrays = {}
   for name, (dtype, shape, offset) in header.get("arrays", {}).items():
     dtype, count = np.dtype(dtype), int(np.prod(shape))
     if offset + count * dtype.itemsize > total:
       return None
-    if count == 0:
-      arrays[name] = np.zeros(shape, dtype)
-    else:
-      arrays[name] = np.memmap(where, dtype=dtype, mode="r", offset=offset, shape=tuple(shape))
+    arrays[name] = np.zeros(shape, dtype) if count == 0 else \
+        np.frombuffer(mapped, dtype, count, offset).reshape(shape)
   return arrays
 
 

@@ -93,9 +93,14 @@ def _json_text(raw: bytes, field: str) -> str:
   if not isinstance(record, dict):
     raise _Malformed(f"holds a JSON {type(record).__name__}, not an object with a string field {field!r}"
                      " (data.text_field)")
-  if not isinstance(record.get(field), str):
+  text = record.get(field)
+  if not isinstance(text, str):
     raise _Malformed(f"has no string field {field!r} (data.text_field)")
-  return record[field]
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:  # a lone surrogate escape ("\\ud83d"): valid JSON, no tokenizer takes it
+    raise _Malformed(f"holds a lone surrogate in field {field!r} (character {e.start})") from None
+  return text
 
 
 def json_document(raw: bytes, path: str, number: int | Callable[[], int], field: str,
@@ -217,6 +222,7 @@ class JsonlFile:
     arrays, self.built_now = index_cache.load_or_build(path, "lines", lambda: scan_lines(path), cache_dir)
     self.offsets = arrays["offsets"]
     self._fd: int | None = None
+    self._fd_lock = threading.Lock()
 
   # A copy sent to a worker process (grain's, for a finite pass) maps the kept index and the file again.
   def __getstate__(self) -> dict[str, Any]:
@@ -232,7 +238,9 @@ class JsonlFile:
   def _read(self, size: int, offset: int) -> bytes:
     try:
       if self._fd is None:
-        self._fd = os.open(self.path, os.O_RDONLY)
+        with self._fd_lock:  # the lanes' threads make a file's first reads together: one descriptor
+          if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
       return os.pread(self._fd, size, offset)
     except OSError as e:
       raise ValueError(f"Cannot read data file {self.path!r}: {e.strerror}.") from None

@@ -47,6 +47,7 @@ from distrib_train.data import block_order
 from distrib_train.data import finite
 from distrib_train.data import lanes as lanes_lib
 from distrib_train.data import sequences
+from distrib_train.data import sources
 from distrib_train.data import splits
 from distrib_train.data.config import DataConfig
 
@@ -148,6 +149,7 @@ class DataLoader:
     self.shard_index, self.shard_count = data_shard(tokens_sharding, config.global_batch_size)
     self.local_batch_size = config.global_batch_size // self.shard_count
     self._finite = num_epochs is not None
+    self._by_blocks = sources.read_by_blocks(config)  # its positions name other documents: a layout of its own
     self._lanes: lanes_lib.Lanes | None = None  # an endless (training) loader reads lanes
     self._skipped = lambda: 0  # a finite pass's skipped documents (its lanes count an endless loader's)
     self._iterator = self._build(split, num_epochs, vocab_size)
@@ -256,8 +258,11 @@ class DataLoader:
 
   def _layout(self) -> dict[str, Any]:
     config = self.config
-    return {"global_batch_size": config.global_batch_size, "seq_len": config.seq_len, "packing": config.packing,
-            "seed": config.seed, "eval_fraction": config.eval_fraction}
+    layout = {"global_batch_size": config.global_batch_size, "seq_len": config.seq_len, "packing": config.packing,
+              "seed": config.seed, "eval_fraction": config.eval_fraction}
+    # A position in the shuffle by blocks names other documents than the same position in grain's shuffle (a
+    # Parquet corpus's before this release): a position saved in the one order is refused in the other.
+    return {**layout, "order": "blocks"} if self._by_blocks else layout
 
   # grain's checkpoint handler stores get_state() per process and calls set_state() on restore (a finite
   # pass's state: finite.py). An endless loader's state is its own rows' lanes (CheckpointManager keeps

@@ -52,6 +52,13 @@ def _pydoc_documents(target_bytes: int = 4096) -> list[str]:
   return docs
 
 
+def read_by_blocks(config: DataConfig) -> bool:
+  """Whether ``config``'s corpus has files read by blocks (Parquet, compressed JSONL), whose order is the
+  shuffle by blocks (``block_order.py``) rather than grain's index shuffle."""
+  return config.source == "text" and any(
+      path.endswith(".parquet") or compressed.is_compressed(path) for path in text_files.expand(config.paths))
+
+
 class Documents:
   """Random-access documents (grain ``RandomAccessDataSource``); ``pretokenized`` is the tokenizer
   fingerprint of shards that hold token ids (``convert --tokenizer``), else None. A malformed JSONL line
@@ -81,7 +88,9 @@ class Documents:
         self._array_record = grain.sources.ArrayRecordDataSource(records)
         self.pretokenized = record_shards.pretokenized(records)
       else:
-        jsonl.allow_open_files(2 * sum(path.endswith(".jsonl") for path in texts))
+        # Each JSONL or compressed file keeps its index mapped and its data (or decompressor) open, Parquet its file.
+        jsonl.allow_open_files(sum(2 if path.endswith(".jsonl") or compressed.is_compressed(path) else
+                                   1 if path.endswith(".parquet") else 0 for path in texts))
         self._docs = text_files.Concatenated([self._reader(path) for path in texts])
     if len(self) == 0:
       raise ValueError(f"Data source {config.source!r} {list(config.paths) or ''} holds no documents.")
