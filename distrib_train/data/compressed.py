@@ -38,12 +38,11 @@ from absl import logging
 
 from distrib_train.data import block_order
 from distrib_train.data import index_cache
+from distrib_train.data import jsonl
 
 BLOCK_BYTES = 16 << 20  # decompressed bytes a block holds, about
 _CHUNK = 4 << 20  # decompressed bytes read at a time
 SUFFIXES = (".jsonl.zst", ".jsonl.gz")
-_WHITESPACE = np.zeros(256, bool)
-_WHITESPACE[list(b" \t\r\n\x0b\x0c")] = True
 
 
 def is_compressed(path: str) -> bool:
@@ -118,8 +117,7 @@ def _scan(path: str) -> dict[str, np.ndarray]:
     newlines = np.flatnonzero(data == 10)
     line_end = np.append(newlines, len(data)) if not chunk.endswith(b"\n") else newlines
     line_start = np.concatenate([[0], newlines + 1])[:len(line_end)]
-    text = np.concatenate([[0], np.cumsum(~_WHITESPACE[data])])  # non-whitespace bytes before each byte
-    filled = text[line_end] > text[line_start]
+    filled = jsonl.inked(data, line_start)  # blank as in a plain JSONL file
     starts.append(line_start[filled] + base)
     ends.append(line_end[filled] + base)
     lines.append(np.flatnonzero(filled) + 1 + line_base)

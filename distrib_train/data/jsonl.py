@@ -148,7 +148,7 @@ def scan_lines(path: str) -> dict[str, np.ndarray]:
         continue
       block = block[:newlines[-1] + 1]  # whole lines only; the rest starts the next chunk
     starts = np.concatenate([[0], newlines[newlines + 1 < len(block)] + 1])
-    found.append(begin + starts[_inked(block, starts)])
+    found.append(begin + starts[inked(block, starts)])
     _advise(mapped, "MADV_DONTNEED", begin, len(block))  # out of this process's memory; still cached
     begin, chunk = begin + len(block), _SCAN_BYTES
   del data, block
@@ -164,7 +164,7 @@ def _advise(mapped: mmap.mmap, advice: str, start: int, length: int) -> None:
     mapped.madvise(getattr(mmap, advice), start, min(length, len(mapped) - start))
 
 
-def _inked(block: np.ndarray, starts: np.ndarray) -> np.ndarray:
+def inked(block: np.ndarray, starts: np.ndarray) -> np.ndarray:
   """Which of the lines of ``block`` (whole lines, starting at ``starts``) hold a byte other than whitespace.
 
   A line that starts with another byte does (nearly all: a JSON line starts with ``{``); the few that start
@@ -259,11 +259,8 @@ class JsonlFile:
     return raw if cut < 0 else raw[:cut]
 
   def line_number(self, index: int) -> int:
-    """The line number (from 1) of document ``index``: the newlines before it, counted (for messages)."""
-    offset, newlines = int(self.offsets[index]), 0
-    for begin in range(0, offset, _SCAN_BYTES):
-      newlines += self._read(min(offset, begin + _SCAN_BYTES) - begin, begin).count(b"\n")
-    return newlines + 1
+    """The line number (from 1) of document ``index`` (for messages)."""
+    return lines_before(self.path, int(self.offsets[index])) + 1
 
   def __del__(self, _close=os.close):  # os.close held: at interpreter exit the module may be gone first
     if getattr(self, "_fd", None) is not None:
@@ -275,6 +272,15 @@ class JsonlFile:
     except _Malformed as e:
       self.bad_records.bad(self.path, lambda: f"Data file {self.path!r} line {self.line_number(index)} {e}")
       return None
+
+
+def lines_before(path: str, offset: int) -> int:
+  """The newlines in the first ``offset`` bytes of ``path``, counted: a line's number, found only to name it."""
+  count = 0
+  with open(path, "rb") as f:
+    while offset > 0 and (block := f.read(min(offset, _SCAN_BYTES))):
+      count, offset = count + block.count(b"\n"), offset - len(block)
+  return count
 
 
 def allow_open_files(count: int) -> None:

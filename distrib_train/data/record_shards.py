@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from distrib_train.data.jsonl import BadRecords, json_document
+from distrib_train.data.jsonl import BadRecords, json_document, lines_before
 from distrib_train.data.text_files import expand, iter_text_file
 
 
@@ -120,21 +120,12 @@ def _jsonl_range(path: str, start: int, end: int, field: str, bad_records: BadRe
       f.seek(start - 1)
       if f.read(1) != b"\n":
         f.readline()  # the line under way belongs to the range before
-    number, position = 0, f.tell()
+    position = f.tell()
     while position < end and (raw := f.readline()):
-      number, position = number + 1, position + len(raw)
-      at = position - len(raw)
-      if raw.strip() and (doc := json_document(raw, path, lambda: _lines_before(path, at) + 1, field,
+      at, position = position, position + len(raw)
+      if raw.strip() and (doc := json_document(raw, path, lambda: lines_before(path, at) + 1, field,
                                                bad_records)) is not None:
         yield doc
-
-
-def _lines_before(path: str, offset: int) -> int:
-  count = 0
-  with open(path, "rb") as f:
-    while offset > 0 and (block := f.read(min(offset, 1 << 24))):
-      count, offset = count + block.count(b"\n"), offset - len(block)
-  return count
 
 
 def _range_records(task: tuple[str, int, int, str, Any, str]) -> list[bytes]:
