@@ -8,22 +8,25 @@ inside one it runs under ``shard_map`` over every mesh axis (in a pipeline,
 ``vmap`` adds the ``stage`` axis to its specs):
 
 1. each device takes its own tokens (the batch is split over data, fsdp and
-   ``expert``) and orders its assignments (token, expert) by the expert
-   shard that holds the expert: a [expert shards, slots, embed] send buffer;
-2. one ``all_to_all`` over ``expert`` delivers them; the receiver sorts what
-   it got by its local expert and runs the SwiGLU as three grouped matmuls
-   (``jax.lax.ragged_dot``), its experts' weights gathered over the axes
-   that split their embedding side (fsdp) and its hidden side split over
-   ``tensor`` (a ``psum`` after the down projection);
-3. a second ``all_to_all`` returns the outputs, which are weighted and
+   ``expert``) and sorts its assignments (token, expert) by expert, so by the
+   expert shard that holds the expert;
+2. ``jax.lax.ragged_all_to_all`` over ``expert`` sends each shard only the
+   rows routed to it; the receiver runs its experts' SwiGLU as grouped
+   matmuls over the rows that arrived, sorted by its local expert and padded
+   only to the kernel's tile (``grouped.swiglu``), its experts' weights
+   gathered over the axes that split their embedding side (fsdp) and their
+   hidden side split over ``tensor`` (a ``psum`` after the down projection);
+3. a second ragged all-to-all returns the outputs, which are weighted and
    summed into each token.
 
-Dropless (``capacity_factor`` 0) sends every assignment, so the buffers have
-room for the worst case, all of a device's assignments to one shard: ``ep ×
-tokens · k × embed`` values per device. With ``capacity_factor`` cf each
-expert takes at most ``ceil(cf · tokens · k / experts)`` of a device's
+Dropless (``capacity_factor`` 0) sends every assignment. What moves and
+what the kernels multiply follow the routing; only the receive buffer is
+sized for the worst case (all of every shard's assignments to one shard:
+``ep × tokens · k`` rows), as static shapes need. With ``capacity_factor`` cf
+each expert takes at most ``ceil(cf · tokens · k / experts)`` of a device's
 assignments; the rest are dropped (their weight is lost; counted per row)
-and the buffers shrink to ``cf`` times the mean.
+and the receive buffer shrinks to ``cf`` times the mean. Without an expert
+axis nothing moves and the layout holds the assignments exactly.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from distrib_train.microbatches import STAGE_AXIS
-from distrib_train.recipes import fp8
+from distrib_train.parallel import grouped
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 EXPERT_AXIS = "expert"
@@ -55,9 +58,38 @@ def _positions(keys: jax.Array, groups: int) -> jax.Array:
   return jnp.zeros_like(keys).at[order].set(ranked)
 
 
+def _exclusive(sizes: jax.Array) -> jax.Array:
+  return jnp.cumsum(sizes) - sizes
+
+
+def _exchange(x: jax.Array, rows: int, send_sizes: jax.Array, axis: str, platform: str) -> tuple[jax.Array, ...]:
+  """``x`` [n, embed], sorted by destination shard with ``send_sizes`` [shards] rows each, to the shards: ``(what
+  arrived [rows, embed] ordered by source, the sizes that arrived [shards])``.
+
+  ``jax.lax.ragged_all_to_all`` moves only the rows sent. XLA:CPU has no such op, so there one ``all_to_all``
+  of every chunk at its largest stands in for it, with the same result.
+  """
+  recv_sizes = jax.lax.all_to_all(send_sizes, axis, 0, 0, tiled=True)
+  landed = jax.lax.all_to_all(_exclusive(recv_sizes), axis, 0, 0, tiled=True)  # my chunk's place at each shard
+  return _ragged(x, rows, _exclusive(send_sizes), send_sizes, landed, recv_sizes, axis, platform), recv_sizes
+
+
+def _ragged(x, rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis, platform):
+  out = jnp.zeros((rows, x.shape[1]), x.dtype)
+  if platform != "cpu":
+    return jax.lax.ragged_all_to_all(x, out, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis)
+  shards, width = send_sizes.shape[0], x.shape[0]
+  j = jnp.arange(width)
+  chunks = x.at[input_offsets[:, None] + j].get(mode="fill", fill_value=0)  # [shards, width, embed]
+  chunks = jax.lax.all_to_all(chunks, axis, 0, 0, tiled=True)
+  where = jax.lax.all_to_all(output_offsets, axis, 0, 0, tiled=True)  # each source's chunk's place here
+  target = jnp.where(j < recv_sizes[:, None], where[:, None] + j, rows)
+  return out.at[target.reshape(-1)].set(chunks.reshape(shards * width, -1), mode="drop")
+
+
 def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
            w_down: jax.Array, *, num_experts: int, capacity_factor: float, expert_axis: str | None, shards: int,
-           gather_axes: tuple[str, ...], sum_axes: tuple[str, ...],
+           gather_axes: tuple[str, ...], sum_axes: tuple[str, ...], platform: str,
            amax_axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
   """One device's part: ``x`` [rows, length, embed] of its tokens → (routed output, dropped per row).
 
@@ -67,45 +99,43 @@ def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Arr
   rows, length, d = x.shape
   k = indices.shape[-1]
   tokens = x.reshape(rows * length, d)
-  experts = indices.reshape(-1).astype(jnp.int32)  # one assignment per (token, choice)
+  experts = indices.reshape(-1).astype(jnp.int32)  # one assignment per (token, choice), token-major
   assigned = experts.shape[0]
-  token_of = jnp.arange(assigned) // k
   per_shard = num_experts // shards
+  keep = jnp.ones((assigned,), bool)
+  received = assigned * shards  # dropless: room for every assignment of every shard
   if capacity_factor > 0:
     capacity = max(1, math.ceil(capacity_factor * assigned / num_experts))
     keep = _positions(experts, num_experts) < capacity
-    slots = min(assigned, per_shard * capacity)
-  else:
-    keep = jnp.ones((assigned,), bool)
-    slots = assigned
-  shard = jnp.where(keep, experts // per_shard, shards)  # dropped ones go to a shard that is not there
-  slot = _positions(shard, shards)
-  send = jnp.zeros((shards, slots, d), x.dtype).at[shard, slot].set(tokens[token_of], mode="drop")
-  send_expert = jnp.full((shards, slots), per_shard, jnp.int32).at[shard, slot].set(experts % per_shard,
-                                                                                     mode="drop")
-  if expert_axis is not None and shards > 1:
-    send = jax.lax.all_to_all(send, expert_axis, 0, 0, tiled=True)
-    send_expert = jax.lax.all_to_all(send_expert, expert_axis, 0, 0, tiled=True)
+    received = shards * min(assigned, per_shard * capacity)
+  experts = jnp.where(keep, experts, num_experts)  # dropped ones: an expert that is not there
   for axis in gather_axes:  # the experts' embedding side, split over fsdp: gathered for the matmuls
     w_gate = jax.lax.all_gather(w_gate, axis, axis=1, tiled=True)
     w_up = jax.lax.all_gather(w_up, axis, axis=1, tiled=True)
     w_down = jax.lax.all_gather(w_down, axis, axis=2, tiled=True)
-  received = send.reshape(shards * slots, d)
-  local_expert = send_expert.reshape(-1)
-  order = jnp.argsort(local_expert, stable=True)  # empty slots (local_expert == per_shard) last
-  sizes = jnp.bincount(local_expert, length=per_shard + 1)[:per_shard].astype(jnp.int32)
-  grouped = received[order]
-  dot = lambda a, w: fp8.ragged_dot(a, w, sizes, amax_axes)
-  hidden = jax.nn.silu(dot(grouped, w_gate)) * dot(grouped, w_up)
-  out = dot(hidden, w_down)
-  for axis in sum_axes:  # the hidden side split over tensor: partial sums
-    out = jax.lax.psum(out, axis)
-  out = jnp.zeros_like(out).at[order].set(out).reshape(shards, slots, d)
-  if expert_axis is not None and shards > 1:
-    out = jax.lax.all_to_all(out, expert_axis, 0, 0, tiled=True)
-  back = out.at[shard, slot].get(mode="fill", fill_value=0)  # [assigned, d]; dropped: 0
+  run = lambda rows_in, groups, routed: grouped.swiglu(
+      rows_in, groups, per_shard, w_gate, w_up, w_down, platform=platform, routed_rows=routed, amax_axes=amax_axes,
+      sum_axes=sum_axes)
+  if expert_axis is None or shards == 1:
+    back = run(tokens[jnp.arange(assigned) // k], experts, assigned)
+  else:
+    order = jnp.argsort(experts, stable=True)  # by expert, so by shard; dropped ones last, never sent
+    counts = jnp.bincount(experts, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    send = tokens[order // k]
+    sent = counts.reshape(shards, per_shard).sum(1)
+    arrived, recv_sizes = _exchange(send, received, sent, expert_axis, platform)
+    # what arrived is ordered by source, each source's rows by my local expert: each row's expert from the counts
+    per_source = jax.lax.all_to_all(counts.reshape(shards, per_shard), expert_axis, 0, 0, tiled=True)
+    runs = jnp.concatenate([per_source.reshape(-1), (received - jnp.sum(recv_sizes))[None]])
+    labels = jnp.concatenate([jnp.tile(jnp.arange(per_shard, dtype=jnp.int32), shards),
+                              jnp.array([per_shard], jnp.int32)])
+    local_expert = jnp.repeat(labels, runs, total_repeat_length=received)
+    out = run(arrived, local_expert, assigned)
+    home = jax.lax.all_to_all(_exclusive(sent), expert_axis, 0, 0, tiled=True)  # where each source sent from
+    back_sorted = _ragged(out, assigned, _exclusive(recv_sizes), recv_sizes, home, sent, expert_axis, platform)
+    back = jnp.zeros_like(back_sorted).at[order].set(back_sorted)
   contribution = back * weights.reshape(-1)[:, None].astype(back.dtype)
-  routed = jnp.zeros_like(tokens).at[token_of].add(contribution).reshape(rows, length, d)
+  routed = contribution.reshape(rows * length, k, d).sum(axis=1).reshape(rows, length, d)
   dropped = jnp.sum((~keep).reshape(rows, length * k), axis=1).astype(jnp.float32)
   return routed, dropped
 
@@ -126,7 +156,7 @@ def dispatch(h: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.A
   active = active_activation_sharding()
   if active is None:
     return _local(h, indices, weights, w_gate, w_up, w_down, expert_axis=None, shards=1, gather_axes=(),
-                  sum_axes=(), **options)
+                  sum_axes=(), platform=grouped.platform_of(), **options)
   mesh, rules = active
   sizes = dict(mesh.shape)
   shards = sizes.get(EXPERT_AXIS, 1)
@@ -150,7 +180,7 @@ def dispatch(h: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.A
   manual = frozenset(mesh.axis_names)  # under a pipeline, vmap adds the stage axis to the specs
   run = jax.shard_map(
       lambda *a: _local(*a, expert_axis=EXPERT_AXIS, shards=shards, gather_axes=embed, sum_axes=hidden,
-                        amax_axes=tuple(a for a in mesh.axis_names if a != STAGE_AXIS), **options),
+                        platform=grouped.platform_of(mesh), amax_axes=tuple(a for a in mesh.axis_names if a != STAGE_AXIS), **options),
       mesh=mesh, in_specs=(tokens_spec, tokens_spec, tokens_spec, gate_spec, gate_spec, down_spec),
       out_specs=(tokens_spec, P(batch or None)), axis_names=manual, check_vma=False)
   return run(h, indices, weights, w_gate, w_up, w_down)

@@ -56,7 +56,8 @@ from distrib_train.podplan.hlo import (CALLS, Computation, Instruction, array_by
 from distrib_train.podplan.replica_groups import parse_replica_groups, parse_source_target_pairs
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_OPS = {kind: kind for kind in KINDS} | {f"{kind}-start": kind for kind in KINDS}
+_OPS = {kind: kind for kind in KINDS} | {f"{kind}-start": kind for kind in KINDS} | {
+    "ragged-all-to-all": "all-to-all", "ragged-all-to-all-start": "all-to-all"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +234,8 @@ def find_collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Seque
       if kind is None:
         continue
       operand_bytes = sum(array_bytes(symbols[o]) for o in instruction.operands if o in symbols)
+      if instruction.op.startswith("ragged-"):  # what it sends: its input rows (operand 0), not the buffer they fill
+        operand_bytes = array_bytes(symbols.get(instruction.operands[0], "")) if instruction.operands else 0
       if kind == "collective-permute":
         pairs = [(s, t) for s, t in parse_source_target_pairs(instruction.attrs) if s != t]
         groups = [list(p) for p in pairs]

@@ -20,6 +20,8 @@ import math
 import re
 from collections.abc import Mapping
 
+from distrib_train.parallel import grouped
+
 _DTYPE_BITS = {
     "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32,
     "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
@@ -251,11 +253,19 @@ def _convolution_flops(instruction: Instruction, symbols: Mapping[str, str]) -> 
   return 2.0 * element_count(instruction.shape) * rhs[rhs_labels.index("i")] * taps
 
 
+def _op_name(attrs: str) -> str:
+  match = re.search(r'op_name="([^"]*)"', attrs)
+  return match.group(1) if match else ""
+
+
 def matmul_flops(hlo_text: str) -> float:
   """FLOPs of every ``dot`` (and ``convolution``) a run of the module executes (loops multiplied).
 
   ``2 · output elements · contracted size`` per dot: the matmuls of one
   device's program, recomputation (remat) included, elementwise work not.
+  A grouped-matmul kernel (a custom call in ``parallel.grouped``'s name
+  scope) counts ``2 · rows · k · n`` for the rows it multiplies under even
+  routing, which its grid follows.
   """
   computations, _ = parse_module(hlo_text)
   times = multiplicities(computations)
@@ -266,6 +276,9 @@ def matmul_flops(hlo_text: str) -> float:
       continue
     symbols = None
     for instruction in computation.instructions:
+      if instruction.op == "custom-call":  # a kernel: its FLOPs from the grouped matmul's name scope, if any
+        total += grouped.flops_tag(_op_name(instruction.attrs)) * count
+        continue
       if instruction.op not in ("dot", "convolution"):
         continue
       if symbols is None:
