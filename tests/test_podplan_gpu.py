@@ -1,41 +1,29 @@
 """``distrib-train plan`` with XLA's CUDA compiler on this GPU-less host (compile-only GPU devices).
 
-JAX's CUDA plugin is two wheels (``jax-cuda12-plugin``, ``jax-cuda12-pjrt``,
-about 180 MB, no NVIDIA libraries needed to compile). ``.ci/run`` installs
-them into ``.ci-venv/cuda-plugin`` — beside the test environment, not in it:
-loaded into every process, the plugin prints a line about missing CUDA
-drivers on each ``import jax``. These tests run ``distrib-train plan`` in a
-process that has it on ``PYTHONPATH``.
+These tests need JAX's CUDA plugin (``cuda_plugin.py``: where ``.ci/run``
+installs it, and why it is kept out of the test environment); they run
+``distrib-train plan`` and small programs in processes that have it.
 """
 
 import json
-import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
+import cuda_plugin
 from distrib_train.cluster import hardware
 from distrib_train.training import checks
 from distrib_train.training import config as config_lib
 from xla_test_flags import FAST_COMPILE
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-PLUGIN = pathlib.Path(os.environ.get("DISTRIB_TRAIN_CUDA_PLUGIN", ROOT / ".ci-venv" / "cuda-plugin"))
-
-if not (PLUGIN / "jax_plugins" / "xla_cuda12").is_dir():
-  if os.environ.get("CI"):
-    pytest.fail(f"JAX's CUDA plugin is not in {PLUGIN}; .ci/run installs it there", pytrace=False)
-  pytest.skip(f"JAX's CUDA plugin is not in {PLUGIN} (set DISTRIB_TRAIN_CUDA_PLUGIN)", allow_module_level=True)
+ROOT = cuda_plugin.ROOT
+cuda_plugin.require(module_level=True)
 
 
 def _plan(*args, xla_flags=None):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(PLUGIN)}
-  env.pop("XLA_FLAGS", None)
-  if xla_flags:
-    env["XLA_FLAGS"] = xla_flags
-  return subprocess.run([sys.executable, "-m", "distrib_train", "plan", *args], cwd=ROOT, env=env,
+  return subprocess.run([sys.executable, "-m", "distrib_train", "plan", *args], cwd=ROOT,
+                        env=cuda_plugin.environment(xla_flags),
                         capture_output=True, text=True, timeout=600)
 
 
@@ -95,12 +83,7 @@ def test_fp8_matmuls_compile_to_float8_gemms_for_an_h100():
   """XLA's GPU compiler keeps the FP8 operands: the forward matmul and both gradient matmuls multiply float8
   arrays (e4m3 × e4m3, e5m2 × e4m3), the routed experts' grouped matmul (``ragged``) too. A quantize → dequantize written around a bf16 matmul did not survive
   this compiler: it simplified the f32 → f8 → f32 converts away and multiplied bf16."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(PLUGIN), str(ROOT)])}
-  env.pop("XLA_FLAGS", None)
-  run = subprocess.run([sys.executable, "-c", _FP8_DOTS], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
-  assert run.returncode == 0, run.stderr[-3000:]
-  dots = json.loads(run.stdout.strip().splitlines()[-1])
+  dots = cuda_plugin.run_program(_FP8_DOTS)
   assert dots["none"] and all(t == ["bf16", "bf16"] for t in dots["none"]), dots
   for mode in ("current", "delayed", "ragged"):
     assert len(dots[mode]) == 3, dots
@@ -138,12 +121,7 @@ def test_packed_rows_compile_to_cudnn_packed_attention_without_a_length_by_lengt
   compiler without a GPU: cuDNN's fused attention forward and backward, fed each row's segment lengths and
   offsets ([batch, max_segments] and [batch, max_segments + 1]), and no [.., length, length] array anywhere —
   neither the scores nor a segment mask."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(PLUGIN), str(ROOT)])}
-  env.pop("XLA_FLAGS", None)
-  run = subprocess.run([sys.executable, "-c", _PACKED_PROGRAM.replace("ATTENTION", repr(attention))], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=600)
-  assert run.returncode == 0, run.stderr[-3000:]
-  found = json.loads(run.stdout.strip().splitlines()[-1])
+  found = cuda_plugin.run_program(_PACKED_PROGRAM.replace("ATTENTION", repr(attention)))
   assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= set(found["calls"]), found
   assert found["square"] == [], found
   assert found["offsets"] == ["s32[4,8]", "s32[4,9]"], found  # max_segments 8: lengths and offsets
