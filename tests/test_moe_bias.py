@@ -156,3 +156,11 @@ def test_the_bias_survives_a_checkpoint(tmp_path, one_device):
   for key in saved:
     np.testing.assert_array_equal(back[key], saved[key], err_msg=key)
 
+
+def test_export_refuses_a_bias_no_hugging_face_mixture_has(tmp_path):
+  from distrib_train.checkpoint import hf
+
+  config = ph.tiny_config(family="moe", router_bias_update_rate=RATE)
+  with pytest.raises(hf.HfCheckpointError, match=r"router_bias_update_rate > 0"):
+    hf.save(dt.models.split_model(config.build(0))[0], config, str(tmp_path / "out"))
+  assert not (tmp_path / "out").exists()  # refused before anything was written
