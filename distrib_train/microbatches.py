@@ -16,8 +16,10 @@ Combining outputs (accumulation): gradients and floating aux leaves are
 averaged over microbatches, weighted by the aux scalar named by
 ``microbatch_weight`` (e.g. ``"tokens"``: a per-token mean loss then equals
 the whole batch's) or equally without one; the weight itself and integer
-aux leaves are summed. Not for: the pipeline schedule itself
-(``parallel/pipeline.py``).
+aux leaves are summed. Local state that must move once per step, from the
+whole step (a router's load-balancing bias), reads ``last_microbatch()``: a
+traced ``i == N - 1`` while microbatch ``i`` is traced, ``True`` otherwise.
+Not for: the pipeline schedule itself (``parallel/pipeline.py``).
 """
 
 from __future__ import annotations
@@ -122,6 +124,17 @@ def active_pipelining() -> PipelineUse | None:
   return _ACTIVE.get()
 
 
+_LAST: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("distrib_train_last_microbatch",
+                                                                         default=None)
+
+
+def last_microbatch() -> bool | jax.Array:
+  """Whether the loss function being traced runs the step's last microbatch: a traced bool inside
+  ``accumulate``, ``True`` anywhere else (one pass over the whole batch)."""
+  last = _LAST.get()
+  return True if last is None else last
+
+
 def check_used(use: PipelineUse, model: Any) -> None:
   """Raises ValueError when the traced model ran no layer stack under the pipeline."""
   if not use.used:
@@ -178,7 +191,11 @@ def accumulate(grad_fn: Callable[..., Any], params: Any, loss_fn_state: Any, loc
     grad_sum, aux_sum, weight_sum, lfs, ls = carry
     i, batch = xs
     mb_rng = None if rng is None else jax.random.fold_in(rng, i)
-    grads, (lfs, ls, aux) = grad_fn(params, lfs, ls, mb_rng, batch)
+    token = _LAST.set(i == n - 1)
+    try:
+      grads, (lfs, ls, aux) = grad_fn(params, lfs, ls, mb_rng, batch)
+    finally:
+      _LAST.reset(token)
     w = _weight_of(aux, weight_key)
     grad_sum = jax.tree_util.tree_map(lambda s, g: s + w * g.astype(jnp.float32), grad_sum, grads)
     aux_sum = jax.tree_util.tree_map(

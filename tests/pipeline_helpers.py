@@ -59,9 +59,15 @@ def batches(steps: int, packed: bool = False, seed: int = 0) -> list[dict[str, n
   return out
 
 
-def _plan(config, mesh, inputs):
+def _plan(config, mesh, inputs, edit=None):
   rules = dt.AxisRules("fsdp_tensor")
-  make = lambda: dt.TrainState.initial_state(config.build(0), optax.sgd(0.5, momentum=0.9), jax.random.key(0))
+
+  def make():
+    model = config.build(0)
+    if edit is not None:
+      edit(model)
+    return dt.TrainState.initial_state(model, optax.sgd(0.5, momentum=0.9), jax.random.key(0))
+
   input_axes = {k: llama.INPUT_AXES[k] for k in inputs}
   plan = dt.MeshPlanner(mesh, rules).plan(jax.eval_shape(make), loss_fn=_loss_of(config), inputs=inputs,
                                           input_axes=input_axes)
@@ -69,12 +75,14 @@ def _plan(config, mesh, inputs):
 
 
 def train(mesh, steps: int = 10, microbatches: int = 1, repeats: int = 1, packed: bool = False,
-          weight: str | None = "tokens", aux: list | None = None, final: list | None = None,
-          **config) -> tuple[list[float], dict]:
-  """Losses of ``steps`` steps of the tiny Llama (fp32, SGD with momentum: linear in the gradients, so float noise stays noise) and its final params as numpy (``final`` gets the last train state)."""
+          weight: str | None = "tokens", aux: list | None = None, final: list | None = None, edit=None,
+          local_states: list | None = None, **config) -> tuple[list[float], dict]:
+  """Losses of ``steps`` steps of the tiny Llama (fp32, SGD with momentum: linear in the gradients, so float
+  noise stays noise) and its final params as numpy (``final`` gets the last train state, ``local_states`` each
+  step's local state as numpy; ``edit(model)`` changes the model before its state is made)."""
   cfg = tiny_config(**config)
   data = batches(steps, packed)
-  rules, plan, state = _plan(cfg, mesh, data[0])
+  rules, plan, state = _plan(cfg, mesh, data[0], edit)
   step = dt.build_train_step_fn(_loss_of(cfg), donate_params_and_state=True,
                                 train_state_shardings=plan.train_state_shardings,
                                 input_kwarg_shardings=plan.input_kwarg_shardings,
@@ -89,6 +97,8 @@ def train(mesh, steps: int = 10, microbatches: int = 1, repeats: int = 1, packed
       losses.append(float(out["loss"]))
       if aux is not None:
         aux.append({k: float(v) for k, v in out.items()})
+      if local_states is not None:
+        local_states.append(_numpy(state.local_state))
   if final is not None:
     final.append(state)
   return losses, _numpy(state.params)

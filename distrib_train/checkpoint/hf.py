@@ -270,6 +270,7 @@ def save(params: Any, config, directory: str, *, family: str = "", max_shard_byt
   """
   from safetensors.numpy import save_file
 
+  config_json = hf_config(config, family)  # refuses what no Hugging Face family expresses before anything is written
   tensors = hf_tensors(params, config)
   if jax.process_index() != 0:
     return []
@@ -295,7 +296,7 @@ def save(params: Any, config, directory: str, *, family: str = "", max_shard_byt
       json.dump(index, f, indent=1)
     written.append("model.safetensors.index.json")
   with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-    json.dump(hf_config(config, family), f, indent=1)
+    json.dump(config_json, f, indent=1)
   written.append("config.json")
   return written
 

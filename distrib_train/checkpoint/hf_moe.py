@@ -9,7 +9,9 @@ reference model (``recipes/moe.py``) stacks the experts: ``w_gate`` [layers,
 experts, embed, expert_mlp]. A config with shared experts is Qwen2-MoE's,
 else Mixtral's. A ``config.json``'s mixture fields are read with the dense
 ones, in ``recipes/hf_shape.py``; the shared readers and names are in
-``hf_common.py``.
+``hf_common.py``. Neither family has a routing bias: a mixture trained with
+one (``router_bias_update_rate``) is refused at export, and DeepSeek-V3's
+``e_score_correction_bias`` is not read (its architecture is not).
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ def config_json(config: Any, out: dict[str, Any]) -> dict[str, Any]:
   if config.router != "softmax" or config.routed_scaling != 1.0:
     problems.append(f"router {config.router!r} with routed_scaling {config.routed_scaling} (both families: softmax,"
                     " 1.0)")
+  if config.router_bias_update_rate > 0:
+    problems.append("router_bias_update_rate > 0 (a load-balancing bias in the routing, which neither has)")
   if family == "mixtral" and (config.attention_bias or not config.norm_topk_prob):
     problems.append("Mixtral has no attention biases and renormalises the top-k weights")
   if family == "qwen2_moe" and (config.num_shared_experts != 1 or not config.shared_expert_gate

@@ -9,6 +9,14 @@ shared experts that see every token (DeepSeek; Qwen's behind a sigmoid gate,
 and a router z-loss (``mean logsumexp²``), weighted into the training loss by
 ``aux_loss_weight`` and ``z_loss_weight``.
 
+``router_bias_update_rate`` > 0 adds DeepSeek-V3's load balancing without a
+loss: a per-layer, per-expert bias (``RouterBias`` local state, never seen by
+the optimizer) is added to the router's scores to choose the top-k experts
+only (their weights are the unbiased scores), and after each step moves by
+``rate · sign(mean load − load)`` from the loads the step measured over the
+whole global batch (a step of several microbatches sums theirs in
+``router_load`` and moves the bias once, at its last microbatch).
+
 Dropless by default: every token reaches its experts. Assignments are sorted
 by expert and multiplied with ``jax.lax.ragged_dot`` (a grouped matmul), so no
 expert pads or drops. ``capacity_factor`` > 0 caps each expert at ``ceil(cf ·
@@ -31,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import distrib_train.microbatches as microbatching
 from distrib_train.parallel import context
 from distrib_train.parallel.experts import dispatch
 from distrib_train.recipes import llama
@@ -53,6 +62,7 @@ class MoEConfig(llama.LlamaConfig):
   capacity_factor: float = 0.0  # 0: dropless
   aux_loss_weight: float = 0.01
   z_loss_weight: float = 0.001
+  router_bias_update_rate: float = 0.0  # DeepSeek-V3's loss-free balancing bias, its step per update (0: off; 0.001)
 
   def __post_init__(self):
     super().__post_init__()
@@ -63,6 +73,9 @@ class MoEConfig(llama.LlamaConfig):
                        f" ({self.num_experts}).")
     if self.capacity_factor < 0:
       raise ValueError(f"capacity_factor must be 0 (dropless) or positive, got {self.capacity_factor}.")
+    if not self.router_bias_update_rate >= 0:
+      raise ValueError(f"router_bias_update_rate must be 0 (off) or positive (DeepSeek-V3: 0.001), got"
+                       f" {self.router_bias_update_rate}.")
 
   @property
   def shared_width(self) -> int:
@@ -114,8 +127,17 @@ PRESETS: dict[str, MoEConfig] = {
 }
 
 
-def route(config: MoEConfig, h: jax.Array, router: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+class RouterBias(nnx.Variable):
+  """Each layer's per-expert bias on the router's scores, and the loads a step's microbatches measured so far
+  (``router_bias_update_rate``): local state, checkpointed with the train state, never seen by the optimizer."""
+
+
+def route(config: MoEConfig, h: jax.Array, router: jax.Array,
+          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
   """Top-k experts per token of ``h`` [batch, length, embed]: ``(indices, weights, per-row aux)``.
+
+  ``bias`` [experts] (``RouterBias``) is added to the scores to choose the experts only; their weights are
+  the unbiased scores (DeepSeek-V3).
 
   The aux sums are per batch row (the layer stack carries them): ``balance``
   (this call's load-balancing loss on every row; the loss takes the rows'
@@ -124,13 +146,13 @@ def route(config: MoEConfig, h: jax.Array, router: jax.Array) -> tuple[jax.Array
   """
   logits = jnp.einsum("btd,de->bte", h.astype(jnp.float32), router.astype(jnp.float32))
   e, k = config.num_experts, config.experts_per_token
-  if config.router == "softmax":
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, indices = jax.lax.top_k(probs, k)
-  else:
-    scores = jax.nn.sigmoid(logits)
+  scores = jax.nn.softmax(logits, axis=-1) if config.router == "softmax" else jax.nn.sigmoid(logits)
+  if bias is None:
     weights, indices = jax.lax.top_k(scores, k)
-    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+  else:
+    indices = jax.lax.top_k(scores + bias, k)[1]
+    weights = jnp.take_along_axis(scores, indices, axis=-1)
+  probs = scores if config.router == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
   if config.norm_topk_prob:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   weights = weights * config.routed_scaling
@@ -145,7 +167,7 @@ def route(config: MoEConfig, h: jax.Array, router: jax.Array) -> tuple[jax.Array
 def moe_sublayer(config: MoEConfig, x: jax.Array, layer: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
   """``x`` plus the mixture of experts on its normed value, and the routing's per-row aux."""
   h = rms_norm(x, layer["mlp_norm"], config.norm_eps)
-  indices, weights, aux = route(config, h, layer["router"])
+  indices, weights, aux = route(config, h, layer["router"], layer.get("router_bias"))
   dtype = h.dtype
   routed, dropped = dispatch(h, indices, weights.astype(dtype), layer["w_gate"].astype(dtype),
                              layer["w_up"].astype(dtype), layer["w_down"].astype(dtype),
@@ -162,7 +184,15 @@ def moe_sublayer(config: MoEConfig, x: jax.Array, layer: dict[str, jax.Array]) -
 
 class MoE(llama.Llama):
   """The decoder; ``model(tokens)`` returns the final hidden states, ``hidden_and_aux`` also the routing's
-  losses and loads (``loss_fn`` adds the weighted losses to the cross-entropy)."""
+  losses and loads (``loss_fn`` adds the weighted losses to the cross-entropy; with the routing bias on, each
+  layer's loads ``layer_load`` [layers, experts], which ``loss_fn`` hands to ``update_router_bias``)."""
+
+  def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    super().__init__(config, rngs=rngs)
+    if config.router_bias_update_rate > 0:  # each layer's bias (read by its block), and a step's loads so far
+      zeros = lambda: jnp.zeros((config.num_layers, config.num_experts), jnp.float32)
+      self.layers["router_bias"] = RouterBias(zeros(), out_sharding=("layers", None))
+      self.router_load = RouterBias(zeros(), out_sharding=("layers", None))
 
   def _mlp_params(self, rngs: nnx.Rngs) -> dict[str, nnx.Param]:
     c, pd = self.config, jnp.dtype(self.config.param_dtype)
@@ -192,12 +222,18 @@ class MoE(llama.Llama):
     x, sums = carry
     x = attention_sublayer(self.config, x, layer, positions, segment_ids)
     x, aux = moe_sublayer(self.config, x, layer)
-    return x, jax.tree_util.tree_map(jnp.add, sums, aux)
+    new = {k: sums[k] + aux[k] for k in aux}
+    if "layer_load" in sums:  # the bias's per-layer loads: the earlier layers' one place down, this layer's last
+      new["layer_load"] = jnp.concatenate([sums["layer_load"][:, 1:], aux["load"][:, None]], axis=1)
+    return x, new
 
   def _carry(self, x: jax.Array) -> Any:
     rows, e = x.shape[0], self.config.num_experts
     zeros = lambda *shape: jnp.zeros((rows, *shape), jnp.float32)
-    return x, {"balance": zeros(), "z": zeros(), "load": zeros(e), "dropped": zeros()}
+    sums = {"balance": zeros(), "z": zeros(), "load": zeros(e), "dropped": zeros()}
+    if self.config.router_bias_update_rate > 0:
+      sums["layer_load"] = zeros(self.config.num_layers, e)
+    return x, sums
 
   def _hidden_and_aux(self, carry: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     x, sums = carry
@@ -206,7 +242,17 @@ class MoE(llama.Llama):
     return x, {"balance_loss": jnp.mean(sums["balance"]) / layers, "z_loss": jnp.mean(sums["z"]) / layers,
                "expert_load_min": jnp.min(load) / jnp.maximum(jnp.mean(load), 1e-9),
                "expert_load_max": jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9),
-               "dropped_tokens": jnp.sum(sums["dropped"])}
+               "dropped_tokens": jnp.sum(sums["dropped"]),
+               **({"layer_load": jnp.sum(sums["layer_load"], axis=0)} if "layer_load" in sums else {})}
+
+  def update_router_bias(self, layer_load: jax.Array) -> None:
+    """Moves each layer's ``router_bias`` by ``rate · sign(mean load − load)``, once per step, from the loads
+    [layers, experts] of the whole step (``router_load`` sums a step's microbatches until its last)."""
+    load = self.router_load[...] + layer_load
+    last = microbatching.last_microbatch()
+    change = self.config.router_bias_update_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    self.layers["router_bias"][...] = self.layers["router_bias"][...] + jnp.where(last, change, 0.0)
+    self.router_load[...] = jnp.where(last, 0.0, load)
 
 
 def loss_fn(*, model: MoE, state: Any, rng: jax.Array, tokens: jax.Array, targets: jax.Array,
@@ -217,12 +263,16 @@ def loss_fn(*, model: MoE, state: Any, rng: jax.Array, tokens: jax.Array, target
   ``expert_load_min`` / ``expert_load_max`` are the least and most loaded
   experts' assignments over the mean (1.0 is perfect balance), averaged over
   layers; ``dropped_tokens`` counts dropped assignments (capacity mode).
+  With ``router_bias_update_rate`` > 0 the model's router bias (local
+  state) moves from this pass's loads.
   """
   del rng
   tokens, rest = context.reorder(tokens, targets=targets, positions=positions, segment_ids=segment_ids,
                                  weights=weights)
   targets, positions, segment_ids, weights = (rest[k] for k in ("targets", "positions", "segment_ids", "weights"))
   hidden, routing = model.hidden_and_aux(tokens, positions=positions, segment_ids=segment_ids)
+  if "layer_load" in routing:  # the step's loads move the router bias (router_bias_update_rate)
+    model.update_router_bias(routing.pop("layer_load"))
   if weights is None:
     weights = jnp.ones(targets.shape, jnp.float32) if segment_ids is None else (segment_ids > 0).astype(jnp.float32)
   total, count = llama.chunked_cross_entropy(hidden, model.head_weight(), targets, weights,
