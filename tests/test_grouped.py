@@ -64,15 +64,17 @@ def test_the_plan_counts_a_grouped_kernel_by_its_routed_rows_and_a_ragged_all_to
   scope = 'op_name="jit(step)/transpose(jvp(grouped_matmul(rows=256,k=64,n=96)))/pallas_call"'
   text = f"""HloModule m, num_partitions=4
 
-ENTRY %main (x: bf16[256,64], o: bf16[1024,64], s: s32[4]) -> bf16[1024,64] {{
+ENTRY %main (x: bf16[256,64], o: bf16[1024,64], s: s32[4]) -> bf16[256,64] {{
   %x = bf16[256,64]{{1,0}} parameter(0)
   %o = bf16[1024,64]{{1,0}} parameter(1)
   %s = s32[4]{{0}} parameter(2)
   %k = bf16[1024,96]{{1,0}} custom-call(%x), custom_call_target="tpu_custom_call", metadata={{{scope}}}
   %other = bf16[8]{{0}} custom-call(%x), custom_call_target="tpu_custom_call"
-  ROOT %r = bf16[1024,64]{{1,0}} ragged-all-to-all(%x, %o, %s, %s, %s, %s), replica_groups={{{{0,1,2,3}}}}
+  %r = bf16[1024,64]{{1,0}} ragged-all-to-all(%x, %o, %s, %s, %s, %s), replica_groups={{{{0,1,2,3}}}}
+  ROOT %back = bf16[256,64]{{1,0}} ragged-all-to-all(%r, %x, %s, %s, %s, %s), replica_groups={{{{0,1,2,3}}}}
 }}
 """
   assert hlo.matmul_flops(text) == 2.0 * 256 * 64 * 96
-  (moved,) = collectives.find_collectives(text, (4,), ("expert",))
-  assert moved.kind == "all-to-all" and moved.payload_bytes == 256 * 64 * 2  # the rows sent, not the buffer
+  out, back = collectives.find_collectives(text, (4,), ("expert",))
+  for moved in (out, back):  # the rows routed, there and back, not the receive buffer sized for the worst case
+    assert moved.kind == "all-to-all" and moved.payload_bytes == 256 * 64 * 2

@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from distrib_train.microbatches import STAGE_AXIS
@@ -43,6 +44,7 @@ from distrib_train.parallel import grouped
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 EXPERT_AXIS = "expert"
+EXPERT_OUTPUT = "expert_output"  # each assignment's expert output [tokens · k, embed], by its checkpoint name
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -134,6 +136,7 @@ def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Arr
     home = jax.lax.all_to_all(_exclusive(sent), expert_axis, 0, 0, tiled=True)  # where each source sent from
     back_sorted = _ragged(out, assigned, _exclusive(recv_sizes), recv_sizes, home, sent, expert_axis, platform)
     back = jnp.zeros_like(back_sorted).at[order].set(back_sorted)
+  back = checkpoint_name(back, EXPERT_OUTPUT)  # the router's gradient needs it: kept, not recomputed (moe.py)
   contribution = back * weights.reshape(-1)[:, None].astype(back.dtype)
   routed = contribution.reshape(rows * length, k, d).sum(axis=1).reshape(rows, length, d)
   dropped = jnp.sum((~keep).reshape(rows, length * k), axis=1).astype(jnp.float32)

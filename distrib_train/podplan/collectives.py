@@ -9,7 +9,9 @@ collective-permute (their async ``-start`` forms included), each with:
   count ``known_trip_count`` times, nested loops multiply; every branch of a
   conditional counts (an upper bound);
 - its payload per device: the gathered result for all-gather, the operand(s)
-  for the others, from the shapes in the module;
+  for the others, from the shapes in the module; for a ragged all-to-all,
+  the smaller of its input and its output buffer (the rows routed out and
+  back under even routing: the other is sized for the worst case);
 - its replica groups, in any of XLA's three spellings: explicit
   ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]`` / ``[4,2]<=[2,4]T(1,0)``, and mesh
   axes ``mesh['x'=2,'y'=4], device_ids=([2,4]T(1,0)) {'y'}``;
@@ -234,8 +236,8 @@ def find_collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Seque
       if kind is None:
         continue
       operand_bytes = sum(array_bytes(symbols[o]) for o in instruction.operands if o in symbols)
-      if instruction.op.startswith("ragged-"):  # what it sends: its input rows (operand 0), not the buffer they fill
-        operand_bytes = array_bytes(symbols.get(instruction.operands[0], "")) if instruction.operands else 0
+      if instruction.op.startswith("ragged-"):  # the rows routed, not a buffer sized for the worst case
+        operand_bytes = min(array_bytes(symbols.get(o, "")) for o in instruction.operands[:2])
       if kind == "collective-permute":
         pairs = [(s, t) for s, t in parse_source_target_pairs(instruction.attrs) if s != t]
         groups = [list(p) for p in pairs]

@@ -116,9 +116,12 @@ def _stand_ins(mesh: Mesh):
   device = mesh.devices.flat[0]
   if device.platform == "cpu":
     return cpu_attention.emulating_cudnn()
-  if device.platform == "gpu" and not cudnn_loadable():  # XLA's CUDA compiler builds cuDNN's custom calls
-    return cudnn_attention.compile_only(llama.gpu_capability(device))
-  return contextlib.nullcontext()
+  stack = contextlib.ExitStack()
+  if device.platform == "gpu":  # Pallas (the experts' Triton kernel) reads its target from the default device
+    stack.enter_context(jax.default_device(device))
+    if not cudnn_loadable():  # XLA's CUDA compiler builds cuDNN's custom calls
+      stack.enter_context(cudnn_attention.compile_only(llama.gpu_capability(device)))
+  return stack
 
 
 def plan_state(spec: StepSpec, mesh: Mesh, rules: AxisRules) -> Plan:

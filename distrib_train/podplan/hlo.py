@@ -253,6 +253,9 @@ def _convolution_flops(instruction: Instruction, symbols: Mapping[str, str]) -> 
   return 2.0 * element_count(instruction.shape) * rhs[rhs_labels.index("i")] * taps
 
 
+_KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"')  # Pallas: Mosaic, Triton
+
+
 def _op_name(attrs: str) -> str:
   match = re.search(r'op_name="([^"]*)"', attrs)
   return match.group(1) if match else ""
@@ -277,7 +280,8 @@ def matmul_flops(hlo_text: str) -> float:
     symbols = None
     for instruction in computation.instructions:
       if instruction.op == "custom-call":  # a kernel: its FLOPs from the grouped matmul's name scope, if any
-        total += grouped.flops_tag(_op_name(instruction.attrs)) * count
+        if _KERNEL.search(instruction.attrs):  # not the compiler's own custom calls (gathers) in that scope
+          total += grouped.flops_tag(_op_name(instruction.attrs)) * count
         continue
       if instruction.op not in ("dot", "convolution"):
         continue

@@ -311,6 +311,9 @@ class Llama(nnx.Module):
             "w_up": _param(rngs, (L, d, f), ("layers", "embed", "mlp"), pd, fan_in=d),
             "w_down": _param(rngs, (L, f, d), ("layers", "mlp", "embed"), pd, fan_in=f)}
 
+  def _remat_policy(self) -> Any:  # what the backward pass keeps of a block under remat
+    return _REMAT_POLICIES[self.config.remat]
+
   def _fp8_matmuls(self) -> tuple[str, ...]:
     """The weights whose matmuls run in FP8 (each gets an amax history under ``delayed``)."""
     return ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -340,10 +343,9 @@ class Llama(nnx.Module):
     c = self.config
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    # The table is gathered over its embedding side (fsdp) before the lookup:
-    # a lookup into the fsdp-sharded table made XLA rematerialize it whole
-    # ("Involuntary full rematerialization") and moved about 40 % more bytes
-    # per step (124m-like shape, 8 devices).
+    # The table is gathered over its embedding side (fsdp) before the lookup: a lookup into the fsdp-sharded table
+    # made XLA rematerialize it whole ("Involuntary full rematerialization") and moved about 40 % more bytes per
+    # step (124m-like shape, 8 devices).
     table = constrain(self.embed[...], ("vocab", None))
     x = jnp.take(table, tokens, axis=0).astype(c.dtype)
     x = constrain(x, ("batch", "length", "embed"))
@@ -351,7 +353,7 @@ class Llama(nnx.Module):
 
     block = self._block
     if c.remat != "none":
-      block = jax.checkpoint(block, policy=_REMAT_POLICIES[c.remat])
+      block = jax.checkpoint(block, policy=self._remat_policy())
     # A scan (or an unrolled loop) over the stacked layers; the stages of a pipeline when the step's mesh
     # has a stage axis (parallel/pipeline.py).
     if c.fp8 == "delayed" and (use := microbatching.active_pipelining()) is not None and use.request.stages > 1:

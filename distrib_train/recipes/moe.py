@@ -41,7 +41,7 @@ from flax import nnx
 
 import distrib_train.microbatches as microbatching
 from distrib_train.parallel import context
-from distrib_train.parallel.experts import dispatch
+from distrib_train.parallel.experts import EXPERT_OUTPUT, dispatch
 from distrib_train.recipes import llama
 from distrib_train.recipes.llama import _param, attention_sublayer, rms_norm, swiglu
 
@@ -213,6 +213,14 @@ class MoE(llama.Llama):
       if c.shared_expert_gate:
         params["shared_expert_gate"] = _param(rngs, (L, d, 1), ("layers", "embed", None), pd, fan_in=d)
     return params
+
+  def _remat_policy(self) -> Any:
+    """The Llama's policy, and each assignment's expert output kept: the router's gradient needs it, and
+    recomputing it costs the down projection and the all-to-all back again (tokens · k × embed per layer)."""
+    policy = super()._remat_policy()
+    keep = jax.checkpoint_policies.save_only_these_names(EXPERT_OUTPUT)
+    return keep if policy is jax.checkpoint_policies.nothing_saveable else \
+        jax.checkpoint_policies.save_from_both_policies(policy, keep)
 
   def _fp8_matmuls(self) -> tuple[str, ...]:
     shared = ("shared_gate", "shared_up", "shared_down") if self.config.num_shared_experts else ()
