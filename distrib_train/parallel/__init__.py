@@ -8,7 +8,9 @@
 
 - ``experts.py``: the ``expert`` mesh axis. A mixture of experts' layers
   call ``dispatch``: tokens to the devices holding their experts by
-  all-to-all, grouped matmuls (``ragged_dot``), and back.
+  ragged all-to-all, their grouped matmuls, and back.
+- ``grouped.py``, ``gmm_triton.py``: the experts' grouped matmuls over rows
+  padded to a tile (megablox on TPU, a Triton kernel on NVIDIA GPUs).
 - ``context.py``: the ``context`` mesh axis. Sequences split over it in a
   load-balanced (zigzag) order; attention as ring attention (key/value
   blocks passed round by ``ppermute``, online softmax) or all-gather.

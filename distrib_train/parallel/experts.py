@@ -15,14 +15,17 @@ inside one it runs under ``shard_map`` over every mesh axis (in a pipeline,
    matmuls over the rows that arrived, sorted by its local expert and padded
    only to the kernel's tile (``grouped.swiglu``), its experts' weights
    gathered over the axes that split their embedding side (fsdp) and their
-   hidden side split over ``tensor`` (a ``psum`` after the down projection);
-3. a second ragged all-to-all returns the outputs, which are weighted and
-   summed into each token.
+   hidden side split over ``tensor``;
+3. a second ragged all-to-all returns the outputs (their partial sums over
+   ``tensor`` added once home: a ``psum`` of the routed rows only), which
+   are weighted and summed into each token.
 
 Dropless (``capacity_factor`` 0) sends every assignment. What moves and
-what the kernels multiply follow the routing; only the receive buffer is
-sized for the worst case (all of every shard's assignments to one shard:
-``ep × tokens · k`` rows), as static shapes need. With ``capacity_factor`` cf
+what the TPU and GPU kernels multiply follow the routing, but static shapes
+size the receive buffer, the padded layout over it and the kernels' outputs
+for the worst case (all of every shard's assignments to one shard: ``ep ×
+tokens · k`` rows); the kernels skip the tiles past the rows that arrived
+(on GPU they write zeros there), XLA:CPU's batched tiles do not. With ``capacity_factor`` cf
 each expert takes at most ``ceil(cf · tokens · k / experts)`` of a device's
 assignments; the rest are dropped (their weight is lost; counted per row)
 and the receive buffer shrinks to ``cf`` times the mean. Without an expert
@@ -80,7 +83,7 @@ def _ragged(x, rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis
   out = jnp.zeros((rows, x.shape[1]), x.dtype)
   if platform != "cpu":
     return jax.lax.ragged_all_to_all(x, out, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis)
-  shards, width = send_sizes.shape[0], x.shape[0]
+  shards, width = send_sizes.shape[0], min(x.shape[0], rows)  # no chunk outgrows the buffer it lands in
   j = jnp.arange(width)
   chunks = x.at[input_offsets[:, None] + j].get(mode="fill", fill_value=0)  # [shards, width, embed]
   chunks = jax.lax.all_to_all(chunks, axis, 0, 0, tiled=True)
@@ -116,8 +119,7 @@ def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Arr
     w_up = jax.lax.all_gather(w_up, axis, axis=1, tiled=True)
     w_down = jax.lax.all_gather(w_down, axis, axis=2, tiled=True)
   run = lambda rows_in, groups, routed: grouped.swiglu(
-      rows_in, groups, per_shard, w_gate, w_up, w_down, platform=platform, routed_rows=routed, amax_axes=amax_axes,
-      sum_axes=sum_axes)
+      rows_in, groups, per_shard, w_gate, w_up, w_down, platform=platform, routed_rows=routed, amax_axes=amax_axes)
   if expert_axis is None or shards == 1:
     back = run(tokens[jnp.arange(assigned) // k], experts, assigned)
   else:
@@ -136,6 +138,8 @@ def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Arr
     home = jax.lax.all_to_all(_exclusive(sent), expert_axis, 0, 0, tiled=True)  # where each source sent from
     back_sorted = _ragged(out, assigned, _exclusive(recv_sizes), recv_sizes, home, sent, expert_axis, platform)
     back = jnp.zeros_like(back_sorted).at[order].set(back_sorted)
+  for axis in sum_axes:  # the hidden side split over tensor: partial sums, added once the rows are back home
+    back = jax.lax.psum(back, axis)
   back = checkpoint_name(back, EXPERT_OUTPUT)  # the router's gradient needs it: kept, not recomputed (moe.py)
   contribution = back * weights.reshape(-1)[:, None].astype(back.dtype)
   routed = contribution.reshape(rows * length, k, d).sum(axis=1).reshape(rows, length, d)

@@ -28,8 +28,8 @@ tiles, K in steps of 64, 4 warps, 3 pipeline stages; the weight gradient's
 tiles are 128 (K) × 128 (N) over steps of 64 rows. ``interpret=True`` runs the
 kernels in Pallas' interpreter on any backend (the tests, on CPU).
 
-Not for: TPU (megablox's grouped matmul, a Mosaic kernel), CPU (where
-``ragged_dot`` is XLA's), choosing or routing tokens and padding groups
+Not for: TPU (megablox's grouped matmul, a Mosaic kernel), CPU (batched
+tiles, ``grouped.py``), choosing or routing tokens and padding groups
 (``experts.py``), FP8 (``recipes/fp8.py``).
 """
 

@@ -18,12 +18,12 @@ whole global batch (a step of several microbatches sums theirs in
 ``router_load`` and moves the bias once, at its last microbatch).
 
 Dropless by default: every token reaches its experts. Assignments are sorted
-by expert and multiplied with ``jax.lax.ragged_dot`` (a grouped matmul), so no
-expert pads or drops. ``capacity_factor`` > 0 caps each expert at ``ceil(cf ·
+by expert and multiplied by grouped matmuls (``parallel/grouped.py``: each
+expert's rows padded only to the kernel's tile), so no expert drops. ``capacity_factor`` > 0 caps each expert at ``ceil(cf ·
 assignments / experts)`` assignments of a device's tokens and drops (and
 counts) the rest. On a mesh the experts are split over the ``expert`` axis
 (``parallel/experts.py``): tokens go to the devices holding their experts
-with an all-to-all and come back with another.
+with a ragged all-to-all and come back with another.
 
 Logical axes beside the Llama's: ``expert`` (the experts of a layer) and
 ``expert_mlp`` (an expert's hidden width).
