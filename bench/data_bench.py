@@ -4,6 +4,7 @@ Run from the repository root:
 
   python bench/data_bench.py [--sizes 100MB,1GB,10GB] [--dir /tmp/distrib_train_data_bench]
       [--tokenizer hf:/path/tokenizer.json] [--seconds 5] [--seq_len 1024] [--batch 32] [--json out.json]
+      [--convert_workers 0,1,2 [--convert_shards 4]]
 
 For each size, a corpus of text documents (pydoc paragraphs drawn at random,
 300 B to 12 KB each, every one numbered) is written once under ``--dir`` in
@@ -17,6 +18,9 @@ emptied ``data.index_cache_dir``), the second open (the index reused) and
 the shuffled, packed training tokens/s of ``DataLoader.next_local``, with
 the byte tokenizer and with ``--tokenizer``. A format no reader of this
 checkout reads (its documents not all found) is skipped with a line saying so.
+``--convert_workers`` also times ``convert`` of the JSONL with each of
+those worker counts, to text records and with ``--tokenizer``, in MB/s of
+text (the documents' UTF-8 bytes, 10^6 a MB); ``--formats ''`` times only that.
 
 Not for: the trainer's data wait beside its step (``trainer_loop.py``), GPU throughput (``train_throughput.py``).
 """
@@ -92,14 +96,39 @@ def write_corpus(directory: str, size: int, formats, tokenizers) -> tuple[dict[s
         started = time.perf_counter()
         prefix = os.path.join(directory, f"tokens-{len(made)}", "corpus")
         shards = max(1, size // (256 << 20))
-        cpus = os.cpu_count() or 1  # workers take seconds to start and beat in-process only on many cores
-        workers = cpus if size >= 64 << 20 and cpus > 4 else 0
+        workers = (os.cpu_count() or 1) if size >= 64 << 20 else 0  # a worker takes ~0.3 s to start
         made[key] = [p for p in record_shards.convert(made["jsonl"], prefix, num_shards=shards,
                                                       tokenizer=tokenizer_lib.load(spec), workers=workers)
                      if p.endswith(".array_record")]
         print(f"  converted ({spec}) in {time.perf_counter() - started:.1f} s", flush=True)
         json.dump(made, open(done, "w"))
   return made, made["count"]
+
+
+def time_convert(directory: str, made: dict, tokenizers, worker_counts, shards: int) -> list[dict]:
+  """MB/s of text of ``convert`` from the JSONL, with each worker count, to text records and with each tokenizer
+  but ``bytes``."""
+  from distrib_train.data import record_shards
+  from distrib_train.data import tokenizer as tokenizer_lib
+
+  with open(made["jsonl"][0], "rb") as f:  # counted here: the file is then in the page cache for every run
+    text_bytes = sum(len(json.loads(line)["text"].encode()) for line in f)
+  rows = []
+  for spec in [None] + [t for t in tokenizers if t != "bytes"]:
+    tokenizer = None if spec is None else tokenizer_lib.load(spec)
+    for workers in worker_counts:
+      output = os.path.join(directory, "convert-timed")
+      shutil.rmtree(output, ignore_errors=True)
+      started = time.perf_counter()
+      record_shards.convert(made["jsonl"], os.path.join(output, "c"), num_shards=shards, tokenizer=tokenizer,
+                            workers=workers)
+      seconds = time.perf_counter() - started
+      shutil.rmtree(output, ignore_errors=True)
+      rows.append({"tokenizer": "text" if spec is None else spec.split(":")[0], "workers": workers,
+                   "shards": shards, "seconds": seconds, "mb_per_s": text_bytes / seconds / 1e6})
+      print(f"  convert {rows[-1]['tokenizer']:<5} --workers {workers} --shards {shards}: {seconds:6.2f} s"
+            f" {rows[-1]['mb_per_s']:7.1f} MB/s of text", flush=True)
+  return rows
 
 
 def write_format(fmt: str, base: str, lines) -> list[str]:
@@ -187,17 +216,23 @@ def main(argv=None) -> dict:
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--num_workers", type=int, default=0, help="data.num_workers")
   parser.add_argument("--json", default="", help="write the rows here")
+  parser.add_argument("--convert_workers", default="", help="also time convert with these worker counts: 0,1,2")
+  parser.add_argument("--convert_shards", type=int, default=1, help="with --convert_workers: --shards")
   args = parser.parse_args(argv)
   formats = [f for f in args.formats.split(",") if f]
   unknown = sorted(set(formats) - set(FORMATS))
   if unknown:
     parser.error(f"unknown formats {unknown}; known: {', '.join(FORMATS)}")
   tokenizers = ["bytes"] + ([args.tokenizer] if args.tokenizer else [])
-  rows = []
+  rows, converts = [], []
   print(f"{'size':>7} {'format':<13} {'tokenizer':<10} {'1st open s':>10} {'2nd open s':>10} {'M tokens/s':>10}")
   for size_text in args.sizes.split(","):
     directory = os.path.join(args.dir, size_text)
     made, count = write_corpus(directory, parse_size(size_text), formats, tokenizers)
+    if args.convert_workers:
+      counts = [int(w) for w in args.convert_workers.split(",")]
+      converts += [{"size": size_text, **row} for row in time_convert(directory, made, tokenizers, counts,
+                                                                        args.convert_shards)]
     for fmt in formats:
       for spec in tokenizers:
         paths = made[f"array_record/{spec}"] if fmt == "array_record" else made[fmt]
@@ -210,7 +245,7 @@ def main(argv=None) -> dict:
         else:
           print(f"{size_text:>7} {fmt:<13} {name:<10} {found['first_open_s']:>10.2f} {found['second_open_s']:>10.2f}"
                 f" {found['tokens_per_s'] / 1e6:>10.3f}", flush=True)
-  result = {"seq_len": args.seq_len, "batch": args.batch, "cpus": os.cpu_count(), "rows": rows}
+  result = {"seq_len": args.seq_len, "batch": args.batch, "cpus": os.cpu_count(), "rows": rows, "convert": converts}
   if args.json:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=1)

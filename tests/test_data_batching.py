@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from distrib_train import data
+from distrib_train.data import convert_workers
 from distrib_train.data import lanes as lanes_lib
 from distrib_train.data import record_shards
 from distrib_train.data import splits
@@ -93,8 +94,8 @@ def test_convert_splits_a_jsonl_file_over_workers_in_byte_ranges_and_writes_the_
   corpus = tmp_path / "c.jsonl"
   lines = [json.dumps({"text": f"document {i} " + "word " * (i % 37)}) for i in range(600)]
   corpus.write_text("\n".join(lines[:300]) + "\n\n" + "\n".join(lines[300:]) + "\n")
-  monkeypatch.setattr(record_shards, "_MIN_RANGE", 2000)  # about ten ranges, lines cut across their edges
-  assert len(record_shards._ranges([str(corpus)], 2)) > 5
+  monkeypatch.setattr(convert_workers, "_RANGE", 2000)  # about ten ranges, lines cut across their edges
+  assert len(convert_workers.ranges([str(corpus)])) > 5
   read = lambda prefix: [bytes(r) for r in grain.sources.ArrayRecordDataSource(
       sorted(str(p) for p in tmp_path.glob(f"{prefix}-*.array_record")))]
   for workers in (0, 2):

@@ -11,7 +11,7 @@ a fork of this multithreaded process, and without importing the user's
 ``__main__`` again), each with its own ``lanes.Lanes`` and
 ``data.num_threads`` threads, each making its rows ahead into a bounded queue
 (``DEPTH`` batches). The training process only receives finished rows:
-frames of a JSON header and the arrays' raw bytes (``_send``, ``_receive_frame``), no pickle.
+frames of a JSON header and the arrays' raw bytes (``frames.py``), no pickle.
 
 ``ProcessLanes`` has the interface of ``lanes.Lanes`` (``rows``,
 ``position``, ``next_rows``, ``restore``, ``close``), so batches, positions
@@ -35,10 +35,7 @@ from __future__ import annotations
 import os
 import pathlib
 import dataclasses
-import json
-import struct
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -50,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from distrib_train.data import block_order
+from distrib_train.data import frames as frames_lib
 from distrib_train.data import lanes as lanes_lib
 from distrib_train.data import splits
 from distrib_train.data.config import DataConfig
@@ -57,35 +55,6 @@ from distrib_train.data.jsonl import BadRecordError
 
 DEPTH = 4  # batches each worker makes ahead
 _POLL_S = 0.2
-_LENGTH = struct.Struct("<Q")
-
-
-def _send(stream: Any, header: dict, arrays: Sequence[np.ndarray] = ()) -> None:
-  """One frame: the header's JSON length, the JSON (with each array's dtype and shape), the arrays' bytes."""
-  header = {**header, "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}
-  data = json.dumps(header).encode()
-  stream.write(_LENGTH.pack(len(data)) + data)
-  for array in arrays:
-    stream.write(np.ascontiguousarray(array).tobytes())
-  stream.flush()
-
-
-def _exactly(stream: Any, size: int) -> bytes:
-  data = stream.read(size)
-  if len(data) != size:
-    raise EOFError("the stream ended inside a frame")
-  return data
-
-
-def _receive_frame(stream: Any) -> tuple[dict, list[np.ndarray]]:
-  """``_send``'s header and arrays."""
-  (size,) = _LENGTH.unpack(_exactly(stream, _LENGTH.size))
-  header = json.loads(_exactly(stream, size))
-  arrays = []
-  for dtype, shape in header.pop("arrays"):
-    dtype = np.dtype(dtype)
-    arrays.append(np.frombuffer(_exactly(stream, dtype.itemsize * int(np.prod(shape))), dtype).reshape(shape))
-  return header, arrays
 
 
 def _positions(positions: Mapping[int, tuple[int, int]]) -> list[list[int]]:
@@ -147,24 +116,20 @@ def _serve() -> None:
   """A worker's main (``python -m distrib_train.data.lane_process``): its arguments come as the first frame
   on stdin, its rows go to stdout as frames; later frames on stdin restore (``generation``, ``positions``)
   or stop it."""
-  for signum in (signal.SIGINT, signal.SIGTERM):  # the training process handles them and then closes this one;
-    signal.signal(signum, signal.SIG_IGN)         # if it dies instead, its pipes close and this one ends
-  frames = os.fdopen(os.dup(1), "wb")
-  os.dup2(2, 1)  # anything else printed goes to stderr, not into the frames
-  commands = sys.stdin.buffer
+  commands, frames = frames_lib.worker_streams()
   try:
-    args, _ = _receive_frame(commands)
+    args, _ = frames_lib.receive(commands)
     config = DataConfig(**{**args["config"], "paths": tuple(args["config"]["paths"])})
     lanes = in_process(config, args["split"], args["shard_count"], args["vocab_size"], args["rows"])
   except BaseException as e:  # noqa: BLE001 - reported to the training process, which raises it
-    _send(frames, _error(e))
+    frames_lib.send(frames, _error(e))
     return
   lock, pending, stop = threading.Lock(), [], threading.Event()
 
   def listen() -> None:
     while True:
       try:
-        command, _ = _receive_frame(commands)
+        command, _ = frames_lib.receive(commands)
       except (EOFError, OSError, ValueError):
         command = {"kind": "stop"}
       if command["kind"] == "stop":
@@ -174,7 +139,7 @@ def _serve() -> None:
         pending.append(command)
 
   threading.Thread(target=listen, daemon=True).start()
-  _send(frames, {"kind": "ready"})
+  frames_lib.send(frames, {"kind": "ready"})
   generation = 0
   try:
     while not stop.is_set():
@@ -183,11 +148,11 @@ def _serve() -> None:
           generation = pending[-1]["generation"]
           lanes.restore({lane: (done, used) for lane, done, used in pending[-1]["positions"]})
           pending.clear()
-      _send(frames, *_rows_frame(generation, *lanes.next_rows(), lanes.skipped_documents))
+      frames_lib.send(frames, *_rows_frame(generation, *lanes.next_rows(), lanes.skipped_documents))
   except (BrokenPipeError, OSError):  # the training process has gone
     pass
   except BaseException as e:  # noqa: BLE001 - a malformed line under data.bad_records=error is a ValueError
-    _send(frames, _error(e))
+    frames_lib.send(frames, _error(e))
   finally:
     lanes.close()
 
@@ -215,8 +180,9 @@ class ProcessLanes:
         threading.Thread(target=self._read, args=(process, received), daemon=True,
                          name="distrib_train-lanes-reader").start()
         self._workers.append((process, received))
-        _send(process.stdin, {"config": dataclasses.asdict(config), "split": split, "shard_count": shard_count,
-                              "vocab_size": vocab_size, "rows": [int(r) for r in share]})
+        frames_lib.send(process.stdin, {"config": dataclasses.asdict(config), "split": split,
+                                        "shard_count": shard_count, "vocab_size": vocab_size,
+                                        "rows": [int(r) for r in share]})
       for index in range(len(self._workers)):
         self._receive(index, "ready")
     except BaseException:
@@ -227,7 +193,7 @@ class ProcessLanes:
     """Reads the worker's frames into ``received`` (blocking while it is full) until the worker ends."""
     while True:
       try:
-        header, arrays = _receive_frame(process.stdout)
+        header, arrays = frames_lib.receive(process.stdout)
         kind = header["kind"]
         frame = (kind, _rows_of(header, arrays) if kind == "rows" else header.get("message"))
       except (EOFError, OSError, ValueError, KeyError):
@@ -283,14 +249,14 @@ class ProcessLanes:
     self._generation += 1
     self.position = {r: tuple(positions[r]) for r in self.rows}
     for process, _ in self._workers:
-      _send(process.stdin, {"kind": "restore", "generation": self._generation,
-                            "positions": _positions(self.position)})
+      frames_lib.send(process.stdin, {"kind": "restore", "generation": self._generation,
+                                      "positions": _positions(self.position)})
 
   def close(self) -> None:
     self._closing.set()
     for process, _ in self._workers:
       try:
-        _send(process.stdin, {"kind": "stop"})
+        frames_lib.send(process.stdin, {"kind": "stop"})
         process.stdin.close()
       except OSError:
         pass

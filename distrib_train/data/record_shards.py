@@ -3,11 +3,14 @@
 ``write_array_record`` (also ``python -m distrib_train.data convert IN [IN ...]
 OUT``) streams text, JSONL or Parquet files into shards, one record per
 document: UTF-8 text, or with a tokenizer its int32 token ids and a
-``{output}.tokenizer.json`` sidecar naming it. ``pretokenized`` reads that
-sidecar back and ``check_readable`` opens a shard, for ``sources.Documents``.
+``{output}.tokenizer.json`` sidecar naming it; ``--workers N`` reads,
+tokenizes and writes in N processes (``convert_workers.py``).
+``pretokenized`` reads that sidecar back and ``check_readable`` opens a
+shard, for ``sources.Documents``.
 
-Not for: reading the text files themselves (``text_files.py``), choosing a
-source from the config (``sources.py``).
+Not for: reading the text files themselves (``text_files.py``), making the
+records and the worker processes (``convert_workers.py``), choosing a source
+from the config (``sources.py``).
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 from absl import logging
 
-from distrib_train.data.jsonl import BadRecords, json_document, lines_before
+from distrib_train.data import convert_workers
+from distrib_train.data.jsonl import BadRecords
 from distrib_train.data.text_files import expand, iter_text_file
 
 
@@ -85,77 +88,6 @@ def write_array_record(documents: Iterable[str] | str, output: str, *, num_shard
                  paths=isinstance(documents, str), bad_records=bad_records)
 
 
-_BATCH = 256  # documents tokenized in one call
-_MIN_RANGE, _MAX_RANGE = 1 << 20, 64 << 20  # bytes of a .jsonl file one worker task reads, at least / at most
-
-
-def _encoded(documents: Iterable[str], tokenizer: Any) -> Iterator[bytes]:
-  """Each document's record: its UTF-8 text, or its int32 token ids, tokenized ``_BATCH`` at a time."""
-  if tokenizer is None:
-    yield from (doc.encode("utf-8") for doc in documents)
-    return
-  batch_encode = getattr(tokenizer, "encode_batch", None) or \
-      (lambda texts: [np.asarray(tokenizer(t), np.int32) for t in texts])
-  iterator = iter(documents)
-  while batch := list(itertools.islice(iterator, _BATCH)):
-    yield from (np.asarray(ids, np.int32).tobytes() for ids in batch_encode(batch))
-
-
-def _ranges(files: Sequence[str], workers: int) -> list[tuple[str, int, int]]:
-  """Worker tasks: ``(file, first byte, end byte)``; a ``.jsonl`` file in byte ranges (a line belongs to the
-  range it starts in), so that one large file spreads over the workers; any other file whole (end -1)."""
-  tasks = []
-  for path in files:
-    size = os.path.getsize(path) if path.endswith(".jsonl") else 0
-    step = max(_MIN_RANGE, min(_MAX_RANGE, size // (4 * workers) + 1))
-    tasks.extend([(path, start, min(start + step, size)) for start in range(0, size, step)] or [(path, 0, -1)])
-  return tasks
-
-
-def _jsonl_range(path: str, start: int, end: int, field: str, bad_records: BadRecords) -> Iterator[str]:
-  """The documents of the lines of a ``.jsonl`` file that start in ``[start, end)`` (a malformed one to
-  ``bad_records``, named by its line number in the file, counted only then)."""
-  with open(path, "rb") as f:
-    if start:
-      f.seek(start - 1)
-      if f.read(1) != b"\n":
-        f.readline()  # the line under way belongs to the range before
-    position = f.tell()
-    while position < end and (raw := f.readline()):
-      at, position = position, position + len(raw)
-      if raw.strip() and (doc := json_document(raw, path, lambda: lines_before(path, at) + 1, field,
-                                               bad_records)) is not None:
-        yield doc
-
-
-def _range_records(task: tuple[str, int, int, str, Any, str]) -> list[bytes]:
-  """One task's records (in a worker process): UTF-8 text, or int32 token ids."""
-  path, start, end, field, spec, policy = task
-  tokenizer = None
-  if spec is not None:
-    from distrib_train.data import tokenizer as tokenizer_lib
-
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism: no extra threads each
-    tokenizer = tokenizer_lib.load(*spec)
-  bad_records = BadRecords(policy, "bad_records")
-  documents = (iter_text_file(path, field, bad_records) if end < 0 else
-               _jsonl_range(path, start, end, field, bad_records))
-  return list(_encoded(documents, tokenizer))
-
-
-def _in_order(pool: Any, tasks: Sequence[tuple], workers: int) -> Iterator[bytes]:
-  """The records of ``tasks``, in order, with at most ``2 × workers`` tasks under way or waiting to be written."""
-  import collections
-
-  pending: collections.deque = collections.deque()
-  for task in tasks:
-    pending.append(pool.apply_async(_range_records, (task,)))
-    if len(pending) >= 2 * workers:
-      yield from pending.popleft().get()
-  while pending:
-    yield from pending.popleft().get()
-
-
 def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: bool = True,
             text_field: str = "text", tokenizer: Any = None, workers: int = 0,
             bad_records: str = "skip") -> list[str]:
@@ -172,17 +104,19 @@ def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: b
     paths: whether ``inputs`` name files.
     text_field: the JSONL field or Parquet column of the text.
     tokenizer: a ``tokenizer.Tokenizer`` (``tokenizer.load(spec, bos, eos)``):
-      the records are its token ids (int32), tokenized once here,
-      ``_BATCH`` documents to a call, and ``{output}.tokenizer.json`` says
-      which tokenizer; training from the shards skips tokenizing (and
-      refuses another ``data.tokenizer``).
-    workers: read and tokenize in this many worker processes (0: in this
-      process): files, and ``.jsonl`` files in byte ranges of at most 64 MiB,
-      handed out in order; the shards are the same, byte for byte, and
-      memory is bounded by ``2 × workers`` ranges' records.
+      the records are its token ids (int32), tokenized once here, 256
+      documents to a call, and ``{output}.tokenizer.json`` says which
+      tokenizer; training from the shards skips tokenizing (and refuses
+      another ``data.tokenizer``).
+    workers: read, tokenize and write in this many worker processes (0: in
+      this process; ``convert_workers.py``): any worker reads any of the
+      tasks (a ``.jsonl`` file's 8 MiB byte ranges, any other file whole),
+      worker ``k`` writes shards ``k, k + workers, …``; the shards are the
+      same, byte for byte. This process then holds about ``2 × workers``
+      8 MiB chunks of records, each worker one.
     bad_records: ``skip`` (a malformed JSONL line is logged, the first 10
-      of a file, and left out) or ``error`` (it stops the conversion,
-      named), as ``data.bad_records``.
+      of a file in each process, and left out) or ``error`` (it stops the
+      conversion, named), as ``data.bad_records``.
   """
   policy = BadRecords(bad_records, "bad_records")  # checks the name
   if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
@@ -192,26 +126,33 @@ def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: b
   if workers and tokenizer is not None and not hasattr(tokenizer, "spec"):
     raise ValueError("workers need a tokenizer loaded from a spec (tokenizer.load), which a worker can load again.")
   inputs = list(inputs) if paths else inputs
-  pool = None
+  final = [f"{output}-{i:05d}-of-{num_shards:05d}.array_record" for i in range(num_shards)]
+  partial = [f"{p}.partial" for p in final]
+  nothing = ValueError("No documents to write" + (f" in {', '.join(inputs)}." if paths else "."))
   if paths and workers > 0:
-    import multiprocessing
-
-    spec = None if tokenizer is None else (tokenizer.spec, *_special_tokens(tokenizer))
-    pool = multiprocessing.get_context("spawn").Pool(workers)
-    tasks = [(*task, text_field, spec, bad_records) for task in _ranges(expand(inputs), workers)]
-    records = _in_order(pool, tasks, workers)
+    tasks = convert_workers.ranges(expand(inputs))
+    _make_directory(output)
+    settings = {"tokenizer": None if tokenizer is None else [tokenizer.spec, *_special_tokens(tokenizer)],
+                "text_field": text_field, "bad_records": bad_records}
+    try:
+      count, policy.skipped = convert_workers.write_in_workers(tasks, partial, workers, settings)
+      if not count:
+        raise nothing
+    except BaseException:
+      _remove(partial)
+      raise
   else:
     documents = (doc for path in expand(inputs) for doc in iter_text_file(path, text_field, policy)) if paths else \
         iter(inputs)
-    records = _encoded(documents, tokenizer)
-  try:
-    shards = _write_shards(records, output, num_shards, tokenizer, inputs if paths else None)
-    if policy.skipped:
-      logging.warning("Skipped %d malformed JSONL line(s) (bad_records=skip).", policy.skipped)
-    return shards
-  finally:
-    if pool is not None:
-      pool.terminate()
+    _write_in_process(convert_workers.encoded(documents, tokenizer), output, partial, nothing)
+  if policy.skipped:
+    logging.warning("Skipped %d malformed JSONL line(s) (bad_records=skip).", policy.skipped)
+  if tokenizer is not None:
+    with open(f"{output}.tokenizer.json", "w", encoding="utf-8") as f:
+      json.dump(tokenizer.fingerprint, f)
+  for source, target in zip(partial, final):
+    os.replace(source, target)
+  return final + ([f"{output}.tokenizer.json"] if tokenizer is not None else [])
 
 
 def _special_tokens(tokenizer: Any) -> tuple[str, str]:
@@ -219,36 +160,36 @@ def _special_tokens(tokenizer: Any) -> tuple[str, str]:
   return tokenizer.bos_token, tokenizer.eos_token
 
 
-def _write_shards(records: Iterator[bytes], output: str, num_shards: int, tokenizer: Any,
-                  inputs: Sequence[str] | None) -> list[str]:
-  from array_record.python import array_record_module
-
-  first = next(records, None)
-  if first is None:
-    raise ValueError("No documents to write" + (f" in {', '.join(inputs)}." if inputs else "."))
+def _make_directory(output: str) -> None:
   directory = os.path.dirname(output)
   if directory:
     os.makedirs(directory, exist_ok=True)
-  final = [f"{output}-{i:05d}-of-{num_shards:05d}.array_record" for i in range(num_shards)]
-  partial = [f"{p}.partial" for p in final]
-  writers = [array_record_module.ArrayRecordWriter(p, "group_size:1") for p in partial]
+
+
+def _remove(paths: Sequence[str]) -> None:
+  for path in paths:
+    if os.path.exists(path):
+      os.remove(path)
+
+
+def _write_in_process(records: Iterator[bytes], output: str, partial: Sequence[str], nothing: ValueError) -> None:
+  """Writes record ``i`` to ``partial[i % len(partial)]``; ``nothing`` is raised, before anything is made,
+  when there are no records."""
+  first = next(records, None)
+  if first is None:
+    raise nothing
+  _make_directory(output)
+  writers = [convert_workers.open_writer(p) for p in partial]
   try:
     for i, record in enumerate(itertools.chain([first], records)):
-      writers[i % num_shards].write(record)
+      writers[i % len(partial)].write(record)
     for writer in writers:
       writer.close()
   except BaseException:
-    for writer, path in zip(writers, partial):
+    for writer in writers:
       writer.close()
-      if os.path.exists(path):
-        os.remove(path)
+    _remove(partial)
     raise
-  if tokenizer is not None:
-    with open(f"{output}.tokenizer.json", "w", encoding="utf-8") as f:
-      json.dump(tokenizer.fingerprint, f)
-  for source, target in zip(partial, final):
-    os.replace(source, target)
-  return final + ([f"{output}.tokenizer.json"] if tokenizer is not None else [])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -267,8 +208,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   convert_parser.add_argument("--eos_token", default="", help="with --tokenizer: a token after every document")
   convert_parser.add_argument("--bad_records", choices=("skip", "error"), default="skip",
                               help="a malformed JSONL line: skip it (logged; default) or stop")
-  convert_parser.add_argument("--workers", type=int, default=0, help="worker processes reading and tokenizing files"
-                              " and .jsonl byte ranges at once (default 0: this process); the shards are the same")
+  convert_parser.add_argument("--workers", type=int, default=0, help="worker processes reading, tokenizing and"
+                              " writing at once (default 0: this process); the shards are the same")
   args = parser.parse_args(argv)
   try:
     tokenizer = None
