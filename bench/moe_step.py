@@ -32,7 +32,6 @@ import json
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -55,26 +54,11 @@ def _stepper(name: str, sets: list[str]):
   """The trainer's compiled step for ``name`` with ``sets``, its state and first batch: ``(run(n) → seconds)``."""
   import jax
 
-  from distrib_train.data.pipeline import DataLoader
-  from distrib_train.sharding.axis_rules import activation_sharding
-  from distrib_train.train_step import build_train_step_fn
   from distrib_train.training import config as config_lib
-  from distrib_train.training import job as job_lib
-  from distrib_train.training.trainer import Trainer
+  from trainer_loop import trainer_step
 
-  config = config_lib.load(name, config_lib.parse_overrides(sets))
-  trainer = Trainer(config, tempfile.mkdtemp(prefix="moe-step-"))
-  plan = trainer._plan()
-  loader = DataLoader(trainer.data_config, plan.input_kwarg_shardings, vocab_size=trainer.vocab_size)
-  batch = next(loader)
-  loader.close()
-  step = build_train_step_fn(trainer.loss_fn, donate_params_and_state=True,
-                             train_state_shardings=plan.train_state_shardings,
-                             input_kwarg_shardings=plan.input_kwarg_shardings,
-                             aux_output_shardings=plan.aux_output_shardings, **job_lib.step_options(trainer.job, plan))
-  holder = {"state": plan.init(trainer.job.make_state)}
-  with activation_sharding(plan.mesh, trainer.rules):
-    step.compile(plan.abstract_train_state.replace(step=0), **trainer.job.inputs)
+  step, state, batch = trainer_step(config_lib.load(name, config_lib.parse_overrides(sets)))
+  holder = {"state": state}
 
   def run(steps: int) -> float:
     start = time.perf_counter()
@@ -128,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+  for path in (str(ROOT), str(ROOT / "bench")):
+    if path not in sys.path:
+      sys.path.insert(0, path)
   main()

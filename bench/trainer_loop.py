@@ -53,21 +53,15 @@ def _overrides(args: argparse.Namespace) -> list[str]:
   return sets
 
 
-def bare(args: argparse.Namespace) -> dict:
-  """(a), in this process: the compiled step on the loader's first batch, ``--steps`` times."""
-  from distrib_train.cluster import distributed
-
-  distributed.initialize(cpu_devices=args.cpu_devices)
-  import jax
-
+def trainer_step(config) -> tuple:
+  """The trainer's job for ``config`` (its planning and checks, ``build_train_step_fn`` with donation), compiled
+  as the trainer compiles it: ``(step, initial state, the trainer's loader's first batch)``."""
   from distrib_train.data.pipeline import DataLoader
   from distrib_train.sharding.axis_rules import activation_sharding
   from distrib_train.train_step import build_train_step_fn
-  from distrib_train.training import config as config_lib
   from distrib_train.training import job as job_lib
   from distrib_train.training.trainer import Trainer
 
-  config = config_lib.load(args.config, config_lib.parse_overrides(_overrides(args)))
   trainer = Trainer(config, tempfile.mkdtemp(prefix="bare-"))
   plan = trainer._plan()  # the trainer's own planning and checks
   loader = DataLoader(trainer.data_config, plan.input_kwarg_shardings, vocab_size=trainer.vocab_size)
@@ -80,8 +74,21 @@ def bare(args: argparse.Namespace) -> dict:
                              **job_lib.step_options(trainer.job, plan))
   state = plan.init(trainer.job.make_state)
   with activation_sharding(plan.mesh, trainer.rules):
-    compiled = step.compile(plan.abstract_train_state.replace(step=0), **trainer.job.inputs)
-  del compiled  # the step object keeps it
+    step.compile(plan.abstract_train_state.replace(step=0), **trainer.job.inputs)  # the step object keeps it
+  return step, state, batch
+
+
+def bare(args: argparse.Namespace) -> dict:
+  """(a), in this process: the compiled step on the loader's first batch, ``--steps`` times."""
+  from distrib_train.cluster import distributed
+
+  distributed.initialize(cpu_devices=args.cpu_devices)
+  import jax
+
+  from distrib_train.training import config as config_lib
+
+  config = config_lib.load(args.config, config_lib.parse_overrides(_overrides(args)))
+  step, state, batch = trainer_step(config)
   warm = max(1, args.log_every)
   for _ in range(warm):
     state, aux = step(state, **batch)

@@ -70,7 +70,7 @@ def _tiling(tile: int, k: int, n: int) -> tuple[int, int, int]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _tpu_gmm(lhs, rhs, sizes, tile, interpret):
-  m, k, n = lhs.shape[0], lhs.shape[1], rhs.shape[2]
+  k, n = lhs.shape[1], rhs.shape[2]
   return _megablox().gmm(lhs, rhs, sizes, lhs.dtype, _tiling(tile, k, n), interpret=interpret)
 
 
@@ -175,12 +175,12 @@ def padded_layout(groups: jax.Array, num_groups: int, tile: int) -> tuple[jax.Ar
 
 def swiglu(rows: jax.Array, groups: jax.Array, num_groups: int, w_gate: jax.Array, w_up: jax.Array,
            w_down: jax.Array, *, platform: str, routed_rows: int | None = None, amax_axes: tuple[str, ...] = (),
-           sum_axes: tuple[str, ...] = (), interpret: bool = False) -> jax.Array:
+           interpret: bool = False) -> jax.Array:
   """Each row of ``rows`` [R, embed] through its group's SwiGLU → [R, embed] (rows of no group: zero).
 
-  ``w_gate``, ``w_up`` [G, embed, hidden], ``w_down`` [G, hidden, embed]; ``sum_axes``: mesh axes that
-  split ``hidden`` (the down projection's partial sums are added over them); ``routed_rows``: rows that
-  reach these groups under even routing (default ``R``).
+  ``w_gate``, ``w_up`` [G, embed, hidden], ``w_down`` [G, hidden, embed] (a ``hidden`` split over a
+  mesh axis gives partial sums, which the caller adds); ``routed_rows``: rows that reach these groups under
+  even routing (default ``R``).
   """
   tile = tile_rows(platform, routed_rows or rows.shape[0], num_groups)
   positions, sizes, tile_groups, m = padded_layout(groups, num_groups, tile)
@@ -190,10 +190,7 @@ def swiglu(rows: jax.Array, groups: jax.Array, num_groups: int, w_gate: jax.Arra
   dot = functools.partial(gmm, sizes=sizes, tile_groups=tile_groups, tile=tile, platform=platform,
                           routed_rows=min(m, expected), amax_axes=amax_axes, interpret=interpret)
   hidden = jax.nn.silu(dot(laid, w_gate)) * dot(laid, w_up)
-  out = dot(hidden, w_down)
-  for axis in sum_axes:
-    out = jax.lax.psum(out, axis)
-  return move_rows(out, positions, source)
+  return move_rows(dot(hidden, w_down), positions, source)
 
 
 def flops_tag(op_name: str) -> float:
