@@ -321,11 +321,22 @@ def test_a_source_sent_to_a_worker_process_maps_its_index_again(tmp_path):
   assert _texts(copy) == ["a", None, "b"] and copy.skipped_documents == 2 and docs.skipped_documents == 1
 
 
+def _descriptors_on(path):
+  """How many of this process's descriptors are open on `path` (others, opened by other threads, do not count)."""
+  count = 0
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      count += os.path.realpath(os.readlink(f"/proc/self/fd/{fd}")) == os.path.realpath(path)
+    except OSError:  # closed between the listing and the readlink
+      pass
+  return count
+
+
 def test_threads_making_a_files_first_reads_together_open_one_descriptor(tmp_path):
-  path = _write(tmp_path / "t.jsonl", [json.dumps({"text": f"doc {i}"}) for i in range(64)])
-  for _ in range(20):
+  for attempt in range(20):
+    path = _write(tmp_path / f"t{attempt}.jsonl", [json.dumps({"text": f"doc {i}"}) for i in range(64)])
     reader = jsonl.JsonlFile(path, "text")
-    before = len(os.listdir("/proc/self/fd"))
+    assert _descriptors_on(path) == 0
     barrier = threading.Barrier(8)
 
     def read(i):
@@ -334,7 +345,7 @@ def test_threads_making_a_files_first_reads_together_open_one_descriptor(tmp_pat
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
       assert list(pool.map(read, range(8))) == [f"doc {i}" for i in range(8)]
-    assert len(os.listdir("/proc/self/fd")) - before == 1
+    assert _descriptors_on(path) == 1
     del reader
 
 
