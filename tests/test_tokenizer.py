@@ -100,6 +100,15 @@ def test_a_batch_encodes_as_one_by_one_with_bos_and_eos(hf_file, sp_file, tiktok
     assert all(ids.dtype == np.int32 for ids in batch) and tok.encode_batch([]) == []
 
 
+def test_tokenizing_worker_processes_share_the_hosts_cores_unless_the_user_set_the_threads(monkeypatch):
+  monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+  monkeypatch.setattr(tokenizer_lib.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+  assert tokenizer_lib.worker_thread_env(12) == {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
+  assert tokenizer_lib.worker_thread_env(4) == {"TOKENIZERS_PARALLELISM": "true", "RAYON_NUM_THREADS": "4"}
+  monkeypatch.setenv("RAYON_NUM_THREADS", "3")
+  assert tokenizer_lib.worker_thread_env(12)["RAYON_NUM_THREADS"] == "3"
+
+
 def tiktoken_bytes(path):
   return {int(rank): base64.b64decode(token) for token, rank in (line.split() for line in open(path))}
 

@@ -23,8 +23,8 @@ Commands and replies are ``frames.py`` frames, one reply per command, so
 neither side blocks writing while the other does. A worker enters the
 package as bare namespace packages and imports only the reading modules
 (0.3 s, against 2.4 s for the whole library with jax). A Hugging Face
-tokenizer's own threads (``RAYON_NUM_THREADS``) get the host's cores
-divided by the workers: one each when there are as many workers as cores.
+tokenizer's own threads get the host's cores divided by the workers
+(``tokenizer.worker_thread_env``).
 
 Not for: the shard names, the tokenizer sidecar and the command line
 (``record_shards.py``), reading the text files (``text_files.py``).
@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from distrib_train.data import frames
+from distrib_train.data import tokenizer as tokenizer_lib
 from distrib_train.data.jsonl import BadRecords, json_document, lines_before
 from distrib_train.data.text_files import iter_text_file
 
@@ -116,8 +117,6 @@ def serve() -> None:
     settings, _ = frames.receive(commands)
     tokenizer = None
     if settings["tokenizer"]:
-      from distrib_train.data import tokenizer as tokenizer_lib
-
       tokenizer = tokenizer_lib.load(*settings["tokenizer"])
     bad_records = BadRecords(settings["bad_records"], "bad_records")
     writers = {int(shard): open_writer(path) for shard, path in settings["shards"].items()}
@@ -200,8 +199,7 @@ class _Workers:
 
   def __init__(self, count: int, shard_paths: Sequence[str], settings: dict[str, Any]):
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    threads = max(1, len(os.sched_getaffinity(0)) // count) if hasattr(os, "sched_getaffinity") else 1
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": str(threads > 1).lower(), "RAYON_NUM_THREADS": str(threads)}
+    env = {**os.environ, **tokenizer_lib.worker_thread_env(count)}
     self.processes: list[subprocess.Popen] = []
     try:
       for _ in range(count):

@@ -50,6 +50,7 @@ from distrib_train.data import block_order
 from distrib_train.data import frames as frames_lib
 from distrib_train.data import lanes as lanes_lib
 from distrib_train.data import splits
+from distrib_train.data import tokenizer as tokenizer_lib
 from distrib_train.data.config import DataConfig
 from distrib_train.data.jsonl import BadRecordError
 
@@ -169,7 +170,8 @@ class ProcessLanes:
     self._generation = 0
     self._closing = threading.Event()
     package_root = str(pathlib.Path(__file__).resolve().parents[2])
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",  # a worker never touches an accelerator
+    env = {**os.environ, **tokenizer_lib.worker_thread_env(workers),
+           "JAX_PLATFORMS": "cpu",  # a worker never touches an accelerator
            "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
     self._workers = []
     try:
