@@ -50,6 +50,39 @@ def test_values_and_gradients_equal_ragged_dot_over_the_unpadded_rows():
   assert not np.any(dw[1])  # the empty group
 
 
+def test_fp8_products_in_the_kernels_equal_fp8_ragged_dot_values_and_gradients():
+  """``model.fp8`` on GPU: ``fp8.grouped_matmul`` with the kernels' three FP8 products (e4m3 forward, e5m2 × e4m3
+  backward as float16) gives ``fp8.ragged_dot``'s values and gradients: the same FP8 roundings and scales, and
+  products of FP8 values are exact in float32, so only the summation order differs. Uneven groups, an empty one,
+  trailing -1 tiles, K and N off the blocks."""
+  from distrib_train.parallel.gmm_triton import fp8_products
+  from distrib_train.recipes import fp8
+
+  sizes, tile_m, k, n = [5, 0, 20, 9], 8, 40, 24
+  rows, m, tile_groups = _padded_layout(sizes, tile_m, trailing_tiles=2)
+  kx, kw, kd = jax.random.split(jax.random.key(3), 3)
+  x = jnp.zeros((m, k), jnp.float32).at[rows].set(jax.random.normal(kx, (len(rows), k)))
+  w = jax.random.normal(kw, (len(sizes), k, n), jnp.float32)
+  cotangent = jnp.zeros((m, n), jnp.float32).at[rows].set(3e-3 * jax.random.normal(kd, (len(rows), n)))
+  padded_sizes = jnp.asarray([-(-s // tile_m) * tile_m for s in sizes], jnp.int32)
+  kernels = fp8_products(len(sizes), tile_m=tile_m, **BLOCKS)
+
+  def run(matmul):
+    with fp8.active("current"):
+      return jax.vjp(matmul, x, w)
+
+  out, pullback = run(lambda x, w: fp8.grouped_matmul(x, w, kernels, tile_groups))
+  expected, expected_pullback = run(lambda x, w: fp8.ragged_dot(x, w, padded_sizes))
+  np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+  assert np.any(out) and not np.any(np.delete(np.asarray(out), rows, axis=0))
+  for got, want in zip(pullback(cotangent), expected_pullback(cotangent)):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert np.any(got)
+  exact = jax.lax.ragged_dot(x, w, padded_sizes, precision=jax.lax.Precision.HIGHEST)
+  assert not np.allclose(out, exact, rtol=1e-4, atol=1e-4)  # the operands were rounded to FP8
+  assert np.linalg.norm(out - exact) < 0.1 * np.linalg.norm(exact)  # and kept their scales
+
+
 def test_every_tile_multiplies_its_own_groups_weights_in_bfloat16():
   """Each tile against ``lhs[t] @ rhs[tile_groups[t]]`` gathered per tile, in bfloat16 (float32 accumulation):
   the output and ``jax.grad`` of a loss, with nonzero rows everywhere (the tiles of -1 ignored), at the default
@@ -113,26 +146,42 @@ devices = gpu._devices("h100", 1, 1)
 mesh = jax.sharding.Mesh(list(devices), ("x",))
 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 M, K, N, G = 8192, 1024, 2816, 8
+FP8 = {fp8}
+fp8_scope = (lambda: __import__("distrib_train.recipes.fp8", fromlist=["active"]).active("current")) if FP8 else \
+    __import__("contextlib").nullcontext
 args = [jax.ShapeDtypeStruct(s, t, sharding=replicated)
         for s, t in [((M, K), jnp.bfloat16), ((G, K, N), jnp.bfloat16), ((M // 128,), jnp.int32)]]
-loss = lambda lhs, rhs, tile_groups: jnp.sum(gmm(lhs, rhs, tile_groups).astype(jnp.float32) ** 2)
+if FP8:  # model.fp8 on GPU: the routed experts' matmul as the model calls it (its sizes unused by the kernels)
+  from distrib_train.parallel import grouped
+  matmul = lambda lhs, rhs, tile_groups: grouped.gmm(lhs, rhs, jnp.zeros(G, jnp.int32), tile_groups, tile=128,
+                                                     platform="gpu", routed_rows=M)
+else:
+  matmul = gmm
+loss = lambda lhs, rhs, tile_groups: jnp.sum(matmul(lhs, rhs, tile_groups).astype(jnp.float32) ** 2)
 # jax 0.12's Pallas reads the card it lowers for from the default device (jax 0.10 assumes compute capability 9.0).
-with jax.default_device(devices[0]):
+with jax.default_device(devices[0]), fp8_scope():
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
 text = compiled.as_text()
 shapes = set(re.findall(r"\b[a-z]+\d*\[[\d,]+\]", text))
 print(json.dumps({"calls": re.findall(r'custom_call_target="([^"]+)"', text),
+                  "fp8_kernel_operands": sorted({t for operands in re.findall(
+                      r'custom_call_target="__gpu[^"]*", operand_layout_constraints=([^\n]*)', text)
+                                                 for t in re.findall(r"f8e\w+", operands)}),
                   "largest": max(math.prod(int(d) for d in re.findall(r"\d+", s.split("[")[1])) for s in shapes),
                   "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}))
 """
 
 
-def test_an_h100_program_holds_the_three_triton_kernels_and_no_dense_expansion():
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_an_h100_program_holds_the_three_triton_kernels_and_no_dense_expansion(fp8):
   """The loss's forward and both gradients compiled by XLA's CUDA compiler for an H100 at an MoE layer's shape
   (8192 routed rows, 1024 → 2816, 8 experts, bf16): three Triton kernels (forward, d lhs, d rhs), and no array
-  larger than [M, N]. ``jax.lax.ragged_dot`` compiled the same way holds [8, 8192, 2816] masks and products."""
+  larger than [M, N]. ``jax.lax.ragged_dot`` compiled the same way holds [8, 8192, 2816] masks and products.
+  Under ``fp8.active`` the same three kernels take the float8 operands (``fp8.ragged_dot`` there would be
+  expanded densely, with FP8 operands)."""
   cuda_plugin.require()
-  found = cuda_plugin.run_program(_H100_PROGRAM)
+  found = cuda_plugin.run_program(_H100_PROGRAM.replace("{fp8}", str(fp8)))
   assert found["calls"].count("__gpu$xla.gpu.triton") == 3, found
   assert found["largest"] <= 8192 * 2816, found
   assert 0 < found["temp_bytes"], found
+  assert found["fp8_kernel_operands"] == (["f8e4m3fn", "f8e5m2"] if fp8 else []), found

@@ -23,6 +23,9 @@ that loops over the group's tiles (a group with no tiles gets zeros).
 ``tile_groups`` gets no gradient. K and N that are not multiples of the
 blocks are zero-padded here and the result sliced.
 
+``fp8_products`` runs the same kernels on float8 operands for ``model.fp8``
+(``recipes/fp8.py`` scales around them), each product in float32.
+
 Blocks (for an H100; untuned, no GPU to time them on): 128 × 128 output
 tiles, K in steps of 64, 4 warps, 3 pipeline stages; the weight gradient's
 tiles are 128 (K) × 128 (N) over steps of 64 rows. ``interpret=True`` runs the
@@ -30,7 +33,7 @@ kernels in Pallas' interpreter on any backend (the tests, on CPU).
 
 Not for: TPU (megablox's grouped matmul, a Mosaic kernel), CPU (batched
 tiles, ``grouped.py``), choosing or routing tokens and padding groups
-(``experts.py``), FP8 (``recipes/fp8.py``).
+(``experts.py``), FP8's scaling (``recipes/fp8.py``; ``Fp8Products`` are its grouped products here).
 """
 
 from __future__ import annotations
@@ -72,6 +75,12 @@ def _precision(dtype) -> lax.Precision:
   return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
 
 
+def _common(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Two tiles of one type for Triton's dot: FP8 tiles of two types (e5m2 × e4m3) as float16, which holds every
+  value of both exactly, so the products are the FP8 ones."""
+  return (a, b) if a.dtype == b.dtype else (a.astype(jnp.float16), b.astype(jnp.float16))
+
+
 def _tiles_kernel(groups_ref, lhs_ref, rhs_ref, out_ref, *, blocks: _Blocks, k_steps: int, transpose: bool):
   """One [tile_m, block_n] output tile: ``lhs[tile] @ rhs[group]`` (``rhs[group]ᵀ`` when ``transpose``)."""
   tile_m, block_n, block_k = blocks.tile_m, blocks.block_n, blocks.block_k
@@ -86,6 +95,7 @@ def _tiles_kernel(groups_ref, lhs_ref, rhs_ref, out_ref, *, blocks: _Blocks, k_s
     inner = pl.ds(pl.multiple_of(s * block_k, block_k), block_k)
     a = lhs_ref[rows, inner]
     b = rhs_ref[weights, cols, inner] if transpose else rhs_ref[weights, inner, cols]
+    a, b = _common(a, b)
     return acc + lax.dot_general(a, b, contract, precision=_precision(a.dtype), preferred_element_type=jnp.float32)
 
   # A tile past the last group (-1) takes no steps: its rows are zeros. (lax.select: jnp.where's loop bound
@@ -95,14 +105,16 @@ def _tiles_kernel(groups_ref, lhs_ref, rhs_ref, out_ref, *, blocks: _Blocks, k_s
   out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def _grouped(lhs: jax.Array, rhs: jax.Array, tile_groups: jax.Array, blocks: _Blocks, transpose: bool) -> jax.Array:
-  """``out[tile t] = lhs[t] @ rhs[tile_groups[t]]`` (or ``rhs[..]ᵀ``); shapes already padded to the blocks."""
+def _grouped(lhs: jax.Array, rhs: jax.Array, tile_groups: jax.Array, blocks: _Blocks, transpose: bool,
+             out_dtype=None) -> jax.Array:
+  """``out[tile t] = lhs[t] @ rhs[tile_groups[t]]`` (or ``rhs[..]ᵀ``); shapes already padded to the blocks; the
+  output in ``out_dtype`` (default: ``lhs``'s)."""
   m, inner = lhs.shape
   n = rhs.shape[1] if transpose else rhs.shape[2]
   kernel = functools.partial(_tiles_kernel, blocks=blocks, k_steps=inner // blocks.block_k, transpose=transpose)
   return pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or lhs.dtype),
       grid=(m // blocks.tile_m, n // blocks.block_n),
       in_specs=[pl.no_block_spec] * 3,  # whole arrays: the kernel picks the group's weights itself
       out_specs=pl.BlockSpec((blocks.tile_m, blocks.block_n), lambda i, j: (i, j)),
@@ -122,7 +134,7 @@ def _wgrad_kernel(first_ref, count_ref, lhs_ref, dout_ref, out_ref, *, blocks: _
 
   def step(s, acc):
     rows = pl.ds(pl.multiple_of(s * chunk, chunk), chunk)
-    a, d = lhs_ref[rows, cols_k], dout_ref[rows, cols_n]
+    a, d = _common(lhs_ref[rows, cols_k], dout_ref[rows, cols_n])
     return acc + lax.dot_general(a, d, (((0,), (0,)), ((), ())), precision=_precision(a.dtype),
                                  preferred_element_type=jnp.float32)
 
@@ -130,8 +142,10 @@ def _wgrad_kernel(first_ref, count_ref, lhs_ref, dout_ref, out_ref, *, blocks: _
   out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def _wgrad(lhs: jax.Array, dout: jax.Array, tile_groups: jax.Array, groups: int, blocks: _Blocks) -> jax.Array:
-  """d rhs [G, K, N]: ``Σ_{t in g} lhs[t]ᵀ @ dout[t]`` per group; shapes already padded to the blocks."""
+def _wgrad(lhs: jax.Array, dout: jax.Array, tile_groups: jax.Array, groups: int, blocks: _Blocks,
+           out_dtype=None) -> jax.Array:
+  """d rhs [G, K, N]: ``Σ_{t in g} lhs[t]ᵀ @ dout[t]`` per group; shapes already padded to the blocks; the output
+  in ``out_dtype`` (default: ``lhs``'s)."""
   (_, k), n = lhs.shape, dout.shape[1]
   count = jnp.sum(tile_groups[None, :] == jnp.arange(groups, dtype=tile_groups.dtype)[:, None], axis=1,
                   dtype=jnp.int32)
@@ -139,7 +153,7 @@ def _wgrad(lhs: jax.Array, dout: jax.Array, tile_groups: jax.Array, groups: int,
   kernel = functools.partial(_wgrad_kernel, blocks=blocks, chunk=min(blocks.block_k, blocks.tile_m))
   return pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((groups, k, n), lhs.dtype),
+      out_shape=jax.ShapeDtypeStruct((groups, k, n), out_dtype or lhs.dtype),
       grid=(groups, k // blocks.wgrad_block_k, n // blocks.block_n),
       in_specs=[pl.no_block_spec] * 4,
       out_specs=pl.BlockSpec((None, blocks.wgrad_block_k, blocks.block_n), lambda g, i, j: (g, i, j)),
@@ -168,8 +182,8 @@ def _gmm_backward(blocks, residuals, dout):
 _gmm.defvjp(_gmm_forward, _gmm_backward)
 
 
-def _check(lhs: jax.Array, rhs: jax.Array, tile_groups: jax.Array, blocks: _Blocks) -> None:
-  """One ValueError naming the argument that breaks the layout contract."""
+def _check(lhs: jax.Array, rhs: jax.Array, tile_groups: jax.Array, blocks: _Blocks, fp8: bool = False) -> None:
+  """One ValueError naming the argument that breaks the layout contract (``fp8``: ``Fp8Products``' operands)."""
   smallest = 1 if blocks.interpret else 16  # Triton's matmul takes no dimension under 16
   for name in ("tile_m", "block_n", "block_k", "wgrad_block_k"):
     size = getattr(blocks, name)
@@ -177,7 +191,9 @@ def _check(lhs: jax.Array, rhs: jax.Array, tile_groups: jax.Array, blocks: _Bloc
       raise ValueError(f"gmm: {name}={size} must be a power of 2 of at least {smallest} (Triton's block shapes).")
   if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
     raise ValueError(f"gmm: lhs [M, K] and rhs [G, K, N] expected; got lhs {lhs.shape} and rhs {rhs.shape}.")
-  if lhs.dtype != rhs.dtype or not any(lhs.dtype == d for d in _DTYPES):
+  if fp8 and not all(jnp.issubdtype(a.dtype, jnp.floating) and jnp.finfo(a.dtype).bits == 8 for a in (lhs, rhs)):
+    raise ValueError(f"gmm: FP8 products take float8 operands; got {lhs.dtype} and {rhs.dtype}.")
+  if not fp8 and (lhs.dtype != rhs.dtype or not any(lhs.dtype == d for d in _DTYPES)):
     raise ValueError(f"gmm: lhs and rhs must share one of bfloat16, float16, float32; got {lhs.dtype}, {rhs.dtype}.")
   if lhs.shape[0] % blocks.tile_m:
     raise ValueError(f"gmm: lhs has {lhs.shape[0]} rows, not a multiple of tile_m={blocks.tile_m}.")
@@ -227,3 +243,56 @@ def gmm(lhs: jax.Array, rhs: jax.Array, tile_groups: jax.Array, *, tile_m: int =
   rhs_padded = _pad(_pad(rhs, 1, blocks.pad_to), 2, blocks.pad_to)
   out = _gmm(lhs_padded, rhs_padded, tile_groups.astype(jnp.int32), blocks)
   return out if out.shape[1] == n else out[:, :n]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Products:
+  """The three products of an FP8 grouped matmul as these kernels: ``recipes/fp8.py``'s custom VJP calls
+  ``products(tile_groups)`` (``fp8.grouped_matmul``) and scales around them. Each takes float8 operands in the
+  layout above and gives float32:
+
+  - ``x · w``, e4m3 × e4m3: the weights are transposed to [G, N, K] first, so that both tiles hold the
+    contraction contiguous, the only layout Hopper's FP8 tensor-core instructions take;
+  - ``d x = g · wᵀ`` and the weights' gradient by group, e5m2 × e4m3: multiplied as float16 (``_common``;
+    Triton's dot takes one operand type), the same products.
+
+  Made by ``fp8_products``. Hashable: a ``custom_vjp`` non-differentiable argument.
+  """
+
+  groups: int  # G, the weights' groups
+  blocks: _Blocks
+
+  def _call(self, lhs: jax.Array, rhs: jax.Array, tile_groups: jax.Array) -> jax.Array:
+    """``lhs [M, C] · rhs [G, X, C]ᵀ`` by tile → [M, X] float32, the contraction C and X padded to the blocks."""
+    blocks = self.blocks
+    pad = lambda x, *axes: functools.reduce(lambda y, axis: _pad(y, axis, blocks.pad_to), axes, x)
+    groups, columns, contraction = rhs.shape
+    _check(lhs, jax.ShapeDtypeStruct((groups, contraction, columns), rhs.dtype), tile_groups, blocks, fp8=True)
+    out = _grouped(pad(lhs, 1), pad(rhs, 1, 2), tile_groups.astype(jnp.int32), blocks, True, jnp.float32)
+    return out[:, :columns]
+
+  def forward(self, x: jax.Array, w: jax.Array, tile_groups: jax.Array) -> jax.Array:
+    """[M, K] · [G, K, N] → [M, N]."""
+    return self._call(x, jnp.swapaxes(w, 1, 2), tile_groups)
+
+  def input_grad(self, g: jax.Array, w: jax.Array, tile_groups: jax.Array) -> jax.Array:
+    """[M, N] · [G, K, N]ᵀ → [M, K]."""
+    return self._call(g, w, tile_groups)
+
+  def weight_grad(self, x: jax.Array, g: jax.Array, tile_groups: jax.Array) -> jax.Array:
+    """Σ over each group's tiles of x[t]ᵀ · g[t] → [G, K, N]."""
+    blocks, (k, n) = self.blocks, (x.shape[1], g.shape[1])
+    out = _wgrad(_pad(x, 1, blocks.pad_to), _pad(g, 1, blocks.pad_to), tile_groups.astype(jnp.int32),
+                 self.groups, blocks, jnp.float32)
+    return out[:, :k, :n]
+
+  def products(self, tile_groups: jax.Array):
+    """``(x·w, g·wᵀ, xᵀ·g)`` as functions of their two operands, the order ``recipes/fp8.py`` takes."""
+    return (lambda a, b: self.forward(a, b, tile_groups), lambda g, b: self.input_grad(g, b, tile_groups),
+            lambda a, g: self.weight_grad(a, g, tile_groups))
+
+
+def fp8_products(groups: int, *, tile_m: int = 128, block_n: int = 128, block_k: int = 64, wgrad_block_k: int = 128,
+                 num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> Fp8Products:
+  """``Fp8Products`` over ``groups`` weight groups, with ``gmm``'s blocks (the same arguments)."""
+  return Fp8Products(groups, _Blocks(tile_m, block_n, block_k, wgrad_block_k, num_warps, num_stages, bool(interpret)))

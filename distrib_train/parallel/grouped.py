@@ -17,8 +17,9 @@ follows the rows (``gmm``):
 - CPU: one batched matmul over the row tiles, each tile with its group's
   weights (XLA expands ``ragged_dot`` into every group × every row).
 
-Inside ``fp8.active`` every platform takes ``fp8.ragged_dot`` (FP8 operands,
-current scaling) over the same layout.
+Inside ``fp8.active`` the matmuls take FP8 operands (current scaling) over the
+same layout: on GPU through the same Triton kernels (``fp8.grouped_matmul``
+with ``gmm_triton.Fp8Products``), elsewhere through ``fp8.ragged_dot``.
 
 Each kernel runs under a name scope ``grouped_matmul(rows=…,k=…,n=…)``
 giving the rows it multiplies under even routing, which ``podplan.hlo``
@@ -110,12 +111,22 @@ def gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, tile_groups: jax.Array
   k, n = lhs.shape[1], rhs.shape[2]
   with jax.named_scope(f"{SCOPE}(rows={routed_rows},k={k},n={n})"):
     if fp8.mode() != "none":
+      kernels = _gpu_fp8_kernels(rhs.shape[0], tile) if platform == "gpu" and not interpret else None
+      if kernels is not None:
+        return fp8.grouped_matmul(lhs, rhs, kernels, tile_groups, amax_axes)
       return fp8.ragged_dot(lhs, rhs, sizes, amax_axes)
     if platform == "tpu" or interpret:
       return _tpu_gmm(lhs, rhs.astype(lhs.dtype), sizes, tile, interpret)
     if platform == "gpu":
       return _gpu_gmm(lhs, rhs.astype(lhs.dtype), sizes, tile_groups, tile)
     return _tiled_gmm(lhs, rhs.astype(lhs.dtype), tile_groups, tile)
+
+
+def _gpu_fp8_kernels(groups: int, tile: int):
+  try:
+    return importlib.import_module("distrib_train.parallel.gmm_triton").fp8_products(groups, tile_m=tile)
+  except ImportError:
+    return None
 
 
 def _gpu_gmm(lhs, rhs, sizes, tile_groups, tile):

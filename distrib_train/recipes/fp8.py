@@ -25,7 +25,8 @@ model's dtype.
 
 Each matmul is one custom VJP whose three products (``y = x·w``, ``dx = g·wᵀ``,
 ``dw = xᵀ·g``) are ``dot_general`` / ``ragged_dot`` on float8 arrays with
-``preferred_element_type=float32``, divided by the two scales after. XLA's GPU
+``preferred_element_type=float32``, divided by the two scales after (on GPU
+the routed experts' are the grouped Triton kernels instead: ``grouped_matmul``). XLA's GPU
 compiler keeps these as FP8 GEMMs for Hopper (checked with its CUDA compiler
 on a host without a GPU: ``tests/test_podplan_gpu.py``); a quantize →
 dequantize written around a bf16 matmul lost its rounding there, its f32 → f8
@@ -152,6 +153,8 @@ _RAGGED_DW = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0])
 
 def _products(kind: tuple, extra: jax.Array | None):
   f32 = jnp.float32
+  if kind[0] == "kernels":  # a grouped matmul's own kernels (grouped_matmul)
+    return kind[1].products(extra)
   if kind[0] == "einsum":
     x_sub, w_sub, out_sub = kind[1:]
     return (lambda a, b: jnp.einsum(f"{x_sub},{w_sub}->{out_sub}", a, b, preferred_element_type=f32),
@@ -234,3 +237,10 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, axes: tuple[s
   if _MODE.get() == "none":  # no per-matmul policy: inside shard_map ``w`` is a shard, its sizes not the weight's
     return jax.lax.ragged_dot(x, w, group_sizes)
   return _matmul(("ragged",), tuple(axes), x, w.astype(x.dtype), None, group_sizes)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, kernels, extra: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
+  """``ragged_dot``'s FP8 grouped matmul (current scaling, inside ``active``) with its three products run by
+  ``kernels.products(extra)`` (``parallel.gmm_triton.Fp8Products``; ``extra``: its tiles' groups) instead of
+  ``jax.lax.ragged_dot``, which XLA's CUDA compiler expands densely. ``kernels`` is hashable."""
+  return _matmul(("kernels", kernels), tuple(axes), x, w.astype(x.dtype), None, extra)
