@@ -6,6 +6,7 @@ Run from the repository root (CPU, 8 emulated devices by default):
   python bench/moe_step.py --d_model 512 --expert_mlp_dim 1024 --seq_len 512 --batch 16 --steps 10
   python bench/moe_step.py --cpu_devices 0 --d_model 1024 --layers 12 --expert_mlp_dim 2816 --seq_len 2048 \\
       --batch 8 --dtype bfloat16          # the H100 shape, on whatever accelerator is there
+  (add --fp8 current: model.fp8 for both models)
 
 Each model is the trainer's own job (``Trainer._plan``: the preset with the
 overrides below, the planner, ``build_train_step_fn`` with donation), stepped
@@ -40,7 +41,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def _sets(args: argparse.Namespace, moe: bool, mesh: str) -> list[str]:
   model = [f"model.d_model={args.d_model}", f"model.num_layers={args.layers}", f"model.num_heads={args.heads}",
            f"model.num_kv_heads={args.heads}", f"model.head_dim={args.d_model // args.heads}",
-           f"model.max_seq_len={args.seq_len}", f"model.dtype={args.dtype}", "model.vocab_size=4096"]
+           f"model.max_seq_len={args.seq_len}", f"model.dtype={args.dtype}", "model.vocab_size=4096",
+           f"model.fp8={args.fp8}"]
   if moe:
     model += [f"model.expert_mlp_dim={args.expert_mlp_dim}", "model.num_experts=8", "model.experts_per_token=2"]
   else:
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--seq_len", type=int, default=256)
   parser.add_argument("--batch", type=int, default=16)
   parser.add_argument("--dtype", default="float32")
+  parser.add_argument("--fp8", default="none", help="model.fp8 of both models: none, current or delayed")
   parser.add_argument("--steps", type=int, default=5, help="steps per round")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--json", help="write the figures here")
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
   out = {label: {"step_ms": 1000 * statistics.median(t), "tokens_per_s": tokens / statistics.median(t)}
          for label, t in times.items()}
   print(f"d_model {args.d_model}, {args.layers} layers, 8 experts top 2 × {args.expert_mlp_dim} against a dense MLP"
-        f" of {2 * args.expert_mlp_dim}; batch {args.batch} × {args.seq_len}, {args.dtype}")
+        f" of {2 * args.expert_mlp_dim}; batch {args.batch} × {args.seq_len}, {args.dtype}, fp8 {args.fp8}")
   for label, figures in out.items():
     ratio = figures["tokens_per_s"] / out["dense"]["tokens_per_s"]
     print(f"  {label:<24} {figures['step_ms']:9.1f} ms/step {figures['tokens_per_s']:>11,.0f} tokens/s"

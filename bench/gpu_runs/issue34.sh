@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 34's GPU checks (and issue 33's 16-core figure), in one call of the device tool (H100 or H200):
+#   bash bench/gpu_runs/issue34.sh a   # the Triton grouped matmul against ragged_dot (bf16 and FP8), then the
+#                                      # MoE against its dense twin at the issue's shape: B 8 and 16, bf16; B 8, fp8
+#   bash bench/gpu_runs/issue34.sh b   # the machine's 16 CPU cores: on-the-fly BPE tokens/s with 0 and 12 workers
+# Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/tokenizer.json
+# carried along. Writes $OUT/issue34-<part>.log and the benches' JSON.
+set -u
+part=${1:-a}
+out=${OUT:-/tmp}
+log=$out/issue34-$part.log
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+start=$SECONDS
+run() {
+  local limit=$1
+  shift
+  echo "=== [$((SECONDS - start)) s] $*" | tee -a "$log"
+  timeout "$limit" "$@" > /tmp/run.out 2>&1
+  echo "exit $?" >> /tmp/run.out
+  grep -v "^W[0-9]\{4\} \|^I[0-9]\{4\} \|cuda_executor\|bfc_allocator" /tmp/run.out | tail -n 30 | tee -a "$log"
+}
+shape=(--cpu_devices 0 --d_model 1024 --layers 12 --expert_mlp_dim 2816 --seq_len 2048 --dtype bfloat16)
+python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -1 | tee -a "$log"
+if [[ $part == a ]]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
+  run 120 python3 bench/gpu_runs/gmm_check.py
+  run 150 python3 bench/moe_step.py "${shape[@]}" --batch 8 --json "$out/moe-b8.json"
+  run 150 python3 bench/moe_step.py "${shape[@]}" --batch 16 --json "$out/moe-b16.json"
+  run 150 python3 bench/moe_step.py "${shape[@]}" --batch 8 --fp8 current --json "$out/moe-b8-fp8.json"
+else
+  nproc | tee -a "$log"
+  for workers in 0 12; do
+    run 240 python3 bench/data_bench.py --sizes 100MB --formats jsonl --tokenizer hf:.gpu_data/tokenizer.json \
+      --num_workers $workers --json "$out/data-w$workers.json"
+  done
+fi
+echo "=== done in $((SECONDS - start)) s" | tee -a "$log"
