@@ -11,21 +11,9 @@ set -u
 part=${1:-a}
 out=${OUT:-/tmp}
 log=$out/issue32-$part.log
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source bench/gpu_runs/common.sh
 # The bare step and the trainer compile the same program: the second reads it from this cache.
 export JAX_COMPILATION_CACHE_DIR=/tmp/xla-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-start=$SECONDS
-run() {
-  local limit=$1
-  shift
-  echo "=== [$((SECONDS - start)) s] $*" | tee -a "$log"
-  timeout "$limit" "$@" > /tmp/run.out 2>&1
-  echo "exit $?" >> /tmp/run.out
-  grep -v "^W[0-9]\{4\} \|^I[0-9]\{4\} \|cuda_executor\|bfc_allocator" /tmp/run.out | tail -n 30 | tee -a "$log"
-}
 text=(--text .gpu_data/corpus.jsonl --tokenizer hf:.gpu_data/tokenizer.json)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -1 | tee -a "$log"

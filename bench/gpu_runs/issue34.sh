@@ -9,19 +9,7 @@ set -u
 part=${1:-a}
 out=${OUT:-/tmp}
 log=$out/issue34-$part.log
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-start=$SECONDS
-run() {
-  local limit=$1
-  shift
-  echo "=== [$((SECONDS - start)) s] $*" | tee -a "$log"
-  timeout "$limit" "$@" > /tmp/run.out 2>&1
-  echo "exit $?" >> /tmp/run.out
-  grep -v "^W[0-9]\{4\} \|^I[0-9]\{4\} \|cuda_executor\|bfc_allocator" /tmp/run.out | tail -n 30 | tee -a "$log"
-}
+source bench/gpu_runs/common.sh
 shape=(--cpu_devices 0 --d_model 1024 --layers 12 --expert_mlp_dim 2816 --seq_len 2048 --dtype bfloat16)
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -1 | tee -a "$log"
 if [[ $part == a ]]; then
