@@ -142,7 +142,7 @@ import jax, jax.numpy as jnp
 from distrib_train.parallel.gmm_triton import gmm
 from distrib_train.podplan import gpu
 
-devices = gpu._devices("h100", 1, 1)
+devices = gpu._devices("{card}", 1, 1)
 mesh = jax.sharding.Mesh(list(devices), ("x",))
 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 M, K, N, G = 8192, 1024, 2816, 8
@@ -180,8 +180,17 @@ def test_an_h100_program_holds_the_three_triton_kernels_and_no_dense_expansion(f
   Under ``fp8.active`` the same three kernels take the float8 operands (``fp8.ragged_dot`` there would be
   expanded densely, with FP8 operands)."""
   cuda_plugin.require()
-  found = cuda_plugin.run_program(_H100_PROGRAM.replace("{fp8}", str(fp8)))
+  found = cuda_plugin.run_program(_H100_PROGRAM.replace("{fp8}", str(fp8)).replace("{card}", "h100"))
   assert found["calls"].count("__gpu$xla.gpu.triton") == 3, found
   assert found["largest"] <= 8192 * 2816, found
   assert 0 < found["temp_bytes"], found
   assert found["fp8_kernel_operands"] == (["f8e4m3fn", "f8e5m2"] if fp8 else []), found
+
+
+def test_fp8_experts_on_an_a100_take_ragged_dot_since_the_card_has_no_fp8():
+  """Compute capability 8.0: Triton neither multiplies nor casts e4m3 there, so under ``fp8.active`` the
+  grouped matmul keeps ``fp8.ragged_dot`` (XLA's dense lowering) and the program compiles."""
+  cuda_plugin.require()
+  found = cuda_plugin.run_program(_H100_PROGRAM.replace("{fp8}", "True").replace("{card}", "a100"))
+  assert "__gpu$xla.gpu.triton" not in found["calls"], found
+  assert found["largest"] >= 8 * 8192 * 2816, found  # every row times every expert's weights

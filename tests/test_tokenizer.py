@@ -102,11 +102,17 @@ def test_a_batch_encodes_as_one_by_one_with_bos_and_eos(hf_file, sp_file, tiktok
 
 def test_tokenizing_worker_processes_share_the_hosts_cores_unless_the_user_set_the_threads(monkeypatch):
   monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+  monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
   monkeypatch.setattr(tokenizer_lib.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
   assert tokenizer_lib.worker_thread_env(12) == {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
   assert tokenizer_lib.worker_thread_env(4) == {"TOKENIZERS_PARALLELISM": "true", "RAYON_NUM_THREADS": "4"}
   monkeypatch.setenv("RAYON_NUM_THREADS", "3")
   assert tokenizer_lib.worker_thread_env(12)["RAYON_NUM_THREADS"] == "3"
+  for unset in ("0", "", "many", "-2"):  # as Rayon reads them: its default, here the host's share
+    monkeypatch.setenv("RAYON_NUM_THREADS", unset)
+    assert tokenizer_lib.worker_thread_env(4)["RAYON_NUM_THREADS"] == "4", unset
+  monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+  assert tokenizer_lib.worker_thread_env(4)["TOKENIZERS_PARALLELISM"] == "false"
 
 
 def tiktoken_bytes(path):

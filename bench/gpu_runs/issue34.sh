@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 34's GPU checks (and issue 33's 16-core figure), in one call of the device tool (H100 or H200):
 #   bash bench/gpu_runs/issue34.sh a   # the Triton grouped matmul against ragged_dot (bf16 and FP8), then the
-#                                      # MoE against its dense twin at the issue's shape: B 8 and 16, bf16; B 8, fp8
+#                                      # MoE against its dense twin at the issue's shape: B 8 in bf16 and fp8
+#   bash bench/gpu_runs/issue34.sh c   # the same at B 16, bf16 (each part fits one call's 600 s)
 #   bash bench/gpu_runs/issue34.sh b   # the machine's 16 CPU cores: on-the-fly BPE tokens/s with 0 and 12 workers
 # Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/tokenizer.json
 # carried along. Writes $OUT/issue34-<part>.log and the benches' JSON.
@@ -12,12 +13,15 @@ log=$out/issue34-$part.log
 source bench/gpu_runs/common.sh
 shape=(--cpu_devices 0 --d_model 1024 --layers 12 --expert_mlp_dim 2816 --seq_len 2048 --dtype bfloat16)
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -1 | tee -a "$log"
-if [[ $part == a ]]; then
+if [[ $part != b ]]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
-  run 120 python3 bench/gpu_runs/gmm_check.py
-  run 150 python3 bench/moe_step.py "${shape[@]}" --batch 8 --json "$out/moe-b8.json"
-  run 150 python3 bench/moe_step.py "${shape[@]}" --batch 16 --json "$out/moe-b16.json"
-  run 150 python3 bench/moe_step.py "${shape[@]}" --batch 8 --fp8 current --json "$out/moe-b8-fp8.json"
+fi
+if [[ $part == a ]]; then
+  run 100 python3 bench/gpu_runs/gmm_check.py
+  run 180 python3 bench/moe_step.py "${shape[@]}" --batch 8 --json "$out/moe-b8.json"
+  run 180 python3 bench/moe_step.py "${shape[@]}" --batch 8 --fp8 current --json "$out/moe-b8-fp8.json"
+elif [[ $part == c ]]; then
+  run 240 python3 bench/moe_step.py "${shape[@]}" --batch 16 --json "$out/moe-b16.json"
 else
   nproc | tee -a "$log"
   for workers in 0 12; do

@@ -4,5 +4,5 @@
 - ``text``: values cut for error messages, byte counts in their unit.
 - ``yaml_loader``: safe, bounded YAML for the run and mesh configs.
 - ``auto_mesh``: a mesh with Auto axis types.
-- ``versions``: installed versions (jax's) as tuples of ints.
+- ``versions``: installed versions (jax's) and a GPU's compute capability as tuples of ints.
 """

@@ -1,4 +1,4 @@
-"""Installed versions as numbers: ``jax_version() >= (0, 11)``.
+"""Installed versions as numbers: ``jax_version() >= (0, 11)``; a GPU's compute capability: ``gpu_capability(device)``.
 
 Behaviour that differs between jax releases (the persistent cache's CPU
 deadlock on jax 0.10, ``training/compilation.py``) is chosen by comparing
@@ -39,3 +39,13 @@ def release(version: str) -> tuple[int, ...]:
 def jax_version() -> tuple[int, ...]:
   """The installed jax's release numbers, e.g. ``(0, 10, 2)``; compare a prefix: ``jax_version() >= (0, 11)``."""
   return release(jax.__version__)
+
+
+def gpu_capability(device) -> tuple[int, int]:
+  """A GPU's compute capability as numbers, ``(9, 0)`` for an H100 (``(0, 0)`` for anything else, or where the
+  device does not say)."""
+  try:
+    major, minor = (int(x) for x in str(getattr(device, "compute_capability", "")).split(".")[:2])
+  except ValueError:
+    return (0, 0)
+  return (major, minor) if getattr(device, "platform", "") == "gpu" else (0, 0)

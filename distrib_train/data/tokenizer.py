@@ -235,10 +235,15 @@ def utf8_bytes(texts: Sequence[str]) -> list[np.ndarray]:
 
 
 def worker_thread_env(workers: int) -> dict[str, str]:
-  """The environment of one of ``workers`` processes that tokenize side by side on this host: a Hugging
-  Face tokenizer's own threads (``RAYON_NUM_THREADS``) get the host's cores divided by the workers, one each
-  when there are as many workers as cores, rather than every worker starting a thread a core (idle threads
-  of its pool spin and take cores from the others). A ``RAYON_NUM_THREADS`` the user set is kept."""
+  """The environment of one of ``workers`` processes that this process starts to tokenize side by side: a
+  Hugging Face tokenizer's own threads (``RAYON_NUM_THREADS``) get this process's cores (its CPU affinity:
+  a launcher that binds each process of a host to its share gives each its share) divided by the workers,
+  one each when there are as many workers as cores, rather than every worker starting a thread a core
+  (idle threads of its pool spin and take cores from the others). A positive ``RAYON_NUM_THREADS`` the
+  user set is kept (0, empty or not a number: as if unset, as Rayon itself reads it), and so is a
+  ``TOKENIZERS_PARALLELISM`` the user set."""
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-  threads = int(os.environ.get("RAYON_NUM_THREADS") or max(1, cores // max(1, workers)))
-  return {"TOKENIZERS_PARALLELISM": str(threads > 1).lower(), "RAYON_NUM_THREADS": str(threads)}
+  chosen = os.environ.get("RAYON_NUM_THREADS", "").strip()
+  threads = int(chosen) if chosen.isdigit() and int(chosen) > 0 else max(1, cores // max(1, workers))
+  return {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM") or str(threads > 1).lower(),
+          "RAYON_NUM_THREADS": str(threads)}

@@ -18,8 +18,10 @@ follows the rows (``gmm``):
   weights (XLA expands ``ragged_dot`` into every group × every row).
 
 Inside ``fp8.active`` the matmuls take FP8 operands (current scaling) over the
-same layout: on GPU through the same Triton kernels (``fp8.grouped_matmul``
-with ``gmm_triton.Fp8Products``), elsewhere through ``fp8.ragged_dot``.
+same layout: on GPUs with FP8 (compute capability 8.9 and up: Ada, Hopper)
+through the same Triton kernels (``fp8.grouped_matmul`` with
+``gmm_triton.Fp8Products``: the forward product on FP8 operands, the two
+backward ones as float16), elsewhere through ``fp8.ragged_dot``.
 
 Each kernel runs under a name scope ``grouped_matmul(rows=…,k=…,n=…)``
 giving the rows it multiplies under even routing, which ``podplan.hlo``
@@ -37,7 +39,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from distrib_train.common.versions import gpu_capability
 from distrib_train.recipes import fp8
+from distrib_train.sharding.axis_rules import active_activation_sharding
 
 TILE = {"tpu": 128, "gpu": 128, "cpu": 64}  # rows per tile, at most
 SCOPE = "grouped_matmul"
@@ -122,7 +126,23 @@ def gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, tile_groups: jax.Array
     return _tiled_gmm(lhs, rhs.astype(lhs.dtype), tile_groups, tile)
 
 
+FP8_KERNEL_CAPABILITY = (8, 9)  # Ada and Hopper: Triton's FP8 dot and casts from e4m3 (refused below)
+
+
+def _target_device():
+  """The device a Pallas kernel is lowered for: JAX's default device where one is set (Pallas reads that
+  one), else the first of the mesh the model is traced for, else JAX's first."""
+  device = jax.config.jax_default_device
+  if device is None:
+    active = active_activation_sharding()
+    device = active[0].devices.flat[0] if active else jax.devices()[0]
+  return device
+
+
 def _gpu_fp8_kernels(groups: int, tile: int):
+  """The Triton kernels' FP8 products, where the target GPU has FP8 (else None: ``fp8.ragged_dot``)."""
+  if gpu_capability(_target_device()) < FP8_KERNEL_CAPABILITY:
+    return None
   try:
     return importlib.import_module("distrib_train.parallel.gmm_triton").fp8_products(groups, tile_m=tile)
   except ImportError:

@@ -25,8 +25,11 @@ model's dtype.
 
 Each matmul is one custom VJP whose three products (``y = x·w``, ``dx = g·wᵀ``,
 ``dw = xᵀ·g``) are ``dot_general`` / ``ragged_dot`` on float8 arrays with
-``preferred_element_type=float32``, divided by the two scales after (on GPU
-the routed experts' are the grouped Triton kernels instead: ``grouped_matmul``). XLA's GPU
+``preferred_element_type=float32``, divided by the two scales after. On GPUs
+with FP8 the routed experts' are the grouped Triton kernels instead
+(``grouped_matmul``): the forward product on FP8 operands, the two backward
+ones (e5m2 × e4m3, which Triton's dot does not mix) as float16, at bf16's
+rate. XLA's GPU
 compiler keeps these as FP8 GEMMs for Hopper (checked with its CUDA compiler
 on a host without a GPU: ``tests/test_podplan_gpu.py``); a quantize →
 dequantize written around a bf16 matmul lost its rounding there, its f32 → f8

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import distrib_train.microbatches as microbatching
+from distrib_train.common.versions import gpu_capability
 from distrib_train.parallel import context
 from distrib_train.recipes import cudnn_attention, fp8
 from distrib_train.parallel.pipeline import layer_stack
@@ -182,15 +183,6 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float | jax.Array) -> jax.
 
 def _device(q: jax.Array):  # the step's mesh's first device, or JAX's
   return active[0].devices.flat[0] if (active := active_activation_sharding()) else jax.devices()[0]
-
-
-def gpu_capability(device) -> tuple[int, int]:
-  """A GPU's compute capability (``(0, 0)`` for anything else, or where the device does not say)."""
-  try:
-    major, minor = (int(x) for x in str(getattr(device, "compute_capability", "")).split(".")[:2])
-  except ValueError:
-    return (0, 0)
-  return (major, minor) if device.platform == "gpu" else (0, 0)
 
 
 def attention_implementation(requested: str, q: jax.Array, masked: bool = False) -> str | None:
