@@ -137,29 +137,28 @@ def test_a_broken_layout_contract_is_one_clear_error(change, culprit):
 
 
 _H100_PROGRAM = r"""
-import json, math, re
+import contextlib, json, math, re
 import jax, jax.numpy as jnp
+from distrib_train.parallel import grouped
 from distrib_train.parallel.gmm_triton import gmm
 from distrib_train.podplan import gpu
+from distrib_train.recipes import fp8
 
 devices = gpu._devices("{card}", 1, 1)
 mesh = jax.sharding.Mesh(list(devices), ("x",))
 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 M, K, N, G = 8192, 1024, 2816, 8
 FP8 = {fp8}
-fp8_scope = (lambda: __import__("distrib_train.recipes.fp8", fromlist=["active"]).active("current")) if FP8 else \
-    __import__("contextlib").nullcontext
 args = [jax.ShapeDtypeStruct(s, t, sharding=replicated)
         for s, t in [((M, K), jnp.bfloat16), ((G, K, N), jnp.bfloat16), ((M // 128,), jnp.int32)]]
 if FP8:  # model.fp8 on GPU: the routed experts' matmul as the model calls it (its sizes unused by the kernels)
-  from distrib_train.parallel import grouped
   matmul = lambda lhs, rhs, tile_groups: grouped.gmm(lhs, rhs, jnp.zeros(G, jnp.int32), tile_groups, tile=128,
                                                      platform="gpu", routed_rows=M)
 else:
   matmul = gmm
 loss = lambda lhs, rhs, tile_groups: jnp.sum(matmul(lhs, rhs, tile_groups).astype(jnp.float32) ** 2)
 # jax 0.12's Pallas reads the card it lowers for from the default device (jax 0.10 assumes compute capability 9.0).
-with jax.default_device(devices[0]), fp8_scope():
+with jax.default_device(devices[0]), (fp8.active("current") if FP8 else contextlib.nullcontext()):
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
 text = compiled.as_text()
 shapes = set(re.findall(r"\b[a-z]+\d*\[[\d,]+\]", text))

@@ -264,11 +264,11 @@ class Fp8Products:
 
   def _call(self, lhs: jax.Array, rhs: jax.Array, tile_groups: jax.Array) -> jax.Array:
     """``lhs [M, C] · rhs [G, X, C]ᵀ`` by tile → [M, X] float32, the contraction C and X padded to the blocks."""
-    blocks = self.blocks
-    pad = lambda x, *axes: functools.reduce(lambda y, axis: _pad(y, axis, blocks.pad_to), axes, x)
+    blocks, to = self.blocks, self.blocks.pad_to
     groups, columns, contraction = rhs.shape
     _check(lhs, jax.ShapeDtypeStruct((groups, contraction, columns), rhs.dtype), tile_groups, blocks, fp8=True)
-    out = _grouped(pad(lhs, 1), pad(rhs, 1, 2), tile_groups.astype(jnp.int32), blocks, True, jnp.float32)
+    out = _grouped(_pad(lhs, 1, to), _pad(_pad(rhs, 1, to), 2, to), tile_groups.astype(jnp.int32), blocks, True,
+                   jnp.float32)
     return out[:, :columns]
 
   def forward(self, x: jax.Array, w: jax.Array, tile_groups: jax.Array) -> jax.Array:
