@@ -1,6 +1,7 @@
 """Tokenizers named in the config: hf:, sentencepiece:, tiktoken: files (built here, never downloaded) and bytes."""
 
 import base64
+import dataclasses
 import json
 import pathlib
 
@@ -98,6 +99,52 @@ def test_a_batch_encodes_as_one_by_one_with_bos_and_eos(hf_file, sp_file, tiktok
     batch = tok.encode_batch(texts)
     assert [ids.tolist() for ids in batch] == [tok(t) for t in texts], spec
     assert all(ids.dtype == np.int32 for ids in batch) and tok.encode_batch([]) == []
+
+
+def _long_texts():
+  """Documents whose first ids a prefix must give: prose of many KB, one long word, no spaces at all (CJK), a run
+  of one letter that BPE merges into long tokens (few tokens per character: the first prefix is too short)."""
+  prose = "\n\n".join(sources._pydoc_documents()[60:90])
+  return [prose, "x" * 20_000 + " tail", "価値と式の名前" * 3_000, "a" * 60_000, TEXT, "", "ünïcode and the value",
+          "word " * 5_000]
+
+
+@pytest.mark.parametrize("chars_per_token", [tokenizer_lib.HEAD_CHARS_PER_TOKEN, 1])  # 1: prefixes too short
+def test_heads_are_each_documents_first_ids_from_a_prefix_of_its_text(chars_per_token, hf_file, sp_file,
+                                                                       tiktoken_file, monkeypatch):
+  """Without packing a sequence is a document's head: ``encode_heads`` gives the first ``count`` ids of what the
+  whole text encodes to, BOS included, EOS where the document is that short, encoding only a prefix of a long
+  text (again, longer, where the first held too few tokens)."""
+  monkeypatch.setattr(tokenizer_lib, "HEAD_CHARS_PER_TOKEN", chars_per_token)
+  texts = _long_texts()
+  for spec, bos, eos in ((f"hf:{hf_file}", "<s>", "</s>"), (f"sentencepiece:{sp_file}", "", "</s>"),
+                         (f"tiktoken:{tiktoken_file}", "", ""), ("bytes", "", "")):
+    tok = tokenizer_lib.load(spec, bos, eos)
+    whole = tok.encode_batch(texts)
+    for count in (1, 7, 64, 300, 2_000):
+      heads = tok.encode_heads(texts, count)
+      assert [h.tolist() for h in heads] == [w[:count].tolist() for w in whole], (spec, count)
+    encoded = []
+    spy = lambda batch: (encoded.extend(batch), tok.encode_texts(batch))[1]
+    dataclasses.replace(tok, encode_texts=spy).encode_heads([texts[0]], 64)
+    assert sum(map(len, encoded)) < len(texts[0]) / 10, spec  # 64 tokens of a 100 KB text: a prefix
+
+
+def test_unpacked_rows_are_the_same_whether_a_prefix_or_the_whole_text_is_tokenized(hf_file, tmp_path):
+  corpus = tmp_path / "long.jsonl"
+  texts = _long_texts() + [f"Short {i}." for i in range(5)] + sources._pydoc_documents()[:40]
+  corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+  rows = []
+  whole = tokenizer_lib.load(f"hf:{hf_file}", "<s>", "</s>")
+  # The spec, then a function adding the same BOS and EOS: a function's documents are encoded whole.
+  for tokenizer in ({"tokenizer": f"hf:{hf_file}", "bos_token": "<s>", "eos_token": "</s>"},
+                    {"tokenizer": lambda text: whole(text)}):
+    config = data.DataConfig(source="text", paths=(str(corpus),), seq_len=63, global_batch_size=8, packing=False,
+                             eval_fraction=0.0, **tokenizer)
+    loader = data.DataLoader(config, data_helpers.shardings(_mesh()), vocab_size=512)
+    rows.append([loader.next_local()["tokens"] for _ in range(6)])
+    loader.close()
+  np.testing.assert_array_equal(np.stack(rows[0]), np.stack(rows[1]))
 
 
 def test_tokenizing_worker_processes_share_the_hosts_cores_unless_the_user_set_the_threads(monkeypatch):

@@ -39,8 +39,9 @@ class DataConfig:
     global_batch_size: sequences per step for the whole job.
     seed: shuffle seed (and the synthetic source's).
     packing: concatenate documents and split at ``seq_len`` (with segment and
-      position ids); otherwise each sequence is the start of one document and
-      shorter documents are skipped.
+      position ids); otherwise each sequence is the start of one document,
+      shorter documents are skipped, and a named tokenizer encodes only a
+      prefix of each long document (``tokenizer.Tokenizer.encode_heads``).
     max_documents_per_row: with packing, the documents a row holds at most;
       those past it in a row weigh 0 and attend to each other
       (``sequences.shifted``). 0: any number, or, in the trainer, what the

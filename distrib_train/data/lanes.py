@@ -49,7 +49,9 @@ class Lanes:
     stream: random access to the split's documents in the repeated, shuffled
       order (``stream[i]``, ``i`` ≥ 0 unbounded).
     tokenize: document → token ids (numpy); its ``batch`` (documents → ids,
-      ``splits.DocumentTokenizer``), if it has one, tokenizes many at once.
+      ``splits.DocumentTokenizer``), if it has one, tokenizes many at once,
+      and without packing its ``heads`` (documents, n → each one's first n
+      ids), if it has one, only as much of each as a sequence takes.
     lanes: the number of lanes, the global batch size.
     rows: the lanes this process feeds, in batch order.
     length: tokens per sequence (``seq_len + 1``: inputs and targets share it).
@@ -66,6 +68,9 @@ class Lanes:
                length: int, packing: bool, threads: int, skipped: Callable[[], int] = lambda: 0):
     self._stream, self._tokenize = stream, tokenize
     self._batch = getattr(tokenize, "batch", None) or (lambda docs: [np.asarray(tokenize(d)) for d in docs])
+    heads = getattr(tokenize, "heads", None)
+    if not packing and heads is not None:  # a sequence is a document's head: only that much is tokenized
+      self._batch = lambda docs: heads(docs, length)
     self.lanes, self.rows, self.length, self.packing = lanes, list(rows), length, packing
     self.position = {r: (0, 0) for r in self.rows}  # lane → (documents finished, tokens used of the next)
     self._threads = max(1, threads)

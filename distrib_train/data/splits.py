@@ -152,6 +152,19 @@ class DocumentTokenizer:
         out[i] = ids
     return out  # type: ignore[return-value]
 
+  def heads(self, docs: Sequence[Any], count: int) -> list[np.ndarray]:
+    """``[ids[:count] for ids in self.batch(docs)]``: the sequences without packing are documents' heads, so a
+    named tokenizer encodes only a prefix of each long text (``tokenizer.Tokenizer.encode_heads``)."""
+    if self._function is None:  # UTF-8 bytes: the first ``count`` characters hold the first ``count`` bytes
+      return [ids[:count] for ids in self.batch([doc[:count] if isinstance(doc, str) else doc for doc in docs])]
+    if self._loaded is None:
+      return [ids[:count] for ids in self.batch(docs)]
+    out = [doc[:count] if isinstance(doc, np.ndarray) else _EMPTY if doc is None else None for doc in docs]
+    texts = [i for i, got in enumerate(out) if got is None]
+    for i, ids in zip(texts, self._loaded.encode_heads([docs[i] for i in texts], count)):
+      out[i] = ids
+    return out  # type: ignore[return-value]
+
 
 _EMPTY = np.zeros(0, np.int32)
 _EMPTY.flags.writeable = False

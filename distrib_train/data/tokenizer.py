@@ -17,7 +17,9 @@ int32 arrays (the same ids as one by one): the Hugging Face library's
 character offsets, which nothing here reads: 1.5 × the tokens a CPU-second
 of ``encode_batch``), tiktoken's
 ``encode_ordinary_batch``, SentencePiece's list encode, and for ``bytes``
-one UTF-8 buffer split with numpy.
+one UTF-8 buffer split with numpy. ``Tokenizer.encode_heads(texts, n)``
+gives each text's first ``n`` ids from a prefix of it (the rows without
+packing are documents' heads).
 
 Special tokens: a document is encoded as plain text (no special tokens
 added by the tokenizer itself); ``data.bos_token`` and ``data.eos_token`` name
@@ -50,6 +52,22 @@ _PACKAGES = {"hf": "tokenizers", "sentencepiece": "sentencepiece", "tiktoken": "
 _TIKTOKEN_PATTERNS = ("cl100k_base", "o200k_base", "r50k_base", "p50k_base")
 
 
+# ``Tokenizer.encode_heads``: the characters a prefix is first given per token wanted (about 4 on Python source
+# or English through a 16k BPE: the guess errs long, a short one costs a second encode), and the tokens dropped
+# before its cut.
+HEAD_CHARS_PER_TOKEN = 6
+HEAD_MARGIN = 64
+
+
+def _cut(text: str, chars: int) -> int | None:
+  """Where ``encode_heads`` cuts ``text`` for a prefix of about ``chars`` characters: at its last space or newline
+  in the second half of them, else at ``chars``; None: the text is that short, encoded whole."""
+  if len(text) <= chars:
+    return None
+  space = max(text.rfind(" ", chars // 2, chars), text.rfind("\n", chars // 2, chars))
+  return space if space > 0 else chars
+
+
 @dataclasses.dataclass(frozen=True)
 class Tokenizer:
   """A loaded tokenizer: ``tokenizer(text)`` → ids, with the document's BOS/EOS (``encode_batch``: many at once).
@@ -75,17 +93,49 @@ class Tokenizer:
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     """Each text's ids (int32), BOS and EOS as ``__call__`` adds them, encoded in one call."""
-    if not texts:
-      return []
-    if self.encode_texts is None:
-      encoded = [np.asarray(self.encode_text(t), np.int32) for t in texts]
-    else:
-      encoded = [np.asarray(ids, np.int32) for ids in self.encode_texts(texts)]
+    encoded = self._plain(texts)
     if self.bos_id is None and self.eos_id is None:
       return encoded
-    head = [] if self.bos_id is None else [self.bos_id]
-    tail = [] if self.eos_id is None else [self.eos_id]
-    return [np.concatenate([np.asarray(head, np.int32), ids, np.asarray(tail, np.int32)]) for ids in encoded]
+    head, tail = self._specials()
+    return [np.concatenate([head, ids, tail]) for ids in encoded]
+
+  def encode_heads(self, texts: Sequence[str], count: int) -> list[np.ndarray]:
+    """``[ids[:count] for ids in encode_batch(texts)]``, encoding only a prefix of each long text.
+
+    A sequence without packing is the head of one document, so the rest of a long one need not be encoded
+    (Python source through a 16k BPE, rows of 1025 tokens: 6 × fewer characters encoded). A text longer than
+    ``HEAD_CHARS_PER_TOKEN`` characters a token is cut at the last space or newline before that, its prefix
+    encoded, and the last ``HEAD_MARGIN`` tokens before the cut dropped: a cut only changes tokens near it
+    (the word it splits; a merge across words). A prefix of too few tokens is tried again four times as long,
+    up to the whole text.
+    """
+    head, tail = self._specials()
+    out: list[np.ndarray | None] = [None] * len(texts)
+    pending, chars = list(range(len(texts))), (count + HEAD_MARGIN) * HEAD_CHARS_PER_TOKEN
+    while pending:
+      cuts = [_cut(texts[i], chars) for i in pending]
+      encoded = self._plain([texts[i] if cut is None else texts[i][:cut] for i, cut in zip(pending, cuts)])
+      retry = []
+      for i, cut, ids in zip(pending, cuts, encoded):
+        if cut is None:
+          out[i] = np.concatenate([head, ids, tail])[:count]
+        elif len(head) + len(ids) - HEAD_MARGIN >= count:
+          out[i] = np.concatenate([head, ids[:count - len(head)]])
+        else:
+          retry.append(i)
+      pending, chars = retry, chars * 4
+    return out  # type: ignore[return-value]
+
+  def _plain(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """Each text's own ids, no BOS or EOS, encoded in one call where the library has a batch encode."""
+    if self.encode_texts is None:
+      return [np.asarray(self.encode_text(t), np.int32) for t in texts]
+    return [np.asarray(ids, np.int32) for ids in self.encode_texts(texts)] if texts else []
+
+  def _specials(self) -> tuple[np.ndarray, np.ndarray]:
+    """The ids put before and after every document (BOS, EOS; empty where there is none)."""
+    return (np.asarray([] if self.bos_id is None else [self.bos_id], np.int32),
+            np.asarray([] if self.eos_id is None else [self.eos_id], np.int32))
 
   def __call__(self, text: str) -> list[int]:
     """The document's ids: BOS (if any), the text's tokens, EOS (if any)."""
