@@ -61,3 +61,21 @@ def test_data_bench_writes_every_format_and_times_what_this_checkout_reads(tmp_p
   assert all("skipped" not in r for r in rows if r["format"] in ("jsonl", "parquet", "array_record")), rows
   assert (tmp_path / "corpora" / "2MB" / "corpus.parquet").exists()
   assert any((tmp_path / "corpora" / "2MB").glob("tokens-*/corpus-00000-of-00001.array_record"))
+
+
+def test_fp8_gemm_bench_times_the_same_products_in_each_layout_on_cpu(tmp_path):
+  """bench/fp8_gemms.py (tiny shapes, CPU): every variant is timed, and its FP8 products are the same numbers
+  in every layout (the layouts differ, the operands do not), within FP8's rounding of bf16's."""
+  out = subprocess.run(
+      [sys.executable, "bench/fp8_gemms.py", "--tokens", "128", "--shapes", "64x96", "--iters", "2", "--json",
+       str(tmp_path / "rows.json")],
+      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""), capture_output=True, text=True,
+      timeout=240)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+  assert set(rows) == {"bf16 product", "fp8 as built", "fp8 K-major", "fp8 e4m3 grads", "matmul fwd+bwd none",
+                       "matmul fwd+bwd current"}
+  assert all(ms > 0 for r in rows.values() for ms in r["ms"])
+  built, kmajor = rows["fp8 as built"]["error"], rows["fp8 K-major"]["error"]
+  assert all(0 < e < 0.1 for e in built + rows["fp8 e4m3 grads"]["error"]), rows
+  assert all(abs(a - b) < 1e-3 for a, b in zip(built, kmajor)), (built, kmajor)

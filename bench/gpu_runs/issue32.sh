@@ -5,6 +5,8 @@
 #   bash bench/gpu_runs/issue32.sh c   # what is left: real text with the lanes in worker processes, unpacked
 #                                      # with four workers, FP8's policy on the small presets, attention table,
 #                                      # the 1b with delayed FP8
+#   bash bench/gpu_runs/issue32.sh d   # unpacked real text with only documents' heads tokenized (4 and 12
+#                                      # workers); FP8 products by layout (bench/fp8_gemms.py, Triton and cuBLAS)
 # Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/
 # (corpus.jsonl and tokenizer.json) carried along. Writes $OUT/issue32-<part>.log and the benches' JSON.
 set -u
@@ -34,6 +36,13 @@ elif [[ $part == c ]]; then
   run 150 python3 bench/gpu_attention.py
   run 170 python3 bench/trainer_loop.py --config llama-1b-gpu --steps 30 --set model.fp8=delayed \
     --json "$out/1b-fp8-delayed.json"
+elif [[ $part == d ]]; then
+  run 100 python3 bench/fp8_gemms.py --json "$out/fp8-gemms.json"
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false run 100 python3 bench/fp8_gemms.py --json "$out/fp8-gemms-cublas.json"
+  run 170 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 30 "${text[@]}" --set data.packing=false \
+    --set data.num_workers=4 --json "$out/124m-unpacked-heads-w4.json"
+  run 170 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 30 "${text[@]}" --set data.packing=false \
+    --set data.num_workers=12 --json "$out/124m-unpacked-heads-w12.json"
 else
   run 200 python3 bench/trainer_loop.py --config llama-1b-gpu --steps 30 --json "$out/1b.json"
   run 120 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 60 "${text[@]}" --json "$out/124m-text.json"
