@@ -15,6 +15,7 @@ import data_helpers
 from distrib_train import data
 from distrib_train.data import record_shards
 from distrib_train.data import sources
+from distrib_train.data import splits
 from distrib_train.data import tokenizer as tokenizer_lib
 from distrib_train.training import config as config_lib
 from distrib_train.training.checks import TrainerSetupError
@@ -130,21 +131,26 @@ def test_heads_are_each_documents_first_ids_from_a_prefix_of_its_text(chars_per_
     assert sum(map(len, encoded)) < len(texts[0]) / 10, spec  # 64 tokens of a 100 KB text: a prefix
 
 
-def test_unpacked_rows_are_the_same_whether_a_prefix_or_the_whole_text_is_tokenized(hf_file, tmp_path):
+def test_unpacked_rows_are_the_same_whether_a_prefix_or_the_whole_text_is_tokenized(hf_file, tmp_path, monkeypatch):
+  """Training lanes and a finite pass over documents of many KB, short ones among them (skipped): the rows made
+  from documents' heads are those made, as before, from every text encoded whole."""
   corpus = tmp_path / "long.jsonl"
   texts = _long_texts() + [f"Short {i}." for i in range(5)] + sources._pydoc_documents()[:40]
   corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+  config = data.DataConfig(source="text", paths=(str(corpus),), seq_len=63, global_batch_size=8, packing=False,
+                           eval_fraction=0.0, tokenizer=f"hf:{hf_file}", bos_token="<s>", eos_token="</s>")
   rows = []
-  whole = tokenizer_lib.load(f"hf:{hf_file}", "<s>", "</s>")
-  # The spec, then a function adding the same BOS and EOS: a function's documents are encoded whole.
-  for tokenizer in ({"tokenizer": f"hf:{hf_file}", "bos_token": "<s>", "eos_token": "</s>"},
-                    {"tokenizer": lambda text: whole(text)}):
-    config = data.DataConfig(source="text", paths=(str(corpus),), seq_len=63, global_batch_size=8, packing=False,
-                             eval_fraction=0.0, **tokenizer)
-    loader = data.DataLoader(config, data_helpers.shardings(_mesh()), vocab_size=512)
-    rows.append([loader.next_local()["tokens"] for _ in range(6)])
-    loader.close()
-  np.testing.assert_array_equal(np.stack(rows[0]), np.stack(rows[1]))
+  for heads in (True, False):
+    if not heads:  # every document encoded whole, then cut
+      monkeypatch.setattr(splits.DocumentTokenizer, "heads",
+                          lambda self, docs, count: [ids[:count] for ids in self.batch(docs)])
+    got = []
+    for epochs in (None, 1):  # the training lanes, and a finite pass (grain's, as evaluation reads)
+      loader = data.DataLoader(config, data_helpers.shardings(_mesh()), vocab_size=512, num_epochs=epochs)
+      got += [loader.next_local()["tokens"] for _ in range(2 if epochs else 6)]
+      loader.close()
+    rows.append(np.stack(got))
+  np.testing.assert_array_equal(rows[0], rows[1])
 
 
 def test_tokenizing_worker_processes_share_the_hosts_cores_unless_the_user_set_the_threads(monkeypatch):

@@ -43,7 +43,9 @@ def batches(ds: Any, *, config: DataConfig, tokenize: Callable[[Any], np.ndarray
   Args:
     ds: the split's documents in the global shuffled order (a grain ``MapDataset``).
     config: the data config (``seq_len``, ``packing``, threads and workers).
-    tokenize: document → token ids.
+    tokenize: document → token ids; without packing, its ``heads`` (documents,
+      n → each one's first n ids, ``splits.DocumentTokenizer``), if it has
+      one, tokenizes only as much of each as a row takes.
     shard_index, shard_count: which share of the documents this process reads.
     num_epochs: passes over ``ds``.
     local_batch_size: rows per batch in this process.
@@ -59,7 +61,9 @@ def batches(ds: Any, *, config: DataConfig, tokenize: Callable[[Any], np.ndarray
   seq = config.seq_len + 1  # inputs and targets are shifted by one
   ds = ds[shard_index::shard_count]  # … of which this process reads its share
   ds = ds.repeat(num_epochs)
-  ds = ds.map(lambda doc: {"tokens": tokenize(doc)})
+  heads = getattr(tokenize, "heads", None)  # without packing a row is a document's head: only that is tokenized
+  encode = (lambda doc: heads([doc], seq)[0]) if heads is not None and not config.packing else tokenize
+  ds = ds.map(lambda doc: {"tokens": encode(doc)})
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=config.num_threads, prefetch_buffer_size=64))
   if config.num_workers:
     # Workers read and tokenize, one document at a time in the global

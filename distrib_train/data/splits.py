@@ -91,7 +91,8 @@ def split_documents(config: DataConfig, split: str, shard_count: int,
     _check_token_ids(tokenize, docs, checked[:: max(1, len(checked) // 16)][:16], vocab_size, split)
   # A sample: reading every document of a large ArrayRecord corpus here would be too slow.
   sample = checked
-  longest = max(max(map(len, tokenize.batch([docs[int(i)] for i in sample[start:start + 256]])))
+  # Only whether a document has a row's tokens matters: each one's head (a prefix of a long text) is encoded.
+  longest = max(max(map(len, tokenize.heads([docs[int(i)] for i in sample[start:start + 256]], config.seq_len + 1)))
                 for start in range(0, len(sample), 256))
   if longest == 0:  # packing would look for tokens forever
     source = f"data source {config.source!r}" + (f" {list(config.paths)}" if config.paths else "")
