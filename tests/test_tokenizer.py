@@ -131,6 +131,60 @@ def test_heads_are_each_documents_first_ids_from_a_prefix_of_its_text(chars_per_
     assert sum(map(len, encoded)) < len(texts[0]) / 10, spec  # 64 tokens of a 100 KB text: a prefix
 
 
+def _save(tok, path):
+  tok.save(str(path))
+  return f"hf:{path}"
+
+
+def test_tokenizers_that_segment_a_run_as_a_whole_encode_heads_from_whole_texts(tmp_path):
+  """A Unigram model splits a long run of ``=`` by where it ends, and WordPiece makes a word over 100 characters
+  one unknown token: for them (and SentencePiece's default, Unigram) ``encode_heads`` encodes texts whole, so a
+  head is still the whole encoding's, and a document a prefix would have made long enough is still skipped."""
+  from tokenizers import models
+
+  unigram = tokenizers.Tokenizer(models.Unigram([("<unk>", 0.0), ("▁", -2.0), ("=", -3.0), ("==", -1.0),
+                                                 ("▁=", -1.0)], unk_id=0))
+  unigram.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+  vocab = {"[UNK]": 0, "abcdefghijklmnopqrst": 1}
+  for c in "abcdefghijklmnopqrstuvwxyz":
+    vocab[c], vocab[f"##{c}"] = len(vocab), len(vocab) + 1
+  wordpiece = tokenizers.Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+  wordpiece.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+  prefix = tmp_path / "uni"  # SentencePiece's default model type
+  spm.SentencePieceTrainer.train(sentence_iterator=iter(sources._pydoc_documents()[:60]), model_prefix=str(prefix),
+                                 vocab_size=300, minloglevel=2)
+  cases = [(_save(unigram, tmp_path / "unigram.json"), "=" * 5001, 4),  # a prefix gives [1, 3, 3, 3]
+           (_save(wordpiece, tmp_path / "wordpiece.json"),  # a prefix gives 64 pieces of the long word
+            "abcdefghijklmnopqrst\t" * 31 + "\t" * 18 + "q" * 150, 64),
+           (f"sentencepiece:{prefix}.model", "=" * 40_001, 64)]
+  for spec, text, count in cases:
+    tok = tokenizer_lib.load(spec)
+    assert not tok.by_prefix, spec
+    assert tok.encode_heads([text], count)[0].tolist() == tok.encode_batch([text])[0][:count].tolist(), spec
+
+
+def test_a_tokenizer_files_truncation_and_padding_do_not_cut_or_pad_documents(hf_file, tmp_path):
+  tok = tokenizers.Tokenizer.from_file(str(hf_file))
+  tok.enable_truncation(8, direction="left")
+  tok.enable_padding(length=32, pad_id=0)
+  spec = _save(tok, tmp_path / "truncating.json")
+  ids = tokenizer_lib.load(f"hf:{hf_file}")(TEXT * 4)
+  loaded = tokenizer_lib.load(spec, "<s>")
+  assert len(ids) > 32 and loaded(TEXT * 4) == [1] + ids
+  assert loaded.encode_batch([TEXT * 4, "the"])[0].tolist() == [1] + ids
+  assert loaded.encode_batch(["the"])[0].tolist() == [1] + tokenizer_lib.load(f"hf:{hf_file}")("the")
+  assert [h.tolist() for h in loaded.encode_heads([TEXT * 400], 5)] == [[1] + ids[:4]]
+  assert [h.tolist() for h in loaded.encode_heads([TEXT * 400, ""], 0)] == [[], []]  # no room even for BOS
+  assert [h.tolist() for h in loaded.encode_heads([TEXT * 400], 1)] == [[1]]
+
+
+def test_document_heads_of_bytes_arrays_and_skipped_documents():
+  plain = splits.DocumentTokenizer(data.DataConfig(tokenizer="bytes"))
+  docs = ["ünïcödé " * 300, "ab", None, np.arange(5, dtype=np.int32), "ü" * 30]
+  want = [ids[:50] for ids in plain.batch(docs)]
+  assert [h.tolist() for h in plain.heads(docs, 50)] == [w.tolist() for w in want]
+
+
 def test_unpacked_rows_are_the_same_whether_a_prefix_or_the_whole_text_is_tokenized(hf_file, tmp_path, monkeypatch):
   """Training lanes and a finite pass over documents of many KB, short ones among them (skipped): the rows made
   from documents' heads are those made, as before, from every text encoded whole."""
@@ -139,9 +193,13 @@ def test_unpacked_rows_are_the_same_whether_a_prefix_or_the_whole_text_is_tokeni
   corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
   config = data.DataConfig(source="text", paths=(str(corpus),), seq_len=63, global_batch_size=8, packing=False,
                            eval_fraction=0.0, tokenizer=f"hf:{hf_file}", bos_token="<s>", eos_token="</s>")
-  rows = []
+  rows, counts = [], []
+  real = tokenizer_lib.Tokenizer.encode_heads
+  monkeypatch.setattr(tokenizer_lib.Tokenizer, "encode_heads",
+                      lambda self, texts, count: (counts.append(count), real(self, texts, count))[1])
   for heads in (True, False):
     if not heads:  # every document encoded whole, then cut
+      assert set(counts) == {64}, counts  # the readers asked for heads of a row's 63 + 1 tokens
       monkeypatch.setattr(splits.DocumentTokenizer, "heads",
                           lambda self, docs, count: [ids[:count] for ids in self.batch(docs)])
     got = []

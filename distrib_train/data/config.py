@@ -40,8 +40,9 @@ class DataConfig:
     seed: shuffle seed (and the synthetic source's).
     packing: concatenate documents and split at ``seq_len`` (with segment and
       position ids); otherwise each sequence is the start of one document,
-      shorter documents are skipped, and a named tokenizer encodes only a
-      prefix of each long document (``tokenizer.Tokenizer.encode_heads``).
+      shorter documents are skipped, and a named byte-level or BPE tokenizer
+      encodes only a prefix of each long document
+      (``tokenizer.Tokenizer.encode_heads``).
     max_documents_per_row: with packing, the documents a row holds at most;
       those past it in a row weigh 0 and attend to each other
       (``sequences.shifted``). 0: any number, or, in the trainer, what the

@@ -22,7 +22,8 @@ gives each text's first ``n`` ids from a prefix of it (the rows without
 packing are documents' heads).
 
 Special tokens: a document is encoded as plain text (no special tokens
-added by the tokenizer itself); ``data.bos_token`` and ``data.eos_token`` name
+added by the tokenizer itself, and no truncation or padding a
+``tokenizer.json`` may set for a model's inputs); ``data.bos_token`` and ``data.eos_token`` name
 tokens (their text, e.g. ``<s>``, ``</s>``, ``<|endoftext|>``) to put before
 and after every document — with packing, the EOS is what separates documents
 inside a sequence. Empty (the default): none. A name the vocabulary does not
@@ -77,6 +78,10 @@ class Tokenizer:
     vocab_size: ids are in ``[0, vocab_size)``.
     bos_id, eos_id: added before / after every document (None: not added).
     sha256: of the tokenizer file (empty for ``bytes``).
+    by_prefix: whether a prefix of a text encodes to a prefix of its ids, away from the cut (bytes, BPE:
+      ``encode_heads`` encodes prefixes); a Unigram or WordPiece model segments a run of text as a whole (the
+      split of a long run of ``=`` depends on where it ends; a word over WordPiece's length limit is one
+      unknown token), so their texts are encoded whole.
   """
 
   spec: str
@@ -90,6 +95,7 @@ class Tokenizer:
   eos_token: str = ""
   encode_texts: Callable[[Sequence[str]], Sequence[Sequence[int]]] | None = dataclasses.field(
       default=None, repr=False, compare=False)
+  by_prefix: bool = dataclasses.field(default=False, repr=False, compare=False)
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     """Each text's ids (int32), BOS and EOS as ``__call__`` adds them, encoded in one call."""
@@ -103,13 +109,16 @@ class Tokenizer:
     """``[ids[:count] for ids in encode_batch(texts)]``, encoding only a prefix of each long text.
 
     A sequence without packing is the head of one document, so the rest of a long one need not be encoded
-    (Python source through a 16k BPE, rows of 1025 tokens: 6 × fewer characters encoded). A text longer than
-    ``HEAD_CHARS_PER_TOKEN`` characters a token is cut at the last space or newline before that, its prefix
-    encoded, and the last ``HEAD_MARGIN`` tokens before the cut dropped: a cut only changes tokens near it
-    (the word it splits; a merge across words). A prefix of too few tokens is tried again four times as long,
-    up to the whole text.
+    (Python source through a 16k BPE, rows of 1025 tokens: 4 × fewer CPU-seconds). A text longer than
+    ``(count + HEAD_MARGIN) × HEAD_CHARS_PER_TOKEN`` characters is cut at its last space or newline in the
+    second half of those (else at their end), the prefix encoded and its last ``HEAD_MARGIN`` tokens dropped:
+    with byte-level or BPE tokenizers a cut changes only the tokens of the words next to it. A prefix of too
+    few tokens is tried again four times as long, up to the whole text. Where ``by_prefix`` is false
+    (Unigram, WordPiece) every text is encoded whole.
     """
     head, tail = self._specials()
+    if not self.by_prefix:
+      return [ids[:count] for ids in self.encode_batch(texts)]
     out: list[np.ndarray | None] = [None] * len(texts)
     pending, chars = list(range(len(texts))), (count + HEAD_MARGIN) * HEAD_CHARS_PER_TOKEN
     while pending:
@@ -120,7 +129,7 @@ class Tokenizer:
         if cut is None:
           out[i] = np.concatenate([head, ids, tail])[:count]
         elif len(head) + len(ids) - HEAD_MARGIN >= count:
-          out[i] = np.concatenate([head, ids[:count - len(head)]])
+          out[i] = np.concatenate([head, ids[:max(0, count - len(head))]])[:count]
         else:
           retry.append(i)
       pending, chars = retry, chars * 4
@@ -197,10 +206,12 @@ def _hf(path: str):
     tok = tokenizers.Tokenizer.from_file(path)
   except Exception as e:  # the library raises its own Exception type
     raise ValueError(f"data.tokenizer: {path!r} is not a Hugging Face tokenizer.json: {e}") from None
+  tok.no_truncation()  # a file's truncation or padding (set for a model's inputs) would cut or pad documents
+  tok.no_padding()
   encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # fast: no offsets (tokenizers >= 0.20)
   batch = lambda texts: [e.ids for e in encode(list(texts), add_special_tokens=False)]
   return (lambda text: tok.encode(text, add_special_tokens=False).ids, tok.token_to_id,
-          tok.get_vocab_size(with_added_tokens=True), batch)
+          tok.get_vocab_size(with_added_tokens=True), batch, type(tok.model).__name__ == "BPE")
 
 
 def _sentencepiece(path: str):
@@ -211,7 +222,19 @@ def _sentencepiece(path: str):
     raise ValueError(f"data.tokenizer: {path!r} is not a SentencePiece model: {e}") from None
   piece = lambda token: (lambda i: None if proc.id_to_piece(i) != token else i)(proc.piece_to_id(token))
   return (lambda text: proc.encode(text, out_type=int), piece, proc.get_piece_size(),
-          lambda texts: proc.encode(list(texts), out_type=int))
+          lambda texts: proc.encode(list(texts), out_type=int), _sentencepiece_is_bpe(proc))
+
+
+def _sentencepiece_is_bpe(proc: Any) -> bool:
+  """Whether a SentencePiece model is BPE (its default, Unigram, segments a run of text as a whole); False
+  where its model proto cannot be read (no ``protobuf``)."""
+  try:
+    from sentencepiece import sentencepiece_model_pb2
+  except ImportError:
+    return False
+  model = sentencepiece_model_pb2.ModelProto()
+  model.ParseFromString(proc.serialized_model_proto())
+  return model.trainer_spec.model_type == sentencepiece_model_pb2.TrainerSpec.BPE
 
 
 def _tiktoken(path: str):
@@ -232,7 +255,7 @@ def _tiktoken(path: str):
                                special_tokens={})
   by_text = {token.decode("utf-8", "replace"): rank for token, rank in ranks.items()}
   return (lambda text: encoding.encode_ordinary(text), by_text.get, max(ranks.values()) + 1,
-          lambda texts: encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1))
+          lambda texts: encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1), True)
 
 
 def _tiktoken_pattern(tiktoken: Any, name: str) -> str:
@@ -258,10 +281,11 @@ def load(spec: str = "bytes", bos_token: str = "", eos_token: str = "") -> Token
   """
   kind, path = parse(spec)
   if kind == "bytes":
-    encode, token_id, vocab, batch, sha = (lambda text: list(text.encode("utf-8"))), (lambda token: None), 256, \
-        utf8_bytes, ""
+    encode, token_id, vocab, batch, by_prefix, sha = (lambda text: list(text.encode("utf-8"))), \
+        (lambda token: None), 256, utf8_bytes, True, ""
   else:
-    encode, token_id, vocab, batch = {"hf": _hf, "sentencepiece": _sentencepiece, "tiktoken": _tiktoken}[kind](
+    encode, token_id, vocab, batch, by_prefix = {"hf": _hf, "sentencepiece": _sentencepiece,
+                                                 "tiktoken": _tiktoken}[kind](
         os.path.expanduser(path) if kind != "tiktoken" else path)
     sha = _sha256(os.path.expanduser(path.partition("#")[0] if kind == "tiktoken" else path))
   ids = {}
@@ -274,7 +298,7 @@ def load(spec: str = "bytes", bos_token: str = "", eos_token: str = "") -> Token
       raise ValueError(f"data.{name}: {token!r} is not a token of {spec} (a tokenizer's special tokens are named"
                        " by their text, e.g. <s>, </s>, <|endoftext|>).")
   return Tokenizer(spec, vocab, encode, token_id, ids["bos_token"], ids["eos_token"], sha, bos_token, eos_token,
-                   batch)
+                   batch, by_prefix)
 
 
 def utf8_bytes(texts: Sequence[str]) -> list[np.ndarray]:
