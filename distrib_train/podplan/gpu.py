@@ -61,6 +61,9 @@ def install_hint() -> str:
           " compiler needs no GPU), or the full jax[cuda12]")
 
 
+CUDA_RUNTIME = (12, 8)
+
+
 def target_config(kind: hardware.DeviceKind) -> str:
   """The card as XLA's ``GpuTargetConfigProto`` (text format).
 
@@ -77,7 +80,10 @@ def target_config(kind: hardware.DeviceKind) -> str:
       f" memory_bandwidth: {int(kind.hbm_bandwidth)} l2_cache_size: {l2} clock_rate_ghz: {clock}"
       f" device_memory_size: {kind.memory_bytes} shared_memory_per_block_optin: {shared_per_block}"
       f" cuda_compute_capability {{ major: {major} minor: {minor} }} registers_per_core_limit: 65536"
-      f" registers_per_block_limit: 65536 }} platform_name: \"CUDA\" device_description_str: \"{name}\"")
+      f" registers_per_block_limit: 65536 }} platform_name: \"CUDA\" device_description_str: \"{name}\""
+      # The CUDA runtime of JAX's cuda12 wheels. Without one XLA assumes none: it then builds no FP8 cuBLASLt
+      # GEMMs, so a program with FP8 matmuls would not be the one a card runs.
+      f" runtime_version {{ major: {CUDA_RUNTIME[0]} minor: {CUDA_RUNTIME[1]} }}")
 
 
 @dataclasses.dataclass(frozen=True)
