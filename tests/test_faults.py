@@ -5,6 +5,7 @@ step loop, and a resume with a changed setting. The bad inputs that are
 refused before anything is written are in ``test_bad_inputs.py``.
 """
 
+import gc
 import os
 import pathlib
 import shutil
@@ -136,6 +137,51 @@ def test_sigterm_during_start_up_stops_at_once_with_one_line(tmp_path):
   assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
   assert "distrib-train: stopped by SIGTERM" in output and "Traceback" not in output, output[-3000:]
   assert not (workdir / "checkpoints").exists() or not list((workdir / "checkpoints").iterdir())
+
+
+def test_a_signal_landing_in_a_garbage_collector_callback_is_not_dropped(capfd):
+  """jax registers a garbage-collector callback. A SIGTERM in start-up that landed in it raised ``Terminated``
+  there, where Python prints "Exception ignored" and drops the exception: the run went on training (a CI
+  failure of the test above). The signal is now delivered again just after."""
+  from distrib_train.cluster import preemption
+
+  armed = [True]
+
+  def callback(phase, info):
+    if phase == "start" and armed:
+      armed.clear()
+      os.kill(os.getpid(), signal.SIGTERM)
+      for _ in range(100_000):  # the handler runs here, inside the callback
+        pass
+
+  stopper = preemption.Preemption()
+  gc.callbacks.append(callback)
+  try:
+    with pytest.raises(preemption.Terminated):
+      gc.collect()
+      time.sleep(10)  # the signal delivered again interrupts this
+  finally:
+    gc.callbacks.remove(callback)
+    stopper.close()
+  assert "Exception ignored" not in capfd.readouterr().err
+
+
+def test_a_terminated_that_code_swallowed_is_raised_again_when_the_steps_start():
+  from distrib_train.cluster import preemption
+
+  stopper = preemption.Preemption()
+  try:
+    try:
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(10)
+    except BaseException:  # code that turns every exception into nothing
+      pass
+    with pytest.raises(preemption.Terminated):
+      stopper.enter_steps()
+    with pytest.raises(preemption.Terminated):
+      stopper.reached(0)
+  finally:
+    stopper.close()
 
 
 @pytest.fixture(scope="module")

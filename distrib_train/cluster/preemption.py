@@ -9,9 +9,15 @@ Not for: starting JAX (``distributed.py``), the loop's save-and-stop (``training
 
 from __future__ import annotations
 
+import gc
 import signal
+import threading
 
 import jax
+
+# A signal that lands in a garbage-collector callback or a ``__del__`` is delivered again this much later: an
+# exception raised there is printed as "Exception ignored" and dropped, and the run would go on.
+REDELIVER_S = 0.05
 
 
 class Terminated(BaseException):
@@ -38,6 +44,11 @@ class Preemption:
   the flag the loop reads between steps (it then saves and stops); outside
   them, or a second time, the handler raises ``Terminated`` so that a run
   stuck in start-up, compiling, reading data or saving still ends promptly.
+  Where Python would drop that exception (the signal landed in a
+  garbage-collector callback or a ``__del__``: jax registers one such
+  callback) the signal is delivered again ``REDELIVER_S`` later; and one
+  that code still swallowed (an ``except BaseException``) is raised again
+  when the steps are entered or polled.
   """
 
   _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -48,20 +59,29 @@ class Preemption:
     self._sync = jax.process_count() > 1 and distributed.global_state.preemption_sync_manager is not None
     self._flag = False
     self._in_steps = False
+    self._raised: int | None = None  # the signal a Terminated was raised for
     self._previous = {}
     if jax.process_count() == 1:
       for signum in self._SIGNALS:
         self._previous[signum] = signal.signal(signum, self._on_signal)
 
   def _on_signal(self, signum, frame):
-    del frame
     if self._in_steps and not self._flag:
       self._flag = True
       return
+    if _in_finalizer(frame):  # to the main thread, so that a call it waits in is interrupted too
+      threading.Timer(REDELIVER_S, signal.pthread_kill, (threading.main_thread().ident, signum)).start()
+      return
+    self._raised = signum
     raise Terminated(signum)
 
+  def _raise_swallowed(self) -> None:
+    if self._raised is not None:
+      raise Terminated(self._raised)
+
   def enter_steps(self) -> None:
-    """From here a first signal asks the loop to save and stop."""
+    """From here a first signal asks the loop to save and stop (a ``Terminated`` swallowed before: raised)."""
+    self._raise_swallowed()
     self._in_steps = True
 
   def leave_steps(self) -> None:
@@ -69,6 +89,7 @@ class Preemption:
     self._in_steps = False
 
   def reached(self, iteration: int) -> bool:
+    self._raise_swallowed()
     if self._sync:
       from jax.experimental import multihost_utils
 
@@ -79,3 +100,14 @@ class Preemption:
     for signum, previous in self._previous.items():
       signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
     self._previous = {}
+
+
+def _in_finalizer(frame) -> bool:
+  """Whether ``frame`` runs inside a garbage-collector callback or a ``__del__``, where Python prints an
+  exception as "Exception ignored" and drops it."""
+  callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+  while frame is not None:
+    if frame.f_code.co_name == "__del__" or frame.f_code in callbacks:
+      return True
+    frame = frame.f_back
+  return False
