@@ -139,31 +139,34 @@ class DocumentTokenizer:
 
   def batch(self, docs: Sequence[Any]) -> list[np.ndarray]:
     """Each document's ids, as ``__call__`` gives them; the texts among them encoded in one call."""
-    out: list[np.ndarray | None] = [doc if isinstance(doc, np.ndarray) else _EMPTY if doc is None else None
-                                    for doc in docs]
-    texts = [i for i, got in enumerate(out) if got is None]
-    if texts:
-      if self._function is None:
-        encoded = tokenizer_lib.utf8_bytes([docs[i] for i in texts])
-      elif self._loaded is not None:
-        encoded = self._loaded.encode_batch([docs[i] for i in texts])
-      else:
-        encoded = [self(docs[i]) for i in texts]
-      for i, ids in zip(texts, encoded):
-        out[i] = ids
-    return out  # type: ignore[return-value]
+    if self._function is None:
+      return self._with_texts_encoded(docs, tokenizer_lib.utf8_bytes)
+    if self._loaded is not None:
+      return self._with_texts_encoded(docs, self._loaded.encode_batch)
+    return self._with_texts_encoded(docs, lambda texts: [self(text) for text in texts])
 
   def heads(self, docs: Sequence[Any], count: int) -> list[np.ndarray]:
     """``[ids[:count] for ids in self.batch(docs)]``: the sequences without packing are documents' heads, so a
     named tokenizer encodes only a prefix of each long text (``tokenizer.Tokenizer.encode_heads``)."""
     if self._function is None:  # UTF-8 bytes: the first ``count`` characters hold the first ``count`` bytes
-      return [ids[:count] for ids in self.batch([doc[:count] if isinstance(doc, str) else doc for doc in docs])]
-    if self._loaded is None:
-      return [ids[:count] for ids in self.batch(docs)]
-    out = [doc[:count] if isinstance(doc, np.ndarray) else _EMPTY if doc is None else None for doc in docs]
+      encoded = self._with_texts_encoded(docs, lambda texts: tokenizer_lib.utf8_bytes([t[:count] for t in texts]))
+    elif self._loaded is not None:
+      encoded = self._with_texts_encoded(docs, lambda texts: self._loaded.encode_heads(texts, count))
+    else:
+      encoded = self.batch(docs)
+    return [ids[:count] for ids in encoded]
+
+  @staticmethod
+  def _with_texts_encoded(docs: Sequence[Any], encode: Callable[[list[str]], Sequence[np.ndarray]]
+                          ) -> list[np.ndarray]:
+    """The documents with their texts replaced by ``encode(texts)`` (one call); a document of ids as it is, a
+    skipped one (None) as no ids."""
+    out: list[np.ndarray | None] = [doc if isinstance(doc, np.ndarray) else _EMPTY if doc is None else None
+                                    for doc in docs]
     texts = [i for i, got in enumerate(out) if got is None]
-    for i, ids in zip(texts, self._loaded.encode_heads([docs[i] for i in texts], count)):
-      out[i] = ids
+    if texts:
+      for i, ids in zip(texts, encode([docs[i] for i in texts])):
+        out[i] = ids
     return out  # type: ignore[return-value]
 
 

@@ -116,9 +116,9 @@ class Tokenizer:
     few tokens is tried again four times as long, up to the whole text. Where ``by_prefix`` is false
     (Unigram, WordPiece) every text is encoded whole.
     """
-    head, tail = self._specials()
     if not self.by_prefix:
       return [ids[:count] for ids in self.encode_batch(texts)]
+    head, tail = self._specials()
     out: list[np.ndarray | None] = [None] * len(texts)
     pending, chars = list(range(len(texts))), (count + HEAD_MARGIN) * HEAD_CHARS_PER_TOKEN
     while pending:
