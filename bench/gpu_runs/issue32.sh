@@ -7,8 +7,8 @@
 #                                      # the 1b with delayed FP8
 #   bash bench/gpu_runs/issue32.sh d   # unpacked real text with only documents' heads tokenized (4 and 12
 #                                      # workers); FP8 products by layout (bench/fp8_gemms.py, Triton and cuBLAS)
-#   bash bench/gpu_runs/issue32.sh e   # the 1b's bare step in bf16 and FP8, Triton GEMMs against cuBLAS
-#                                      # (bench/NOTES.md lever 15)
+#   bash bench/gpu_runs/issue32.sh e   # the 1b's bare step in bf16 and FP8 (current, delayed), Triton GEMMs
+#                                      # against cuBLAS (bench/NOTES.md levers 15 and 16)
 # Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/
 # (corpus.jsonl and tokenizer.json) carried along. Writes $OUT/issue32-<part>.log and the benches' JSON.
 set -u
@@ -48,7 +48,7 @@ elif [[ $part == d ]]; then
 elif [[ $part == e ]]; then
   base="scan=0,loss_remat=0,batch=16"
   run 560 python3 bench/train_throughput.py --shapes 1b --reference none --sweep --time_budget 480 --json \
-    "$out/1b-fp8-gemms.json" --settings "$base;$base,fp8=current;$base,fp8=current,xla_gpu_enable_triton_gemm=false;$base,xla_gpu_enable_triton_gemm=false;$base,fp8=delayed,xla_gpu_enable_triton_gemm=false"
+    "$out/1b-fp8-gemms.json" --settings "$base;$base,fp8=current;$base,fp8=delayed;$base,fp8=current,xla_gpu_enable_triton_gemm=false;$base,xla_gpu_enable_triton_gemm=false;$base,fp8=delayed,xla_gpu_enable_triton_gemm=false"
 else
   run 200 python3 bench/trainer_loop.py --config llama-1b-gpu --steps 30 --json "$out/1b.json"
   run 120 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 60 "${text[@]}" --json "$out/124m-text.json"

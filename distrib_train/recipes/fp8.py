@@ -14,7 +14,10 @@ model's dtype.
 - ``delayed``: each scale comes from the largest amax of the tensor's last
   ``fp8_amax_history`` steps (a tensor that outgrows it saturates), kept per
   layer and matmul in ``AmaxHistory`` local state (newest first; an empty
-  history, the first step, takes the current amax). The gradient's amax is
+  history, the first step, gives a scale of 1, as in flax's FP8 ops and
+  Transformer Engine). No cast waits for its own tensor's amax, so XLA fuses
+  the cast and the amax into the kernel that makes the tensor: one pass fewer
+  over each operand than ``current`` (``tests/test_podplan_gpu.py``). The gradient's amax is
   only known in the backward pass, so the histories are written there, as
   their "gradient" (``OverwriteWithGradient``): the step carries, shards and
   checkpoints them with the rest of the local state and the optimizer never
@@ -129,11 +132,9 @@ def _to_fp8(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
 
 
 def _scale_for(amax: jax.Array, history: jax.Array | None, dtype) -> jax.Array:
-  """Current scaling (no history), or the history's largest amax (its first step: the current amax)."""
-  if history is not None:
-    past = jnp.max(history)
-    amax = jnp.where(past > 0, past, amax)
-  return _scale(amax, dtype)
+  """Current scaling (no history), or the history's largest amax (an empty history: 1). Never both: a fallback
+  to the current amax would make the cast wait for it again (bench/NOTES.md lever 16)."""
+  return _scale(amax if history is None else jnp.max(history), dtype)
 
 
 def _push(history: jax.Array, amax: jax.Array) -> jax.Array:
@@ -143,7 +144,7 @@ def _push(history: jax.Array, amax: jax.Array) -> jax.Array:
 def delayed_quantize_dequantize(x: jax.Array, dtype, history: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``x`` rounded to ``dtype`` with the scale of the largest amax in ``history`` (saturating where ``x``
   outgrew it), and the history with ``x``'s own amax pushed in front. An empty history (all zeros: the first
-  step) takes ``x``'s amax, as current scaling would."""
+  step) gives a scale of 1."""
   amax = _amax(x)
   scale = _scale_for(amax, history, dtype)
   return (_to_fp8(x, dtype, scale).astype(jnp.float32) / scale).astype(x.dtype), _push(history, amax)
