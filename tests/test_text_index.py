@@ -193,8 +193,7 @@ def test_a_read_only_data_directory_keeps_its_index_in_the_cache(tmp_path):
   the index there."""
   (tmp_path / "data").mkdir()
   path = _write(tmp_path / "data" / "r.jsonl", [json.dumps({"text": "x"}), json.dumps({"text": "y"})])
-  env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
-         "PYTHONPATH": os.pathsep.join([str(pathlib_root()), os.environ.get("PYTHONPATH", "")])}
+  env = _child_env(XDG_CACHE_HOME=str(tmp_path / "cache"))
   os.chmod(tmp_path / "data", 0o555)
   try:
     runs = [subprocess.run([sys.executable, "-c", _READ_ONLY, path], env=env, capture_output=True, text=True,
@@ -224,10 +223,8 @@ print(reader.built_now, hashlib.sha256(reader.offsets.tobytes()).hexdigest(), le
 def test_two_processes_opening_a_new_file_at_once_build_its_index_once(tmp_path):
   path = _write(tmp_path / "big.jsonl", [json.dumps({"text": f"{i} " + "x" * (i % 300)}) for i in range(20_000)])
   go = tmp_path / "go"
-  root = str(pathlib_root())
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
   procs = [subprocess.Popen([sys.executable, "-c", _OPEN, path, str(go)], stdout=subprocess.PIPE, text=True,
-                            env=env) for _ in range(2)]
+                            env=_child_env()) for _ in range(2)]
   go.touch()
   outs = [p.communicate(timeout=120)[0].split() for p in procs]
   assert all(p.returncode == 0 for p in procs)
@@ -239,6 +236,12 @@ def pathlib_root():
   import pathlib
 
   return pathlib.Path(dt.__file__).resolve().parents[1]
+
+
+def _child_env(**extra: str) -> dict[str, str]:
+  """This environment for a child Python that imports this checkout, plus ``extra``."""
+  return {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib_root()), os.environ.get("PYTHONPATH", "")]),
+          **extra}
 
 
 def _bad_corpus(tmp_path, bad_every=3, documents=60):
