@@ -16,7 +16,10 @@ config (``DataConfig(source="text", paths=(...))``) on a 1-device mesh, it
 times the first open (``DataLoader`` construction with its index built in an
 emptied ``data.index_cache_dir``), the second open (the index reused) and
 the shuffled, packed training tokens/s of ``DataLoader.next_local``, with
-the byte tokenizer and with ``--tokenizer``. A format no reader of this
+the byte tokenizer and with ``--tokenizer``, with the CPU the reading took:
+the training process's per batch, and the worker processes' (``--num_workers``)
+per million tokens, so that a rate below the cores' shows whether the
+workers were slow or idle. A format no reader of this
 checkout reads (its documents not all found) is skipped with a line saying so.
 ``--convert_workers`` also times ``convert`` of the JSONL with each of
 those worker counts, to text records and with ``--tokenizer``, in MB/s of
@@ -167,6 +170,25 @@ def write_format(fmt: str, base: str, lines) -> list[str]:
   raise ValueError(f"unknown format {fmt!r}")
 
 
+def children_cpu_s() -> float | None:
+  """CPU seconds (user + system, all threads) of this process's live child processes, from ``/proc``; None
+  where that cannot be read (not Linux)."""
+  try:
+    me = f"/proc/{os.getpid()}/task"
+    pids = set()
+    for task in os.listdir(me):
+      with open(f"{me}/{task}/children") as f:
+        pids.update(f.read().split())
+    ticks = 0
+    for pid in pids:
+      with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+      ticks += int(fields[11]) + int(fields[12])  # utime and stime: fields 14 and 15 of proc(5)
+    return ticks / os.sysconf("SC_CLK_TCK")
+  except (OSError, ValueError, IndexError):
+    return None
+
+
 def measure(paths, count: int, tokenizer: str, args, cache_dir: str) -> dict:
   """First open, second open and training tokens/s of one format with one tokenizer."""
   import jax
@@ -196,13 +218,24 @@ def measure(paths, count: int, tokenizer: str, args, cache_dir: str) -> dict:
     if len(opens) == 1:
       loader.close()
   loader.next_local()  # warm up: workers started, read-ahead filled
-  batches, started = 0, time.perf_counter()
+  batches, started, cpu, workers_cpu = 0, time.perf_counter(), time.process_time(), children_cpu_s()
   while time.perf_counter() - started < args.seconds:
     loader.next_local()
     batches += 1
-  rate = batches * args.batch * args.seq_len / (time.perf_counter() - started)
+  tokens = batches * args.batch * args.seq_len
+  rate = tokens / (time.perf_counter() - started)
+  cpu = time.process_time() - cpu
+  after = children_cpu_s()
   loader.close()
-  return {"first_open_s": opens[0], "second_open_s": opens[1], "tokens_per_s": rate}
+  return {"first_open_s": opens[0], "second_open_s": opens[1], "tokens_per_s": rate,
+          "main_cpu_ms_per_batch": 1e3 * cpu / max(1, batches),
+          "workers_cpu_s_per_m_tokens": (after - workers_cpu) / tokens * 1e6
+                                        if args.num_workers and after is not None and workers_cpu is not None
+                                        else None}
+
+
+def _figure(value: float | None) -> str:
+  return "-" if value is None else f"{value:.2f}"
 
 
 def main(argv=None) -> dict:
@@ -225,7 +258,8 @@ def main(argv=None) -> dict:
     parser.error(f"unknown formats {unknown}; known: {', '.join(FORMATS)}")
   tokenizers = ["bytes"] + ([args.tokenizer] if args.tokenizer else [])
   rows, converts = [], []
-  print(f"{'size':>7} {'format':<13} {'tokenizer':<10} {'1st open s':>10} {'2nd open s':>10} {'M tokens/s':>10}")
+  print(f"{'size':>7} {'format':<13} {'tokenizer':<10} {'1st open s':>10} {'2nd open s':>10} {'M tokens/s':>10}"
+        f"  {'CPU ms/batch':>12} {'workers CPU-s/M tokens':>22}")
   for size_text in args.sizes.split(","):
     directory = os.path.join(args.dir, size_text)
     made, count = write_corpus(directory, parse_size(size_text), formats, tokenizers)
@@ -244,7 +278,8 @@ def main(argv=None) -> dict:
           print(f"{size_text:>7} {fmt:<13} {name:<10} skipped: {found['skipped']}", flush=True)
         else:
           print(f"{size_text:>7} {fmt:<13} {name:<10} {found['first_open_s']:>10.2f} {found['second_open_s']:>10.2f}"
-                f" {found['tokens_per_s'] / 1e6:>10.3f}", flush=True)
+                f" {found['tokens_per_s'] / 1e6:>10.3f}  {found['main_cpu_ms_per_batch']:>12.1f}"
+                f" {_figure(found['workers_cpu_s_per_m_tokens']):>22}", flush=True)
   result = {"seq_len": args.seq_len, "batch": args.batch, "cpus": os.cpu_count(), "rows": rows, "convert": converts}
   if args.json:
     with open(args.json, "w") as f:

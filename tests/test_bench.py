@@ -61,6 +61,22 @@ def test_data_bench_writes_every_format_and_times_what_this_checkout_reads(tmp_p
   assert all("skipped" not in r for r in rows if r["format"] in ("jsonl", "parquet", "array_record")), rows
   assert (tmp_path / "corpora" / "2MB" / "corpus.parquet").exists()
   assert any((tmp_path / "corpora" / "2MB").glob("tokens-*/corpus-00000-of-00001.array_record"))
+  timed = [r for r in rows if "skipped" not in r]
+  assert all(r["main_cpu_ms_per_batch"] > 0 and r["workers_cpu_s_per_m_tokens"] is None for r in timed), timed
+
+
+def test_data_bench_counts_the_worker_processes_cpu(tmp_path):
+  """With ``--num_workers``, the CPU the worker processes spent per million tokens is read from /proc (the figure
+  that tells workers that were slow from workers that were idle, on a host of many cores)."""
+  out = subprocess.run(
+      [sys.executable, "bench/data_bench.py", "--sizes", "1MB", "--formats", "jsonl", "--dir", str(tmp_path),
+       "--seconds", "1", "--seq_len", "256", "--batch", "8", "--num_workers", "1", "--json", str(tmp_path / "rows.json")],
+      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""), capture_output=True, text=True, timeout=240)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  (row,) = json.loads((tmp_path / "rows.json").read_text())["rows"]
+  assert row["tokens_per_s"] > 0 and row["main_cpu_ms_per_batch"] > 0
+  # A worker reads, tokenizes and packs every token the training process receives: it cannot cost nothing.
+  assert 0 < row["workers_cpu_s_per_m_tokens"] < 1e3, row
 
 
 def test_fp8_gemm_bench_times_the_same_products_in_each_layout_on_cpu(tmp_path):

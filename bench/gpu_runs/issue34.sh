@@ -3,7 +3,8 @@
 #   bash bench/gpu_runs/issue34.sh a   # the Triton grouped matmul against ragged_dot (bf16 and FP8), then the
 #                                      # MoE against its dense twin at the issue's shape: B 8 in bf16 and fp8
 #   bash bench/gpu_runs/issue34.sh c   # the same at B 16, bf16 (each part fits one call's 600 s)
-#   bash bench/gpu_runs/issue34.sh b   # the machine's 16 CPU cores: on-the-fly BPE tokens/s with 0 and 12 workers
+#   bash bench/gpu_runs/issue34.sh b   # the machine's 16 CPU cores: on-the-fly BPE tokens/s with 0, 12 and 15
+#                                      # workers, and 12 with a tokenizer thread per core each (the old default)
 # Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/tokenizer.json
 # carried along. Writes $OUT/issue34-<part>.log and the benches' JSON.
 set -u
@@ -24,9 +25,14 @@ elif [[ $part == c ]]; then
   run 240 python3 bench/moe_step.py "${shape[@]}" --batch 16 --json "$out/moe-b16.json"
 else
   nproc | tee -a "$log"
-  for workers in 0 12; do
-    run 240 python3 bench/data_bench.py --sizes 100MB --formats jsonl --tokenizer hf:.gpu_data/tokenizer.json \
-      --num_workers $workers --json "$out/data-w$workers.json"
+  lscpu | grep -E 'Model name|Thread|Core|Socket' | tee -a "$log"
+  bpe=(--sizes 100MB --formats jsonl --tokenizer hf:.gpu_data/tokenizer.json --dir /tmp/data-bench --seconds 10)
+  for workers in 0 12 15; do
+    run 150 python3 bench/data_bench.py "${bpe[@]}" --num_workers $workers --json "$out/data-w$workers.json"
   done
+  # Before beside after: every worker's tokenizer with a thread per core, as before worker_thread_env (measured
+  # on 2 cores with 12 threads a worker: 0.81 of one thread a worker).
+  run 150 env RAYON_NUM_THREADS="$(nproc)" python3 bench/data_bench.py "${bpe[@]}" --num_workers 12 \
+    --json "$out/data-w12-threads-per-core.json"
 fi
 echo "=== done in $((SECONDS - start)) s" | tee -a "$log"
