@@ -126,6 +126,7 @@ def gradients(mesh, microbatches: int = 1, repeats: int = 1, packed: bool = Fals
   context = (microbatching.pipelining(microbatching.Pipelining(mesh, microbatches, repeats))
              if microbatching.stages_of(mesh) > 1 else dt.activation_sharding(mesh, rules))
   grad = jax.jit(jax.grad(loss), in_shardings=(plan.train_state_shardings.params, plan.input_kwarg_shardings))
-  placed = {k: jax.device_put(v, plan.input_kwarg_shardings[k]) for k, v in batch.items()}
+  placed = {k: jax.make_array_from_callback(v.shape, plan.input_kwarg_shardings[k], lambda i, v=v: v[i])
+            for k, v in batch.items()}  # each process its own shards (a mesh across processes too)
   with dt.activation_sharding(mesh, rules), context:
     return _numpy(grad(state.params, placed))

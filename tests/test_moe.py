@@ -120,10 +120,18 @@ def test_experts_that_do_not_split_over_the_expert_axis_are_refused():
 
 
 def test_expert_axis_across_two_processes(one_device):
+  """expert 4 (2 over DCN) × fsdp 2 across two processes: the one-device losses, trained params and gradients."""
   results = mp_harness.run_workers(_WORKERS / "moe_worker.py", "10", timeout=300)
+  want = ph.gradients(ph.mesh_of({}, devices=jax.devices()[:1]), family="moe", packed=True)
   for r in results:
     assert r.result["mesh"]["expert"] == 4
     np.testing.assert_allclose(r.result["losses"], one_device[0], rtol=RTOL)
+    assert set(r.result["params"]) == set(one_device[1]) and set(r.result["gradients"]) == set(want)
+    for name, value in one_device[1].items():
+      np.testing.assert_allclose(r.result["params"][name], value, rtol=RTOL, atol=2e-5, err_msg=name)
+    for name, value in want.items():
+      scale = np.max(np.abs(value))
+      np.testing.assert_allclose(r.result["gradients"][name], value, rtol=RTOL, atol=1e-5 * scale, err_msg=name)
 
 
 def test_moe_presets_count_their_parameters():
