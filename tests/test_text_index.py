@@ -110,6 +110,35 @@ def test_a_changed_file_gets_a_new_index(tmp_path, change):
   assert not jsonl.JsonlFile(str(path), "text").built_now
 
 
+def test_a_copy_of_an_edited_file_that_keeps_size_mtime_head_and_tail_gets_a_new_index(tmp_path):
+  """As ``cp -p``, ``rsync -a`` or ``tar x`` of a new version can: one line in the middle, beyond the hashed
+  64 KiB at each end, changes length within the same total size, and the mtime is set back."""
+  texts = [f"document {i:05d}" for i in range(8000)]
+  path = tmp_path / "d.jsonl"
+  _write(path, [json.dumps({"text": t}) for t in texts])
+  assert jsonl.JsonlFile(str(path), "text").built_now
+  stat = os.stat(path)
+  edited = texts[:4000] + ["document 04000 and 04001", "xxxx"] + texts[4002:]  # two lines' bytes, moved
+  _write(path, [json.dumps({"text": t}) for t in edited])
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  assert os.stat(path).st_size == stat.st_size and os.stat(path).st_mtime_ns == stat.st_mtime_ns
+  reader = jsonl.JsonlFile(str(path), "text")
+  assert reader.built_now and reader[4000] == "document 04000 and 04001" and reader[4001] == "xxxx"
+
+
+@pytest.mark.parametrize("name", [b"caf\xe9.jsonl", b"n" * 240 + b".jsonl"], ids=["latin-1", "240-bytes"])
+def test_file_names_in_any_encoding_and_near_the_length_limit_are_indexed(tmp_path, name):
+  """A name that is not UTF-8 (a latin-1 ``é``), and one of 246 bytes, whose index name would pass 255."""
+  path = os.path.join(os.fsencode(tmp_path), name)
+  with open(path, "wb") as f:
+    f.write(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in ("aa", "bb")))
+  for built in (True, False):
+    reader = jsonl.JsonlFile(os.fsdecode(path), "text")
+    assert reader.built_now == built and _texts(reader) == ["aa", "bb"]
+  cached = data.DataConfig(source="text", paths=(os.fsdecode(path),), index_cache_dir=str(tmp_path / "cache"))
+  assert _texts(data.Documents(cached)) == ["aa", "bb"]
+
+
 def test_a_corpus_that_changes_between_runs_is_read_as_it_is_now(tmp_path):
   for name in ("a", "b"):
     _write(tmp_path / f"{name}.jsonl", [json.dumps({"text": f"{name}{i}"}) for i in range(3)])

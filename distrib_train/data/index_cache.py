@@ -10,9 +10,11 @@ or, where that directory is not writable (or refuses the write: EACCES,
 EPERM, EROFS) or ``cache_dir`` is given, under
 ``cache_dir`` (default ``$XDG_CACHE_HOME/distrib_train/indexes``, else
 ``~/.cache/…``) as ``<hash of the path>-<file name>.<kind>.dtindex``. It
-is keyed by the file's absolute path, size, modification time and a hash of
-its first and last 64 KiB: a file that changed, was replaced or was moved
-gets a new index, never a stale one. The format is a magic line, a JSON
+is keyed by the file's absolute path, size, modification and change times
+and a hash of its first and last 64 KiB: a file that changed, was replaced
+or was moved gets a new index, never a stale one (a copy that keeps the
+size, mtime, head and tail still has a new change time). A file name over
+160 bytes is kept under its hash. The format is a magic line, a JSON
 header (the key and each array's dtype, shape and offset) and the arrays'
 raw bytes, mapped read-only when loaded: no pickle.
 
@@ -44,6 +46,7 @@ _MAGIC = b"distrib_train index\n"
 _LENGTH = struct.Struct("<Q")
 _EDGE = 1 << 16  # bytes hashed at each end of the file
 _ALIGN = 64
+_NAME_BYTES = 160  # longer file names are kept under their hash
 
 
 def default_cache_dir() -> str:
@@ -62,8 +65,10 @@ def file_key(path: str, kind: str) -> dict:
     if stat.st_size > _EDGE:
       f.seek(max(_EDGE, stat.st_size - _EDGE))
       digest.update(f.read(_EDGE))
+  # ctime too: a copy that keeps the size, mtime, head and tail (``cp -p``, ``rsync -a``, ``tar x`` of an edited
+  # file) still sets it, and no tool can set it back.
   return {"version": VERSION, "kind": kind, "path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-          "edges": digest.hexdigest()}
+          "ctime_ns": stat.st_ctime_ns, "edges": digest.hexdigest()}
 
 
 def index_path(path: str, kind: str, cache_dir: str = "") -> str:
@@ -77,10 +82,13 @@ def _places(path: str, kind: str, cache_dir: str) -> list[str]:
   writable as far as ``os.access`` knows), then the cache directory."""
   path = os.path.abspath(path)
   folder, name = os.path.split(path)
-  tag = hashlib.sha256(path.encode()).hexdigest()[:16]
-  cached = os.path.join(cache_dir or default_cache_dir(), f"{tag}-{name}.{kind}.dtindex")
+  tag = hashlib.sha256(os.fsencode(path)).hexdigest()[:16]  # a name's bytes, whatever their encoding
+  # A name near the file system's 255 bytes leaves no room for the index's prefix and suffixes: its hash
+  # stands in for it (``.lock`` and a temporary name's suffix are added to these).
+  short = name if len(os.fsencode(name)) <= _NAME_BYTES else hashlib.sha256(os.fsencode(name)).hexdigest()[:32]
+  cached = os.path.join(cache_dir or default_cache_dir(), f"{tag}-{short}.{kind}.dtindex")
   if not cache_dir and os.access(folder, os.W_OK):
-    return [os.path.join(folder, f".{name}.{kind}.dtindex"), cached]
+    return [os.path.join(folder, f".{short}.{kind}.dtindex"), cached]
   return [cached]
 
 

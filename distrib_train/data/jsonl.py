@@ -129,11 +129,11 @@ def scan_lines(path: str) -> dict[str, np.ndarray]:
   before; 64 MiB chunks took 1.5-1.8 s and 127 MiB (2-core VM).
   """
   try:
-    size = os.path.getsize(path)
-    if not size:
-      return {"offsets": np.zeros(0, np.int64)}
     with open(path, "rb") as f:
+      if not os.fstat(f.fileno()).st_size:
+        return {"offsets": np.zeros(0, np.int64)}
       mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    size = len(mapped)  # the map's own length: a file that shrank before it was mapped cannot spin the scan
   except OSError as e:
     raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
   data = np.frombuffer(mapped, np.uint8)
