@@ -1,6 +1,7 @@
 """The grain input pipeline: determinism, sharding, global arrays, resume, errors."""
 
 import json
+import os
 import pathlib
 import time
 
@@ -359,6 +360,90 @@ def test_bad_data_files_are_named(tmp_path, workers):
     with pytest.raises(ValueError, match=message):
       data.DataLoader(data.DataConfig(source="text", paths=(path,), seq_len=8, global_batch_size=8, eval_fraction=0,
                                       bad_records="error", num_workers=workers), shardings)
+
+
+def _worker_corpus(tmp_path, bad_line=None):
+  path = tmp_path / "c.jsonl"
+  # 5000 documents: the split's check at open reads every other one, so it misses line 2502 (index 2501)
+  path.write_text("".join("{not json\n" if i == bad_line else json.dumps({"text": f"document {i} " * 2}) + "\n"
+                          for i in range(5000)))
+  return data.DataConfig(source="text", paths=(str(path),), seq_len=16, global_batch_size=8, eval_fraction=0,
+                         bad_records="error", num_workers=2, index_cache_dir=str(tmp_path / "cache"))
+
+
+def _within(seconds, call):
+  """``call()``'s result or exception, or a failure if it has not returned within ``seconds`` (no hang)."""
+  import threading
+
+  out = {}
+
+  def run():
+    try:
+      out["value"] = call()
+    except BaseException as e:  # noqa: BLE001 - handed to the test
+      out["error"] = e
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  thread.join(seconds)
+  assert not thread.is_alive(), f"{call} did not return within {seconds} s"
+  if "error" in out:
+    raise out["error"]
+  return out.get("value")
+
+
+def test_a_worker_processes_error_is_raised_again_on_every_read_and_close_returns(tmp_path):
+  """A malformed line under ``data.bad_records=error`` read in a worker process: the named error, then the same
+  error on the next read and on a restore (before, both waited forever), and ``close()`` ends every worker,
+  which exits 0 (before, one aborted at exit: "Fatal Python error")."""
+  loader = data.DataLoader(_worker_corpus(tmp_path, bad_line=2501), data_helpers.shardings(_mesh()))
+  position = loader.data_position()
+  processes = [process for process, _ in loader._lanes._workers]
+  with pytest.raises(ValueError, match=r"c.jsonl' line 2502 is not JSON"):
+    _within(60, lambda: [loader.next_local() for _ in range(1000)])
+  with pytest.raises(ValueError, match=r"c.jsonl' line 2502 is not JSON"):
+    _within(10, loader.next_local)
+  with pytest.raises(ValueError, match=r"c.jsonl' line 2502 is not JSON"):
+    _within(10, lambda: loader.set_data_position(position))
+  _within(30, loader.close)
+  assert [p.returncode for p in processes] == [0, 0]
+
+
+def test_a_dead_or_stuck_worker_process_is_named_and_close_returns(tmp_path):
+  """A worker killed (the OOM killer's SIGKILL) is named with its exit code, by a read or by a restore; a worker
+  that stopped answering (SIGSTOP) does not keep ``close()`` from returning: it is killed after 10 s."""
+  import signal
+
+  shardings = data_helpers.shardings(_mesh())
+  loader = data.DataLoader(_worker_corpus(tmp_path), shardings)
+  position = loader.data_position()
+  dead = loader._lanes._workers[1][0]
+  dead.kill()
+  dead.wait()
+  with pytest.raises(RuntimeError, match=rf"data worker process 1 \(pid {dead.pid}\) ended with exit code -9"):
+    _within(10, lambda: loader.set_data_position(position))
+  with pytest.raises(RuntimeError, match=r"data worker process 1 .* ended with exit code -9"):
+    _within(60, lambda: [loader.next_local() for _ in range(10_000)])
+  _within(30, loader.close)
+
+  loader = data.DataLoader(_worker_corpus(tmp_path), shardings)
+  loader.next_local()
+  stuck = loader._lanes._workers[1][0]
+  os.kill(stuck.pid, signal.SIGSTOP)
+  reading = []
+
+  def read_on():  # as the trainer's loop would, until the loader is closed under it
+    try:
+      while True:
+        loader.next_local()
+        reading.append(1)
+    except RuntimeError as e:
+      reading.append(e)
+  import threading
+
+  threading.Thread(target=read_on, daemon=True).start()
+  time.sleep(2)  # the reader drains what the stuck worker made ahead, then waits on it
+  _within(40, loader.close)
+  assert stuck.returncode is not None
 
 
 def test_unpacked_sequences_longer_than_every_document_are_refused(tmp_path):

@@ -169,6 +169,7 @@ class ProcessLanes:
     self._skipped = [0] * workers  # each worker's skipped documents, as of its last rows
     self._generation = 0
     self._closing = threading.Event()
+    self._failure: BaseException | None = None  # a worker's error or end, raised again by every later read
     package_root = str(pathlib.Path(__file__).resolve().parents[2])
     env = {**os.environ, **tokenizer_lib.worker_thread_env(workers),
            "JAX_PLATFORMS": "cpu",  # a worker never touches an accelerator
@@ -210,6 +211,8 @@ class ProcessLanes:
         return
 
   def _receive(self, index: int, kind: str) -> Any:
+    if self._failure is not None:  # its reader has stopped: nothing more will come
+      raise self._failure
     process, received = self._workers[index]
     while True:
       if self._closing.is_set():
@@ -219,15 +222,25 @@ class ProcessLanes:
       except queue.Empty:
         continue
       if got == "gone":
-        raise RuntimeError(f"data worker process {index} (pid {process.pid}) ended with exit code"
-                           f" {process.wait()}; its lanes cannot be read (its error is above).")
+        self._failure = self._ended(index)
+        raise self._failure
       if got == "error":
+        self._failure = RuntimeError(f"data worker process {index} failed:\n{payload}")
         for error in (ValueError, BadRecordError):
           if payload.startswith(f"{error.__name__}: "):
-            raise error(payload[len(error.__name__) + 2:])
-        raise RuntimeError(f"data worker process {index} failed:\n{payload}")
+            self._failure = error(payload[len(error.__name__) + 2:])
+        raise self._failure
       if got == kind and (kind != "rows" or payload[0] == self._generation):
         return payload
+
+  def _ended(self, index: int) -> RuntimeError:
+    process, _ = self._workers[index]
+    try:
+      code: int | None = process.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # it closed its pipes and still runs
+      code = None
+    return RuntimeError(f"data worker process {index} (pid {process.pid}) ended with exit code {code}; its lanes"
+                        " cannot be read (its error is above).")
 
   def next_rows(self) -> tuple[list[dict[str, np.ndarray]], dict[int, tuple[int, int]]]:
     """Every lane's next sequence, in ``rows`` order, and the positions after them (as ``Lanes.next_rows``)."""
@@ -250,9 +263,19 @@ class ProcessLanes:
                        " for another global batch size.")
     self._generation += 1
     self.position = {r: tuple(positions[r]) for r in self.rows}
-    for process, _ in self._workers:
-      frames_lib.send(process.stdin, {"kind": "restore", "generation": self._generation,
-                                      "positions": _positions(self.position)})
+    if self._failure is not None:
+      raise self._failure
+    for index, (process, _) in enumerate(self._workers):
+      try:
+        frames_lib.send(process.stdin, {"kind": "restore", "generation": self._generation,
+                                        "positions": _positions(self.position)})
+      except OSError:  # its end of the pipe is closed: it has ended
+        self._failure = self._ended(index)
+        raise self._failure from None
+
+  def interrupt(self) -> None:
+    """Makes a read waiting for a worker's rows (in another thread) raise at once; ``close`` follows."""
+    self._closing.set()
 
   def close(self) -> None:
     self._closing.set()
@@ -274,3 +297,7 @@ class ProcessLanes:
 
 if __name__ == "__main__":
   _serve()
+  # Everything was sent and flushed. The listening thread may still be blocked reading stdin, and the
+  # interpreter's shutdown would then abort on that stream's lock ("Fatal Python error:
+  # _enter_buffered_busy"), beside the error this worker already reported: leave without it.
+  os._exit(0)

@@ -305,6 +305,9 @@ class DataLoader:
   def close(self) -> None:
     """Stops grain worker processes, if any (and the lanes' threads)."""
     if self._lanes is not None:
+      interrupt = getattr(self._lanes, "interrupt", None)
+      if interrupt is not None:  # worker processes: the prefetch thread may be waiting on a stuck one's rows
+        interrupt()
       self._iterator.close()
       self._lanes.close()
       return
