@@ -288,12 +288,28 @@ def test_missing_zstandard_is_one_clear_error(tmp_path, monkeypatch):
     sources.Documents(data.DataConfig(source="text", paths=(path,)))
 
 
+def _zstd(raw: bytes) -> bytes:
+  import zstandard
+
+  return zstandard.ZstdCompressor().compress(raw)
+
+
 def test_bad_compressed_files_and_datasets_folders_are_named(tmp_path):
   for name, body in (("bad.jsonl.zst", b"not zstd at all"), ("bad.jsonl.gz", b"not gzip at all"),
-                     ("empty.jsonl.zst", b""), ("cut.jsonl.gz", gzip.compress(b'{"text": "x"}\n' * 100)[:30])):
+                     ("empty.jsonl.zst", b""), ("cut.jsonl.gz", gzip.compress(b'{"text": "x"}\n' * 100)[:30]),
+                     # cut short inside its second frame (zstandard's stream reader took that for the end)
+                     ("cut.jsonl.zst", _zstd(b'{"text": "x"}\n' * 100) + _zstd(b'{"text": "y"}\n' * 5000)[:-20])):
     (tmp_path / name).write_bytes(body)
     with pytest.raises(ValueError, match=rf"Data file '.*{name}' is (empty|not a readable compressed stream)"):
       sources.Documents(data.DataConfig(source="text", paths=(str(tmp_path / name),)))
+  for name, compress in (("body.jsonl.gz", gzip.compress), ("body.jsonl.zst", _zstd)):  # strict, as .jsonl is
+    (tmp_path / name).write_bytes(compress(b'\n{"body": "x"}\n' * 50))
+    with pytest.raises(ValueError, match=rf"Data file '.*{name}' line 2 has no string field 'text'"):
+      sources.Documents(data.DataConfig(source="text", paths=(str(tmp_path / name),)))
+  whole = tmp_path / "two_frames.jsonl.zst"  # the same two frames, whole: every document of both
+  whole.write_bytes(_zstd(b'{"text": "x"}\n' * 100) + _zstd(b'{"text": "y"}\n' * 5000))
+  docs = sources.Documents(data.DataConfig(source="text", paths=(str(whole),)))
+  assert len(docs) == 5100 and docs[99] == "x" and docs[100] == docs[5099] == "y"
   jsonl = data_helpers.write_documents(tmp_path, [5, 9])
   folder = _as_format(jsonl, tmp_path, "datasets")
   with pytest.raises(ValueError, match=r"documents_ds' has no column 'body' \(data.text_field\); its columns: text"):

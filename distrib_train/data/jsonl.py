@@ -114,6 +114,15 @@ def json_document(raw: bytes, path: str, number: int | Callable[[], int], field:
     return None
 
 
+def strict_document(raw: bytes, path: str, number: int, field: str) -> str:
+  """Line ``number`` of ``path`` parsed strictly, as each file's first non-blank line is at open: a wrong
+  ``field``, or a file that is not JSONL, is a ValueError naming both, whatever ``data.bad_records`` says."""
+  try:
+    return _json_text(raw, field)
+  except _Malformed as e:
+    raise ValueError(f"Data file {path!r} line {number} {e}.") from None
+
+
 def scan_lines(path: str) -> dict[str, np.ndarray]:
   """``{"offsets": int64}``: the byte offset of every non-blank line of ``path`` (one with a byte other than
   space, tab or CR), by a numpy scan of its memory map in 8 MiB chunks (the ``lines`` index).
@@ -208,10 +217,8 @@ class JsonlFile:
           if len(raw) == _SCAN_BYTES and not raw.endswith(b"\n"):
             break  # a longer line is checked when it is read
           if raw.strip():
-            _json_text(raw, field)
+            strict_document(raw, path, number, field)
             break
-    except _Malformed as e:
-      raise ValueError(f"Data file {path!r} line {number} {e}.") from None
     except OSError as e:
       raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
     self._open_index(cache_dir)
