@@ -112,8 +112,8 @@ class TextFile:
       with open(path, "rb") as f:
         head = f.read(1 << 16)
       self.blank = not head.strip() and os.path.getsize(path) <= 1 << 16
-      if not self.blank:
-        self[0]  # not UTF-8 fails now, naming the file
+      if not self.blank:  # not UTF-8 fails now, naming the file; the rest is checked when it is read
+        _decode(head[:len(head) - _cut_character(head)], path, None)
     except OSError as e:
       raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
 
@@ -203,6 +203,16 @@ class Concatenated:
       files.append(np.full(len(own) - 1, number, np.int32))
     sequential = np.array([bool(getattr(p, "sequential", False)) for p in self.parts])
     return np.concatenate(starts), np.concatenate(files), sequential
+
+
+def _cut_character(head: bytes) -> int:
+  """How many bytes at the end of ``head`` begin a UTF-8 character that the cut left incomplete (0-3)."""
+  for back in range(1, min(4, len(head)) + 1):
+    byte = head[-back]
+    if byte & 0xC0 != 0x80:  # not a continuation byte: the character's first
+      width = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
+      return back if width > back else 0
+  return 0
 
 
 def _decode(raw: bytes, path: str, line: int | None) -> str:
