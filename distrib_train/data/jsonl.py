@@ -84,6 +84,8 @@ class _Malformed(Exception):
 
 
 def _json_text(raw: bytes, field: str) -> str:
+  if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark, as some editors begin a file with
+    raw = raw[3:]
   try:
     record = json.loads(raw.decode("utf-8"))
   except UnicodeDecodeError as e:
