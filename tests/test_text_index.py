@@ -139,6 +139,21 @@ def test_file_names_in_any_encoding_and_near_the_length_limit_are_indexed(tmp_pa
   assert _texts(data.Documents(cached)) == ["aa", "bb"]
 
 
+def test_a_file_cut_short_after_its_index_was_built_is_named_when_read(tmp_path):
+  """Truncated while a run reads it (a rewrite in progress): one error naming the change, not the lost lines
+  skipped one by one as malformed."""
+  path = tmp_path / "d.jsonl"
+  _write(path, [json.dumps({"text": f"document {i}"}) for i in range(100)])
+  reader = jsonl.JsonlFile(str(path), "text")
+  assert reader[99] == "document 99"
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+  assert reader[10] == "document 10"
+  for index in (60, 99):
+    with pytest.raises(ValueError, match=rf"d.jsonl' changed since it was indexed: .* before document {index} "):
+      reader[index]
+
+
 def test_a_byte_order_mark_before_the_first_line_is_read_past_in_every_reader(tmp_path):
   """As some editors write it: a plain, a gzip-compressed and a converted JSONL file each keep their first
   document (before: the plain file failed at open, the others dropped it as malformed)."""

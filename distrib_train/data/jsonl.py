@@ -259,6 +259,10 @@ class JsonlFile:
     # The next document's offset bounds this line (blank lines between them at most); the last runs to the end.
     end = int(self.offsets[index + 1]) if index + 1 < len(self.offsets) else start + _LAST_LINE_READ
     raw = self._read(end - start, start)
+    if len(raw) < end - start and (index + 1 < len(self.offsets) or not raw):  # the file is shorter now
+      raise ValueError(f"Data file {self.path!r} changed since it was indexed: it now ends at byte"
+                       f" {start + len(raw)}, before document {index} (of {len(self.offsets)}) ends; open it again"
+                       " once it is written.")
     while index + 1 == len(self.offsets) and len(raw) == end - start:  # the last line, longer than read so far
       more = self._read(_LAST_LINE_READ, start + len(raw))
       if not more:
