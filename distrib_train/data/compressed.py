@@ -140,6 +140,24 @@ def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
         yield number, line
 
 
+def _first_line(path: str) -> tuple[int, bytes] | None:
+  """``(line number, line)`` of the first non-blank line, if it ends within the stream's first ``_CHUNK``
+  bytes (a longer one is checked when it is read); only as much of the stream is decompressed."""
+  head, pieces = b"", _pieces(path)
+  try:
+    for piece in pieces:
+      head += piece
+      lines = head.split(b"\n")[:-1]  # whole lines only
+      for number, line in enumerate(lines, 1):
+        if line.strip():
+          return number, line
+      if len(head) >= _CHUNK:
+        return None
+  finally:
+    pieces.close()
+  return next(((number, line) for number, line in enumerate(head.split(b"\n"), 1) if line.strip()), None)
+
+
 def _scan(path: str) -> dict[str, np.ndarray]:
   """The index of ``path``: each document's start, end and line number in the decompressed stream, and its
   size."""
@@ -186,13 +204,9 @@ class CompressedJsonl:
     self.path, self.field, self._parse = path, field, parse
     self.cache, self.index_cache_dir = cache or block_order.BlockCache(2), index_cache_dir
     _open(path).close()  # no zstandard, or an empty file: named now
-    lines = iter_lines(path)  # the first non-blank line, strictly, as a .jsonl file's: a wrong field fails now
-    try:
-      for number, raw in lines:
-        jsonl.strict_document(raw, path, number, field)
-        break
-    finally:
-      lines.close()
+    first = _first_line(path)  # parsed strictly, as a .jsonl file's: a wrong field fails now
+    if first is not None:
+      jsonl.strict_document(first[1], path, first[0], field)
     self._open_index()
     self.restarts = 0  # times the decompressor went back to the file's start for a block behind it
 

@@ -113,7 +113,7 @@ class TextFile:
         head = f.read(1 << 16)
       self.blank = not head.strip() and os.path.getsize(path) <= 1 << 16
       if not self.blank:  # not UTF-8 fails now, naming the file; the rest is checked when it is read
-        _decode(head[:len(head) - _cut_character(head)], path, None)
+        _decode(head[:len(head) - (_cut_character(head) if len(head) == 1 << 16 else 0)], path, None)
     except OSError as e:
       raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
 
