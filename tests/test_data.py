@@ -399,7 +399,7 @@ def test_a_worker_processes_error_is_raised_again_on_every_read_and_close_return
   position = loader.data_position()
   processes = [process for process, _ in loader._lanes._workers]
   with pytest.raises(ValueError, match=r"c.jsonl' line 2502 is not JSON"):
-    _within(60, lambda: [loader.next_local() for _ in range(1000)])
+    _within(120, lambda: [loader.next_local() for _ in range(20_000)])  # an epoch is ~1,000 batches
   with pytest.raises(ValueError, match=r"c.jsonl' line 2502 is not JSON"):
     _within(10, loader.next_local)
   with pytest.raises(ValueError, match=r"c.jsonl' line 2502 is not JSON"):
