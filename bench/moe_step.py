@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> None:
 
   distributed.initialize(cpu_devices=args.cpu_devices or None)
   on_cpu = bool(args.cpu_devices)
-  models = {"dense": ("tiny", _sets(args, False, "cpu-8" if on_cpu else "")),
-            "moe": ("moe-tiny", _sets(args, True, "cpu-8" if on_cpu else ""))}
+  models = {"dense": ("tiny", _sets(args, False, "cpu-8" if on_cpu else "gpu-1")),
+            "moe": ("moe-tiny", _sets(args, True, "cpu-8" if on_cpu else "gpu-1"))}
   if on_cpu:
     models["moe, expert 4 × data 2"] = ("moe-tiny", _sets(args, True, "cpu-8-expert"))
   steppers = {label: _stepper(*spec) for label, spec in models.items()}

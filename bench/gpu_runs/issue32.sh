@@ -9,8 +9,13 @@
 #                                      # workers); FP8 products by layout (bench/fp8_gemms.py, Triton and cuBLAS)
 #   bash bench/gpu_runs/issue32.sh e   # the 1b's bare step in bf16 and FP8 (current, delayed), Triton GEMMs
 #                                      # against cuBLAS (bench/NOTES.md levers 15 and 16)
+#   bash bench/gpu_runs/issue32.sh f   # what is left, in one call (about 9 minutes): on-the-fly BPE on the host's
+#                                      # cores (issue 33), unpacked real text with documents' heads tokenized,
+#                                      # then e's settings under a shorter time budget, the likeliest first
+#   bash bench/gpu_runs/issue32.sh g   # where FP8's time goes (about 6 minutes): profiles of the 1b's step in bf16
+#                                      # and FP8 (delayed) at B 16, then the FP8 products alone (bench/fp8_gemms.py)
 # Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/
-# (corpus.jsonl and tokenizer.json) carried along. Writes $OUT/issue32-<part>.log and the benches' JSON.
+# (corpus.jsonl and tokenizer.json) carried along: `bash bench/gpu_runs/prepare.sh` builds both. Writes $OUT/issue32-<part>.log and the benches' JSON.
 set -u
 part=${1:-a}
 out=${OUT:-/tmp}
@@ -49,6 +54,28 @@ elif [[ $part == e ]]; then
   base="scan=0,loss_remat=0,batch=16"
   run 560 python3 bench/train_throughput.py --shapes 1b --reference none --sweep --time_budget 480 --json \
     "$out/1b-fp8-gemms.json" --settings "$base;$base,fp8=current;$base,fp8=delayed;$base,fp8=current,xla_gpu_enable_triton_gemm=false;$base,xla_gpu_enable_triton_gemm=false;$base,fp8=delayed,xla_gpu_enable_triton_gemm=false"
+elif [[ $part == f ]]; then
+  nproc | tee -a "$log"
+  bpe=(--sizes 100MB --formats jsonl --tokenizer hf:.gpu_data/tokenizer.json --dir /tmp/data-bench --seconds 10)
+  for workers in 12 15; do
+    run 120 python3 bench/data_bench.py "${bpe[@]}" --num_workers $workers --json "$out/data-w$workers.json"
+  done
+  for workers in 4 12; do
+    run 110 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 30 "${text[@]}" --set data.packing=false \
+      --set data.num_workers=$workers --json "$out/124m-unpacked-heads-w$workers.json"
+  done
+  base="scan=0,loss_remat=0,batch=16"
+  cublas=xla_gpu_enable_triton_gemm=false
+  run 320 python3 bench/train_throughput.py --shapes 1b --reference none --sweep --time_budget 200 --json \
+    "$out/1b-fp8-gemms.json" --settings "$base;$base,fp8=delayed;$base,fp8=current,$cublas;$base,fp8=delayed,$cublas;$base,$cublas;$base,fp8=current"
+elif [[ $part == g ]]; then
+  for mode in bf16 delayed; do
+    settings="scan=0,loss_remat=0,batch=16"
+    [[ $mode == bf16 ]] || settings="$settings,fp8=$mode"
+    run 170 python3 bench/profile_step.py --shape 1b --settings "$settings" --steps 2 --top 40 \
+      --out "/tmp/prof-$mode" --json "$out/profile-1b-$mode.json"
+  done
+  run 120 python3 bench/fp8_gemms.py --json "$out/fp8-gemms.json"
 else
   run 200 python3 bench/trainer_loop.py --config llama-1b-gpu --steps 30 --json "$out/1b.json"
   run 120 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 60 "${text[@]}" --json "$out/124m-text.json"

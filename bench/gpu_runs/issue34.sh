@@ -2,11 +2,12 @@
 # Issue 34's GPU checks (and issue 33's 16-core figure), in one call of the device tool (H100 or H200):
 #   bash bench/gpu_runs/issue34.sh a   # the Triton grouped matmul against ragged_dot (bf16 and FP8), then the
 #                                      # MoE against its dense twin at the issue's shape: B 8 in bf16 and fp8
-#   bash bench/gpu_runs/issue34.sh c   # the same at B 16, bf16 (each part fits one call's 600 s)
+#   bash bench/gpu_runs/issue34.sh c   # the same at B 16, bf16 (each part fits one call's 600 s); on an H100 it ran
+#                                      # out of memory (both models are kept on the card); an H200 may fit it
 #   bash bench/gpu_runs/issue34.sh b   # the machine's 16 CPU cores: on-the-fly BPE tokens/s with 0, 12 and 15
 #                                      # workers, and 12 with a tokenizer thread per core each (the old default)
 # Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/tokenizer.json
-# carried along. Writes $OUT/issue34-<part>.log and the benches' JSON.
+# carried along (`bash bench/gpu_runs/prepare.sh` builds both). Writes $OUT/issue34-<part>.log and the benches' JSON.
 set -u
 part=${1:-a}
 out=${OUT:-/tmp}
