@@ -13,7 +13,8 @@
 #                                      # cores (issue 33), unpacked real text with documents' heads tokenized,
 #                                      # then e's settings under a shorter time budget, the likeliest first
 #   bash bench/gpu_runs/issue32.sh g   # where FP8's time goes (about 6 minutes): profiles of the 1b's step in bf16
-#                                      # and FP8 (delayed) at B 16, then the FP8 products alone (bench/fp8_gemms.py)
+#                                      # and FP8 (delayed) at B 16 with the autotuner's choices, then the FP8
+#                                      # products alone (bench/fp8_gemms.py)
 # Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/
 # (corpus.jsonl and tokenizer.json) carried along: `bash bench/gpu_runs/prepare.sh` builds both. Writes $OUT/issue32-<part>.log and the benches' JSON.
 set -u
@@ -72,7 +73,9 @@ elif [[ $part == g ]]; then
   for mode in bf16 delayed; do
     settings="scan=0,loss_remat=0,batch=16"
     [[ $mode == bf16 ]] || settings="$settings,fp8=$mode"
-    run 170 python3 bench/profile_step.py --shape 1b --settings "$settings" --steps 2 --top 40 \
+    # the Triton configurations the autotuner picked for each GEMM fusion (deviceless, XLA takes a default one)
+    XLA_FLAGS="--xla_gpu_dump_autotune_results_to=$out/autotune-1b-$mode.txt" \
+      run 170 python3 bench/profile_step.py --shape 1b --settings "$settings" --steps 2 --top 40 \
       --out "/tmp/prof-$mode" --json "$out/profile-1b-$mode.json"
   done
   run 120 python3 bench/fp8_gemms.py --json "$out/fp8-gemms.json"
