@@ -6,7 +6,7 @@ Run from the repository root (CPU, 8 emulated devices by default):
   python bench/moe_step.py --d_model 512 --expert_mlp_dim 1024 --seq_len 512 --batch 16 --steps 10
   python bench/moe_step.py --cpu_devices 0 --d_model 1024 --layers 12 --expert_mlp_dim 2816 --seq_len 2048 \\
       --batch 8 --dtype bfloat16          # the issue's H100 shape, on whatever accelerator is there
-  (add --fp8 current: model.fp8 for both models)
+  (add --fp8 current: model.fp8 for both models; --profile DIR: then where each model's device time goes)
 
 Each model is the trainer's own job (``Trainer._plan``: the preset with the
 overrides below, the planner, ``build_train_step_fn`` with donation), stepped
@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--steps", type=int, default=5, help="steps per round")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--json", help="write the figures here")
+  parser.add_argument("--profile", default="", help="then trace 2 steps of each model under this folder and print"
+                      " its device time by kernel and category (bench/profile_step.py's summary)")
   args = parser.parse_args(argv)
   from distrib_train.cluster import distributed
 
@@ -110,8 +112,28 @@ def main(argv: list[str] | None = None) -> None:
     ratio = figures["tokens_per_s"] / out["dense"]["tokens_per_s"]
     print(f"  {label:<24} {figures['step_ms']:9.1f} ms/step {figures['tokens_per_s']:>11,.0f} tokens/s"
           f"  {ratio:.3f} × dense")
+  if args.profile:
+    out["profiles"] = {label: _profile(run, pathlib.Path(args.profile) / f"model{i}", label)
+                       for i, (label, run) in enumerate(steppers.items())}
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "results": out}, indent=1))
+
+
+def _profile(run, folder: pathlib.Path, label: str, steps: int = 2) -> dict:
+  """Traces ``steps`` steps of ``run`` into ``folder`` and prints, then returns, the trace's summary."""
+  import jax
+
+  import profile_step
+
+  with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+    seconds = run(steps) * steps
+  traces = sorted(folder.glob("**/perfetto_trace.json.gz"), key=lambda path: path.stat().st_mtime)
+  if not traces:
+    raise SystemExit(f"no perfetto_trace.json.gz under {folder}")
+  summary = profile_step.summarise(str(traces[-1]), steps, seconds, top=30)
+  print(f"--- {label}")
+  profile_step.print_summary(summary)
+  return summary
 
 
 if __name__ == "__main__":

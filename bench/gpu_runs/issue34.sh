@@ -4,6 +4,8 @@
 #                                      # MoE against its dense twin at the issue's shape: B 8 in bf16 and fp8
 #   bash bench/gpu_runs/issue34.sh c   # the same at B 16, bf16 (each part fits one call's 600 s); on an H100 it ran
 #                                      # out of memory (both models are kept on the card); an H200 may fit it
+#   bash bench/gpu_runs/issue34.sh p   # where the MoE's extra time goes: B 8, bf16, then a profile of each model
+#                                      # (about 1.5 minutes; on an H100 the MoE ran at 0.688 × dense, 2026-11-27)
 #   bash bench/gpu_runs/issue34.sh b   # the machine's 16 CPU cores: on-the-fly BPE tokens/s with 0, 12 and 15
 #                                      # workers, and 12 with a tokenizer thread per core each (the old default)
 # Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/tokenizer.json
@@ -22,6 +24,8 @@ if [[ $part == a ]]; then
   run 100 python3 bench/gpu_runs/gmm_check.py
   run 180 python3 bench/moe_step.py "${shape[@]}" --batch 8 --json "$out/moe-b8.json"
   run 180 python3 bench/moe_step.py "${shape[@]}" --batch 8 --fp8 current --json "$out/moe-b8-fp8.json"
+elif [[ $part == p ]]; then
+  run 150 python3 bench/moe_step.py "${shape[@]}" --batch 8 --profile /tmp/moe-profile --json "$out/moe-b8-profile.json"
 elif [[ $part == c ]]; then
   run 240 python3 bench/moe_step.py "${shape[@]}" --batch 16 --json "$out/moe-b16.json"
 else
