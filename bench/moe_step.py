@@ -5,7 +5,9 @@ Run from the repository root (CPU, 8 emulated devices by default):
   python bench/moe_step.py
   python bench/moe_step.py --d_model 512 --expert_mlp_dim 1024 --seq_len 512 --batch 16 --steps 10
   python bench/moe_step.py --cpu_devices 0 --d_model 1024 --layers 12 --expert_mlp_dim 2816 --seq_len 2048 \\
-      --batch 8 --dtype bfloat16          # the H100 shape, on whatever accelerator is there
+      --batch 8 --dtype bfloat16 --heads 16 --vocab 32000
+      # the shape bench/RESULTS.md compiles for an H100 (16 heads of 64, 32,000 tokens), on whatever
+      # accelerator is there; with the default --heads and --vocab, 4 heads of 256 and 4,096 tokens
   (add --fp8 current: model.fp8 for both models; --profile DIR: then where each model's device time goes)
 
 Each model is the trainer's own job (``Trainer._plan``: the preset with the
@@ -40,9 +42,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def _sets(args: argparse.Namespace, moe: bool, mesh: str) -> list[str]:
   model = [f"model.d_model={args.d_model}", f"model.num_layers={args.layers}", f"model.num_heads={args.heads}",
-           f"model.num_kv_heads={args.heads}", f"model.head_dim={args.d_model // args.heads}",
-           f"model.max_seq_len={args.seq_len}", f"model.dtype={args.dtype}", "model.vocab_size=4096",
-           f"model.fp8={args.fp8}"]
+           f"model.num_kv_heads={args.kv_heads or args.heads}",
+           f"model.head_dim={args.head_dim or args.d_model // args.heads}", f"model.max_seq_len={args.seq_len}",
+           f"model.dtype={args.dtype}", f"model.vocab_size={args.vocab}", f"model.fp8={args.fp8}"]
   if moe:
     model += [f"model.expert_mlp_dim={args.expert_mlp_dim}", "model.num_experts=8", "model.experts_per_token=2"]
   else:
@@ -79,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--d_model", type=int, default=256)
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--heads", type=int, default=4)
+  parser.add_argument("--kv_heads", type=int, default=0, help="0: --heads")
+  parser.add_argument("--head_dim", type=int, default=0, help="0: d_model / heads")
+  parser.add_argument("--vocab", type=int, default=4096)
   parser.add_argument("--expert_mlp_dim", type=int, default=512)
   parser.add_argument("--seq_len", type=int, default=256)
   parser.add_argument("--batch", type=int, default=16)

@@ -15,7 +15,10 @@ part=${1:-a}
 out=${OUT:-/tmp}
 log=$out/issue34-$part.log
 source bench/gpu_runs/common.sh
-shape=(--cpu_devices 0 --d_model 1024 --layers 12 --expert_mlp_dim 2816 --seq_len 2048 --dtype bfloat16)
+# The shape bench/RESULTS.md compiles deviceless (16 heads of 64, 32,000 tokens). The 2026-11-27 figure (0.688 ×)
+# was taken with moe_step's defaults instead: 4 heads of 256 and 4,096 tokens.
+shape=(--cpu_devices 0 --d_model 1024 --layers 12 --expert_mlp_dim 2816 --seq_len 2048 --dtype bfloat16
+  --heads 16 --vocab 32000)
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -1 | tee -a "$log"
 if [[ $part != b ]]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
