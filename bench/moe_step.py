@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> None:
 
   distributed.initialize(cpu_devices=args.cpu_devices or None)
   on_cpu = bool(args.cpu_devices)
-  models = {"dense": ("tiny", _sets(args, False, "cpu-8" if on_cpu else "gpu-1")),
-            "moe": ("moe-tiny", _sets(args, True, "cpu-8" if on_cpu else "gpu-1"))}
+  mesh = "cpu-8" if on_cpu else "gpu-1"
+  models = {"dense": ("tiny", _sets(args, False, mesh)), "moe": ("moe-tiny", _sets(args, True, mesh))}
   if on_cpu:
     models["moe, expert 4 × data 2"] = ("moe-tiny", _sets(args, True, "cpu-8-expert"))
   steppers = {label: _stepper(*spec) for label, spec in models.items()}
@@ -126,16 +126,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def _profile(run, folder: pathlib.Path, label: str, steps: int = 2) -> dict:
   """Traces ``steps`` steps of ``run`` into ``folder`` and prints, then returns, the trace's summary."""
-  import jax
-
   import profile_step
 
-  with jax.profiler.trace(str(folder), create_perfetto_trace=True):
-    seconds = run(steps) * steps
-  traces = sorted(folder.glob("**/perfetto_trace.json.gz"), key=lambda path: path.stat().st_mtime)
-  if not traces:
-    raise SystemExit(f"no perfetto_trace.json.gz under {folder}")
-  summary = profile_step.summarise(str(traces[-1]), steps, seconds, top=30)
+  summary = profile_step.trace(lambda: run(steps), str(folder), steps, top=30)
   print(f"--- {label}")
   profile_step.print_summary(summary)
   return summary

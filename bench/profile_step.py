@@ -132,6 +132,21 @@ def summarise(trace_path: str, steps: int, wall_s: float, top: int = 25) -> dict
   }
 
 
+def trace(run_steps, out: str, steps: int, top: int = 25) -> dict[str, Any]:
+  """Runs ``run_steps()`` (``steps`` steps, blocked on) under ``jax.profiler`` into ``out`` and summarises the
+  trace it wrote."""
+  os.makedirs(out, exist_ok=True)
+  with jax.profiler.trace(out, create_perfetto_trace=True):
+    start = time.perf_counter()
+    run_steps()
+    wall = time.perf_counter() - start
+  traces = sorted(glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"), recursive=True),
+                  key=os.path.getmtime)
+  if not traces:
+    raise SystemExit(f"no perfetto_trace.json.gz under {out}")
+  return summarise(traces[-1], steps, wall, top)
+
+
 def print_summary(summary: dict[str, Any]) -> None:
   print(f"trace {summary['trace']}  ({summary['kernels']} device ops on {', '.join(summary['device_lines'])})")
   print(f"step {summary['step_ms_wall']:.1f} ms wall (traced); device busy {summary['busy_ms_per_step']:.1f} ms;"
@@ -171,18 +186,12 @@ def main(argv: list[str] | None = None) -> None:
   for _ in range(args.warmup):
     run.step()
   run.block()
-  os.makedirs(args.out, exist_ok=True)
-  with jax.profiler.trace(args.out, create_perfetto_trace=True):
-    start = time.perf_counter()
+  def steps() -> None:
     for _ in range(args.steps):
       run.step()
     run.block()
-    wall = time.perf_counter() - start
-  traces = sorted(glob.glob(os.path.join(args.out, "**", "perfetto_trace.json.gz"), recursive=True),
-                  key=os.path.getmtime)
-  if not traces:
-    raise SystemExit(f"no perfetto_trace.json.gz under {args.out}")
-  summary = summarise(traces[-1], args.steps, wall, args.top)
+
+  summary = trace(steps, args.out, args.steps, args.top)
   summary.update(shape=args.shape, setting=setting.label(), device=jax.devices()[0].device_kind,
                  jax=jax.__version__)
   print_summary(summary)
