@@ -31,8 +31,10 @@ Who is silent: each process's watchdog thread also writes a heartbeat
 tick, so a process that cannot run (stopped, frozen, dead) is the one whose
 heartbeat is stale; failing that, a process behind the others in steps is
 named. A process that was itself stopped for longer than its limit reports
-the hang as soon as it runs again, naming itself (its own ticks stopped) —
-unless JAX's coordination client ends it first: a process other than 0 that
+the hang as soon as it runs again, naming itself (its own ticks stopped);
+if it first completes the step its peers had already sent their part of,
+it hangs in the next one, and its line says it was silent just before,
+then names the peers that have exited meanwhile — unless JAX's coordination client ends it first: a process other than 0 that
 runs again after process 0 (which hosts the coordination service) has exited
 may be aborted by it within a fraction of a second. One that never runs
 again is ended by the launcher when the others exit (SLURM ends a job step
@@ -172,12 +174,19 @@ class Watchdog:
     if idle <= limit:
       return None
     return (f"Hang: no progress for {idle:.0f} s in phase {now.phase!r} after step {now.step} ({key}={limit:g});"
-            f" {self._who_is_silent(now.since)}.")
+            f" {self._who_is_silent(now.since, limit)}.")
 
-  def _who_is_silent(self, since: float) -> str:
+  def _who_is_silent(self, since: float, limit: float) -> str:
     gap, ended = self._silent
     if ended >= since:  # this process did not run while the phase went without progress
       return f"process {self.process} (this process) is silent: it did not run for {gap:.0f} s (stopped or starved)"
+    others = self._others_silent()
+    if ended >= since - limit:  # it ran again, made a last step, then waited on peers that gave up on it meanwhile
+      return (f"process {self.process} (this process) was silent just before: it did not run for {gap:.0f} s"
+              f" (stopped or starved); {others}")
+    return others
+
+  def _others_silent(self) -> str:
     beats = self._heartbeats()
     now = time.time()
     silent, behind, gone = [], [], []
