@@ -53,8 +53,9 @@ def _run_for(seconds, clock, watchdog):
     watchdog.tick()
 
 
-def _heartbeat(tmp_path, process, age_s, step, phase="step"):
-  beat = {"process": process, "time": time.time() - age_s, "phase": phase, "step": step}
+def _heartbeat(tmp_path, process, age_s, step, phase="step", exited=None):
+  beat = {"process": process, "time": time.time() - age_s, "phase": phase, "step": step,
+          **({"exited": exited} if exited else {})}
   (tmp_path / "watchdog" / f"heartbeat_{process}.json").write_text(json.dumps(beat))
 
 
@@ -161,9 +162,7 @@ def test_a_stopped_process_that_ran_one_more_step_still_names_itself(tmp_path):
   clock.now += 1
   phases.enter("data", 4)
   phases.enter("step")  # then waits in the next step for a process that has exited
-  _heartbeat(tmp_path, 1, age_s=20, step=3)
-  heartbeat = json.loads((tmp_path / "watchdog" / "heartbeat_1.json").read_text())
-  (tmp_path / "watchdog" / "heartbeat_1.json").write_text(json.dumps(dict(heartbeat, exited="hang")))
+  _heartbeat(tmp_path, 1, age_s=20, step=3, exited="hang")
   _run_for(11, clock, watchdog)
   assert exits == [EXIT_HUNG]
   assert stream.getvalue().splitlines()[-1].endswith(
@@ -180,9 +179,7 @@ def test_a_stopped_process_that_ran_one_more_step_still_names_itself(tmp_path):
   for step in range(4, 20):  # 30 s of steps after it ran again
     phases.step_done(step)
     _run_for(2, clock, watchdog)
-  _heartbeat(later, 1, age_s=0, step=19)
-  (later / "watchdog" / "heartbeat_1.json").write_text(json.dumps(dict(
-      json.loads((later / "watchdog" / "heartbeat_1.json").read_text()), exited="hang")))
+  _heartbeat(later, 1, age_s=0, step=19, exited="hang")
   _run_for(11, clock, watchdog)
   assert stream.getvalue().splitlines()[-1].endswith("(train.hang_timeout_s=10); process 1 has exited (hang).")
 

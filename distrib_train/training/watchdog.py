@@ -34,9 +34,10 @@ named. A process that was itself stopped for longer than its limit reports
 the hang as soon as it runs again, naming itself (its own ticks stopped);
 if it first completes the step its peers had already sent their part of,
 it hangs in the next one, and its line says it was silent just before,
-then names the peers that have exited meanwhile — unless JAX's coordination client ends it first: a process other than 0 that
-runs again after process 0 (which hosts the coordination service) has exited
-may be aborted by it within a fraction of a second. One that never runs
+then names the peers that have exited meanwhile — unless JAX's
+coordination client ends it first: a process other than 0 that runs again
+after process 0 (which hosts the coordination service) has exited may be
+aborted by it within a fraction of a second. One that never runs
 again is ended by the launcher when the others exit (SLURM ends a job step
 when a task fails) or by JAX's coordination service after
 ``--heartbeat_timeout`` — keep that longer than these limits.
