@@ -15,6 +15,8 @@
 #   bash bench/gpu_runs/issue32.sh g   # where FP8's time goes (about 6 minutes): profiles of the 1b's step in bf16
 #                                      # and FP8 (delayed) at B 16 with the autotuner's choices, then the FP8
 #                                      # products alone (bench/fp8_gemms.py)
+#   bash bench/gpu_runs/issue32.sh h   # the 1b at B 16 in bf16 and FP8 (delayed), each with the autotuner's
+#                                      # exhaustive Triton tile search and without (bench/NOTES.md lever 18)
 # Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/
 # (corpus.jsonl and tokenizer.json) carried along: `bash bench/gpu_runs/prepare.sh` builds both. Writes $OUT/issue32-<part>.log and the benches' JSON.
 set -u
@@ -79,6 +81,11 @@ elif [[ $part == g ]]; then
       --out "/tmp/prof-$mode" --json "$out/profile-1b-$mode.json"
   done
   run 120 python3 bench/fp8_gemms.py --json "$out/fp8-gemms.json"
+elif [[ $part == h ]]; then
+  base="scan=0,loss_remat=0,batch=16"
+  tiles=xla_gpu_exhaustive_tiling_search=true
+  run 560 python3 bench/train_throughput.py --shapes 1b --reference none --sweep --time_budget 480 --json \
+    "$out/1b-fp8-tiles.json" --settings "$base;$base,fp8=delayed;$base,fp8=delayed,$tiles;$base,$tiles"
 else
   run 200 python3 bench/trainer_loop.py --config llama-1b-gpu --steps 30 --json "$out/1b.json"
   run 120 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 60 "${text[@]}" --json "$out/124m-text.json"
