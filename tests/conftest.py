@@ -10,9 +10,11 @@ jax 0.10 on CPU a multi-device step loaded from the cache can deadlock
 does. ``DT_TEST_XLA_CACHE`` names another directory ('' turns it off).
 """
 
+import fcntl
 import importlib.metadata
 import os
 import pathlib
+import pickle
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 _FLAG = "--xla_force_host_platform_device_count=8"
@@ -48,6 +50,37 @@ def xla_cache(tmp_path_factory):
   """The persistent compilation cache for tests that run the trainer (``train.compilation_cache_dir``): the
   run's shared cache where there is one, else a directory of this session's."""
   return _CACHE or str(tmp_path_factory.mktemp("xla_cache"))
+
+
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory):
+  """``once_per_run(name, compute)``: ``compute()``'s value, computed once in the whole test run.
+
+  For the expensive fixtures that several tests read (a trained workdir, dozens of refused CLI runs). As module
+  fixtures they ran again whenever a pytest-xdist worker left their module and came back, or when both workers
+  ran some of their tests: one stolen test re-ran test_bad_inputs' 63 CLI cases, 109 s. Under xdist the first
+  worker to ask computes the value under a lock and leaves it pickled beside the workers' temporary folders (that
+  folder is this run's own); the other reads it. Values are plain data: paths, text, arrays.
+  """
+  shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+  values = {}
+
+  def get(name, compute):
+    if name not in values:
+      if shared is None:
+        values[name] = compute()
+      else:
+        path = shared / f"once-{name}.pickle"
+        with open(shared / f"once-{name}.lock", "w") as lock:
+          fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+          if not path.exists():
+            partial = path.with_suffix(".partial")
+            partial.write_bytes(pickle.dumps(compute()))
+            partial.rename(path)
+          values[name] = pickle.loads(path.read_bytes())
+    return values[name]
+
+  return get
 
 
 # The compat job (Python 3.11 + jax 0.10, .ci/run) runs these: the core contract, penzai, the planner, checkpoints,

@@ -288,9 +288,9 @@ CLI_CASES: dict[str, Case] = {
 }
 
 
-@pytest.fixture(scope="module")
-def cli_outcomes(tmp_path_factory, xla_cache):
-  return run_all(CLI_CASES, tmp_path_factory.mktemp("cli"), xla_cache)
+@pytest.fixture(scope="session")
+def cli_outcomes(tmp_path_factory, xla_cache, once_per_run):
+  return once_per_run("bad_inputs_cli", lambda: run_all(CLI_CASES, tmp_path_factory.mktemp("cli"), xla_cache))
 
 
 @pytest.mark.timeout(600)
@@ -413,9 +413,7 @@ def test_cli_refuses_a_workdir_another_job_holds(tmp_path, xla_cache, trained_wo
   assert (workdir / ".distrib_train.lock").read_text().startswith(f"pid {os.getpid()} on host")
 
 
-@pytest.fixture(scope="module")
-def trained_workdir(tmp_path_factory, xla_cache):
-  """A 2-step tiny run with its checkpoint at step 2."""
+def _train(tmp_path_factory, xla_cache) -> pathlib.Path:
   workdir = tmp_path_factory.mktemp("trained") / "run"
   cmd = [sys.executable, "-m", "distrib_train", "--config", "tiny", "--workdir", str(workdir), *FAST,
          "--set", f"train.compilation_cache_dir={xla_cache}"]
@@ -425,9 +423,16 @@ def trained_workdir(tmp_path_factory, xla_cache):
   return workdir
 
 
-@pytest.fixture(scope="module")
-def checkpoint_outcomes(tmp_path_factory, xla_cache, trained_workdir):
-  return run_all(CHECKPOINT_CASES, tmp_path_factory.mktemp("ckpt"), xla_cache, trained=trained_workdir)
+@pytest.fixture(scope="session")
+def trained_workdir(tmp_path_factory, xla_cache, once_per_run):
+  """A 2-step tiny run with its checkpoint at step 2 (read only: a case copies it)."""
+  return once_per_run("bad_inputs_trained", lambda: _train(tmp_path_factory, xla_cache))
+
+
+@pytest.fixture(scope="session")
+def checkpoint_outcomes(tmp_path_factory, xla_cache, trained_workdir, once_per_run):
+  return once_per_run("bad_inputs_checkpoints", lambda: run_all(CHECKPOINT_CASES, tmp_path_factory.mktemp("ckpt"),
+                                                                  xla_cache, trained=trained_workdir))
 
 
 @pytest.mark.timeout(600)

@@ -105,13 +105,17 @@ def _fill(directory, leave_bytes):
     os.close(fd)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, xla_cache):
-  """The same run without a fault."""
+def _reference(tmp_path_factory, xla_cache):
   workdir = tmp_path_factory.mktemp("disk_full_reference") / "run"
   code, output = _run(workdir, xla_cache)
   assert code == 0, output[-3000:]
   return workdir
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, xla_cache, once_per_run):
+  """The same run without a fault (read only)."""
+  return once_per_run("disk_full_reference", lambda: _reference(tmp_path_factory, xla_cache))
 
 
 def _check_failed_run(code, output, checkpoints, causes):

@@ -184,12 +184,17 @@ def test_a_terminated_that_code_swallowed_is_raised_again_when_the_steps_start()
     stopper.close()
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, xla_cache):
+def _train(tmp_path_factory, xla_cache):
   workdir = tmp_path_factory.mktemp("trained") / "run"
   out = cli(workdir, xla_cache, "--steps", "2", "--set", "train.eval_every=0")
   assert out.returncode == 0, out.stderr[-3000:]
   return workdir
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, xla_cache, once_per_run):
+  """A 2-step run (read only: a test copies it)."""
+  return once_per_run("faults_trained", lambda: _train(tmp_path_factory, xla_cache))
 
 
 def test_resume_with_packing_changed_names_the_setting(tmp_path, xla_cache, trained):

@@ -75,7 +75,7 @@ def test_all_tokens_to_one_expert_still_runs_exactly_when_dropless_and_is_counte
   np.testing.assert_allclose(np.asarray(capped[1]), 0.0)  # the second row came after the capacity
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_device():
   return ph.train(ph.mesh_of({}, devices=jax.devices()[:1]), family="moe")
 

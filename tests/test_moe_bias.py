@@ -100,7 +100,7 @@ def test_a_negative_rate_is_refused_naming_the_key():
     config_lib.load("moe-tiny", ["model.router_bias_update_rate=-0.001"]).model_recipe()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_device():
   states, final = [], []
   losses, _ = ph.train(_one_device(), steps=3, family="moe", router_bias_update_rate=RATE, local_states=states,

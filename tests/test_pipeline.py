@@ -18,7 +18,7 @@ _WORKERS = pathlib.Path(__file__).resolve().parent / "workers"
 RTOL = 1e-4
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_device():
   """The reference: 10 steps on one device, the whole batch at once."""
   return ph.train(ph.mesh_of({}, devices=jax.devices()[:1]))
