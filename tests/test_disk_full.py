@@ -50,8 +50,17 @@ def _run(workdir, xla_cache):
   return out.returncode, out.stdout + out.stderr
 
 
-def _run_with_fault(workdir, xla_cache, make_fault):
-  """Runs to the first committed checkpoint, pauses, ``make_fault()``, goes on."""
+def _past_the_moment(checkpoints):
+  """Whether the save after step ``EVERY`` has begun (its temporary or its final directory)."""
+  return any(p.name.split(".")[0].isdigit() and p.name.split(".")[0] != str(EVERY) for p in checkpoints.iterdir())
+
+
+def _run_with_fault(workdir, xla_cache, make_fault, only_before_the_next_save=False):
+  """Runs to the first committed checkpoint, pauses, ``make_fault()``, goes on.
+
+  With ``only_before_the_next_save``: None, and no fault, where the pause came after the next save had begun (on a
+  busy machine the run can train the steps between two saves before the pause lands).
+  """
   checkpoints = workdir / "checkpoints"
   proc = subprocess.Popen(_command(workdir, xla_cache), cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -62,8 +71,10 @@ def _run_with_fault(workdir, xla_cache, make_fault):
       assert time.monotonic() < deadline, f"no checkpoint of step {EVERY} within {RUN_TIMEOUT} s"
       time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGSTOP)
+    late = only_before_the_next_save and _past_the_moment(checkpoints)
     try:
-      make_fault()
+      if not late:
+        make_fault()
     finally:
       os.killpg(proc.pid, signal.SIGCONT)
     output, _ = proc.communicate(timeout=RUN_TIMEOUT)
@@ -71,7 +82,7 @@ def _run_with_fault(workdir, xla_cache, make_fault):
     if proc.poll() is None:
       os.killpg(proc.pid, signal.SIGKILL)
       proc.wait()
-  return proc.returncode, output
+  return None if late else (proc.returncode, output)
 
 
 @contextlib.contextmanager
@@ -162,17 +173,26 @@ def _check_resumes(workdir, xla_cache, reference):
 def test_disk_full_mid_run_stops_with_one_line_and_keeps_the_last_checkpoint(tmp_path, xla_cache, reference,
                                                                               leave_kib, where):
   """0 KiB left fails the blocking part of the next save (the data-iterator
-  file); 800 KiB lets that start and fails the arrays' background write."""
-  workdir = tmp_path / "run"
-  checkpoints = workdir / "checkpoints"
-  with _tmpfs(checkpoints):
-    code, output = _run_with_fault(workdir, xla_cache, lambda: _fill(checkpoints, leave_kib * 1024))
-    failed = _check_failed_run(code, output, checkpoints, r"No space left on device")
-    if leave_kib:
-      assert re.search(r"RESOURCE_EXHAUSTED|Error writing|Failed writing", output), f"not {where}: {output[-2000:]}"
-    _check_intact(checkpoints, failed, reference)
-    (checkpoints / "filler").unlink()
-    _check_resumes(workdir, xla_cache, reference)
+  file); 800 KiB lets that start and fails the arrays' background write.
+  Which part fails depends on the fault coming before the next save begins:
+  a run paused too late is run again (up to three tries)."""
+  for attempt in range(3):
+    workdir = tmp_path / f"run{attempt}"
+    checkpoints = workdir / "checkpoints"
+    with _tmpfs(checkpoints):
+      ran = _run_with_fault(workdir, xla_cache, lambda: _fill(checkpoints, leave_kib * 1024),
+                            only_before_the_next_save=True)
+      if ran is None:
+        continue
+      code, output = ran
+      failed = _check_failed_run(code, output, checkpoints, r"No space left on device")
+      if leave_kib:
+        assert re.search(r"RESOURCE_EXHAUSTED|Error writing|Failed writing", output), f"not {where}: {output[-2000:]}"
+      _check_intact(checkpoints, failed, reference)
+      (checkpoints / "filler").unlink()
+      _check_resumes(workdir, xla_cache, reference)
+      return
+  pytest.fail(f"three runs began step {2 * EVERY}'s save before they could be paused after step {EVERY}'s")
 
 
 def _read_only_switch(directory, scratch):
