@@ -55,11 +55,11 @@ def _past_the_moment(checkpoints):
   return any(p.name.split(".")[0].isdigit() and p.name.split(".")[0] != str(EVERY) for p in checkpoints.iterdir())
 
 
-def _run_with_fault(workdir, xla_cache, make_fault, only_before_the_next_save=False):
+def _run_with_fault(workdir, xla_cache, make_fault):
   """Runs to the first committed checkpoint, pauses, ``make_fault()``, goes on.
 
-  With ``only_before_the_next_save``: None, and no fault, where the pause came after the next save had begun (on a
-  busy machine the run can train the steps between two saves before the pause lands).
+  None, and no fault, where the pause came after the next save had begun (on a busy machine the run can train the
+  steps between two saves before the pause lands).
   """
   checkpoints = workdir / "checkpoints"
   proc = subprocess.Popen(_command(workdir, xla_cache), cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
@@ -71,7 +71,7 @@ def _run_with_fault(workdir, xla_cache, make_fault, only_before_the_next_save=Fa
       assert time.monotonic() < deadline, f"no checkpoint of step {EVERY} within {RUN_TIMEOUT} s"
       time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGSTOP)
-    late = only_before_the_next_save and _past_the_moment(checkpoints)
+    late = _past_the_moment(checkpoints)
     try:
       if not late:
         make_fault()
@@ -183,8 +183,7 @@ def test_disk_full_mid_run_stops_with_one_line_and_keeps_the_last_checkpoint(tmp
     workdir = tmp_path / f"run{attempt}"
     checkpoints = workdir / "checkpoints"
     with _tmpfs(checkpoints):
-      ran = _run_with_fault(workdir, xla_cache, lambda: _fill(checkpoints, leave_kib * 1024),
-                            only_before_the_next_save=True)
+      ran = _run_with_fault(workdir, xla_cache, lambda: _fill(checkpoints, leave_kib * 1024))
       if ran is None:
         continue
       code, output = ran
@@ -234,7 +233,7 @@ def test_read_only_checkpoint_directory_mid_run_stops_with_one_line(tmp_path, xl
     context, make_read_only, undo = _read_only_switch(checkpoints, scratch)
     with context:
       try:
-        ran = _run_with_fault(workdir, xla_cache, make_read_only, only_before_the_next_save=True)
+        ran = _run_with_fault(workdir, xla_cache, make_read_only)
         if ran is None:
           continue
         causes = r"Read-only file system|Permission denied|Operation not permitted"
