@@ -148,6 +148,33 @@ def test_a_process_that_was_stopped_names_itself_when_it_runs_again(tmp_path):
       " process 1 (this process) is silent: it did not run for 40 s (stopped or starved).")
 
 
+def test_a_stop_in_the_middle_of_a_tick_is_still_named_as_this_process_s_silence(tmp_path):
+  """SIGSTOP can land inside a tick, after it read the clock (here: while it writes the heartbeat). The tick that
+  runs on after SIGCONT must not call the stop idle time in the phase; the next tick sees the gap and names it."""
+  clock = FakeClock()
+  watchdog, phases, exits, stream = _watchdog(tmp_path, clock)
+  phases.enter("step")
+  phases.step_done(3)
+  _run_for(1, clock, watchdog)
+  write_heartbeat = watchdog._beat
+
+  def stopped_while_writing(**kwargs):
+    write_heartbeat(**kwargs)
+    clock.now += 40  # SIGSTOP … SIGCONT; process 1's watchdog fired meanwhile
+    _heartbeat(tmp_path, 1, age_s=20, step=3, exited="hang")
+
+  watchdog._beat = stopped_while_writing
+  clock.now += 1
+  watchdog.tick()
+  watchdog._beat = write_heartbeat
+  assert exits == []
+  _run_for(1, clock, watchdog)
+  assert exits == [EXIT_HUNG]
+  assert stream.getvalue().splitlines()[-1].endswith(
+      "in phase 'step' after step 3 (train.hang_timeout_s=10);"
+      " process 0 (this process) is silent: it did not run for 41 s (stopped or starved).")
+
+
 def test_a_stopped_process_that_ran_one_more_step_still_names_itself(tmp_path):
   """After SIGCONT the process finishes the step its peer had already sent its part of, then hangs in the next."""
   clock = FakeClock()

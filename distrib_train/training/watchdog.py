@@ -147,7 +147,7 @@ class Watchdog:
       self._silent = (now - self._last_tick, now)
     self._last_tick = now
     self._beat()
-    line = self.overdue()
+    line = self.overdue(now)  # the same instant: a stop after it reads as a gap at the next tick, not as idle time
     if line is not None:
       self.fire(line)
 
@@ -167,10 +167,10 @@ class Watchdog:
     self._thread = None
     self._beat(exited="done")
 
-  def overdue(self) -> str | None:
-    """The hang's line when the current phase has gone without progress past its limit, else None."""
+  def overdue(self, at: float | None = None) -> str | None:
+    """The hang's line when the current phase has gone without progress past its limit at ``at`` (default: now)."""
     now = self.phases.now
-    idle = self.phases.clock() - now.since
+    idle = (self.phases.clock() if at is None else at) - now.since
     limit, key = self.limits.of(now.phase, first_step=self.phases.steps_done == 0)
     if idle <= limit:
       return None
