@@ -305,8 +305,8 @@ def test_a_kill_then_restarts_on_one_and_on_four_processes_continue_the_run(tmp_
   from test_elastic_resume import _mesh_config
   from test_local_checkpoints import _args as local_args, _launch
 
-  # SGD: the meshes differ, so float sums do; synchronous saves: a kill right after a step keeps its save.
-  sgd = ["--set", "optimizer.name=sgd", "--set", "optimizer.learning_rate=0.5", "--set", "train.async_checkpoint=false"]
+  # SGD: the meshes differ, so float sums do (local_args saves synchronously: a kill right after a step keeps it).
+  sgd = ["--set", "optimizer.name=sgd", "--set", "optimizer.learning_rate=0.5"]
   codes, outputs = _launch(local_args(tmp_path / "straight", tmp_path / "straight-local", xla_cache, steps=12)
                            + sgd)
   assert codes == [0, 0], outputs[0][-3000:]

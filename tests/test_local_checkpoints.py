@@ -85,13 +85,15 @@ def _args(workdir, local_dir, cache, steps=8, checkpoint_every=4):
           "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "train.eval_batches=1",
           "--set", f"train.checkpoint_every={checkpoint_every}", "--set", "train.local_checkpoint_every=2",
           "--set", f"train.local_checkpoint_dir={local_dir}", "--set", "optimizer.warmup_steps=0",
-          "--set", f"train.compilation_cache_dir={cache}"]
+          # synchronous saves: a kill right after a step keeps that step's save (a background write of the
+          # first save can outlast the two steps up to a kill on a busy machine)
+          "--set", "train.async_checkpoint=false", "--set", f"train.compilation_cache_dir={cache}"]
 
 
 def _launch(args, kill_at=None, kill_in_local_save=None):
-  """Both processes of a 2-process job; with ``kill_at`` each SIGKILLs itself right after that step; with
+  """Both processes of a 2-process job; with ``kill_at`` both stop right after that step; with
   ``kill_in_local_save`` process 0 stops inside that step's local save (two shard files written, no commit) and
-  process 1 right after its own save of the step committed, and the test SIGKILLs both once both are there.
+  process 1 right after its own save of the step committed. The test SIGKILLs both once both are there.
 
   Neither process may die on its own in that kill: the survivor of a peer's death notices it (a gloo collective
   or the coordination service fails) and exits 1 at a moment that depends on the machine's load, before or
@@ -100,9 +102,10 @@ def _launch(args, kill_at=None, kill_in_local_save=None):
              PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
   env["XLA_FLAGS"] = xla_test_flags.FAST_COMPILE
   script = ["-m", "distrib_train"]
-  if kill_at:
-    script, env["DT_KILL_AT_STEP"] = [str(ROOT / "tests" / "workers" / "kill_at_step.py")], str(kill_at)
   markers = pathlib.Path(tempfile.mkdtemp(prefix="kill_markers_"))  # each process's "at my kill point"
+  if kill_at:
+    script = [str(ROOT / "tests" / "workers" / "kill_at_step.py")]
+    env.update(DT_KILL_AT_STEP=str(kill_at), DT_KILL_MARKERS=str(markers))
   if kill_in_local_save:
     script = [str(ROOT / "tests" / "workers" / "kill_in_local_save.py")]
     env.update(DT_KILL_IN_LOCAL_SAVE=str(kill_in_local_save), DT_KILL_PROCESS="0", DT_KILL_MARKERS=str(markers))
@@ -114,7 +117,7 @@ def _launch(args, kill_at=None, kill_in_local_save=None):
                             stdout=logs[i], stderr=subprocess.STDOUT, text=True, start_new_session=True)
            for i in range(2)]
   try:
-    if kill_in_local_save:
+    if kill_at or kill_in_local_save:
       deadline = time.monotonic() + 300
       while not all((markers / str(i)).exists() for i in range(2)):
         if any(p.poll() is not None for p in procs):
