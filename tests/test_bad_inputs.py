@@ -384,11 +384,13 @@ CHECKPOINT_CASES: dict[str, Case] = {
 
 def _as_if_a_job_were_saving(held: list):
   """Damage that holds the workdir's lock in this process and leaves an
-  in-progress orbax directory, as a running job would."""
+  in-progress orbax directory and an old step half deleted, as a running job
+  would (it deletes the steps past ``train.keep_checkpoints`` as it saves)."""
   def damage(workdir):
     from distrib_train.training.workdir_lock import WorkdirLock
 
     (workdir / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir()
+    (_step(workdir) / "commit_success.txt").unlink()
     lock = WorkdirLock(workdir)
     lock.acquire()
     held.append(lock)
@@ -398,7 +400,8 @@ def _as_if_a_job_were_saving(held: list):
 @pytest.mark.timeout(300)
 def test_cli_refuses_a_workdir_another_job_holds(tmp_path, xla_cache, trained_workdir):
   """A second job on a running job's workdir stops before it deletes or
-  writes anything (the first's in-progress checkpoint included)."""
+  writes anything (the first's in-progress checkpoint included), naming the
+  job, not a step the job is deleting."""
   held = []
   case = Case((), damage=_as_if_a_job_were_saving(held))
   try:

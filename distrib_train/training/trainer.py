@@ -66,7 +66,7 @@ from distrib_train.sharding.planner import MeshPlanner
 from distrib_train.train_state import TrainState
 from distrib_train.train_step import build_eval_step_fn, build_train_step_fn
 from distrib_train.training.watchdog import Limits, Watchdog
-from distrib_train.training.workdir_lock import acquire_for_job
+from distrib_train.training.workdir_lock import acquire_for_job, check_free_for_job
 
 # Importable from here as before: the run's result, the start-up error, the path check.
 __all__ = ["EXIT_HALTED", "RunResult", "Trainer", "TrainerSetupError", "aux_scalars", "check_path_components"]
@@ -178,8 +178,7 @@ class Trainer:
     """Trains to ``config.train.steps`` (or until preempted or halted).
 
     Raises:
-      TrainerSetupError: the run cannot start (raised before the workdir is
-        written to).
+      TrainerSetupError: the run cannot start (raised before the workdir is written to).
       CheckpointWriteError: a checkpoint could not be written (a full or
         read-only disk); the steps committed before it are intact.
     """
@@ -196,6 +195,7 @@ class Trainer:
       cache_off = cache_unsafe_reason() if t.compilation_cache_dir else None
       cache_dir = setup_compilation_cache(t.compilation_cache_dir, enable=not cache_off)
       check_workdir(self.workdir)
+      check_free_for_job(self.workdir)  # a running job's checkpoints change under a reader: name the job instead
       plan = self._plan()
       latest = check_restorable(self.workdir / "checkpoints", plan.abstract_train_state)  # reads metadata only
       tokenizer = tokenizer_fingerprint(self.config.data_config())

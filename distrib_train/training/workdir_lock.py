@@ -11,6 +11,9 @@ first's in-progress orbax temporary directories).
 In a multi-process job only process 0 holds the lock; ``acquire_for_job``
 tells the other processes whether it got it, through JAX's coordination
 service, so every process of a refused job stops with the same message.
+``check_free_for_job`` asks the same without taking the lock: a run calls
+it before it reads the workdir's checkpoints, which a running job is
+deleting as it saves new ones.
 
 Record locks rather than ``flock``: they are not shared with forked children
 (grain's worker processes), which would otherwise keep a dead trainer's lock,
@@ -63,8 +66,7 @@ class WorkdirLock:
     """
     key = str(self.path.resolve())
     if key in _held:
-      raise WorkdirInUseError(f"Workdir {str(self.workdir)!r} is in use by another run in this process"
-                              f" (pid {os.getpid()}); close it first or use another workdir.")
+      raise WorkdirInUseError(self.in_this_process())
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
       fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -72,9 +74,7 @@ class WorkdirLock:
       holder = _read_holder(fd)
       os.close(fd)
       if e.errno in (errno.EACCES, errno.EAGAIN):
-        raise WorkdirInUseError(
-            f"Workdir {str(self.workdir)!r} is in use by another job ({holder or 'holder unknown'}); wait for it"
-            " to end, stop it, or give another --workdir.") from None
+        raise WorkdirInUseError(self.in_use(holder)) from None
       self.warning = (f"Workdir {str(self.workdir)!r} cannot be locked ({e.strerror}): nothing stops a second"
                       " job from using it at the same time.")
       return
@@ -83,6 +83,14 @@ class WorkdirLock:
     os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, since {started}\n".encode())
     self._fd = fd
     _held.add(key)
+
+  def in_use(self, holder: str) -> str:
+    return (f"Workdir {str(self.workdir)!r} is in use by another job ({holder or 'holder unknown'}); wait for it"
+            " to end, stop it, or give another --workdir.")
+
+  def in_this_process(self) -> str:
+    return (f"Workdir {str(self.workdir)!r} is in use by another run in this process (pid {os.getpid()});"
+            " close it first or use another workdir.")
 
   def release(self) -> None:
     """Drops the lock (the holder line stays: it names the last holder)."""
@@ -100,32 +108,69 @@ def _read_holder(fd: int) -> str:
     return ""
 
 
+def check_free(workdir: str | os.PathLike) -> None:
+  """Raises when another job holds ``workdir`` now; takes no lock and creates nothing.
+
+  For a run's checks before it reads the workdir's checkpoints: a running
+  job deletes its old steps meanwhile, and the refusal must name that job,
+  not a step it is deleting.
+
+  Raises:
+    WorkdirInUseError: another process (this one included) holds it.
+  """
+  lock = WorkdirLock(workdir)
+  if str(lock.path.resolve()) in _held:
+    raise WorkdirInUseError(lock.in_this_process())
+  try:
+    fd = os.open(lock.path, os.O_RDWR | os.O_CLOEXEC)
+  except OSError:
+    return  # no job has locked it yet, or it cannot be opened: acquire() decides
+  try:
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    if e.errno in (errno.EACCES, errno.EAGAIN):
+      raise WorkdirInUseError(lock.in_use(_read_holder(fd))) from None
+  finally:
+    os.close(fd)  # drops the probe's own lock (this process holds no other on the file: not in _held)
+
+
+def check_free_for_job(workdir: str | os.PathLike, timeout_s: int = 600) -> None:
+  """``check_free`` by process 0; every process of the job raises with its message."""
+  _for_job(f"{_KEY}/free", lambda: check_free(workdir), timeout_s)
+
+
 def acquire_for_job(workdir: str | os.PathLike, timeout_s: int = 600) -> WorkdirLock:
   """Process 0 takes the lock; every process of the job learns the outcome.
 
   Raises:
     WorkdirInUseError: in every process, when process 0 was refused.
   """
+  lock = WorkdirLock(workdir)
+  _for_job(_KEY, lock.acquire, timeout_s)
+  return lock
+
+
+def _for_job(key: str, decide, timeout_s: int) -> None:
+  """Process 0 runs ``decide`` and tells the others, through JAX's coordination service, whether it raised
+  ``WorkdirInUseError``; every process then raises it with the same message."""
   import jax
 
-  lock = WorkdirLock(workdir)
   if jax.process_count() == 1:
-    lock.acquire()
-    return lock
+    decide()
+    return
   from jax._src import distributed
 
   client = distributed.global_state.client
   if jax.process_index() == 0:
     refusal = ""
     try:
-      lock.acquire()
+      decide()
     except WorkdirInUseError as e:
       refusal = str(e)
-    client.key_value_set(_KEY, refusal or "ok")
+    client.key_value_set(key, refusal or "ok")
     if refusal:
       raise WorkdirInUseError(refusal)
-    return lock
-  answer = client.blocking_key_value_get(_KEY, timeout_s * 1000)
+    return
+  answer = client.blocking_key_value_get(key, timeout_s * 1000)
   if answer != "ok":
     raise WorkdirInUseError(answer)
-  return lock
