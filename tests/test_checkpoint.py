@@ -96,6 +96,32 @@ def test_retention_keeps_the_newest_n_and_every_nth(tmp_path):
     assert checkpoints.latest_step() == 10
 
 
+def test_an_old_step_leaves_by_one_rename_so_a_kill_while_deleting_it_lists_no_broken_step(tmp_path, monkeypatch):
+  """orbax deleted an old step file by file where it lay: a kill in between left a listed step without its commit
+  marker. It is renamed into ``.deleted`` first now. A removal cut short there (its first file gone, then the
+  process "dies") leaves the listing whole, and the next start clears what it left."""
+  from etils import epath
+
+  def cut_short(path, missing_ok=False):
+    (path / "commit_success.txt").unlink(missing_ok=True)
+    raise OSError(f"killed while deleting {path}")
+
+  monkeypatch.setattr(type(epath.Path(tmp_path)), "rmtree", cut_short)
+  state = dt.TrainState.initial_state({"w": jnp.ones(4)}, optax.sgd(0.1), jax.random.key(0))
+  with dt.CheckpointManager(tmp_path, max_to_keep=1, async_save=False) as checkpoints:
+    for step in (1, 2, 3):
+      checkpoints.save(step, state.replace(step=step))
+  monkeypatch.undo()
+  assert sorted(p.name for p in (tmp_path / ".deleted").iterdir()) == ["1", "2"]  # what the "kills" left
+  assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["3"]
+  assert (tmp_path / "3" / "commit_success.txt").is_file()
+  with dt.CheckpointManager(tmp_path, max_to_keep=1) as checkpoints:
+    assert checkpoints.all_steps() == [3]
+    checkpoints.save(4, state.replace(step=4))
+  assert list((tmp_path / ".deleted").iterdir()) == []
+  assert dt.CheckpointManager(tmp_path).all_steps() == [4]
+
+
 def test_save_interval_skips_steps_unless_forced(tmp_path):
   state = dt.TrainState.initial_state({"w": jnp.ones(4)}, optax.sgd(0.1), jax.random.key(0))
   with dt.CheckpointManager(tmp_path, save_interval_steps=5) as checkpoints:
