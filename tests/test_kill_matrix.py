@@ -99,8 +99,8 @@ class _Moment:
   def reached(self, job, log):
     if self.target == "startup":
       return time.monotonic() - job.started >= self.after_launch
-    if self.target == "restore":
-      return "Started load checkpoint" in log
+    if self.target == "restore":  # a local-tier restore logs no start: the step it restored instead
+      return "Started load checkpoint" in log or "from the local tier" in log
     if self.target == "steps":
       base = kill_harness.restored_step(log) or 0
       last = kill_harness.last_step(log)
@@ -167,16 +167,17 @@ def test_kill_matrix_resumes_bit_identically(tmp_path, xla_cache):
   missed = 0
   listed, _ = _check_listing(checkpoints, "before the first launch")
   for index, target in enumerate(targets):
-    if STEPS - (listed[-1] if listed else 0) <= 4:  # only moments before the first step cannot finish the run
+    local = kill_harness.local_steps(pathlib.Path(f"{workdir}-local"))
+    remaining = STEPS - max(listed[-1:] + local[-1:], default=0)  # from the newest step in either tier
+    if remaining <= 4:  # only moments before the first step cannot finish the run
       target = "restore" if target in ("restore", "steps") else "startup"
-    if target == "restore" and not listed:  # nothing to restore yet: swap with a later target
+    if target == "restore" and not (listed or local):  # nothing to restore yet: swap with a later target
       later = [j for j in range(index + 1, len(targets)) if targets[j] != "restore"]
       if later:
         targets[index], targets[later[0]] = targets[later[0]], targets[index]
       target = targets[index] if later else "steps"
     when = f"launch {index} (target {target})"
-    local = kill_harness.local_steps(pathlib.Path(f"{workdir}-local"))
-    moment = _Moment(target, rng, STEPS - (listed[-1] if listed else 0))
+    moment = _Moment(target, rng, remaining)
     job = Job(_args(workdir, xla_cache), logs / f"launch_{index:02d}", env)
     deadline = time.monotonic() + LAUNCH_TIMEOUT
     finished = was_missed = False
