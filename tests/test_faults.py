@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 import xla_test_flags
@@ -164,6 +165,31 @@ def test_a_signal_landing_in_a_garbage_collector_callback_is_not_dropped(capfd):
     gc.callbacks.remove(callback)
     stopper.close()
   assert "Exception ignored" not in capfd.readouterr().err
+
+
+def test_a_signal_landing_in_a_weakref_callback_is_not_dropped(capfd):
+  """Python drops an exception raised in a weakref callback too (printing it through ``sys.unraisablehook``),
+  and no frame tells such a callback from other code: the hook delivers the signal again, unprinted."""
+  from distrib_train.cluster import preemption
+
+  class Held:
+    pass
+
+  def callback(_):
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(100_000):  # the handler runs here, inside the callback
+      pass
+
+  stopper = preemption.Preemption()
+  held = Held()
+  ref = weakref.ref(held, callback)
+  try:
+    with pytest.raises(preemption.Terminated):
+      del held
+      time.sleep(10)  # the signal delivered again interrupts this
+  finally:
+    stopper.close()
+  assert ref() is None and "Exception ignored" not in capfd.readouterr().err
 
 
 def test_a_terminated_that_code_swallowed_is_raised_again_when_the_steps_start():

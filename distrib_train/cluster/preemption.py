@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import sys
 import threading
 
 import jax
@@ -46,9 +47,11 @@ class Preemption:
   stuck in start-up, compiling, reading data or saving still ends promptly.
   Where Python would drop that exception (the signal landed in a
   garbage-collector callback or a ``__del__``: jax registers one such
-  callback) the signal is delivered again ``REDELIVER_S`` later; and one
-  that code still swallowed (an ``except BaseException``) is raised again
-  when the steps are entered or polled.
+  callback) the signal is delivered again ``REDELIVER_S`` later, as is one
+  raised in a place told only by Python dropping it (a weakref callback:
+  ``sys.unraisablehook``, where it is not printed); and one that code still
+  swallowed (an ``except BaseException``) is raised again when the steps
+  are entered or polled.
   """
 
   _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -61,19 +64,27 @@ class Preemption:
     self._in_steps = False
     self._raised: int | None = None  # the signal a Terminated was raised for
     self._previous = {}
+    self._previous_hook = None
     if jax.process_count() == 1:
       for signum in self._SIGNALS:
         self._previous[signum] = signal.signal(signum, self._on_signal)
+      self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._on_unraisable
 
   def _on_signal(self, signum, frame):
     if self._in_steps and not self._flag:
       self._flag = True
       return
-    if _in_finalizer(frame):  # to the main thread, so that a call it waits in is interrupted too
-      threading.Timer(REDELIVER_S, signal.pthread_kill, (threading.main_thread().ident, signum)).start()
+    if _in_finalizer(frame):
+      _deliver_again(signum)
       return
     self._raised = signum
     raise Terminated(signum)
+
+  def _on_unraisable(self, unraisable) -> None:
+    if isinstance(unraisable.exc_value, Terminated):  # raised where Python drops it: not printed, sent again
+      _deliver_again(unraisable.exc_value.signum)
+    else:
+      self._previous_hook(unraisable)
 
   def _raise_swallowed(self) -> None:
     if self._raised is not None:
@@ -100,6 +111,13 @@ class Preemption:
     for signum, previous in self._previous.items():
       signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
     self._previous = {}
+    if self._previous_hook is not None and sys.unraisablehook == self._on_unraisable:  # else another wraps it
+      sys.unraisablehook = self._previous_hook
+
+
+def _deliver_again(signum: int) -> None:
+  """``signum`` again ``REDELIVER_S`` from now, to the main thread, so that a call it waits in is interrupted too."""
+  threading.Timer(REDELIVER_S, signal.pthread_kill, (threading.main_thread().ident, signum)).start()
 
 
 def _in_finalizer(frame) -> bool:
