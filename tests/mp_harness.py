@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -31,7 +32,22 @@ _TESTS_DIR = pathlib.Path(__file__).resolve().parent
 
 
 def free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+  """A port free now, below the kernel's ephemeral range: the job binds it seconds later, after its start-up, and
+  meanwhile every bind to port 0 (gloo's listeners, the other xdist worker's jobs) lands in that range only."""
+  try:
+    low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+  except (OSError, ValueError, IndexError):
+    low = 32768
+  pick = random.SystemRandom()  # not the tests' seeded generator: both workers would pick alike
+  for _ in range(200):
+    port = pick.randrange(max(1024, low - 12000), low)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+      try:
+        s.bind(("127.0.0.1", port))
+        return port
+      except OSError:
+        continue
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a machine using all of those: any free port
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
 
