@@ -11,9 +11,9 @@ first's in-progress orbax temporary directories).
 In a multi-process job only process 0 holds the lock; ``acquire_for_job``
 tells the other processes whether it got it, through JAX's coordination
 service, so every process of a refused job stops with the same message.
-``check_free_for_job`` asks the same without taking the lock: a run calls
-it before it reads the workdir's checkpoints, which a running job is
-deleting as it saves new ones.
+``check_free_for_job`` asks the same, holding the lock only while it
+probes it: a run calls it before it reads the workdir's checkpoints, which
+a running job is deleting as it saves new ones.
 
 Record locks rather than ``flock``: they are not shared with forked children
 (grain's worker processes), which would otherwise keep a dead trainer's lock,
@@ -29,12 +29,16 @@ from __future__ import annotations
 import datetime
 import errno
 import fcntl
+import itertools
 import os
 import pathlib
 import socket
+import time
 
 LOCK_NAME = ".distrib_train.lock"
 _KEY = "distrib_train/workdir_lock"
+_calls = itertools.count()  # a coordination-service key per call (one job may run several trainers)
+_PROBE_S = 0.5
 # Record locks belong to a process: a second lock of the same file in this
 # process would succeed, and closing it would drop the first. Held paths are
 # remembered to refuse that too.
@@ -59,7 +63,7 @@ class WorkdirLock:
     self.warning: str | None = None  # set when the filesystem cannot lock
 
   def acquire(self) -> None:
-    """Takes the lock, or raises at once.
+    """Takes the lock, or raises (within ``_PROBE_S``: a probe by ``check_free`` holds it that briefly).
 
     Raises:
       WorkdirInUseError: another process (this one included) holds it.
@@ -69,7 +73,7 @@ class WorkdirLock:
       raise WorkdirInUseError(self.in_this_process())
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-      fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      _lock(fd)
     except OSError as e:
       holder = _read_holder(fd)
       os.close(fd)
@@ -101,6 +105,19 @@ class WorkdirLock:
     self._fd = None
 
 
+def _lock(fd: int) -> None:
+  """``lockf`` at once, tried again for up to ``_PROBE_S``: another job's ``check_free`` holds it that briefly."""
+  deadline = time.monotonic() + _PROBE_S
+  while True:
+    try:
+      fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      return
+    except OSError as e:
+      if e.errno not in (errno.EACCES, errno.EAGAIN) or time.monotonic() > deadline:
+        raise
+      time.sleep(0.01)
+
+
 def _read_holder(fd: int) -> str:
   try:
     return os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
@@ -109,7 +126,8 @@ def _read_holder(fd: int) -> str:
 
 
 def check_free(workdir: str | os.PathLike) -> None:
-  """Raises when another job holds ``workdir`` now; takes no lock and creates nothing.
+  """Raises when another job holds ``workdir`` now; creates nothing, and holds the lock only while it probes it
+  (``acquire`` tries again for that long).
 
   For a run's checks before it reads the workdir's checkpoints: a running
   job deletes its old steps meanwhile, and the refusal must name that job,
@@ -126,7 +144,7 @@ def check_free(workdir: str | os.PathLike) -> None:
   except OSError:
     return  # no job has locked it yet, or it cannot be opened: acquire() decides
   try:
-    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    _lock(fd)
   except OSError as e:
     if e.errno in (errno.EACCES, errno.EAGAIN):
       raise WorkdirInUseError(lock.in_use(_read_holder(fd))) from None
@@ -136,7 +154,7 @@ def check_free(workdir: str | os.PathLike) -> None:
 
 def check_free_for_job(workdir: str | os.PathLike, timeout_s: int = 600) -> None:
   """``check_free`` by process 0; every process of the job raises with its message."""
-  _for_job(f"{_KEY}/free", lambda: check_free(workdir), timeout_s)
+  _for_job("free", lambda: check_free(workdir), timeout_s)
 
 
 def acquire_for_job(workdir: str | os.PathLike, timeout_s: int = 600) -> WorkdirLock:
@@ -146,13 +164,14 @@ def acquire_for_job(workdir: str | os.PathLike, timeout_s: int = 600) -> Workdir
     WorkdirInUseError: in every process, when process 0 was refused.
   """
   lock = WorkdirLock(workdir)
-  _for_job(_KEY, lock.acquire, timeout_s)
+  _for_job("acquired", lock.acquire, timeout_s)
   return lock
 
 
-def _for_job(key: str, decide, timeout_s: int) -> None:
+def _for_job(what: str, decide, timeout_s: int) -> None:
   """Process 0 runs ``decide`` and tells the others, through JAX's coordination service, whether it raised
-  ``WorkdirInUseError``; every process then raises it with the same message."""
+  ``WorkdirInUseError``; every process then raises it with the same message. A key is set once in a job: each
+  call has its own (every process makes the same calls in the same order, as for the trainer's barriers)."""
   import jax
 
   if jax.process_count() == 1:
@@ -161,6 +180,7 @@ def _for_job(key: str, decide, timeout_s: int) -> None:
   from jax._src import distributed
 
   client = distributed.global_state.client
+  key = f"{_KEY}/{what}/{next(_calls)}"
   if jax.process_index() == 0:
     refusal = ""
     try:
