@@ -12,9 +12,9 @@ with three items per step:
 - ``meta``: JSON — format version, mesh axes and shape, package versions, the
   PRNG key implementations, and whatever run metadata the caller passes.
 
-Old steps past ``max_to_keep`` leave in one atomic step: orbax renames each
-into ``directory/.deleted/`` and process 0 removes it there in a thread, so
-a kill mid-deletion never leaves half a step among the listed ones.
+Old steps past ``max_to_keep`` leave by one rename into
+``directory/.deleted/`` and are removed there (``retention.py``), so a kill
+mid-deletion never leaves half a step among the listed ones.
 
 The static parts (the model's structure and config, ``optimizer_def``) are
 not saved: they are rebuilt from code and config, and ``restore`` fills a
@@ -44,7 +44,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 
-from distrib_train.checkpoint import data_state
+from distrib_train.checkpoint import data_state, retention
 from distrib_train.checkpoint.checks import check_restorable  # noqa: F401 (public here too)
 from distrib_train.checkpoint.checks import (MODEL_FIELDS, SAVED_FIELDS, CheckpointError, abstract_target,
                                              check_matches, first_line, read_meta, step_meta)
@@ -52,16 +52,6 @@ from distrib_train.checkpoint.faults import (CheckpointWriteError, finish_at_exi
                                              quiet_echoes_of_failed_writes, write_error)
 from distrib_train.checkpoint.tree import fill_fields, flatten_fields, is_prng_key, nest, unnest
 from distrib_train.train_state import TrainState
-
-DELETED = ".deleted"  # where orbax renames the steps it deletes (not a step name: never listed)
-
-
-def _remove(paths: list[epath.Path]) -> None:
-  for path in paths:
-    try:
-      path.rmtree() if path.is_dir() else path.unlink()
-    except OSError:
-      pass  # a read-only or vanished folder: the next start tries again
 
 
 class CheckpointManager:
@@ -119,16 +109,19 @@ class CheckpointManager:
       policies.append(preservation.EveryNSteps(keep_every_n_steps))
     self.save_interval_steps = save_interval_steps
     options = ocp.CheckpointManagerOptions(
-        # The interval is applied in save(): orbax would also save the first step whatever it is.
+        # The interval is applied in save(): orbax would also save the first
+        # step whatever it is.
         preservation_policy=preservation.AnyPreservationPolicy(policies),
         enable_async_checkpointing=async_save,
-        # Stale temporary directories are removed in _remove_stale_tmp below: orbax's own cleanup runs in a
-        # background thread that close() does not wait for, and it failed noisily at interpreter exit.
+        # Stale temporary directories are removed in _remove_stale_tmp below:
+        # orbax's own cleanup runs in a background thread that close() does
+        # not wait for, and it failed noisily at interpreter exit.
         cleanup_tmp_directories=False,
-        # Renamed (atomic) rather than deleted file by file in place, where a kill left a listed, broken step.
-        todelete_subdir=DELETED,
-        # A step directory that cannot be created (a read-only or full disk) then fails save() at once; created
-        # in the background, the failure left orbax waiting for its "directory created" signal for 20 minutes.
+        # Old steps leave by one rename, not file by file in place (retention.py).
+        todelete_subdir=retention.DELETED,
+        # A step directory that cannot be created (a read-only or full disk)
+        # then fails save() at once; created in the background, the failure
+        # left orbax waiting for its "directory created" signal for 20 minutes.
         async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         create=True,
     )
@@ -143,8 +136,8 @@ class CheckpointManager:
     self._closed = False
     quiet_echoes_of_failed_writes()
     self._pending_step: int | None = None  # the step an unfinished async save is writing
-    self._deleting: list[threading.Thread] = []
-    self._empty_deleted()  # what a killed run left there too
+    self._deleted = retention.DeletedSteps(self.directory)
+    self._deleted.empty()  # what a killed run left there too
     self._failed = False  # a CheckpointWriteError was raised
     # Registered with threading's exit hooks, which run before the thread
     # pools that orbax's background write needs are shut down (plain atexit
@@ -159,17 +152,6 @@ class CheckpointManager:
       return
     for path in self.directory.glob("*.orbax-checkpoint-tmp*"):
       path.rmtree() if path.is_dir() else path.unlink()
-
-  def _empty_deleted(self) -> None:
-    """Removes, in a thread, the old steps orbax has renamed into ``DELETED`` (process 0; orbax idle)."""
-    deleted = self.directory / DELETED
-    if jax.process_index() != 0 or not deleted.is_dir():
-      return
-    doomed = list(deleted.iterdir())  # the folder itself stays: orbax renames the next old step into it
-    if doomed:
-      thread = threading.Thread(target=_remove, args=(doomed,), name="distrib_train-delete-old-steps", daemon=True)
-      thread.start()
-      self._deleting = [t for t in self._deleting if t.is_alive()] + [thread]
 
   def _check_writable(self) -> None:
     probe = self.directory / f".write_probe_{jax.process_index()}"
@@ -229,7 +211,7 @@ class CheckpointManager:
     if not force and step % self.save_interval_steps:
       return False
     self.wait_until_finished()  # a failed background write is reported under its own step
-    self._empty_deleted()
+    self._deleted.empty()
     latest = self.latest_step()
     if latest is not None and step <= latest:
       raise ValueError(
@@ -383,9 +365,7 @@ class CheckpointManager:
     except Exception as e:
       if not (self._failed and is_storage_failure(e)):  # orbax repeats a failed write's error here
         raise
-    self._empty_deleted()
-    for thread in self._deleting:
-      thread.join()
+    self._deleted.empty(here=True)
     if error is not None and not reported:
       raise error
 
