@@ -38,9 +38,14 @@ def free_port() -> int:
     low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
   except (OSError, ValueError, IndexError):
     low = 32768
-  pick = random.SystemRandom()  # not the tests' seeded generator: both workers would pick alike
-  for _ in range(200):
-    port = pick.randrange(max(1024, low - 12000), low)
+  # Each xdist worker its own ports (gw0 even, gw1 odd with two), at random (not the tests' seeded generator).
+  worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+  workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+  first = max(1024, low - 12000)
+  ports = range(first + (worker - first) % workers, low, workers)
+  pick = random.SystemRandom()
+  for _ in range(200 if len(ports) >= 100 else 0):  # a machine whose ephemeral range starts low: port 0 below
+    port = pick.choice(ports)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
       try:
         s.bind(("127.0.0.1", port))

@@ -182,13 +182,14 @@ def _array_files_of_the_failed_save(checkpoints, failed):
 @pytest.mark.parametrize("leave_kib, where", [(0, "save() itself"), (800, "the background write")])
 def test_disk_full_mid_run_stops_with_one_line_and_keeps_the_last_checkpoint(tmp_path, xla_cache, reference,
                                                                               leave_kib, where):
-  """0 KiB left fails the blocking part of the next save (the data-iterator
-  file); 800 KiB lets that start and fails the arrays' background write. The
-  part is told by the array files the save wrote whole before the disk was
-  full, not by the error's wording: the write that fails is tensorstore's or
-  one of orbax's own metadata files, whichever comes last. Which part fails
-  depends on the fault coming before the next save begins: a run paused too
-  late is run again (up to three tries)."""
+  """0 KiB left fails the next save's first write (no array file is written
+  whole); 800 KiB lets the arrays' write run until the disk is full, usually
+  in the background part. The two are told apart by the array files the
+  failed save wrote whole, not by the error's wording: the write that meets
+  the full disk is tensorstore's or one of orbax's own metadata files,
+  whichever comes last. Which step's save fails depends on the fault coming
+  before the next save begins: a run paused too late is run again (up to
+  three tries)."""
   for attempt in range(3):
     workdir = tmp_path / f"run{attempt}"
     checkpoints = workdir / "checkpoints"
