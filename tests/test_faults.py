@@ -90,6 +90,19 @@ def test_a_second_job_on_a_running_workdir_is_refused_and_a_killed_job_leaves_no
 
 
 @pytest.mark.timeout(300)
+def test_every_process_of_a_job_learns_each_lock_outcome_however_many_runs_it_makes(tmp_path):
+  """Process 0 tells the others through the coordination service, where a key is set once in a job: each check
+  has its own key, so a job that runs the trainer twice gets a second answer, and a refusal reaches every process."""
+  import mp_harness
+
+  results = mp_harness.run_workers(ROOT / "tests" / "workers" / "workdir_lock_worker.py", str(tmp_path), timeout=240)
+  refusal = f"Workdir {str(tmp_path)!r} is in use by another run in this process (pid "
+  for result in results:
+    assert result.result[:2] == ["taken", "taken"], result.output[-3000:]
+    assert result.result[2].startswith(refusal), result.result
+
+
+@pytest.mark.timeout(300)
 def test_no_eval_split_trains_checkpoints_and_says_so_once(tmp_path, xla_cache):
   workdir = tmp_path / "run"
   # train.eval_every=0: no periodic evaluations asked for (with them the run is refused at start-up,
