@@ -68,33 +68,46 @@ class WorkdirLock:
     Raises:
       WorkdirInUseError: another process (this one included) holds it.
     """
-    key = str(self.path.resolve())
-    if key in _held:
-      raise WorkdirInUseError(self.in_this_process())
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = self._locked(create=True)
+    if fd is None:
+      return
+    os.ftruncate(fd, 0)
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, since {started}\n".encode())
+    self._fd = fd
+    _held.add(str(self.path.resolve()))
+
+  def probe(self) -> None:
+    """Raises as ``acquire`` would, creating nothing and holding the lock only while it probes it."""
+    fd = self._locked(create=False)
+    if fd is not None:
+      os.close(fd)  # drops the probe's lock (this process holds no other on the file: not in _held)
+
+  def _locked(self, create: bool) -> int | None:
+    """A descriptor of the lock file holding the lock; None where it cannot be locked (``warning``) or, without
+    ``create``, where there is no lock file to open."""
+    if str(self.path.resolve()) in _held:
+      raise WorkdirInUseError(f"Workdir {str(self.workdir)!r} is in use by another run in this process"
+                              f" (pid {os.getpid()}); close it first or use another workdir.")
+    try:
+      fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
+    except OSError:
+      if create:
+        raise
+      return None  # no job has locked it yet, or it cannot be opened: acquire() decides
     try:
       _lock(fd)
     except OSError as e:
       holder = _read_holder(fd)
       os.close(fd)
       if e.errno in (errno.EACCES, errno.EAGAIN):
-        raise WorkdirInUseError(self.in_use(holder)) from None
+        raise WorkdirInUseError(
+            f"Workdir {str(self.workdir)!r} is in use by another job ({holder or 'holder unknown'}); wait for it"
+            " to end, stop it, or give another --workdir.") from None
       self.warning = (f"Workdir {str(self.workdir)!r} cannot be locked ({e.strerror}): nothing stops a second"
                       " job from using it at the same time.")
-      return
-    os.ftruncate(fd, 0)
-    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, since {started}\n".encode())
-    self._fd = fd
-    _held.add(key)
-
-  def in_use(self, holder: str) -> str:
-    return (f"Workdir {str(self.workdir)!r} is in use by another job ({holder or 'holder unknown'}); wait for it"
-            " to end, stop it, or give another --workdir.")
-
-  def in_this_process(self) -> str:
-    return (f"Workdir {str(self.workdir)!r} is in use by another run in this process (pid {os.getpid()});"
-            " close it first or use another workdir.")
+      return None
+    return fd
 
   def release(self) -> None:
     """Drops the lock (the holder line stays: it names the last holder)."""
@@ -126,8 +139,7 @@ def _read_holder(fd: int) -> str:
 
 
 def check_free(workdir: str | os.PathLike) -> None:
-  """Raises when another job holds ``workdir`` now; creates nothing, and holds the lock only while it probes it
-  (``acquire`` tries again for that long).
+  """Raises when another job holds ``workdir`` now (``WorkdirLock.probe``).
 
   For a run's checks before it reads the workdir's checkpoints: a running
   job deletes its old steps meanwhile, and the refusal must name that job,
@@ -136,20 +148,7 @@ def check_free(workdir: str | os.PathLike) -> None:
   Raises:
     WorkdirInUseError: another process (this one included) holds it.
   """
-  lock = WorkdirLock(workdir)
-  if str(lock.path.resolve()) in _held:
-    raise WorkdirInUseError(lock.in_this_process())
-  try:
-    fd = os.open(lock.path, os.O_RDWR | os.O_CLOEXEC)
-  except OSError:
-    return  # no job has locked it yet, or it cannot be opened: acquire() decides
-  try:
-    _lock(fd)
-  except OSError as e:
-    if e.errno in (errno.EACCES, errno.EAGAIN):
-      raise WorkdirInUseError(lock.in_use(_read_holder(fd))) from None
-  finally:
-    os.close(fd)  # drops the probe's own lock (this process holds no other on the file: not in _held)
+  WorkdirLock(workdir).probe()
 
 
 def check_free_for_job(workdir: str | os.PathLike, timeout_s: int = 600) -> None:
