@@ -9,15 +9,14 @@ Not for: starting JAX (``distributed.py``), the loop's save-and-stop (``training
 
 from __future__ import annotations
 
-import gc
 import signal
 import sys
 import threading
 
 import jax
 
-# A signal that lands in a garbage-collector callback or a ``__del__`` is delivered again this much later: an
-# exception raised there is printed as "Exception ignored" and dropped, and the run would go on.
+# A signal whose Terminated Python dropped (a garbage-collector or weakref callback, a ``__del__``) is delivered
+# again this much later: Python drops an exception raised there, and the run would go on.
 REDELIVER_S = 0.05
 
 
@@ -46,12 +45,11 @@ class Preemption:
   them, or a second time, the handler raises ``Terminated`` so that a run
   stuck in start-up, compiling, reading data or saving still ends promptly.
   Where Python would drop that exception (the signal landed in a
-  garbage-collector callback or a ``__del__``: jax registers one such
-  callback) the signal is delivered again ``REDELIVER_S`` later, as is one
-  raised in a place told only by Python dropping it (a weakref callback:
-  ``sys.unraisablehook``, where it is not printed); and one that code still
-  swallowed (an ``except BaseException``) is raised again when the steps
-  are entered or polled.
+  garbage-collector callback, which jax registers, a ``__del__`` or a
+  weakref callback: Python hands it to ``sys.unraisablehook``) it is not
+  printed and the signal is delivered again ``REDELIVER_S`` later; and one
+  that code still swallowed (an ``except BaseException``) is raised again
+  when the steps are entered or polled.
   """
 
   _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -73,9 +71,6 @@ class Preemption:
   def _on_signal(self, signum, frame):
     if self._in_steps and not self._flag:
       self._flag = True
-      return
-    if _in_finalizer(frame):
-      _deliver_again(signum)
       return
     self._raised = signum
     raise Terminated(signum)
@@ -119,13 +114,3 @@ def _deliver_again(signum: int) -> None:
   """``signum`` again ``REDELIVER_S`` from now, to the main thread, so that a call it waits in is interrupted too."""
   threading.Timer(REDELIVER_S, signal.pthread_kill, (threading.main_thread().ident, signum)).start()
 
-
-def _in_finalizer(frame) -> bool:
-  """Whether ``frame`` runs inside a garbage-collector callback or a ``__del__``, where Python prints an
-  exception as "Exception ignored" and drops it."""
-  callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
-  while frame is not None:
-    if frame.f_code.co_name == "__del__" or frame.f_code in callbacks:
-      return True
-    frame = frame.f_back
-  return False
