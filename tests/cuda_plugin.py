@@ -40,9 +40,9 @@ def environment(xla_flags: str | None = None) -> dict[str, str]:
   return env
 
 
-def run_program(source: str) -> dict:
+def run_program(source: str, xla_flags: str | None = None) -> dict:
   """Runs ``source`` with the plugin and returns the JSON its last printed line holds (asserting it ran)."""
-  run = subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=environment(), capture_output=True, text=True,
-                       timeout=600)
+  run = subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=environment(xla_flags), capture_output=True,
+                       text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   return json.loads(run.stdout.strip().splitlines()[-1])

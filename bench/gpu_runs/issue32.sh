@@ -17,6 +17,11 @@
 #                                      # products alone (bench/fp8_gemms.py)
 #   bash bench/gpu_runs/issue32.sh h   # the 1b at B 16 in bf16 and FP8 (delayed), each with the autotuner's
 #                                      # exhaustive Triton tile search and without (bench/NOTES.md lever 18)
+#   bash bench/gpu_runs/issue32.sh i   # g and h in one shorter call (about 6 minutes): the FP8 products alone,
+#                                      # a profile of the 1b's FP8 (delayed) step with the autotuner's choices,
+#                                      # then bf16 and delayed with and without the exhaustive tile search
+#   bash bench/gpu_runs/issue32.sh j   # FP8's GEMMs writing bf16 (bench/NOTES.md lever 20): the 1b at B 16 in
+#                                      # bf16, delayed and current, then the trainer with delayed FP8
 # Needs .whl/ (grain, array-record, portpicker, tensorboardX wheels for Python 3.12) and .gpu_data/
 # (corpus.jsonl and tokenizer.json) carried along: `bash bench/gpu_runs/prepare.sh` builds both. Writes $OUT/issue32-<part>.log and the benches' JSON.
 set -u
@@ -86,6 +91,22 @@ elif [[ $part == h ]]; then
   tiles=xla_gpu_exhaustive_tiling_search=true
   run 560 python3 bench/train_throughput.py --shapes 1b --reference none --sweep --time_budget 480 --json \
     "$out/1b-fp8-tiles.json" --settings "$base;$base,fp8=delayed;$base,fp8=delayed,$tiles;$base,$tiles"
+elif [[ $part == i ]]; then
+  run 110 python3 bench/fp8_gemms.py --json "$out/fp8-gemms.json"
+  XLA_FLAGS="--xla_gpu_dump_autotune_results_to=$out/autotune-1b-delayed.txt" \
+    run 140 python3 bench/profile_step.py --shape 1b --settings "scan=0,loss_remat=0,batch=16,fp8=delayed" \
+    --steps 2 --top 40 --out /tmp/prof-delayed --json "$out/profile-1b-delayed.json"
+  base="scan=0,loss_remat=0,batch=16"
+  tiles=xla_gpu_exhaustive_tiling_search=true
+  run 230 python3 bench/train_throughput.py --shapes 1b --reference none --sweep --time_budget 150 --json \
+    "$out/1b-fp8-tiles.json" --settings "$base;$base,fp8=delayed;$base,fp8=delayed,$tiles;$base,$tiles"
+elif [[ $part == j ]]; then
+  base="scan=0,loss_remat=0,batch=16"
+  run 200 python3 bench/train_throughput.py --shapes 1b --reference none --sweep --json "$out/1b-fp8-bf16-out.json" \
+    --settings "$base;$base,fp8=delayed;$base,fp8=current"
+  # the bare step and the trainer's subprocess each compile (about 160 s each with FP8 on an H200)
+  run 420 python3 bench/trainer_loop.py --config llama-1b-gpu --steps 30 --set model.fp8=delayed \
+    --json "$out/1b-trainer-fp8-delayed.json"
 else
   run 200 python3 bench/trainer_loop.py --config llama-1b-gpu --steps 30 --json "$out/1b.json"
   run 120 python3 bench/trainer_loop.py --config llama-124m-gpu --steps 60 "${text[@]}" --json "$out/124m-text.json"

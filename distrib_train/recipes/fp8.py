@@ -27,8 +27,11 @@ model's dtype.
   per microbatch).
 
 Each matmul is one custom VJP whose three products (``y = x·w``, ``dx = g·wᵀ``,
-``dw = xᵀ·g``) are ``dot_general`` / ``ragged_dot`` on float8 arrays with
-``preferred_element_type=float32``, divided by the two scales after. On GPUs
+``dw = xᵀ·g``) are ``dot_general`` / ``ragged_dot`` on float8 arrays, divided by
+the two scales after (in float32). A dense product writes the model's dtype,
+not float32: the GEMM accumulates in float32 either way, and a float32 result
+cost the kernel after it a read and a write more (bench/NOTES.md, lever 20:
+1.165 → 1.287 × bf16 for the 1b on an H200). ``ragged_dot`` writes float32. On GPUs
 with FP8 the routed experts' are the grouped Triton kernels instead
 (``grouped_matmul``): the forward product on FP8 operands, the two backward
 ones (e5m2 × e4m3, which Triton's dot does not mix) as float16, at bf16's
@@ -158,15 +161,17 @@ _RAGGED_DW = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0])
                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
-def _products(kind: tuple, extra: jax.Array | None):
+def _products(kind: tuple, extra: jax.Array | None, dtype=jnp.float32):
+  """The three products; a dense one writes ``dtype`` (the model's: float32 accumulation inside the GEMM, one
+  rounding at its output, which the scale then multiplies in float32)."""
   f32 = jnp.float32
   if kind[0] == "kernels":  # a grouped matmul's own kernels (grouped_matmul)
     return kind[1].products(extra)
   if kind[0] == "einsum":
     x_sub, w_sub, out_sub = kind[1:]
-    return (lambda a, b: jnp.einsum(f"{x_sub},{w_sub}->{out_sub}", a, b, preferred_element_type=f32),
-            lambda g, b: jnp.einsum(f"{out_sub},{w_sub}->{x_sub}", g, b, preferred_element_type=f32),
-            lambda a, g: jnp.einsum(f"{x_sub},{out_sub}->{w_sub}", a, g, preferred_element_type=f32))
+    return (lambda a, b: jnp.einsum(f"{x_sub},{w_sub}->{out_sub}", a, b, preferred_element_type=dtype),
+            lambda g, b: jnp.einsum(f"{out_sub},{w_sub}->{x_sub}", g, b, preferred_element_type=dtype),
+            lambda a, g: jnp.einsum(f"{x_sub},{out_sub}->{w_sub}", a, g, preferred_element_type=dtype))
   return (lambda a, b: jax.lax.ragged_dot(a, b, extra, preferred_element_type=f32),
           lambda g, b: jax.lax.ragged_dot(g, jnp.swapaxes(b, 1, 2), extra, preferred_element_type=f32),
           lambda a, g: jax.lax.ragged_dot_general(a, g, extra, _RAGGED_DW, preferred_element_type=f32))
@@ -177,7 +182,7 @@ def _matmul_fwd(kind, axes, x, w, history, extra):
   sx = _scale_for(ax, None if history is None else history[OPERAND_X], E4M3)
   sw = _scale_for(aw, None if history is None else history[OPERAND_W], E4M3)
   qx, qw = _to_fp8(x, E4M3, sx), _to_fp8(w, E4M3, sw)
-  y = (_products(kind, extra)[0](qx, qw) / (sx * sw)).astype(x.dtype)
+  y = (_products(kind, extra, x.dtype)[0](qx, qw) / (sx * sw)).astype(x.dtype)
   return y, (qx, qw, sx, sw, ax, aw, history, extra)
 
 
@@ -186,7 +191,7 @@ def _matmul_bwd(kind, axes, residuals, g):
   ag = _amax(g, axes)
   sg = _scale_for(ag, None if history is None else history[OUTPUT_GRAD], E5M2)
   qg = _to_fp8(g, E5M2, sg)
-  _, product_dx, product_dw = _products(kind, extra)
+  _, product_dx, product_dw = _products(kind, extra, g.dtype)
   dx = (product_dx(qg, qw) / (sg * sw)).astype(g.dtype)
   dw = (product_dw(qx, qg) / (sx * sg)).astype(g.dtype)
   written = None
