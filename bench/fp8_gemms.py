@@ -13,7 +13,8 @@ dispatched back to back:
 - ``bf16 product``: the forward product y = x·w, and the backward's
   dx = g·wᵀ and dw = xᵀ·g, on bf16 operands;
 - ``fp8 as built``: the same three products on FP8 operands (e4m3 × e4m3
-  forward, e5m2 × e4m3 backward, scales applied after), in the layouts XLA's
+  forward, e5m2 × e4m3 backward, bf16 results divided by the scales
+  after, as ``recipes/fp8.py`` writes them), in the layouts XLA's
   CUDA compiler gives them in the 1b's step with ``model.fp8`` set: the
   weight's e4m3 copy contraction-minor for the forward product, and read
   again, the other way, by dx; dw reading both operands token-major;
@@ -69,7 +70,7 @@ def _q(a, dtype):
 
 
 def _scaled(product, sa, sb):
-  return (product / (sa * sb)).astype(BF16)
+  return (product.astype(F32) / (sa * sb)).astype(BF16)
 
 
 def timed(fn, *args, iters: int, repeats: int = 3) -> float:
@@ -95,7 +96,9 @@ def products(tokens: int, k: int, n: int, iters: int) -> list[dict]:
   g = (jax.random.normal(keys[2], (tokens, n), BF16) * 1e-3).astype(BF16)
   (qx, sx), (qw, sw), (qg, sg), (qg4, sg4) = _q(x, E4M3), _q(w, E4M3), _q(g, E5M2), _q(g, E4M3)
   qx_t, qw_t, qg_t = (jax.block_until_ready(jnp.asarray(a.T)) for a in (qx, qw, qg))  # materialized: row-major
-  ein = lambda spec: jax.jit(lambda a, b, sa, sb: _scaled(jnp.einsum(spec, a, b, preferred_element_type=F32), sa, sb))
+  # bf16 results, divided by the scales in float32, as recipes/fp8.py writes them (bench/NOTES.md lever 20)
+  ein = lambda spec: jax.jit(lambda a, b, sa, sb: _scaled(jnp.einsum(spec, a, b, preferred_element_type=BF16), sa,
+                                                            sb))
   bf = lambda spec: jax.jit(lambda a, b: jnp.einsum(spec, a, b))
   wb = w.astype(BF16)
   calls = {  # variant → its (function, operands) for y, dx, dw

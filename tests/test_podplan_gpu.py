@@ -115,8 +115,8 @@ print(json.dumps(re.findall(fp8_gemm, text)))  # each FP8 GEMM's result type
 
 
 def test_fp8_gemms_on_cublas_write_the_models_dtype_not_float32_for_an_h100():
-  """On an H100 and H200 the autotuner sends the FP8 products to cuBLASLt (the profile of bench/NOTES.md lever
-  18); ``--xla_gpu_enable_triton_gemm=false`` makes the deviceless compiler do the same. Each of the three GEMMs
+  """On an H200 the autotuner sent the 1b's FP8 products to cuBLASLt (the profile of bench/NOTES.md lever 18);
+  ``--xla_gpu_enable_triton_gemm=false`` makes the deviceless compiler do the same. Each of the three GEMMs
   writes bf16: written as float32, their results cost a read and a write more in the kernel after each (the 1b at
   2 layers moved 70.05 against 57.60 GiB; on an H200 the 1b's step went from 430 to 390 ms, lever 20)."""
   outputs = cuda_plugin.run_program(_FP8_CUBLAS, xla_flags="--xla_gpu_enable_triton_gemm=false")

@@ -102,7 +102,7 @@ elif [[ $part == i ]]; then
     "$out/1b-fp8-tiles.json" --settings "$base;$base,fp8=delayed;$base,fp8=delayed,$tiles;$base,$tiles"
 elif [[ $part == j ]]; then
   base="scan=0,loss_remat=0,batch=16"
-  run 200 python3 bench/train_throughput.py --shapes 1b --reference none --sweep --json "$out/1b-fp8-bf16-out.json" \
+  run 400 python3 bench/train_throughput.py --shapes 1b --reference none --sweep --json "$out/1b-fp8-bf16-out.json" \
     --settings "$base;$base,fp8=delayed;$base,fp8=current"
   # the bare step and the trainer's subprocess each compile (about 160 s each with FP8 on an H200)
   run 420 python3 bench/trainer_loop.py --config llama-1b-gpu --steps 30 --set model.fp8=delayed \

@@ -28,10 +28,12 @@ model's dtype.
 
 Each matmul is one custom VJP whose three products (``y = x·w``, ``dx = g·wᵀ``,
 ``dw = xᵀ·g``) are ``dot_general`` / ``ragged_dot`` on float8 arrays, divided by
-the two scales after (in float32). A dense product writes the model's dtype,
-not float32: the GEMM accumulates in float32 either way, and a float32 result
-cost the kernel after it a read and a write more (bench/NOTES.md, lever 20:
-1.165 → 1.287 × bf16 for the 1b on an H200). ``ragged_dot`` writes float32. On GPUs
+the two scales after (in float32). A dense product writes the model's dtype
+where that is bf16 (float32's exponent range), not float32: the GEMM
+accumulates in float32 either way, and a float32 result cost the kernel after
+it a read and a write more (bench/NOTES.md, lever 20: 1.165 → 1.287 × bf16 for
+the 1b on an H200). A float16 model's products write float32, whose range
+holds them; ``ragged_dot`` writes float32. On GPUs
 with FP8 the routed experts' are the grouped Triton kernels instead
 (``grouped_matmul``): the forward product on FP8 operands, the two backward
 ones (e5m2 × e4m3, which Triton's dot does not mix) as float16, at bf16's
@@ -161,10 +163,18 @@ _RAGGED_DW = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0])
                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 
 
+def _product_dtype(dtype) -> jnp.dtype:
+  """What a dense product writes for a model in ``dtype``: bf16 or float32 itself (float32's exponent range holds
+  the unscaled product, up to about 8e11); float32 for any other, such as float16 (65,504 at most)."""
+  return jnp.dtype(dtype) if jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) \
+      else jnp.dtype(jnp.float32)
+
+
 def _products(kind: tuple, extra: jax.Array | None, dtype=jnp.float32):
-  """The three products; a dense one writes ``dtype`` (the model's: float32 accumulation inside the GEMM, one
-  rounding at its output, which the scale then multiplies in float32)."""
+  """The three products; a dense one writes ``_product_dtype(dtype)`` (float32 accumulation inside the GEMM, one
+  rounding at its output, which is then divided by the scales in float32)."""
   f32 = jnp.float32
+  dtype = _product_dtype(dtype)
   if kind[0] == "kernels":  # a grouped matmul's own kernels (grouped_matmul)
     return kind[1].products(extra)
   if kind[0] == "einsum":
