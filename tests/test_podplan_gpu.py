@@ -49,15 +49,18 @@ def test_emulate_keeps_the_cpu_path_for_a_gpu_target(tmp_path):
   assert data["compiler"] == "cpu-emulated" and data["kind"] == "a100"
 
 
-_FP8_DOTS = r"""
+# What each FP8 program below starts with: one emulated H100, XLA's CUDA compiler (deviceless).
+_ONE_H100 = r"""
 import json, re
 import jax, jax.numpy as jnp
-from distrib_train.podplan import gpu
+from distrib_train.podplan import gpu, hlo
 from distrib_train.recipes import fp8
 
 mesh = jax.sharding.Mesh(list(gpu._devices("h100", 1, 1)), ("x",))
 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+"""
 
+_FP8_DOTS = _ONE_H100 + r"""
 
 def dot_operand_types(mode, matmul, shapes):
   def loss(x, w, extra):
@@ -91,15 +94,7 @@ def test_fp8_matmuls_compile_to_float8_gemms_for_an_h100():
                                                             ("f8e4m3fn", "f8e5m2")], dots
 
 
-_FP8_CUBLAS = r"""
-import json, re
-import jax, jax.numpy as jnp
-from distrib_train.podplan import gpu
-from distrib_train.recipes import fp8
-
-mesh = jax.sharding.Mesh(list(gpu._devices("h100", 1, 1)), ("x",))
-replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
+_FP8_CUBLAS = _ONE_H100 + r"""
 
 def loss(x, w, history):
   return jnp.sum(fp8.einsum("bd,df->bf", x, w, history).astype(jnp.float32) ** 2)
@@ -123,15 +118,7 @@ def test_fp8_gemms_on_cublas_write_the_models_dtype_not_float32_for_an_h100():
   assert outputs == ["bf16"] * 3, outputs
 
 
-_FP8_PASSES = r"""
-import json
-import jax, jax.numpy as jnp
-from distrib_train.podplan import gpu, hlo
-from distrib_train.recipes import fp8
-
-mesh = jax.sharding.Mesh(list(gpu._devices("h100", 1, 1)), ("x",))
-replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
+_FP8_PASSES = _ONE_H100 + r"""
 
 def loss(a, s, w, history):  # an RMS norm makes the matmul's operand, as in the Llama
   x = a * jax.lax.rsqrt(jnp.mean(jnp.square(a.astype(jnp.float32)), -1, keepdims=True)).astype(a.dtype) * s

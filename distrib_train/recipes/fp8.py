@@ -166,8 +166,8 @@ _RAGGED_DW = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0])
 def _product_dtype(dtype) -> jnp.dtype:
   """What a dense product writes for a model in ``dtype``: bf16 or float32 itself (float32's exponent range holds
   the unscaled product, up to about 8e11); float32 for any other, such as float16 (65,504 at most)."""
-  return jnp.dtype(dtype) if jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) \
-      else jnp.dtype(jnp.float32)
+  dtype = jnp.dtype(dtype)
+  return dtype if dtype in (jnp.bfloat16, jnp.float32) else jnp.dtype(jnp.float32)
 
 
 def _products(kind: tuple, extra: jax.Array | None, dtype=jnp.float32):
