@@ -20,15 +20,42 @@ is ``distrib_train.cluster``; the ``plan`` command is
 ``distrib_train.podplan``. ``ARCHITECTURE.md`` says what lives where.
 """
 
-from distrib_train import data, models, parallel, recipes
-from distrib_train.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError, check_restorable
-from distrib_train.common.auto_mesh import as_auto_mesh
-from distrib_train.sharding.axis_rules import AxisRules, RuleSkip, activation_sharding, constrain
-from distrib_train.sharding.mesh import MeshConfig, build_mesh
-from distrib_train.sharding.plan import Plan, PlanEntry
-from distrib_train.sharding.planner import MeshPlanner
-from distrib_train.train_state import Hyperparams, TrainState
-from distrib_train.train_step import EvalStep, LossFunction, TrainStep, build_eval_step_fn, build_train_step_fn
+import importlib
+from typing import Any
+
+# Each public name and the module that defines it, imported on first use (PEP 562): ``import distrib_train``
+# costs nothing, so a process that needs one corner of the package (a data worker process reads documents
+# and never touches jax) does not pay for the rest.
+_SUBPACKAGES = ("data", "models", "parallel", "recipes")
+_EXPORTS = {
+    "CheckpointError": "distrib_train.checkpoint", "CheckpointManager": "distrib_train.checkpoint",
+    "CheckpointWriteError": "distrib_train.checkpoint", "check_restorable": "distrib_train.checkpoint",
+    "as_auto_mesh": "distrib_train.common.auto_mesh",
+    "AxisRules": "distrib_train.sharding.axis_rules", "RuleSkip": "distrib_train.sharding.axis_rules",
+    "activation_sharding": "distrib_train.sharding.axis_rules", "constrain": "distrib_train.sharding.axis_rules",
+    "MeshConfig": "distrib_train.sharding.mesh", "build_mesh": "distrib_train.sharding.mesh",
+    "Plan": "distrib_train.sharding.plan", "PlanEntry": "distrib_train.sharding.plan",
+    "MeshPlanner": "distrib_train.sharding.planner",
+    "Hyperparams": "distrib_train.train_state", "TrainState": "distrib_train.train_state",
+    "EvalStep": "distrib_train.train_step", "LossFunction": "distrib_train.train_step",
+    "TrainStep": "distrib_train.train_step", "build_eval_step_fn": "distrib_train.train_step",
+    "build_train_step_fn": "distrib_train.train_step",
+}
+
+
+def __getattr__(name: str) -> Any:
+  if name in _SUBPACKAGES:
+    return importlib.import_module(f"distrib_train.{name}")
+  if name in _EXPORTS:
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # the next lookup finds it directly
+    return value
+  raise AttributeError(f"module 'distrib_train' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 
