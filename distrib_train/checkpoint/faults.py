@@ -97,9 +97,11 @@ def quiet_echoes_of_failed_writes() -> None:
 
 
 def finish_at_exit(manager: Any) -> None:
-  """At interpreter exit, a ``CheckpointManager``'s pending async save is waited for, not lost."""
+  """At interpreter exit, a ``CheckpointManager``'s pending async save is waited for, not lost, and the
+  removal of old steps under way finishes (the interpreter would tear its thread down mid-file)."""
   if not manager._closed:
     try:
       manager.wait_until_finished()
     except CheckpointWriteError as e:  # nobody is left to catch it: say it in one line
       print(f"distrib_train: {e}", file=sys.stderr, flush=True)
+  manager._deleted.join()

@@ -33,8 +33,6 @@ Not for: choosing what to save when (``trainer.py``).
 
 from __future__ import annotations
 
-import atexit
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +43,7 @@ from etils import epath
 from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 
 from distrib_train.checkpoint import data_state, retention
+from distrib_train.common.exit_hooks import register_early
 from distrib_train.checkpoint.checks import check_restorable  # noqa: F401 (public here too)
 from distrib_train.checkpoint.checks import (MODEL_FIELDS, SAVED_FIELDS, CheckpointError, abstract_target,
                                              check_matches, first_line, read_meta, step_meta)
@@ -143,8 +142,7 @@ class CheckpointManager:
     # pools that orbax's background write needs are shut down (plain atexit
     # runs after, and the pending checkpoint was lost). Later registrations
     # run first, so this precedes concurrent.futures' own hook.
-    register = getattr(threading, "_register_atexit", atexit.register)
-    register(finish_at_exit, self)  # held: a dropped manager's save still lands
+    register_early(finish_at_exit, self)  # held: a dropped manager's save still lands
 
   def _remove_stale_tmp(self) -> None:
     """Deletes what an interrupted save left (never a committed step)."""

@@ -51,6 +51,11 @@ class DeletedSteps:
                                       daemon=True)
       self._thread.start()
 
+  def join(self) -> None:
+    """Waits for the removal under way, if any (removes nothing else)."""
+    if self._thread is not None:
+      self._thread.join()
+
 
 def _remove(paths: list[epath.Path]) -> None:
   for path in paths:

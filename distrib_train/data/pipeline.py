@@ -36,6 +36,7 @@ packing (``lanes.py``), the grain pipelines of the two reads (``endless.py``,
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -43,6 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from distrib_train.common.exit_hooks import close_at_exit
 from distrib_train.data import block_order
 from distrib_train.data import finite
 from distrib_train.data import lanes as lanes_lib
@@ -103,6 +105,12 @@ class DataLoader:
   exists). Pass the loader as ``data_iterator`` to
   ``CheckpointManager.save`` / ``restore``.
 
+  Close it when done (``close()``, or ``with DataLoader(...) as loader:``):
+  that stops its prefetch thread, its lanes' threads and its worker
+  processes. One that is not closed is closed when it is garbage collected,
+  or at interpreter exit at the latest (``common/exit_hooks.py``), so no
+  thread of it is left running native code when the interpreter goes.
+
   Args:
     config: the data config.
     input_shardings: input name → sharding (``plan.input_kwarg_shardings``);
@@ -152,7 +160,8 @@ class DataLoader:
     self._by_blocks = sources.read_by_blocks(config)  # its positions name other documents: a layout of its own
     self._lanes: lanes_lib.Lanes | None = None  # an endless (training) loader reads lanes
     self._skipped = lambda: 0  # a finite pass's skipped documents (its lanes count an endless loader's)
-    self._iterator = self._build(split, num_epochs, vocab_size)
+    self._reads = _Reads(self._build(split, num_epochs, vocab_size), self._lanes)
+    self._close = close_at_exit(self, self._reads.close)
 
   def _build(self, split: str, num_epochs: int | None, vocab_size: int | None = None) -> Any:
     import grain
@@ -166,7 +175,8 @@ class DataLoader:
       self._lanes = lane_process.open_lanes(
           config, split, self.shard_count, vocab_size,
           rows=range(self.shard_index * self.local_batch_size, (self.shard_index + 1) * self.local_batch_size))
-      return endless.prefetched(self._lanes, self._lane_batch)
+      # (the batch maker refers to no loader: a loader nobody holds is collected, and its reads closed)
+      return endless.prefetched(self._lanes, functools.partial(_lane_batch, config, shardings))
     docs, indices, tokenize = splits.split_documents(config, split, self.shard_count, vocab_size)
     checked = docs.skipped_documents
     self._skipped = lambda: docs.skipped_documents - checked
@@ -182,6 +192,12 @@ class DataLoader:
                           place=lambda local: to_global(local, shardings, global_batch))
 
   @property
+  def _iterator(self) -> Any:
+    if self._reads.iterator is None:
+      raise ValueError("This DataLoader is closed.")
+    return self._reads.iterator
+
+  @property
   def skipped_documents(self) -> int:
     """Malformed JSONL lines this loader has read (``data.bad_records=skip``: read as no document), read
     ahead included, in this process and its lane workers (not in a finite pass's grain workers)."""
@@ -191,13 +207,6 @@ class DataLoader:
   def endless(self) -> bool:
     """Whether this loader repeats forever and reads lanes (training); a finite pass reads grain shards."""
     return self._lanes is not None
-
-  def _lane_batch(self, rows: list[dict[str, np.ndarray]]) -> dict[str, Any]:
-    """The lanes' next rows (endless.py) → this process's rows and the global batch."""
-    cap = self.config.max_documents_per_row
-    rows = [sequences.shifted(row, cap) if self.config.packing else sequences.unpacked(row["tokens"]) for row in rows]
-    local = {name: np.stack([row[name] for row in rows]) for name in rows[0]}
-    return {"local": local, "global": to_global(local, self.input_shardings, self.config.global_batch_size)}
 
   def __iter__(self) -> Iterator[dict[str, jax.Array]]:
     return self
@@ -303,17 +312,44 @@ class DataLoader:
       start()
 
   def close(self) -> None:
-    """Stops grain worker processes, if any (and the lanes' threads)."""
-    if self._lanes is not None:
-      interrupt = getattr(self._lanes, "interrupt", None)
+    """Stops the prefetch thread, the lanes' threads and the worker processes, if any; later calls do nothing."""
+    self._close()
+
+  def __enter__(self) -> DataLoader:
+    return self
+
+  def __exit__(self, *exc_info: Any) -> None:
+    self.close()
+
+
+def _lane_batch(config: DataConfig, input_shardings: Mapping[str, Any],
+                rows: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+  """The lanes' next rows (endless.py) → this process's rows and the global batch."""
+  cap = config.max_documents_per_row
+  rows = [sequences.shifted(row, cap) if config.packing else sequences.unpacked(row["tokens"]) for row in rows]
+  local = {name: np.stack([row[name] for row in rows]) for name in rows[0]}
+  return {"local": local, "global": to_global(local, input_shardings, config.global_batch_size)}
+
+
+class _Reads:
+  """A loader's grain iterator and lanes, closed once by ``close``, which also lets go of them: grain's
+  iterators close themselves again when collected, and a loader collected at interpreter teardown would
+  find grain's modules already gone (``Exception ignored in … DatasetIterator.__del__``)."""
+
+  def __init__(self, iterator: Any, lanes: Any):
+    self.iterator, self.lanes = iterator, lanes
+
+  def close(self) -> None:
+    """Stops the prefetch thread (joined), then the lanes' threads or worker processes."""
+    iterator, lanes, self.iterator, self.lanes = self.iterator, self.lanes, None, None
+    if lanes is not None:
+      interrupt = getattr(lanes, "interrupt", None)
       if interrupt is not None:  # worker processes: the prefetch thread may be waiting on a stuck one's rows
         interrupt()
-      self._iterator.close()
-      self._lanes.close()
-      return
-    close = getattr(self._iterator, "close", None)
-    if close is not None:
-      close()
+      iterator.close()
+      lanes.close()
+    elif iterator is not None and hasattr(iterator, "close"):
+      iterator.close()
 
 
 def to_global(batch: Mapping[str, np.ndarray], input_shardings: Mapping[str, Any],

@@ -63,6 +63,7 @@ from typing import Any, TextIO
 
 import jax
 
+from distrib_train.common.exit_hooks import close_at_exit
 from distrib_train.training.goodput import PhaseClock
 
 EXIT_HUNG = 4  # the process exit code of a run ended by the watchdog
@@ -132,6 +133,8 @@ class Watchdog:
       self._beat()
       self._thread = threading.Thread(target=self._run, name="distrib_train-watchdog", daemon=True)
       self._thread.start()
+      # One not closed stops at exit, before the interpreter tears its thread down mid-tick.
+      self._at_exit = close_at_exit(self, _stop_thread, self._stop, self._thread)
     return self
 
   def _run(self) -> None:
@@ -162,8 +165,7 @@ class Watchdog:
       line = self.overdue()
       if line is not None:
         self.fire(line)
-    self._stop.set()
-    self._thread.join(timeout=5)
+    self._at_exit()
     self._thread = None
     self._beat(exited="done")
 
@@ -251,3 +253,8 @@ class Watchdog:
     stream.flush()
     self._stop.set()
     self._exit(EXIT_HUNG)
+
+
+def _stop_thread(stop: threading.Event, thread: threading.Thread) -> None:
+  stop.set()
+  thread.join(timeout=5)
