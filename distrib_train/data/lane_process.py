@@ -91,11 +91,11 @@ def in_process(config: DataConfig, split: str, shard_count: int, vocab_size: int
                rows: Sequence[int]) -> lanes_lib.Lanes:
   """The split's lanes ``rows`` in this process: the seeded, shuffled, endlessly repeated documents
   (shuffled by blocks where the source has block-read files: ``block_order.py``)."""
-  import grain
-
   docs, indices, tokenize = splits.split_documents(config, split, shard_count, vocab_size)
   stream = block_order.shuffled(docs, indices, config.seed)  # every process's order
   if stream is None:
+    import grain  # here only: block-read files need none of it, and its import costs a worker 0.8 s
+
     stream = grain.MapDataset.source(splits.Subset(docs, indices)).shuffle(seed=config.seed).repeat(None)
   checked = docs.skipped_documents  # by split_documents' sample, read again by the lanes
   return lanes_lib.Lanes(stream, tokenize, lanes=config.global_batch_size, length=config.seq_len + 1,
