@@ -22,6 +22,7 @@ Not for: building the optimizer (``optimizers.py``) or running (``trainer.py``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 import sys
@@ -174,7 +175,12 @@ class Config:
 
   def model_recipe(self):
     """The ``ModelRecipe`` this config names (config fields overridden); with ``train.init_from: hf:<dir>``,
-    the model's shape is the checkpoint's (its config.json, read by ``recipes/hf_shape.py``)."""
+    the model's shape is the checkpoint's (its config.json, read by ``recipes/hf_shape.py``, once per config:
+    the trainer, the job, the checks and ``init_from`` ask this one)."""
+    return self._recipe
+
+  @functools.cached_property
+  def _recipe(self):
     from distrib_train import recipes
 
     recipe = recipes.get(self.model.name, self.model.preset, **dict(self.model.overrides))
@@ -199,20 +205,6 @@ class Config:
   def data_config(self) -> DataConfig:
     """This config's ``distrib_train.data.DataConfig`` (the ``data`` section); the trainer's own, rows capped
     for cuDNN's packed attention where it runs, is ``training/job.data_config``."""
-    return self.data
-    if not self.data.max_documents_per_row:
-      import jax
-
-      from distrib_train.recipes.llama import gpu_capability
-
-      if gpu_capability(jax.devices()[0]) < (9, 0):
-        return self.data
-    if not self.data.max_documents_per_row:
-      return dataclasses.replace(self.data, max_documents_per_row=segments - 1)
-    if self.data.max_documents_per_row > segments - 1:
-      raise ConfigError(f"data.max_documents_per_row={self.data.max_documents_per_row} is more than the model's"
-                        f" packed attention takes: model.max_segments={segments} runs a row, the padding included;"
-                        f" raise model.max_segments to {self.data.max_documents_per_row + 1} or lower the data's.")
     return self.data
 
 
