@@ -174,7 +174,7 @@ def main(argv=None) -> dict:
         f" in use after init {_gib(after_init)}", flush=True)
 
   # 4. Real steps, then the allocator's peak.
-  vocab = getattr(spec.model_config, "vocab_size", 256)
+  vocab = spec.family.vocab_size or 256
   batch = _random_batch(spec, plan, vocab)
   losses = []
   start = time.perf_counter()

@@ -85,10 +85,10 @@ def step_spec(config: Config, platform: str = "cpu") -> StepSpec:
   """The abstract train state and batch the trainer builds for ``config``."""
   job = job_spec(config)
   notes = []
-  if platform == "tpu" and getattr(job.model_config, "attention", None) == "cudnn":
+  attention = job.family.capabilities().attention
+  if platform == "tpu" and attention == "cudnn":
     raise ValueError("model.attention is cudnn, a GPU kernel, and the target is a TPU: set model.attention to auto"
                      " (splash attention on TPU) or xla.")
-  attention = getattr(job.model_config, "attention", None)
   if attention == "cudnn" and platform == "cpu":
     notes.append("cuDNN attention, which the CPU compiler cannot build, is planned as a query-chunked XLA attention"
                  " of the same memory profile (cpu_attention.py); its FLOPs include the causal half cuDNN skips.")
@@ -354,11 +354,11 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
   times = step_time(model_flops, hlo_module.matmul_flops(text), wire, kind, efficiency, xla_flops(compiled))
   if not constrain_activations:
     notes.append("activations unconstrained (--no_activation_sharding): XLA chooses their layout.")
-    if isinstance(target, TpuTopology) and getattr(spec.model_config, "attention", None) in ("auto", "splash"):
+    if isinstance(target, TpuTopology) and spec.family.capabilities().attention in ("auto", "splash"):
       notes.append("without the activation sharding the model cannot see the TPU mesh: its attention was compiled"
                    " as XLA attention (auto) or the splash kernel unsharded, not as a TPU run has it.")
   scale = 1.0
-  if emulated and str(getattr(spec.model_config, "dtype", "float32")) == "bfloat16":
+  if emulated and spec.family.capabilities().dtype == "bfloat16":
     scale = CPU_BF16_TEMPORARIES
     notes.append(f"the CPU compiler holds bfloat16 work in float32: its temporaries count × {scale} (on one H100"
                  " the 124m and 1b presets need 0.48 and 0.42 of the CPU figure); collectives of activations may"

@@ -87,11 +87,11 @@ def rough_seconds(candidate: Layout, spec: StepSpec, kind: hardware.DeviceKind,
   param_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in params) / stage
   seconds = 3 * param_bytes / tensor * (fsdp - 1) / fsdp / bandwidth("fsdp")
   seconds += 2 * param_bytes / (fsdp * tensor) * (data - 1) / data / bandwidth("data")
-  config = spec.model_config
-  d_model, layers = getattr(config, "d_model", 0), getattr(config, "num_layers", 0)
+  caps = spec.family.capabilities()
+  d_model, layers = caps.d_model, caps.num_layers
   local_tokens = spec.tokens_per_step / max(1, data * fsdp)
-  value = 4 if emulated or str(getattr(config, "dtype", "float32")) == "float32" else 2
-  passes = 3 if getattr(config, "remat", "none") == "full" else 2
+  value = 4 if emulated or caps.dtype == "float32" else 2
+  passes = 3 if caps.remat == "full" else 2
   seconds += (2 * passes * layers / stage * local_tokens * d_model * value * 2 * (tensor - 1) / tensor
               / bandwidth("tensor"))
   if stage > 1:
@@ -116,8 +116,8 @@ def rough_activation_bytes(candidate: Layout, spec: StepSpec) -> float:
   fsdp 256 needs that much more than the count (fusion buffers, the loss
   chunks, the optimizer update).
   """
-  config = spec.model_config
-  d, layers = getattr(config, "d_model", 0), getattr(config, "num_layers", 0)
+  caps = spec.family.capabilities()
+  d, layers = caps.d_model, caps.num_layers
   if not d or not layers:
     return 0.0
   sizes = {n: i * dc for n, i, dc in zip(candidate.axis_names, candidate.ici, candidate.dcn)}
@@ -125,9 +125,9 @@ def rough_activation_bytes(candidate: Layout, spec: StepSpec) -> float:
   layers = layers / sizes.get(STAGE_AXIS, 1)  # a stage keeps its layers' activations for every microbatch
   tokens = spec.tokens_per_step / max(1, sizes.get("data", 1) * sizes.get("fsdp", 1))
   seq_len = spec.inputs["tokens"].shape[1] if "tokens" in spec.inputs else 0
-  heads, mlp = getattr(config, "num_heads", 0) / tensor, getattr(config, "mlp_dim", 0) / tensor
-  value = 2 if str(getattr(config, "dtype", "float32")) == "bfloat16" else 4
-  kept = d if getattr(config, "remat", "none") == "full" else 6 * d + 3 * mlp
+  heads, mlp = caps.num_heads / tensor, caps.mlp_dim / tensor
+  value = 2 if caps.dtype == "bfloat16" else 4
+  kept = d if caps.remat == "full" else 6 * d + 3 * mlp
   return 1.25 * value * tokens * (layers * kept + 3 * heads * seq_len + 4 * mlp)
 
 
@@ -145,9 +145,9 @@ def _pipeline_fits(pod: PodPlan, spec: StepSpec) -> bool:
     Pipelining(pod.plan.mesh, m, r).check(batch)
   except ValueError:
     return False
-  layers = getattr(spec.model_config, "num_layers", None)
+  layers = spec.family.capabilities().num_layers
   ways = sizes.get("data", 1) * sizes.get("fsdp", 1)
-  return (layers is None or layers % (stage * r) == 0) and (batch // m) % ways == 0
+  return (not layers or layers % (stage * r) == 0) and (batch // m) % ways == 0
 
 
 @dataclasses.dataclass

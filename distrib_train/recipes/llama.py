@@ -32,6 +32,7 @@ from distrib_train.parallel.pipeline import layer_stack
 from distrib_train.recipes.attention import BLOCK as splash_block
 from distrib_train.recipes.attention import splash_attention
 from distrib_train.recipes.cross_entropy import chunked_cross_entropy
+from distrib_train.recipes.family import Capabilities
 from distrib_train.sharding.axis_rules import active_activation_sharding, constrain
 
 _REMAT_POLICIES = {
@@ -105,6 +106,12 @@ class LlamaConfig:
   def flops_per_token(self, seq_len: int) -> int:
     """Training FLOPs per token, PaLM's count: 6·N + 12·L·(heads·head_dim)·S."""
     return 6 * self.num_params() + 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
+  def capabilities(self) -> Capabilities:
+    """What the model runs (the family protocol, ``family.py``)."""
+    return Capabilities(fp8=self.fp8, attention=self.attention, max_segments=self.max_segments, dtype=self.dtype,
+                        remat=self.remat, num_layers=self.num_layers, d_model=self.d_model,
+                        num_heads=self.num_heads, mlp_dim=self.mlp_dim)
 
   def build(self, rngs: nnx.Rngs | int = 0) -> Llama:
     """A freshly initialised model (annotations are logical: no eager sharding)."""

@@ -37,6 +37,7 @@ from distrib_train.common.yaml_loader import ConfigError, safe_load_yaml
 from distrib_train.training.config_values import check_model_value, closest_keys, coerce, model_field_types
 
 from distrib_train.data.pipeline import DataConfig
+from distrib_train.recipes.family import family_of
 
 PRESETS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"  # distrib_train/configs
 NONFINITE_POLICIES = ("skip", "halt", "rollback")
@@ -370,7 +371,7 @@ def _check(config: Config) -> None:
     config.model_recipe()
   except (ValueError, TypeError, ArithmeticError) as e:  # values the model's own config refuses
     raise ConfigError(f"model: {e}" if not isinstance(e, ValueError) else str(e)) from None
-  vocab = getattr(config.model_recipe().config, "vocab_size", None)
+  vocab = family_of(config.model_recipe().config).vocab_size
   if vocab is not None and vocab < 256 and config.data.tokenizer == "bytes":
     raise ConfigError(f"model.vocab_size {vocab} is below 256, the byte-level vocabulary of the data sources.")
 

@@ -26,6 +26,7 @@ import jax
 import optax
 
 from distrib_train.data.pipeline import DataLoader
+from distrib_train.recipes.family import Family, family_of
 from distrib_train.sharding.axis_rules import AxisRules
 from distrib_train.sharding.mesh import MeshConfig
 from distrib_train.sharding.plan import Plan, logical_annotations_only
@@ -47,6 +48,7 @@ class JobSpec:
     loss_fn: the penzai-style loss.
     input_axes: logical axes per input name.
     model_config: the reference model's config (None for a model given as code).
+    family: what the job asks of the model (``recipes/family.py``): FLOPs, vocabulary, capabilities.
     make_state: builds the real state (``plan.init(job.make_state)``).
     optimizer: the optax optimizer in the state.
   """
@@ -58,6 +60,7 @@ class JobSpec:
   model_config: Any
   make_state: Callable[[], TrainState]
   optimizer: optax.GradientTransformation
+  family: Family = dataclasses.field(default_factory=lambda: family_of(None))
   microbatches: int = 1
   pipeline_repeats: int = 1
 
@@ -68,10 +71,10 @@ class JobSpec:
 
   def model_flops_per_step(self) -> float | None:
     """Training FLOPs of one step by the model's own count, if it has one."""
-    if not hasattr(self.model_config, "flops_per_token"):
+    if "tokens" not in self.inputs:
       return None
-    seq_len = self.inputs["tokens"].shape[1]
-    return float(self.model_config.flops_per_token(seq_len)) * self.tokens_per_step
+    per_token = self.family.flops_per_token(self.inputs["tokens"].shape[1])
+    return None if per_token is None else float(per_token) * self.tokens_per_step
 
   def param_count(self) -> int:
     return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(self.abstract_state.params))
@@ -94,19 +97,20 @@ def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, lo
     abstract = jax.eval_shape(make_state)
   return JobSpec(abstract, DataLoader.batch_schema(config.data_config()), loss_fn or recipe.loss_fn,
                  input_axes if input_axes is not None else recipe.input_axes, model_config, make_state, optimizer,
-                 microbatches=t.microbatches, pipeline_repeats=t.pipeline_repeats)
+                 family=family_of(model_config), microbatches=t.microbatches, pipeline_repeats=t.pipeline_repeats)
 
 
-def packed_attention(model_config: Any, mesh: Any) -> bool:
-  """Whether the reference model runs packed rows through cuDNN's packed layout on ``mesh``: a Hopper or newer
+def packed_attention(family: Family, mesh: Any) -> bool:
+  """Whether the model runs packed rows through cuDNN's packed layout on ``mesh``: a Hopper or newer
   GPU, ``model.attention`` auto or cudnn, ``model.max_segments`` > 0, no context axis (ring attention)."""
-  from distrib_train.recipes.llama import gpu_capability
+  from distrib_train.common.versions import gpu_capability
 
-  return (getattr(model_config, "max_segments", 0) > 0 and getattr(model_config, "attention", "") in ("auto", "cudnn")
+  caps = family.capabilities()
+  return (caps.max_segments > 0 and caps.attention in ("auto", "cudnn")
           and dict(mesh.shape).get("context", 1) == 1 and gpu_capability(mesh.devices.flat[0]) >= (9, 0))
 
 
-def data_config(config: Config, model_config: Any, mesh: Any = None, *, packed: bool | None = None) -> DataConfig:
+def data_config(config: Config, family: Family, mesh: Any = None, *, packed: bool | None = None) -> DataConfig:
   """The run's data config: where the model runs cuDNN's packed attention on ``mesh`` (or where ``packed``
   says so), with packing and ``data.max_documents_per_row`` 0, rows hold what it takes: ``model.max_segments``
   - 1 documents.
@@ -114,8 +118,8 @@ def data_config(config: Config, model_config: Any, mesh: Any = None, *, packed: 
   Raises:
     ConfigError: a larger ``data.max_documents_per_row`` than that.
   """
-  packed = packed_attention(model_config, mesh) if packed is None else packed
-  data, segments = config.data, getattr(model_config, "max_segments", 0) if packed else 0
+  packed = packed_attention(family, mesh) if packed is None else packed
+  data, segments = config.data, family.capabilities().max_segments if packed else 0
   if not (data.packing and segments):
     return data
   if not data.max_documents_per_row:

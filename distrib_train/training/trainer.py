@@ -61,6 +61,7 @@ from distrib_train.training.goodput import Goodput, PhaseClock
 from distrib_train.training.hooks import Profiler
 from distrib_train.training.loop import RunResult, TrainLoop, aux_scalars
 from distrib_train.training.nonfinite import NonFiniteGuard
+from distrib_train.recipes.family import family_of
 from distrib_train.sharding.mesh import MeshConfig, build_mesh, find_mesh_config
 from distrib_train.sharding.planner import MeshPlanner
 from distrib_train.train_state import TrainState
@@ -117,13 +118,11 @@ class Trainer:
     self.model_fn = model_fn or recipe.config.build
     self.loss_fn = loss_fn or recipe.loss_fn
     self.input_axes = input_axes if input_axes is not None else recipe.input_axes
-    self.flops_per_token = None
-    model_config = recipe.config if recipe is not None and model_fn is None else None
-    if hasattr(model_config, "flops_per_token"):
-      self.flops_per_token = model_config.flops_per_token(config.data.seq_len)
+    family = family_of(recipe.config if recipe is not None and model_fn is None else None)
+    self.flops_per_token = family.flops_per_token(config.data.seq_len)
     # Ids at or beyond it would be looked up as NaN: every step skipped.
-    self.vocab_size = getattr(model_config, "vocab_size", None)
-    self.fp8 = getattr(model_config, "fp8", "none")
+    self.vocab_size = family.vocab_size
+    self.fp8 = family.capabilities().fp8
     self.profile_steps = profile_steps
     self.console = console
     try:
@@ -137,7 +136,7 @@ class Trainer:
     self.job = job_lib.job_spec(self.config, model_fn=self.model_fn, loss_fn=self.loss_fn,
                                 input_axes=self.input_axes)
     mesh = build_mesh(self.mesh_config)
-    self.data_config = job_lib.data_config(self.config, self.job.model_config, mesh)
+    self.data_config = job_lib.data_config(self.config, self.job.family, mesh)
     planner = MeshPlanner(mesh, job_lib.rules_for(self.config, self.mesh_config))
     self.rules = planner.rules  # for activation_sharding while the steps are traced
     check_every_axis_is_used(mesh, planner.rules, job_lib.rule_set_name(self.config, self.mesh_config))
