@@ -362,10 +362,15 @@ def test_chunked_cross_entropy_matches_the_plain_one():
 
 
 def test_auto_attention_is_xla_off_gpu_and_explicit_choices_stand():
+  from distrib_train.recipes.attention_kernels import Attention, choose
+
   q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
-  assert recipes.llama.attention_implementation("auto", q) is None  # CPU here: jax's default (XLA)
-  assert recipes.llama.attention_implementation("cudnn", q) == "cudnn"
-  assert recipes.llama.attention_implementation("xla", q, masked=True) == "xla"
+  assert choose(Attention("auto"), q) == "xla"  # CPU here
+  assert choose(Attention("cudnn"), q) == "cudnn"
+  assert choose(Attention("xla"), q, masked=True) == "xla"
+  assert choose(Attention("auto"), q, sinks=True) == "xla"
+  with pytest.raises(ValueError, match="cudnn cannot run attention sinks or a soft cap"):
+    choose(Attention("cudnn"), q, sinks=True)
 
 
 @pytest.mark.parametrize(

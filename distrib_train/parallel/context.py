@@ -36,6 +36,7 @@ it is computed in that order without undoing it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -78,11 +79,15 @@ def reorder(tokens: jax.Array, **per_token: jax.Array | None) -> tuple[jax.Array
   return take(tokens), {k: take(v) for k, v in per_token.items()}
 
 
-def _block(q, k, v, pos_q, pos_k, seg_q, seg_k, state):
+def _block(q, k, v, pos_q, pos_k, seg_q, seg_k, state, window: int = 0, softcap: float = 0.0):
   """Folds one key/value block into the online softmax ``state`` = (max, sum, accumulator)."""
   m, l, acc = state
   scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k.astype(jnp.float32))
+  if softcap:
+    scores = softcap * jnp.tanh(scores / softcap)
   visible = pos_k[:, None, None, None, :] <= pos_q[:, None, None, :, None]
+  if window:
+    visible &= pos_q[:, None, None, :, None] - pos_k[:, None, None, None, :] < window
   if seg_q is not None:
     visible &= seg_k[:, None, None, None, :] == seg_q[:, None, None, :, None]
   scores = jnp.where(visible, scores, _NEGATIVE)
@@ -98,7 +103,7 @@ def _divisor_at_most(n: int, target: int) -> int:
   return max(d for d in range(1, min(n, target) + 1) if n % d == 0)
 
 
-def _fold(q, k, v, pos_q, pos_k, seg_q, seg_k, state, block: int):
+def _fold(q, k, v, pos_q, pos_k, seg_q, seg_k, state, block: int, window: int = 0, softcap: float = 0.0):
   """Folds a whole key/value block into ``state`` in tiles of at most ``block`` queries × ``block`` keys.
 
   Each tile is rematerialized and the tiles run one after another (``lax.map`` over query tiles, ``lax.scan``
@@ -111,7 +116,8 @@ def _fold(q, k, v, pos_q, pos_k, seg_q, seg_k, state, block: int):
   tiles = lambda a, t, axis: None if a is None else jnp.moveaxis(
       a.reshape(*a.shape[:axis], a.shape[axis] // t, t, *a.shape[axis + 1:]), axis, 0)
   untile = lambda a, axis: jnp.moveaxis(a, 0, axis).reshape(*a.shape[1:axis + 1], -1, *a.shape[axis + 2:])
-  fold = jax.checkpoint(_block)  # keep the tiles' inputs, not their [q, k] scores, for the backward pass
+  # keep the tiles' inputs, not their [q, k] scores, for the backward pass
+  fold = jax.checkpoint(functools.partial(_block, window=window, softcap=softcap))
   key_tiles = (tiles(k, tk, 1), tiles(v, tk, 1), tiles(pos_k, tk, 1), tiles(seg_k, tk, 1))
 
   def one_query_tile(xs):
@@ -128,35 +134,44 @@ def _fold(q, k, v, pos_q, pos_k, seg_q, seg_k, state, block: int):
   return untile(m, 3), untile(l, 3), untile(acc, 1)
 
 
-def _local(q, k, v, pos, seg, *, size: int, implementation: str, block: int):
+def _local(q, k, v, pos, seg, sinks, *, size: int, implementation: str, block: int, scale: float, window: int,
+           softcap: float):
   batch, length, heads, dim = q.shape
-  kv = k.shape[2]
-  qg = q.astype(jnp.float32).reshape(batch, length, kv, heads // kv, dim) * dim ** -0.5
-  state = (jnp.full((batch, kv, heads // kv, length), _NEGATIVE, jnp.float32),
-           jnp.zeros((batch, kv, heads // kv, length), jnp.float32),
-           jnp.zeros((batch, length, kv, heads // kv, dim), jnp.float32))
+  kv, v_dim = k.shape[2], v.shape[-1]
+  qg = q.astype(jnp.float32).reshape(batch, length, kv, heads // kv, dim) * scale
+  if sinks is None:
+    start, total = jnp.full((batch, kv, heads // kv, length), _NEGATIVE, jnp.float32), 0.0
+  else:  # a sink is a key every query sees, whose value is zero: the softmax starts from it
+    start, total = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, heads // kv, 1),
+                                    (batch, kv, heads // kv, length)), 1.0
+  state = (start, jnp.full((batch, kv, heads // kv, length), total, jnp.float32),
+           jnp.zeros((batch, length, kv, heads // kv, v_dim), jnp.float32))
+  options = dict(window=window, softcap=softcap)
   if implementation == "all_gather":
     gather = lambda a: jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True)
     state = _fold(qg, gather(k), gather(v), pos, gather(pos), seg, None if seg is None else gather(seg), state,
-                  block)
+                  block, **options)
   else:
     ring = [(i, (i + 1) % size) for i in range(size)]
     chunk = (k, v, pos, seg)
     for step in range(size):
       k_b, v_b, pos_b, seg_b = chunk
-      state = _fold(qg, k_b, v_b, pos, pos_b, seg, seg_b, state, block)
+      state = _fold(qg, k_b, v_b, pos, pos_b, seg, seg_b, state, block, **options)
       if step < size - 1:
         chunk = jax.tree_util.tree_map(lambda a: jax.lax.ppermute(a, CONTEXT_AXIS, ring), chunk)
   m, l, acc = state
   out = acc / jnp.moveaxis(jnp.maximum(l, 1e-30), 3, 1)[..., None]
-  return out.reshape(batch, length, heads, dim).astype(q.dtype)
+  return out.reshape(batch, length, heads, v_dim).astype(q.dtype)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-              implementation: str = "ring", block: int = 1024) -> jax.Array:
+              implementation: str = "ring", block: int = 1024, *, window: int = 0, scale: float | None = None,
+              softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
   """Causal attention of ``q`` [batch, length, heads, dim] over ``k``, ``v`` [batch, length, kv_heads, dim]
   with the length split over the context axis (module docstring); grouped-query heads allowed. Scores are
-  computed in tiles of at most ``block`` queries × ``block`` keys (``_fold``)."""
+  computed in tiles of at most ``block`` queries × ``block`` keys (``_fold``). ``window`` (keys a query sees,
+  its own included; 0: all), ``scale`` (default 1/√dim), ``softcap`` and per-head ``sinks`` [heads] as in
+  ``recipes/attention_kernels.py``."""
   if implementation not in ("ring", "all_gather"):
     raise ValueError(f"context attention must be 'ring' or 'all_gather', got {implementation!r}.")
   mesh, rules = active_activation_sharding()
@@ -170,9 +185,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, se
   if q_spec[1] is None or CONTEXT_AXIS not in ((q_spec[1],) if isinstance(q_spec[1], str) else q_spec[1]):
     raise ValueError("The mesh has a context axis but the rules do not split the logical 'length' axis over it;"
                      " add ('length', 'context') to the axis rules (the shipped rules have it).")
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
   run = jax.shard_map(
-      lambda q, k, v, pos, seg: _local(q, k, v, pos, seg, size=size, implementation=implementation,
-                                            block=block),
-      mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, token_spec, None if segment_ids is None else token_spec),
+      lambda q, k, v, pos, seg, sinks: _local(q, k, v, pos, seg, sinks, size=size, implementation=implementation,
+                                              block=block, scale=scale, window=window, softcap=softcap),
+      mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, token_spec, None if segment_ids is None else token_spec,
+                           None if sinks is None else P(q_spec[2])),
       out_specs=q_spec, axis_names=frozenset(mesh.axis_names), check_vma=False)
-  return run(q, k, v, positions, segment_ids)
+  return run(q, k, v, positions, segment_ids, sinks)

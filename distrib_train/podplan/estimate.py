@@ -49,7 +49,8 @@ from jax.sharding import Mesh
 
 from distrib_train.podplan import collectives as collectives_lib
 from distrib_train.podplan import cpu_attention
-from distrib_train.recipes import cudnn_attention, llama
+from distrib_train.common.versions import gpu_capability
+from distrib_train.recipes import cudnn_attention
 from distrib_train.podplan import gpu as gpu_lib
 from distrib_train.podplan import tpu as tpu_lib
 from distrib_train.cluster import hardware
@@ -120,7 +121,7 @@ def _stand_ins(mesh: Mesh):
   if device.platform == "gpu":  # Pallas (the experts' Triton kernel) reads its target from the default device
     stack.enter_context(jax.default_device(device))
     if not cudnn_loadable():  # XLA's CUDA compiler builds cuDNN's custom calls
-      stack.enter_context(cudnn_attention.compile_only(llama.gpu_capability(device)))
+      stack.enter_context(cudnn_attention.compile_only(gpu_capability(device)))
   return stack
 
 

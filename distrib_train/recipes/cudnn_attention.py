@@ -25,7 +25,7 @@ The packed layout needs a Hopper GPU (compute capability 9.0) and cuDNN
 program on a host with no GPU and no cuDNN library (``podplan/gpu.py``): it
 answers jax's version and capability checks for the described card.
 
-Not for: choosing it (``llama.attention_implementation``), TPUs (splash
+Not for: choosing it (``attention_kernels.py``), TPUs (splash
 attention, ``attention.py``).
 """
 
@@ -71,10 +71,11 @@ def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array
 
 
 def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                     max_segments: int, scale: float | None = None) -> jax.Array:
+                     max_segments: int, scale: float | None = None, window: int = 0) -> jax.Array:
   """Causal attention within each document of packed rows (``[batch, length, heads, head_dim]``, 16-bit).
 
-  ``k`` and ``v`` may have fewer heads (grouped-query attention).
+  ``k`` and ``v`` may have fewer heads (grouped-query attention); ``window`` > 0 lets each query see only the
+  ``window`` keys up to its own (cuDNN's sliding window).
   """
   fa = _module()
   seqlen, offsets = segment_layout(segment_ids, max_segments)
@@ -82,7 +83,8 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
   seqlen, offsets = (constrain(x, ("batch", None)) for x in (seqlen, offsets))
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
   return fa.dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
-                                  kv_offsets=offsets, scale=scale, mask_type=fa.MaskType.PADDING_CAUSAL)
+                                  kv_offsets=offsets, scale=scale, mask_type=fa.MaskType.PADDING_CAUSAL,
+                                  sliding_window_length=window or None)
 
 
 def segment_mask(segment_ids: jax.Array) -> jax.Array:

@@ -25,15 +25,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 import distrib_train.microbatches as microbatching
-from distrib_train.common.versions import gpu_capability
 from distrib_train.parallel import context
-from distrib_train.recipes import cudnn_attention, fp8
+from distrib_train.recipes import attention_kernels, fp8
 from distrib_train.parallel.pipeline import layer_stack
-from distrib_train.recipes.attention import BLOCK as splash_block
-from distrib_train.recipes.attention import splash_attention
 from distrib_train.recipes.cross_entropy import chunked_cross_entropy
 from distrib_train.recipes.family import Capabilities
-from distrib_train.sharding.axis_rules import active_activation_sharding, constrain
+from distrib_train.sharding.axis_rules import constrain
 
 _REMAT_POLICIES = {
     "none": None,
@@ -60,7 +57,7 @@ class LlamaConfig:
   param_dtype: str = "float32"
   remat: str = "none"
   scan_layers: bool = True
-  attention: str = "auto"  # "auto" (see attention_implementation), "xla", "cudnn" or "splash" (TPU)
+  attention: str = "auto"  # "auto" (attention_kernels.choose), "xla", "cudnn" or "splash" (TPU)
   max_segments: int = 8  # runs a packed row may hold in cuDNN's packed attention (cudnn_attention.py); 0: a mask
   loss_chunk_size: int = 1024  # tokens per cross-entropy chunk (per sequence)
   loss_remat: bool = True  # recompute each chunk's logits in the backward pass (False: keep them, more memory)
@@ -92,7 +89,7 @@ class LlamaConfig:
         self.max_segments == 0 or self.max_segments >= 2):
       raise ValueError(f"max_segments must be 0 (a dense segment mask) or at least 2 (a document and the"
                        f" padding), got {self.max_segments!r}.")
-    if self.attention not in ("auto", "xla", "cudnn", "splash"):
+    if self.attention not in attention_kernels.REQUESTS:
       raise ValueError(f"attention must be 'auto', 'xla', 'cudnn' or 'splash', got {self.attention!r}.")
 
   def num_params(self) -> int:
@@ -188,49 +185,12 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float | jax.Array) -> jax.
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _device(q: jax.Array):  # the step's mesh's first device, or JAX's
-  return active[0].devices.flat[0] if (active := active_activation_sharding()) else jax.devices()[0]
-
-
-def attention_implementation(requested: str, q: jax.Array, masked: bool = False) -> str | None:
-  """The attention a block runs: ``"auto"`` picks splash on TPU, cuDNN where it runs, else XLA.
-
-  On TPU (the devices of the step's mesh, or JAX's) ``"auto"`` is splash
-  attention (``attention.py``) for lengths that are a multiple of 128: a
-  Pallas flash-attention kernel, segment masks included, where XLA's
-  attention materialises the [length, length] scores of every head.
-
-  jax's own default (``None``) is the XLA path even on GPU, which materialises
-  the [batch, heads, length, length] scores: 2.2 × slower for the 124m preset
-  on an H100 (bench/NOTES.md, lever 1). cuDNN's flash attention needs an
-  Ampere or newer GPU, 16-bit inputs and a head size that is a multiple of 8
-  up to 128; anything else keeps jax's default. Packed rows (``masked``) go to cuDNN on Hopper or newer, in
-  its packed layout (``cudnn_attention.py``); before Hopper to XLA (cuDNN's dense mask refuses odd lengths).
-  """
-  if requested != "auto":
-    return requested
-  device = _device(q)
-  if device.platform == "tpu":
-    return "splash" if q.shape[1] % splash_block == 0 else None
-  head_dim = q.shape[-1]
-  if (gpu_capability(device) >= ((9, 0) if masked else (8, 0)) and q.dtype in (jnp.bfloat16, jnp.float16)
-      and head_dim % 8 == 0 and head_dim <= 128):
-    return "cudnn"
-  return None
-
-
 def _attention(config: LlamaConfig, q, k, v, positions, segment_ids):
-  """Causal attention of ``q``, ``k``, ``v`` [batch, length, heads, head_dim], each document to itself."""
-  implementation = attention_implementation(config.attention, q, segment_ids is not None)
-  if context.context_size() > 1:  # the sequence is split over the context axis: ring (or all-gather) attention
-    return context.attention(q, k, v, positions, segment_ids, config.context_attention)
-  if implementation == "splash":
-    return splash_attention(q, k, v, segment_ids)
-  if (implementation == "cudnn" and segment_ids is not None and config.max_segments
-      and gpu_capability(_device(q)) >= (9, 0)):  # packed rows without a mask array
-    return cudnn_attention.packed_attention(q, k, v, segment_ids, max_segments=config.max_segments)
-  mask = None if segment_ids is None else cudnn_attention.segment_mask(segment_ids)
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+  """Causal attention of ``q``, ``k``, ``v`` [batch, length, heads, head_dim], each document to itself, by the
+  kernel ``attention_kernels`` picks."""
+  layer = attention_kernels.Attention(requested=config.attention, max_segments=config.max_segments,
+                                      context=config.context_attention)
+  return attention_kernels.attention(q, k, v, layer, positions=positions, segment_ids=segment_ids)
 
 
 def attention_sublayer(config: LlamaConfig, x, layer, positions, segment_ids):
