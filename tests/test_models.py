@@ -351,13 +351,13 @@ def test_chunked_cross_entropy_matches_the_plain_one():
   head = jnp.asarray(rng.normal(size=(8, 32)), jnp.float32)
   targets = jnp.asarray(rng.integers(0, 32, size=(2, 16)), jnp.int32)
   weights = jnp.ones((2, 16))
-  total, count = recipes.llama.chunked_cross_entropy(hidden, head, targets, weights, chunk_size=4)
+  total, count = recipes.cross_entropy.chunked_cross_entropy(hidden, head, targets, weights, chunk_size=4)
   plain = optax.softmax_cross_entropy_with_integer_labels(hidden @ head, targets).sum()
   np.testing.assert_allclose(float(total), float(plain), rtol=1e-5)
   assert float(count) == 32
   plain_grad = jax.grad(lambda h: optax.softmax_cross_entropy_with_integer_labels(h @ head, targets).sum())(hidden)
   for remat in (True, False):
-    grad = jax.grad(lambda h: recipes.llama.chunked_cross_entropy(h, head, targets, weights, 4, remat=remat)[0])
+    grad = jax.grad(lambda h: recipes.cross_entropy.chunked_cross_entropy(h, head, targets, weights, 4, remat=remat)[0])
     np.testing.assert_allclose(grad(hidden), plain_grad, rtol=1e-5, atol=1e-6)
 
 

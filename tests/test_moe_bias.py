@@ -10,7 +10,7 @@ import pytest
 import ckpt_helpers
 import distrib_train as dt
 import pipeline_helpers as ph
-from distrib_train.recipes import moe
+from distrib_train.recipes import blocks, moe, routing
 from distrib_train.training import config as config_lib
 
 RATE = 0.02
@@ -27,7 +27,7 @@ def test_the_bias_chooses_the_experts_and_the_unbiased_scores_weight_them(router
   weights_in = np.asarray(config.build(0).layers["router"][...][0], np.float64)
   h = np.asarray(jax.random.normal(jax.random.key(1), (2, 8, config.d_model)), np.float64)
   bias = np.asarray(0.1 * jax.random.normal(jax.random.key(2), (config.num_experts,)), np.float32)
-  indices, weights, aux = moe.route(config, jnp.asarray(h, jnp.float32), jnp.asarray(weights_in, jnp.float32),
+  indices, weights, aux = routing.route(config, jnp.asarray(h, jnp.float32), jnp.asarray(weights_in, jnp.float32),
                                     jnp.asarray(bias))
   logits = h @ weights_in
   scores = (np.exp(logits) / np.exp(logits).sum(-1, keepdims=True) if router == "softmax"
@@ -120,7 +120,7 @@ def test_each_layer_moves_by_its_own_first_step_loads(one_device):
     out = []
     for i in range(config.num_layers):
       layer = {k: v[i] for k, v in layers.items()}
-      x, aux = moe.moe_sublayer(config, moe.attention_sublayer(config, x, layer, positions, None), layer)
+      x, aux = blocks.layer(config, blocks.Kind(mixture=True), x, layer, positions, None)
       out.append(aux["load"].sum(axis=0))
     return jnp.stack(out)
 

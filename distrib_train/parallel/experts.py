@@ -93,9 +93,9 @@ def _ragged(x, rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis
 
 
 def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-           w_down: jax.Array, *, num_experts: int, capacity_factor: float, expert_axis: str | None, shards: int,
-           gather_axes: tuple[str, ...], sum_axes: tuple[str, ...], platform: str,
-           amax_axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+           w_down: jax.Array, biases: tuple[jax.Array, ...] | None, *, num_experts: int, capacity_factor: float,
+           expert_axis: str | None, shards: int, gather_axes: tuple[str, ...], sum_axes: tuple[str, ...],
+           platform: str, activation: Any, amax_axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
   """One device's part: ``x`` [rows, length, embed] of its tokens → (routed output, dropped per row).
 
   ``amax_axes``: the mesh axes one layer's tensors are split over, so FP8 scales (``model.fp8``) are whole
@@ -118,8 +118,10 @@ def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Arr
     w_gate = jax.lax.all_gather(w_gate, axis, axis=1, tiled=True)
     w_up = jax.lax.all_gather(w_up, axis, axis=1, tiled=True)
     w_down = jax.lax.all_gather(w_down, axis, axis=2, tiled=True)
+  gate_bias, up_bias, down_bias = biases if biases is not None else (None, None, None)
   run = lambda rows_in, groups, routed: grouped.swiglu(
-      rows_in, groups, per_shard, w_gate, w_up, w_down, platform=platform, routed_rows=routed, amax_axes=amax_axes)
+      rows_in, groups, per_shard, w_gate, w_up, w_down, platform=platform, routed_rows=routed, amax_axes=amax_axes,
+      activation=activation, gate_bias=gate_bias, up_bias=up_bias)
   if expert_axis is None or shards == 1:
     back = run(tokens[jnp.arange(assigned) // k], experts, assigned)
   else:
@@ -140,6 +142,8 @@ def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Arr
     back = jnp.zeros_like(back_sorted).at[order].set(back_sorted)
   for axis in sum_axes:  # the hidden side split over tensor: partial sums, added once the rows are back home
     back = jax.lax.psum(back, axis)
+  if down_bias is not None:  # once, after the partial sums: each kept assignment's expert's bias
+    back = back + jnp.where(keep[:, None], down_bias[jnp.minimum(experts, num_experts - 1)], 0).astype(back.dtype)
   back = checkpoint_name(back, EXPERT_OUTPUT)  # the router's gradient needs it: kept, not recomputed (moe.py)
   contribution = back * weights.reshape(-1)[:, None].astype(back.dtype)
   routed = contribution.reshape(rows * length, k, d).sum(axis=1).reshape(rows, length, d)
@@ -148,7 +152,8 @@ def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Arr
 
 
 def dispatch(h: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-             w_down: jax.Array, *, capacity_factor: float = 0.0) -> tuple[jax.Array, jax.Array]:
+             w_down: jax.Array, *, capacity_factor: float = 0.0, activation: Any = None,
+             biases: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
   """The experts' output for ``h`` and the dropped assignments per batch row (module docstring).
 
   Args:
@@ -157,12 +162,16 @@ def dispatch(h: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.A
     weights: [batch, length, k] their weights.
     w_gate, w_up: [experts, embed, expert_mlp]; w_down: [experts, expert_mlp, embed].
     capacity_factor: 0 for dropless, else the per-expert capacity over the mean load.
+    activation: ``act(gate, up)`` of the experts' gated MLP (default SwiGLU).
+    biases: the experts' ``(gate [experts, expert_mlp], up [experts, expert_mlp], down [experts, embed])``
+      biases (gpt-oss), or None.
   """
   num_experts = w_gate.shape[0]
-  options = dict(num_experts=num_experts, capacity_factor=capacity_factor)
+  options = dict(num_experts=num_experts, capacity_factor=capacity_factor,
+                 activation=activation or grouped.silu_gate)
   active = active_activation_sharding()
   if active is None:
-    return _local(h, indices, weights, w_gate, w_up, w_down, expert_axis=None, shards=1, gather_axes=(),
+    return _local(h, indices, weights, w_gate, w_up, w_down, biases, expert_axis=None, shards=1, gather_axes=(),
                   sum_axes=(), platform=grouped.platform_of(), **options)
   mesh, rules = active
   sizes = dict(mesh.shape)
@@ -185,9 +194,12 @@ def dispatch(h: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.A
   down_spec = P(expert_spec[0], expert_spec[2], expert_spec[1])
   tokens_spec = P(batch or None, None, None)
   manual = frozenset(mesh.axis_names)  # under a pipeline, vmap adds the stage axis to the specs
+  # the hidden side's biases split as the weights are; the down projection's whole (added once, after the sums)
+  bias_specs = None if biases is None else (P(expert_spec[0], expert_spec[2]),) * 2 + (P(None, None),)
   run = jax.shard_map(
       lambda *a: _local(*a, expert_axis=EXPERT_AXIS, shards=shards, gather_axes=embed, sum_axes=hidden,
-                        platform=grouped.platform_of(mesh), amax_axes=tuple(a for a in mesh.axis_names if a != STAGE_AXIS), **options),
-      mesh=mesh, in_specs=(tokens_spec, tokens_spec, tokens_spec, gate_spec, gate_spec, down_spec),
+                        platform=grouped.platform_of(mesh),
+                        amax_axes=tuple(a for a in mesh.axis_names if a != STAGE_AXIS), **options),
+      mesh=mesh, in_specs=(tokens_spec, tokens_spec, tokens_spec, gate_spec, gate_spec, down_spec, bias_specs),
       out_specs=(tokens_spec, P(batch or None)), axis_names=manual, check_vma=False)
-  return run(h, indices, weights, w_gate, w_up, w_down)
+  return run(h, indices, weights, w_gate, w_up, w_down, biases)

@@ -204,14 +204,26 @@ def padded_layout(groups: jax.Array, num_groups: int, tile: int) -> tuple[jax.Ar
   return positions, padded, tile_groups, m
 
 
+def silu_gate(gate: jax.Array, up: jax.Array) -> jax.Array:
+  return jax.nn.silu(gate) * up
+
+
+def _by_tile(bias: jax.Array, tile_groups: jax.Array, tile: int) -> jax.Array:
+  """Each laid row's group's ``bias`` [G, n] → [M, n] (a tile of no group: zero)."""
+  rows = jnp.repeat(tile_groups, tile)
+  return jnp.where((rows >= 0)[:, None], bias[jnp.maximum(rows, 0)], 0).astype(bias.dtype)
+
+
 def swiglu(rows: jax.Array, groups: jax.Array, num_groups: int, w_gate: jax.Array, w_up: jax.Array,
            w_down: jax.Array, *, platform: str, routed_rows: int | None = None, amax_axes: tuple[str, ...] = (),
-           interpret: bool = False) -> jax.Array:
-  """Each row of ``rows`` [R, embed] through its group's SwiGLU → [R, embed] (rows of no group: zero).
+           interpret: bool = False, activation=silu_gate, gate_bias: jax.Array | None = None,
+           up_bias: jax.Array | None = None) -> jax.Array:
+  """Each row of ``rows`` [R, embed] through its group's gated MLP → [R, embed] (rows of no group: zero).
 
   ``w_gate``, ``w_up`` [G, embed, hidden], ``w_down`` [G, hidden, embed] (a ``hidden`` split over a
   mesh axis gives partial sums, which the caller adds); ``routed_rows``: rows that reach these groups under
-  even routing (default ``R``).
+  even routing (default ``R``); ``activation(gate, up)`` (default SwiGLU: ``silu(gate) · up``) with the
+  groups' ``gate_bias`` and ``up_bias`` [G, hidden] added first (gpt-oss's experts).
   """
   tile = tile_rows(platform, routed_rows or rows.shape[0], num_groups)
   positions, sizes, tile_groups, m = padded_layout(groups, num_groups, tile)
@@ -220,7 +232,10 @@ def swiglu(rows: jax.Array, groups: jax.Array, num_groups: int, w_gate: jax.Arra
   laid = move_rows(rows, source, positions)
   dot = functools.partial(gmm, sizes=sizes, tile_groups=tile_groups, tile=tile, platform=platform,
                           routed_rows=min(m, expected), amax_axes=amax_axes, interpret=interpret)
-  hidden = jax.nn.silu(dot(laid, w_gate)) * dot(laid, w_up)
+  gate, up = dot(laid, w_gate), dot(laid, w_up)
+  if gate_bias is not None:
+    gate, up = gate + _by_tile(gate_bias, tile_groups, tile), up + _by_tile(up_bias, tile_groups, tile)
+  hidden = activation(gate, up)
   return move_rows(dot(hidden, w_down), positions, source)
 
 

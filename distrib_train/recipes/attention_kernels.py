@@ -19,7 +19,8 @@ joins each softmax and is then dropped). ``choose`` says which kernel runs:
   head sizes a multiple of 8 up to 128, 256 on Hopper), its window likewise;
 - ``xla``: elsewhere, and wherever the kernels cannot serve (sinks or a
   soft cap on GPU): jax's attention, or this module's own where sinks or a
-  soft cap are asked for. It materialises the [length, length] scores.
+  soft cap are asked for, or the values' head size is not the queries' (MLA).
+  It materialises the [length, length] scores.
 
 ``model.attention`` asks for one (``auto`` lets ``choose`` pick); a kernel
 asked for that cannot run the layer is refused with the reason.
@@ -147,7 +148,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Attention, *, pos
   if kernel == "cudnn_packed":
     return cudnn_attention.packed_attention(q, k, v, segment_ids, max_segments=layer.max_segments, scale=scale,
                                             window=layer.window)
-  if sinks is not None or layer.softcap:
+  if kernel == "cudnn" and v.shape[-1] != q.shape[-1]:  # MLA's values: jax.nn's API wants one head size
+    return cudnn_attention.causal_attention(q, k, v, segment_ids, scale=scale, window=layer.window)
+  if sinks is not None or layer.softcap or v.shape[-1] != q.shape[-1]:
     return reference_attention(q, k, v, segment_ids, window=layer.window, scale=scale, softcap=layer.softcap,
                                sinks=sinks)
   mask = None if segment_ids is None else cudnn_attention.segment_mask(segment_ids)

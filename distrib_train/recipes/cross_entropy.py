@@ -19,13 +19,15 @@ from distrib_train.parallel import context
 
 
 def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array,
-                          chunk_size: int, remat: bool = True) -> tuple[jax.Array, jax.Array]:
+                          chunk_size: int, remat: bool = True, softcap: float = 0.0) -> tuple[jax.Array, jax.Array]:
   """Summed token cross-entropy and the weight total, chunk by chunk.
 
   Logits for ``chunk_size`` positions at a time are computed and reduced, so
   no float32 [batch, length, vocab] array ever exists. With ``remat`` each
   chunk's logits are recomputed in the backward pass (one more head matmul);
   without it the compute-dtype logits of every chunk are kept for it.
+  ``softcap`` > 0 caps the logits at ``softcap · tanh(logits / softcap)``
+  first (Gemma's final soft cap).
   """
   batch, length, d = hidden.shape
   # On a context mesh each device holds a block of the length: the chunks are taken inside every block at
@@ -41,6 +43,8 @@ def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array
 
   def chunk_loss(h, t, w):
     logits = jnp.einsum("...d,dv->...v", h, head.astype(h.dtype)).astype(jnp.float32)
+    if softcap:
+      logits = softcap * jnp.tanh(logits / softcap)
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
     return jnp.sum((logz - target_logit) * w)

@@ -87,6 +87,17 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
                                   sliding_window_length=window or None)
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, *, scale: float,
+                     window: int = 0) -> jax.Array:
+  """Causal attention (``[batch, length, heads, head_dim]``, 16-bit) through jax's cuDNN module itself, whose
+  values may have another head size than the queries (MLA, Hopper and cuDNN 9.10 or later); with
+  ``segment_ids``, a dense segment mask."""
+  fa = _module()
+  mask = None if segment_ids is None else segment_mask(segment_ids)
+  return fa.dot_product_attention(q, k, v, mask=mask, scale=scale, mask_type=fa.MaskType.CAUSAL,
+                                  sliding_window_length=window or None)
+
+
 def segment_mask(segment_ids: jax.Array) -> jax.Array:
   """The dense ``[batch, 1, length, length]`` mask of the same attention (XLA's and pre-Hopper cuDNN's)."""
   return segment_ids[:, None, :, None] == segment_ids[:, None, None, :]

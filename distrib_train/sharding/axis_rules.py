@@ -59,6 +59,7 @@ FSDP_TENSOR_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("expert", "expert"),
     ("expert_mlp", "tensor"),
     ("embed", "fsdp"),
+    ("latent", "fsdp"),  # MLA's low-rank dims: their up-projections split over fsdp there, heads over tensor
     ("mlp", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),

@@ -1,0 +1,267 @@
+"""A decoder layer's parts, each a variant composed by the layer's kind: attention (GQA or MLA) and MLP (gated or experts).
+
+Every layer is pre-norm ``x + attention(norm(x))`` then ``x + mlp(norm(x))``,
+with the norms after each part too under ``sandwich_norms`` (Gemma 3).
+
+- **Attention, GQA** (``wq``, ``wk``, ``wv``, ``wo``): optional q/k/v biases
+  (Qwen2, gpt-oss) and output bias, an RMSNorm over each head of q and k
+  before RoPE (``qk_norm``: Qwen3, Gemma 3), per-head sinks (gpt-oss), a
+  softmax scale (``query_pre_attn_scalar``), a soft cap, a sliding window
+  on the layer kinds that are ``sliding`` (with their own RoPE base:
+  ``local_rope_theta``).
+- **Attention, MLA** (DeepSeek-V3's multi-head latent attention): queries
+  through a low-rank ``wq_a`` → RMSNorm → ``wq_b`` (or a plain ``wq``), keys
+  and values from one latent per token (``wkv_a`` → RMSNorm → ``wkv_b``)
+  plus a rotary part shared by all heads, decoupled from the heads' own.
+- **MLP, gated**: ``act(h·w_gate) · (h·w_up) · w_down`` with SiLU (SwiGLU),
+  tanh GELU (GeGLU) or gpt-oss's clamped SwiGLU.
+- **MLP, experts**: routing (``routing.py``), the routed experts'
+  grouped matmuls (``parallel/experts.py``), optional shared experts.
+
+Params are stacked per segment of equal layers (``decoder.py``): each
+function here takes one layer's slice. ``Kind`` says which variants a layer
+composes.
+
+Not for: the order of layers and their scan (``decoder.py``), the kernels
+(``attention_kernels.py``), the config (``llama.py``, ``moe.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from distrib_train.parallel.experts import dispatch
+from distrib_train.recipes import attention_kernels, fp8, routing
+from distrib_train.recipes.rope import frequencies, rotary
+from distrib_train.sharding.axis_rules import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """What one layer composes: experts or a gated MLP, a sliding window or full attention."""
+
+  mixture: bool = False
+  sliding: bool = False
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any, fan_in: int | None,
+          value: float | None = None) -> nnx.Param:
+  """A param of ``shape`` annotated with its logical ``axes``: normal / √fan_in, or filled with ``value``."""
+  if value is not None:
+    data = jnp.full(shape, value, dtype)
+  else:
+    data = jax.random.normal(rngs.params(), shape, dtype) / math.sqrt(fan_in)
+  return nnx.Param(data, out_sharding=axes)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+  """RMSNorm of ``x`` over its last axis, times ``offset + scale`` (Gemma's norms: 1 + w), in float32."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (normed * (offset + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+def _norm(config, x, scale):
+  return rms_norm(x, scale, config.norm_eps, config.norm_weight_offset)
+
+
+# --- attention --------------------------------------------------------------------------------
+
+
+def attention_params(config, rngs: nnx.Rngs, n: int) -> dict[str, nnx.Param]:
+  """``n`` layers' attention params (and their norms), stacked on a leading ``layers`` axis."""
+  c, pd = config, jnp.dtype(config.param_dtype)
+  d, h, kv, hd = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
+  ones = lambda *shape_axes: param(rngs, tuple(s for s, _ in shape_axes), tuple(a for _, a in shape_axes), pd,
+                                   None, value=1.0 - c.norm_weight_offset)
+  zeros = lambda shape, axes: param(rngs, shape, axes, pd, None, value=0.0)
+  out = {"attn_norm": ones((n, "layers"), (d, "embed"))}
+  if c.attention_kind == "mla":
+    r, qk, v_dim = c.kv_lora_rank, c.qk_dim, c.v_dim
+    if c.q_lora_rank:
+      out["wq_a"] = param(rngs, (n, d, c.q_lora_rank), ("layers", "embed", "latent"), pd, fan_in=d)
+      out["q_a_norm"] = ones((n, "layers"), (c.q_lora_rank, None))
+      out["wq_b"] = param(rngs, (n, c.q_lora_rank, h, qk), ("layers", "latent", "heads", "head_dim"), pd,
+                          fan_in=c.q_lora_rank)
+    else:
+      out["wq"] = param(rngs, (n, d, h, qk), ("layers", "embed", "heads", "head_dim"), pd, fan_in=d)
+    out["wkv_a"] = param(rngs, (n, d, r + c.qk_rope_head_dim), ("layers", "embed", None), pd, fan_in=d)
+    out["kv_a_norm"] = ones((n, "layers"), (r, None))
+    out["wkv_b"] = param(rngs, (n, r, h, hd + v_dim), ("layers", "latent", "heads", "head_dim"), pd, fan_in=r)
+    out["wo"] = param(rngs, (n, h, v_dim, d), ("layers", "heads", "head_dim", "embed"), pd, fan_in=h * v_dim)
+  else:
+    out.update(
+        wq=param(rngs, (n, d, h, hd), ("layers", "embed", "heads", "head_dim"), pd, fan_in=d),
+        wk=param(rngs, (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), pd, fan_in=d),
+        wv=param(rngs, (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), pd, fan_in=d),
+        wo=param(rngs, (n, h, hd, d), ("layers", "heads", "head_dim", "embed"), pd, fan_in=h * hd))
+    if c.attention_bias:
+      out.update(bq=zeros((n, h, hd), ("layers", "heads", "head_dim")),
+                 bk=zeros((n, kv, hd), ("layers", "kv_heads", "head_dim")),
+                 bv=zeros((n, kv, hd), ("layers", "kv_heads", "head_dim")))
+    if c.qk_norm:
+      out.update(q_norm=ones((n, "layers"), (hd, "head_dim")), k_norm=ones((n, "layers"), (hd, "head_dim")))
+  if c.attention_out_bias:
+    out["bo"] = zeros((n, d), ("layers", "embed"))
+  if c.attention_sinks:
+    out["sinks"] = zeros((n, h), ("layers", "heads"))
+  if c.sandwich_norms:
+    out["post_attn_norm"] = ones((n, "layers"), (d, "embed"))
+  return out
+
+
+def attention_matmuls(config) -> tuple[str, ...]:
+  """The attention weights whose matmuls run in FP8 under ``model.fp8``."""
+  if config.attention_kind == "mla":
+    return ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo") if config.q_lora_rank else ("wq", "wkv_a", "wkv_b", "wo")
+  return ("wq", "wk", "wv", "wo")
+
+
+def _project(subscripts: str, x: jax.Array, layer: dict, name: str) -> jax.Array:
+  return fp8.einsum(subscripts, x, layer[name].astype(x.dtype), layer.get(f"fp8_{name}"))
+
+
+def _gqa(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) -> jax.Array:
+  dtype = h.dtype
+  q = _project("btd,dnh->btnh", h, layer, "wq")
+  k = _project("btd,dkh->btkh", h, layer, "wk")
+  v = _project("btd,dkh->btkh", h, layer, "wv")
+  if config.attention_bias:
+    q, k, v = (a + layer[b].astype(dtype) for a, b in ((q, "bq"), (k, "bk"), (v, "bv")))
+  if config.qk_norm:
+    q, k = _norm(config, q, layer["q_norm"]), _norm(config, k, layer["k_norm"])
+  rope = config.rope(kind.sliding)
+  freqs, factor = frequencies(rope, q.shape[-1]), rope.attention_factor()
+  q = constrain(rotary(q, positions, freqs, factor), ("batch", "length", "heads", "head_dim"))
+  k = constrain(rotary(k, positions, freqs, factor), ("batch", "length", "kv_heads", "head_dim"))
+  attn = attention_kernels.attention(q, k, v, config.attention_for(kind), positions=positions,
+                                     segment_ids=segment_ids, sinks=layer.get("sinks"))
+  return _project("btnh,nhd->btd", attn, layer, "wo")
+
+
+def _mla(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) -> jax.Array:
+  c = config
+  nope, rope_dim, r = c.head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+  if c.q_lora_rank:
+    q_latent = _norm(c, _project("btd,dr->btr", h, layer, "wq_a"), layer["q_a_norm"])
+    q = _project("btr,rnh->btnh", q_latent, layer, "wq_b")
+  else:
+    q = _project("btd,dnh->btnh", h, layer, "wq")
+  latent = _project("btd,dr->btr", h, layer, "wkv_a")
+  kv_latent, k_rope = _norm(c, latent[..., :r], layer["kv_a_norm"]), latent[..., r:]
+  kv = _project("btr,rnh->btnh", kv_latent, layer, "wkv_b")
+  k_nope, v = kv[..., :nope], kv[..., nope:]
+  rope = c.rope(kind.sliding)
+  freqs, factor = frequencies(rope, rope_dim), rope.attention_factor()
+  q_rope = rotary(q[..., nope:], positions, freqs, factor, interleaved=c.rope_interleave)
+  k_rope = rotary(k_rope[:, :, None, :], positions, freqs, factor, interleaved=c.rope_interleave)
+  q = constrain(jnp.concatenate([q[..., :nope], q_rope], axis=-1), ("batch", "length", "heads", "head_dim"))
+  k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], rope_dim))], axis=-1)
+  k = constrain(k, ("batch", "length", "heads", "head_dim"))
+  attn = attention_kernels.attention(q, k, v, c.attention_for(kind), positions=positions, segment_ids=segment_ids,
+                                     sinks=layer.get("sinks"))
+  return _project("btnh,nhd->btd", attn, layer, "wo")
+
+
+def attention_sublayer(config, kind: Kind, x: jax.Array, layer: dict, positions, segment_ids) -> jax.Array:
+  """``x`` plus the attention of one layer (pre-norm): the first half of a decoder layer."""
+  h = _norm(config, x, layer["attn_norm"])
+  out = (_mla if config.attention_kind == "mla" else _gqa)(config, kind, h, layer, positions, segment_ids)
+  if config.attention_out_bias:
+    out = out + layer["bo"].astype(out.dtype)
+  if config.sandwich_norms:
+    out = _norm(config, out, layer["post_attn_norm"])
+  return x + constrain(out, ("batch", "length", "embed"))
+
+
+# --- MLP --------------------------------------------------------------------------------------
+
+
+def _gated(gate: jax.Array, up: jax.Array, *, kind: str, alpha: float, limit: float) -> jax.Array:
+  if kind == "gelu_tanh":
+    return jax.nn.gelu(gate, approximate=True) * up
+  if kind == "swiglu_oss":  # gpt-oss: both halves clamped, the up half shifted by one
+    gate = jnp.minimum(gate, limit)
+    return gate * jax.nn.sigmoid(gate * alpha) * (jnp.clip(up, -limit, limit) + 1)
+  return jax.nn.silu(gate) * up
+
+
+def activation(config) -> Any:
+  """The gated MLP's ``act(gate, up)`` for ``config.mlp_activation`` (a hashable callable)."""
+  return functools.partial(_gated, kind=config.mlp_activation, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+
+
+def dense_params(config, rngs: nnx.Rngs, n: int, width: int, prefix: str = "w") -> dict[str, nnx.Param]:
+  """``n`` layers' gated MLP of ``width`` (``prefix``: ``w`` for the MLP, ``shared`` for shared experts)."""
+  pd, d = jnp.dtype(config.param_dtype), config.d_model
+  names = ("w_gate", "w_up", "w_down") if prefix == "w" else ("shared_gate", "shared_up", "shared_down")
+  return {names[0]: param(rngs, (n, d, width), ("layers", "embed", "mlp"), pd, fan_in=d),
+          names[1]: param(rngs, (n, d, width), ("layers", "embed", "mlp"), pd, fan_in=d),
+          names[2]: param(rngs, (n, width, d), ("layers", "mlp", "embed"), pd, fan_in=width)}
+
+
+def gated_mlp(config, h: jax.Array, layer: dict, names: tuple[str, str, str] = ("w_gate", "w_up", "w_down")) -> jax.Array:
+  """The gated MLP on ``h`` [batch, length, embed] with one layer's ``names`` weights."""
+  gate = _project("btd,df->btf", h, layer, names[0])
+  up = _project("btd,df->btf", h, layer, names[1])
+  hidden = constrain(activation(config)(gate, up), ("batch", "length", "mlp"))
+  return constrain(_project("btf,fd->btd", hidden, layer, names[2]), ("batch", "length", "embed"))
+
+
+def mixture_params(config, rngs: nnx.Rngs, n: int) -> dict[str, nnx.Param]:
+  """``n`` layers' router, routed experts (and their biases) and shared experts."""
+  c, pd = config, jnp.dtype(config.param_dtype)
+  d, e, f = c.d_model, c.num_experts, c.expert_mlp_dim
+  out = {"router": param(rngs, (n, d, e), ("layers", "embed", None), pd, fan_in=d),
+         "w_gate": param(rngs, (n, e, d, f), ("layers", "expert", "embed", "expert_mlp"), pd, fan_in=d),
+         "w_up": param(rngs, (n, e, d, f), ("layers", "expert", "embed", "expert_mlp"), pd, fan_in=d),
+         "w_down": param(rngs, (n, e, f, d), ("layers", "expert", "expert_mlp", "embed"), pd, fan_in=f)}
+  if c.router_logit_bias:
+    out["router_logit_bias"] = param(rngs, (n, e), ("layers", None), pd, None, value=0.0)
+  if c.expert_bias:
+    out.update(b_gate=param(rngs, (n, e, f), ("layers", "expert", "expert_mlp"), pd, None, value=0.0),
+               b_up=param(rngs, (n, e, f), ("layers", "expert", "expert_mlp"), pd, None, value=0.0),
+               b_down=param(rngs, (n, e, d), ("layers", "expert", None), pd, None, value=0.0))
+  if c.num_shared_experts:
+    out.update(dense_params(c, rngs, n, c.shared_width, prefix="shared"))
+    if c.shared_expert_gate:
+      out["shared_expert_gate"] = param(rngs, (n, d, 1), ("layers", "embed", None), pd, fan_in=d)
+  return out
+
+
+def mlp_sublayer(config, kind: Kind, x: jax.Array, layer: dict) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """``x`` plus the MLP (gated, or experts) on its normed value; a mixture's routing aux (per batch row)."""
+  h = _norm(config, x, layer["mlp_norm"])
+  aux: dict[str, jax.Array] = {}
+  if not kind.mixture:
+    out = gated_mlp(config, h, layer)
+  else:
+    indices, weights, aux = routing.route(config, h, layer["router"], layer.get("router_bias"),
+                                          layer.get("router_logit_bias"))
+    dtype = h.dtype
+    biases = tuple(layer[k].astype(dtype) for k in ("b_gate", "b_up", "b_down")) if config.expert_bias else None
+    out, dropped = dispatch(h, indices, weights.astype(dtype), layer["w_gate"].astype(dtype),
+                            layer["w_up"].astype(dtype), layer["w_down"].astype(dtype),
+                            capacity_factor=config.capacity_factor, activation=activation(config), biases=biases)
+    aux = {**aux, "dropped": dropped}
+    if config.num_shared_experts:
+      shared = gated_mlp(config, h, layer, ("shared_gate", "shared_up", "shared_down"))
+      if config.shared_expert_gate:
+        shared = shared * jax.nn.sigmoid(jnp.einsum("btd,do->bto", h, layer["shared_expert_gate"].astype(dtype)))
+      out = out + shared
+  if config.sandwich_norms:
+    out = _norm(config, out, layer["post_mlp_norm"])
+  return x + out, aux
+
+
+def layer(config, kind: Kind, x: jax.Array, params: dict, positions, segment_ids) -> tuple[jax.Array, dict]:
+  """One decoder layer of ``kind`` on ``x`` [batch, length, embed]: the hidden states and the routing aux."""
+  x = attention_sublayer(config, kind, x, params, positions, segment_ids)
+  return mlp_sublayer(config, kind, x, params)

@@ -1,0 +1,291 @@
+"""The decoder every family builds: embeddings, segments of equal layers, the final norm and the head.
+
+A config's ``layer_kinds()`` says what each layer composes (``blocks.Kind``:
+experts or a gated MLP, a sliding window or full attention). Layers are cut
+into **segments** (``segments``): runs of consecutive layers with the same
+params (a dense layer and a mixture layer differ), each stacked on a leading
+``layers`` axis under its own key — ``layers`` for the first (all of a
+uniform model's), ``layers_<first index>`` for the others (DeepSeek-V3's
+mixture after its dense first layers). Within a segment, the layer kinds
+repeat with a **period** (Gemma 3: five sliding, one full; gpt-oss: sliding,
+full): the segment is scanned over whole periods, each period's layers
+unrolled with their own static window and RoPE, so every attention kernel
+knows its mask when compiled. A run that is not a whole number of periods
+leaves its last layers to a segment of their own.
+
+Each segment is ``parallel.layer_stack``'s: a scan (one compiled period), an
+unrolled loop, or the stages of a pipeline on a mesh with a ``stage`` axis.
+``remat`` checkpoints each layer. A mixture's routing figures are carried
+through the layers as per-row sums (``routing.py``); with
+``router_bias_update_rate`` > 0 the step's loads move each mixture layer's
+``router_bias`` once per step.
+
+Logical axes: ``batch``, ``length``, ``embed``, ``heads``, ``kv_heads``,
+``head_dim``, ``mlp``, ``vocab``, ``layers``, ``latent`` (MLA's low ranks),
+``expert``, ``expert_mlp``.
+
+Not for: the layers' parts (``blocks.py``), the configs and presets
+(``llama.py``, ``moe.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import distrib_train.microbatches as microbatching
+from distrib_train.parallel import context
+from distrib_train.parallel.experts import EXPERT_OUTPUT
+from distrib_train.parallel.pipeline import layer_stack
+from distrib_train.recipes import blocks, fp8
+from distrib_train.recipes.blocks import Kind, param, rms_norm
+from distrib_train.recipes.cross_entropy import chunked_cross_entropy
+from distrib_train.recipes.routing import RouterBias
+from distrib_train.sharding.axis_rules import constrain
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+INPUT_AXES = {
+    "tokens": ("batch", "length"),
+    "targets": ("batch", "length"),
+    "segment_ids": ("batch", "length"),
+    "positions": ("batch", "length"),
+    "weights": ("batch", "length"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """Consecutive layers with the same params: stacked under ``name``, scanned by periods of ``kinds``."""
+
+  name: str
+  start: int
+  count: int
+  kinds: tuple[Kind, ...]
+
+
+def _period(kinds: tuple[Kind, ...]) -> int:
+  return next(p for p in range(1, len(kinds) + 1) if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
+
+
+def segments(config) -> tuple[Segment, ...]:
+  """The config's layers cut into segments (module docstring)."""
+  kinds, out, start = tuple(config.layer_kinds()), [], 0
+  while start < len(kinds):
+    end = start
+    while end < len(kinds) and kinds[end].mixture == kinds[start].mixture:
+      end += 1
+    while start < end:  # whole periods of the run, then its rest
+      period = _period(kinds[start:end])
+      whole = (end - start) // period * period
+      out.append((start, whole, kinds[start:start + period]))
+      start += whole
+  return tuple(Segment("layers" if i == 0 else f"layers_{s}", s, n, k) for i, (s, n, k) in enumerate(out))
+
+
+def has_mixture(config) -> bool:
+  return any(kind.mixture for kind in config.layer_kinds())
+
+
+def _mixture_layers(config) -> int:
+  return sum(kind.mixture for kind in config.layer_kinds())
+
+
+def _fp8_matmuls(config, mixture: bool) -> tuple[str, ...]:
+  """The weights of a segment whose matmuls run in FP8 (each gets an amax history under ``delayed``)."""
+  if not mixture:
+    return blocks.attention_matmuls(config) + ("w_gate", "w_up", "w_down")
+  return blocks.attention_matmuls(config) + (("shared_gate", "shared_up", "shared_down")
+                                             if config.num_shared_experts else ())
+
+
+def _layer(config, kind: Kind, mixture_model: bool, carry, layer, positions, segment_ids):
+  """One layer on the layer stack's carry: the hidden states, and a mixture model's routing sums."""
+  x, sums = carry if mixture_model else (carry, None)
+  x, aux = blocks.layer(config, kind, x, layer, positions, segment_ids)
+  if not mixture_model:
+    return x
+  if not kind.mixture:
+    return x, sums
+  new = {k: sums[k] + aux[k] for k in aux}
+  if "layer_load" in sums:  # the bias's per-layer loads: the earlier layers' one place down, this layer's last
+    new["layer_load"] = jnp.concatenate([sums["layer_load"][:, 1:], aux["load"][:, None]], axis=1)
+  return x, new
+
+
+def _period_block(config, kinds: tuple[Kind, ...], policy: Any, mixture_model: bool, carry, layer, positions,
+                  segment_ids):
+  """One period of a segment: its layers one after another, each with its kind and checkpointed as asked."""
+  for i, kind in enumerate(kinds):
+    one = layer if len(kinds) == 1 else {k: v[i] for k, v in layer.items()}
+    run = functools.partial(_layer, config, kind, mixture_model)
+    if config.remat != "none":
+      run = jax.checkpoint(run, policy=policy)
+    carry = run(carry, one, positions, segment_ids)
+  return carry
+
+
+class Decoder(nnx.Module):
+  """The decoder; ``model(tokens)`` returns the final hidden states, ``hidden_and_aux`` also a mixture's
+  routing losses and loads. ``logits(hidden)`` or, for training, ``loss_fn`` (chunked cross-entropy that
+  never materialises float32 [batch, length, vocab])."""
+
+  def __init__(self, config, *, rngs: nnx.Rngs):
+    self.config = config
+    c, pd = config, jnp.dtype(config.param_dtype)
+    d = c.d_model
+    self.embed = param(rngs, (c.vocab_size, d), ("vocab", "embed"), pd, fan_in=1)
+    for segment in segments(c):
+      n, mixture = segment.count, segment.kinds[0].mixture
+      norm = lambda: param(rngs, (n, d), ("layers", "embed"), pd, None, value=1.0 - c.norm_weight_offset)
+      stack = {**blocks.attention_params(c, rngs, n), "mlp_norm": norm()}
+      stack.update(blocks.mixture_params(c, rngs, n) if mixture else blocks.dense_params(c, rngs, n, c.mlp_dim))
+      if c.sandwich_norms:
+        stack["post_mlp_norm"] = norm()
+      if mixture and (c.router_score_bias or c.router_bias_update_rate > 0):
+        stack["router_bias"] = RouterBias(jnp.zeros((n, c.num_experts), jnp.float32), out_sharding=("layers", None))
+      if c.fp8 == "delayed":  # one (3, history) amax history per layer and matmul, in local state
+        for name in _fp8_matmuls(c, mixture):
+          stack[f"fp8_{name}"] = fp8.AmaxHistory(jnp.zeros((n, 3, c.fp8_amax_history), jnp.float32),
+                                                 out_sharding=("layers", None, None))
+      setattr(self, segment.name, nnx.Dict(stack))
+    if has_mixture(c) and c.router_bias_update_rate > 0:  # a step's loads so far, every mixture layer's
+      self.router_load = RouterBias(jnp.zeros((_mixture_layers(c), c.num_experts), jnp.float32),
+                                    out_sharding=("layers", None))
+    self.final_norm = param(rngs, (d,), ("embed",), pd, None, value=1.0 - c.norm_weight_offset)
+    if not c.tie_embeddings:
+      self.head = param(rngs, (d, c.vocab_size), ("embed", "vocab"), pd, fan_in=d)
+
+  def _remat_policy(self) -> Any:
+    """What the backward pass keeps of a layer under remat; a mixture's expert outputs too: the router's
+    gradient needs them, and recomputing them costs the down projection and the all-to-all back again."""
+    policy = REMAT_POLICIES[self.config.remat]
+    if not has_mixture(self.config):
+      return policy
+    keep = jax.checkpoint_policies.save_only_these_names(EXPERT_OUTPUT)
+    return keep if policy is jax.checkpoint_policies.nothing_saveable else \
+        jax.checkpoint_policies.save_from_both_policies(policy, keep)
+
+  def head_weight(self) -> jax.Array:
+    """The output projection [embed, vocab]: the head, or the embedding table's transpose when tied."""
+    return self.embed[...].T if self.config.tie_embeddings else self.head[...]
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    return self.hidden_and_aux(tokens, positions, segment_ids)[0]
+
+  def hidden_and_aux(self, tokens: jax.Array, positions: jax.Array | None = None,
+                     segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The final hidden states and what the layers report besides (a mixture's losses and loads)."""
+    c = self.config
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    # The table is gathered over its embedding side (fsdp) before the lookup: a lookup into the fsdp-sharded table
+    # made XLA rematerialize it whole ("Involuntary full rematerialization") and moved about 40 % more bytes per
+    # step (124m-like shape, 8 devices).
+    table = constrain(self.embed[...], ("vocab", None))
+    x = jnp.take(table, tokens, axis=0).astype(c.dtype)
+    if c.scale_embeddings:  # Gemma: embeddings × √d_model
+      x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
+    x = constrain(x, ("batch", "length", "embed"))
+    if c.fp8 == "delayed" and (use := microbatching.active_pipelining()) is not None and use.request.stages > 1:
+      raise ValueError("model.fp8=delayed does not run with a stage axis: the pipeline runs every layer once per"
+                       " microbatch, and each run would write the layer's amax history. Use fp8=current.")
+    mixture_model = has_mixture(c)
+    carry = (x, self._routing_sums(x)) if mixture_model else x
+    per_example = {"positions": positions, "segment_ids": segment_ids}
+    with fp8.active(c.fp8, c.fp8_min_dim):
+      # Each segment: a scan over its periods (or an unrolled loop); the stages of a pipeline when the step's
+      # mesh has a stage axis (parallel/pipeline.py).
+      for segment in segments(c):
+        stack = getattr(self, segment.name)
+        layers = {k: v[...] for k, v in stack.items()}
+        axes = {k: tuple(v.out_sharding) for k, v in stack.items()}
+        period = len(segment.kinds)
+        if period > 1:
+          layers = {k: v.reshape(segment.count // period, period, *v.shape[1:]) for k, v in layers.items()}
+          axes = {k: (a[0], None, *a[1:]) for k, a in axes.items()}
+        block = functools.partial(_period_block, c, segment.kinds, self._remat_policy(), mixture_model)
+        carry = layer_stack(block, carry, layers, per_example=per_example, scan=c.scan_layers, layer_axes=axes)
+    x, aux = (carry[0], self._routing_aux(carry[1])) if mixture_model else (carry, {})
+    return rms_norm(x, self.final_norm[...], c.norm_eps, c.norm_weight_offset), aux
+
+  def _routing_sums(self, x: jax.Array) -> dict[str, jax.Array]:
+    rows, e = x.shape[0], self.config.num_experts
+    zeros = lambda *shape: jnp.zeros((rows, *shape), jnp.float32)
+    sums = {"balance": zeros(), "z": zeros(), "load": zeros(e), "dropped": zeros()}
+    if self.config.router_bias_update_rate > 0:
+      sums["layer_load"] = zeros(_mixture_layers(self.config), e)
+    return sums
+
+  def _routing_aux(self, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    layers = _mixture_layers(self.config)
+    load = jnp.sum(sums["load"], axis=0) / layers  # assignments per expert, per layer
+    return {"balance_loss": jnp.mean(sums["balance"]) / layers, "z_loss": jnp.mean(sums["z"]) / layers,
+            "expert_load_min": jnp.min(load) / jnp.maximum(jnp.mean(load), 1e-9),
+            "expert_load_max": jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9),
+            "dropped_tokens": jnp.sum(sums["dropped"]),
+            **({"layer_load": jnp.sum(sums["layer_load"], axis=0)} if "layer_load" in sums else {})}
+
+  def update_router_bias(self, layer_load: jax.Array) -> None:
+    """Moves each mixture layer's ``router_bias`` by ``rate · sign(mean load − load)``, once per step, from the
+    loads [mixture layers, experts] of the whole step (``router_load`` sums a step's microbatches until its
+    last)."""
+    load = self.router_load[...] + layer_load
+    last = microbatching.last_microbatch()
+    change = self.config.router_bias_update_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    first = 0
+    for segment in segments(self.config):
+      if segment.kinds[0].mixture:
+        stack = getattr(self, segment.name)
+        rows = change[first:first + segment.count]
+        stack["router_bias"][...] = stack["router_bias"][...] + jnp.where(last, rows, 0.0)
+        first += segment.count
+    self.router_load[...] = jnp.where(last, 0.0, load)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    logits = jnp.einsum("btd,dv->btv", hidden, self.head_weight().astype(hidden.dtype))
+    cap = self.config.final_logit_softcap
+    return cap * jnp.tanh(logits / cap) if cap else logits
+
+
+def loss_fn(*, model: Decoder, state: Any, rng: jax.Array, tokens: jax.Array, targets: jax.Array,
+            segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+            weights: jax.Array | None = None) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+  """Mean next-token cross-entropy (penzai contract), plus a mixture's weighted routing losses.
+
+  aux: ``loss`` and ``tokens``; a mixture's also ``cross_entropy``, ``balance_loss``, ``z_loss``,
+  ``expert_load_min`` / ``expert_load_max`` (the least and most loaded experts' assignments over the mean,
+  1.0 is perfect balance, averaged over layers) and ``dropped_tokens`` (capacity mode). With
+  ``router_bias_update_rate`` > 0 the model's router bias (local state) moves from this pass's loads.
+
+  On a mesh with a context axis the tokens are taken in its load-balanced order (``parallel/context.py``);
+  the loss, a sum over tokens, is the same.
+  """
+  del rng
+  tokens, rest = context.reorder(tokens, targets=targets, positions=positions, segment_ids=segment_ids,
+                                 weights=weights)
+  targets, positions, segment_ids, weights = (rest[k] for k in ("targets", "positions", "segment_ids", "weights"))
+  hidden, routing = model.hidden_and_aux(tokens, positions=positions, segment_ids=segment_ids)
+  if "layer_load" in routing:  # the step's loads move the router bias (router_bias_update_rate)
+    model.update_router_bias(routing.pop("layer_load"))
+  if weights is None:
+    weights = jnp.ones(targets.shape, jnp.float32) if segment_ids is None else (segment_ids > 0).astype(jnp.float32)
+  c = model.config
+  total, count = chunked_cross_entropy(hidden, model.head_weight(), targets, weights, c.loss_chunk_size,
+                                       c.loss_remat, softcap=c.final_logit_softcap)
+  cross_entropy = total / jnp.maximum(count, 1.0)
+  if not routing:
+    return cross_entropy, state, {"loss": cross_entropy, "tokens": count}
+  loss = cross_entropy + c.aux_loss_weight * routing["balance_loss"] + c.z_loss_weight * routing["z_loss"]
+  return loss, state, {"loss": loss, "cross_entropy": cross_entropy, "tokens": count, **routing}
