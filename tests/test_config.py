@@ -151,13 +151,19 @@ def test_an_hf_init_from_gives_the_model_the_checkpoints_shape_from_its_config_j
     config_lib.load("tiny", [f"train.init_from=hf:{directory}", "model.d_model=128"])
 
 
-def test_a_mixture_checkpoint_asks_for_the_moe_model(tmp_path):
-  directory = _hf_config_json(tmp_path / "hf", architectures=["MixtralForCausalLM"], num_local_experts=4,
-                              num_experts_per_tok=2)
-  with pytest.raises(ConfigError, match="loads into the moe model, not 'llama'; set model.name"):
-    config_lib.load("tiny", [f"train.init_from=hf:{directory}"])
-  model = config_lib.load("tiny", [f"train.init_from=hf:{directory}", "model.name=moe"]).model_recipe().config
-  assert (model.num_experts, model.experts_per_token, model.expert_mlp_dim, model.d_model) == (4, 2, 96, 64)
+def test_the_checkpoint_picks_the_dense_or_mixture_recipe_from_any_preset(tmp_path):
+  from distrib_train.recipes.moe import MoEConfig
+
+  mixtral = _hf_config_json(tmp_path / "mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4,
+                            num_experts_per_tok=2)
+  for preset in ("tiny", "moe-tiny"):
+    model = config_lib.load(preset, [f"train.init_from=hf:{mixtral}"]).model_recipe().config
+    assert isinstance(model, MoEConfig) and model.hf_model_type == "mixtral"
+    assert (model.num_experts, model.experts_per_token, model.expert_mlp_dim, model.d_model) == (4, 2, 96, 64)
+    assert model.dtype == "float32"  # the preset's numerics stay the run's
+  llama = _hf_config_json(tmp_path / "llama")
+  model = config_lib.load("moe-tiny", [f"train.init_from=hf:{llama}"]).model_recipe().config
+  assert not isinstance(model, MoEConfig) and model.hf_model_type == "llama" and model.d_model == 64
 
 
 def test_reading_the_config_does_not_import_the_checkpoint_package():

@@ -133,7 +133,9 @@ def test_bfloat16_checkpoints_import_as_their_values(tmp_path):
 @pytest.mark.parametrize("edit, message", [
     ({"architectures": ["GPT2LMHeadModel"]}, "architecture 'GPT2LMHeadModel' is not one this importer reads"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "RoPE scaling 'yarn'"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}}, "RoPE scaling 'longrope'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     "rope_parameters has no 'original_max_position_embeddings', which yarn scaling needs"),
     ({"intermediate_size": 100}, r"tensor .model.layers.0.mlp.\w+_proj.weight. has shape \(\d+, \d+\), the config says"),
 ])
 def test_what_the_importer_cannot_read_is_named(edit, message, tmp_path):

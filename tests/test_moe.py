@@ -175,6 +175,9 @@ def test_a_checkpoint_restores_across_expert_axis_sizes(tmp_path, xla_cache):
 def test_a_mixture_no_hugging_face_family_expresses_is_refused_at_export():
   from distrib_train.checkpoint import hf
 
-  with pytest.raises(hf.HfCheckpointError, match=r"cannot be written as Mixtral or Qwen2-MoE: router 'sigmoid'"):
-    hf.hf_config(moe.PRESETS["deepseek-v3"])
+  import dataclasses
+
+  with pytest.raises(hf.HfCheckpointError, match=r"cannot be written as mixtral: Mixtral routes by softmax"):
+    hf.hf_config(dataclasses.replace(moe.PRESETS["mixtral-8x7b"], router="sigmoid"))
   assert hf.hf_config(moe.PRESETS["mixtral-8x7b"])["architectures"] == ["MixtralForCausalLM"]
+  assert hf.hf_config(moe.PRESETS["deepseek-v3"])["architectures"] == ["DeepseekV3ForCausalLM"]

@@ -1,15 +1,12 @@
-"""What the dense and the mixture halves of the Hugging Face importer share: the files and the tensor names.
+"""The Hugging Face importer's files: safetensors read lazily, a slice at a time.
 
 ``SafetensorsDirectory(directory)`` reads a directory's ``*.safetensors``
 files (with or without an index) lazily: only their headers at first, then
 each slice asked for, memory-mapped, so a process reads only what its devices
-hold. ``tensor_name`` spells a layer's tensor as Hugging Face does,
-``shard_range`` turns a shard's index into its contiguous range, and
-``transposed`` reads a ``[out, in]`` projection as the reference model's
-``[in, out]``: ``hf.py`` (Llama, Mistral, Qwen2) and ``hf_moe.py`` (Mixtral,
-Qwen2-MoE) build their readers from them.
+hold; ``shard_range`` turns a shard's index into its contiguous range.
+``hf.py`` reads every family's tensors through them.
 
-Not for: which tensor goes where (``hf.py``, ``hf_moe.py``) or
+Not for: which tensor goes where (``recipes/hf_tables.py``) or
 ``config.json`` (``recipes/hf_shape.py``).
 """
 
@@ -96,11 +93,6 @@ class SafetensorsDirectory:
     return np.asarray(raw.view(t.dtype).reshape(t.shape)[index])
 
 
-def tensor_name(layer: int, kind: str, what: str = "weight") -> str:
-  """Hugging Face's name of layer ``layer``'s ``{kind}.{what}`` (``model.layers.3.mlp.up_proj.weight``)."""
-  return f"model.layers.{layer}.{kind}.{what}"
-
-
 def shard_range(index: slice, size: int) -> tuple[int, int]:
   """``(start, stop)`` of a shard's slice along an axis of ``size``.
 
@@ -111,8 +103,3 @@ def shard_range(index: slice, size: int) -> tuple[int, int]:
   if step != 1:
     raise HfCheckpointError("a strided shard index")  # jax shards are contiguous
   return start, stop
-
-
-def transposed(kind: str):
-  """[in, out] of layer ``l`` from ``{kind}.weight`` [out, in]."""
-  return lambda reader, layer, index: reader.read(tensor_name(layer, kind), (index[1], index[0])).T

@@ -97,6 +97,7 @@ class LlamaConfig:
   fp8: str = "none"  # "none", "current" or "delayed": the projections' operands rounded to FP8 (recipes/fp8.py)
   fp8_amax_history: int = 16  # steps of amax each delayed scale is taken from (fp8 "delayed" only)
   fp8_min_dim: int = 2048  # a matmul whose weight is smaller along its contraction or output stays bf16 (fp8.active)
+  hf_model_type: str = ""  # the Hugging Face family it was read from and is written as ("qwen3", …); "": inferred
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:

@@ -113,5 +113,6 @@ PRESETS: dict[str, MoEConfig] = {
                              rope_original_max_len=4096, rope_mscale=1.0, rope_mscale_all_dim=1.0,
                              num_experts=256, experts_per_token=8, expert_mlp_dim=2048, num_shared_experts=1,
                              router="sigmoid", router_groups=8, router_group_topk=4, router_score_bias=True,
-                             routed_scaling=2.5, dense_layers=(0, 1, 2), remat="full", aux_loss_weight=0.0001),
+                             routed_scaling=2.5, dense_layers=(0, 1, 2), remat="full", aux_loss_weight=0.0001,
+                             hf_model_type="deepseek_v3"),
 }

@@ -189,19 +189,23 @@ class Config:
       return recipe
     from distrib_train.recipes import hf_shape
 
-    shape = hf_shape.llama_config(os.path.expanduser(self.train.init_from[3:]))
-    moe = hf_shape.is_moe(shape)
-    if self.model.name != ("moe" if moe else "llama"):
-      raise ConfigError(f"train.init_from {self.train.init_from}: this Hugging Face checkpoint loads into the"
-                        f" {'moe' if moe else 'llama'} model, not {self.model.name!r}; set model.name.")
-    fields = hf_shape.shape_fields(shape)
-    clashes = [f"model.{k}={v!r} (the checkpoint has {getattr(shape, k)!r})"
-               for k, v in self.model.overrides.items() if k in fields and getattr(shape, k) != v]
+    # The checkpoint's config.json picks the family (dense or mixture) and fixes its shape and variants; the
+    # preset's numerics (dtype, remat, the attention kernel, fp8, …) stay the run's.
+    cls, fields = hf_shape.checkpoint_fields(os.path.expanduser(self.train.init_from[3:]))
+    kept = {f.name: getattr(recipe.config, f.name) for f in dataclasses.fields(cls)
+            if hasattr(recipe.config, f.name) and f.name not in hf_shape.shape_fields(recipe.config)}
+    try:
+      config = cls(**{**kept, **fields})
+    except ValueError as e:  # a preset setting the checkpoint's model cannot take
+      raise ConfigError(f"train.init_from {self.train.init_from}: {e}") from None
+    fixed = hf_shape.shape_fields(config)
+    clashes = [f"model.{k}={v!r} (the checkpoint has {getattr(config, k)!r})"
+               for k, v in self.model.overrides.items() if k in fixed and getattr(config, k) != v]
     if clashes:
       raise ConfigError(f"train.init_from {self.train.init_from}: {', '.join(clashes)}; leave the model's shape to"
                         " the checkpoint.")
-    config = dataclasses.replace(recipe.config, **{k: getattr(shape, k) for k in fields})
-    return dataclasses.replace(recipe, config=config)
+    name = "moe" if hf_shape.is_moe(config) else "llama"
+    return recipes.ModelRecipe(f"{name}-{config.hf_model_type}", config, recipe.loss_fn, recipe.input_axes)
 
   def data_config(self) -> DataConfig:
     """This config's ``distrib_train.data.DataConfig`` (the ``data`` section); the trainer's own, rows capped

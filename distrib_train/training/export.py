@@ -7,8 +7,10 @@ Reads the run's ``config.yaml``, restores the params of one checkpoint
 (params only: the optimizer state is not read) onto this host's first device
 and writes ``config.json`` and float32 safetensors (``checkpoint/hf.py``),
 which ``transformers.AutoModelForCausalLM.from_pretrained`` loads. The host
-needs the params' size in memory (4 bytes a parameter). The reference Llama
-only (``model.name: llama`` or ``moe``: Mixtral / Qwen2-MoE).
+needs the params' size in memory (4 bytes a parameter). The reference
+decoders only (``model.name: llama`` or ``moe``), written as the family they
+were read from (``train.init_from: hf:…``), else as Llama, Qwen2, Mixtral or
+Qwen2-MoE by their variants (``recipes/hf_shape.family_of``).
 
 A mistake prints one ``error:`` line and exits with status 2; nothing is
 written then.
@@ -60,8 +62,8 @@ def export(workdir: str | os.PathLike, out: str, step: int | None = None) -> lis
   with CheckpointManager(workdir / "checkpoints", async_save=False) as manager:
     if manager.latest_step() is None:
       raise ValueError(f"{str(workdir / 'checkpoints')!r} holds no checkpoint.")
-    state = manager.restore(plan.init(make), step, params_only=True)
-  return hf.save(state.params, recipe.config, out)
+    state = manager.restore(plan.init(make), step, params_only=True)  # the model: params and local state
+  return hf.save(state.params, recipe.config, out, local_state=state.local_state)
 
 
 def main(argv: Sequence[str]) -> int:

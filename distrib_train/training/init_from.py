@@ -7,9 +7,10 @@ read onto the plan's shardings. The optimizer state, step and key stay
 fresh: this is fine-tuning, not resuming (a run that has its own checkpoint
 resumes from it and ignores ``init_from``).
 
-- ``hf:<dir>``: a Hugging Face Llama / Mistral / Qwen2 directory
-  (``checkpoint/hf.py``); the model's shape already comes from its
-  ``config.json`` (``Config.model_recipe``).
+- ``hf:<dir>``: a Hugging Face directory of a family ``recipes/hf_shape.py``
+  reads (``checkpoint/hf.py``); the model's family, shape and variants
+  already come from its ``config.json`` (``Config.model_recipe``); the
+  local state it holds (DeepSeek-V3's router score correction) is read too.
 - ``ckpt:<dir>``: a distrib_train workdir, its ``checkpoints`` directory, or
   one step directory in it; the newest step unless a step is named; the
   params only (the optimizer may differ).
@@ -50,7 +51,7 @@ def check(config: Config, abstract: TrainState) -> None:
   """
   kind, _, path = config.train.init_from.partition(":")
   if kind == "hf":
-    hf.check_params(os.path.expanduser(path), abstract.params, config.model_recipe().config)
+    hf.check_params(os.path.expanduser(path), abstract.params, config.model_recipe().config, abstract.local_state)
   elif kind == "ckpt":
     directory, step = _checkpoint(path)
     read_meta(directory, step)
@@ -61,8 +62,11 @@ def load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Train
   """``state`` with ``init_from``'s params, and a line saying what was loaded."""
   kind, _, path = config.train.init_from.partition(":")
   if kind == "hf":
-    params = hf.load_params(os.path.expanduser(path), abstract.params, config.model_recipe().config)
-    return state.replace(params=params), f"Initialised the params from Hugging Face checkpoint {path}."
+    directory, model = os.path.expanduser(path), config.model_recipe().config
+    params = hf.load_params(directory, abstract.params, model)
+    local_state = hf.load_params(directory, abstract.local_state, model, fresh=state.local_state)
+    return (state.replace(params=params, local_state=local_state),
+            f"Initialised the params from Hugging Face checkpoint {path}.")
   from distrib_train.checkpoint.manager import CheckpointManager
 
   directory, step = _checkpoint(path)

@@ -1,0 +1,130 @@
+"""Each family's Hugging Face tensor names: one table, read by the importer, the checks and the exporter.
+
+``tensors(config, mixture)`` lists the ``Tensor``s of one layer (a dense
+layer, or a mixture layer with ``mixture``) of the family
+``config.hf_model_type`` names, and ``top_tensors(config)`` the embedding,
+final norm and head: each names a param of ours (a key of a layer segment,
+or a top-level one), Hugging Face's tensor (``{layer}`` and ``{expert}``
+filled in) and the ``layout`` that turns one into the other:
+
+- ``same``: the same array (norm weights, vectors, gpt-oss's ``[E, in, out]``
+  down projection);
+- ``transposed``: Hugging Face's ``[out, in]`` is our ``[in, out]``;
+- ``heads_in``: ``[heads·head, in]`` is our ``[in, heads, head]`` (q, k, v,
+  MLA's up-projections);
+- ``heads_out``: ``[out, heads·head]`` is our ``[heads, head, out]`` (o);
+- ``heads_vector``: ``[heads·head]`` is our ``[heads, head]`` (q, k, v biases);
+- ``experts``: one ``[out, in]`` tensor per expert is our ``[E, in, out]``;
+- ``even`` / ``odd``: the even or odd columns of gpt-oss's interleaved
+  ``gate_up`` (``[E, in, 2F]`` or ``[E, 2F]``) are our gate or up.
+
+A param may be local state, not trained: ``router_bias`` (DeepSeek-V3's
+``e_score_correction_bias``).
+
+Not for: reading or writing the files (``checkpoint/hf.py``), ``config.json``
+(``hf_shape.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+LAYOUTS = ("same", "transposed", "heads_in", "heads_out", "heads_vector", "experts", "even", "odd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One of our params and the Hugging Face tensor(s) it is read from and written to."""
+
+  param: str
+  name: str
+  layout: str
+
+
+_LAYER = "model.layers.{layer}."
+
+
+def _attention(config) -> list[Tensor]:
+  a = _LAYER + "self_attn."
+  if config.attention_kind == "mla":
+    out = [Tensor("wkv_a", a + "kv_a_proj_with_mqa.weight", "transposed"),
+           Tensor("kv_a_norm", a + "kv_a_layernorm.weight", "same"),
+           Tensor("wkv_b", a + "kv_b_proj.weight", "heads_in"),
+           Tensor("wo", a + "o_proj.weight", "heads_out")]
+    if config.q_lora_rank:
+      out += [Tensor("wq_a", a + "q_a_proj.weight", "transposed"),
+              Tensor("q_a_norm", a + "q_a_layernorm.weight", "same"),
+              Tensor("wq_b", a + "q_b_proj.weight", "heads_in")]
+    else:
+      out.append(Tensor("wq", a + "q_proj.weight", "heads_in"))
+    return out
+  out = [Tensor(ours, a + f"{theirs}_proj.weight", "heads_in") for ours, theirs in (("wq", "q"), ("wk", "k"),
+                                                                                    ("wv", "v"))]
+  out.append(Tensor("wo", a + "o_proj.weight", "heads_out"))
+  if config.attention_bias:
+    out += [Tensor(f"b{x}", a + f"{x}_proj.bias", "heads_vector") for x in "qkv"]
+  if config.attention_out_bias:
+    out.append(Tensor("bo", a + "o_proj.bias", "same"))
+  if config.qk_norm:
+    out += [Tensor("q_norm", a + "q_norm.weight", "same"), Tensor("k_norm", a + "k_norm.weight", "same")]
+  if config.attention_sinks:
+    out.append(Tensor("sinks", a + "sinks", "same"))
+  return out
+
+
+def _norms(config) -> list[Tensor]:
+  if config.sandwich_norms:  # Gemma: post_attention_layernorm is the norm after attention
+    names = (("attn_norm", "input_layernorm"), ("post_attn_norm", "post_attention_layernorm"),
+             ("mlp_norm", "pre_feedforward_layernorm"), ("post_mlp_norm", "post_feedforward_layernorm"))
+  else:
+    names = (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))
+  return [Tensor(ours, _LAYER + f"{theirs}.weight", "same") for ours, theirs in names]
+
+
+def _gated(prefix: str, ours: tuple[str, str, str] = ("w_gate", "w_up", "w_down")) -> list[Tensor]:
+  return [Tensor(param, prefix + f"{theirs}.weight", "transposed")
+          for param, theirs in zip(ours, ("gate_proj", "up_proj", "down_proj"))]
+
+
+_SHARED = ("shared_gate", "shared_up", "shared_down")
+
+
+def _mixture(config) -> list[Tensor]:
+  m = _LAYER + "mlp."
+  family = config.hf_model_type
+  if family == "mixtral":
+    b = _LAYER + "block_sparse_moe."
+    return [Tensor("router", b + "gate.weight", "transposed")] + [
+        Tensor(param, b + f"experts.{{expert}}.{w}.weight", "experts")
+        for param, w in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2"))]
+  if family == "gpt_oss":
+    e = m + "experts."
+    return [Tensor("router", m + "router.weight", "transposed"), Tensor("router_logit_bias", m + "router.bias", "same"),
+            Tensor("w_gate", e + "gate_up_proj", "even"), Tensor("w_up", e + "gate_up_proj", "odd"),
+            Tensor("b_gate", e + "gate_up_proj_bias", "even"), Tensor("b_up", e + "gate_up_proj_bias", "odd"),
+            Tensor("w_down", e + "down_proj", "same"), Tensor("b_down", e + "down_proj_bias", "same")]
+  out = [Tensor("router", m + "gate.weight", "transposed")] + [
+      Tensor(param, m + f"experts.{{expert}}.{w}_proj.weight", "experts")
+      for param, w in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down"))]
+  if family == "deepseek_v3":
+    out.append(Tensor("router_bias", m + "gate.e_score_correction_bias", "same"))
+    out += _gated(m + "shared_experts.", _SHARED)
+  elif config.num_shared_experts:  # Qwen2-MoE
+    out += _gated(m + "shared_expert.", _SHARED)
+    if config.shared_expert_gate:
+      out.append(Tensor("shared_expert_gate", m + "shared_expert_gate.weight", "transposed"))
+  return out
+
+
+def tensors(config, mixture: bool) -> list[Tensor]:
+  """The tensors of one layer of ``config``'s family: a mixture layer's with ``mixture``, else a dense one's."""
+  mlp = _mixture(config) if mixture else _gated(_LAYER + "mlp.")
+  return _attention(config) + _norms(config) + mlp
+
+
+def top_tensors(config) -> list[Tensor]:
+  """The embedding, the final norm and (untied) the head."""
+  out = [Tensor("embed", "model.embed_tokens.weight", "same"), Tensor("final_norm", "model.norm.weight", "same")]
+  if not config.tie_embeddings:
+    out.append(Tensor("head", "lm_head.weight", "transposed"))
+  return out
