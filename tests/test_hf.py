@@ -32,6 +32,8 @@ from distrib_train.sharding.axis_rules import activation_sharding
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5)
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+         "beta_slow": 1.0}
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=10000.0)),
     "llama3.1": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
@@ -47,18 +49,59 @@ FAMILIES = {
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, dict(
         rope_theta=1e6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         shared_expert_intermediate_size=80, norm_topk_prob=False)),
+    # q/k norms, no biases, an untied head
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_theta=1e6)),
+    # the router renormalised; layer 1 dense (mlp_only_layers): two segments
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1])),
+    # GeGLU, 1 + w sandwich norms, √d embeddings, q/k norms, local layers of a window of 8 (tokens are 64 long)
+    # with their own RoPE base beside linearly scaled global ones, both soft caps, a tied head
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        num_hidden_layers=4, layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                          "sliding_attention"],
+        sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # MLA (low-rank q, a kv latent, a decoupled interleaved RoPE part), YaRN with mscale, a dense first layer,
+    # 8 experts in 4 groups (2 kept) with the score correction, a shared expert
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        num_hidden_layers=3, num_key_value_heads=4, head_dim=None, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, first_k_dense_replace=1, moe_intermediate_size=32, n_shared_experts=1,
+        routed_scaling_factor=2.5, rope_parameters={**_YARN, "rope_theta": 1e4, "mscale": 1.0,
+                                                    "mscale_all_dim": 1.0})),
+    # sinks, sliding (8) and full layers, YaRN, q/k/v/o biases, router and expert biases, the clamped SwiGLU (a
+    # low limit, so that the clamp bites)
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=8, swiglu_limit=0.5,
+        rope_parameters={**_YARN, "rope_theta": 1.5e5, "truncate": False})),
 }
+# What the import reads from each family's config.json, beside its shape.
+EXPECTED = {
+    "llama": {}, "llama3.1": dict(tie_embeddings=True, rope_scaling="llama3"), "mistral": {},
+    "qwen2": dict(attention_bias=True, tie_embeddings=True), "mixtral": {}, "qwen2_moe": dict(attention_bias=True),
+    "qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True, dense_layers=(1,)),
+    "gemma3": dict(qk_norm=True, sandwich_norms=True, norm_weight_offset=1.0, scale_embeddings=True,
+                   mlp_activation="gelu_tanh", tie_embeddings=True, sliding_window=8, local_rope_theta=1e4,
+                   layer_types=("sliding", "sliding", "full", "sliding"), rope_scaling="linear"),
+    "deepseek_v3": dict(attention_kind="mla", router="sigmoid", router_groups=4, router_score_bias=True,
+                        dense_layers=(0,), rope_scaling="yarn", rope_interleave=True),
+    "gpt_oss": dict(attention_bias=True, attention_sinks=True, router="softmax_topk", expert_bias=True,
+                    mlp_activation="swiglu_oss", layer_types=("sliding", "full"), rope_scaling="yarn"),
+}
+MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
-def _save(family, directory, dtype=torch.float32):
+def _save(family, directory, dtype=torch.float32, shard="5GB", **changes):
   config_cls, model_cls, extra = FAMILIES[family]
   torch.manual_seed(0)
-  model = model_cls(config_cls(**COMMON, **extra)).eval()
-  with torch.no_grad():  # biases and norms start at 0 / 1: make them count
-    for name, p in model.named_parameters():
-      if "bias" in name or "norm" in name:
+  fields = {k: v for k, v in {**COMMON, **extra, **changes}.items() if v is not None}
+  model = model_cls(config_cls(**fields)).eval()
+  with torch.no_grad():  # biases, norms, sinks and the score correction start at 0 / 1: make them count
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+      if any(word in name for word in ("bias", "norm", "sinks")) and p.is_floating_point():
         p.add_(torch.randn_like(p) * 0.1)
-  model.to(dtype).save_pretrained(directory)
+  model.to(dtype).save_pretrained(directory, max_shard_size=shard)
   return model
 
 
@@ -82,8 +125,10 @@ def _import(directory):
   state, plan = planner.init(lambda: dt.TrainState.initial_state(model, optax.sgd(0.0), jax.random.key(0)),
                              loss_fn=_recipe(config).loss_fn, inputs={"tokens": _tokens(), "targets": _tokens()},
                              input_axes=recipes.llama.INPUT_AXES)
-  params = hf.load_params(directory, plan.abstract_train_state.params, config)
-  return config, state.replace(params=params), plan, planner.rules
+  abstract = plan.abstract_train_state
+  params = hf.load_params(directory, abstract.params, config)
+  local_state = hf.load_params(directory, abstract.local_state, config, fresh=state.local_state)
+  return config, state.replace(params=params, local_state=local_state), plan, planner.rules
 
 
 def _logits(state, plan, rules, tokens):
@@ -101,17 +146,17 @@ def test_import_gives_transformers_logits_and_export_loads_back_bit_for_bit(fami
   reference = _save(family, tmp_path / "hf")
   tokens = _tokens()
   config, state, plan, rules = _import(str(tmp_path / "hf"))
-  assert config.attention_bias == (family in ("qwen2", "qwen2_moe"))
-  assert isinstance(config, recipes.moe.MoEConfig) == (family in ("mixtral", "qwen2_moe"))
-  assert config.tie_embeddings == (family in ("llama3.1", "qwen2"))
-  assert config.rope_scaling == ("llama3" if family == "llama3.1" else "none")
+  assert isinstance(config, recipes.moe.MoEConfig) == (family in MIXTURES)
+  defaults = recipes.moe.MoEConfig()
+  for key in ("attention_bias", "tie_embeddings", "rope_scaling", *EXPECTED[family]):
+    assert getattr(config, key) == EXPECTED[family].get(key, getattr(defaults, key)), key
   planned = jax.tree_util.tree_leaves(plan.train_state_shardings.params)
   for leaf, sharding in zip(jax.tree_util.tree_leaves(state.params), planned, strict=True):
     assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)  # read onto the plan's shards
   np.testing.assert_allclose(_logits(state, plan, rules, tokens), _reference_logits(reference, tokens),
                              rtol=1e-4, atol=1e-4)
 
-  hf.save(state.params, config, str(tmp_path / "out"), max_shard_bytes=64 << 10)
+  hf.save(state.params, config, str(tmp_path / "out"), local_state=state.local_state, max_shard_bytes=64 << 10)
   exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
   np.testing.assert_allclose(_reference_logits(exported, tokens), _reference_logits(reference, tokens),
                              rtol=1e-5, atol=1e-5)
@@ -216,3 +261,66 @@ def test_two_processes_each_read_only_their_half_and_give_transformers_logits(tm
     np.testing.assert_allclose(np.asarray(r.result["logits"]), want, rtol=1e-4, atol=1e-4)
     # fsdp spans the processes: each reads about half the model (norms and replicated pieces in full).
     assert r.result["read"] < 0.7 * r.result["total"], (r.result["read"], r.result["total"])
+
+
+def _cli(*args):
+  import subprocess
+  import sys
+
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-m", "distrib_train", *args], capture_output=True, text=True, timeout=600,
+                        env=env)
+
+
+def _transformers_loss(model, data_config, batches=2):
+  """transformers' mean cross-entropy over the first held-out batches the trainer evaluates on."""
+  from distrib_train import data
+
+  mesh = dt.build_mesh(dt.MeshConfig(("data",), (8,)))
+  shardings = {k: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+               for k in data.DataLoader.batch_schema(data_config)}
+  total = count = 0.0
+  with data.DataLoader(data_config, shardings, split="eval", num_epochs=1) as loader:
+    for _, batch in zip(range(batches), loader):
+      logits = torch.from_numpy(_reference_logits(model, np.asarray(batch["tokens"])))
+      losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), torch.from_numpy(
+          np.array(batch["targets"])).long(), reduction="none").numpy()
+      weights = np.asarray(batch["weights"])
+      total, count = total + float((losses * weights).sum()), count + float(weights.sum())
+  return total / count
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma3", "deepseek_v3", "gpt_oss"])
+def test_the_cli_starts_each_family_from_transformers_weights_with_its_loss_and_exports_them_back(family, tmp_path):
+  """A tiny random model saved by transformers (bf16, sharded) through ``distrib-train --init_from hf:`` on 8
+  emulated devices (the mixtures with an expert axis): the run's held-out loss is transformers' on the same
+  batches (fp32 both sides), and ``distrib-train export`` writes a checkpoint transformers loads with the same
+  logits and the same tensors."""
+  from distrib_train.training import config as config_lib
+
+  _save(family, tmp_path / "hf", dtype=torch.bfloat16, shard="60KB", vocab_size=256)
+  assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+  reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+  overrides = ["data.seq_len=64", "data.global_batch_size=8", "data.packing=false", "train.steps=1",
+               "train.eval_batches=2", "train.async_checkpoint=false", "train.compilation_cache_dir=",
+               "model.dtype=float32", "model.attention=xla", "optimizer.name=sgd", "optimizer.learning_rate=1e-30"]
+  mesh = ["--mesh_config", "cpu-8-expert"] if family in MIXTURES else []
+  run = _cli("--config", "tiny", "--workdir", str(tmp_path / "run"), "--cpu_devices", "8", "--init_from",
+             f"hf:{tmp_path / 'hf'}", *mesh, *[f"--set={o}" for o in overrides])
+  assert run.returncode == 0, run.stderr[-3000:]
+  evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  key = "eval/cross_entropy" if family in MIXTURES else "eval/loss"  # a mixture's loss adds its routing losses
+  loss = [m[key] for m in evals if key in m][-1]
+  config = config_lib.load("tiny", [*overrides, f"train.init_from=hf:{tmp_path / 'hf'}"])
+  np.testing.assert_allclose(loss, _transformers_loss(reference, config.data_config()), rtol=1e-4)
+
+  out = _cli("export", "--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "exported"))
+  assert out.returncode == 0, out.stderr[-2000:]
+  exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
+  tokens = np.random.default_rng(1).integers(0, 256, size=(2, 32)).astype(np.int32)
+  np.testing.assert_allclose(_reference_logits(exported, tokens), _reference_logits(reference, tokens), rtol=1e-5,
+                             atol=1e-5)
+  original = hf.SafetensorsDirectory(str(tmp_path / "hf"))
+  again = hf.SafetensorsDirectory(str(tmp_path / "exported"))
+  assert hf.tensors_equal({n: original.read(n).astype(np.float32) for n in original.tensors},
+                          {n: again.read(n) for n in original.tensors})

@@ -146,16 +146,19 @@ def _gqa(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) 
   return _project("btnh,nhd->btd", attn, layer, "wo")
 
 
+LATENT_NORM_EPS = 1e-6  # MLA's latent norms: DeepSeek's own epsilon, whatever the model's (transformers' too)
+
+
 def _mla(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) -> jax.Array:
   c = config
   nope, rope_dim, r = c.head_dim, c.qk_rope_head_dim, c.kv_lora_rank
   if c.q_lora_rank:
-    q_latent = _norm(c, _project("btd,dr->btr", h, layer, "wq_a"), layer["q_a_norm"])
+    q_latent = rms_norm(_project("btd,dr->btr", h, layer, "wq_a"), layer["q_a_norm"], LATENT_NORM_EPS)
     q = _project("btr,rnh->btnh", q_latent, layer, "wq_b")
   else:
     q = _project("btd,dnh->btnh", h, layer, "wq")
   latent = _project("btd,dr->btr", h, layer, "wkv_a")
-  kv_latent, k_rope = _norm(c, latent[..., :r], layer["kv_a_norm"]), latent[..., r:]
+  kv_latent, k_rope = rms_norm(latent[..., :r], layer["kv_a_norm"], LATENT_NORM_EPS), latent[..., r:]
   kv = _project("btr,rnh->btnh", kv_latent, layer, "wkv_b")
   k_nope, v = kv[..., :nope], kv[..., nope:]
   rope = c.rope(kind.sliding)

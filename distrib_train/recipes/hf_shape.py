@@ -158,7 +158,7 @@ def _dense_fields(hf: dict[str, Any], path: str, family: str) -> dict[str, Any]:
     local = rope.get("sliding_attention", {}) if by_type else {}
     fields.update(norm_weight_offset=1.0, sandwich_norms=True, scale_embeddings=True,
                   query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or fields["head_dim"]),
-                  attn_logit_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+                  # (attn_logit_softcapping is Gemma 2's: transformers' Gemma 3 reads it and never applies it)
                   final_logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
                   local_rope_theta=float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0))
   return fields
@@ -293,6 +293,8 @@ def _check_writable(config: Any, family: str) -> None:
     problems.append("Qwen2-MoE has one gated shared expert, attention biases and a softmax router")
   if family in ("llama", "qwen2", "mistral") and (config.qk_norm or config.sandwich_norms or config.attention_sinks):
     problems.append(f"{family} has no q/k norms, sandwich norms or sinks")
+  if config.attn_logit_softcap:
+    problems.append("a soft cap on the attention scores (transformers applies none in these families)")
   if problems:
     raise HfCheckpointError(f"this model cannot be written as {family}: " + "; ".join(problems) + ".")
 
@@ -318,9 +320,9 @@ def hf_config(config: Any) -> dict[str, Any]:
   if family == "llama":
     out["mlp_bias"] = False
   if family == "gemma3_text":
-    out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=config.query_pre_attn_scalar,
+    scalar = config.query_pre_attn_scalar
+    out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
                sliding_window=config.sliding_window, layer_types=types,
-               attn_logit_softcapping=config.attn_logit_softcap or None,
                final_logit_softcapping=config.final_logit_softcap or None,
                rope_parameters={"full_attention": _rope_json(config),
                                 "sliding_attention": {"rope_type": "default",
