@@ -225,4 +225,17 @@ PRESETS: dict[str, LlamaConfig] = {
                       max_seq_len=4096, remat="full"),
     "70b": LlamaConfig(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, mlp_dim=28672,
                        max_seq_len=4096, remat="full"),
+    # Qwen3-8B's shape (8.2B parameters): q/k norms, GQA 32/8, an untied 152k head.
+    "qwen3-8b": LlamaConfig(vocab_size=151936, d_model=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                            mlp_dim=12288, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
+                            remat="full", hf_model_type="qwen3"),
+    # Gemma 3 27B, text (27.0B parameters): 62 layers, every 6th global (RoPE 1e6, linear ×8), the others a
+    # window of 1024 (RoPE 1e4); GeGLU, sandwich norms, q/k norms, a tied 262k vocabulary.
+    "gemma3-27b": LlamaConfig(vocab_size=262208, d_model=5376, num_layers=62, num_heads=32, num_kv_heads=16,
+                              head_dim=128, mlp_dim=21504, max_seq_len=131072, rope_theta=1e6, norm_eps=1e-6,
+                              qk_norm=True, sandwich_norms=True, norm_weight_offset=1.0, scale_embeddings=True,
+                              mlp_activation="gelu_tanh", query_pre_attn_scalar=168.0, sliding_window=1024,
+                              layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(62)),
+                              local_rope_theta=1e4, rope_scaling="linear", rope_factor=8.0, tie_embeddings=True,
+                              remat="full", hf_model_type="gemma3_text"),
 }

@@ -103,6 +103,22 @@ PRESETS: dict[str, MoEConfig] = {
     "mixtral-8x7b": MoEConfig(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                               head_dim=128, max_seq_len=4096, rope_theta=1e6, num_experts=8, experts_per_token=2,
                               expert_mlp_dim=14336, remat="full"),
+    # Qwen3-30B-A3B (30.5B parameters, 3.3B active): 48 layers of 128 experts, 8 per token, renormalised.
+    "qwen3-30b-a3b": MoEConfig(vocab_size=151936, d_model=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                               head_dim=128, mlp_dim=6144, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+                               qk_norm=True, num_experts=128, experts_per_token=8, expert_mlp_dim=768,
+                               norm_topk_prob=True, aux_loss_weight=0.001, remat="full", hf_model_type="qwen3_moe"),
+    # gpt-oss-20b (20.9B parameters; 4.2B active, 3.6B without the head): 24 layers alternating a window of 128
+    # and full attention, sinks, YaRN (×32 over 4096), q/k/v/o biases, 32 experts with biases, 4 per token, the
+    # clamped SwiGLU.
+    "gpt-oss-20b": MoEConfig(vocab_size=201088, d_model=2880, num_layers=24, num_heads=64, num_kv_heads=8,
+                             head_dim=64, mlp_dim=2880, max_seq_len=131072, rope_theta=150000.0,
+                             attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=128,
+                             layer_types=("sliding", "full") * 12, rope_scaling="yarn", rope_factor=32.0,
+                             rope_original_max_len=4096, rope_truncate=False, mlp_activation="swiglu_oss",
+                             num_experts=32, experts_per_token=4, expert_mlp_dim=2880, router="softmax_topk",
+                             router_logit_bias=True, expert_bias=True, aux_loss_weight=0.001, remat="full",
+                             hf_model_type="gpt_oss"),
     # DeepSeek-V3 (671B parameters, 37B active): multi-head latent attention (q rank 1536, kv latent 512, heads
     # of 128 + a shared 64-dim rotary part, values of 128), YaRN (×40 over 4096), 3 dense layers then 58 of 256
     # routed experts + 1 shared, 8 per token from the best 4 of 8 groups, sigmoid scores with the correction bias.
