@@ -149,3 +149,34 @@ def test_the_rules_shard_mla_latents_over_fsdp_and_sinks_with_their_heads():
   assert spec("layers_1", "w_gate") == P(None, "expert", "fsdp", "tensor")
   assert spec("layers", "sinks") == P(None, "tensor")
   assert spec("layers", "b_gate") == P(None, "expert", "tensor")
+
+
+def test_long_sequences_without_a_fused_kernel_run_in_tiles_as_the_reference_does(monkeypatch):
+  """Past ``TILE`` tokens, sinks, a soft cap or MLA's values run in rematerialized tiles of online softmax."""
+  monkeypatch.setattr(attention_kernels, "TILE", 32)
+  q, k, v, sinks, segments = _inputs(length=128)
+  positions = jnp.asarray(np.where(segments == 1, np.arange(128), np.arange(128) - np.argmax(segments == 2, 1)[:, None]))
+  layer = attention_kernels.Attention("xla", window=WINDOW, softcap=3.0)
+  tiled = lambda q, k, v, sinks: attention_kernels.attention(q, k, v, layer, positions=positions,
+                                                             segment_ids=segments, sinks=sinks)
+  text = jax.jit(tiled).lower(q, k, v, sinks).as_text()
+  assert "128x128" not in text and "32x32" in text  # score tiles, never the whole square
+  _close(_value_and_grads(tiled, q, k, v, sinks), _value_and_grads(_reference(WINDOW, 3.0, True, segments),
+                                                                   q, k, v, sinks))
+
+
+def test_under_remat_an_mla_layer_keeps_its_latent_per_token_not_keys_and_values_per_head():
+  """The backward pass recomputes MLA's keys and values from the latent it kept (kv_lora_rank + the rotary
+  part: 16 + 8 per token here), never keeping them per head (4 heads × 24 and × 16)."""
+  from flax import nnx
+
+  from distrib_train.recipes import decoder
+
+  config = ph.tiny_config(**{k: v for k, v in DEEPSEEK_LIKE.items() if k != "family"}, family="moe", remat="full")
+  graph, params, rest = nnx.split(config.build(0), nnx.Param, ...)
+  tokens = np.zeros((2, 32), np.int32)
+  loss = lambda params: decoder.loss_fn(model=nnx.merge(graph, params, rest), state=None, rng=None, tokens=tokens,
+                                        targets=tokens)[0]
+  text = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+  assert "f32[2,2,32,24]" in text  # the 2 mixture layers' latents (16) and rotary keys (8), kept for the backward
+  assert not any(f"f32[2,2,32,4,{d}]" in text for d in (24, 16))  # no keys or values per head kept

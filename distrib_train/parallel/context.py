@@ -164,6 +164,18 @@ def _local(q, k, v, pos, seg, sinks, *, size: int, implementation: str, block: i
   return out.reshape(batch, length, heads, v_dim).astype(q.dtype)
 
 
+def tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None,
+                    segment_ids: jax.Array | None, *, block: int = 1024, scale: float | None = None, window: int = 0,
+                    softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
+  """The same causal attention on the whole sequence (no context axis), in the same rematerialized tiles: the
+  memory of flash attention in plain XLA, for what no fused kernel runs (``recipes/attention_kernels.py``)."""
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  return _local(q, k, v, positions, segment_ids, sinks, size=1, implementation="ring", block=block, scale=scale,
+                window=window, softcap=softcap)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
               implementation: str = "ring", block: int = 1024, *, window: int = 0, scale: float | None = None,
               softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:

@@ -18,9 +18,11 @@ joins each softmax and is then dropped). ``choose`` says which kernel runs:
 - ``cudnn``: jax's cuDNN flash attention on an Ampere or newer GPU (16-bit,
   head sizes a multiple of 8 up to 128, 256 on Hopper), its window likewise;
 - ``xla``: elsewhere, and wherever the kernels cannot serve (sinks or a
-  soft cap on GPU): jax's attention, or this module's own where sinks or a
-  soft cap are asked for, or the values' head size is not the queries' (MLA).
-  It materialises the [length, length] scores.
+  soft cap on GPU): jax's attention, which materialises the [length, length]
+  scores; or, where sinks or a soft cap are asked for or the values' head
+  size is not the queries' (MLA), this module's own, past ``TILE`` tokens in
+  rematerialized tiles of online softmax (``parallel/context.py``), as
+  flash attention keeps its memory.
 
 ``model.attention`` asks for one (``auto`` lets ``choose`` pick); a kernel
 asked for that cannot run the layer is refused with the reason.
@@ -45,6 +47,7 @@ from distrib_train.recipes.attention import splash_attention
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 REQUESTS = ("auto", "xla", "cudnn", "splash")
+TILE = 1024  # past this length, this module's own attention runs in tiles of this many queries and keys
 _MASKED = -1e30  # finite: a row with nothing to see gives no NaN
 
 
@@ -151,8 +154,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Attention, *, pos
   if kernel == "cudnn" and v.shape[-1] != q.shape[-1]:  # MLA's values: jax.nn's API wants one head size
     return cudnn_attention.causal_attention(q, k, v, segment_ids, scale=scale, window=layer.window)
   if sinks is not None or layer.softcap or v.shape[-1] != q.shape[-1]:
-    return reference_attention(q, k, v, segment_ids, window=layer.window, scale=scale, softcap=layer.softcap,
-                               sinks=sinks)
+    options = dict(window=layer.window, scale=scale, softcap=layer.softcap, sinks=sinks)
+    if q.shape[1] > TILE:  # flash attention's memory in XLA: no [length, length] scores
+      return context.tiled_attention(q, k, v, positions, segment_ids, block=TILE, **options)
+    return reference_attention(q, k, v, segment_ids, **options)
   mask = None if segment_ids is None else cudnn_attention.segment_mask(segment_ids)
   window = (layer.window - 1, 0) if layer.window else None
   return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=layer.scale,

@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from distrib_train.parallel.experts import dispatch
 from distrib_train.recipes import attention_kernels, fp8, routing
@@ -147,6 +148,7 @@ def _gqa(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) 
 
 
 LATENT_NORM_EPS = 1e-6  # MLA's latent norms: DeepSeek's own epsilon, whatever the model's (transformers' too)
+MLA_LATENT = "mla_kv_latent"  # each token's key/value latent and rotary key, kept under remat (decoder.py)
 
 
 def _mla(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) -> jax.Array:
@@ -157,7 +159,7 @@ def _mla(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) 
     q = _project("btr,rnh->btnh", q_latent, layer, "wq_b")
   else:
     q = _project("btd,dnh->btnh", h, layer, "wq")
-  latent = _project("btd,dr->btr", h, layer, "wkv_a")
+  latent = checkpoint_name(_project("btd,dr->btr", h, layer, "wkv_a"), MLA_LATENT)  # [.., kv_lora_rank + rope]
   kv_latent, k_rope = rms_norm(latent[..., :r], layer["kv_a_norm"], LATENT_NORM_EPS), latent[..., r:]
   kv = _project("btr,rnh->btnh", kv_latent, layer, "wkv_b")
   k_nope, v = kv[..., :nope], kv[..., nope:]

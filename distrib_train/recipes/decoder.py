@@ -167,12 +167,15 @@ class Decoder(nnx.Module):
       self.head = param(rngs, (d, c.vocab_size), ("embed", "vocab"), pd, fan_in=d)
 
   def _remat_policy(self) -> Any:
-    """What the backward pass keeps of a layer under remat; a mixture's expert outputs too: the router's
-    gradient needs them, and recomputing them costs the down projection and the all-to-all back again."""
+    """What the backward pass keeps of a layer under remat; a mixture's expert outputs too (the router's
+    gradient needs them, and recomputing them costs the down projection and the all-to-all back again), and
+    MLA's key/value latent (its keys and values per head are recomputed from it, not kept)."""
     policy = REMAT_POLICIES[self.config.remat]
-    if not has_mixture(self.config):
+    names = ((EXPERT_OUTPUT,) if has_mixture(self.config) else ()) + \
+        ((blocks.MLA_LATENT,) if self.config.attention_kind == "mla" else ())
+    if not names:
       return policy
-    keep = jax.checkpoint_policies.save_only_these_names(EXPERT_OUTPUT)
+    keep = jax.checkpoint_policies.save_only_these_names(*names)
     return keep if policy is jax.checkpoint_policies.nothing_saveable else \
         jax.checkpoint_policies.save_from_both_policies(policy, keep)
 

@@ -65,10 +65,16 @@ def coerce(value: Any, kind: Any, key: str) -> Any:
 
   origin = typing.get_origin(kind)
   if origin is tuple:
+    item = (typing.get_args(kind) or (str,))[0]
     if isinstance(value, str):
       value = [v.strip() for v in value.split(",") if v.strip()]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-      raise wrong("a list of strings (a,b,c)")
+    if item is int and isinstance(value, (list, tuple)):
+      try:
+        value = [int(v) if not isinstance(v, bool) else None for v in value]
+      except (TypeError, ValueError):
+        raise wrong("a list of integers (0,1,2)") from None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, item) for v in value):
+      raise wrong("a list of integers (0,1,2)" if item is int else "a list of strings (a,b,c)")
     return tuple(value)
   if kind is bool:
     if isinstance(value, bool):
@@ -113,10 +119,13 @@ def model_field_types(name: str, preset: str) -> dict[str, type]:
   except ValueError as e:
     raise ConfigError(f"model: {e}") from None
   config = recipe.config
-  return {f.name: type(getattr(config, f.name)) for f in dataclasses.fields(config)}
+  hints = typing.get_type_hints(type(config))  # tuple[str, ...] and tuple[int, ...] keep their items' type
+  return {f.name: hints[f.name] if typing.get_origin(hints[f.name]) is tuple else type(getattr(config, f.name))
+          for f in dataclasses.fields(config)}
 
 
-_MAY_BE_ZERO = ("max_segments", "fp8_min_dim")  # integer model fields where 0 is a setting (off), not a size
+# integer model fields where 0 is a setting (off), not a size
+_MAY_BE_ZERO = ("max_segments", "fp8_min_dim", "sliding_window", "q_lora_rank")
 
 
 def check_model_value(key: str, value: Any) -> Any:
