@@ -21,6 +21,7 @@ is ``distrib_train.cluster``; the ``plan`` command is
 """
 
 import importlib
+import importlib.util
 from typing import Any
 
 # Each public name and the module that defines it, imported on first use (PEP 562): ``import distrib_train``
@@ -44,8 +45,8 @@ _EXPORTS = {
 
 
 def __getattr__(name: str) -> Any:
-  if name in _SUBPACKAGES:
-    return importlib.import_module(f"distrib_train.{name}")
+  if name in _SUBPACKAGES or (not name.startswith("_") and importlib.util.find_spec(f"distrib_train.{name}")):
+    return importlib.import_module(f"distrib_train.{name}")  # any subpackage or module: dt.sharding, dt.training
   if name in _EXPORTS:
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value  # the next lookup finds it directly

@@ -91,29 +91,49 @@ def test_a_loader_is_a_context_manager_that_stops_its_threads_and_refuses_reads_
   loader.close()  # a second close does nothing
 
 
-def test_a_dropped_loader_stops_its_threads():
+def test_a_dropped_loader_is_collected_and_its_threads_stop_at_exit(monkeypatch):
+  import gc
+  import weakref
+
+  monkeypatch.setattr(exit_hooks, "_pending", {})  # this test's loader alone, not those other tests hold
   before = len(_prefetch_threads())
   loader = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=4), _one_device_shardings())
   next(loader)
-  assert len(_prefetch_threads()) == before + 1
+  dropped = weakref.ref(loader)
   del loader
+  gc.collect()
+  assert dropped() is None and len(_prefetch_threads()) == before + 1  # collected; its reads run on
+  exit_hooks.close_all()  # what interpreter exit runs
   assert len(_prefetch_threads()) == before
+
+
+def test_a_forked_child_closes_none_of_its_parents_helpers(tmp_path):
+  """A forked child (a multiprocessing worker) that ends normally runs threading's exit hooks too: it must not
+  close what its parent opened (a loader's close would stop the parent's data worker processes)."""
+  closed = tmp_path / "closed"
+  code = (f"import os, sys\n"
+          f"from distrib_train.common import exit_hooks\n"
+          f"exit_hooks.close_at_exit(lambda: open({str(closed)!r}, 'a').write(f'{{os.getpid()}}\\n'))\n"
+          f"pid = os.fork()\n"
+          f"if pid == 0:\n"
+          f"  sys.exit(0)\n"
+          f"os.waitpid(pid, 0)\n"
+          f"print(os.getpid())\n")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr
+  assert closed.read_text().split() == [done.stdout.strip()]  # once, in the parent
 
 
 def test_closes_at_exit_run_newest_first_once_and_a_failing_one_is_one_line(capsys, monkeypatch):
   monkeypatch.setattr(exit_hooks, "_pending", {})  # this test's alone, not the loaders other tests hold
-
-  class Owner:
-    pass
-
-  owners, calls = [Owner() for _ in range(3)], []
+  calls = []
 
   def close(name):
     calls.append(name)
     if name == "b":
       raise OSError("disk gone")
 
-  handles = [exit_hooks.close_at_exit(owner, close, name) for owner, name in zip(owners, "abc")]
+  handles = [exit_hooks.close_at_exit(close, name) for name in "abc"]
   handles[0]()  # closed by its owner: not again at exit
   exit_hooks.close_all()
   exit_hooks.close_all()

@@ -161,6 +161,9 @@ def test_the_checkpoint_picks_the_dense_or_mixture_recipe_from_any_preset(tmp_pa
     assert isinstance(model, MoEConfig) and model.hf_model_type == "mixtral"
     assert (model.num_experts, model.experts_per_token, model.expert_mlp_dim, model.d_model) == (4, 2, 96, 64)
     assert model.dtype == "float32"  # the preset's numerics stay the run's
+  model = config_lib.load("moe-tiny", [f"train.init_from=hf:{mixtral}", "model.z_loss_weight=0.01",
+                                       "model.aux_loss_weight=0.05"]).model_recipe().config
+  assert (model.z_loss_weight, model.aux_loss_weight) == (0.01, 0.05)  # the run's own loss weights stay
   llama = _hf_config_json(tmp_path / "llama")
   model = config_lib.load("moe-tiny", [f"train.init_from=hf:{llama}"]).model_recipe().config
   assert not isinstance(model, MoEConfig) and model.hf_model_type == "llama" and model.d_model == 64

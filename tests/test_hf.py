@@ -182,12 +182,23 @@ def test_bfloat16_checkpoints_import_as_their_values(tmp_path):
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
      "rope_parameters has no 'original_max_position_embeddings', which yarn scaling needs"),
     ({"intermediate_size": 100}, r"tensor .model.layers.0.mlp.\w+_proj.weight. has shape \(\d+, \d+\), the config says"),
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config 'mxfp4': quantized weights"),
 ])
 def test_what_the_importer_cannot_read_is_named(edit, message, tmp_path):
   _save("llama", tmp_path / "hf")
   path = tmp_path / "hf" / "config.json"
   path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
   with pytest.raises(hf.HfCheckpointError, match=message):
+    _import(str(tmp_path / "hf"))
+
+
+def test_a_tensor_the_importer_would_leave_unread_is_refused_naming_it(tmp_path):
+  from safetensors.numpy import save_file
+
+  _save("llama", tmp_path / "hf")
+  save_file({"model.layers.1.self_attn.o_proj.bias": np.zeros(64, np.float32)}, str(tmp_path / "hf" / "extra.safetensors"))
+  with pytest.raises(hf.HfCheckpointError, match=r"tensor 'model.layers.1.self_attn.o_proj.bias' is not read by the"
+                                                 r" llama importer"):
     _import(str(tmp_path / "hf"))
 
 

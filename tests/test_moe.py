@@ -181,3 +181,50 @@ def test_a_mixture_no_hugging_face_family_expresses_is_refused_at_export():
     hf.hf_config(dataclasses.replace(moe.PRESETS["mixtral-8x7b"], router="sigmoid"))
   assert hf.hf_config(moe.PRESETS["mixtral-8x7b"])["architectures"] == ["MixtralForCausalLM"]
   assert hf.hf_config(moe.PRESETS["deepseek-v3"])["architectures"] == ["DeepseekV3ForCausalLM"]
+
+
+def test_a_mixture_trained_from_scratch_exports_with_its_familys_tensor_names():
+  """A mixture never read from Hugging Face is written as the family its variants name (Mixtral here), with that
+  family's tensor names, not another family's."""
+  from distrib_train.checkpoint import hf
+  from distrib_train.models import split_model
+
+  config = moe.PRESETS["tiny"]
+  params = split_model(config.build(0))[0]
+  assert hf.hf_config(config)["architectures"] == ["MixtralForCausalLM"]
+  names = hf.hf_tensors(params, config)
+  assert "model.layers.0.block_sparse_moe.experts.7.w1.weight" in names
+  assert "model.layers.0.block_sparse_moe.gate.weight" in names and not any(".mlp." in n for n in names)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dense_layers=(1,)), r"cannot be written as mixtral: dense_layers \(1,\)"),
+    (dict(sliding_window=8, layer_types=("sliding", "full") * 2), r"sliding and full layers \(its window is on"),
+    (dict(mlp_activation="gelu_tanh"), r"mlp_activation 'gelu_tanh' \(its MLP is 'silu'\)"),
+])
+def test_what_a_family_cannot_express_is_refused_at_export(change, message):
+  import dataclasses
+
+  from distrib_train.checkpoint import hf
+
+  assert hf.hf_config(dataclasses.replace(moe.PRESETS["tiny"], sliding_window=8))["sliding_window"] == 8
+  with pytest.raises(hf.HfCheckpointError, match=message):
+    hf.hf_config(dataclasses.replace(moe.PRESETS["tiny"], **change))
+
+
+def test_router_groups_too_small_for_the_experts_chosen_are_refused():
+  with pytest.raises(ValueError, match="a group needs at least 2 experts"):
+    ph.tiny_config(family="moe", router="sigmoid", router_groups=8)
+  with pytest.raises(ValueError, match="the kept groups at least experts_per_token"):
+    ph.tiny_config(family="moe", router="sigmoid", router_groups=4, router_group_topk=1, experts_per_token=3)
+
+
+def test_each_stack_of_layers_reports_its_scan_length_and_sinks_cap_no_packed_row():
+  from distrib_train.recipes import llama
+
+  assert moe.PRESETS["deepseek-v3"].capabilities().scan_lengths == (3, 58)  # dense first layers, then experts
+  assert moe.PRESETS["gpt-oss-20b"].capabilities().scan_lengths == (12,)  # 12 periods of (sliding, full)
+  assert llama.PRESETS["gemma3-27b"].capabilities().scan_lengths == (10, 2)  # 10 periods of 6, then 2 local
+  assert moe.PRESETS["gpt-oss-20b"].capabilities().max_segments == 0  # sinks: no cuDNN packed layout
+  assert moe.PRESETS["deepseek-v3"].capabilities().max_segments == 0  # MLA's values of another size
+  assert llama.PRESETS["qwen3-8b"].capabilities().max_segments == 8

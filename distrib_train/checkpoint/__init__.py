@@ -10,8 +10,9 @@
   position, or grain's per-process item).
 - ``local``: the fast tier, each process's shards on its own disk;
   ``tiers``: which tier a restart restores from (``CheckpointTiers``).
-- ``hf``, ``hf_moe``, ``hf_common``: Hugging Face checkpoints in and out
-  (dense, mixtures, the safetensors reader and tensor names they share).
+- ``hf``, ``hf_common``: Hugging Face checkpoints in and out, every family
+  through its table of tensor names (``recipes/hf_tables.py``), and the
+  safetensors reader.
 
 New tiers (local disk, peer memory) and Hugging Face conversion go here.
 """

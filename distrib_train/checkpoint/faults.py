@@ -104,4 +104,4 @@ def finish_at_exit(manager: Any) -> None:
       manager.wait_until_finished()
     except CheckpointWriteError as e:  # nobody is left to catch it: say it in one line
       print(f"distrib_train: {e}", file=sys.stderr, flush=True)
-  manager._deleted.join()
+  manager._deleted.join(timeout=60)  # a removal stuck on a dead file system is left to the next start

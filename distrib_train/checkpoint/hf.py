@@ -123,14 +123,42 @@ def _reader_of(reader, config, keys, shape, dtype, what: str):
   return lambda index: read(index).astype(dtype)
 
 
+def _read_names(config) -> set[str]:
+  """Every Hugging Face tensor the family's tables read for ``config``."""
+  names = set()
+  for segment, (start, tensors) in _tables(config).items():
+    count = next((s.count for s in decoder.segments(config) if s.name == segment), 1)
+    for tensor in tensors.values():
+      for layer in (range(start, start + count) if segment else [None]):
+        name = tensor.name.format(layer=layer, expert="{expert}")
+        experts = range(config.num_experts) if "{expert}" in name else [None]
+        names.update(name.replace("{expert}", str(e)) for e in experts)
+  return names
+
+
+def _unread(reader: SafetensorsDirectory, config) -> list[str]:
+  """The checkpoint's tensors the importer would leave unread (a variant it does not model), less those
+  transformers leaves too: a tied checkpoint's ``lm_head``, rotary frequency buffers, the layers past
+  ``num_layers`` (DeepSeek-V3's multi-token-prediction layer)."""
+  read = _read_names(config)
+  past = tuple(f"model.layers.{i}." for i in range(config.num_layers, config.num_layers + 8))
+  return sorted(n for n in reader.tensors if n not in read and not n.startswith(past)
+                and not n.endswith("rotary_emb.inv_freq") and not (config.tie_embeddings and n == "lm_head.weight"))
+
+
 def check_params(directory: str, abstract_params: Any, config, abstract_local: Any = None) -> None:
   """Checks, from the files' headers alone, that ``directory`` holds every tensor of ``abstract_params`` (and of
-  the local state the checkpoint sets, ``abstract_local``) in the shape ``config`` gives it.
+  the local state the checkpoint sets, ``abstract_local``) in the shape ``config`` gives it, and nothing the
+  importer would leave unread.
 
   Raises:
-    HfCheckpointError: a tensor missing or of another shape (named).
+    HfCheckpointError: a tensor missing, of another shape, or not read (named).
   """
   reader = SafetensorsDirectory(directory)
+  if abstract_params is not None and (unread := _unread(reader, config)):
+    raise HfCheckpointError(f"{directory}: tensor {unread[0]!r}"
+                            f"{f' (and {len(unread) - 1} more)' if len(unread) > 1 else ''} is not read by the"
+                            f" {config.hf_model_type or 'reference'} importer: a variant it does not model.")
   for tree, required in ((abstract_params, True), (abstract_local, False)):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if tree is not None else []:
       keys = _path_keys(path)

@@ -51,10 +51,10 @@ class DeletedSteps:
                                       daemon=True)
       self._thread.start()
 
-  def join(self) -> None:
-    """Waits for the removal under way, if any (removes nothing else)."""
+  def join(self, timeout: float | None = None) -> None:
+    """Waits for the removal under way, if any, up to ``timeout`` seconds (removes nothing else)."""
     if self._thread is not None:
-      self._thread.join()
+      self._thread.join(timeout)
 
 
 def _remove(paths: list[epath.Path]) -> None:

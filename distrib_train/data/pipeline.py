@@ -107,9 +107,9 @@ class DataLoader:
 
   Close it when done (``close()``, or ``with DataLoader(...) as loader:``):
   that stops its prefetch thread, its lanes' threads and its worker
-  processes. One that is not closed is closed when it is garbage collected,
-  or at interpreter exit at the latest (``common/exit_hooks.py``), so no
-  thread of it is left running native code when the interpreter goes.
+  processes. One that is not closed is closed at interpreter exit
+  (``common/exit_hooks.py``), so no thread of it is left running native code
+  when the interpreter goes.
 
   Args:
     config: the data config.
@@ -161,7 +161,7 @@ class DataLoader:
     self._lanes: lanes_lib.Lanes | None = None  # an endless (training) loader reads lanes
     self._skipped = lambda: 0  # a finite pass's skipped documents (its lanes count an endless loader's)
     self._reads = _Reads(self._build(split, num_epochs, vocab_size), self._lanes)
-    self._close = close_at_exit(self, self._reads.close)
+    self._close = close_at_exit(self._reads.close)
 
   def _build(self, split: str, num_epochs: int | None, vocab_size: int | None = None) -> Any:
     import grain
@@ -346,8 +346,10 @@ class _Reads:
       interrupt = getattr(lanes, "interrupt", None)
       if interrupt is not None:  # worker processes: the prefetch thread may be waiting on a stuck one's rows
         interrupt()
-      iterator.close()
-      lanes.close()
+      try:
+        iterator.close()
+      finally:  # the workers stop even if the prefetch thread's close failed
+        lanes.close()
     elif iterator is not None and hasattr(iterator, "close"):
       iterator.close()
 

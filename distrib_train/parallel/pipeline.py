@@ -150,9 +150,9 @@ def _pipelined(block: Callable[..., Any], x: Any, layers: Any, per_example: Mapp
   leaves = jax.tree_util.tree_leaves(layers)
   n_layers = leaves[0].shape[0]
   if n_layers % (s * r):
-    raise ValueError(f"The model's {n_layers} layers do not split into stage axis ({s}) × pipeline repeats ({r})"
-                     f" = {s * r} equal chunks; pick a stage size and train.pipeline_repeats whose product"
-                     f" divides {n_layers}.")
+    raise ValueError(f"The model's {n_layers} stacked layers (or periods of layers) do not split into stage axis"
+                     f" ({s}) × pipeline repeats ({r}) = {s * r} equal chunks; pick a stage size and"
+                     f" train.pipeline_repeats whose product divides {n_layers}.")
   per_chunk = n_layers // (s * r)
   mesh = config.mesh
   tmap = jax.tree_util.tree_map

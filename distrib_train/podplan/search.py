@@ -145,9 +145,9 @@ def _pipeline_fits(pod: PodPlan, spec: StepSpec) -> bool:
     Pipelining(pod.plan.mesh, m, r).check(batch)
   except ValueError:
     return False
-  layers = spec.family.capabilities().num_layers
+  stacks = spec.family.capabilities().scan_lengths  # each stack of layers is pipelined by itself
   ways = sizes.get("data", 1) * sizes.get("fsdp", 1)
-  return (not layers or layers % (stage * r) == 0) and (batch // m) % ways == 0
+  return all(n % (stage * r) == 0 for n in stacks) and (batch // m) % ways == 0
 
 
 @dataclasses.dataclass

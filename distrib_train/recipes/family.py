@@ -32,6 +32,8 @@ class Capabilities:
     dtype: the compute dtype.
     remat: the rematerialisation policy of its layers.
     num_layers, d_model, num_heads, mlp_dim: the decoder's size (0 where the model has none).
+    scan_lengths: each stack of layers' length as the pipeline splits it (a stack scanned by periods of
+      several layers counts its periods); empty where the model has none.
   """
 
   fp8: str = "none"
@@ -43,6 +45,7 @@ class Capabilities:
   d_model: int = 0
   num_heads: int = 0
   mlp_dim: int = 0
+  scan_lengths: tuple[int, ...] = ()
 
 
 @runtime_checkable

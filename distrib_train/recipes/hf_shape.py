@@ -138,7 +138,8 @@ def _dense_fields(hf: dict[str, Any], path: str, family: str) -> dict[str, Any]:
       mlp_dim=int(hf.get("intermediate_size") or 0), max_seq_len=int(hf.get("max_position_embeddings", 4096)),
       rope_theta=float(hf.get("rope_theta", 10000.0)), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", family == "gemma3_text")),
-      attention_bias=family in ("qwen2", "qwen2_moe") or bool(hf.get("attention_bias", False)),
+      attention_bias=family in ("qwen2", "qwen2_moe") or (family not in ("mistral", "mixtral")
+                                                          and bool(hf.get("attention_bias", False))),
       mlp_activation=_ACTIVATIONS.get(act, "silu"), hf_model_type=family)
   fields.update(_rope({**(hf.get("rope_scaling") or {}), **(rope.get("full_attention", {}) if by_type else rope)},
                       path))
@@ -146,14 +147,16 @@ def _dense_fields(hf: dict[str, Any], path: str, family: str) -> dict[str, Any]:
   if family in ("gemma3_text", "gpt_oss") and window:
     types = _layer_types(hf, fields["num_layers"], hf.get("sliding_window_pattern"))
     fields.update(sliding_window=int(window), layer_types=types or ("sliding",) * fields["num_layers"])
-  elif family == "mistral" and window:
+  elif family in ("mistral", "mixtral") and window:
     fields.update(sliding_window=int(window))
   elif family in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and hf.get("use_sliding_window"):
     raise HfCheckpointError(f"{path}: use_sliding_window is true; Qwen's sliding-window layers are not modelled.")
   if family in ("qwen3", "qwen3_moe", "gemma3_text"):
     fields["qk_norm"] = True
-  if family == "qwen3" or family == "qwen3_moe":
+  if family in ("llama", "qwen3", "qwen3_moe"):  # their attention_bias is on o_proj too
     fields["attention_out_bias"] = fields["attention_bias"]
+  if family == "deepseek_v3" and fields["attention_bias"]:
+    raise HfCheckpointError(f"{path}: attention_bias is true; the MLA projections' biases are not modelled.")
   if family == "gemma3_text":
     local = rope.get("sliding_attention", {}) if by_type else {}
     fields.update(norm_weight_offset=1.0, sandwich_norms=True, scale_embeddings=True,
@@ -266,7 +269,8 @@ _SHAPE_FIELDS = frozenset(f.name for f in dataclasses.fields(MoEConfig)) - {
 
 
 def _rope_json(config: Any) -> dict[str, Any]:
-  rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
+  """The scaling as ``rope_scaling`` (the key transformers 4 and 5 both read); empty for none."""
+  rope: dict[str, Any] = {}
   if config.rope_scaling == "linear":
     rope.update(rope_type="linear", factor=config.rope_factor)
   elif config.rope_scaling == "llama3":
@@ -295,6 +299,19 @@ def _check_writable(config: Any, family: str) -> None:
     problems.append(f"{family} has no q/k norms, sandwich norms or sinks")
   if config.attn_logit_softcap:
     problems.append("a soft cap on the attention scores (transformers applies none in these families)")
+  mixture = is_moe(config)
+  if mixture and config.dense_layers and family in ("mixtral", "gpt_oss"):
+    problems.append(f"dense_layers {config.dense_layers} ({family} has experts in every layer)")
+  if mixture and family == "deepseek_v3" and config.dense_layers != tuple(range(len(config.dense_layers))):
+    problems.append(f"dense_layers {config.dense_layers} (DeepSeek-V3's are its first ones)")
+  windows = {"full" if not kind.sliding else "sliding" for kind in config.layer_kinds()}
+  if "sliding" in windows and family not in ("gemma3_text", "gpt_oss", "mistral", "mixtral"):
+    problems.append("sliding-window layers (it has none)")
+  if family in ("mistral", "mixtral") and windows == {"full", "sliding"}:
+    problems.append("sliding and full layers (its window is on every layer)")
+  activation = {"gemma3_text": "gelu_tanh", "gpt_oss": "swiglu_oss"}.get(family, "silu")
+  if config.mlp_activation != activation:
+    problems.append(f"mlp_activation {config.mlp_activation!r} (its MLP is {activation!r})")
   if problems:
     raise HfCheckpointError(f"this model cannot be written as {family}: " + "; ".join(problems) + ".")
 
@@ -313,8 +330,10 @@ def hf_config(config: Any) -> dict[str, Any]:
       "hidden_size": config.d_model, "intermediate_size": config.mlp_dim, "num_hidden_layers": config.num_layers,
       "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
       "head_dim": config.head_dim, "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
-      "rope_theta": config.rope_theta, "rope_parameters": _rope_json(config),
-      "tie_word_embeddings": config.tie_embeddings, "hidden_act": "silu", "torch_dtype": "float32"}
+      "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_embeddings, "hidden_act": "silu",
+      "torch_dtype": "float32"}
+  if config.rope_scaling != "none":
+    out["rope_scaling"] = _rope_json(config)
   if family in ("llama", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3"):
     out["attention_bias"] = config.attention_bias
   if family == "llama":
@@ -324,13 +343,11 @@ def hf_config(config: Any) -> dict[str, Any]:
     out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
                sliding_window=config.sliding_window, layer_types=types,
                final_logit_softcapping=config.final_logit_softcap or None,
-               rope_parameters={"full_attention": _rope_json(config),
-                                "sliding_attention": {"rope_type": "default",
-                                                      "rope_theta": config.local_rope_theta or config.rope_theta}})
+               rope_local_base_freq=config.local_rope_theta or config.rope_theta)
   if family == "gpt_oss":
     out.update(sliding_window=config.sliding_window, layer_types=types, swiglu_alpha=config.swiglu_alpha,
                swiglu_limit=config.swiglu_limit)
-  if family == "mistral":
+  if family in ("mistral", "mixtral"):
     out["sliding_window"] = config.sliding_window or None
   if not is_moe(config):
     return out
@@ -346,10 +363,9 @@ def hf_config(config: Any) -> dict[str, Any]:
                qk_nope_head_dim=config.head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
                v_head_dim=config.v_head_dim, rope_interleave=config.rope_interleave, scoring_func="sigmoid",
                topk_method="noaux_tc", head_dim=config.qk_rope_head_dim)
-    out.pop("rope_theta")
   else:  # Qwen2-MoE, Qwen3-MoE
     out.update(num_experts=config.num_experts, moe_intermediate_size=config.expert_mlp_dim,
                norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=list(config.dense_layers))
-    if family == "qwen2_moe":
-      out.update(shared_expert_intermediate_size=config.shared_width, intermediate_size=config.shared_width)
+    if family == "qwen2_moe":  # intermediate_size is its dense layers' width (mlp_only_layers)
+      out.update(shared_expert_intermediate_size=config.shared_width, intermediate_size=config.mlp_dim)
   return out

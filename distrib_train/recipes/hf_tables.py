@@ -1,8 +1,8 @@
 """Each family's Hugging Face tensor names: one table, read by the importer, the checks and the exporter.
 
 ``tensors(config, mixture)`` lists the ``Tensor``s of one layer (a dense
-layer, or a mixture layer with ``mixture``) of the family
-``config.hf_model_type`` names, and ``top_tensors(config)`` the embedding,
+layer, or a mixture layer with ``mixture``) of the config's family
+(``hf_shape.family_of``: the one it was read from, else by its variants), and ``top_tensors(config)`` the embedding,
 final norm and head: each names a param of ours (a key of a layer segment,
 or a top-level one), Hugging Face's tensor (``{layer}`` and ``{expert}``
 filled in) and the ``layout`` that turns one into the other:
@@ -90,8 +90,10 @@ _SHARED = ("shared_gate", "shared_up", "shared_down")
 
 
 def _mixture(config) -> list[Tensor]:
+  from distrib_train.recipes.hf_shape import family_of  # the family a model is written as, imported or not
+
   m = _LAYER + "mlp."
-  family = config.hf_model_type
+  family = family_of(config)
   if family == "mixtral":
     b = _LAYER + "block_sparse_moe."
     return [Tensor("router", b + "gate.weight", "transposed")] + [

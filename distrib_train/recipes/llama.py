@@ -129,6 +129,9 @@ class LlamaConfig:
       raise ValueError("layer_types names sliding layers but sliding_window is 0: set the window's size.")
     if self.sliding_window < 0:
       raise ValueError(f"sliding_window must be 0 (none) or positive, got {self.sliding_window}.")
+    for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}.")
 
   # --- the layers --------------------------------------------------------------------------------
 
@@ -170,11 +173,19 @@ class LlamaConfig:
       return scale
     return self.query_pre_attn_scalar ** -0.5 if self.query_pre_attn_scalar else None
 
+  @property
+  def packed_segments(self) -> int:
+    """The documents + 1 a packed row may hold in cuDNN's packed layout: ``max_segments``, or 0 where the
+    attention cannot run it (sinks or a soft cap: no cuDNN; MLA's values of another size), so the data loader
+    caps no row for it."""
+    cannot = self.attention_sinks or self.attn_logit_softcap or self.qk_dim != self.v_dim
+    return 0 if cannot else self.max_segments
+
   def attention_for(self, kind: Kind) -> attention_kernels.Attention:
     """What a layer of ``kind``'s attention computes and the kernel it asks for."""
     return attention_kernels.Attention(requested=self.attention, window=self.sliding_window if kind.sliding else 0,
                                        scale=self.softmax_scale(), softcap=self.attn_logit_softcap,
-                                       max_segments=self.max_segments, context=self.context_attention)
+                                       max_segments=self.packed_segments, context=self.context_attention)
 
   # --- the family protocol (family.py) -----------------------------------------------------------
 
@@ -194,9 +205,12 @@ class LlamaConfig:
 
   def capabilities(self) -> Capabilities:
     """What the model runs (the family protocol, ``family.py``)."""
-    return Capabilities(fp8=self.fp8, attention=self.attention, max_segments=self.max_segments, dtype=self.dtype,
+    from distrib_train.recipes.decoder import segments
+
+    return Capabilities(fp8=self.fp8, attention=self.attention, max_segments=self.packed_segments, dtype=self.dtype,
                         remat=self.remat, num_layers=self.num_layers, d_model=self.d_model,
-                        num_heads=self.num_heads, mlp_dim=self.mlp_dim)
+                        num_heads=self.num_heads, mlp_dim=self.mlp_dim,
+                        scan_lengths=tuple(s.count // len(s.kinds) for s in segments(self)))
 
   def build(self, rngs: nnx.Rngs | int = 0) -> Decoder:
     """A freshly initialised model (annotations are logical: no eager sharding)."""

@@ -67,10 +67,15 @@ class MoEConfig(llama.LlamaConfig):
     if not 1 <= self.experts_per_token <= self.num_experts:
       raise ValueError(f"experts_per_token ({self.experts_per_token}) must be between 1 and num_experts"
                        f" ({self.num_experts}).")
+    per_group = self.num_experts // max(self.router_groups, 1)
     if self.router_groups < 1 or self.num_experts % self.router_groups or not (
         1 <= self.router_group_topk <= self.router_groups):
       raise ValueError(f"router_groups ({self.router_groups}) must divide num_experts ({self.num_experts}) and"
                        f" router_group_topk ({self.router_group_topk}) be between 1 and it.")
+    if self.router_groups > 1 and (per_group < 2 or self.router_group_topk * per_group < self.experts_per_token):
+      raise ValueError(f"router_groups ({self.router_groups}) of {per_group} experts, the best"
+                       f" {self.router_group_topk} kept: a group needs at least 2 experts (it scores its best two)"
+                       f" and the kept groups at least experts_per_token ({self.experts_per_token}).")
     if self.capacity_factor < 0:
       raise ValueError(f"capacity_factor must be 0 (dropless) or positive, got {self.capacity_factor}.")
     if not self.router_bias_update_rate >= 0:

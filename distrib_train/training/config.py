@@ -195,7 +195,7 @@ class Config:
     kept = {f.name: getattr(recipe.config, f.name) for f in dataclasses.fields(cls)
             if hasattr(recipe.config, f.name) and f.name not in hf_shape.shape_fields(recipe.config)}
     try:
-      config = cls(**{**kept, **fields})
+      config = cls(**{**fields, **kept})  # the run's own settings (loss weights too) beat the checkpoint's
     except ValueError as e:  # a preset setting the checkpoint's model cannot take
       raise ConfigError(f"train.init_from {self.train.init_from}: {e}") from None
     fixed = hf_shape.shape_fields(config)

@@ -70,9 +70,12 @@ def coerce(value: Any, kind: Any, key: str) -> Any:
       value = [v.strip() for v in value.split(",") if v.strip()]
     if item is int and isinstance(value, (list, tuple)):
       try:
-        value = [int(v) if not isinstance(v, bool) else None for v in value]
+        numbers = [float(v) if not isinstance(v, bool) else 0.5 for v in value]
       except (TypeError, ValueError):
         raise wrong("a list of integers (0,1,2)") from None
+      if not all(n.is_integer() for n in numbers):
+        raise wrong("a list of integers (0,1,2)")
+      value = [int(n) for n in numbers]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, item) for v in value):
       raise wrong("a list of integers (0,1,2)" if item is int else "a list of strings (a,b,c)")
     return tuple(value)

@@ -106,7 +106,7 @@ def packed_attention(family: Family, mesh: Any) -> bool:
   from distrib_train.common.versions import gpu_capability
 
   caps = family.capabilities()
-  return (caps.max_segments > 0 and caps.attention in ("auto", "cudnn")
+  return (caps.max_segments > 0 and caps.attention in ("auto", "cudnn") and caps.dtype in ("bfloat16", "float16")
           and dict(mesh.shape).get("context", 1) == 1 and gpu_capability(mesh.devices.flat[0]) >= (9, 0))
 
 

@@ -134,7 +134,7 @@ class Watchdog:
       self._thread = threading.Thread(target=self._run, name="distrib_train-watchdog", daemon=True)
       self._thread.start()
       # One not closed stops at exit, before the interpreter tears its thread down mid-tick.
-      self._at_exit = close_at_exit(self, _stop_thread, self._stop, self._thread)
+      self._at_exit = close_at_exit(_stop_thread, self._stop, self._thread)
     return self
 
   def _run(self) -> None:
