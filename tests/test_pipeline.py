@@ -208,7 +208,7 @@ def test_a_model_without_a_layer_stack_is_refused_on_a_stage_mesh():
 
 
 def test_layers_that_do_not_split_into_stages_are_refused():
-  with pytest.raises(ValueError, match=r"2 layers do not split into stage axis \(2\) × pipeline repeats \(2\)"):
+  with pytest.raises(ValueError, match=r"2 stacked layers \(or periods of layers\) do not split into stage axis \(2\) × pipeline repeats \(2\)"):
     ph.gradients(ph.mesh_of({"stage": 2, "fsdp": 4}), microbatches=4, repeats=2)
 
 
