@@ -26,7 +26,7 @@ from flax import nnx
 
 import distrib_train.microbatches as microbatching
 from distrib_train import models
-from distrib_train.train_state import LossStatePyTree, ModelPyTree, PRNGKeyArray, apply_optimizer
+from distrib_train.train_state import LossStatePyTree, ModelPyTree, PRNGKeyArray, apply_optimizer, state_fields
 
 AuxOutPyTree = Any
 
@@ -72,7 +72,7 @@ class _StepStatics(NamedTuple):
 
 
 # The arguments a donating train step gives up: the state it returns anew.
-_DONATED = ("params", "opt_state", "loss_fn_state", "local_state")
+_DONATED = state_fields(donated=True)
 
 
 def _updated_params_and_states(

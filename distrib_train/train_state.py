@@ -37,6 +37,63 @@ OptimizerStatePyTree = Any
 PRNGKeyArray = jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class StateField:
+  """One field of ``TrainState``: what a step, the planner and a checkpoint do with it.
+
+  Attributes:
+    name: the field's name on ``TrainState``.
+    role: ``"counter"`` (the step), ``"rng"``, ``"trainable"`` (the optimizer
+      updates it from its gradient), ``"frozen"`` (read by the step, never
+      updated), ``"optimizer"`` (the optimizer's own state), ``"model_state"``
+      (written by the forward pass: BatchNorm statistics, FP8 scales) or
+      ``"loss_state"`` (the loss function's own); neither is differentiated.
+    donated: a donating train step gives up its buffers and returns it anew.
+    checkpointed: a checkpoint holds its arrays.
+    layout: how the planner lays it out: ``"logical"`` (each leaf by its
+      logical axes), ``"mirrors_params"`` (each leaf like the param it
+      mirrors) or ``"replicated"``.
+  """
+
+  name: str
+  role: str
+  donated: bool
+  checkpointed: bool
+  layout: str
+
+
+# The one list of TrainState's array fields. The step core, the planner, the
+# plan's report, the memory check and the checkpoints read their field lists
+# from here; a field a subclass adds (an EMA, say) is replicated and saved.
+STATE_FIELDS = (
+    StateField("step", "counter", donated=False, checkpointed=True, layout="replicated"),
+    StateField("root_rng", "rng", donated=False, checkpointed=True, layout="replicated"),
+    StateField("params", "trainable", donated=True, checkpointed=True, layout="logical"),
+    # The rest of the model: frozen weights cannot be rebuilt from code, so
+    # they are saved and an abstract target restores to a runnable state.
+    StateField("model_without_params", "frozen", donated=False, checkpointed=True, layout="replicated"),
+    StateField("opt_state", "optimizer", donated=True, checkpointed=True, layout="mirrors_params"),
+    StateField("loss_fn_state", "loss_state", donated=True, checkpointed=True, layout="replicated"),
+    StateField("local_state", "model_state", donated=True, checkpointed=True, layout="logical"),
+)
+_FIELDS_BY_NAME = {f.name: f for f in STATE_FIELDS}
+
+
+def state_fields(*, donated: bool | None = None, checkpointed: bool | None = None,
+                 roles: tuple[str, ...] | None = None) -> tuple[str, ...]:
+  """The names of ``STATE_FIELDS`` that match every given filter, in the table's order."""
+  return tuple(f.name for f in STATE_FIELDS
+               if (donated is None or f.donated == donated)
+               and (checkpointed is None or f.checkpointed == checkpointed)
+               and (roles is None or f.role in roles))
+
+
+def state_field(name: str) -> StateField:
+  """The table's row for ``name``; a field only a subclass has is replicated, saved, not donated."""
+  return _FIELDS_BY_NAME.get(name) or StateField(name, "loss_state", donated=False, checkpointed=True,
+                                                 layout="replicated")
+
+
 class Hyperparams(Mapping):
   """Read-only view of the hyperparameters ``optax.inject_hyperparams`` keeps.
 

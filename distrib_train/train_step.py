@@ -112,19 +112,15 @@ class _JittedCore:
                 else jax.tree_util.tree_map(on_auto_mesh, value)
                 for name, value in inputs.items()}
     model_leaves, model_treedef = jax.tree_util.tree_flatten(train_state.model_without_params)
-    donated = (train_state.params, train_state.opt_state, train_state.loss_fn_state, train_state.local_state)
+    donated = tuple(getattr(train_state, name) for name in _DONATED)
     if self.donate:
       donated = distinct_buffers(donated)
-    params, opt_state, loss_fn_state, local_state = donated
     arrays = _StepArrays(
-        params=params,
         model_leaves=model_leaves,
-        opt_state=opt_state,
-        loss_fn_state=loss_fn_state,
-        local_state=local_state,
         root_rng=train_state.root_rng,
         step=train_state.step,
         inputs=dict(inputs),
+        **dict(zip(_DONATED, donated)),
     )
     return arrays, _StepStatics(model_treedef, train_state.optimizer_def, self.loss_fn, **self._options)
 

@@ -28,14 +28,14 @@ from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 
 from distrib_train.checkpoint.tree import flatten_fields, is_prng_key, unnest
-from distrib_train.train_state import TrainState
+from distrib_train.train_state import TrainState, state_fields
 
 FORMAT_VERSION = 1
-# The TrainState fields whose arrays a checkpoint holds. The arrays in
-# model_without_params are saved too: frozen weights cannot be rebuilt from
-# code, and an abstract target then restores to a complete, runnable state.
-SAVED_FIELDS = ("step", "root_rng", "params", "model_without_params", "opt_state", "loss_fn_state", "local_state")
-MODEL_FIELDS = ("params", "model_without_params", "local_state")
+# The TrainState fields whose arrays a checkpoint holds (train_state.STATE_FIELDS),
+# and those a params-only restore reads: the model's.
+SAVED_FIELDS = state_fields(checkpointed=True)
+MODEL_FIELDS = state_fields(checkpointed=True, roles=("trainable", "frozen", "model_state"))
+
 _VERSIONED_PACKAGES = ("distrib_train", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore")
 
 

@@ -279,7 +279,7 @@ class CheckpointManager:
     meta = self.metadata_of(step)
     data_state.check_restorable_into(data_iterator, meta, step, self.directory)
     if params_only:
-      abstract_rest = [name for name, leaf in flatten_fields(target, ("step", "root_rng", "opt_state", "loss_fn_state")).items()
+      abstract_rest = [name for name, leaf in flatten_fields(target, tuple(f for f in SAVED_FIELDS if f not in MODEL_FIELDS)).items()
                        if isinstance(leaf, jax.ShapeDtypeStruct)]
       if abstract_rest:
         raise ValueError(

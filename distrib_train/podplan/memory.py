@@ -18,8 +18,10 @@ from typing import Any
 
 from distrib_train.cluster import hardware
 from distrib_train.sharding.plan import Plan
+from distrib_train.train_state import state_fields
 
-_OTHER_STATE = ("step", "root_rng", "model_without_params", "loss_fn_state")
+# The state the memory figures do not name a group of their own.
+_OTHER_STATE = state_fields(roles=("counter", "rng", "frozen", "loss_state"))
 
 
 # The CPU compiler holds bf16 work in f32. Its temporaries over an H100's for

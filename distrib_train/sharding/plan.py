@@ -16,9 +16,9 @@ from jax.sharding import Mesh, PartitionSpec
 from distrib_train.sharding.axis_rules import RuleSkip
 from distrib_train.common.naming import key_name, path_str
 from distrib_train.common.text import human_bytes
-from distrib_train.train_state import TrainState
+from distrib_train.train_state import STATE_FIELDS, TrainState
 
-_STATE_GROUPS = ("step", "root_rng", "params", "model_without_params", "opt_state", "loss_fn_state", "local_state")
+_STATE_GROUPS = tuple(f.name for f in STATE_FIELDS)
 _NOT_STATE = ("inputs", "aux")
 _LARGE_UNANNOTATED_BYTES = 1 << 20
 

@@ -32,7 +32,7 @@ from distrib_train.sharding.axis_rules import AxisRules, RuleSkip
 from distrib_train.common.auto_mesh import as_auto_mesh
 from distrib_train.sharding.plan import Plan, PlanEntry, logical_annotations_only
 from distrib_train.common.naming import key_name, path_str
-from distrib_train.train_state import TrainState
+from distrib_train.train_state import TrainState, state_field
 from distrib_train.step_inputs import check_loss_fn_accepts
 
 
@@ -266,14 +266,13 @@ class MeshPlanner:
 
     def laid_out(field: str) -> Any:
       tree = getattr(train_state, field)
+      layout = state_field(field).layout  # train_state.STATE_FIELDS; a subclass's own fields are replicated
       if field == "params":
         return params
-      if field == "opt_state":
+      if layout == "mirrors_params":
         return map_with_path(mirrored, tree)
-      if field == "local_state":
+      if layout == "logical":
         return map_with_path(lambda path, leaf: self._lay_out(field, path_str(path), leaf, axes_of(path)), tree)
-      # step, root_rng, the rest of the model, loss_fn_state, and fields a
-      # subclass adds (an EMA of the params, say) are replicated.
       return map_with_path(lambda path, leaf: self._lay_out(field, path_str(path), leaf, None), tree)
 
     fields = [f.name for f in dataclasses.fields(train_state) if f.metadata.get("pytree_node", True)]
