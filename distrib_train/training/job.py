@@ -80,24 +80,44 @@ class JobSpec:
     return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(self.abstract_state.params))
 
 
-def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, loss_fn: Callable[..., Any] | None = None,
-             input_axes: Mapping[str, Any] | None = None) -> JobSpec:
-  """The job ``config`` describes; ``model_fn``, ``loss_fn`` and ``input_axes``
-  replace the config's reference model (all three, or the recipe fills in)."""
+@dataclasses.dataclass(frozen=True)
+class ModelParts:
+  """A job's model as the config or the caller gives it, resolved once: ``model_fn(seed)``, the loss, the
+  inputs' logical axes, the reference model's config (None for a model given as code) and its family."""
+
+  model_fn: Callable[[int], Any]
+  loss_fn: Callable[..., Any]
+  input_axes: Mapping[str, Any]
+  model_config: Any
+  family: Family
+
+
+def model_parts(config: Config, *, model_fn: Callable[[int], Any] | None = None,
+                loss_fn: Callable[..., Any] | None = None, input_axes: Mapping[str, Any] | None = None) -> ModelParts:
+  """``model_fn``, ``loss_fn`` and ``input_axes`` where given, the config's reference model for the rest."""
   recipe = config.model_recipe() if model_fn is None or loss_fn is None or input_axes is None else None
   model_config = recipe.config if recipe is not None and model_fn is None else None
-  model_fn = model_fn or recipe.config.build
+  return ModelParts(model_fn or recipe.config.build, loss_fn or recipe.loss_fn,
+                    input_axes if input_axes is not None else recipe.input_axes, model_config,
+                    family_of(model_config))
+
+
+def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, loss_fn: Callable[..., Any] | None = None,
+             input_axes: Mapping[str, Any] | None = None, parts: ModelParts | None = None) -> JobSpec:
+  """The job ``config`` describes; ``model_fn``, ``loss_fn`` and ``input_axes``
+  replace the config's reference model (all three, or the recipe fills in), or ``parts`` resolved before."""
+  parts = parts or model_parts(config, model_fn=model_fn, loss_fn=loss_fn, input_axes=input_axes)
   t = config.train
   optimizer = optimizers.build(config.optimizer, t.steps, t.nonfinite)
 
   def make_state() -> TrainState:
-    return TrainState.initial_state(model_fn(t.seed), optimizer, jax.random.key(t.seed))
+    return TrainState.initial_state(parts.model_fn(t.seed), optimizer, jax.random.key(t.seed))
 
   with logical_annotations_only():
     abstract = jax.eval_shape(make_state)
-  return JobSpec(abstract, DataLoader.batch_schema(config.data_config()), loss_fn or recipe.loss_fn,
-                 input_axes if input_axes is not None else recipe.input_axes, model_config, make_state, optimizer,
-                 family=family_of(model_config), microbatches=t.microbatches, pipeline_repeats=t.pipeline_repeats)
+  return JobSpec(abstract, DataLoader.batch_schema(config.data_config()), parts.loss_fn, parts.input_axes,
+                 parts.model_config, make_state, optimizer, family=parts.family, microbatches=t.microbatches,
+                 pipeline_repeats=t.pipeline_repeats)
 
 
 def packed_attention(family: Family, mesh: Any) -> bool:

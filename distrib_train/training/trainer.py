@@ -29,8 +29,8 @@ refusals (``checks.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import math
 import os
 import pathlib
 import sys
@@ -51,17 +51,16 @@ from distrib_train.checkpoint.manager import CheckpointManager
 from distrib_train.checkpoint.tiers import CheckpointTiers, local_tier
 from distrib_train.training.checks import (TrainerSetupError, check_batch_is_split, check_every_axis_is_used,
                                            check_context, check_fp8, check_microbatches, check_same_tokenizer,
-                                           check_path_components, check_step_fits, check_workdir, local_value,
+                                           check_path_components, check_step_fits, check_workdir,
                                            tokenizer_fingerprint)
 from distrib_train.training.compilation import (CacheEvents, cache_unsafe_reason, memory_line,
                                                 setup_compilation_cache)
 from distrib_train.training.config import Config
-from distrib_train.training import init_from
+from distrib_train.training import evaluation, init_from
 from distrib_train.training.goodput import Goodput, PhaseClock
 from distrib_train.training.hooks import Profiler
 from distrib_train.training.loop import RunResult, TrainLoop, aux_scalars
 from distrib_train.training.nonfinite import NonFiniteGuard
-from distrib_train.recipes.family import family_of
 from distrib_train.sharding.mesh import MeshConfig, build_mesh, find_mesh_config
 from distrib_train.sharding.planner import MeshPlanner
 from distrib_train.train_state import TrainState
@@ -76,6 +75,19 @@ EXIT_HALTED = 3  # the process exit code of a run stopped by the non-finite guar
 
 
 _barrier_ids = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class _SetUp:
+  """What ``Trainer._set_up`` checked and opened: the plan, the training loader, the workdir's lock, the
+  tokenizer's fingerprint, why there is no evaluation (None when there is) and the compilation cache's state."""
+
+  plan: Any
+  loader: Any
+  lock: Any
+  tokenizer: Any
+  no_eval: str | None
+  cache: str
 
 
 def _wait_for_every_process(what: str, timeout_s: int = 1800) -> None:
@@ -114,11 +126,10 @@ class Trainer:
                profile_steps: tuple[int, int] | None = None, console=None):
     self.config = config
     self.workdir = pathlib.Path(workdir).expanduser().absolute()
-    recipe = config.model_recipe() if model_fn is None or loss_fn is None or input_axes is None else None
-    self.model_fn = model_fn or recipe.config.build
-    self.loss_fn = loss_fn or recipe.loss_fn
-    self.input_axes = input_axes if input_axes is not None else recipe.input_axes
-    family = family_of(recipe.config if recipe is not None and model_fn is None else None)
+    # The model, loss and family, resolved once for the run and its job (``job.job_spec``).
+    self.parts = job_lib.model_parts(config, model_fn=model_fn, loss_fn=loss_fn, input_axes=input_axes)
+    self.loss_fn = self.parts.loss_fn
+    family = self.parts.family
     self.flops_per_token = family.flops_per_token(config.data.seq_len)
     # Ids at or beyond it would be looked up as NaN: every step skipped.
     self.vocab_size = family.vocab_size
@@ -133,8 +144,7 @@ class Trainer:
   # --- setup -------------------------------------------------------------------
 
   def _plan(self):
-    self.job = job_lib.job_spec(self.config, model_fn=self.model_fn, loss_fn=self.loss_fn,
-                                input_axes=self.input_axes)
+    self.job = job_lib.job_spec(self.config, parts=self.parts)
     mesh = build_mesh(self.mesh_config)
     self.data_config = job_lib.data_config(self.config, self.job.family, mesh)
     planner = MeshPlanner(mesh, job_lib.rules_for(self.config, self.mesh_config))
@@ -149,32 +159,12 @@ class Trainer:
     check_fp8(plan, self.fp8)
     return plan
 
-  def _missing_eval_split(self, plan) -> str | None:
-    """Why the run cannot evaluate (no held-out split), or None when it can.
-
-    Checked at start-up: without it a run trained every step and then failed
-    in its final evaluation.
-
-    Raises:
-      ValueError: evaluations were asked for (``train.eval_every``) but
-        there is nothing to evaluate on.
-    """
-    from distrib_train.data.pipeline import DataLoader
-
-    try:
-      DataLoader(self.data_config, plan.input_kwarg_shardings, split="eval", num_epochs=1,
-                 vocab_size=self.vocab_size).close()
-      return None
-    except ValueError as e:
-      why = str(e)
-    every = self.config.train.eval_every
-    if every:
-      raise ValueError(f"train.eval_every={every} asks for evaluations, but there is no eval split: {why} Set"
-                       " train.eval_every=0 to train without them, or hold documents out with data.eval_fraction.")
-    return why
-
   def run(self) -> RunResult:
     """Trains to ``config.train.steps`` (or until preempted or halted).
+
+    Set-up (``_set_up``: every check, before the workdir is touched), the
+    run's records (``_open_records``), the steps (``_build_steps``,
+    ``_compile``), then the loop.
 
     Raises:
       TrainerSetupError: the run cannot start (raised before the workdir is written to).
@@ -182,66 +172,23 @@ class Trainer:
         read-only disk); the steps committed before it are intact.
     """
     started = time.perf_counter()
-    config, t = self.config, self.config.train
-    from distrib_train.data.pipeline import DataLoader
-
+    t = self.config.train
     # From here SIGTERM / SIGINT end the run at once (``distributed.Terminated``), except between steps,
     # where the first one saves and stops.
     preemption = distributed.Preemption()
-    loader = lock = None
-    try:  # everything that can fail on a bad setup, before the workdir is touched
-      quiet_echoes_of_failed_writes()  # a damaged checkpoint's failed reads echo too, from the first check on
-      cache_off = cache_unsafe_reason() if t.compilation_cache_dir else None
-      cache_dir = setup_compilation_cache(t.compilation_cache_dir, enable=not cache_off)
-      check_workdir(self.workdir)
-      check_free_for_job(self.workdir)  # a running job's checkpoints change under a reader: name the job instead
-      plan = self._plan()
-      latest = check_restorable(self.workdir / "checkpoints", plan.abstract_train_state)  # reads metadata only
-      tokenizer = tokenizer_fingerprint(self.config.data_config())
-      if latest is not None:
-        check_same_tokenizer(read_meta(self.workdir / "checkpoints", latest), tokenizer,
-                             f"Checkpoint step {latest} in {str(self.workdir / 'checkpoints')!r}")
-      elif self.config.train.init_from:
-        init_from.check(self.config, plan.abstract_train_state)
-      loader = DataLoader(self.data_config, plan.input_kwarg_shardings, vocab_size=self.vocab_size)
-      no_eval = self._missing_eval_split(plan)
-      if jax.process_index() == 0:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-      # Before anything else is written: a second job would delete the first's in-progress checkpoint.
-      lock = acquire_for_job(self.workdir)
-    except BaseException as e:
-      preemption.close()
-      if loader is not None:
-        loader.close()
-      if isinstance(e, ValueError):
-        raise TrainerSetupError(str(e)) from None
-      raise
-
-    primary = jax.process_index() == 0
-    writer = metrics_lib.MetricWriter(self.workdir if primary else None, t.steps, console=self.console)
-    self.writer = writer
-    # Phases for the goodput record (process 0 writes goodput.json) and the hang watchdog (off unless asked for).
-    self.phases = PhaseClock()
-    goodput = self.goodput = Goodput(self.workdir, self.phases, started=started, log=writer.log)
-    watchdog = Watchdog(Limits.from_config(t), self.phases, self.workdir).start()
-    self._evaluations = no_eval is None
-    if lock.warning:
-      writer.log(lock.warning)
-    if no_eval is not None:
-      writer.log(f"No evaluation in this run: {no_eval}")
-    writer.log(f"{distributed.topology()}; mesh " + " × ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
-               + f"; compilation cache: {cache_dir or cache_off or 'off'}")
-    writer.log(plan.summary() + ("\n  the whole table: " + str(self.workdir / "plan.txt") if primary else ""))
+    setup = self._set_up(preemption)
+    plan, loader = setup.plan, setup.loader
+    writer, goodput, watchdog = self._open_records(setup, started)
     ckpt = None
     try:
       ckpt = CheckpointManager(self.workdir / "checkpoints", max_to_keep=t.keep_checkpoints,
                                async_save=t.async_checkpoint,
-                               metadata={"config": config.to_dict(), "tokenizer": tokenizer})
+                               metadata={"config": self.config.to_dict(), "tokenizer": setup.tokenizer})
       local = local_tier(self.workdir, t.local_checkpoint_dir) if t.local_checkpoint_every else None
       self.tiers = CheckpointTiers(ckpt, local, writer.log)
       state = self._init_or_restore(plan, loader)
-      if primary:
-        (self.workdir / "config.yaml").write_text(config.to_yaml())
+      if jax.process_index() == 0:
+        (self.workdir / "config.yaml").write_text(self.config.to_yaml())
         (self.workdir / "plan.txt").write_text(plan.report() + "\n")
       step = int(state.step)
       self.phases.enter("compile", step)
@@ -249,33 +196,12 @@ class Trainer:
         writer.log(f"Step {step} of {t.steps} is already done in {self.workdir}; nothing to train.")
         return RunResult("already_done", step)
       goodput.start(step)
-      train_step = build_train_step_fn(
-          self.loss_fn, donate_params_and_state=True, train_state_shardings=plan.train_state_shardings,
-          input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings,
-          **job_lib.step_options(self.job, plan))
-      eval_step = build_eval_step_fn(
-          self.loss_fn, train_state_shardings=plan.train_state_shardings,
-          input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings,
-          **job_lib.eval_step_options(self.job))
-      compile_start = time.perf_counter()
+      train_step, eval_step = self._build_steps(plan)
       # The model's activation constraints (``axis_rules.constrain``) apply while a step is traced: here
       # for the train step, in the loop for the eval step. Without them XLA may keep every device's copy
       # of the whole batch's activations on an FSDP mesh (llama-7b on 256 chips: 281 vs 10.8 GiB).
       with activation_sharding(plan.mesh, self.rules):
-        with CacheEvents() as cache:
-          compiled = train_step.compile(plan.abstract_train_state.replace(step=step), **self.job.inputs)
-        source = "from the persistent cache" if cache.hits and not cache.misses else "compiled"
-        writer.log(f"Train step {source} in {time.perf_counter() - compile_start:.1f} s; "
-                   + memory_line(compiled))
-        check_step_fits(compiled, plan.mesh.local_devices[0])  # a GPU step too large: one line, exit 2
-        if train_step.pipelining is not None:
-          p = train_step.pipelining
-          writer.log(f"Pipeline: {p.stages} stages, {p.microbatches} microbatches, "
-                     + ("GPipe" if p.repeats == 1 else f"circular with {p.repeats} repeats")
-                     + f"; bubble {p.bubble():.1%} of each stage's iterations.")
-        elif t.microbatches > 1:
-          writer.log(f"Gradient accumulation: {t.microbatches} microbatches of"
-                     f" {config.data.global_batch_size // t.microbatches} rows per step.")
+        self._compile(train_step, plan, step)
         _wait_for_every_process("train step compiled")
         preemption.enter_steps()
         loop = TrainLoop(state=state, train_step=train_step, loader=loader, ckpt=ckpt,
@@ -295,8 +221,100 @@ class Trainer:
         loader.close()
         goodput.finish("failed")  # when not finished above
         writer.close()
-        lock.release()
+        setup.lock.release()
         watchdog.close(failed=sys.exc_info()[1] is not None)  # last: a cleanup that waits for a dead peer is a hang
+
+  def _set_up(self, preemption: distributed.Preemption) -> _SetUp:
+    """Everything that can fail on a bad setup, before the workdir is touched: the plan and its checks, the
+    checkpoint and weights to start from, the loader, the eval split; then the workdir and its lock.
+
+    Raises:
+      TrainerSetupError: a bad config, checkpoint, corpus or mesh (``ValueError`` below, in one line).
+    """
+    from distrib_train.data.pipeline import DataLoader
+
+    t = self.config.train
+    loader = None
+    try:
+      quiet_echoes_of_failed_writes()  # a damaged checkpoint's failed reads echo too, from the first check on
+      cache_off = cache_unsafe_reason() if t.compilation_cache_dir else None
+      cache_dir = setup_compilation_cache(t.compilation_cache_dir, enable=not cache_off)
+      check_workdir(self.workdir)
+      check_free_for_job(self.workdir)  # a running job's checkpoints change under a reader: name the job instead
+      plan = self._plan()
+      latest = check_restorable(self.workdir / "checkpoints", plan.abstract_train_state)  # reads metadata only
+      tokenizer = tokenizer_fingerprint(self.config.data_config())
+      if latest is not None:
+        check_same_tokenizer(read_meta(self.workdir / "checkpoints", latest), tokenizer,
+                             f"Checkpoint step {latest} in {str(self.workdir / 'checkpoints')!r}")
+      elif t.init_from:
+        init_from.check(self.config, plan.abstract_train_state)
+      loader = DataLoader(self.data_config, plan.input_kwarg_shardings, vocab_size=self.vocab_size)
+      no_eval = evaluation.missing_eval_split(self.data_config, plan.input_kwarg_shardings, self.vocab_size,
+                                               t.eval_every)
+      if jax.process_index() == 0:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+      # Before anything else is written: a second job would delete the first's in-progress checkpoint.
+      lock = acquire_for_job(self.workdir)
+    except BaseException as e:
+      preemption.close()
+      if loader is not None:
+        loader.close()
+      if isinstance(e, ValueError):
+        raise TrainerSetupError(str(e)) from None
+      raise
+    return _SetUp(plan, loader, lock, tokenizer, no_eval, cache_dir or cache_off or "off")
+
+  def _open_records(self, setup: _SetUp, started: float):
+    """The run's metric writer, phase clock, goodput record and watchdog, and its first lines."""
+    t, plan = self.config.train, setup.plan
+    primary = jax.process_index() == 0
+    writer = metrics_lib.MetricWriter(self.workdir if primary else None, t.steps, console=self.console)
+    self.writer = writer
+    # Phases for the goodput record (process 0 writes goodput.json) and the hang watchdog (off unless asked for).
+    self.phases = PhaseClock()
+    goodput = self.goodput = Goodput(self.workdir, self.phases, started=started, log=writer.log)
+    watchdog = Watchdog(Limits.from_config(t), self.phases, self.workdir).start()
+    self._evaluations = setup.no_eval is None
+    if setup.lock.warning:
+      writer.log(setup.lock.warning)
+    if setup.no_eval is not None:
+      writer.log(f"No evaluation in this run: {setup.no_eval}")
+    writer.log(f"{distributed.topology()}; mesh " + " × ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
+               + f"; compilation cache: {setup.cache}")
+    writer.log(plan.summary() + ("\n  the whole table: " + str(self.workdir / "plan.txt") if primary else ""))
+    return writer, goodput, watchdog
+
+  def _build_steps(self, plan):
+    """The donating train step and the eval step, on the plan's shardings with the job's microbatches."""
+    train_step = build_train_step_fn(
+        self.loss_fn, donate_params_and_state=True, train_state_shardings=plan.train_state_shardings,
+        input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings,
+        **job_lib.step_options(self.job, plan))
+    eval_step = build_eval_step_fn(
+        self.loss_fn, train_state_shardings=plan.train_state_shardings,
+        input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings,
+        **job_lib.eval_step_options(self.job))
+    return train_step, eval_step
+
+  def _compile(self, train_step, plan, step: int) -> None:
+    """Compiles the train step ahead of the loop and says how: cache, memory, pipeline or accumulation; a GPU
+    step too large is refused here (one line, exit 2)."""
+    t, writer = self.config.train, self.writer
+    compile_start = time.perf_counter()
+    with CacheEvents() as cache:
+      compiled = train_step.compile(plan.abstract_train_state.replace(step=step), **self.job.inputs)
+    source = "from the persistent cache" if cache.hits and not cache.misses else "compiled"
+    writer.log(f"Train step {source} in {time.perf_counter() - compile_start:.1f} s; " + memory_line(compiled))
+    check_step_fits(compiled, plan.mesh.local_devices[0])
+    if train_step.pipelining is not None:
+      p = train_step.pipelining
+      writer.log(f"Pipeline: {p.stages} stages, {p.microbatches} microbatches, "
+                 + ("GPipe" if p.repeats == 1 else f"circular with {p.repeats} repeats")
+                 + f"; bubble {p.bubble():.1%} of each stage's iterations.")
+    elif t.microbatches > 1:
+      writer.log(f"Gradient accumulation: {t.microbatches} microbatches of"
+                 f" {self.config.data.global_batch_size // t.microbatches} rows per step.")
 
   def _init_or_restore(self, plan, loader) -> TrainState:
     """The newest state either checkpoint tier holds (``checkpoint/tiers.py``), else a new one."""
@@ -367,33 +385,5 @@ class Trainer:
     self.goodput.register(loop.hooks, every=t.log_every, checkpoint_every=t.checkpoint_every)  # last: after the rest
 
   def _evaluate(self, step, state, plan, eval_step) -> float:
-    from distrib_train.data.pipeline import DataLoader
-
-    t = self.config.train
-    start = time.perf_counter()
-    loader = DataLoader(self.data_config, plan.input_kwarg_shardings, split="eval", num_epochs=1)
-    total = count = 0.0
-    batches = 0
-    aux_totals: dict[str, float] = {}
-    try:
-      for batch in loader:
-        self.phases.enter("eval")  # progress, for the watchdog
-        aux = eval_step(state, **batch)
-        tokens = float(local_value(aux["tokens"])) if isinstance(aux, Mapping) and "tokens" in aux else 1.0
-        loss = aux["loss"] if isinstance(aux, Mapping) else aux
-        total += float(local_value(loss)) * tokens
-        for name, value in aux_scalars(aux).items():  # token-weighted, like the loss
-          aux_totals[name] = aux_totals.get(name, 0.0) + float(local_value(value)) * tokens
-        count += tokens
-        batches += 1
-        if t.eval_batches and batches >= t.eval_batches:
-          break
-    finally:
-      loader.close()
-    eval_loss = total / max(count, 1.0)
-    aux_means = {name: value / max(count, 1.0) for name, value in aux_totals.items()}
-    # exp of a mean token cross-entropy (without a mixture's routing losses); capped below overflow
-    perplexity = math.exp(min(aux_means.get("cross_entropy", eval_loss), 700.0))
-    self.writer.write(step, {**aux_means, "loss": eval_loss, "perplexity": perplexity, "tokens": count,
-                             "batches": batches, "seconds": time.perf_counter() - start}, prefix="eval/")
-    return eval_loss
+    return evaluation.evaluate(eval_step, state, step, self.data_config, plan.input_kwarg_shardings,
+                               batches=self.config.train.eval_batches, writer=self.writer, phases=self.phases)
