@@ -71,7 +71,9 @@ STATE_FIELDS = (
     StateField("params", "trainable", donated=True, checkpointed=True, layout="logical"),
     # The rest of the model: frozen weights cannot be rebuilt from code, so
     # they are saved and an abstract target restores to a runnable state.
-    StateField("model_without_params", "frozen", donated=False, checkpointed=True, layout="replicated"),
+    # They are laid out by their logical axes, as params are (a frozen base
+    # replicated on every chip would not fit); never in the optimizer.
+    StateField("model_without_params", "frozen", donated=False, checkpointed=True, layout="logical"),
     StateField("opt_state", "optimizer", donated=True, checkpointed=True, layout="mirrors_params"),
     StateField("loss_fn_state", "loss_state", donated=True, checkpointed=True, layout="replicated"),
     StateField("local_state", "model_state", donated=True, checkpointed=True, layout="logical"),

@@ -30,3 +30,53 @@ def test_the_step_planner_and_checkpoints_read_their_lists_from_the_table():
 def test_a_field_a_subclass_adds_is_replicated_saved_and_not_donated():
   row = state_field("ema")
   assert (row.layout, row.checkpointed, row.donated) == ("replicated", True, False)
+
+
+def test_frozen_weights_are_laid_out_by_their_logical_axes_and_never_updated():
+  """A model whose first two layers are frozen (a LoRA base, a DPO reference): they sit in
+  model_without_params, sharded by the same rules as params, out of the optimizer, unchanged by steps;
+  the sharded run's losses and params equal one device's."""
+  import jax
+  import numpy as np
+  import optax
+  from jax.sharding import PartitionSpec
+
+  import distrib_train as dt
+  import helpers
+
+  if jax.device_count() < 8:
+    import pytest
+    pytest.skip("needs the 8 emulated devices of conftest")
+
+  def make_state():
+    return dt.TrainState.initial_state(helpers.init_mlp(jax.random.key(0), helpers.SIZES), optax.adam(1e-2),
+                                       jax.random.key(42), loss_fn_state=np.int32(0),
+                                       is_param=lambda path, leaf: path.startswith("2/"))
+
+  mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), devices=jax.devices()[:8])
+  x, y = helpers.batch(0)
+  planner = dt.MeshPlanner(mesh, dt.AxisRules("fsdp_tensor", param_axes=helpers.MLP_PARAM_AXES))
+  plan = planner.plan(jax.eval_shape(make_state), loss_fn=helpers.classification_loss,
+                      inputs={"inputs": x, "targets": y},
+                      input_axes={"inputs": ("batch", "embed"), "targets": ("batch",)})
+  frozen = {e.path: e.spec for e in plan.entries if e.group == "model_without_params"}
+  assert frozen["0/w"] == PartitionSpec("fsdp", "tensor") and frozen["1/b"] == PartitionSpec("tensor")
+  assert sorted(make_state().params) == ["2/b", "2/w"]
+  opt_bytes = sum(e.bytes_per_device * 8 for e in plan.entries if e.group == "opt_state")
+  assert opt_bytes <= 3 * 4 * (64 * 8 + 8)  # adam's two moments (and count) of layer 2 alone
+
+  sharded_step = dt.build_train_step_fn(helpers.classification_loss, donate_params_and_state=True,
+                                        train_state_shardings=plan.train_state_shardings,
+                                        input_kwarg_shardings=plan.input_kwarg_shardings)
+  one_step = dt.build_train_step_fn(helpers.classification_loss)
+  sharded, single = plan.init(make_state), make_state()
+  first_frozen = np.asarray(sharded.model_without_params[0]["w"])
+  for step in range(3):
+    x, y = helpers.batch(step)
+    sharded, aux = sharded_step(sharded, inputs=x, targets=y)
+    single, want = one_step(single, inputs=x, targets=y)
+    np.testing.assert_allclose(float(aux["loss"]), float(want["loss"]), rtol=1e-5)
+  for name in ("2/w", "2/b"):
+    np.testing.assert_allclose(np.asarray(sharded.params[name]), np.asarray(single.params[name]), atol=1e-5)
+  assert sharded.model_without_params[0]["w"].sharding.spec == PartitionSpec("fsdp", "tensor")
+  np.testing.assert_array_equal(np.asarray(sharded.model_without_params[0]["w"]), first_frozen)

@@ -264,6 +264,10 @@ class MeshPlanner:
           return _LeafLayout(param.sharding, entry)
       return self._lay_out("opt_state", path_str(path), leaf, None)
 
+    def fitting(axes, leaf):
+      # A rule or annotation meant for an array of another rank (a frozen scale beside its weight) is not its.
+      return axes if axes is None or len(axes) == len(_shape_dtype(leaf)[0]) else None
+
     def laid_out(field: str) -> Any:
       tree = getattr(train_state, field)
       layout = state_field(field).layout  # train_state.STATE_FIELDS; a subclass's own fields are replicated
@@ -272,7 +276,8 @@ class MeshPlanner:
       if layout == "mirrors_params":
         return map_with_path(mirrored, tree)
       if layout == "logical":
-        return map_with_path(lambda path, leaf: self._lay_out(field, path_str(path), leaf, axes_of(path)), tree)
+        return map_with_path(lambda path, leaf: self._lay_out(field, path_str(path), leaf, fitting(axes_of(path), leaf)),
+                             tree)
       return map_with_path(lambda path, leaf: self._lay_out(field, path_str(path), leaf, None), tree)
 
     fields = [f.name for f in dataclasses.fields(train_state) if f.metadata.get("pytree_node", True)]
