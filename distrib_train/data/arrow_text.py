@@ -25,6 +25,41 @@ from typing import Any
 import numpy as np
 
 _TEXT_TYPES = ("string", "large_string")
+# ``data.text_field`` for conversation records (``data.loss_on`` set): a document is the whole record, as
+# JSON text, its conversation columns (``RECORD_COLUMNS``) read.
+RECORD = "*"
+RECORD_COLUMNS = ("messages", "prompt", "completion", "chosen", "rejected")
+
+
+def record_columns(path: str, names: list[str]) -> list[str]:
+  """The conversation columns of a table with columns ``names``: ``messages``, or ``prompt`` and
+  ``completion`` (and a preference pair's ``chosen`` / ``rejected``).
+
+  Raises:
+    ValueError: neither ``messages`` nor ``prompt`` and ``completion`` (the columns listed).
+  """
+  columns = [name for name in RECORD_COLUMNS if name in names]
+  if "messages" not in columns and not {"prompt", "completion"} <= set(columns):
+    raise ValueError(f"Data file {path!r} holds no conversations: a conversation record has a 'messages' column,"
+                     f" or 'prompt' and 'completion'; its columns: {', '.join(names)}.")
+  return columns
+
+
+class Records:
+  """Rows of an Arrow table's conversation columns, each as the JSON text of its record."""
+
+  def __init__(self, table: Any):
+    self._rows = [json.dumps(row, ensure_ascii=False) for row in table.to_pylist()]
+    self.nbytes = sum(map(len, self._rows))
+
+  def __len__(self) -> int:
+    return len(self._rows)
+
+  def __getitem__(self, row: int) -> str:
+    return self._rows[row]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._rows)
 
 
 def check_text_type(path: str, field: str, names: list[str], arrow_type: Any) -> None:
@@ -118,13 +153,17 @@ class DatasetFolder:
     if getattr(dataset, "_indices", None) is not None:  # a selection not yet written out
       table = dataset.flatten_indices().data.table
     schema = table.schema
-    check_text_type(path, field, schema.names, schema.field(field).type if field in schema.names else None)
-    column = table.column(field)
-    self._chunks, first = [], 0
-    for chunk in column.chunks:
-      if len(chunk):
-        self._chunks.append(Strings(chunk, path, field, first))
-        first += len(chunk)
+    if field == RECORD:
+      self._chunks = [Records(batch) for batch in table.select(record_columns(path, schema.names)).to_batches()
+                      if batch.num_rows]
+    else:
+      check_text_type(path, field, schema.names, schema.field(field).type if field in schema.names else None)
+      column = table.column(field)
+      self._chunks, first = [], 0
+      for chunk in column.chunks:
+        if len(chunk):
+          self._chunks.append(Strings(chunk, path, field, first))
+          first += len(chunk)
     self.starts = np.cumsum([0] + [len(c) for c in self._chunks])
 
   def __len__(self) -> int:

@@ -295,16 +295,74 @@ class ChatEncoder:
     return len(before), len(through)
 
 
-def _overlapping(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
-  """Tokens whose characters overlap any span (spans sorted, as rendered): transformers' assistant mask."""
+def _overlapping(offsets: Any, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+  """Tokens whose characters overlap a span (the spans apart, as rendered): transformers' assistant mask."""
+  offsets = np.asarray(offsets, np.int64).reshape(-1, 2)
   mask = np.zeros(len(offsets), bool)
-  spans = sorted(spans)
-  k = 0
-  for t, (start, end) in enumerate(offsets):
-    while k < len(spans) and start >= spans[k][1]:
-      k += 1
-    if k == len(spans):
-      break
-    if end > spans[k][0]:
-      mask[t] = True
+  for start, end in spans:
+    mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
   return mask
+
+
+# A conversation's tokens as the lanes carry them: each token's id and whether the loss reads it.
+SCORED_TOKENS = np.dtype([("ids", np.int32), ("loss", np.int32)])
+
+# The ``bytes`` tokenizer's template (it has no file of its own): ChatML turns, assistant turns marked.
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+          "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+          "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+class _Encoding:
+  def __init__(self, ids: np.ndarray, offsets: np.ndarray):
+    self.ids, self.offsets = ids, offsets
+
+
+class Utf8Bytes:
+  """The ``bytes`` tokenizer with ``tokenizers``' interface: a text's UTF-8 bytes, each with its character."""
+
+  def encode(self, text: str, add_special_tokens: bool = False) -> _Encoding:
+    del add_special_tokens
+    ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+    widths = np.fromiter((len(c.encode("utf-8")) for c in text), np.int64, len(text))
+    char = np.repeat(np.arange(len(text), dtype=np.int64), widths)
+    return _Encoding(ids, np.stack([char, char + 1], axis=1))
+
+
+class ConversationTokenizer:
+  """A conversation record (JSON text) → its tokens as ``SCORED_TOKENS``, cut at (or, as the data config
+  says, left out past) ``seq_len + 1``; ``long`` counts those."""
+
+  def __init__(self, config: Any):
+    from distrib_train.data import tokenizer as tokenizer_lib
+
+    kind, path = tokenizer_lib.parse(config.tokenizer)
+    if kind == "hf":
+      import tokenizers
+
+      tok = tokenizers.Tokenizer.from_file(os.path.expanduser(path))
+      tok.no_truncation()
+      tok.no_padding()
+      template = ChatTemplate.load(path, config.chat_template)
+    else:
+      tok = Utf8Bytes()
+      template = ChatTemplate(_read_text(config.chat_template), config.chat_template) if config.chat_template \
+          else ChatTemplate(CHATML, "the bytes tokenizer's ChatML template")
+    self.encoder = ChatEncoder(template, tok, config.loss_on)
+    self.limit, self.drop, self.long = config.seq_len + 1, config.long_conversations == "drop", 0
+
+  def __call__(self, doc: str) -> np.ndarray:
+    try:
+      record = json.loads(doc)
+    except ValueError:
+      raise ValueError(f"A conversation record is not JSON: {doc[:80]!r}.") from None
+    ids, mask = self.encoder.encode(record, where=f"conversation record {doc[:60]!r}…")
+    if len(ids) > self.limit:
+      self.long += 1
+      if self.drop:
+        return np.zeros(0, SCORED_TOKENS)
+      ids, mask = ids[:self.limit], mask[:self.limit]
+    out = np.empty(len(ids), SCORED_TOKENS)
+    out["ids"], out["loss"] = ids, mask
+    return out

@@ -62,6 +62,19 @@ class DataConfig:
     allow_replicated_batch: let the trainer run a global batch that the
       mesh's batch axes do not divide, computing the whole batch on every
       device (refused otherwise).
+    loss_on: empty (the default): documents of text, every token trained on.
+      ``assistant``, ``completion`` or ``all``: conversation records
+      (``{"messages": [...]}`` or ``{"prompt", "completion"}``) rendered by
+      the chat template, trained on the assistant turns, the completion (a
+      record's last assistant turn) or every token (``chat.py``); with
+      packing, whole conversations fill a row and the rest is padding.
+    chat_template: a ``.jinja`` file to render conversations with instead
+      of the tokenizer's own (``chat_template.jinja`` or
+      ``tokenizer_config.json``'s beside ``tokenizer.json``); the ``bytes``
+      tokenizer has a built-in ChatML template.
+    long_conversations: a conversation longer than ``seq_len + 1`` tokens is
+      cut there (``truncate``) or left out (``drop``); each is counted
+      (``data/long_conversations``).
   """
 
   source: str = "pydoc"
@@ -83,6 +96,14 @@ class DataConfig:
   tokenizer: str = "bytes"  # or, from code, a Tokenizer function
   bos_token: str = ""
   eos_token: str = ""
+  loss_on: str = ""
+  chat_template: str = ""
+  long_conversations: str = "truncate"
+
+  @property
+  def conversations(self) -> bool:
+    """Whether the documents are conversation records (``loss_on`` set)."""
+    return bool(self.loss_on)
 
   def __post_init__(self):
     for name in ("seq_len", "global_batch_size", "synthetic_documents", "num_threads", "block_cache"):
@@ -112,6 +133,30 @@ class DataConfig:
                        f" {type(self.tokenizer).__name__}.")
     elif self.bos_token or self.eos_token:
       raise ValueError("Data config: bos_token / eos_token need a tokenizer spec (a function adds its own).")
+    self._check_conversations()
+
+  def _check_conversations(self) -> None:
+    if self.loss_on not in ("", "assistant", "completion", "all"):
+      raise ValueError(f"Data config: loss_on={self.loss_on!r}; choose assistant, completion or all for"
+                       " conversation records, or leave it empty for documents of text.")
+    if self.long_conversations not in ("truncate", "drop"):
+      raise ValueError(f"Data config: long_conversations={self.long_conversations!r}; choose truncate or drop.")
+    if not self.loss_on:
+      if self.chat_template:
+        raise ValueError("Data config: chat_template renders conversation records; set data.loss_on (assistant,"
+                         " completion or all) to read them.")
+      return
+    kind = self.tokenizer.partition(":")[0] if isinstance(self.tokenizer, str) else "code"
+    if kind not in ("hf", "bytes"):
+      raise ValueError(f"Data config: loss_on={self.loss_on} reads conversations through a chat template, which"
+                       f" needs a Hugging Face tokenizer (hf:<tokenizer.json>) or bytes; data.tokenizer is"
+                       f" {self.tokenizer_name()}.")
+    if self.bos_token or self.eos_token:
+      raise ValueError("Data config: the chat template puts a conversation's special tokens itself; leave"
+                       " data.bos_token and data.eos_token empty with data.loss_on.")
+    if self.source == "synthetic":
+      raise ValueError("Data config: the synthetic source holds no conversations; use source pydoc (its"
+                       " documents as conversations) or text (conversation records).")
 
   def tokenizer_name(self) -> str:
     """The spec, or ``code:<function name>`` for a tokenizer given as a function."""

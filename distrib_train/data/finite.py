@@ -63,14 +63,25 @@ def batches(ds: Any, *, config: DataConfig, tokenize: Callable[[Any], np.ndarray
   ds = ds.repeat(num_epochs)
   heads = getattr(tokenize, "heads", None)  # without packing a row is a document's head: only that is tokenized
   encode = (lambda doc: heads([doc], seq)[0]) if heads is not None and not config.packing else tokenize
-  ds = ds.map(lambda doc: {"tokens": encode(doc)})
+  if config.conversations:  # each token's id and loss mask, packed whole (never split) or padded
+    ds = ds.map(lambda doc: _scored(encode(doc)))
+  else:
+    ds = ds.map(lambda doc: {"tokens": encode(doc)})
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=config.num_threads, prefetch_buffer_size=64))
   if config.num_workers:
     # Workers read and tokenize, one document at a time in the global
     # order; packing and batching stay in this process, so the batches do
     # not depend on the worker count.
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.num_workers))
-  if config.packing:
+  if config.conversations:
+    it = it.filter(lambda ex: len(ex["tokens"]) > 0)  # left out: data.long_conversations=drop
+    if config.packing:  # a row takes conversations while the next fits, as the lanes pack them
+      it = grain.experimental.FirstFitPackIterDataset(
+          it, length_struct={"tokens": seq, "loss": seq}, num_packing_bins=1, shuffle_bins=False).map(
+              lambda ex: sequences.shifted({**ex, "tokens_loss": ex["loss"]}, config.max_documents_per_row))
+    else:
+      it = it.map(lambda ex: sequences.unpacked(_padded(ex["tokens"], seq), _padded(ex["loss"], seq)))
+  elif config.packing:
     it = grain.experimental.ConcatThenSplitIterDataset(it, length_struct={"tokens": seq}).map(
         functools.partial(sequences.shifted, max_documents=config.max_documents_per_row))
   else:
@@ -87,6 +98,15 @@ def batches(ds: Any, *, config: DataConfig, tokenize: Callable[[Any], np.ndarray
   it = it.map(lambda local: {"local": local, "global": place(local)})
   it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=2)
   return iter(it)
+
+
+def _scored(tokens: np.ndarray) -> dict[str, np.ndarray]:
+  """A conversation's tokens (``chat.SCORED_TOKENS``) as the features grain packs: ids and loss mask."""
+  return {"tokens": np.ascontiguousarray(tokens["ids"]), "loss": np.ascontiguousarray(tokens["loss"])}
+
+
+def _padded(values: np.ndarray, length: int) -> np.ndarray:
+  return np.concatenate([values, np.zeros(length - len(values), values.dtype)])
 
 
 def _pad_rows(batch: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:

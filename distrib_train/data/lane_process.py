@@ -63,19 +63,19 @@ def _positions(positions: Mapping[int, tuple[int, int]]) -> list[list[int]]:
 
 
 def _rows_frame(generation: int, rows: list[dict[str, np.ndarray]], after: Mapping[int, tuple[int, int]],
-                skipped: int):
+                skipped: int, long: int = 0):
   names = [sorted(row) for row in rows]
   arrays = [row[name] for row, keys in zip(rows, names) for name in keys]
   return {"kind": "rows", "generation": generation, "names": names, "positions": _positions(after),
-          "skipped": skipped}, arrays
+          "skipped": skipped, "long": long}, arrays
 
 
-def _rows_of(header: dict, arrays: list[np.ndarray]) -> tuple[int, list[dict[str, np.ndarray]], dict, int]:
+def _rows_of(header: dict, arrays: list[np.ndarray]) -> tuple[int, list[dict[str, np.ndarray]], dict, tuple]:
   rows, it = [], iter(arrays)
   for keys in header["names"]:
     rows.append({name: next(it) for name in keys})
   return (header["generation"], rows, {lane: (done, used) for lane, done, used in header["positions"]},
-          header["skipped"])
+          (header["skipped"], header.get("long", 0)))
 
 
 def _error(e: BaseException) -> dict:
@@ -100,7 +100,7 @@ def in_process(config: DataConfig, split: str, shard_count: int, vocab_size: int
   checked = docs.skipped_documents  # by split_documents' sample, read again by the lanes
   return lanes_lib.Lanes(stream, tokenize, lanes=config.global_batch_size, length=config.seq_len + 1,
                          packing=config.packing, threads=config.num_threads, rows=rows,
-                         skipped=lambda: docs.skipped_documents - checked)
+                         skipped=lambda: docs.skipped_documents - checked, whole=config.conversations)
 
 
 def open_lanes(config: DataConfig, split: str, shard_count: int, vocab_size: int | None,
@@ -149,7 +149,8 @@ def _serve() -> None:
           generation = pending[-1]["generation"]
           lanes.restore({lane: (done, used) for lane, done, used in pending[-1]["positions"]})
           pending.clear()
-      frames_lib.send(frames, *_rows_frame(generation, *lanes.next_rows(), lanes.skipped_documents))
+      frames_lib.send(frames, *_rows_frame(generation, *lanes.next_rows(), lanes.skipped_documents,
+                                                   lanes.long_conversations()))
   except (BrokenPipeError, OSError):  # the training process has gone
     pass
   except BaseException as e:  # noqa: BLE001 - a malformed line under data.bad_records=error is a ValueError
@@ -167,6 +168,7 @@ class ProcessLanes:
     self.lanes = config.global_batch_size
     self.position = {r: (0, 0) for r in self.rows}
     self._skipped = [0] * workers  # each worker's skipped documents, as of its last rows
+    self._long = [0] * workers  # and its long conversations
     self._generation = 0
     self._closing = threading.Event()
     self._failure: BaseException | None = None  # a worker's error or end, raised again by every later read
@@ -246,7 +248,7 @@ class ProcessLanes:
     """Every lane's next sequence, in ``rows`` order, and the positions after them (as ``Lanes.next_rows``)."""
     rows: list[dict[str, np.ndarray]] = []
     for index in range(len(self._workers)):
-      _, made, after, self._skipped[index] = self._receive(index, "rows")
+      _, made, after, (self._skipped[index], self._long[index]) = self._receive(index, "rows")
       rows.extend(made)
       self.position.update(after)
     return rows, dict(self.position)
@@ -255,6 +257,10 @@ class ProcessLanes:
   def skipped_documents(self) -> int:
     """The malformed documents the workers have skipped (as of the rows received; they read ahead)."""
     return sum(self._skipped)
+
+  def long_conversations(self) -> int:
+    """The conversations longer than a row the workers have cut or left out (as of the rows received)."""
+    return sum(self._long)
 
   def restore(self, positions: Mapping[int, tuple[int, int]]) -> None:
     missing = [r for r in self.rows if r not in positions]

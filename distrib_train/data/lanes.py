@@ -42,6 +42,14 @@ POSITION_VERSION = 1
 READ_AHEAD = 4  # sequences of tokens a lane reads ahead, once a read is due
 
 
+def _fields(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """A row with its tokens as int32 ids; a conversation's loss mask (``chat.SCORED_TOKENS``) as ``tokens_loss``."""
+  tokens = row["tokens"]
+  if tokens.dtype.names:
+    return {**row, "tokens": tokens["ids"], "tokens_loss": tokens["loss"]}
+  return {**row, "tokens": tokens.astype(np.int32, copy=False)}
+
+
 class Lanes:
   """Packed sequences for the global-batch rows ``rows`` (lane numbers), one lane per row.
 
@@ -62,16 +70,23 @@ class Lanes:
       contiguous share of them); tokenizing is one call, parallel in the
       tokenizer's library where it has a batch encode.
     skipped: the malformed documents skipped so far (``skipped_documents``).
+    whole: documents are never split (conversations, each at most ``length``
+      tokens): with packing a row takes whole documents while the next one
+      fits and pads the rest (segment 0, weight 0); without, a row is one
+      document, padded. Their tokens carry a loss mask (``chat.SCORED_TOKENS``),
+      handed on as ``tokens_loss``.
   """
 
   def __init__(self, stream: Any, tokenize: Callable[[Any], np.ndarray], *, lanes: int, rows: Sequence[int],
-               length: int, packing: bool, threads: int, skipped: Callable[[], int] = lambda: 0):
+               length: int, packing: bool, threads: int, skipped: Callable[[], int] = lambda: 0,
+               whole: bool = False):
     self._stream, self._tokenize = stream, tokenize
     self._batch = getattr(tokenize, "batch", None) or (lambda docs: [np.asarray(tokenize(d)) for d in docs])
     heads = getattr(tokenize, "heads", None)
     if not packing and heads is not None:  # a sequence is a document's head: only that much is tokenized
       self._batch = lambda docs: heads(docs, length)
-    self.lanes, self.rows, self.length, self.packing = lanes, list(rows), length, packing
+    self.lanes, self.rows, self.length, self.packing, self.whole = lanes, list(rows), length, packing, whole
+    self.long_conversations = lambda: getattr(tokenize, "long_conversations", 0)
     self.position = {r: (0, 0) for r in self.rows}  # lane → (documents finished, tokens used of the next)
     self._threads = max(1, threads)
     self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="distrib_train-lanes") \
@@ -99,7 +114,7 @@ class Lanes:
     mean length read so far; without packing, one until it holds a document of a sequence's length."""
     queue, (_, used) = self._queues[lane], self.position[lane]
     if not self.packing:
-      return 0 if any(len(ids) >= self.length for ids in queue) else 1
+      return 0 if any(len(ids) >= (1 if self.whole else self.length) for ids in queue) else 1
     missing = tokens + used - sum(len(ids) for ids in queue)
     if missing <= 0:
       return 0
@@ -119,11 +134,29 @@ class Lanes:
       self._read_tokens += sum(len(ids) for ids in tokens)
 
   def _head(self, lane: int) -> tuple[np.ndarray, tuple[int, int]]:
-    """Without packing: the head of the lane's next document of a sequence's length; the position after it."""
+    """Without packing: the head of the lane's next document of a sequence's length (whole documents: its
+    next document, padded); the position after it."""
     index, queue = self.position[lane][0], self._queues[lane]
-    while len(tokens := queue.popleft()) < self.length:
+    while len(tokens := queue.popleft()) < (1 if self.whole else self.length):
       index += 1
+    if self.whole:
+      tokens = np.concatenate([tokens, np.zeros(self.length - len(tokens), tokens.dtype)])
     return tokens[:self.length], (index + 1, 0)
+
+  def _fit(self, lane: int, pieces: list[np.ndarray], takes: list[int]) -> tuple[int, int]:
+    """With packing of whole documents: the lane's next documents while the next one fits the row, then the
+    padding (a piece of its own, of length 0 when none is needed); the position after them."""
+    index, queue, filled = self.position[lane][0], self._queues[lane], 0
+    while queue and filled + len(queue[0]) <= self.length:
+      tokens = queue.popleft()
+      index += 1
+      if len(tokens):
+        pieces.append(tokens)
+        takes.append(len(tokens))
+        filled += len(tokens)
+    pieces.append(np.zeros(self.length - filled, pieces[-1].dtype if pieces else queue[0].dtype))
+    takes.append(-(self.length - filled))  # negative: padding
+    return index, 0
 
   def _cut(self, lane: int, pieces: list[np.ndarray], takes: list[int]) -> tuple[int, int]:
     """With packing: appends the pieces of the lane's next sequence (a run of tokens of each document it
@@ -148,23 +181,26 @@ class Lanes:
     if not self.packing:
       done = [self._head(lane) for lane in self.rows]
       self.position = {r: after for r, (_, after) in zip(self.rows, done)}
-      return [{"tokens": tokens} for tokens, _ in done], dict(self.position)
+      return [_fields({"tokens": tokens}) for tokens, _ in done], dict(self.position)
     pieces: list[np.ndarray] = []
     takes: list[int] = []
     counts = []  # pieces per row
     for lane in self.rows:
       before = len(takes)
-      self.position[lane] = self._cut(lane, pieces, takes)
+      self.position[lane] = (self._fit if self.whole else self._cut)(lane, pieces, takes)
       counts.append(len(takes) - before)
-    # The whole batch at once; each piece is a new segment (numbered from 1 in its row), its positions from 0.
-    rows, sizes, counts = len(self.rows), np.asarray(takes, np.int64), np.asarray(counts, np.int64)
+    # The whole batch at once; each piece is a new segment (numbered from 1 in its row, padding 0), its
+    # positions from 0.
+    rows, signed, counts = len(self.rows), np.asarray(takes, np.int64), np.asarray(counts, np.int64)
+    sizes = np.abs(signed)
     first = np.repeat(np.cumsum(counts) - counts, counts)  # each piece's row's first piece
-    tokens = np.concatenate(pieces).astype(np.int32, copy=False).reshape(rows, self.length)
-    segments = np.repeat((np.arange(len(sizes)) - first + 1).astype(np.int32), sizes).reshape(rows, self.length)
+    numbers = np.where(signed < 0, 0, np.arange(len(sizes)) - first + 1).astype(np.int32)
+    tokens = np.concatenate(pieces).reshape(rows, self.length)
+    segments = np.repeat(numbers, sizes).reshape(rows, self.length)
     positions = (np.arange(rows * self.length) - np.repeat(np.cumsum(sizes) - sizes, sizes)).astype(np.int32)
     # The names grain's packing gives, so that both paths share the shifting into inputs and targets.
-    out = [{"tokens": tokens[i], "tokens_segment_ids": segments[i], "tokens_positions": positions[i * self.length:
-                                                                                                 (i + 1) * self.length]}
+    out = [_fields({"tokens": tokens[i], "tokens_segment_ids": segments[i],
+                    "tokens_positions": positions[i * self.length:(i + 1) * self.length]})
            for i in range(rows)]
     return out, dict(self.position)
 

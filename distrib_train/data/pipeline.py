@@ -160,6 +160,7 @@ class DataLoader:
     self._by_blocks = sources.read_by_blocks(config)  # its positions name other documents: a layout of its own
     self._lanes: lanes_lib.Lanes | None = None  # an endless (training) loader reads lanes
     self._skipped = lambda: 0  # a finite pass's skipped documents (its lanes count an endless loader's)
+    self._long = lambda: 0  # and its conversations longer than a row
     self._reads = _Reads(self._build(split, num_epochs, vocab_size), self._lanes)
     self._close = close_at_exit(self._reads.close)
 
@@ -180,6 +181,7 @@ class DataLoader:
     docs, indices, tokenize = splits.split_documents(config, split, self.shard_count, vocab_size)
     checked = docs.skipped_documents
     self._skipped = lambda: docs.skipped_documents - checked
+    self._long = lambda: tokenize.long_conversations
     stream = block_order.shuffled(docs, indices, config.seed)  # block-read files: the shuffle by blocks
     if stream is not None:
       ds = block_order.dataset(stream)
@@ -202,6 +204,12 @@ class DataLoader:
     """Malformed JSONL lines this loader has read (``data.bad_records=skip``: read as no document), read
     ahead included, in this process and its lane workers (not in a finite pass's grain workers)."""
     return self._skipped() if self._lanes is None else self._lanes.skipped_documents
+
+  @property
+  def long_conversations(self) -> int:
+    """Conversations longer than a row this loader has cut or left out (``data.long_conversations``), read
+    ahead included, in this process and its lane workers (not in a finite pass's grain workers)."""
+    return self._long() if self._lanes is None else self._lanes.long_conversations()
 
   @property
   def endless(self) -> bool:
@@ -326,7 +334,8 @@ def _lane_batch(config: DataConfig, input_shardings: Mapping[str, Any],
                 rows: list[dict[str, np.ndarray]]) -> dict[str, Any]:
   """The lanes' next rows (endless.py) → this process's rows and the global batch."""
   cap = config.max_documents_per_row
-  rows = [sequences.shifted(row, cap) if config.packing else sequences.unpacked(row["tokens"]) for row in rows]
+  rows = [sequences.shifted(row, cap) if config.packing else sequences.unpacked(row["tokens"], row.get("tokens_loss"))
+          for row in rows]
   local = {name: np.stack([row[name] for row in rows]) for name in rows[0]}
   return {"local": local, "global": to_global(local, input_shardings, config.global_batch_size)}
 

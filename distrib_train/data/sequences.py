@@ -5,7 +5,9 @@ the sequence less its first (each ``seq_len``). A packed sequence (the names
 grain's packing gives: ``tokens``, ``tokens_segment_ids``,
 ``tokens_positions``) also yields ``segment_ids`` and ``positions``, and a
 target weighs 0 where it is padding or belongs to another document than its
-input; an unpacked sequence (the head of one document) weighs 1 throughout.
+input; an unpacked sequence (the head of one document) weighs 1 throughout. A
+conversation's targets also weigh 0 where its loss mask (``tokens_loss``,
+``chat.py``) is off.
 
 Both reads use these: the endless lanes (``lanes.py``) and the finite pass
 (``finite.py``). Not for: packing, batching or placing rows on devices.
@@ -32,6 +34,8 @@ def shifted(packed: Mapping[str, np.ndarray], max_documents: int = 0) -> dict[st
   if max_documents and segments.max(initial=0) > max_documents:
     same_document &= segments[:-1] <= max_documents
     segments = np.where((segments > max_documents) | (segments == 0), max_documents + 1, segments)
+  if "tokens_loss" in packed:  # a conversation's: only the targets its loss mask reads
+    same_document &= packed["tokens_loss"][1:] > 0
   return {
       "tokens": tokens[:-1].astype(np.int32),
       "targets": tokens[1:].astype(np.int32),
@@ -41,10 +45,11 @@ def shifted(packed: Mapping[str, np.ndarray], max_documents: int = 0) -> dict[st
   }
 
 
-def unpacked(tokens: np.ndarray) -> dict[str, np.ndarray]:
-  """The row of one document's head, ``seq_len + 1`` tokens."""
+def unpacked(tokens: np.ndarray, loss: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  """The row of one document's head, ``seq_len + 1`` tokens; a conversation's (padded) weighs its loss mask."""
+  weights = np.ones(len(tokens) - 1, np.float32) if loss is None else (loss[1:] > 0).astype(np.float32)
   return {
       "tokens": tokens[:-1].astype(np.int32),
       "targets": tokens[1:].astype(np.int32),
-      "weights": np.ones(len(tokens) - 1, np.float32),
+      "weights": weights,
   }

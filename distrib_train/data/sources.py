@@ -52,6 +52,22 @@ def _pydoc_documents(target_bytes: int = 4096) -> list[str]:
   return docs
 
 
+CONVERSATION_BYTES = 600  # an answer's length in the pydoc conversations: about 700 bytes with its turns
+
+
+def pydoc_conversations(docs: list[str]) -> list[str]:
+  """The pydoc documents as conversation records: a user asks about the text's opening, the assistant
+  answers with the text (the ``sft-tiny`` preset's data, no download)."""
+  import json
+
+  def asked(doc: str) -> str:
+    opening = doc.strip().splitlines()[0][:80]
+    return f"Explain this part of the Python documentation: {opening}"
+
+  return [json.dumps({"messages": [{"role": "user", "content": asked(doc)},
+                                   {"role": "assistant", "content": doc}]}) for doc in docs]
+
+
 def read_by_blocks(config: DataConfig) -> bool:
   """Whether ``config``'s corpus has files read by blocks (Parquet, compressed JSONL), whose order is the
   shuffle by blocks (``block_order.py``) rather than grain's index shuffle."""
@@ -72,6 +88,8 @@ class Documents:
     self._block_cache = block_order.BlockCache(config.block_cache)
     if config.source == "pydoc":
       self._docs = _pydoc_documents()
+      if config.conversations:
+        self._docs = pydoc_conversations(_pydoc_documents(CONVERSATION_BYTES))
     elif config.source == "synthetic":
       self._docs = None
     else:
@@ -96,8 +114,14 @@ class Documents:
       raise ValueError(f"Data source {config.source!r} {list(config.paths) or ''} holds no documents.")
 
   def _reader(self, path: str) -> Any:
-    """The reader of one text file (or ``datasets`` folder)."""
-    field, config = self.config.text_field, self.config
+    """The reader of one text file (or ``datasets`` folder); of its conversation records with ``data.loss_on``."""
+    config = self.config
+    field = arrow_text.RECORD if config.conversations else config.text_field
+    if config.conversations and not (path.endswith((".jsonl", ".parquet")) or compressed.is_compressed(path)
+                                     or arrow_text.is_dataset_folder(path)):
+      raise ValueError(f"Data file {path!r} holds text, not conversation records (data.loss_on={config.loss_on}):"
+                       " give JSONL (plain or compressed), Parquet or a datasets folder of records with"
+                       " 'messages', or 'prompt' and 'completion'.")
     if path.endswith(".jsonl"):
       return jsonl.JsonlFile(path, field, self.bad_records, config.index_cache_dir)
     if path.endswith(".parquet"):

@@ -98,9 +98,12 @@ def split_documents(config: DataConfig, split: str, shard_count: int,
     source = f"data source {config.source!r}" + (f" {list(config.paths)}" if config.paths else "")
     skipped = f" ({docs.skipped_documents} of them malformed lines, skipped: data.bad_records=skip)" \
         if docs.skipped_documents else ""
+    if config.conversations and config.long_conversations == "drop":
+      skipped += (f"; conversations over seq_len + 1 = {config.seq_len + 1} tokens are left out"
+                  " (data.long_conversations=drop): raise seq_len or set data.long_conversations=truncate")
     raise ValueError(f"The {split} split of {source} holds no tokens: all {len(sample)} document(s) checked are"
                      f" empty{skipped}; give documents with text.")
-  if not config.packing and longest < config.seq_len + 1:
+  if not config.packing and not config.conversations and longest < config.seq_len + 1:
     raise ValueError(
         f"seq_len {config.seq_len} + 1 is longer than every {split} document (longest {longest} tokens of"
         f" {len(sample)} checked) and packing is off; lower seq_len or turn packing on."
@@ -121,6 +124,12 @@ class DocumentTokenizer:
   def __init__(self, config: DataConfig):
     tokenizer: Tokenizer | None = config.tokenizer
     self._loaded = None
+    # Conversation records (data.loss_on): through the chat template, each token with its loss mask.
+    self._chat = None
+    if config.conversations:
+      from distrib_train.data.chat import ConversationTokenizer
+
+      self._chat = ConversationTokenizer(config)
     if isinstance(tokenizer, str):
       loaded = tokenizer_lib.load(tokenizer, config.bos_token, config.eos_token)
       plain_bytes = tokenizer == "bytes" and loaded.bos_id is None and loaded.eos_id is None
@@ -128,9 +137,16 @@ class DocumentTokenizer:
       tokenizer = None if plain_bytes else loaded
     self._function = tokenizer
 
+  @property
+  def long_conversations(self) -> int:
+    """Conversations longer than a row, cut or left out so far (``data.long_conversations``), here."""
+    return 0 if self._chat is None else self._chat.long
+
   def __call__(self, doc: Any) -> np.ndarray:
     if isinstance(doc, np.ndarray):  # synthetic documents are tokens already
       return doc
+    if self._chat is not None:
+      return self._chat(doc) if doc is not None else _EMPTY_SCORED
     if doc is None:
       return _EMPTY
     if self._function is None:
@@ -139,6 +155,8 @@ class DocumentTokenizer:
 
   def batch(self, docs: Sequence[Any]) -> list[np.ndarray]:
     """Each document's ids, as ``__call__`` gives them; the texts among them encoded in one call."""
+    if self._chat is not None:
+      return [self(doc) for doc in docs]
     if self._function is None:
       return self._with_texts_encoded(docs, tokenizer_lib.utf8_bytes)
     if self._loaded is not None:
@@ -148,6 +166,8 @@ class DocumentTokenizer:
   def heads(self, docs: Sequence[Any], count: int) -> list[np.ndarray]:
     """``[ids[:count] for ids in self.batch(docs)]``: the sequences without packing are documents' heads, so a
     named tokenizer encodes only a prefix of each long text (``tokenizer.Tokenizer.encode_heads``)."""
+    if self._chat is not None:  # a conversation is rendered whole
+      return [ids[:count] for ids in self.batch(docs)]
     if self._function is None:  # UTF-8 bytes: the first ``count`` characters hold the first ``count`` bytes
       encoded = self._with_texts_encoded(docs, lambda texts: tokenizer_lib.utf8_bytes([t[:count] for t in texts]))
     elif self._loaded is not None:
@@ -172,6 +192,13 @@ class DocumentTokenizer:
 
 _EMPTY = np.zeros(0, np.int32)
 _EMPTY.flags.writeable = False
+_EMPTY_SCORED = np.zeros(0, [("ids", np.int32), ("loss", np.int32)])  # chat.SCORED_TOKENS
+_EMPTY_SCORED.flags.writeable = False
+
+
+def token_ids(tokens: np.ndarray) -> np.ndarray:
+  """A document's ids: its tokens, or a conversation's ``ids`` field (``chat.SCORED_TOKENS``)."""
+  return tokens["ids"] if tokens.dtype.names else tokens
 
 
 def _tokenizer(config: DataConfig) -> DocumentTokenizer:
@@ -195,7 +222,7 @@ def _check_token_ids(tokenize, docs, sample: np.ndarray, vocab_size: int, split:
   """Refuses ids outside the model's vocabulary in a sample of documents
   (the model would look them up as NaN and every step would be skipped)."""
   for index in sample:
-    ids = tokenize(docs[int(index)])
+    ids = token_ids(tokenize(docs[int(index)]))
     if len(ids) and (ids.max() >= vocab_size or ids.min() < 0):
       bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
       raise ValueError(

@@ -142,8 +142,12 @@ class ParquetFile:
     except Exception as e:  # pyarrow's ArrowInvalid / OSError with its own text
       raise ValueError(f"Data file {path!r} is not a readable Parquet file: {e}") from None
     schema = self.file.schema_arrow
-    arrow_text.check_text_type(path, field, schema.names,
-                               schema.field(field).type if field in schema.names else None)
+    if field == arrow_text.RECORD:
+      self._columns = arrow_text.record_columns(path, schema.names)
+    else:
+      self._columns = [field]
+      arrow_text.check_text_type(path, field, schema.names,
+                                 schema.field(field).type if field in schema.names else None)
     meta = self.file.metadata
     self.groups = meta.num_row_groups
     self.starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(self.groups)])
@@ -155,9 +159,11 @@ class ParquetFile:
 
   def group(self, group: int) -> arrow_text.Strings:
     """Row group ``group``'s texts (from the cache, else read and kept)."""
-    def read() -> arrow_text.Strings:
-      column = self.file.read_row_group(group, columns=[self.field]).column(0)
-      return arrow_text.Strings(column, self.path, self.field, int(self.starts[group]))
+    def read() -> arrow_text.Strings | arrow_text.Records:
+      table = self.file.read_row_group(group, columns=self._columns)
+      if self.field == arrow_text.RECORD:
+        return arrow_text.Records(table)
+      return arrow_text.Strings(table.column(0), self.path, self.field, int(self.starts[group]))
 
     return self.cache.get_or_make((self.path, group), read, self._lock)
 

@@ -172,6 +172,8 @@ class TrainLoop:
     self.phases.enter("step")
     self.window.data_wait_s += time.perf_counter() - wait_start
     self.window.skipped_documents = getattr(self.loader, "skipped_documents", None)
+    if getattr(getattr(self.loader, "config", None), "conversations", False):
+      self.window.long_conversations = self.loader.long_conversations
     if not self.steps_this_run:
       check_token_ids(batch, self.vocab_size)
     self.state, aux = self.train_step(self.state, **batch)

@@ -38,6 +38,8 @@ class MetricsWindow:
     skipped_documents: the loader's malformed documents skipped this run
       (``data/skipped_documents``), as of the last batch; None: a loader
       that does not count them.
+    long_conversations: the conversations longer than a row it has cut or
+      left out (``data/long_conversations``); None: no conversations.
   """
 
   start: float = dataclasses.field(default_factory=time.perf_counter)
@@ -48,6 +50,7 @@ class MetricsWindow:
   aux: dict[str, list[float]] = dataclasses.field(default_factory=dict)
   last: dict[str, float] = dataclasses.field(default_factory=dict)
   skipped_documents: int | None = None
+  long_conversations: int | None = None
 
   def add(self, loss: float, grad_norm: float, aux: Mapping[str, float]) -> None:
     """One finite step's figures."""
@@ -93,6 +96,8 @@ def figures(window: MetricsWindow, *, tokens_per_step: int, num_devices: int, pe
              data_wait_ms=window.data_wait_s / steps * 1e3)
   if window.skipped_documents is not None:
     out["data/skipped_documents"] = int(window.skipped_documents)
+  if window.long_conversations is not None:
+    out["data/long_conversations"] = int(window.long_conversations)
   if peak_flops and flops_per_token:
     out["mfu"] = flops_per_token * tokens_per_s / (peak_flops * num_devices)
   memory = metrics_lib.memory_in_use(jax.local_devices()[0])
