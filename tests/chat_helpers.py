@@ -81,3 +81,24 @@ def tokenizer_dir(tmp_path, bpe, style, template, *, jinja_file=False):
   return tmp_path
 
 
+
+
+def manual_conversations(n=48):
+  """Conversations about paragraphs of the pydoc corpus: messages records (some with a system turn) and
+  prompt/completion records of message lists."""
+  from distrib_train.data import sources
+
+  paragraphs = [p for p in sources._pydoc_documents(300) if 40 < len(p) < 400][:n]
+  records = []
+  for i, text in enumerate(paragraphs):
+    turns = [{"role": "user", "content": f"Question {i}: what does the manual say?"},
+             {"role": "assistant", "content": text}]
+    if i % 3 == 0:
+      turns = [{"role": "system", "content": "Answer from the manual."}] + turns
+    records.append({"prompt": turns[:-1], "completion": turns[-1:]} if i % 4 == 1 else {"messages": turns})
+  return records
+
+
+def texts_of(records):
+  """Every turn's text of ``records`` (to train a tokenizer on)."""
+  return [m["content"] for r in records for m in r.get("messages", []) + r.get("prompt", []) + r.get("completion", [])]

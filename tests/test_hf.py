@@ -335,3 +335,53 @@ def test_the_cli_starts_each_family_from_transformers_weights_with_its_loss_and_
   again = hf.SafetensorsDirectory(str(tmp_path / "exported"))
   assert hf.tensors_equal({n: original.read(n).astype(np.float32) for n in original.tensors},
                           {n: again.read(n) for n in original.tensors})
+
+
+def test_sft_eval_loss_of_an_imported_model_is_transformers_loss_on_the_assistant_tokens(tmp_path):
+  """SFT from transformers' weights with the tokenizer's own chat template (Llama 3's style, no generation
+  blocks: the turns found by rendering prefixes), conversations packed into rows on 8 emulated devices: the
+  held-out loss is transformers' on each conversation alone with labels -100 off the assistant tokens (its
+  own ``apply_chat_template`` mask, from the same template with the turns marked)."""
+  from chat_helpers import LLAMA3, LLAMA3_MARKED, bpe_tokenizer, manual_conversations, texts_of, tokenizer_dir
+
+  from distrib_train.data import splits
+  from distrib_train.training import config as config_lib
+
+  # A long system turn of one repeated token: its targets' losses differ from the answers', so a loss that also
+  # read the prompts would differ from transformers' on the assistant tokens.
+  system = {"role": "system", "content": "Rule: " + "=" * 160}
+  records = [{**r, "messages": [system, *r["messages"][-2:]]} if "messages" in r else
+             {**r, "prompt": [system, *r["prompt"][-1:]]} for r in manual_conversations()]
+  (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  directory = tokenizer_dir(tmp_path / "hf", bpe_tokenizer(texts_of(records), 512), "llama3", LLAMA3)
+  size = transformers.AutoTokenizer.from_pretrained(str(directory)).__len__()
+  reference = _save("llama", tmp_path / "hf", vocab_size=size, max_position_embeddings=512, initializer_range=0.3)
+  overrides = ["data.source=text", f"data.paths={tmp_path / 'chat.jsonl'}",
+               f"data.tokenizer=hf:{directory / 'tokenizer.json'}", "data.loss_on=assistant", "data.seq_len=512",
+               "data.global_batch_size=8", "data.eval_fraction=0.25", "train.steps=1", "train.eval_batches=0",
+               "train.async_checkpoint=false", "train.compilation_cache_dir=", "model.dtype=float32",
+               "model.attention=xla", "optimizer.name=sgd", "optimizer.learning_rate=1e-30"]
+  run = _cli("--config", "tiny", "--workdir", str(tmp_path / "run"), "--cpu_devices", "8", "--init_from",
+             f"hf:{tmp_path / 'hf'}", *[f"--set={o}" for o in overrides])
+  assert run.returncode == 0, run.stderr[-3000:]
+  evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  loss = [m["eval/loss"] for m in evals if "eval/loss" in m][-1]
+
+  config = config_lib.load("tiny", [*overrides, f"train.init_from=hf:{tmp_path / 'hf'}"]).data_config()
+  docs, held_out, _ = splits.split_documents(config, "eval", 1, None)
+  tok = transformers.AutoTokenizer.from_pretrained(str(directory))
+  total = count = 0.0
+  for index in held_out:
+    record = json.loads(docs[int(index)])
+    messages = record.get("messages") or record["prompt"] + record["completion"]
+    out = tok.apply_chat_template(messages, chat_template=LLAMA3_MARKED, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    ids, mask = np.asarray(out["input_ids"]), np.asarray(out["assistant_masks"])
+    labels = torch.from_numpy(np.where(mask == 1, ids, -100)).long()[None]
+    with torch.no_grad():
+      logits = reference(torch.from_numpy(ids).long()[None]).logits.float()
+    losses = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum")
+    total, count = total + float(losses), count + int((labels[0, 1:] != -100).sum())
+  assert len(held_out) == 12 and count > 0
+  # fp32 both sides: 1e-7 apart; the loss of every token (prompts too) is 2e-4 away.
+  np.testing.assert_allclose(loss, total / count, rtol=2e-5)

@@ -9,31 +9,17 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from chat_helpers import LLAMA3, bpe_tokenizer, tokenizer_dir  # noqa: E402
+from chat_helpers import LLAMA3, bpe_tokenizer, manual_conversations, texts_of, tokenizer_dir  # noqa: E402
 
 from distrib_train import data  # noqa: E402
-from distrib_train.data import sources  # noqa: E402
 from distrib_train.data.chat import ChatEncoder, ChatTemplate  # noqa: E402
-
-
-def _records(n=48):
-  paragraphs = [p for p in sources._pydoc_documents(300) if 40 < len(p) < 400][:n]
-  records = []
-  for i, text in enumerate(paragraphs):
-    turns = [{"role": "user", "content": f"Question {i}: what does the manual say?"},
-             {"role": "assistant", "content": text}]
-    if i % 3 == 0:
-      turns = [{"role": "system", "content": "Answer from the manual."}] + turns
-    records.append({"prompt": turns[:-1], "completion": turns[-1:]} if i % 4 == 1 else {"messages": turns})
-  return records
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
   root = tmp_path_factory.mktemp("sft")
-  records = _records()
-  texts = [m["content"] for r in records for m in r.get("messages", []) + r.get("prompt", []) + r.get("completion", [])]
-  directory = tokenizer_dir(root / "tok", bpe_tokenizer(texts, 512), "llama3", LLAMA3)
+  records = manual_conversations()
+  directory = tokenizer_dir(root / "tok", bpe_tokenizer(texts_of(records), 512), "llama3", LLAMA3)
   lines = "".join(json.dumps(r) + "\n" for r in records)
   (root / "chat.jsonl").write_text(lines)
   import zstandard
@@ -45,6 +31,9 @@ def corpus(tmp_path_factory):
   only_messages = [r for r in records if "messages" in r]
   pq.write_table(pa.table({"messages": [r["messages"] for r in only_messages]}), root / "chat.parquet",
                  row_group_size=8)
+  import datasets
+
+  datasets.Dataset.from_list(only_messages).save_to_disk(str(root / "chat_dataset"))
   return root, records, only_messages, str(directory / "tokenizer.json")
 
 
@@ -84,12 +73,12 @@ def _segments(batch, want):
   return found, padding
 
 
-@pytest.mark.parametrize("name", ["chat.jsonl", "chat.jsonl.zst", "chat.parquet"])
+@pytest.mark.parametrize("name", ["chat.jsonl", "chat.jsonl.zst", "chat.parquet", "chat_dataset"])
 def test_conversations_are_packed_whole_and_weighted_by_their_assistant_tokens(name, corpus):
   root, records, only_messages, tokenizer = corpus
   config = data.DataConfig(source="text", paths=(str(root / name),), tokenizer=f"hf:{tokenizer}", seq_len=512,
                            global_batch_size=4, loss_on="assistant", eval_fraction=0.0)
-  want = _encodings(only_messages if name.endswith("parquet") else records, tokenizer)
+  want = _encodings(records if "jsonl" in name else only_messages, tokenizer)
   seen = 0
   with data.DataLoader(config, _shardings(config)) as loader:
     for _ in range(4):

@@ -52,7 +52,7 @@ def _pydoc_documents(target_bytes: int = 4096) -> list[str]:
   return docs
 
 
-CONVERSATION_BYTES = 600  # an answer's length in the pydoc conversations: about 700 bytes with its turns
+CONVERSATION_BYTES = 600  # the pydoc documents the conversations answer with: paragraphs joined to this length
 
 
 def pydoc_conversations(docs: list[str]) -> list[str]:
@@ -64,8 +64,14 @@ def pydoc_conversations(docs: list[str]) -> list[str]:
     opening = doc.strip().splitlines()[0][:80]
     return f"Explain this part of the Python documentation: {opening}"
 
+  def answer(doc: str) -> str:  # at most 800 characters, cut at a line's end: nearly all fit a 1024-byte row
+    if len(doc) <= 800:
+      return doc
+    cut = doc.rfind("\n", 200, 800)
+    return doc[:cut if cut > 0 else 800]
+
   return [json.dumps({"messages": [{"role": "user", "content": asked(doc)},
-                                   {"role": "assistant", "content": doc}]}) for doc in docs]
+                                   {"role": "assistant", "content": answer(doc)}]}) for doc in docs]
 
 
 def read_by_blocks(config: DataConfig) -> bool:
