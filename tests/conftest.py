@@ -84,11 +84,13 @@ def once_per_run(tmp_path_factory):
 
 
 # The compat job (Python 3.11 + jax 0.10, .ci/run) runs these: the core contract, penzai, the planner, checkpoints,
-# data resume, several processes, Hugging Face against transformers, and the trainer CLI end to end.
+# data resume, several processes, Hugging Face against transformers, chat templates and conversations, and the
+# trainer CLI end to end.
 COMPAT_FILES = {
     "test_train_state.py", "test_train_step.py", "test_penzai.py", "test_planner.py", "test_axis_rules.py",
     "test_mesh.py", "test_checkpoint.py", "test_hf.py", "test_multiprocess.py", "test_data_resume.py",
-    "test_config.py", "test_architecture.py", "test_versions.py",
+    "test_config.py", "test_architecture.py", "test_versions.py", "test_chat.py", "test_sft.py",
+    "test_state_fields.py",
 }
 COMPAT_TESTS = {
     "test_cli.py::test_end_to_end_files_metrics_profile_and_cache",
