@@ -64,7 +64,8 @@ class StateField:
 
 # The one list of TrainState's array fields. The step core, the planner, the
 # plan's report, the memory check and the checkpoints read their field lists
-# from here; a field a subclass adds (an EMA, say) is replicated and saved.
+# from here; a field a subclass adds (an EMA, say) is replicated, and only
+# these fields are saved.
 STATE_FIELDS = (
     StateField("step", "counter", donated=False, checkpointed=True, layout="replicated"),
     StateField("root_rng", "rng", donated=False, checkpointed=True, layout="replicated"),
@@ -91,8 +92,8 @@ def state_fields(*, donated: bool | None = None, checkpointed: bool | None = Non
 
 
 def state_field(name: str) -> StateField:
-  """The table's row for ``name``; a field only a subclass has is replicated, saved, not donated."""
-  return _FIELDS_BY_NAME.get(name) or StateField(name, "loss_state", donated=False, checkpointed=True,
+  """The table's row for ``name``; a field only a subclass has is replicated, not donated and not saved."""
+  return _FIELDS_BY_NAME.get(name) or StateField(name, "loss_state", donated=False, checkpointed=False,
                                                  layout="replicated")
 
 

@@ -1,6 +1,7 @@
 """Conversation records through the data pipeline: whole conversations packed or padded, weighted by the
 chat template's loss mask, in every format the corpus reader takes; long ones cut or left out and counted."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -122,6 +123,19 @@ def test_long_conversations_are_cut_or_left_out_and_counted(long, corpus):
     assert loader.long_conversations > 0
   assert found and all(len(ids) <= 185 for ids, _, _ in found)
   assert any(len(ids) == 185 for ids, _, _ in found) == (long == "truncate")
+  # A finite pass reads each held-out conversation once: the count is exact (the split's own checks not in it).
+  config = dataclasses.replace(config, eval_fraction=0.5)
+  from distrib_train.data import splits
+
+  docs, held_out, _ = splits.split_documents(config, "eval", 1, None)
+  lengths = {len(k) for k in full}
+  over = sum(len(ChatEncoder(ChatTemplate.load(tokenizer), tokenizers.Tokenizer.from_file(tokenizer), "all").encode(
+      json.loads(docs[int(i)]))[0]) > 185 for i in held_out)
+  assert 0 < over < len(held_out) and lengths
+  with data.DataLoader(config, _shardings(config), split="eval", num_epochs=1) as loader:
+    for _ in iter(loader.next_local, None):
+      pass
+    assert loader.long_conversations == over
 
 
 def test_the_eval_pass_reads_each_held_out_conversation_once(corpus):
@@ -169,8 +183,6 @@ def test_text_files_hold_no_conversations(tmp_path):
 
 
 def test_worker_processes_make_the_same_rows_and_count_long_conversations(corpus):
-  import dataclasses
-
   root, _, _, tokenizer = corpus
   config = data.DataConfig(source="text", paths=(str(root / "chat.jsonl"),), tokenizer=f"hf:{tokenizer}",
                            seq_len=184, global_batch_size=4, loss_on="assistant", eval_fraction=0.0)
@@ -183,3 +195,28 @@ def test_worker_processes_make_the_same_rows_and_count_long_conversations(corpus
     assert sorted(here) == sorted(there)
     for name in here:
       np.testing.assert_array_equal(here[name], there[name])
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_a_row_takes_no_more_conversations_than_max_documents_per_row(split, corpus):
+  """A conversation past the cap would weigh 0 (cuDNN's packed attention takes a fixed number a row): the row
+  ends before it, and every conversation a row holds trains."""
+  root, records, _, tokenizer = corpus
+  config = data.DataConfig(source="text", paths=(str(root / "chat.jsonl"),), tokenizer=f"hf:{tokenizer}",
+                           seq_len=512, global_batch_size=4, loss_on="assistant", max_documents_per_row=1,
+                           eval_fraction=0.0 if split == "train" else 0.25)
+  want = _encodings(records, tokenizer)
+  with data.DataLoader(config, _shardings(config), split=split, num_epochs=None if split == "train" else 1) as loader:
+    batch = loader.next_local()
+  found, padding = _segments(batch, want)
+  assert padding == 0.0 and len(found) == 4  # one conversation a row, the rest padding
+  for ids, weights, mask in found:
+    np.testing.assert_array_equal(weights, mask.astype(np.float32))
+
+
+def test_array_record_shards_hold_no_conversations(tmp_path):
+  shard = tmp_path / "tokens-00000-of-00001.array_record"
+  shard.write_bytes(b"")  # refused by its kind, before it is opened
+  config = data.DataConfig(source="text", paths=(str(shard),), loss_on="assistant")
+  with pytest.raises(ValueError, match="is an ArrayRecord shard, not conversation records"):
+    data.DataLoader(config, _shardings(config))

@@ -27,9 +27,10 @@ def test_the_step_planner_and_checkpoints_read_their_lists_from_the_table():
   assert state_fields(roles=("trainable",)) == ("params",)
 
 
-def test_a_field_a_subclass_adds_is_replicated_saved_and_not_donated():
+def test_a_field_a_subclass_adds_is_replicated_and_neither_donated_nor_saved():
   row = state_field("ema")
-  assert (row.layout, row.checkpointed, row.donated) == ("replicated", True, False)
+  assert (row.layout, row.checkpointed, row.donated) == ("replicated", False, False)
+  assert "ema" not in checks.SAVED_FIELDS
 
 
 def test_frozen_weights_are_laid_out_by_their_logical_axes_and_never_updated():
@@ -80,3 +81,29 @@ def test_frozen_weights_are_laid_out_by_their_logical_axes_and_never_updated():
     np.testing.assert_allclose(np.asarray(sharded.params[name]), np.asarray(single.params[name]), atol=1e-5)
   assert sharded.model_without_params[0]["w"].sharding.spec == PartitionSpec("fsdp", "tensor")
   np.testing.assert_array_equal(np.asarray(sharded.model_without_params[0]["w"]), first_frozen)
+
+
+def test_frozen_nnx_variables_are_laid_out_by_their_annotations():
+  import jax
+  import optax
+  from flax import nnx
+  from jax.sharding import PartitionSpec
+
+  import distrib_train as dt
+  from distrib_train.sharding.plan import logical_annotations_only
+
+  class Adapted(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+      self.base = nnx.Linear(16, 32, kernel_init=init, use_bias=False, rngs=rngs)
+      self.head = nnx.Linear(32, 4, rngs=rngs)
+
+  def make_state():
+    return dt.TrainState.initial_state(Adapted(nnx.Rngs(0)), optax.sgd(0.1), jax.random.key(0),
+                                       is_param=nnx.All(nnx.Param, nnx.PathContains("head")))
+
+  mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), devices=jax.devices()[:8])
+  with logical_annotations_only():
+    plan = dt.MeshPlanner(mesh, dt.AxisRules("fsdp_tensor")).plan(jax.eval_shape(make_state))
+  frozen = [e for e in plan.entries if e.group == "model_without_params" and e.path.endswith("base/kernel")]
+  assert [e.spec for e in frozen] == [PartitionSpec("fsdp", "tensor")], [(e.path, e.spec) for e in plan.entries]

@@ -46,20 +46,31 @@ def record_columns(path: str, names: list[str]) -> list[str]:
 
 
 class Records:
-  """Rows of an Arrow table's conversation columns, each as the JSON text of its record."""
+  """Rows of an Arrow table's conversation columns, each as the JSON text of its record, made when the
+  table's first row is asked for (a ``datasets`` folder's chunks cost nothing until read)."""
 
   def __init__(self, table: Any):
-    self._rows = [json.dumps(row, ensure_ascii=False) for row in table.to_pylist()]
-    self.nbytes = sum(map(len, self._rows))
+    self._table, self._rows = table, None
+    self._length = table.num_rows
+
+  def _made(self) -> list[str]:
+    if self._rows is None:
+      self._rows = [json.dumps(row, ensure_ascii=False) for row in self._table.to_pylist()]
+      self._table = None
+    return self._rows
+
+  @property
+  def nbytes(self) -> int:
+    return sum(map(len, self._made()))
 
   def __len__(self) -> int:
-    return len(self._rows)
+    return self._length
 
   def __getitem__(self, row: int) -> str:
-    return self._rows[row]
+    return self._made()[row]
 
   def __iter__(self) -> Iterator[str]:
-    return iter(self._rows)
+    return iter(self._made())
 
 
 def check_text_type(path: str, field: str, names: list[str], arrow_type: Any) -> None:

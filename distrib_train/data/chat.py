@@ -214,7 +214,7 @@ class ChatEncoder:
       raise ValueError(f"data.loss_on={self.loss_on!r}: choose one of {', '.join(LOSS_ON)}.")
 
   def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False,
-             spans: _Spans | None = None) -> str:
+             spans: _Spans | None = None, where: str = "a conversation") -> str:
     """The template's text for ``messages``, as ``apply_chat_template(..., tokenize=False)`` renders it."""
     import jinja2
 
@@ -227,7 +227,7 @@ class ChatEncoder:
         spans.blocks.append(block)
       return "".join(spans.blocks)
     except jinja2.TemplateError as e:
-      raise ValueError(f"The chat template of {self.template.source} failed: {e}") from None
+      raise ValueError(f"{where}: the chat template of {self.template.source} failed: {e}") from None
 
   def encode(self, record: Mapping[str, Any], where: str = "record") -> tuple[np.ndarray, np.ndarray]:
     """A record's token ids (int32) and loss mask (bool), both as long as the rendered conversation."""
@@ -263,7 +263,7 @@ class ChatEncoder:
   def _encode_messages(self, messages: list[dict[str, Any]], *, first_scored: int,
                        where: str) -> tuple[np.ndarray, np.ndarray]:
     spans = _Spans()
-    text = self.render(messages, spans=spans)
+    text = self.render(messages, spans=spans, where=where)
     encoding = self.tokenizer.encode(text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, np.int32)
     if self.loss_on == "all":
@@ -285,8 +285,8 @@ class ChatEncoder:
 
   def _turn_span(self, messages: list[dict[str, Any]], i: int, text: str, where: str) -> tuple[int, int]:
     """Assistant turn ``i``'s characters in ``text``: what it adds to its prefix with the generation prompt."""
-    before = self.render(messages[:i], add_generation_prompt=True) if i else ""
-    through = self.render(messages[: i + 1])
+    before = self.render(messages[:i], add_generation_prompt=True, where=where) if i else ""
+    through = self.render(messages[: i + 1], where=where)
     if not (through.startswith(before) and text.startswith(through)):
       raise ValueError(
           f"{where}: the chat template of {self.template.source} renders assistant turn {i} otherwise once later"
@@ -357,7 +357,7 @@ class ConversationTokenizer:
       record = json.loads(doc)
     except ValueError:
       raise ValueError(f"A conversation record is not JSON: {doc[:80]!r}.") from None
-    ids, mask = self.encoder.encode(record, where=f"conversation record {doc[:60]!r}…")
+    ids, mask = self.encoder.encode(record, where=f"The conversation record {doc[:100]!r}…")
     if len(ids) > self.limit:
       self.long += 1
       if self.drop:

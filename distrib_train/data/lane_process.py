@@ -100,7 +100,8 @@ def in_process(config: DataConfig, split: str, shard_count: int, vocab_size: int
   checked = docs.skipped_documents  # by split_documents' sample, read again by the lanes
   return lanes_lib.Lanes(stream, tokenize, lanes=config.global_batch_size, length=config.seq_len + 1,
                          packing=config.packing, threads=config.num_threads, rows=rows,
-                         skipped=lambda: docs.skipped_documents - checked, whole=config.conversations)
+                         skipped=lambda: docs.skipped_documents - checked, whole=config.conversations,
+                         max_documents=config.max_documents_per_row)
 
 
 def open_lanes(config: DataConfig, split: str, shard_count: int, vocab_size: int | None,

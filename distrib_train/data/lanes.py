@@ -75,18 +75,23 @@ class Lanes:
       fits and pads the rest (segment 0, weight 0); without, a row is one
       document, padded. Their tokens carry a loss mask (``chat.SCORED_TOKENS``),
       handed on as ``tokens_loss``.
+    max_documents: with ``whole``, the documents a row takes at most (0: any
+      number; ``data.max_documents_per_row``): a row never holds one that
+      would weigh 0.
   """
 
   def __init__(self, stream: Any, tokenize: Callable[[Any], np.ndarray], *, lanes: int, rows: Sequence[int],
                length: int, packing: bool, threads: int, skipped: Callable[[], int] = lambda: 0,
-               whole: bool = False):
+               whole: bool = False, max_documents: int = 0):
     self._stream, self._tokenize = stream, tokenize
     self._batch = getattr(tokenize, "batch", None) or (lambda docs: [np.asarray(tokenize(d)) for d in docs])
     heads = getattr(tokenize, "heads", None)
     if not packing and heads is not None:  # a sequence is a document's head: only that much is tokenized
       self._batch = lambda docs: heads(docs, length)
     self.lanes, self.rows, self.length, self.packing, self.whole = lanes, list(rows), length, packing, whole
-    self.long_conversations = lambda: getattr(tokenize, "long_conversations", 0)
+    self.max_documents = max_documents
+    counted = getattr(tokenize, "long_conversations", 0)  # by the split's checks, before any row
+    self.long_conversations = lambda: getattr(tokenize, "long_conversations", 0) - counted
     self.position = {r: (0, 0) for r in self.rows}  # lane → (documents finished, tokens used of the next)
     self._threads = max(1, threads)
     self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="distrib_train-lanes") \
@@ -146,14 +151,18 @@ class Lanes:
   def _fit(self, lane: int, pieces: list[np.ndarray], takes: list[int]) -> tuple[int, int]:
     """With packing of whole documents: the lane's next documents while the next one fits the row, then the
     padding (a piece of its own, of length 0 when none is needed); the position after them."""
-    index, queue, filled = self.position[lane][0], self._queues[lane], 0
-    while queue and filled + len(queue[0]) <= self.length:
+    index, queue, filled, taken = self.position[lane][0], self._queues[lane], 0, 0
+    if queue and len(queue[0]) > self.length:
+      raise ValueError(f"A document of {len(queue[0])} tokens does not fit a row of {self.length} whole: documents"
+                       " read whole (conversations) are cut to a row by their tokenizer.")
+    while queue and filled + len(queue[0]) <= self.length and not (self.max_documents and taken == self.max_documents):
       tokens = queue.popleft()
       index += 1
       if len(tokens):
         pieces.append(tokens)
         takes.append(len(tokens))
         filled += len(tokens)
+        taken += 1
     pieces.append(np.zeros(self.length - filled, pieces[-1].dtype if pieces else queue[0].dtype))
     takes.append(-(self.length - filled))  # negative: padding
     return index, 0

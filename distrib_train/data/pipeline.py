@@ -181,7 +181,8 @@ class DataLoader:
     docs, indices, tokenize = splits.split_documents(config, split, self.shard_count, vocab_size)
     checked = docs.skipped_documents
     self._skipped = lambda: docs.skipped_documents - checked
-    self._long = lambda: tokenize.long_conversations
+    counted = tokenize.long_conversations  # by the split's checks, before any row
+    self._long = lambda: tokenize.long_conversations - counted
     stream = block_order.shuffled(docs, indices, config.seed)  # block-read files: the shuffle by blocks
     if stream is not None:
       ds = block_order.dataset(stream)
@@ -277,6 +278,8 @@ class DataLoader:
     config = self.config
     layout = {"global_batch_size": config.global_batch_size, "seq_len": config.seq_len, "packing": config.packing,
               "seed": config.seed, "eval_fraction": config.eval_fraction}
+    if config.conversations:  # whole conversations name other documents and rows than a stream of text
+      layout["loss_on"] = config.loss_on
     # A position in the shuffle by blocks names other documents than the same position in grain's shuffle (a
     # Parquet corpus's before this release): a position saved in the one order is refused in the other.
     return {**layout, "order": "blocks"} if self._by_blocks else layout

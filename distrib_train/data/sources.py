@@ -104,6 +104,10 @@ class Documents:
       texts = [f for f in files if not f.endswith(".array_record")]
       if records and texts:
         raise ValueError("Data paths mix .array_record shards and text files; give one kind.")
+      if records and config.conversations:
+        raise ValueError(f"Data file {records[0]!r} is an ArrayRecord shard, not conversation records"
+                         f" (data.loss_on={config.loss_on}): give JSONL (plain or compressed), Parquet or a datasets"
+                         " folder of records with 'messages', or 'prompt' and 'completion'.")
       if records:
         import grain
 

@@ -136,5 +136,8 @@ def split(module: nnx.Module, is_param: Any = None) -> tuple[nnx.State, NnxModel
   local_filter = nnx.All(nnx.Not(nnx.Param), nnx.Not(nnx.RngState))
   graphdef, params, local_state, rest = nnx.split(module, param_filter, local_filter, ...)
   axes = {**_axes_by_path(params), **_axes_by_path(local_state)}
-  model_def = NnxModelDef(graphdef, rest, local_filter, _stream_tags(module), tuple(sorted(axes.items())))
+  # The frozen variables' axes too, by their paths in the model_without_params field (as the planner names its
+  # leaves: the adapter's own index first), so that a frozen base is laid out as params are.
+  frozen = _axes_by_path(NnxModelDef(graphdef, rest, local_filter, (), ()))
+  model_def = NnxModelDef(graphdef, rest, local_filter, _stream_tags(module), tuple(sorted({**axes, **frozen}.items())))
   return params, model_def, local_state

@@ -276,8 +276,9 @@ class MeshPlanner:
       if layout == "mirrors_params":
         return map_with_path(mirrored, tree)
       if layout == "logical":
-        return map_with_path(lambda path, leaf: self._lay_out(field, path_str(path), leaf, fitting(axes_of(path), leaf)),
-                             tree)
+        frozen = state_field(field).role == "frozen"
+        return map_with_path(lambda path, leaf: self._lay_out(
+            field, path_str(path), leaf, fitting(axes_of(path), leaf) if frozen else axes_of(path)), tree)
       return map_with_path(lambda path, leaf: self._lay_out(field, path_str(path), leaf, None), tree)
 
     fields = [f.name for f in dataclasses.fields(train_state) if f.metadata.get("pytree_node", True)]
