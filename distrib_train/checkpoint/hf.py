@@ -43,9 +43,18 @@ from distrib_train.recipes.hf_shape import is_moe, llama_config  # noqa: F401
 
 
 def _path_keys(path) -> tuple[str, ...]:
-  """``("layers", "wq")`` for a param's pytree path (nnx's trailing ``value`` dropped)."""
+  """``("layers", "wq")`` for a param's pytree path (nnx's trailing ``value`` dropped, and the leading indices of
+  a tuple of trees or of the frozen weights' adapter: a weight is named the same trained or frozen)."""
+  path = list(path)
+  while path and isinstance(path[0], (jax.tree_util.SequenceKey, jax.tree_util.FlattenedIndexKey)):
+    path.pop(0)
   keys = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
   return keys[:-1] if keys and keys[-1] == "value" else keys
+
+
+def _adapter(keys: tuple[str, ...]) -> bool:
+  """A LoRA adapter (``recipes/lora.py``): no Hugging Face checkpoint holds one; it keeps its fresh value."""
+  return bool(keys) and keys[-1].startswith("lora_")
 
 
 def _tables(config) -> dict[str, tuple[int, dict[str, hf_tables.Tensor]]]:
@@ -164,7 +173,7 @@ def check_params(directory: str, abstract_params: Any, config, abstract_local: A
       keys = _path_keys(path)
       tensor, start = _find(config, keys)
       if tensor is None:
-        if required:
+        if required and not _adapter(keys):
           raise HfCheckpointError(f"no Hugging Face tensor for the reference decoder's {'/'.join(keys)}.")
         continue
       layers = range(start, start + leaf.shape[0]) if start is not None else [None]
@@ -183,8 +192,8 @@ def load_params(directory: str, abstract: Any, config, fresh: Any = None) -> Any
 
   Args:
     directory: a local Hugging Face model directory.
-    abstract: the params as ``jax.ShapeDtypeStruct``s with shardings (``plan.abstract_train_state.params``), or
-      the local state (``…local_state``).
+    abstract: the params as ``jax.ShapeDtypeStruct``s with shardings (``plan.abstract_train_state.params``), the
+      frozen weights (``…model_without_params``, LoRA's base) or the local state (``…local_state``).
     config: the model's config (``llama_config(directory)``).
     fresh: for the local state, its freshly initialised values: a leaf the checkpoint does not hold (FP8
       histories, a step's router loads) keeps its value there. None: every leaf must be in the checkpoint.

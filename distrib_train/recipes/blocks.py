@@ -39,7 +39,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from distrib_train.parallel.experts import dispatch
-from distrib_train.recipes import attention_kernels, fp8, routing
+from distrib_train.recipes import attention_kernels, fp8, lora, routing
 from distrib_train.recipes.rope import frequencies, rotary
 from distrib_train.sharding.axis_rules import constrain
 
@@ -125,15 +125,17 @@ def attention_matmuls(config) -> tuple[str, ...]:
   return ("wq", "wk", "wv", "wo")
 
 
-def _project(subscripts: str, x: jax.Array, layer: dict, name: str) -> jax.Array:
-  return fp8.einsum(subscripts, x, layer[name].astype(x.dtype), layer.get(f"fp8_{name}"))
+def _project(subscripts: str, x: jax.Array, layer: dict, name: str, config=None) -> jax.Array:
+  out = fp8.einsum(subscripts, x, layer[name].astype(x.dtype), layer.get(f"fp8_{name}"))
+  adapted = lora.delta(subscripts, x, layer, name, config) if config is not None and config.lora_rank else None
+  return out if adapted is None else out + adapted
 
 
 def _gqa(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) -> jax.Array:
   dtype = h.dtype
-  q = _project("btd,dnh->btnh", h, layer, "wq")
-  k = _project("btd,dkh->btkh", h, layer, "wk")
-  v = _project("btd,dkh->btkh", h, layer, "wv")
+  q = _project("btd,dnh->btnh", h, layer, "wq", config)
+  k = _project("btd,dkh->btkh", h, layer, "wk", config)
+  v = _project("btd,dkh->btkh", h, layer, "wv", config)
   if config.attention_bias:
     q, k, v = (a + layer[b].astype(dtype) for a, b in ((q, "bq"), (k, "bk"), (v, "bv")))
   if config.qk_norm:
@@ -144,7 +146,7 @@ def _gqa(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) 
   k = constrain(rotary(k, positions, freqs, factor), ("batch", "length", "kv_heads", "head_dim"))
   attn = attention_kernels.attention(q, k, v, config.attention_for(kind), positions=positions,
                                      segment_ids=segment_ids, sinks=layer.get("sinks"))
-  return _project("btnh,nhd->btd", attn, layer, "wo")
+  return _project("btnh,nhd->btd", attn, layer, "wo", config)
 
 
 LATENT_NORM_EPS = 1e-6  # MLA's latent norms: DeepSeek's own epsilon, whatever the model's (transformers' too)
@@ -214,10 +216,10 @@ def dense_params(config, rngs: nnx.Rngs, n: int, width: int, prefix: str = "w") 
 
 def gated_mlp(config, h: jax.Array, layer: dict, names: tuple[str, str, str] = ("w_gate", "w_up", "w_down")) -> jax.Array:
   """The gated MLP on ``h`` [batch, length, embed] with one layer's ``names`` weights."""
-  gate = _project("btd,df->btf", h, layer, names[0])
-  up = _project("btd,df->btf", h, layer, names[1])
+  gate = _project("btd,df->btf", h, layer, names[0], config)
+  up = _project("btd,df->btf", h, layer, names[1], config)
   hidden = constrain(activation(config)(gate, up), ("batch", "length", "mlp"))
-  return constrain(_project("btf,fd->btd", hidden, layer, names[2]), ("batch", "length", "embed"))
+  return constrain(_project("btf,fd->btd", hidden, layer, names[2], config), ("batch", "length", "embed"))
 
 
 def mixture_params(config, rngs: nnx.Rngs, n: int) -> dict[str, nnx.Param]:

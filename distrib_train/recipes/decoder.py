@@ -43,7 +43,7 @@ import distrib_train.microbatches as microbatching
 from distrib_train.parallel import context
 from distrib_train.parallel.experts import EXPERT_OUTPUT
 from distrib_train.parallel.pipeline import layer_stack
-from distrib_train.recipes import blocks, fp8
+from distrib_train.recipes import blocks, fp8, lora
 from distrib_train.recipes.blocks import Kind, param, rms_norm
 from distrib_train.recipes.cross_entropy import chunked_cross_entropy
 from distrib_train.recipes.routing import RouterBias
@@ -150,6 +150,7 @@ class Decoder(nnx.Module):
       norm = lambda: param(rngs, (n, d), ("layers", "embed"), pd, None, value=1.0 - c.norm_weight_offset)
       stack = {**blocks.attention_params(c, rngs, n), "mlp_norm": norm()}
       stack.update(blocks.mixture_params(c, rngs, n) if mixture else blocks.dense_params(c, rngs, n, c.mlp_dim))
+      stack.update(lora.adapter_params(c, rngs, stack, mixture))
       if c.sandwich_norms:
         stack["post_mlp_norm"] = norm()
       if mixture and (c.router_score_bias or c.router_bias_update_rate > 0):

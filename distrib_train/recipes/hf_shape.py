@@ -262,7 +262,7 @@ def shape_fields(config: Any) -> tuple[str, ...]:
 _SHAPE_FIELDS = frozenset(f.name for f in dataclasses.fields(MoEConfig)) - {
     "dtype", "param_dtype", "remat", "scan_layers", "attention", "max_segments", "loss_chunk_size", "loss_remat",
     "context_attention", "fp8", "fp8_amax_history", "fp8_min_dim", "capacity_factor", "aux_loss_weight",
-    "z_loss_weight", "router_bias_update_rate"}
+    "z_loss_weight", "router_bias_update_rate", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"}
 
 
 # --- config.json out ----------------------------------------------------------------------------

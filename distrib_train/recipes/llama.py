@@ -26,9 +26,10 @@ import functools
 import math
 
 import jax
+from typing import Any
 from flax import nnx
 
-from distrib_train.recipes import attention_kernels, fp8
+from distrib_train.recipes import attention_kernels, fp8, lora
 from distrib_train.recipes.blocks import Kind
 from distrib_train.recipes.decoder import INPUT_AXES, REMAT_POLICIES, Decoder, loss_fn  # noqa: F401 (the family's)
 from distrib_train.recipes.family import Capabilities
@@ -98,6 +99,10 @@ class LlamaConfig:
   fp8_amax_history: int = 16  # steps of amax each delayed scale is taken from (fp8 "delayed" only)
   fp8_min_dim: int = 2048  # a matmul whose weight is smaller along its contraction or output stays bf16 (fp8.active)
   hf_model_type: str = ""  # the Hugging Face family it was read from and is written as ("qwen3", …); "": inferred
+  lora_rank: int = 0  # LoRA adapters of this rank on lora_targets, the rest frozen (recipes/lora.py); 0: none
+  lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank (PEFT's)
+  lora_dropout: float = 0.0  # on the adapters' inputs: not built (refused when set)
+  lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -132,6 +137,11 @@ class LlamaConfig:
     for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}.")
+    lora.check(self)
+
+  def trainable(self) -> Any:
+    """The nnx filter of the params that train: the LoRA adapters where there are any, else None (all)."""
+    return lora.trainable if self.lora_rank else None
 
   # --- the layers --------------------------------------------------------------------------------
 

@@ -242,7 +242,10 @@ def _flat(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
       if not isinstance(value, Mapping):
         raise ConfigError(f"{where}: section {key!r} must be a mapping, got {value!r}.")
       for sub, v in value.items():
-        out[f"{key}.{sub}"] = v
+        if key == "model" and isinstance(v, Mapping):  # model.lora: {rank: 8, …} → model.lora.rank
+          out.update({f"{key}.{sub}.{k}": item for k, item in v.items()})
+        else:
+          out[f"{key}.{sub}"] = v
     else:
       out[key] = value
   return out
@@ -311,8 +314,10 @@ def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str 
       mesh_config = coerce(value, str, key)
       continue
     section, _, field = key.partition(".")
+    if section == "model" and "." in field and field.replace(".", "_") in model_types:
+      field = field.replace(".", "_")  # model.lora.rank is the model's lora_rank
     if section == "model" and field in model_types:
-      model_overrides[field] = check_model_value(key, coerce(value, model_types[field], key))
+      model_overrides[field] = check_model_value(key, coerce(value, model_types[field], key), field)
     elif section in _SECTIONS and field in (types_ := _field_types(_SECTIONS[section])):
       sections[section][field] = coerce(value, types_[field], key)
     else:

@@ -128,10 +128,10 @@ def model_field_types(name: str, preset: str) -> dict[str, type]:
 
 
 # integer model fields where 0 is a setting (off), not a size
-_MAY_BE_ZERO = ("max_segments", "fp8_min_dim", "sliding_window", "q_lora_rank")
+_MAY_BE_ZERO = ("max_segments", "fp8_min_dim", "sliding_window", "q_lora_rank", "lora_rank")
 
 
-def check_model_value(key: str, value: Any) -> Any:
+def check_model_value(key: str, value: Any, field: str = "") -> Any:
   """What a model config cannot catch before it builds: every integer field
   of the reference models is a size (0 or less fails deep inside jit, or
   trains and then fails to checkpoint), and a dtype must name a float type.
@@ -142,7 +142,7 @@ def check_model_value(key: str, value: Any) -> Any:
   Raises:
     ConfigError: a size below 1 or a dtype that is not a float type, the key named.
   """
-  zero_ok = key.rsplit(".", 1)[-1] in _MAY_BE_ZERO
+  zero_ok = (field or key.rsplit(".", 1)[-1]) in _MAY_BE_ZERO  # field: model.lora.rank's is lora_rank
   if isinstance(value, int) and not isinstance(value, bool) and value < (0 if zero_ok else 1):
     raise ConfigError(f"{key} must be at least {0 if zero_ok else 1}, got {short_repr(value)}.")
   if key.endswith("dtype"):

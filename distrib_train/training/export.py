@@ -57,13 +57,37 @@ def export(workdir: str | os.PathLike, out: str, step: int | None = None) -> lis
   recipe = config.model_recipe()
   mesh = build_mesh(MeshConfig(("data", "fsdp", "tensor"), (1, 1, 1)), jax.devices()[:1])
   planner = MeshPlanner(mesh, "fsdp_tensor")
-  make = lambda: TrainState.initial_state(recipe.config.build(0), optax.sgd(0.0), jax.random.key(0))
+  make = lambda: TrainState.initial_state(recipe.config.build(0), optax.sgd(0.0), jax.random.key(0),
+                                          is_param=recipe.config.trainable())  # LoRA: the base is frozen
   plan = planner.plan(jax.eval_shape(make))
   with CheckpointManager(workdir / "checkpoints", async_save=False) as manager:
     if manager.latest_step() is None:
       raise ValueError(f"{str(workdir / 'checkpoints')!r} holds no checkpoint.")
     state = manager.restore(plan.init(make), step, params_only=True)  # the model: params and local state
-  return hf.save(state.params, recipe.config, out, local_state=state.local_state)
+  return hf.save(_weights(state, recipe.config), recipe.config, out, local_state=state.local_state)
+
+
+def _weights(state, config) -> dict:
+  """The model's weights by Hugging Face's param names, ``{segment: {name: array}}`` and the top-level ones,
+  whether trained or frozen; a LoRA model's adapters added into their weights (``recipes/lora.merged``)."""
+  import jax
+
+  from distrib_train.checkpoint import hf
+  from distrib_train.recipes import lora
+
+  nested: dict = {}
+  for tree in (state.model_without_params, state.params):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      keys = hf._path_keys(path)
+      if len(keys) == 1:
+        nested[keys[0]] = leaf
+      elif len(keys) == 2:
+        nested.setdefault(keys[0], {})[keys[1]] = leaf
+  if getattr(config, "lora_rank", 0):
+    for segment, stack in list(nested.items()):
+      if isinstance(stack, dict):
+        nested[segment] = lora.merged(config, stack, stack)
+  return nested
 
 
 def main(argv: Sequence[str]) -> int:

@@ -50,8 +50,9 @@ def check(config: Config, abstract: TrainState) -> None:
     ValueError: a missing tensor or array, or one of another shape (named).
   """
   kind, _, path = config.train.init_from.partition(":")
-  if kind == "hf":
-    hf.check_params(os.path.expanduser(path), abstract.params, config.model_recipe().config, abstract.local_state)
+  if kind == "hf":  # the weights trained or frozen (LoRA's base) as one model
+    hf.check_params(os.path.expanduser(path), (abstract.params, abstract.model_without_params),
+                    config.model_recipe().config, abstract.local_state)
   elif kind == "ckpt":
     directory, step = _checkpoint(path)
     read_meta(directory, step)
@@ -63,10 +64,13 @@ def load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Train
   kind, _, path = config.train.init_from.partition(":")
   if kind == "hf":
     directory, model = os.path.expanduser(path), config.model_recipe().config
-    params = hf.load_params(directory, abstract.params, model)
+    adapters = getattr(model, "lora_rank", 0)
+    # With LoRA the params are the adapters (they keep their fresh values) and the base is frozen.
+    params = hf.load_params(directory, abstract.params, model, fresh=state.params if adapters else None)
+    frozen = hf.load_params(directory, abstract.model_without_params, model, fresh=state.model_without_params)
     local_state = hf.load_params(directory, abstract.local_state, model, fresh=state.local_state)
-    return (state.replace(params=params, local_state=local_state),
-            f"Initialised the params from Hugging Face checkpoint {path}.")
+    return (state.replace(params=params, model_without_params=frozen, local_state=local_state),
+            f"Initialised the {'frozen base' if adapters else 'params'} from Hugging Face checkpoint {path}.")
   from distrib_train.checkpoint.manager import CheckpointManager
 
   directory, step = _checkpoint(path)

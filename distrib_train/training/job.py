@@ -90,6 +90,7 @@ class ModelParts:
   input_axes: Mapping[str, Any]
   model_config: Any
   family: Family
+  is_param: Any = None  # which of the model's variables train (LoRA: the adapters); None: every param
 
 
 def model_parts(config: Config, *, model_fn: Callable[[int], Any] | None = None,
@@ -97,9 +98,10 @@ def model_parts(config: Config, *, model_fn: Callable[[int], Any] | None = None,
   """``model_fn``, ``loss_fn`` and ``input_axes`` where given, the config's reference model for the rest."""
   recipe = config.model_recipe() if model_fn is None or loss_fn is None or input_axes is None else None
   model_config = recipe.config if recipe is not None and model_fn is None else None
+  trainable = getattr(model_config, "trainable", None)
   return ModelParts(model_fn or recipe.config.build, loss_fn or recipe.loss_fn,
                     input_axes if input_axes is not None else recipe.input_axes, model_config,
-                    family_of(model_config))
+                    family_of(model_config), trainable() if trainable is not None else None)
 
 
 def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, loss_fn: Callable[..., Any] | None = None,
@@ -111,7 +113,8 @@ def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, lo
   optimizer = optimizers.build(config.optimizer, t.steps, t.nonfinite)
 
   def make_state() -> TrainState:
-    return TrainState.initial_state(parts.model_fn(t.seed), optimizer, jax.random.key(t.seed))
+    return TrainState.initial_state(parts.model_fn(t.seed), optimizer, jax.random.key(t.seed),
+                                    is_param=parts.is_param)
 
   with logical_annotations_only():
     abstract = jax.eval_shape(make_state)

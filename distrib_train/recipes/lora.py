@@ -1,0 +1,121 @@
+"""LoRA adapters on the reference decoders' projections: ``model.lora: {rank, alpha, dropout, targets}``.
+
+With ``lora_rank`` > 0, each targeted projection ``W`` (``q``, ``k``, ``v``,
+``o`` of GQA attention; ``gate``, ``up``, ``down`` of a dense MLP) gets two
+params, ``lora_a_<w>`` (its inputs → rank, normal / √fan-in) and
+``lora_b_<w>`` (rank → its outputs, zeros, so a new adapter leaves the
+model as it was), and computes ``x·W + (alpha / rank)·(x·A)·B``, PEFT's
+default scaling. Only the adapters train (``trainable``): the base weights
+are frozen, out of the optimizer, and laid out by their logical axes like
+params (``train_state.STATE_FIELDS``); the adapters carry their weight's
+axes on its own side and none on the rank.
+
+``merged`` adds the adapters into their weights (for a Hugging Face export).
+
+Not for: the projections themselves (``blocks.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from distrib_train.models.nnx_model import variable_axes
+
+TARGETS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
+_LETTERS = "r"  # the rank's einsum letter (the projections' subscripts use b, t, d, n, h, k, f)
+
+
+def check(config) -> None:
+  """Refuses a LoRA setting the decoder cannot run.
+
+  Raises:
+    ValueError: a negative rank, a rank with a dropout (not built), an unknown target, or MLA attention
+      with an attention target.
+  """
+  if isinstance(config.lora_rank, bool) or config.lora_rank < 0:
+    raise ValueError(f"lora.rank must be 0 (no adapters) or positive, got {config.lora_rank!r}.")
+  if not config.lora_rank:
+    return
+  unknown = [t for t in config.lora_targets if t not in TARGETS]
+  if unknown or not config.lora_targets:
+    raise ValueError(f"lora.targets names {unknown or 'nothing'}; choose among {', '.join(TARGETS)}.")
+  if config.lora_dropout:
+    raise ValueError(f"lora.dropout={config.lora_dropout}: dropout on the adapters' inputs is not built; set it"
+                     " to 0.")
+  if config.attention_kind == "mla" and set(config.lora_targets) & {"q", "k", "v", "o"}:
+    raise ValueError("lora.targets q, k, v and o adapt GQA attention; this model's is MLA: adapt gate, up and"
+                     " down only.")
+
+
+def weights(config) -> tuple[str, ...]:
+  """The projection weights that carry adapters (``wq``, ``w_up``, …)."""
+  return tuple(TARGETS[t] for t in config.lora_targets) if config.lora_rank else ()
+
+
+def adapter_params(config, rngs: nnx.Rngs, stack: dict[str, Any], mixture: bool = False) -> dict[str, nnx.Param]:
+  """``lora_a_<w>`` and ``lora_b_<w>`` for each adapted weight of one stack of layers (its params in
+  ``stack``, ``[layers, inputs…, outputs…]``); a mixture's experts carry none (their MLP weights stay frozen)."""
+  out = {}
+  r = config.lora_rank
+  for name in weights(config):
+    if name not in stack or (mixture and name.startswith("w_")):
+      continue
+    weight = stack[name]
+    shape, axes = weight.shape, variable_axes(weight) or (None,) * len(weight.shape)
+    n_in = _inputs(name)
+    fan_in = math.prod(shape[1:1 + n_in])
+    a = jax.random.normal(rngs.params(), (shape[0], *shape[1:1 + n_in], r), weight.dtype) / math.sqrt(fan_in)
+    out[f"lora_a_{name}"] = nnx.Param(a, out_sharding=(axes[0], *axes[1:1 + n_in], None))
+    out[f"lora_b_{name}"] = nnx.Param(jnp.zeros((shape[0], r, *shape[1 + n_in:]), weight.dtype),
+                                      out_sharding=(axes[0], None, *axes[1 + n_in:]))
+  return out
+
+
+def _inputs(name: str) -> int:
+  """How many of a weight's dimensions (after the layers') are its inputs: ``wo`` takes heads × head_dim."""
+  return 2 if name == "wo" else 1
+
+
+def delta(subscripts: str, x: jax.Array, layer: dict, name: str, config) -> jax.Array | None:
+  """``(alpha / rank)·(x·A)·B`` for weight ``name`` of one layer, in the projection's ``subscripts``, or None
+  where it has no adapter."""
+  a, b = layer.get(f"lora_a_{name}"), layer.get(f"lora_b_{name}")
+  if a is None:
+    return None
+  inputs, out = subscripts.split("->")
+  x_sub, w_sub = inputs.split(",")
+  n_in = _inputs(name)
+  contracted, produced = w_sub[:n_in], w_sub[n_in:]
+  kept = "".join(c for c in x_sub if c not in contracted)
+  low = jnp.einsum(f"{x_sub},{contracted}{_LETTERS}->{kept}{_LETTERS}", x, a.astype(x.dtype))
+  scale = config.lora_alpha / config.lora_rank
+  return jnp.einsum(f"{kept}{_LETTERS},{_LETTERS}{produced}->{out}", low, b.astype(x.dtype)) * scale
+
+
+def trainable(path: tuple[Any, ...], value: Any) -> bool:
+  """The nnx filter of the params that train with adapters: the adapters alone."""
+  return isinstance(value, nnx.Param) and any(str(k).startswith("lora_") for k in path)
+
+
+def merged(config, base: dict[str, Any], adapters: dict[str, Any]) -> dict[str, Any]:
+  """One stack's weights with its adapters added in (``W + (alpha / rank)·A·B``), as numpy-able arrays; the
+  stack's other weights as they are."""
+  out = dict(base)
+  scale = config.lora_alpha / config.lora_rank
+  for name in weights(config):
+    a, b = adapters.get(f"lora_a_{name}"), adapters.get(f"lora_b_{name}")
+    if a is None or name not in base:
+      continue
+    w = jnp.asarray(base[name], jnp.float32)
+    n_in = _inputs(name)
+    a32, b32 = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    lead, in_shape, out_shape = w.shape[0], w.shape[1:1 + n_in], w.shape[1 + n_in:]
+    product = jnp.einsum("lir,lro->lio", a32.reshape(lead, -1, config.lora_rank),
+                         b32.reshape(lead, config.lora_rank, -1))
+    out[name] = w + scale * product.reshape(lead, *in_shape, *out_shape)
+  return out
