@@ -14,9 +14,13 @@ documents' text, rows filled by the stream), then SFT again; the figure is
 pretraining's step time over SFT's (the mean of the two SFT runs), with the
 SFT runs' spread as the host's drift. The step itself is one program for
 both (the loss weights are an input either way), so the ratio is the data
-path's and the padding's, counted as steps, not tokens.
+path's and the padding's, counted as steps, not tokens. With ``--lora RANK``
+a fourth run trains the same SFT through LoRA adapters of that rank
+(``model.lora.rank``), and the figure beside it is full fine-tuning's step
+time over LoRA's.
 
-Target (issue 48): an SFT step ≥ 0.97 × a pretraining step on the same shape.
+Targets (issue 48): an SFT step ≥ 0.97 × a pretraining step on the same shape; a LoRA step ≥ 1.0 × a full
+fine-tuning step.
 
 Not for: the trainer against its bare step (``trainer_loop.py``).
 """
@@ -41,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--log_every", type=int, default=10)
   parser.add_argument("--cpu_devices", type=int)
   parser.add_argument("--timeout", type=float, default=1800)
+  parser.add_argument("--lora", type=int, default=0, help="also time SFT through LoRA adapters of this rank")
   args = parser.parse_args(argv)
   if args.steps < 3 * args.log_every:
     parser.error("--steps must be at least 3 × --log_every (one warm-up window, two timed).")
@@ -60,6 +65,10 @@ def main(argv: list[str] | None = None) -> None:
         f" {(sft_before['data_wait_ms'] + sft_after['data_wait_ms']) / 2:.2f} ms")
   print(f"  pretraining  {pretraining['step_ms']:9.2f} ms/step  data wait {pretraining['data_wait_ms']:.2f} ms")
   print(f"  SFT step speed / pretraining step speed: {pretraining['step_ms'] / sft_ms:.3f}")
+  if args.lora:
+    adapted = run([f"model.lora.rank={args.lora}"])
+    print(f"  LoRA (rank {args.lora}) {adapted['step_ms']:9.2f} ms/step")
+    print(f"  LoRA step speed / full fine-tuning step speed: {sft_ms / adapted['step_ms']:.3f}")
 
 
 if __name__ == "__main__":
