@@ -226,6 +226,7 @@ def _field_types(cls: type) -> dict[str, Any]:
 def valid_keys(model_fields: Sequence[str] = ()) -> list[str]:
   """Every ``section.key`` a config or ``--set`` accepts."""
   keys = ["mesh_config", "model.name", "model.preset"] + [f"model.{f}" for f in model_fields]
+  keys += [f"model.lora.{f[5:]}" for f in model_fields if f.startswith("lora_")]  # model.lora: {rank, …}
   for section, cls in _SECTIONS.items():
     keys += [f"{section}.{name}" for name in _field_types(cls)]
   return keys
