@@ -315,8 +315,7 @@ def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str 
       mesh_config = coerce(value, str, key)
       continue
     section, _, field = key.partition(".")
-    if section == "model" and "." in field and field.replace(".", "_") in model_types:
-      field = field.replace(".", "_")  # model.lora.rank is the model's lora_rank
+    field = field.replace(".", "_") if section == "model" and field.replace(".", "_") in model_types else field
     if section == "model" and field in model_types:
       model_overrides[field] = check_model_value(key, coerce(value, model_types[field], key), field)
     elif section in _SECTIONS and field in (types_ := _field_types(_SECTIONS[section])):
