@@ -8,7 +8,7 @@ own config cannot check before it builds; ``closest_keys`` suggests the keys
 a mistyped one may have meant.
 
 Not for: the sections and their defaults, or the checks across fields
-(``config.py``).
+(``config.py``, ``config_checks.py``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Literal
 
 import optax
 
-from distrib_train.training.config import NONFINITE_POLICIES
+from distrib_train.training.config_checks import NONFINITE_POLICIES
 
 
 def guard_updates(update: optax.GradientTransformation, policy: str) -> optax.GradientTransformation:

@@ -1,0 +1,73 @@
+"""The checks across a run config's fields: ranges, names, and what the sections need of each other.
+
+``config.build`` runs ``check_config`` on every ``Config`` it makes, before
+anything runs.
+
+Not for: parsing a value into its field's type (``config_values.py``) or
+the sections and their defaults (``config.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from distrib_train.common.text import short_repr
+from distrib_train.common.yaml_loader import ConfigError
+from distrib_train.recipes.family import family_of
+
+NONFINITE_POLICIES = ("skip", "halt", "rollback")
+
+
+def check_config(config: Any) -> None:
+  """Checks across a built ``Config``'s fields and sections.
+
+  Raises:
+    ConfigError: a value out of range or a combination that cannot run (named by its key).
+  """
+  o, t = config.optimizer, config.train
+  if o.name not in ("adamw", "adam", "sgd"):
+    raise ConfigError(f"optimizer.name must be adamw, adam or sgd, got {o.name!r}.")
+  if o.schedule not in ("constant", "cosine", "linear"):
+    raise ConfigError(f"optimizer.schedule must be constant, cosine or linear, got {o.schedule!r}.")
+  if o.learning_rate <= 0:
+    raise ConfigError(f"optimizer.learning_rate must be positive, got {o.learning_rate!r}.")
+  for key in ("warmup_steps", "decay_steps"):
+    if getattr(o, key) < 0:
+      raise ConfigError(f"optimizer.{key} must be 0 or more, got {getattr(o, key)!r}.")
+  if not 0.0 <= o.min_lr_ratio <= 1.0:
+    raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio!r}.")
+  if t.steps < 1:
+    raise ConfigError(f"train.steps must be at least 1, got {t.steps!r}.")
+  for key in ("log_every", "keep_checkpoints", "max_nonfinite", "microbatches", "pipeline_repeats"):
+    if getattr(t, key) < 1:
+      raise ConfigError(f"train.{key} must be at least 1, got {getattr(t, key)!r}.")
+  for key in ("eval_every", "eval_batches", "checkpoint_every", "local_checkpoint_every", "hang_timeout_s",
+              "hang_compile_timeout_s", "hang_checkpoint_timeout_s"):
+    if getattr(t, key) < 0:
+      raise ConfigError(f"train.{key} must be 0 or more, got {getattr(t, key)!r}.")
+  for key in ("hang_compile_timeout_s", "hang_checkpoint_timeout_s"):
+    if getattr(t, key) and not t.hang_timeout_s:
+      raise ConfigError(f"train.{key} is set but the hang watchdog is off (train.hang_timeout_s=0); set"
+                        " train.hang_timeout_s too.")
+  from distrib_train.sharding.axis_rules import RULE_SETS
+
+  if t.rules not in RULE_SETS:
+    raise ConfigError(f"train.rules must be one of {', '.join(sorted(RULE_SETS))}, got {t.rules!r}.")
+  if t.nonfinite not in NONFINITE_POLICIES:
+    raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {t.nonfinite!r}.")
+  if t.init_from:
+    kind, _, path = t.init_from.partition(":")
+    if kind not in ("hf", "ckpt") or not path:
+      raise ConfigError(f"train.init_from must be hf:<Hugging Face dir> or ckpt:<workdir or step dir>, got"
+                        f" {short_repr(t.init_from)}.")
+    if not os.path.isdir(os.path.expanduser(path)):
+      raise ConfigError(f"train.init_from {t.init_from}: {path!r} is not a directory.")
+  try:
+    config.data_config()
+    config.model_recipe()
+  except (ValueError, TypeError, ArithmeticError) as e:  # values the model's own config refuses
+    raise ConfigError(f"model: {e}" if not isinstance(e, ValueError) else str(e)) from None
+  vocab = family_of(config.model_recipe().config).vocab_size
+  if vocab is not None and vocab < 256 and config.data.tokenizer == "bytes":
+    raise ConfigError(f"model.vocab_size {vocab} is below 256, the byte-level vocabulary of the data sources.")
