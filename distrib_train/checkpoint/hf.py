@@ -40,16 +40,27 @@ from distrib_train.recipes import decoder, hf_tables
 # config.json ↔ the reference models' config is read and written in recipes/hf_shape.py; public here too.
 from distrib_train.recipes.hf_shape import FAMILIES, MOE_FAMILIES, HfCheckpointError, hf_config  # noqa: F401
 from distrib_train.recipes.hf_shape import is_moe, llama_config  # noqa: F401
+from distrib_train.recipes.objectives import ROLES
 
 
 def _path_keys(path) -> tuple[str, ...]:
   """``("layers", "wq")`` for a param's pytree path (nnx's trailing ``value`` dropped, and the leading indices of
-  a tuple of trees or of the frozen weights' adapter: a weight is named the same trained or frozen)."""
+  a tuple of trees or of the frozen weights' adapter: a weight is named the same trained or frozen; and a
+  preference model's ``policy`` or ``reference``, ``recipes/objectives.py``: both are the same model)."""
   path = list(path)
   while path and isinstance(path[0], (jax.tree_util.SequenceKey, jax.tree_util.FlattenedIndexKey)):
     path.pop(0)
   keys = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+  if keys and keys[0] in ROLES:
+    keys = keys[1:]
   return keys[:-1] if keys and keys[-1] == "value" else keys
+
+
+def is_reference(path) -> bool:
+  """Whether a pytree path is in a preference model's frozen reference copy."""
+  keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path
+          if not isinstance(k, (jax.tree_util.SequenceKey, jax.tree_util.FlattenedIndexKey))]
+  return bool(keys) and keys[0] == ROLES[1]
 
 
 def _adapter(keys: tuple[str, ...]) -> bool:
@@ -187,7 +198,7 @@ def check_params(directory: str, abstract_params: Any, config, abstract_local: A
                                     f" {want}.")
 
 
-def load_params(directory: str, abstract: Any, config, fresh: Any = None) -> Any:
+def load_params(directory: str, abstract: Any, config, fresh: Any = None, skip: Any = None) -> Any:
   """The params (or local state) of ``directory``'s checkpoint on the shardings of ``abstract``.
 
   Args:
@@ -197,6 +208,7 @@ def load_params(directory: str, abstract: Any, config, fresh: Any = None) -> Any
     config: the model's config (``llama_config(directory)``).
     fresh: for the local state, its freshly initialised values: a leaf the checkpoint does not hold (FP8
       histories, a step's router loads) keeps its value there. None: every leaf must be in the checkpoint.
+    skip: with ``fresh``, the paths (a predicate) that keep their value there too.
 
   Raises:
     HfCheckpointError: a tensor missing or of another shape (named).
@@ -208,7 +220,7 @@ def load_params(directory: str, abstract: Any, config, fresh: Any = None) -> Any
   out = []
   for (path, leaf), value in zip(leaves, kept):
     keys = _path_keys(path)
-    if fresh is not None and _find(config, keys)[0] is None:
+    if fresh is not None and (_find(config, keys)[0] is None or (skip is not None and skip(path))):
       out.append(value)
       continue
     read = _reader_of(reader, config, keys, leaf.shape, leaf.dtype, "param")

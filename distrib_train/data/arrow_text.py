@@ -36,12 +36,15 @@ def record_columns(path: str, names: list[str]) -> list[str]:
   ``completion`` (and a preference pair's ``chosen`` / ``rejected``).
 
   Raises:
-    ValueError: neither ``messages`` nor ``prompt`` and ``completion`` (the columns listed).
+    ValueError: neither ``messages``, ``prompt`` and ``completion`` nor ``chosen`` and ``rejected`` (the columns
+      listed).
   """
   columns = [name for name in RECORD_COLUMNS if name in names]
-  if "messages" not in columns and not {"prompt", "completion"} <= set(columns):
+  if "messages" not in columns and not {"prompt", "completion"} <= set(columns) \
+      and not {"chosen", "rejected"} <= set(columns):
     raise ValueError(f"Data file {path!r} holds no conversations: a conversation record has a 'messages' column,"
-                     f" or 'prompt' and 'completion'; its columns: {', '.join(names)}.")
+                     f" 'prompt' and 'completion', or a pair's 'chosen' and 'rejected'; its columns:"
+                     f" {', '.join(names)}.")
   return columns
 
 

@@ -75,6 +75,10 @@ class DataConfig:
     long_conversations: a conversation longer than ``seq_len + 1`` tokens is
       cut there (``truncate``) or left out (``drop``); each is counted
       (``data/long_conversations``).
+    pairs: set from ``train.objective: dpo``, not a config key: the records
+      are preference pairs (``preference.py``), each two sequences — the
+      prompt with the chosen completion, then with the rejected one — packed
+      whole into one row as two segments, their completions scored.
   """
 
   source: str = "pydoc"
@@ -99,11 +103,17 @@ class DataConfig:
   loss_on: str = ""
   chat_template: str = ""
   long_conversations: str = "truncate"
+  pairs: bool = False
 
   @property
   def conversations(self) -> bool:
     """Whether the documents are conversation records (``loss_on`` set)."""
     return bool(self.loss_on)
+
+  @property
+  def max_segments_per_row(self) -> int:
+    """The segments a row holds at most (0: any number): ``max_documents_per_row``, two for each pair."""
+    return self.max_documents_per_row * (2 if self.pairs else 1)
 
   def __post_init__(self):
     for name in ("seq_len", "global_batch_size", "synthetic_documents", "num_threads", "block_cache"):
@@ -141,6 +151,10 @@ class DataConfig:
                        " conversation records, or leave it empty for documents of text.")
     if self.long_conversations not in ("truncate", "drop"):
       raise ValueError(f"Data config: long_conversations={self.long_conversations!r}; choose truncate or drop.")
+    if self.pairs and (self.loss_on != "completion" or not self.packing):
+      raise ValueError(f"Data config: preference pairs (train.objective: dpo) score their completions and pack"
+                       f" both of a pair into one row: set data.loss_on=completion (or leave it empty) and"
+                       f" data.packing=true (it is loss_on={self.loss_on!r}, packing={self.packing}).")
     if not self.loss_on:
       if self.chat_template:
         raise ValueError("Data config: chat_template renders conversation records; set data.loss_on (assistant,"

@@ -79,7 +79,7 @@ def batches(ds: Any, *, config: DataConfig, tokenize: Callable[[Any], np.ndarray
       it = grain.experimental.FirstFitPackIterDataset(
           it, length_struct={"tokens": seq, "loss": seq}, num_packing_bins=1, shuffle_bins=False,
           max_sequences_per_bin=config.max_documents_per_row or None).map(
-              lambda ex: sequences.shifted({**ex, "tokens_loss": ex["loss"]}, config.max_documents_per_row))
+              lambda ex: sequences.shifted({**ex, "tokens_loss": ex["loss"]}, config.max_segments_per_row))
     else:
       it = it.map(lambda ex: sequences.unpacked(_padded(ex["tokens"], seq), _padded(ex["loss"], seq)))
   elif config.packing:

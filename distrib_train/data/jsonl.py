@@ -93,8 +93,10 @@ def _json_text(raw: bytes, field: str) -> str:
   except json.JSONDecodeError as e:
     raise _Malformed(f"is not JSON: {e.msg}") from None
   if field == "*":  # a conversation record (data.loss_on): the whole object, read by data/chat.py
-    if not isinstance(record, dict) or not ("messages" in record or {"prompt", "completion"} <= record.keys()):
-      raise _Malformed("is not a conversation record: an object with 'messages', or 'prompt' and 'completion'")
+    if not isinstance(record, dict) or not ("messages" in record or {"prompt", "completion"} <= record.keys()
+                                            or {"chosen", "rejected"} <= record.keys()):
+      raise _Malformed("is not a conversation record: an object with 'messages', 'prompt' and 'completion', or"
+                       " 'chosen' and 'rejected'")
     return raw.decode("utf-8")
   if not isinstance(record, dict):
     raise _Malformed(f"holds a JSON {type(record).__name__}, not an object with a string field {field!r}"

@@ -280,6 +280,7 @@ class DataLoader:
               "seed": config.seed, "eval_fraction": config.eval_fraction}
     if config.conversations:  # whole conversations name other documents and rows than a stream of text
       layout["loss_on"] = config.loss_on
+      layout.update({"pairs": True} if config.pairs else {})
     # A position in the shuffle by blocks names other documents than the same position in grain's shuffle (a
     # Parquet corpus's before this release): a position saved in the one order is refused in the other.
     return {**layout, "order": "blocks"} if self._by_blocks else layout
@@ -336,7 +337,7 @@ class DataLoader:
 def _lane_batch(config: DataConfig, input_shardings: Mapping[str, Any],
                 rows: list[dict[str, np.ndarray]]) -> dict[str, Any]:
   """The lanes' next rows (endless.py) → this process's rows and the global batch."""
-  cap = config.max_documents_per_row
+  cap = config.max_segments_per_row
   rows = [sequences.shifted(row, cap) if config.packing else sequences.unpacked(row["tokens"], row.get("tokens_loss"))
           for row in rows]
   local = {name: np.stack([row[name] for row in rows]) for name in rows[0]}

@@ -74,6 +74,16 @@ def pydoc_conversations(docs: list[str]) -> list[str]:
                                    {"role": "assistant", "content": answer(doc)}]}) for doc in docs]
 
 
+def pydoc_pairs(docs: list[str]) -> list[str]:
+  """The pydoc conversations as preference records: the passage asked about chosen, another passage rejected
+  (``train.objective: dpo`` on the demo corpus)."""
+  import json
+
+  turns = [json.loads(record)["messages"] for record in pydoc_conversations(docs)]
+  return [json.dumps({"prompt": m[:1], "chosen": m[1:], "rejected": turns[(i + 7) % len(turns)][1:]})
+          for i, m in enumerate(turns)]
+
+
 def read_by_blocks(config: DataConfig) -> bool:
   """Whether ``config``'s corpus has files read by blocks (Parquet, compressed JSONL), whose order is the
   shuffle by blocks (``block_order.py``) rather than grain's index shuffle."""
@@ -94,8 +104,9 @@ class Documents:
     self._block_cache = block_order.BlockCache(config.block_cache)
     if config.source == "pydoc":
       self._docs = _pydoc_documents()
-      if config.conversations:
-        self._docs = pydoc_conversations(_pydoc_documents(CONVERSATION_BYTES))
+      if config.conversations:  # a pair is two answers: half as long each
+        self._docs = pydoc_pairs(_pydoc_documents(CONVERSATION_BYTES // 2)) if config.pairs else \
+            pydoc_conversations(_pydoc_documents(CONVERSATION_BYTES))
     elif config.source == "synthetic":
       self._docs = None
     else:

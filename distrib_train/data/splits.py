@@ -128,8 +128,9 @@ class DocumentTokenizer:
     self._chat = None
     if config.conversations:
       from distrib_train.data.chat import ConversationTokenizer
+      from distrib_train.data.preference import PairTokenizer
 
-      self._chat = ConversationTokenizer(config)
+      self._chat = (PairTokenizer if config.pairs else ConversationTokenizer)(config)
     if isinstance(tokenizer, str):
       loaded = tokenizer_lib.load(tokenizer, config.bos_token, config.eos_token)
       plain_bytes = tokenizer == "bytes" and loaded.bos_id is None and loaded.eos_id is None

@@ -29,25 +29,10 @@ def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array
   ``softcap`` > 0 caps the logits at ``softcap · tanh(logits / softcap)``
   first (Gemma's final soft cap).
   """
-  batch, length, d = hidden.shape
-  # On a context mesh each device holds a block of the length: the chunks are taken inside every block at
-  # once ([batch, blocks, chunk] per iteration), so no iteration reads another device's tokens (scanning
-  # over chunks of the whole length gathered the hidden states over the context axis at every chunk).
-  blocks = context.context_size()
-  if length % blocks:
-    blocks = 1
-  local = length // blocks
-  chunk = chunk_size if local % chunk_size == 0 else local
-  n = local // chunk
-  split = lambda a: jnp.moveaxis(a.reshape(batch, blocks, n, chunk, *a.shape[2:]), 2, 0)
+  split, _ = _chunks(hidden, chunk_size)
 
   def chunk_loss(h, t, w):
-    logits = jnp.einsum("...d,dv->...v", h, head.astype(h.dtype)).astype(jnp.float32)
-    if softcap:
-      logits = softcap * jnp.tanh(logits / softcap)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-    return jnp.sum((logz - target_logit) * w)
+    return -jnp.sum(_target_logprobs(h, head, t, softcap) * w)
 
   if remat:
     chunk_loss = jax.checkpoint(chunk_loss)
@@ -57,3 +42,42 @@ def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array
 
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(hidden), split(targets), split(weights)))
   return total, jnp.sum(weights)
+
+
+def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk_size: int, remat: bool = True,
+                     softcap: float = 0.0) -> jax.Array:
+  """Each target's log-probability [batch, length] (float32), chunk by chunk as ``chunked_cross_entropy``
+  computes the loss: no float32 [batch, length, vocab] array exists (a preference objective's per-token
+  figures, ``objectives.py``)."""
+  split, join = _chunks(hidden, chunk_size)
+  logprobs = lambda h, t: _target_logprobs(h, head, t, softcap)
+  if remat:
+    logprobs = jax.checkpoint(logprobs)
+  _, out = jax.lax.scan(lambda carry, xs: (carry, logprobs(*xs)), None, (split(hidden), split(targets)))
+  return join(out)
+
+
+def _target_logprobs(h: jax.Array, head: jax.Array, t: jax.Array, softcap: float) -> jax.Array:
+  logits = jnp.einsum("...d,dv->...v", h, head.astype(h.dtype)).astype(jnp.float32)
+  if softcap:
+    logits = softcap * jnp.tanh(logits / softcap)
+  target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+  return target_logit - jax.nn.logsumexp(logits, axis=-1)
+
+
+def _chunks(hidden: jax.Array, chunk_size: int):
+  """``split`` ([batch, length, …] → [chunks, batch, blocks, chunk, …]) and ``join`` (its inverse for
+  [chunks, batch, blocks, chunk]) for chunks of ``chunk_size`` positions (the whole block when it does not
+  divide it). On a context mesh each device holds a block of the length: the chunks are taken inside every block
+  at once ([batch, blocks, chunk] per iteration), so no iteration reads another device's tokens (scanning over
+  chunks of the whole length gathered the hidden states over the context axis at every chunk)."""
+  batch, length = hidden.shape[:2]
+  blocks = context.context_size()
+  if length % blocks:
+    blocks = 1
+  local = length // blocks
+  chunk = chunk_size if local % chunk_size == 0 else local
+  n = local // chunk
+  split = lambda a: jnp.moveaxis(a.reshape(batch, blocks, n, chunk, *a.shape[2:]), 2, 0)
+  join = lambda a: jnp.moveaxis(a, 0, 2).reshape(batch, length)
+  return split, join

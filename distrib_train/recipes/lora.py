@@ -11,13 +11,18 @@ params (``train_state.STATE_FIELDS``); the adapters carry their weight's
 axes on its own side and none on the rank.
 
 ``merged`` adds the adapters into their weights (for a Hugging Face export).
+Inside ``adapters_off()`` the model runs without its adapters: the base, a
+preference objective's reference (``objectives.py``) at no memory cost.
 
 Not for: the projections themselves (``blocks.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -28,6 +33,20 @@ from distrib_train.models.nnx_model import variable_axes
 
 TARGETS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
 _LETTERS = "r"  # the rank's einsum letter (the projections' subscripts use b, t, d, n, h, k, f)
+
+
+_OFF = threading.local()
+
+
+@contextlib.contextmanager
+def adapters_off() -> Iterator[None]:
+  """Traces the model without its adapters (the frozen base alone) inside the block."""
+  before = getattr(_OFF, "on", False)
+  _OFF.on = True
+  try:
+    yield
+  finally:
+    _OFF.on = before
 
 
 def check(config) -> None:
@@ -85,7 +104,7 @@ def delta(subscripts: str, x: jax.Array, layer: dict, name: str, config) -> jax.
   """``(alpha / rank)·(x·A)·B`` for weight ``name`` of one layer, in the projection's ``subscripts``, or None
   where it has no adapter."""
   a, b = layer.get(f"lora_a_{name}"), layer.get(f"lora_b_{name}")
-  if a is None:
+  if a is None or getattr(_OFF, "on", False):
     return None
   inputs, out = subscripts.split("->")
   x_sub, w_sub = inputs.split(",")

@@ -7,7 +7,9 @@ An experiment is four small sections::
   optimizer:  adamw / adam / sgd, learning rate, schedule, warmup, clipping
   data:       source, paths, seq_len, global_batch_size, …  (DataConfig)
   train:      steps, seed, log / eval / checkpoint intervals, non-finite
-              policy, compilation cache, profiling, peak FLOP/s
+              policy, compilation cache, profiling, peak FLOP/s, objective
+  dpo:        the preference objective's β, loss and reference (read with
+              train.objective: dpo; recipes/objectives.py)
 
 plus ``mesh_config`` (a file in ``mesh_configs/`` or a path). ``load``
 reads a YAML file (or a preset shipped in ``distrib_train/configs/``) over
@@ -37,6 +39,7 @@ from distrib_train.training.config_checks import check_config
 from distrib_train.training.config_values import check_model_value, closest_keys, coerce, model_field_types
 
 from distrib_train.data.pipeline import DataConfig
+from distrib_train.recipes.objectives import DpoConfig
 
 PRESETS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"  # distrib_train/configs
 
@@ -93,6 +96,8 @@ class TrainConfig:
     peak_tflops: per-device peak for MFU (0: look the device kind up; CPU
       has none).
     rules: axis rules (a rule-set name) when the mesh config names none.
+    objective: ``lm`` (next-token cross-entropy: pretraining, SFT) or
+      ``dpo`` (preference pairs, the ``dpo`` section; ``recipes/objectives.py``).
     init_from: a new run's weights: ``hf:<dir>`` (a Hugging Face Llama /
       Mistral / Qwen2 checkpoint; the model's shape comes from its
       config.json) or ``ckpt:<workdir, checkpoints dir or step dir>`` (the
@@ -133,6 +138,7 @@ class TrainConfig:
   compilation_cache_dir: str = "~/.cache/distrib_train/xla"
   peak_tflops: float = 0.0
   rules: str = "fsdp_tensor"
+  objective: str = "lm"
   init_from: str = ""
   microbatches: int = 1
   pipeline_repeats: int = 1
@@ -158,12 +164,14 @@ class Config:
   optimizer: OptimizerConfig = OptimizerConfig()
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
+  dpo: DpoConfig = DpoConfig()
   mesh_config: str = "cpu-8"
 
   def to_dict(self) -> dict[str, Any]:
     """Plain, YAML-able values (model overrides inlined into ``model``)."""
     out = dataclasses.asdict(self)
     out["data"]["tokenizer"] = self.data.tokenizer_name()
+    out["data"].pop("pairs")  # set from train.objective
     model = out.pop("model")
     out = {"model": {"name": model["name"], "preset": model["preset"], **dict(model["overrides"])}, **out}
     out["data"]["paths"] = list(out["data"]["paths"])
@@ -207,13 +215,16 @@ class Config:
 
   def data_config(self) -> DataConfig:
     """This config's ``distrib_train.data.DataConfig`` (the ``data`` section); the trainer's own, rows capped
-    for cuDNN's packed attention where it runs, is ``training/job.data_config``."""
-    return self.data
+    for cuDNN's packed attention where it runs, is ``training/job.data_config``); ``dpo``'s reads preference
+    pairs, their completions scored."""
+    if self.train.objective != "dpo":
+      return self.data
+    return dataclasses.replace(self.data, pairs=True, loss_on=self.data.loss_on or "completion")
 
 
-_SECTIONS = {"optimizer": OptimizerConfig, "data": DataConfig, "train": TrainConfig}
+_SECTIONS = {"optimizer": OptimizerConfig, "data": DataConfig, "train": TrainConfig, "dpo": DpoConfig}
 # Fields set from code, not from a config file.
-_NOT_CONFIG_KEYS: tuple[str, ...] = ()
+_NOT_CONFIG_KEYS: tuple[str, ...] = ("pairs",)
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -326,6 +337,7 @@ def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str 
         optimizer=OptimizerConfig(**sections["optimizer"]),
         data=DataConfig(**sections["data"]),
         train=TrainConfig(**sections["train"]),
+        dpo=DpoConfig(**sections["dpo"]),
         mesh_config=mesh_config,
     )
   except ValueError as e:  # a value the section itself refuses (DataConfig checks its own)

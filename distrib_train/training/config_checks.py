@@ -15,6 +15,7 @@ from typing import Any
 from distrib_train.common.text import short_repr
 from distrib_train.common.yaml_loader import ConfigError
 from distrib_train.recipes.family import family_of
+from distrib_train.recipes.objectives import OBJECTIVES
 
 NONFINITE_POLICIES = ("skip", "halt", "rollback")
 
@@ -54,6 +55,17 @@ def check_config(config: Any) -> None:
 
   if t.rules not in RULE_SETS:
     raise ConfigError(f"train.rules must be one of {', '.join(sorted(RULE_SETS))}, got {t.rules!r}.")
+  if t.objective not in OBJECTIVES:
+    raise ConfigError(f"train.objective must be one of {', '.join(OBJECTIVES)}, got {t.objective!r}.")
+  if t.objective == "dpo" and config.model.name not in ("llama", "moe"):
+    raise ConfigError(f"train.objective=dpo trains the reference decoders (model.name llama or moe), not"
+                      f" {config.model.name!r}.")
+  if t.objective == "dpo" and config.dpo.reference:
+    if not os.path.isdir(os.path.expanduser(config.dpo.reference[3:])):
+      raise ConfigError(f"dpo.reference {config.dpo.reference}: {config.dpo.reference[3:]!r} is not a directory.")
+    if not t.init_from:
+      raise ConfigError(f"dpo.reference {config.dpo.reference} is the reference of a policy that starts from"
+                        " trained weights: set train.init_from too (empty, the policy would start random).")
   if t.nonfinite not in NONFINITE_POLICIES:
     raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {t.nonfinite!r}.")
   if t.init_from:

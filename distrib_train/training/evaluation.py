@@ -3,7 +3,8 @@
 The trainer checks the split at start-up (``missing_eval_split``: a run asked
 to evaluate with nothing held out is refused before it trains) and runs
 ``evaluate`` from its evaluation hook. The figures are token-weighted means of
-the eval step's aux, written under ``eval/``.
+the eval step's aux (pair-weighted for ``train.objective: dpo``), written under
+``eval/``.
 
 Not for: what the eval step computes (``train_step.build_eval_step_fn``) or
 when it runs (the trainer's hooks).
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from distrib_train.recipes import objectives
 from distrib_train.training.checks import local_value
 from distrib_train.training.loop import aux_scalars
 
@@ -52,13 +54,15 @@ def evaluate(eval_step: Callable[..., Any], state: Any, step: int, data_config: 
   start = time.perf_counter()
   loader = DataLoader(data_config, shardings, split="eval", num_epochs=1)
   total = count = 0.0
+  weight = None
   done = 0
   aux_totals: dict[str, float] = {}
   try:
     for batch in loader:
       phases.enter("eval")  # progress, for the watchdog
       aux = eval_step(state, **batch)
-      tokens = float(local_value(aux["tokens"])) if isinstance(aux, Mapping) and "tokens" in aux else 1.0
+      weight = objectives.weight_name(aux)  # pairs (dpo), else tokens
+      tokens = float(local_value(aux[weight])) if weight else 1.0
       loss = aux["loss"] if isinstance(aux, Mapping) else aux
       total += float(local_value(loss)) * tokens
       for name, value in aux_scalars(aux).items():  # token-weighted, like the loss
@@ -72,7 +76,8 @@ def evaluate(eval_step: Callable[..., Any], state: Any, step: int, data_config: 
   eval_loss = total / max(count, 1.0)
   aux_means = {name: value / max(count, 1.0) for name, value in aux_totals.items()}
   # exp of a mean token cross-entropy (without a mixture's routing losses); capped below overflow
-  perplexity = math.exp(min(aux_means.get("cross_entropy", eval_loss), 700.0))
-  writer.write(step, {**aux_means, "loss": eval_loss, "perplexity": perplexity, "tokens": count,
+  figures = {"pairs": count} if weight == "pairs" else \
+      {"perplexity": math.exp(min(aux_means.get("cross_entropy", eval_loss), 700.0)), "tokens": count}
+  writer.write(step, {**aux_means, "loss": eval_loss, **figures,
                       "batches": done, "seconds": time.perf_counter() - start}, prefix="eval/")
   return eval_loss

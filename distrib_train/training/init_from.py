@@ -15,6 +15,10 @@ resumes from it and ignores ``init_from``).
   one step directory in it; the newest step unless a step is named; the
   params only (the optimizer may differ).
 
+With ``train.objective: dpo`` and ``dpo.reference: hf:<dir>``, the frozen
+reference copy (``recipes/objectives.Preference``) is read from that
+checkpoint instead (checked with the rest).
+
 Not for: resuming a run (``trainer.py``), the formats (``checkpoint/``).
 """
 
@@ -43,6 +47,11 @@ def _checkpoint(path: str) -> tuple[pathlib.Path, int]:
   return directory, steps[-1]
 
 
+def _reference(config: Config) -> str:
+  """``dpo.reference``'s directory, or empty (the reference is the starting model)."""
+  return os.path.expanduser(config.dpo.reference[3:]) if config.train.objective == "dpo" else ""
+
+
 def check(config: Config, abstract: TrainState) -> None:
   """What ``load`` would refuse, from headers and metadata only.
 
@@ -57,17 +66,32 @@ def check(config: Config, abstract: TrainState) -> None:
     directory, step = _checkpoint(path)
     read_meta(directory, step)
     check_matches(directory, step, abstract_target(abstract, MODEL_FIELDS), partial=True)
+  if _reference(config):  # a preference model's reference, of the policy's shape
+    hf.check_params(_reference(config), (abstract.params, abstract.model_without_params),
+                    config.model_recipe().config)
 
 
 def load(config: Config, abstract: TrainState, state: TrainState) -> tuple[TrainState, str]:
-  """``state`` with ``init_from``'s params, and a line saying what was loaded."""
+  """``state`` with ``init_from``'s params (and ``dpo.reference``'s reference), and a line saying what was
+  loaded."""
+  state, line = _load(config, abstract, state)
+  if not _reference(config):
+    return state, line
+  # A preference model's reference from its own checkpoint; the other frozen weights (LoRA's base) as loaded.
+  frozen = hf.load_params(_reference(config), abstract.model_without_params, config.model_recipe().config,
+                          fresh=state.model_without_params, skip=lambda p: not hf.is_reference(p))
+  return state.replace(model_without_params=frozen), f"{line} The reference: {config.dpo.reference}."
+
+
+def _load(config: Config, abstract: TrainState, state: TrainState) -> tuple[TrainState, str]:
   kind, _, path = config.train.init_from.partition(":")
   if kind == "hf":
     directory, model = os.path.expanduser(path), config.model_recipe().config
     adapters = getattr(model, "lora_rank", 0)
     # With LoRA the params are the adapters (they keep their fresh values) and the base is frozen.
     params = hf.load_params(directory, abstract.params, model, fresh=state.params if adapters else None)
-    frozen = hf.load_params(directory, abstract.model_without_params, model, fresh=state.model_without_params)
+    frozen = hf.load_params(directory, abstract.model_without_params, model, fresh=state.model_without_params,
+                            skip=hf.is_reference if _reference(config) else None)  # read from dpo.reference
     local_state = hf.load_params(directory, abstract.local_state, model, fresh=state.local_state)
     return (state.replace(params=params, model_without_params=frozen, local_state=local_state),
             f"Initialised the {'frozen base' if adapters else 'params'} from Hugging Face checkpoint {path}.")

@@ -26,6 +26,7 @@ import jax
 import optax
 
 from distrib_train.data.pipeline import DataLoader
+from distrib_train.recipes import objectives
 from distrib_train.recipes.family import Family, family_of
 from distrib_train.sharding.axis_rules import AxisRules
 from distrib_train.sharding.mesh import MeshConfig
@@ -63,6 +64,7 @@ class JobSpec:
   family: Family = dataclasses.field(default_factory=lambda: family_of(None))
   microbatches: int = 1
   pipeline_repeats: int = 1
+  flops_scale: float = 1.0  # DPO's reference forward: a third more than the policy's forward and backward
 
   @property
   def tokens_per_step(self) -> int:
@@ -74,7 +76,7 @@ class JobSpec:
     if "tokens" not in self.inputs:
       return None
     per_token = self.family.flops_per_token(self.inputs["tokens"].shape[1])
-    return None if per_token is None else float(per_token) * self.tokens_per_step
+    return None if per_token is None else float(per_token) * self.tokens_per_step * self.flops_scale
 
   def param_count(self) -> int:
     return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(self.abstract_state.params))
@@ -91,6 +93,7 @@ class ModelParts:
   model_config: Any
   family: Family
   is_param: Any = None  # which of the model's variables train (LoRA: the adapters); None: every param
+  flops_scale: float = 1.0  # the step's FLOPs over the family's training count (DPO's reference forward: 4/3)
 
 
 def model_parts(config: Config, *, model_fn: Callable[[int], Any] | None = None,
@@ -99,9 +102,18 @@ def model_parts(config: Config, *, model_fn: Callable[[int], Any] | None = None,
   recipe = config.model_recipe() if model_fn is None or loss_fn is None or input_axes is None else None
   model_config = recipe.config if recipe is not None and model_fn is None else None
   trainable = getattr(model_config, "trainable", None)
+  is_param = trainable() if trainable is not None else None
+  flops_scale = 1.0
+  if config.train.objective == "dpo":  # the policy, and its reference where that is a frozen copy
+    if model_config is None or loss_fn is not None:
+      raise ConfigError("train.objective=dpo trains the reference decoders (model.name llama or moe); a model and"
+                        " loss given as code brings its own objective.")
+    model_fn, is_param = objectives.preference_model(model_config, is_param, config.dpo)
+    loss_fn = objectives.dpo_loss_fn(config.dpo)
+    flops_scale = 4 / 3 if config.dpo.uses_reference else 1.0  # a forward more: a third of forward and backward
   return ModelParts(model_fn or recipe.config.build, loss_fn or recipe.loss_fn,
                     input_axes if input_axes is not None else recipe.input_axes, model_config,
-                    family_of(model_config), trainable() if trainable is not None else None)
+                    family_of(model_config), is_param, flops_scale)
 
 
 def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, loss_fn: Callable[..., Any] | None = None,
@@ -120,7 +132,7 @@ def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, lo
     abstract = jax.eval_shape(make_state)
   return JobSpec(abstract, DataLoader.batch_schema(config.data_config()), parts.loss_fn, parts.input_axes,
                  parts.model_config, make_state, optimizer, family=parts.family, microbatches=t.microbatches,
-                 pipeline_repeats=t.pipeline_repeats)
+                 pipeline_repeats=t.pipeline_repeats, flops_scale=parts.flops_scale)
 
 
 def packed_attention(family: Family, mesh: Any) -> bool:
@@ -142,23 +154,26 @@ def data_config(config: Config, family: Family, mesh: Any = None, *, packed: boo
     ConfigError: a larger ``data.max_documents_per_row`` than that.
   """
   packed = packed_attention(family, mesh) if packed is None else packed
-  data, segments = config.data, family.capabilities().max_segments if packed else 0
+  data, segments = config.data_config(), family.capabilities().max_segments if packed else 0
   if not (data.packing and segments):
     return data
+  per_document = 2 if data.pairs else 1  # a preference pair is two segments
   if not data.max_documents_per_row:
-    return dataclasses.replace(data, max_documents_per_row=segments - 1)
-  if data.max_documents_per_row > segments - 1:
+    return dataclasses.replace(data, max_documents_per_row=(segments - 1) // per_document)
+  if data.max_segments_per_row > segments - 1:
     raise ConfigError(f"data.max_documents_per_row={data.max_documents_per_row} is more than the model's packed"
-                      f" attention takes: model.max_segments={segments} runs a row, the padding included; raise"
-                      f" model.max_segments to {data.max_documents_per_row + 1} or lower the data's.")
+                      f" attention takes: model.max_segments={segments} runs a row, the padding included"
+                      f"{', and a preference pair takes two' if data.pairs else ''}; raise model.max_segments to"
+                      f" {data.max_segments_per_row + 1} or lower the data's.")
   return data
 
 
 def step_options(job: JobSpec, plan: Plan) -> dict[str, Any]:
   """``build_train_step_fn``'s microbatch options for the job: its microbatches and pipeline repeats, and
-  microbatches weighted by the aux ``tokens`` count when the loss reports one (a per-token mean stays exact)."""
-  aux = plan.aux_output_shardings
-  weight = "tokens" if isinstance(aux, Mapping) and "tokens" in aux else None
+  microbatches weighted by the aux ``pairs`` or ``tokens`` count when the loss reports one (a mean over pairs or
+  tokens stays exact)."""
+  weight = objectives.weight_name(dict(plan.aux_output_shardings)
+                                  if isinstance(plan.aux_output_shardings, Mapping) else None)
   return {"microbatches": job.microbatches, "pipeline_repeats": job.pipeline_repeats, "microbatch_weight": weight}
 
 

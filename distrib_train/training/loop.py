@@ -53,13 +53,13 @@ class RunResult:
 
 
 def aux_scalars(aux: Any) -> dict[str, Any]:
-  """The scalars a loss returns in ``aux`` besides ``loss`` and ``tokens``
+  """The scalars a loss returns in ``aux`` besides ``loss`` and ``tokens`` (``pairs``)
   (accuracy, perplexity, …): logged like the loss, window-means in training
   and token-weighted means in evaluation."""
   if not isinstance(aux, Mapping):
     return {}
   return {str(name): value for name, value in aux.items()
-          if name not in ("loss", "tokens") and np.ndim(value) == 0
+          if name not in ("loss", "tokens", "pairs") and np.ndim(value) == 0
           and jnp.issubdtype(getattr(value, "dtype", np.asarray(value).dtype), jnp.number)}
 
 

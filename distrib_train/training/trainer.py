@@ -130,7 +130,8 @@ class Trainer:
     self.parts = job_lib.model_parts(config, model_fn=model_fn, loss_fn=loss_fn, input_axes=input_axes)
     self.loss_fn = self.parts.loss_fn
     family = self.parts.family
-    self.flops_per_token = family.flops_per_token(config.data.seq_len)
+    per_token = family.flops_per_token(config.data.seq_len)
+    self.flops_per_token = None if per_token is None else per_token * self.parts.flops_scale
     # Ids at or beyond it would be looked up as NaN: every step skipped.
     self.vocab_size = family.vocab_size
     self.fp8 = family.capabilities().fp8
