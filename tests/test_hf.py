@@ -8,6 +8,7 @@ the same logits, and import → export must give the same tensors, bit for bit.
 """
 
 import json
+import math
 import os
 
 import jax
@@ -387,11 +388,19 @@ def test_sft_eval_loss_of_an_imported_model_is_transformers_loss_on_the_assistan
   np.testing.assert_allclose(loss, total / count, rtol=2e-5)
 
 
-def test_lora_from_transformers_weights_exports_a_merged_model_with_the_runs_logits(tmp_path):
-  """LoRA through the CLI from a model transformers saved (8 devices): the base is imported frozen, three steps
-  train the adapters, and ``distrib-train export`` writes the merged model: transformers' logits of it equal the
-  run's adapted model's, and it differs from the original checkpoint by a rank-4 product in each adapted weight
-  and not at all elsewhere."""
+def test_lora_from_transformers_weights_exports_a_merged_model_and_a_peft_adapter_with_the_runs_logits(tmp_path):
+  """LoRA through the CLI from a model transformers saved (8 devices, attention and MLP targets): the base is
+  imported frozen, three steps train the adapters, and ``distrib-train export`` writes the merged model:
+  transformers' logits of it equal the run's adapted model's, and it differs from the original checkpoint by a
+  rank-4 product in each adapted weight and not at all elsewhere; ``export --adapter`` writes a PEFT adapter that
+  PEFT loads onto that model (``base_model_name_or_path``) with the run's logits; a run without LoRA is refused
+  with one error line, nothing written."""
+  try:  # .ci/run installs it beside torch
+    import peft
+  except ImportError:
+    if os.environ.get("DT_REQUIRE_TORCH") == "1":
+      raise
+    pytest.skip("peft loads the adapter here: pip install peft")
   from distrib_train.checkpoint.manager import CheckpointManager
   from distrib_train.training import config as config_lib
 
@@ -399,13 +408,10 @@ def test_lora_from_transformers_weights_exports_a_merged_model_with_the_runs_log
   overrides = ["data.seq_len=64", "data.global_batch_size=8", "data.packing=false", "train.steps=3",
                "train.eval_every=0", "train.async_checkpoint=false", "train.compilation_cache_dir=",
                "model.dtype=float32", "model.attention=xla", "optimizer.name=adamw", "optimizer.learning_rate=3e-2",
-               "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=q,v,down"]
+               "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=q,v,o,down"]
   run = _cli("--config", "tiny", "--workdir", str(tmp_path / "run"), "--cpu_devices", "8", "--init_from",
              f"hf:{tmp_path / 'hf'}", *[f"--set={o}" for o in overrides])
   assert run.returncode == 0, run.stderr[-3000:]
-  out = _cli("export", "--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "merged"))
-  assert out.returncode == 0, out.stderr[-2000:]
-
   config = config_lib.load(str(tmp_path / "run" / "config.yaml"))
   model = config.model_recipe().config
   make = lambda: dt.TrainState.initial_state(model.build(0), optax.sgd(0.0), jax.random.key(0),
@@ -415,9 +421,11 @@ def test_lora_from_transformers_weights_exports_a_merged_model_with_the_runs_log
   tokens = np.random.default_rng(1).integers(0, 256, size=(2, 32)).astype(np.int32)
   adapted = state.model
   ours = np.asarray(adapted.logits(adapted(jnp.asarray(tokens))))
+
+  out = _cli("export", "--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "merged"))
+  assert out.returncode == 0, out.stderr[-2000:]
   merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
   np.testing.assert_allclose(_reference_logits(merged, tokens), ours, rtol=1e-4, atol=1e-4)
-
   original, written = hf.SafetensorsDirectory(str(tmp_path / "hf")), hf.SafetensorsDirectory(str(tmp_path / "merged"))
   changed = []
   for name in original.tensors:
@@ -425,4 +433,75 @@ def test_lora_from_transformers_weights_exports_a_merged_model_with_the_runs_log
     if np.abs(difference).max() > 1e-6:
       changed.append(name)
       assert np.linalg.matrix_rank(difference, tol=1e-5) <= 4, name
-  assert changed and all(n.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight")) for n in changed), changed
+  adapted_weights = ("q_proj.weight", "v_proj.weight", "o_proj.weight", "down_proj.weight")
+  assert changed and all(n.endswith(adapted_weights) for n in changed), changed
+
+  out = _cli("export", "--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "adapter"), "--adapter")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
+  written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert written["base_model_name_or_path"] == str(tmp_path / "hf")
+  assert (written["r"], written["lora_alpha"]) == (4, 8) and written["peft_type"] == "LORA"
+  assert sorted(written["target_modules"]) == ["down_proj", "o_proj", "q_proj", "v_proj"]
+  base = transformers.AutoModelForCausalLM.from_pretrained(written["base_model_name_or_path"])
+  loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+  np.testing.assert_allclose(_reference_logits(loaded, tokens), ours, rtol=1e-4, atol=1e-4)
+  with loaded.disable_adapter():  # the adapters matter: the base alone gives other logits
+    assert np.abs(_reference_logits(loaded, tokens) - ours).max() > 1e-3
+
+  # The same run's config without LoRA: refused before its (LoRA) checkpoint is read.
+  (tmp_path / "plain").mkdir()
+  (tmp_path / "plain" / "config.yaml").write_text(
+      (tmp_path / "run" / "config.yaml").read_text().replace("lora_rank: 4\n", "lora_rank: 0\n"))
+  refused = _cli("export", "--workdir", str(tmp_path / "plain"), "--out", str(tmp_path / "none"), "--adapter")
+  assert refused.returncode == 2 and refused.stderr.count("distrib-train: error:") == 1, refused.stderr[-2000:]
+  assert "--adapter" in refused.stderr and not (tmp_path / "none").exists()
+
+
+def _dpo_logps(model, ids, mask):
+  """transformers' summed log-probabilities of a sequence's scored targets (the sequence alone)."""
+  with torch.no_grad():
+    logits = model(torch.from_numpy(ids[None].astype(np.int64))).logits.float()[0, :-1]
+  per_target = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), torch.from_numpy(ids[1:]).long()]
+  return float(per_target[torch.from_numpy(mask[1:])].double().sum())
+
+
+def test_dpo_eval_loss_from_hf_checkpoints_is_the_formula_on_transformers_logprobs(tmp_path):
+  """DPO from one checkpoint transformers saved with another as ``dpo.reference``, pairs packed into rows on 8
+  emulated devices: the held-out loss is the DPO formula on transformers' log-probabilities of each sequence of
+  each pair, policy and reference."""
+  pytest.importorskip("jinja2")
+  from test_dpo import _records
+
+  from distrib_train.data import splits
+  from distrib_train.data.chat import CHATML, ChatEncoder, ChatTemplate, Utf8Bytes
+  from distrib_train.data.preference import encode_pair
+  from distrib_train.training import config as config_lib
+  from distrib_train.training.trainer import Trainer
+
+  policy = _save("llama", tmp_path / "policy", vocab_size=256, max_position_embeddings=512)
+  reference = _save("llama", tmp_path / "reference", vocab_size=256, max_position_embeddings=512)
+  with torch.no_grad():  # another model of the same shape
+    generator = torch.Generator().manual_seed(1)
+    for p in reference.parameters():
+      p.add_(torch.randn(p.shape, generator=generator) * 0.02)
+  reference.save_pretrained(tmp_path / "reference")
+  (tmp_path / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()))
+  overrides = ["train.objective=dpo", "dpo.beta=0.3", f"dpo.reference=hf:{tmp_path / 'reference'}",
+               f"train.init_from=hf:{tmp_path / 'policy'}", "data.source=text",
+               f"data.paths={tmp_path / 'prefs.jsonl'}", "data.text_field=*", "data.seq_len=512",
+               "data.global_batch_size=8", "data.eval_fraction=0.25", "train.steps=1", "train.eval_batches=0",
+               "train.async_checkpoint=false", "train.compilation_cache_dir=", "model.dtype=float32",
+               "model.attention=xla", "optimizer.name=sgd", "optimizer.learning_rate=1e-30"]
+  config = config_lib.load("tiny", overrides)
+  result = Trainer(config, tmp_path / "run", console=False).run()  # 8 emulated devices
+
+  docs, held_out, _ = splits.split_documents(config.data_config(), "eval", 1, None)
+  encoder = ChatEncoder(ChatTemplate(CHATML, "chatml"), Utf8Bytes(), "completion")
+  losses = []
+  for index in held_out:
+    (c, cm), (r, rm) = encode_pair(encoder, json.loads(docs[int(index)]))
+    h = 0.3 * ((_dpo_logps(policy, c, cm) - _dpo_logps(reference, c, cm)) - (_dpo_logps(policy, r, rm) - _dpo_logps(reference, r, rm)))
+    losses.append(-math.log(1 / (1 + math.exp(-h))))
+  assert len(losses) == 12
+  np.testing.assert_allclose(result.eval_loss, np.mean(losses), rtol=1e-4)

@@ -12,7 +12,8 @@
   ``tiers``: which tier a restart restores from (``CheckpointTiers``).
 - ``hf``, ``hf_common``: Hugging Face checkpoints in and out, every family
   through its table of tensor names (``recipes/hf_tables.py``), and the
-  safetensors reader.
+  safetensors reader; ``peft_adapter``: a LoRA run's adapters as a PEFT
+  adapter.
 
 New tiers (local disk, peer memory) and Hugging Face conversion go here.
 """

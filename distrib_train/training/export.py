@@ -1,7 +1,8 @@
-"""``distrib-train export``: a run's params as a Hugging Face checkpoint.
+"""``distrib-train export``: a run's params as a Hugging Face checkpoint, or a LoRA run's as a PEFT adapter.
 
   distrib-train export --workdir runs/ft --out hf/ft            # the newest checkpoint
   distrib-train export --workdir runs/ft --out hf/ft --step 1000
+  distrib-train export --workdir runs/lora --out hf/lora --adapter
 
 Reads the run's ``config.yaml``, restores the params of one checkpoint
 (params only: the optimizer state is not read) onto this host's first device
@@ -10,7 +11,11 @@ which ``transformers.AutoModelForCausalLM.from_pretrained`` loads. The host
 needs the params' size in memory (4 bytes a parameter). The reference
 decoders only (``model.name: llama`` or ``moe``), written as the family they
 were read from (``train.init_from: hf:…``), else as Llama, Qwen2, Mixtral or
-Qwen2-MoE by their variants (``recipes/hf_shape.family_of``).
+Qwen2-MoE by their variants (``recipes/hf_shape.family_of``). A LoRA run's
+adapters are merged into their weights, or, with ``--adapter``, written alone
+as a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``,
+``checkpoint/peft_adapter.py``) on the checkpoint the run started from
+(``base_model_name_or_path``: ``init_from``'s ``hf:`` directory, else null).
 
 A mistake prints one ``error:`` line and exits with status 2; nothing is
 written then.
@@ -30,12 +35,12 @@ def _fail(message: str) -> None:
   sys.exit(2)
 
 
-def export(workdir: str | os.PathLike, out: str, step: int | None = None) -> list[str]:
+def export(workdir: str | os.PathLike, out: str, step: int | None = None, adapter: bool = False) -> list[str]:
   """Writes the params of ``workdir``'s checkpoint ``step`` (default: the newest) to ``out`` as a Hugging Face
-  checkpoint; returns the files written.
+  checkpoint, or with ``adapter`` a LoRA run's adapters as a PEFT adapter; returns the files written.
 
   Raises:
-    ValueError: no such run or step, another model than llama (named).
+    ValueError: no such run or step, another model than llama, ``adapter`` for a run without LoRA (named).
   """
   import jax
   import optax
@@ -46,6 +51,7 @@ def export(workdir: str | os.PathLike, out: str, step: int | None = None) -> lis
   from distrib_train.sharding.planner import MeshPlanner
   from distrib_train.train_state import TrainState
   from distrib_train.training import config as config_lib
+  from distrib_train.training.job import model_parts
 
   workdir = pathlib.Path(workdir)
   if not (workdir / "config.yaml").exists():
@@ -55,21 +61,31 @@ def export(workdir: str | os.PathLike, out: str, step: int | None = None) -> lis
     raise ValueError(f"export writes the llama and moe models as Hugging Face's; this run's model is"
                      f" {config.model.name!r}.")
   recipe = config.model_recipe()
+  if adapter and not getattr(recipe.config, "lora_rank", 0):
+    raise ValueError("--adapter writes a LoRA run's adapters; this run has none (model.lora.rank is 0): export"
+                     " it without --adapter.")
   mesh = build_mesh(MeshConfig(("data", "fsdp", "tensor"), (1, 1, 1)), jax.devices()[:1])
   planner = MeshPlanner(mesh, "fsdp_tensor")
-  make = lambda: TrainState.initial_state(recipe.config.build(0), optax.sgd(0.0), jax.random.key(0),
-                                          is_param=recipe.config.trainable())  # LoRA: the base is frozen
+  parts = model_parts(config)  # LoRA: the base is frozen; dpo: the policy with its reference
+  make = lambda: TrainState.initial_state(parts.model_fn(0), optax.sgd(0.0), jax.random.key(0),
+                                          is_param=parts.is_param)
   plan = planner.plan(jax.eval_shape(make))
   with CheckpointManager(workdir / "checkpoints", async_save=False) as manager:
     if manager.latest_step() is None:
       raise ValueError(f"{str(workdir / 'checkpoints')!r} holds no checkpoint.")
     state = manager.restore(plan.init(make), step, params_only=True)  # the model: params and local state
+  if adapter:  # with LoRA the params are the adapters
+    from distrib_train.checkpoint import peft_adapter
+
+    kind, _, base = config.train.init_from.partition(":")
+    return peft_adapter.save(state.params, recipe.config, out, base=os.path.expanduser(base) if kind == "hf" else None)
   return hf.save(_weights(state, recipe.config), recipe.config, out, local_state=state.local_state)
 
 
 def _weights(state, config) -> dict:
   """The model's weights by Hugging Face's param names, ``{segment: {name: array}}`` and the top-level ones,
-  whether trained or frozen; a LoRA model's adapters added into their weights (``recipes/lora.merged``)."""
+  whether trained or frozen (a DPO run's policy, not its reference); a LoRA model's adapters added into their
+  weights (``recipes/lora.merged``)."""
   import jax
 
   from distrib_train.checkpoint import hf
@@ -78,6 +94,8 @@ def _weights(state, config) -> dict:
   nested: dict = {}
   for tree in (state.model_without_params, state.params):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      if hf.is_reference(path):  # a preference run's frozen reference: the policy is the model
+        continue
       keys = hf._path_keys(path)
       if len(keys) == 1:
         nested[keys[0]] = leaf
@@ -95,9 +113,12 @@ def main(argv: Sequence[str]) -> int:
   parser.add_argument("--workdir", required=True, help="the run's directory")
   parser.add_argument("--out", required=True, help="the Hugging Face directory to write (created)")
   parser.add_argument("--step", type=int, help="the checkpoint step (default: the newest)")
+  parser.add_argument("--adapter", action="store_true",
+                      help="a LoRA run: write its adapters alone as a PEFT adapter (adapter_config.json +"
+                           " adapter_model.safetensors) on the checkpoint it started from, not the merged model")
   args = parser.parse_args(list(argv))
   try:
-    written = export(args.workdir, args.out, args.step)
+    written = export(args.workdir, args.out, args.step, args.adapter)
   except ValueError as e:  # CheckpointError and HfCheckpointError are ValueErrors
     _fail(str(e))
   print(f"wrote {', '.join(written)} to {args.out}")
