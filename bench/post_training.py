@@ -19,8 +19,16 @@ a fourth run trains the same SFT through LoRA adapters of that rank
 (``model.lora.rank``), and the figure beside it is full fine-tuning's step
 time over LoRA's.
 
+With ``--dpo``, instead: the demo's conversations become preference pairs (the
+answer chosen, another passage's answer rejected, written to a temporary
+JSONL), and three runs train on the same sequences: SFT on each pair's two
+sequences as prompt/completion records, DPO with the live reference (a frozen
+copy), and DPO through LoRA adapters (``--lora``, default 8: the reference is
+the model with its adapters off); the figures are each DPO step's time over
+SFT's.
+
 Targets (issue 48): an SFT step ≥ 0.97 × a pretraining step on the same shape; a LoRA step ≥ 1.0 × a full
-fine-tuning step.
+fine-tuning step; a DPO step ≤ 1.4 × an SFT step over the same sequences (live reference).
 
 Not for: the trainer against its bare step (``trainer_loop.py``).
 """
@@ -46,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--cpu_devices", type=int)
   parser.add_argument("--timeout", type=float, default=1800)
   parser.add_argument("--lora", type=int, default=0, help="also time SFT through LoRA adapters of this rank")
+  parser.add_argument("--dpo", action="store_true", help="time DPO against SFT over the same sequences")
   args = parser.parse_args(argv)
   if args.steps < 3 * args.log_every:
     parser.error("--steps must be at least 3 × --log_every (one warm-up window, two timed).")
@@ -55,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         config=args.config, set=[*(args.set or []), *sets], text=None, tokenizer=None, steps=args.steps,
         log_every=args.log_every, cpu_devices=args.cpu_devices, timeout=args.timeout))
 
+  if args.dpo:
+    return _dpo(args, run)
   sft_before = run([])
   pretraining = run(["data.loss_on="])
   sft_after = run([])
@@ -69,6 +80,30 @@ def main(argv: list[str] | None = None) -> None:
     adapted = run([f"model.lora.rank={args.lora}"])
     print(f"  LoRA (rank {args.lora}) {adapted['step_ms']:9.2f} ms/step")
     print(f"  LoRA step speed / full fine-tuning step speed: {sft_ms / adapted['step_ms']:.3f}")
+
+
+def _dpo(args: argparse.Namespace, run) -> None:
+  import json
+  import tempfile
+
+  from distrib_train.data import sources
+
+  pairs = [json.loads(r) for r in sources.pydoc_pairs(sources._pydoc_documents(sources.CONVERSATION_BYTES // 2))]
+  folder = pathlib.Path(tempfile.mkdtemp(prefix="dpo-bench-"))
+  (folder / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+  (folder / "sft.jsonl").write_text("".join(json.dumps({"prompt": p["prompt"], "completion": p[k]}) + "\n"
+                                            for p in pairs for k in ("chosen", "rejected")))
+  common = ["data.source=text", "data.text_field=*", "train.eval_every=0", "train.checkpoint_every=0"]
+  sft = run([*common, f"data.paths={folder / 'sft.jsonl'}", "data.loss_on=completion"])
+  dpo = run([*common, f"data.paths={folder / 'pairs.jsonl'}", "train.objective=dpo", "data.loss_on="])
+  lora = run([*common, f"data.paths={folder / 'pairs.jsonl'}", "train.objective=dpo", "data.loss_on=",
+              f"model.lora.rank={args.lora or 8}"])
+  print(f"{args.config} {' '.join(args.set or [])} ({len(pairs)} pairs)".strip())
+  print(f"  SFT on the pairs' sequences {sft['step_ms']:9.2f} ms/step")
+  print(f"  DPO, live reference         {dpo['step_ms']:9.2f} ms/step  DPO / SFT step time:"
+        f" {dpo['step_ms'] / sft['step_ms']:.3f}")
+  print(f"  DPO, LoRA rank {args.lora or 8:<3}          {lora['step_ms']:9.2f} ms/step  DPO / SFT step time:"
+        f" {lora['step_ms'] / sft['step_ms']:.3f}")
 
 
 if __name__ == "__main__":
