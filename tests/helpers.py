@@ -91,3 +91,28 @@ def train_small_model(mesh, steps: int = 10) -> tuple[list[float], dict[str, np.
     losses.append(float(aux["loss"]))
   params = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in state.params.items()}
   return losses, params
+
+
+def post_training_losses(overrides: list[str], mesh, steps: int = 3) -> list[dict[str, float]]:
+  """A reference model's steps on ``mesh`` with the config ``tiny`` + ``overrides`` (SFT or DPO), each process
+  feeding its rows from the config's ``DataLoader``: each step's loss and its other aux scalars."""
+  from distrib_train import data
+  from distrib_train.sharding.axis_rules import activation_sharding
+  from distrib_train.training import config as config_lib
+  from distrib_train.training import job as job_lib
+
+  config = config_lib.load("tiny", ["model.dtype=float32", "model.attention=xla", "optimizer.name=adamw",
+                                    "optimizer.learning_rate=1e-2", *overrides])
+  job = job_lib.job_spec(config)
+  planner = dt.MeshPlanner(mesh, config.train.rules)
+  plan = job_lib.plan_job(job, planner)
+  step = dt.build_train_step_fn(job.loss_fn, train_state_shardings=plan.train_state_shardings,
+                                input_kwarg_shardings=plan.input_kwarg_shardings,
+                                **job_lib.step_options(job, plan))
+  state, out = plan.init(job.make_state), []
+  with data.DataLoader(config.data_config(), plan.input_kwarg_shardings) as loader, \
+      activation_sharding(mesh, planner.rules):
+    for _ in range(steps):
+      state, aux = step(state, **next(loader))
+      out.append({k: float(np.asarray(v.addressable_data(0))) for k, v in aux.items() if np.ndim(v) == 0})
+  return out

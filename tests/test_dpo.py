@@ -3,6 +3,7 @@ their formulas on each sequence scored alone, sharded equal to one device, and a
 
 import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -222,15 +223,17 @@ def test_dpo_sharded_equals_one_device_and_the_reference_stays_frozen(prefs):
 
 def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_cache):
   """Straight against stopped and resumed, bit for bit (the frozen reference is in the checkpoint); the held-out
-  figures are means over pairs; the export writes the policy alone."""
+  figures are means over pairs; the export writes the policy alone; a reference precomputed in one pass (kept
+  beside the data, no copy in the state) trains as the live one."""
   from distrib_train.checkpoint import hf
   from distrib_train.training import export
   from distrib_train.training.trainer import Trainer
 
-  run = lambda workdir, steps: Trainer(_config(
+  sets = lambda steps, *more: _config(
       prefs, f"train.steps={steps}", "train.log_every=1", "data.eval_fraction=0.25", "train.eval_batches=1",
-      "train.async_checkpoint=false", f"train.compilation_cache_dir={xla_cache}", "optimizer.learning_rate=1e-2"),
-      workdir, console=False).run()
+      "train.async_checkpoint=false", f"train.compilation_cache_dir={xla_cache}", "optimizer.learning_rate=1e-2",
+      *more)
+  run = lambda workdir, steps, *more: Trainer(sets(steps, *more), workdir, console=False).run()
   run(tmp_path / "straight", 4)
   run(tmp_path / "split", 2)
   run(tmp_path / "split", 4)
@@ -238,6 +241,18 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
   straight, split = read(tmp_path / "straight"), read(tmp_path / "split")
   train = lambda log: {m["step"]: (m["loss"], m["rewards/margin"]) for m in log if "loss" in m}
   assert train(straight) == train(split) and sorted(train(straight)) == [1, 2, 3, 4]
+
+  from distrib_train.training import reference_pass
+
+  kept = reference_pass.path_for(sets(4, "dpo.precompute_reference=true"))
+  assert kept.startswith(str(prefs.parent)) and not os.path.exists(kept)
+  run(tmp_path / "precomputed", 4, "dpo.precompute_reference=true")
+  assert os.path.exists(kept)
+  job = job_lib.job_spec(sets(4, "dpo.precompute_reference=true"))
+  assert not jax.tree_util.tree_leaves(job.abstract_state.model_without_params)  # no reference copy
+  precomputed = train(read(tmp_path / "precomputed"))
+  for step, (loss, margin) in train(straight).items():
+    np.testing.assert_allclose(precomputed[step], (loss, margin), rtol=1e-5, atol=1e-6, err_msg=str(step))
   evals = [m for m in straight if "eval/loss" in m]
   assert evals and evals[-1]["eval/pairs"] > 0 and "eval/perplexity" not in evals[-1]
   assert "eval/rewards/accuracy" in evals[-1]
@@ -250,3 +265,28 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
   assert sorted(written.tensors) == sorted(start)
   name = "model.layers.0.self_attn.q_proj.weight"
   assert np.abs(written.read(name) - start[name]).max() > 1e-4  # the trained policy, not the reference
+
+
+def test_sft_and_dpo_in_two_processes_take_one_processs_steps(prefs):
+  """2 real processes × 4 devices, the data axis across them and each process reading its own rows, against one
+  process with 8: the same SFT and DPO losses and figures, step by step (fp32)."""
+  import pathlib
+
+  import helpers
+  import mp_harness
+
+  results = mp_harness.run_workers(pathlib.Path(__file__).parent / "workers" / "post_training_worker.py", str(prefs),
+                                   timeout=300)
+  mesh = dt.build_mesh(dt.MeshConfig.from_yaml(pathlib.Path(__file__).parents[1] / "mesh_configs" / "cpu-8.yaml"))
+  want = {"sft": helpers.post_training_losses(["data.source=pydoc", "data.loss_on=assistant", "data.seq_len=512",
+                                               "data.global_batch_size=8"], mesh),
+          "dpo": helpers.post_training_losses(["train.objective=dpo", "data.source=text", f"data.paths={prefs}",
+                                               "data.text_field=*", "data.seq_len=512", "data.global_batch_size=8"],
+                                              mesh)}
+  assert want["dpo"][-1]["rewards/margin"] > 0.05 and want["sft"][-1]["loss"] < want["sft"][0]["loss"]
+  for r in results:
+    for name, steps in want.items():
+      for i, figures in enumerate(steps):
+        for key in ("loss", "tokens") + (("rewards/margin", "pairs") if name == "dpo" else ()):
+          np.testing.assert_allclose(r.result[name][i][key], figures[key], rtol=2e-5, atol=1e-6,
+                                     err_msg=f"{name} step {i + 1} {key}")

@@ -350,6 +350,7 @@ class ConversationTokenizer:
       template = ChatTemplate(_read_text(config.chat_template), config.chat_template) if config.chat_template \
           else ChatTemplate(CHATML, "the bytes tokenizer's ChatML template")
     self.encoder = ChatEncoder(template, tok, config.loss_on)
+    self.dtype = SCORED_TOKENS
     self.limit, self.drop, self.long = config.seq_len + 1, config.long_conversations == "drop", 0
 
   def __call__(self, doc: str) -> np.ndarray:
@@ -361,7 +362,7 @@ class ConversationTokenizer:
     if len(ids) > self.limit:
       self.long += 1
       if self.drop:
-        return np.zeros(0, SCORED_TOKENS)
+        return np.zeros(0, self.dtype)
       ids, mask = ids[:self.limit], mask[:self.limit]
     out = np.empty(len(ids), SCORED_TOKENS)
     out["ids"], out["loss"] = ids, mask

@@ -79,6 +79,9 @@ class DataConfig:
       are preference pairs (``preference.py``), each two sequences — the
       prompt with the chosen completion, then with the rejected one — packed
       whole into one row as two segments, their completions scored.
+    reference_logps: set from ``dpo.precompute_reference``, not a config key:
+      the file of the pairs' reference figures (``training/reference_pass.py``),
+      put on the batch as ``reference_logps``.
   """
 
   source: str = "pydoc"
@@ -104,6 +107,7 @@ class DataConfig:
   chat_template: str = ""
   long_conversations: str = "truncate"
   pairs: bool = False
+  reference_logps: str = ""
 
   @property
   def conversations(self) -> bool:

@@ -77,9 +77,11 @@ def batches(ds: Any, *, config: DataConfig, tokenize: Callable[[Any], np.ndarray
     it = it.filter(lambda ex: len(ex["tokens"]) > 0)  # left out: data.long_conversations=drop
     if config.packing:  # a row takes conversations while the next fits, as the lanes pack them
       it = grain.experimental.FirstFitPackIterDataset(
-          it, length_struct={"tokens": seq, "loss": seq}, num_packing_bins=1, shuffle_bins=False,
-          max_sequences_per_bin=config.max_documents_per_row or None).map(
-              lambda ex: sequences.shifted({**ex, "tokens_loss": ex["loss"]}, config.max_segments_per_row))
+          it, length_struct={"tokens": seq, "loss": seq, **({"ref": seq} if config.reference_logps else {})},
+          num_packing_bins=1, shuffle_bins=False, max_sequences_per_bin=config.max_documents_per_row or None).map(
+              lambda ex: sequences.shifted({**ex, "tokens_loss": ex["loss"],
+                                            **({"tokens_ref": ex["ref"]} if "ref" in ex else {})},
+                                           config.max_segments_per_row))
     else:
       it = it.map(lambda ex: sequences.unpacked(_padded(ex["tokens"], seq), _padded(ex["loss"], seq)))
   elif config.packing:
@@ -103,7 +105,10 @@ def batches(ds: Any, *, config: DataConfig, tokenize: Callable[[Any], np.ndarray
 
 def _scored(tokens: np.ndarray) -> dict[str, np.ndarray]:
   """A conversation's tokens (``chat.SCORED_TOKENS``) as the features grain packs: ids and loss mask."""
-  return {"tokens": np.ascontiguousarray(tokens["ids"]), "loss": np.ascontiguousarray(tokens["loss"])}
+  out = {"tokens": np.ascontiguousarray(tokens["ids"]), "loss": np.ascontiguousarray(tokens["loss"])}
+  if "ref" in tokens.dtype.names:  # a precomputed DPO reference's figures
+    out["ref"] = np.ascontiguousarray(tokens["ref"])
+  return out
 
 
 def _padded(values: np.ndarray, length: int) -> np.ndarray:

@@ -46,7 +46,8 @@ def _fields(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """A row with its tokens as int32 ids; a conversation's loss mask (``chat.SCORED_TOKENS``) as ``tokens_loss``."""
   tokens = row["tokens"]
   if tokens.dtype.names:
-    return {**row, "tokens": tokens["ids"], "tokens_loss": tokens["loss"]}
+    extra = {"tokens_ref": tokens["ref"]} if "ref" in tokens.dtype.names else {}  # a precomputed DPO reference
+    return {**row, "tokens": tokens["ids"], "tokens_loss": tokens["loss"], **extra}
   return {**row, "tokens": tokens.astype(np.int32, copy=False)}
 
 

@@ -132,12 +132,15 @@ class DataLoader:
 
     ``tokens``, ``targets`` (int32) and ``weights`` (float32, 0 where a
     target is padding or crosses a document boundary), then with packing
-    ``segment_ids`` and ``positions`` (int32); each ``[global_batch_size,
+    ``segment_ids`` and ``positions`` (int32), and with a precomputed DPO
+    reference ``reference_logps`` (float32); each ``[global_batch_size,
     seq_len]``.
     """
     shape = (config.global_batch_size, config.seq_len)
     names = ["tokens", "targets", "weights"] + (["segment_ids", "positions"] if config.packing else [])
-    return {name: jax.ShapeDtypeStruct(shape, np.float32 if name == "weights" else np.int32) for name in names}
+    names += ["reference_logps"] if config.reference_logps else []  # precomputed DPO reference (preference.py)
+    return {name: jax.ShapeDtypeStruct(shape, np.float32 if name in ("weights", "reference_logps") else np.int32)
+            for name in names}
 
   def __init__(self, config: DataConfig, input_shardings: Mapping[str, Any], *, split: str = "train",
                num_epochs: int | None = None, vocab_size: int | None = None):

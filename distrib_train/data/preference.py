@@ -23,21 +23,35 @@ A pair longer than ``seq_len + 1`` tokens is left out
 the row (``truncate``); a half cut before its completion is then not
 scored, and the objective leaves that pair out (``recipes/objectives.py``).
 
+With a precomputed reference (``data.reference_logps``, set by
+``dpo.precompute_reference``; ``training/reference_pass.py``) the tokens are
+``PAIR_TOKENS``: each sequence's reference sum rides on its first scored
+token (``ref``), read from the kept file by the record's hash.
+
 Not for: the objective itself (``recipes/objectives.py``), the template
 (``chat.py``), packing (``lanes.py``, ``finite.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from distrib_train.data.chat import SCORED_TOKENS, ChatEncoder, ConversationTokenizer, _check_messages
+from distrib_train.data.chat import ChatEncoder, ConversationTokenizer, _check_messages
 
 REJECTED = 2  # the loss code's bit that marks the rejected half
+# With a precomputed reference (``training/reference_pass.py``): each sequence's summed reference log-probability
+# on its first scored token, 0 elsewhere.
+PAIR_TOKENS = np.dtype([("ids", np.int32), ("loss", np.int32), ("ref", np.float32)])
+
+
+def record_hash(doc: str) -> int:
+  """A record's 64-bit hash, as a precomputed reference's file keys it."""
+  return int.from_bytes(hashlib.blake2b(doc.encode("utf-8"), digest_size=8).digest(), "little")
 
 
 def encode_pair(encoder: ChatEncoder, record: Mapping[str, Any], where: str = "record"
@@ -76,6 +90,24 @@ class PairTokenizer(ConversationTokenizer):
     if self.encoder.loss_on != "completion":
       raise ValueError(f"Preference pairs score their completions: data.loss_on={self.encoder.loss_on!r} must be"
                        " completion.")
+    self._reference_file = getattr(config, "reference_logps", "")
+    self._reference: dict[int, tuple[float, float]] | None = None
+    if self._reference_file:
+      self.dtype = PAIR_TOKENS
+
+  def _reference_of(self, doc: str) -> tuple[float, float]:
+    """The record's precomputed reference sums (chosen, rejected)."""
+    if self._reference is None:
+      try:
+        with np.load(self._reference_file) as kept:
+          self._reference = dict(zip(kept["hash"].tolist(), zip(kept["chosen"].tolist(), kept["rejected"].tolist())))
+      except OSError as e:
+        raise ValueError(f"The precomputed DPO reference {self._reference_file!r} cannot be read: {e}.") from None
+    found = self._reference.get(record_hash(doc))
+    if found is None:
+      raise ValueError(f"The preference record {doc[:100]!r}… is not in the precomputed DPO reference"
+                       f" {self._reference_file!r}: the data changed since; delete the file to compute it again.")
+    return found
 
   def __call__(self, doc: str) -> np.ndarray:
     try:
@@ -87,12 +119,18 @@ class PairTokenizer(ConversationTokenizer):
     if len(chosen) + len(rejected) > self.limit:
       self.long += 1
       if self.drop:
-        return np.zeros(0, SCORED_TOKENS)
+        return np.zeros(0, self.dtype)
       half = self.limit // 2
       keep = min(len(chosen), max(half, self.limit - len(rejected)))  # the shorter half whole, where it fits
       chosen, chosen_mask = chosen[:keep], chosen_mask[:keep]
       rejected, rejected_mask = rejected[:self.limit - keep], rejected_mask[:self.limit - keep]
-    out = np.empty(len(chosen) + len(rejected), SCORED_TOKENS)
+    out = np.empty(len(chosen) + len(rejected), self.dtype)
     out["ids"] = np.concatenate([chosen, rejected])
     out["loss"] = np.concatenate([chosen_mask.astype(np.int32), rejected_mask.astype(np.int32) | REJECTED])
+    if self._reference_file:  # each sum on its sequence's first scored target (a token past the first)
+      out["ref"] = 0.0
+      for value, start, mask in zip(self._reference_of(doc), (0, len(chosen)), (chosen_mask, rejected_mask)):
+        scored = np.flatnonzero(mask[1:])
+        if len(scored):
+          out["ref"][start + 1 + scored[0]] = value
     return out

@@ -11,7 +11,8 @@ conversation's targets also weigh 0 where its loss mask (``tokens_loss``,
 document whose rejected half is marked in its loss codes: the half becomes a
 segment of its own (its positions from 0), so a pair ``k`` of a row holds
 segments ``2k − 1`` (chosen) and ``2k`` (rejected), and the rejected
-completion's targets weigh −1.
+completion's targets weigh −1; a precomputed reference's figures
+(``tokens_ref``) become ``reference_logps``, beside the targets.
 
 Both reads use these: the endless lanes (``lanes.py``) and the finite pass
 (``finite.py``). Not for: packing, batching or placing rows on devices.
@@ -50,12 +51,14 @@ def shifted(packed: Mapping[str, np.ndarray], max_documents: int = 0) -> dict[st
   if loss is not None:  # a conversation's: only the targets its loss mask reads
     same_document &= (loss[1:] & 1) > 0
   weights = same_document.astype(np.float32) if sign is None else same_document * sign.astype(np.float32)
+  extra = {"reference_logps": packed["tokens_ref"][1:].astype(np.float32)} if "tokens_ref" in packed else {}
   return {
       "tokens": tokens[:-1].astype(np.int32),
       "targets": tokens[1:].astype(np.int32),
       "segment_ids": segments[:-1].astype(np.int32),
       "positions": positions[:-1].astype(np.int32),
       "weights": weights,
+      **extra,
   }
 
 

@@ -147,7 +147,7 @@ class DocumentTokenizer:
     if isinstance(doc, np.ndarray):  # synthetic documents are tokens already
       return doc
     if self._chat is not None:
-      return self._chat(doc) if doc is not None else _EMPTY_SCORED
+      return self._chat(doc) if doc is not None else np.zeros(0, self._chat.dtype)
     if doc is None:
       return _EMPTY
     if self._function is None:
@@ -193,8 +193,6 @@ class DocumentTokenizer:
 
 _EMPTY = np.zeros(0, np.int32)
 _EMPTY.flags.writeable = False
-_EMPTY_SCORED = np.zeros(0, [("ids", np.int32), ("loss", np.int32)])  # chat.SCORED_TOKENS
-_EMPTY_SCORED.flags.writeable = False
 
 
 def token_ids(tokens: np.ndarray) -> np.ndarray:

@@ -6,7 +6,8 @@
   whole pairs, each two segments: the chosen sequence (targets weigh +1
   where scored) and the rejected one (−1). The objective sums each
   sequence's target log-probabilities (``cross_entropy.chunked_logprobs``)
-  per pair and applies ``dpo.loss``:
+  per pair and applies ``dpo.loss`` (the batch's ``reference_logps``, where
+  ``dpo.precompute_reference`` put them, stand in for the reference's):
 
   - ``sigmoid`` (DPO): ``−log σ(β·((π_w − ρ_w) − (π_l − ρ_l)))``, ``π`` the
     policy's summed log-probabilities of a completion and ``ρ`` the
@@ -65,6 +66,9 @@ class DpoConfig:
       else the same random init), or ``hf:<dir>``, a Hugging Face checkpoint of the same shape.
     simpo_gamma: SimPO's target margin γ.
     orpo_lambda: ORPO's weight λ of the odds-ratio term.
+    precompute_reference: ``sigmoid``'s reference figures from one pass over the data before training, kept
+      beside it (``training/reference_pass.py``) and read with the batch: no reference in memory or in the
+      step.
   """
 
   beta: float = 0.1
@@ -72,6 +76,7 @@ class DpoConfig:
   reference: str = ""
   simpo_gamma: float = 0.5
   orpo_lambda: float = 0.1
+  precompute_reference: bool = False
 
   def __post_init__(self):
     if self.loss not in DPO_LOSSES:
@@ -81,12 +86,18 @@ class DpoConfig:
     if self.reference and not self.reference.startswith("hf:"):
       raise ValueError(f"dpo.reference={self.reference!r}: give hf:<a Hugging Face directory>, or leave it empty"
                        " for the starting model (a distrib_train run's: export it with distrib-train export).")
-    if self.reference and self.loss != "sigmoid":
-      raise ValueError(f"dpo.reference is read by dpo.loss=sigmoid; dpo.loss={self.loss} is reference-free.")
+    if (self.reference or self.precompute_reference) and self.loss != "sigmoid":
+      raise ValueError(f"dpo.reference and dpo.precompute_reference are read by dpo.loss=sigmoid; dpo.loss="
+                       f"{self.loss} is reference-free.")
 
   @property
   def uses_reference(self) -> bool:
     return self.loss == "sigmoid"
+
+  @property
+  def live_reference(self) -> bool:
+    """Whether the step runs the reference (not precomputed)."""
+    return self.uses_reference and not self.precompute_reference
 
 
 class Preference(nnx.Module):
@@ -105,8 +116,9 @@ def policy_of(model: Any) -> Any:
 def preference_model(model_config: Any, is_param: Any, settings: DpoConfig) -> tuple[Callable[[int], Any], Any]:
   """``(model_fn, is_param)`` of a ``dpo`` run of the decoder ``model_config``: the decoder itself where the
   reference needs no copy (reference-free losses; LoRA's adapters off), else a ``Preference`` whose reference is
-  built from the same seed (LoRA's adapters left out) and frozen."""
-  if not settings.uses_reference or (getattr(model_config, "lora_rank", 0) and not settings.reference):
+  built from the same seed (LoRA's adapters left out) and frozen; the decoder where the reference is
+  precomputed."""
+  if not settings.live_reference or (getattr(model_config, "lora_rank", 0) and not settings.reference):
     return model_config.build, is_param
   plain = dataclasses.replace(model_config, lora_rank=0) if getattr(model_config, "lora_rank", 0) else model_config
 
@@ -125,7 +137,7 @@ def weight_name(aux: Any) -> str | None:
   return next((k for k in ("pairs", "tokens") if isinstance(aux, dict) and k in aux), None)
 
 
-def _token_logprobs(decoder: Any, tokens: jax.Array, rest: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+def token_logprobs(decoder: Any, tokens: jax.Array, rest: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
   hidden, routing = decoder.hidden_and_aux(tokens, positions=rest["positions"], segment_ids=rest["segment_ids"])
   c = decoder.config
   logps = chunked_logprobs(hidden, decoder.head_weight(), rest["targets"], c.loss_chunk_size, c.loss_remat,
@@ -185,28 +197,32 @@ def dpo_loss_fn(settings: DpoConfig) -> Callable[..., Any]:
 
   def loss_fn(*, model: Any, state: Any, rng: jax.Array, tokens: jax.Array, targets: jax.Array,
               segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-              weights: jax.Array | None = None) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+              weights: jax.Array | None = None,
+              reference_logps: jax.Array | None = None) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     del rng
     if segment_ids is None or weights is None:
       raise ValueError("train.objective=dpo reads packed preference pairs: the batch needs segment_ids and weights"
                        " (data.packing: true).")
     tokens, rest = context.reorder(tokens, targets=targets, positions=positions, segment_ids=segment_ids,
-                                   weights=weights)
+                                   weights=weights, reference_logps=reference_logps)
     if rest["positions"] is None:
       rest["positions"] = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     policy = policy_of(model)
-    logps, routing = _token_logprobs(policy, tokens, rest)
+    logps, routing = token_logprobs(policy, tokens, rest)
     if "layer_load" in routing:  # the step's loads move the router bias (router_bias_update_rate)
       policy.update_router_bias(routing.pop("layer_load"))
     reference = None
     if settings.uses_reference:
-      if isinstance(model, Preference):
-        ref_logps = _token_logprobs(model.reference, tokens, rest)[0]
+      if rest["reference_logps"] is not None:  # precomputed: each sequence's sum on one of its scored targets
+        ref_logps = rest["reference_logps"]
+      elif isinstance(model, Preference):
+        ref_logps = token_logprobs(model.reference, tokens, rest)[0]
       elif getattr(policy.config, "lora_rank", 0):
         with lora.adapters_off():
-          ref_logps = _token_logprobs(policy, tokens, rest)[0]
+          ref_logps = token_logprobs(policy, tokens, rest)[0]
       else:
-        raise ValueError("dpo.loss=sigmoid needs a reference: build the model with objectives.preference_model.")
+        raise ValueError("dpo.loss=sigmoid needs a reference: build the model with objectives.preference_model, or"
+                         " give the batch's reference_logps (dpo.precompute_reference).")
       reference = _sums(jax.lax.stop_gradient(ref_logps), rest["weights"], rest["segment_ids"])
     loss, aux = preference_figures(_sums(logps, rest["weights"], rest["segment_ids"]), reference, settings)
     if routing:

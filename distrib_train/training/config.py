@@ -171,7 +171,8 @@ class Config:
     """Plain, YAML-able values (model overrides inlined into ``model``)."""
     out = dataclasses.asdict(self)
     out["data"]["tokenizer"] = self.data.tokenizer_name()
-    out["data"].pop("pairs")  # set from train.objective
+    out["data"].pop("pairs")  # set from train.objective and dpo
+    out["data"].pop("reference_logps")
     model = out.pop("model")
     out = {"model": {"name": model["name"], "preset": model["preset"], **dict(model["overrides"])}, **out}
     out["data"]["paths"] = list(out["data"]["paths"])
@@ -219,12 +220,17 @@ class Config:
     pairs, their completions scored."""
     if self.train.objective != "dpo":
       return self.data
-    return dataclasses.replace(self.data, pairs=True, loss_on=self.data.loss_on or "completion")
+    data = dataclasses.replace(self.data, pairs=True, loss_on=self.data.loss_on or "completion")
+    if self.dpo.precompute_reference:
+      from distrib_train.training import reference_pass
+
+      data = dataclasses.replace(data, reference_logps=reference_pass.path_for(self))
+    return data
 
 
 _SECTIONS = {"optimizer": OptimizerConfig, "data": DataConfig, "train": TrainConfig, "dpo": DpoConfig}
 # Fields set from code, not from a config file.
-_NOT_CONFIG_KEYS: tuple[str, ...] = ("pairs",)
+_NOT_CONFIG_KEYS: tuple[str, ...] = ("pairs", "reference_logps")
 
 
 def _field_types(cls: type) -> dict[str, Any]:

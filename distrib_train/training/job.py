@@ -110,7 +110,9 @@ def model_parts(config: Config, *, model_fn: Callable[[int], Any] | None = None,
                         " loss given as code brings its own objective.")
     model_fn, is_param = objectives.preference_model(model_config, is_param, config.dpo)
     loss_fn = objectives.dpo_loss_fn(config.dpo)
-    flops_scale = 4 / 3 if config.dpo.uses_reference else 1.0  # a forward more: a third of forward and backward
+    flops_scale = 4 / 3 if config.dpo.live_reference else 1.0  # a forward more: a third of forward and backward
+    if config.dpo.precompute_reference:  # the reference's figures come with the batch
+      input_axes = {**recipe.input_axes, "reference_logps": recipe.input_axes["tokens"]}
   return ModelParts(model_fn or recipe.config.build, loss_fn or recipe.loss_fn,
                     input_axes if input_axes is not None else recipe.input_axes, model_config,
                     family_of(model_config), is_param, flops_scale)

@@ -56,7 +56,7 @@ from distrib_train.training.checks import (TrainerSetupError, check_batch_is_spl
 from distrib_train.training.compilation import (CacheEvents, cache_unsafe_reason, memory_line,
                                                 setup_compilation_cache)
 from distrib_train.training.config import Config
-from distrib_train.training import evaluation, init_from
+from distrib_train.training import evaluation, init_from, reference_pass
 from distrib_train.training.goodput import Goodput, PhaseClock
 from distrib_train.training.hooks import Profiler
 from distrib_train.training.loop import RunResult, TrainLoop, aux_scalars
@@ -250,6 +250,8 @@ class Trainer:
                              f"Checkpoint step {latest} in {str(self.workdir / 'checkpoints')!r}")
       elif t.init_from:
         init_from.check(self.config, plan.abstract_train_state)
+      if self.config.train.objective == "dpo" and self.config.dpo.precompute_reference:  # before any loader
+        reference_pass.ensure(self.config, self.job, plan, self.rules, init_from.load)
       loader = DataLoader(self.data_config, plan.input_kwarg_shardings, vocab_size=self.vocab_size)
       no_eval = evaluation.missing_eval_split(self.data_config, plan.input_kwarg_shardings, self.vocab_size,
                                                t.eval_every)

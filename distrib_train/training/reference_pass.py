@@ -1,0 +1,163 @@
+"""DPO's reference precomputed (``dpo.precompute_reference: true``): one pass over the data, kept beside it.
+
+``path_for(config)`` names the file the reference's figures are kept in:
+beside the first data file (``.<name>.dporef-<key>.npz``) where its folder is
+writable and no ``data.index_cache_dir`` is given, else in that cache
+directory (``data/index_cache.py``'s). ``<key>`` is a hash of everything the
+figures depend on: the data files (path, size, times and edges), the record
+reader, tokenizer, template, row length and cut policy, the model's config
+and the reference's weights (``dpo.reference`` or ``train.init_from``: its
+files' sizes and times, or the seed of a random start). A run whose key
+matches an existing file reads it; a changed corpus or reference gets a new
+one, never a stale one.
+
+``ensure(config, plan)`` computes the file where it is missing, before the
+run's loaders exist: a state of the plan's layout with the reference's
+weights (LoRA's adapters off), every record of the corpus (both splits) as
+two rows — its chosen and its rejected sequence, tokenized and cut as the
+loaders cut them — and each row's summed log-probability of its scored
+targets. Every process runs the pass (its steps are global), process 0 writes
+the file (a temporary name, renamed) and the others wait for it. The file
+holds a 64-bit hash of each record's text and its two sums; the pair tokenizer
+(``data/preference.py``) puts them on the batch as ``reference_logps`` and
+the objective reads them instead of running the reference
+(``recipes/objectives.py``): no reference in memory, no reference forward.
+
+Not for: the objective (``recipes/objectives.py``), the pairs' rows
+(``data/preference.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+KIND = "dporef"
+
+
+def _weights_key(source: str) -> Any:
+  kind, _, path = source.partition(":")
+  path = os.path.expanduser(path)
+  if not os.path.isdir(path):
+    return source
+  files = []
+  for root, _, names in sorted(os.walk(path)):
+    for name in sorted(names):
+      stat = os.stat(os.path.join(root, name))
+      files.append((os.path.relpath(os.path.join(root, name), path), stat.st_size, stat.st_mtime_ns))
+  return {"source": kind, "path": os.path.abspath(path), "files": files}
+
+
+def path_for(config: Any) -> str:
+  """The file that keeps ``config``'s reference figures (the module docstring says where and keyed by what)."""
+  from distrib_train.data import index_cache, text_files
+
+  data = config.data
+  files = text_files.expand(data.paths) if data.source == "text" else []
+  key = {
+      "version": 1, "source": data.source, "files": [index_cache.file_key(p, KIND) for p in files],
+      "text_field": data.text_field, "tokenizer": data.tokenizer_name(),
+      "tokenizer_file": _weights_key(data.tokenizer) if str(data.tokenizer).startswith("hf:") else None,
+      "chat_template": _weights_key(f"file:{data.chat_template}") if data.chat_template else "",
+      "seq_len": data.seq_len, "long": data.long_conversations, "model": repr(config.model_recipe().config),
+      "reference": _weights_key(config.dpo.reference or config.train.init_from), "seed": config.train.seed,
+  }
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+  if files and not data.index_cache_dir and os.access(os.path.dirname(os.path.abspath(files[0])), os.W_OK):
+    folder, name = os.path.split(os.path.abspath(files[0]))
+    return os.path.join(folder, f".{name}.{KIND}-{digest}.npz")
+  return os.path.join(data.index_cache_dir or index_cache.default_cache_dir(), f"{data.source}.{KIND}-{digest}.npz")
+
+
+def ensure(config: Any, job: Any, plan: Any, rules: Any, load: Any, log=None) -> str:
+  """The kept file of ``config``'s reference figures, computed first where it is missing (every process);
+  ``load(config, abstract, state)`` puts ``config``'s ``train.init_from`` weights in a state
+  (``init_from.load``)."""
+  import jax
+
+  path = path_for(config)
+  if os.path.exists(path):
+    return path
+  started = time.perf_counter()
+  hashes, sums = _pass(config, job, plan, rules, load)
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "wb") as f:
+      np.savez(f, hash=hashes, chosen=sums[:, 0], rejected=sums[:, 1])
+    os.replace(partial, path)
+  else:
+    while not os.path.exists(path):  # process 0 writes it (a shared file system)
+      time.sleep(0.2)
+  (log or (lambda line: print(line, file=sys.stderr, flush=True)))(f"Precomputed the DPO reference for {len(hashes)} pairs in {time.perf_counter() - started:.1f} s: {path}")
+  return path
+
+
+def _pass(config: Any, job: Any, plan: Any, rules: Any, load: Any) -> tuple[np.ndarray, np.ndarray]:
+  """Each record's hash and its chosen and rejected sequences' summed reference log-probabilities."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from distrib_train.data import sources
+  from distrib_train.data.preference import PairTokenizer, record_hash
+  from distrib_train.sharding.axis_rules import activation_sharding
+
+  data = dataclasses.replace(config.data_config(), reference_logps="")
+  docs, tokenize = sources.Documents(data), PairTokenizer(data)
+  state = plan.init(job.make_state)
+  source = config.dpo.reference or config.train.init_from
+  if source:  # the reference's weights: dpo.reference, else the starting model's
+    reference = dataclasses.replace(config, train=dataclasses.replace(config.train, init_from=source))
+    state, _ = load(reference, plan.abstract_train_state, state)
+  rows, length = data.global_batch_size, data.seq_len + 1
+  sharding = plan.input_kwarg_shardings["tokens"]
+  step = jax.jit(_sums, in_shardings=(plan.train_state_shardings, sharding, sharding, sharding, sharding),
+                 out_shardings=NamedSharding(plan.mesh, PartitionSpec()))
+  hashes, sequences = [], []
+  for i in range(len(docs)):
+    doc = docs[i]
+    if doc is None:  # a malformed record, skipped as the loaders skip it
+      continue
+    tokens = tokenize(doc)
+    if not len(tokens):  # left out (data.long_conversations: drop)
+      continue
+    rejected = (tokens["loss"] & 2) > 0
+    hashes.append(record_hash(doc))
+    sequences += [tokens[~rejected], tokens[rejected]]
+  sums = np.zeros(len(sequences), np.float64)
+  place = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+  with activation_sharding(plan.mesh, rules):
+    for start in range(0, len(sequences), rows):
+      part = sequences[start:start + rows]
+      ids, scored = np.zeros((rows, length), np.int32), np.zeros((rows, length - 1), np.float32)
+      for r, seq in enumerate(part):
+        ids[r, :len(seq)] = seq["ids"]
+        scored[r, :len(seq) - 1] = (seq["loss"][1:] & 1) > 0
+      segments = (np.arange(length - 1)[None] < np.array([len(s) for s in part] + [0] * (rows - len(part)))[:, None]
+                  ).astype(np.int32)
+      found = step(state, place(ids[:, :-1]), place(ids[:, 1:]), place(segments), place(scored))
+      sums[start:start + len(part)] = np.asarray(found.addressable_data(0))[:len(part)]
+  return np.asarray(hashes, np.uint64), sums.reshape(-1, 2).astype(np.float32)
+
+
+def _sums(state: Any, tokens: Any, targets: Any, segment_ids: Any, scored: Any) -> Any:
+  """Each row's summed log-probability of its scored targets under the reference (the model, LoRA's adapters
+  off) [rows]; on a context mesh in its load-balanced order, as the objective takes them."""
+  import jax.numpy as jnp
+
+  from distrib_train.parallel import context
+  from distrib_train.recipes import lora, objectives
+
+  tokens, rest = context.reorder(tokens, targets=targets, segment_ids=segment_ids, scored=scored, positions=None)
+  if rest["positions"] is None:
+    rest["positions"] = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  with lora.adapters_off():
+    logps, _ = objectives.token_logprobs(objectives.policy_of(state.model), tokens, rest)
+  return jnp.sum(logps * rest["scored"], axis=1)
