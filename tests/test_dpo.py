@@ -122,6 +122,9 @@ def test_bad_preference_records_are_refused_by_name(record, message):
     (["train.objective=rl"], "train.objective must be one of lm, dpo"),
     (["data.packing=false"], "data.packing=true"),
     (["data.loss_on=assistant"], "data.loss_on=completion"),
+    (["train.objective=lm", "dpo.beta=0.5"], "The dpo section is read with train.objective: dpo"),
+    (["dpo.loss=simpo", "dpo.precompute_reference=true"], "are read by dpo.loss=sigmoid"),
+    (["dpo.reference=hf:/tmp"], "set train.init_from too"),
 ])
 def test_bad_dpo_settings_are_refused_by_name(prefs, sets, message):
   with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):

@@ -272,7 +272,8 @@ def hf_tensors(params: Any, config, local_state: Any = None) -> dict[str, np.nda
   given = {}
   for tree in (params, local_state):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if tree is not None else []:
-      given[_path_keys(path)] = leaf
+      if not is_reference(path):  # a preference model's frozen reference: the policy is the model written
+        given[_path_keys(path)] = leaf
   for segment, (start, tensors) in _tables(config).items():
     for tensor in tensors.values():
       keys = (tensor.param,) if not segment else (segment, tensor.param)

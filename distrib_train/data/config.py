@@ -12,6 +12,10 @@ from collections.abc import Callable, Sequence
 Tokenizer = Callable[[str], Sequence[int]]
 
 
+# ``DataConfig.reference_logps`` before the precomputation pass names its file (``training/reference_pass.py``).
+REFERENCE_PENDING = "<the precomputed reference's file, named by its pass>"
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """What to read and how to batch it.
@@ -81,7 +85,8 @@ class DataConfig:
       whole into one row as two segments, their completions scored.
     reference_logps: set from ``dpo.precompute_reference``, not a config key:
       the file of the pairs' reference figures (``training/reference_pass.py``),
-      put on the batch as ``reference_logps``.
+      put on the batch as ``reference_logps`` (``REFERENCE_PENDING`` until the
+      pass has named it: the batch's schema has the field, no loader reads).
   """
 
   source: str = "pydoc"

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from distrib_train.data.chat import ChatEncoder, ConversationTokenizer, _check_messages
+from distrib_train.data.config import REFERENCE_PENDING
 
 REJECTED = 2  # the loss code's bit that marks the rejected half
 # With a precomputed reference (``training/reference_pass.py``): each sequence's summed reference log-probability
@@ -98,6 +99,9 @@ class PairTokenizer(ConversationTokenizer):
   def _reference_of(self, doc: str) -> tuple[float, float]:
     """The record's precomputed reference sums (chosen, rejected)."""
     if self._reference is None:
+      if self._reference_file == REFERENCE_PENDING:
+        raise ValueError("dpo.precompute_reference: the reference's pass has not run yet"
+                         " (training/reference_pass.ensure names its file in data.reference_logps).")
       try:
         with np.load(self._reference_file) as kept:
           self._reference = dict(zip(kept["hash"].tolist(), zip(kept["chosen"].tolist(), kept["rejected"].tolist())))

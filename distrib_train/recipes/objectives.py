@@ -83,6 +83,9 @@ class DpoConfig:
       raise ValueError(f"dpo.loss={self.loss!r}; choose {', '.join(DPO_LOSSES)}.")
     if not self.beta > 0:
       raise ValueError(f"dpo.beta must be positive, got {self.beta!r}.")
+    for name in ("simpo_gamma", "orpo_lambda"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"dpo.{name} must be 0 or more, got {getattr(self, name)!r}.")
     if self.reference and not self.reference.startswith("hf:"):
       raise ValueError(f"dpo.reference={self.reference!r}: give hf:<a Hugging Face directory>, or leave it empty"
                        " for the starting model (a distrib_train run's: export it with distrib-train export).")

@@ -38,6 +38,7 @@ from distrib_train.common.yaml_loader import ConfigError, safe_load_yaml
 from distrib_train.training.config_checks import check_config
 from distrib_train.training.config_values import check_model_value, closest_keys, coerce, model_field_types
 
+from distrib_train.data.config import REFERENCE_PENDING
 from distrib_train.data.pipeline import DataConfig
 from distrib_train.recipes.objectives import DpoConfig
 
@@ -221,10 +222,8 @@ class Config:
     if self.train.objective != "dpo":
       return self.data
     data = dataclasses.replace(self.data, pairs=True, loss_on=self.data.loss_on or "completion")
-    if self.dpo.precompute_reference:
-      from distrib_train.training import reference_pass
-
-      data = dataclasses.replace(data, reference_logps=reference_pass.path_for(self))
+    if self.dpo.precompute_reference:  # the trainer names the file once its pass has run (reference_pass.py)
+      data = dataclasses.replace(data, reference_logps=REFERENCE_PENDING)
     return data
 
 

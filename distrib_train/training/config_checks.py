@@ -57,6 +57,8 @@ def check_config(config: Any) -> None:
     raise ConfigError(f"train.rules must be one of {', '.join(sorted(RULE_SETS))}, got {t.rules!r}.")
   if t.objective not in OBJECTIVES:
     raise ConfigError(f"train.objective must be one of {', '.join(OBJECTIVES)}, got {t.objective!r}.")
+  if t.objective != "dpo" and config.dpo != type(config.dpo)():
+    raise ConfigError(f"The dpo section is read with train.objective: dpo; this run's objective is {t.objective}.")
   if t.objective == "dpo" and config.model.name not in ("llama", "moe"):
     raise ConfigError(f"train.objective=dpo trains the reference decoders (model.name llama or moe), not"
                       f" {config.model.name!r}.")

@@ -27,6 +27,8 @@ from __future__ import annotations
 import os
 import pathlib
 
+import jax
+
 from distrib_train.checkpoint import hf
 from distrib_train.checkpoint.checks import MODEL_FIELDS, abstract_target, check_matches, read_meta
 from distrib_train.train_state import TrainState
@@ -48,8 +50,9 @@ def _checkpoint(path: str) -> tuple[pathlib.Path, int]:
 
 
 def _reference(config: Config) -> str:
-  """``dpo.reference``'s directory, or empty (the reference is the starting model)."""
-  return os.path.expanduser(config.dpo.reference[3:]) if config.train.objective == "dpo" else ""
+  """``dpo.reference``'s directory where the state holds a reference to read it into, else empty."""
+  live = config.train.objective == "dpo" and config.dpo.live_reference
+  return os.path.expanduser(config.dpo.reference[3:]) if live and config.dpo.reference else ""
 
 
 def check(config: Config, abstract: TrainState) -> None:
@@ -65,10 +68,23 @@ def check(config: Config, abstract: TrainState) -> None:
   elif kind == "ckpt":
     directory, step = _checkpoint(path)
     read_meta(directory, step)
-    check_matches(directory, step, abstract_target(abstract, MODEL_FIELDS), partial=True)
+    try:
+      check_matches(directory, step, abstract_target(abstract, MODEL_FIELDS), partial=True)
+    except ValueError as e:
+      if config.train.objective != "dpo" or not hf.is_reference(_first_frozen(abstract)):
+        raise
+      raise ValueError(f"{e} This DPO run holds its policy and a frozen reference copy, so ckpt: takes a DPO run"
+                       " of the same model; start from another run (SFT) with dpo.precompute_reference: true (the"
+                       " state then holds the policy alone), or export it (distrib-train export) and give"
+                       " --init_from hf:<dir>.") from None
   if _reference(config):  # a preference model's reference, of the policy's shape
     hf.check_params(_reference(config), (abstract.params, abstract.model_without_params),
                     config.model_recipe().config)
+
+
+def _first_frozen(abstract: TrainState) -> tuple:
+  leaves = jax.tree_util.tree_flatten_with_path(abstract.model_without_params)[0]
+  return leaves[0][0] if leaves else ()
 
 
 def load(config: Config, abstract: TrainState, state: TrainState) -> tuple[TrainState, str]:
@@ -77,10 +93,14 @@ def load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Train
   state, line = _load(config, abstract, state)
   if not _reference(config):
     return state, line
-  # A preference model's reference from its own checkpoint; the other frozen weights (LoRA's base) as loaded.
-  frozen = hf.load_params(_reference(config), abstract.model_without_params, config.model_recipe().config,
-                          fresh=state.model_without_params, skip=lambda p: not hf.is_reference(p))
-  return state.replace(model_without_params=frozen), f"{line} The reference: {config.dpo.reference}."
+  # A preference model's reference (its weights and the local state its checkpoint holds) from its own
+  # checkpoint; the other frozen weights (LoRA's base) as loaded.
+  model, others = config.model_recipe().config, lambda p: not hf.is_reference(p)
+  frozen = hf.load_params(_reference(config), abstract.model_without_params, model,
+                          fresh=state.model_without_params, skip=others)
+  local_state = hf.load_params(_reference(config), abstract.local_state, model, fresh=state.local_state, skip=others)
+  return (state.replace(model_without_params=frozen, local_state=local_state),
+          f"{line} The reference: {config.dpo.reference}.")
 
 
 def _load(config: Config, abstract: TrainState, state: TrainState) -> tuple[TrainState, str]:

@@ -160,6 +160,9 @@ def data_config(config: Config, family: Family, mesh: Any = None, *, packed: boo
   if not (data.packing and segments):
     return data
   per_document = 2 if data.pairs else 1  # a preference pair is two segments
+  if data.pairs and segments < 3:
+    raise ConfigError(f"model.max_segments={segments} runs a row in cuDNN's packed attention, the padding included:"
+                      " too few for a preference pair's two segments; raise it to 3 at least.")
   if not data.max_documents_per_row:
     return dataclasses.replace(data, max_documents_per_row=(segments - 1) // per_document)
   if data.max_segments_per_row > segments - 1:

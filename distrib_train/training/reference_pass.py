@@ -7,7 +7,8 @@ directory (``data/index_cache.py``'s). ``<key>`` is a hash of everything the
 figures depend on: the data files (path, size, times and edges), the record
 reader, tokenizer, template, row length and cut policy, the model's config
 and the reference's weights (``dpo.reference`` or ``train.init_from``: its
-files' sizes and times, or the seed of a random start). A run whose key
+files' sizes and times, or the seed of a random start); files by their sizes
+and times (data files also by their edges). A run whose key
 matches an existing file reads it; a changed corpus or reference gets a new
 one, never a stale one.
 
@@ -16,8 +17,8 @@ run's loaders exist: a state of the plan's layout with the reference's
 weights (LoRA's adapters off), every record of the corpus (both splits) as
 two rows — its chosen and its rejected sequence, tokenized and cut as the
 loaders cut them — and each row's summed log-probability of its scored
-targets. Every process runs the pass (its steps are global), process 0 writes
-the file (a temporary name, renamed) and the others wait for it. The file
+targets. Process 0 decides whether the pass runs; every process runs it (its
+steps are global) and writes the file (a temporary name, renamed). The file
 holds a 64-bit hash of each record's text and its two sums; the pair tokenizer
 (``data/preference.py``) puts them on the batch as ``reference_logps`` and
 the objective reads them instead of running the reference
@@ -42,17 +43,24 @@ import numpy as np
 KIND = "dporef"
 
 
-def _weights_key(source: str) -> Any:
-  kind, _, path = source.partition(":")
-  path = os.path.expanduser(path)
-  if not os.path.isdir(path):
-    return source
+def _stats(path: str) -> Any:
+  """A file's or a folder's files' names, sizes and modification times (what a changed file changes)."""
+  path = os.path.abspath(os.path.expanduser(path))
+  if os.path.isfile(path):
+    stat = os.stat(path)
+    return [path, stat.st_size, stat.st_mtime_ns]
   files = []
   for root, _, names in sorted(os.walk(path)):
     for name in sorted(names):
       stat = os.stat(os.path.join(root, name))
       files.append((os.path.relpath(os.path.join(root, name), path), stat.st_size, stat.st_mtime_ns))
-  return {"source": kind, "path": os.path.abspath(path), "files": files}
+  return [path, files]
+
+
+def _source_key(source: str) -> Any:
+  """``hf:<dir>`` or ``ckpt:<dir>``: the kind and its files' stats; empty: the seed's random start."""
+  kind, _, path = source.partition(":")
+  return [kind, _stats(path)] if path and os.path.exists(os.path.expanduser(path)) else source
 
 
 def path_for(config: Any) -> str:
@@ -61,17 +69,21 @@ def path_for(config: Any) -> str:
 
   data = config.data
   files = text_files.expand(data.paths) if data.source == "text" else []
+  tokenizer = str(data.tokenizer)
   key = {
-      "version": 1, "source": data.source, "files": [index_cache.file_key(p, KIND) for p in files],
-      "text_field": data.text_field, "tokenizer": data.tokenizer_name(),
-      "tokenizer_file": _weights_key(data.tokenizer) if str(data.tokenizer).startswith("hf:") else None,
-      "chat_template": _weights_key(f"file:{data.chat_template}") if data.chat_template else "",
+      "version": 1, "source": data.source, "text_field": data.text_field, "tokenizer": data.tokenizer_name(),
+      "files": [index_cache.file_key(p, KIND) if os.path.isfile(p) else _stats(p) for p in files],
+      # the tokenizer's folder: its tokenizer_config.json or chat_template.jinja holds the template
+      "tokenizer_files": _stats(os.path.dirname(os.path.expanduser(tokenizer[3:]))) if tokenizer.startswith("hf:")
+      else None,
+      "chat_template": _stats(data.chat_template) if data.chat_template else "",
       "seq_len": data.seq_len, "long": data.long_conversations, "model": repr(config.model_recipe().config),
-      "reference": _weights_key(config.dpo.reference or config.train.init_from), "seed": config.train.seed,
+      "reference": _source_key(config.dpo.reference or config.train.init_from), "seed": config.train.seed,
   }
   digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-  if files and not data.index_cache_dir and os.access(os.path.dirname(os.path.abspath(files[0])), os.W_OK):
-    folder, name = os.path.split(os.path.abspath(files[0]))
+  first = os.path.abspath(files[0]) if files else ""
+  if first and not data.index_cache_dir and os.access(os.path.dirname(first), os.W_OK):
+    folder, name = os.path.split(first)
     return os.path.join(folder, f".{name}.{KIND}-{digest}.npz")
   return os.path.join(data.index_cache_dir or index_cache.default_cache_dir(), f"{data.source}.{KIND}-{digest}.npz")
 
@@ -81,21 +93,21 @@ def ensure(config: Any, job: Any, plan: Any, rules: Any, load: Any, log=None) ->
   ``load(config, abstract, state)`` puts ``config``'s ``train.init_from`` weights in a state
   (``init_from.load``)."""
   import jax
+  from jax.experimental import multihost_utils
 
   path = path_for(config)
-  if os.path.exists(path):
+  # Process 0 decides for all: a pass is collective, and a file another job writes meanwhile must not split them.
+  if bool(multihost_utils.broadcast_one_to_all(np.int32(os.path.exists(path)))):
     return path
   started = time.perf_counter()
   hashes, sums = _pass(config, job, plan, rules, load)
-  if jax.process_index() == 0:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    partial = f"{path}.{os.getpid()}.partial"
-    with open(partial, "wb") as f:
-      np.savez(f, hash=hashes, chosen=sums[:, 0], rejected=sums[:, 1])
-    os.replace(partial, path)
-  else:
-    while not os.path.exists(path):  # process 0 writes it (a shared file system)
-      time.sleep(0.2)
+  # Every process holds the figures and writes them (a temporary name of its own, renamed): the same file on a
+  # shared file system, each host's own where the cache directory is local.
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  partial = f"{path}.{jax.process_index()}-{os.getpid()}-{os.urandom(4).hex()}.partial"
+  with open(partial, "wb") as f:
+    np.savez(f, hash=hashes, chosen=sums[:, 0], rejected=sums[:, 1])
+  os.replace(partial, path)
   (log or (lambda line: print(line, file=sys.stderr, flush=True)))(f"Precomputed the DPO reference for {len(hashes)} pairs in {time.perf_counter() - started:.1f} s: {path}")
   return path
 
@@ -160,4 +172,4 @@ def _sums(state: Any, tokens: Any, targets: Any, segment_ids: Any, scored: Any) 
     rest["positions"] = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   with lora.adapters_off():
     logps, _ = objectives.token_logprobs(objectives.policy_of(state.model), tokens, rest)
-  return jnp.sum(logps * rest["scored"], axis=1)
+  return jnp.sum(jnp.where(rest["scored"] > 0, logps, 0.0), axis=1)

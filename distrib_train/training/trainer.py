@@ -251,7 +251,8 @@ class Trainer:
       elif t.init_from:
         init_from.check(self.config, plan.abstract_train_state)
       if self.config.train.objective == "dpo" and self.config.dpo.precompute_reference:  # before any loader
-        reference_pass.ensure(self.config, self.job, plan, self.rules, init_from.load)
+        kept = reference_pass.ensure(self.config, self.job, plan, self.rules, init_from.load)
+        self.data_config = dataclasses.replace(self.data_config, reference_logps=kept)
       loader = DataLoader(self.data_config, plan.input_kwarg_shardings, vocab_size=self.vocab_size)
       no_eval = evaluation.missing_eval_split(self.data_config, plan.input_kwarg_shardings, self.vocab_size,
                                                t.eval_every)
@@ -337,7 +338,7 @@ class Trainer:
     saved = run.get("config") or {}
     now = self.config.to_dict()
     # Of the train section only the seed shapes what a checkpoint holds; steps and intervals may change.
-    compared = {"model": None, "optimizer": None, "data": None, "train": ("seed",)}
+    compared = {"model": None, "optimizer": None, "data": None, "dpo": None, "train": ("seed", "objective")}
     return [f"{section}.{key}: {saved[section].get(key)!r} → {value!r}"
             + (" (ignored: the weights and keys continue from the checkpoint)" if section == "train" else "")
             for section, keys in compared.items() if isinstance(saved.get(section), dict)
