@@ -12,12 +12,12 @@ and times (data files also by their edges). A run whose key
 matches an existing file reads it; a changed corpus or reference gets a new
 one, never a stale one.
 
-``ensure(config, plan)`` computes the file where it is missing, before the
-run's loaders exist: a state of the plan's layout with the reference's
-weights (LoRA's adapters off), every record of the corpus (both splits) as
-two rows — its chosen and its rejected sequence, tokenized and cut as the
-loaders cut them — and each row's summed log-probability of its scored
-targets. Process 0 decides whether the pass runs; every process runs it (its
+``ensure(config, job, plan, …)`` computes the file where it is missing,
+before the run's loaders exist: a state of the plan's layout with the
+reference's weights (LoRA's adapters off), every record of the corpus (both
+splits) as two sequences — its chosen and its rejected one, tokenized and cut
+as the loaders cut them — packed whole into rows as the trainer packs them,
+and each sequence's summed log-probability of its scored targets. Process 0 decides whether the pass runs; every process runs it (its
 steps are global) and writes the file (a temporary name, renamed). The file
 holds a 64-bit hash of each record's text and its two sums; the pair tokenizer
 (``data/preference.py``) puts them on the batch as ``reference_logps`` and
@@ -31,6 +31,7 @@ Not for: the objective (``recipes/objectives.py``), the pairs' rows
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -88,10 +89,10 @@ def path_for(config: Any) -> str:
   return os.path.join(data.index_cache_dir or index_cache.default_cache_dir(), f"{data.source}.{KIND}-{digest}.npz")
 
 
-def ensure(config: Any, job: Any, plan: Any, rules: Any, load: Any, log=None) -> str:
+def ensure(config: Any, job: Any, plan: Any, rules: Any, load: Any, data: Any, log=None) -> str:
   """The kept file of ``config``'s reference figures, computed first where it is missing (every process);
   ``load(config, abstract, state)`` puts ``config``'s ``train.init_from`` weights in a state
-  (``init_from.load``)."""
+  (``init_from.load``); ``data`` is the run's data config (its rows' cap)."""
   import jax
   from jax.experimental import multihost_utils
 
@@ -100,7 +101,7 @@ def ensure(config: Any, job: Any, plan: Any, rules: Any, load: Any, log=None) ->
   if bool(multihost_utils.broadcast_one_to_all(np.int32(os.path.exists(path)))):
     return path
   started = time.perf_counter()
-  hashes, sums = _pass(config, job, plan, rules, load)
+  hashes, sums = _pass(config, job, plan, rules, load, data)
   # Every process holds the figures and writes them (a temporary name of its own, renamed): the same file on a
   # shared file system, each host's own where the cache directory is local.
   os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -112,7 +113,8 @@ def ensure(config: Any, job: Any, plan: Any, rules: Any, load: Any, log=None) ->
   return path
 
 
-def _pass(config: Any, job: Any, plan: Any, rules: Any, load: Any) -> tuple[np.ndarray, np.ndarray]:
+def _pass(config: Any, job: Any, plan: Any, rules: Any, load: Any,
+          data: Any) -> tuple[np.ndarray, np.ndarray]:
   """Each record's hash and its chosen and rejected sequences' summed reference log-probabilities."""
   import jax
   from jax.sharding import NamedSharding, PartitionSpec
@@ -121,17 +123,13 @@ def _pass(config: Any, job: Any, plan: Any, rules: Any, load: Any) -> tuple[np.n
   from distrib_train.data.preference import PairTokenizer, record_hash
   from distrib_train.sharding.axis_rules import activation_sharding
 
-  data = dataclasses.replace(config.data_config(), reference_logps="")
+  data = dataclasses.replace(data, reference_logps="")
   docs, tokenize = sources.Documents(data), PairTokenizer(data)
   state = plan.init(job.make_state)
   source = config.dpo.reference or config.train.init_from
   if source:  # the reference's weights: dpo.reference, else the starting model's
     reference = dataclasses.replace(config, train=dataclasses.replace(config.train, init_from=source))
     state, _ = load(reference, plan.abstract_train_state, state)
-  rows, length = data.global_batch_size, data.seq_len + 1
-  sharding = plan.input_kwarg_shardings["tokens"]
-  step = jax.jit(_sums, in_shardings=(plan.train_state_shardings, sharding, sharding, sharding, sharding),
-                 out_shardings=NamedSharding(plan.mesh, PartitionSpec()))
   hashes, sequences = [], []
   for i in range(len(docs)):
     doc = docs[i]
@@ -143,33 +141,73 @@ def _pass(config: Any, job: Any, plan: Any, rules: Any, load: Any) -> tuple[np.n
     rejected = (tokens["loss"] & 2) > 0
     hashes.append(record_hash(doc))
     sequences += [tokens[~rejected], tokens[rejected]]
-  sums = np.zeros(len(sequences), np.float64)
+  rows, length = data.global_batch_size, data.seq_len + 1
+  # Rows packed as the trainer packs them: whole sequences while the next fits, each its own segment, at most as
+  # many as the model's packed attention takes (data.max_documents_per_row, two a pair).
+  cap = data.max_segments_per_row or length
+  packed, where = _packed(sequences, length, cap)
+  sharding = plan.input_kwarg_shardings["tokens"]
+  step = jax.jit(functools.partial(_sums, count=cap + 1),
+                 in_shardings=(plan.train_state_shardings, sharding, sharding, sharding, sharding, sharding),
+                 out_shardings=NamedSharding(plan.mesh, PartitionSpec()))
   place = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+  per_row = np.zeros((len(packed["tokens"]), cap + 1), np.float64)
   with activation_sharding(plan.mesh, rules):
-    for start in range(0, len(sequences), rows):
-      part = sequences[start:start + rows]
-      ids, scored = np.zeros((rows, length), np.int32), np.zeros((rows, length - 1), np.float32)
-      for r, seq in enumerate(part):
-        ids[r, :len(seq)] = seq["ids"]
-        scored[r, :len(seq) - 1] = (seq["loss"][1:] & 1) > 0
-      segments = (np.arange(length - 1)[None] < np.array([len(s) for s in part] + [0] * (rows - len(part)))[:, None]
-                  ).astype(np.int32)
-      found = step(state, place(ids[:, :-1]), place(ids[:, 1:]), place(segments), place(scored))
-      sums[start:start + len(part)] = np.asarray(found.addressable_data(0))[:len(part)]
+    for start in range(0, len(per_row), rows):
+      part = {k: _rows(v[start:start + rows], rows) for k, v in packed.items()}
+      found = step(state, *(place(part[k]) for k in ("tokens", "targets", "segment_ids", "positions", "weights")))
+      per_row[start:start + rows] = np.asarray(found.addressable_data(0))[:len(per_row) - start]
+  sums = per_row[where[:, 0], where[:, 1]]
   return np.asarray(hashes, np.uint64), sums.reshape(-1, 2).astype(np.float32)
 
 
-def _sums(state: Any, tokens: Any, targets: Any, segment_ids: Any, scored: Any) -> Any:
-  """Each row's summed log-probability of its scored targets under the reference (the model, LoRA's adapters
-  off) [rows]; on a context mesh in its load-balanced order, as the objective takes them."""
+def _packed(sequences: list[np.ndarray], length: int, cap: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+  """Rows of whole sequences (``sequences.shifted``'s layout: inputs, targets, segment ids from 1, positions, the
+  scored targets' weights) and each sequence's (row, segment)."""
+  from distrib_train.data import sequences as sequences_lib
+
+  rows, where, current, used = [], [], [], 0
+  for seq in sequences:
+    if current and (used + len(seq) > length or len(current) == cap):
+      rows.append(current)
+      current, used = [], 0
+    where.append((len(rows), len(current) + 1))
+    current.append(seq)
+    used += len(seq)
+  if current:
+    rows.append(current)
+  out = []
+  for row in rows:
+    ids, loss = (np.zeros(length, np.int32) for _ in range(2))
+    segments, positions = np.zeros(length, np.int32), np.zeros(length, np.int32)
+    at = 0
+    for k, seq in enumerate(row, start=1):
+      n = len(seq)
+      ids[at:at + n], loss[at:at + n] = seq["ids"], seq["loss"] & 1
+      segments[at:at + n], positions[at:at + n] = k, np.arange(n)
+      at += n
+    out.append(sequences_lib.shifted({"tokens": ids, "tokens_segment_ids": segments, "tokens_positions": positions,
+                                      "tokens_loss": loss}))
+  return {k: np.stack([r[k] for r in out]) for k in out[0]}, np.asarray(where, np.int64)
+
+
+def _rows(values: np.ndarray, rows: int) -> np.ndarray:
+  """``values`` padded with empty rows to a batch of ``rows``."""
+  return np.concatenate([values, np.zeros((rows - len(values), *values.shape[1:]), values.dtype)])
+
+
+def _sums(state: Any, tokens: Any, targets: Any, segment_ids: Any, positions: Any, weights: Any, *, count: int) -> Any:
+  """Each row's segments' summed log-probabilities of their scored targets under the reference (the model, LoRA's
+  adapters off) [rows, count]; on a context mesh in its load-balanced order, as the objective takes them."""
+  import jax
   import jax.numpy as jnp
 
   from distrib_train.parallel import context
   from distrib_train.recipes import lora, objectives
 
-  tokens, rest = context.reorder(tokens, targets=targets, segment_ids=segment_ids, scored=scored, positions=None)
-  if rest["positions"] is None:
-    rest["positions"] = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  tokens, rest = context.reorder(tokens, targets=targets, segment_ids=segment_ids, positions=positions,
+                                 weights=weights)
   with lora.adapters_off():
     logps, _ = objectives.token_logprobs(objectives.policy_of(state.model), tokens, rest)
-  return jnp.sum(jnp.where(rest["scored"] > 0, logps, 0.0), axis=1)
+  scored = jnp.where(rest["weights"] > 0, logps, 0.0)
+  return jax.vmap(lambda v, s: jax.ops.segment_sum(v, s, num_segments=count))(scored, rest["segment_ids"])

@@ -251,7 +251,7 @@ class Trainer:
       elif t.init_from:
         init_from.check(self.config, plan.abstract_train_state)
       if self.config.train.objective == "dpo" and self.config.dpo.precompute_reference:  # before any loader
-        kept = reference_pass.ensure(self.config, self.job, plan, self.rules, init_from.load)
+        kept = reference_pass.ensure(self.config, self.job, plan, self.rules, init_from.load, self.data_config)
         self.data_config = dataclasses.replace(self.data_config, reference_logps=kept)
       loader = DataLoader(self.data_config, plan.input_kwarg_shardings, vocab_size=self.vocab_size)
       no_eval = evaluation.missing_eval_split(self.data_config, plan.input_kwarg_shardings, self.vocab_size,
