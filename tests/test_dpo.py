@@ -197,7 +197,7 @@ def test_dpo_sharded_equals_one_device_and_the_reference_stays_frozen(prefs):
                                         input_kwarg_shardings=plan.input_kwarg_shardings)
   one_step = dt.build_train_step_fn(job.loss_fn)
   sharded, single = plan.init(job.make_state), job.make_state()
-  frozen_before = [np.asarray(x) for x in jax.tree_util.tree_leaves(single.model_without_params)]
+  frozen_before = [np.asarray(x) for x in jax.tree_util.tree_leaves(sharded.model_without_params)]
   for i, batch in enumerate(batches):
     sharded, aux = sharded_step(sharded, **batch)
     single, want = one_step(single, **batch)
