@@ -24,7 +24,9 @@ from distrib_train import data
 from distrib_train.common import exit_hooks
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
-RUNS = 20
+# Runs per corpus and worker setting: 72 in all. At the old code's one abort in six, all 72 pass by chance once in
+# about 500,000 suites (20 a corpus cost 56 s more of CI).
+RUNS = 12
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,39 @@ def record_hash(doc: str) -> int:
   return int.from_bytes(hashlib.blake2b(doc.encode("utf-8"), digest_size=8).digest(), "little")
 
 
+_MAGIC = b"distrib_train DPO reference v1\n"
+
+
+def write_reference(path: str, hashes: np.ndarray, chosen: np.ndarray, rejected: np.ndarray) -> None:
+  """Writes a precomputed reference's figures: a magic line, then each record's hash (uint64) and its two sums
+  (float32), raw and little-endian (no pickle)."""
+  with open(path, "wb") as f:
+    f.write(_MAGIC + len(hashes).to_bytes(8, "little"))
+    for values, dtype in ((hashes, "<u8"), (chosen, "<f4"), (rejected, "<f4")):
+      f.write(np.ascontiguousarray(values, dtype).tobytes())
+
+
+def read_reference(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """``write_reference``'s hashes, chosen and rejected sums.
+
+  Raises:
+    ValueError: an unreadable file, or not one ``write_reference`` wrote (named).
+  """
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+  except OSError as e:
+    raise ValueError(f"The precomputed DPO reference {path!r} cannot be read: {e}.") from None
+  head = len(_MAGIC) + 8
+  count = int.from_bytes(raw[len(_MAGIC):head], "little") if raw.startswith(_MAGIC) else -1
+  if count < 0 or len(raw) != head + 16 * count:
+    raise ValueError(f"{path!r} is not a precomputed DPO reference of this version (delete it to compute it"
+                     " again).")
+  hashes = np.frombuffer(raw, "<u8", count, head)
+  chosen = np.frombuffer(raw, "<f4", count, head + 8 * count)
+  return hashes, chosen, np.frombuffer(raw, "<f4", count, head + 12 * count)
+
+
 def encode_pair(encoder: ChatEncoder, record: Mapping[str, Any], where: str = "record"
                 ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
   """A preference record's ``(ids, mask)`` for the chosen and for the rejected sequence (``encoder.loss_on``
@@ -102,11 +135,8 @@ class PairTokenizer(ConversationTokenizer):
       if self._reference_file == REFERENCE_PENDING:
         raise ValueError("dpo.precompute_reference: the reference's pass has not run yet"
                          " (training/reference_pass.ensure names its file in data.reference_logps).")
-      try:
-        with np.load(self._reference_file) as kept:
-          self._reference = dict(zip(kept["hash"].tolist(), zip(kept["chosen"].tolist(), kept["rejected"].tolist())))
-      except OSError as e:
-        raise ValueError(f"The precomputed DPO reference {self._reference_file!r} cannot be read: {e}.") from None
+      hashes, chosen, rejected = read_reference(self._reference_file)
+      self._reference = dict(zip(hashes.tolist(), zip(chosen.tolist(), rejected.tolist())))
     found = self._reference.get(record_hash(doc))
     if found is None:
       raise ValueError(f"The preference record {doc[:100]!r}… is not in the precomputed DPO reference"

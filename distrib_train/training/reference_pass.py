@@ -1,7 +1,7 @@
 """DPO's reference precomputed (``dpo.precompute_reference: true``): one pass over the data, kept beside it.
 
 ``path_for(config)`` names the file the reference's figures are kept in:
-beside the first data file (``.<name>.dporef-<key>.npz``) where its folder is
+beside the first data file (``.<name>.dporef-<key>.bin``) where its folder is
 writable and no ``data.index_cache_dir`` is given, else in that cache
 directory (``data/index_cache.py``'s). ``<key>`` is a hash of everything the
 figures depend on: the data files (path, size, times and edges), the record
@@ -85,8 +85,8 @@ def path_for(config: Any) -> str:
   first = os.path.abspath(files[0]) if files else ""
   if first and not data.index_cache_dir and os.access(os.path.dirname(first), os.W_OK):
     folder, name = os.path.split(first)
-    return os.path.join(folder, f".{name}.{KIND}-{digest}.npz")
-  return os.path.join(data.index_cache_dir or index_cache.default_cache_dir(), f"{data.source}.{KIND}-{digest}.npz")
+    return os.path.join(folder, f".{name}.{KIND}-{digest}.bin")
+  return os.path.join(data.index_cache_dir or index_cache.default_cache_dir(), f"{data.source}.{KIND}-{digest}.bin")
 
 
 def ensure(config: Any, job: Any, plan: Any, rules: Any, load: Any, data: Any, log=None) -> str:
@@ -95,6 +95,8 @@ def ensure(config: Any, job: Any, plan: Any, rules: Any, load: Any, data: Any, l
   (``init_from.load``); ``data`` is the run's data config (its rows' cap)."""
   import jax
   from jax.experimental import multihost_utils
+
+  from distrib_train.data.preference import write_reference
 
   path = path_for(config)
   # Process 0 decides for all: a pass is collective, and a file another job writes meanwhile must not split them.
@@ -106,8 +108,7 @@ def ensure(config: Any, job: Any, plan: Any, rules: Any, load: Any, data: Any, l
   # shared file system, each host's own where the cache directory is local.
   os.makedirs(os.path.dirname(path), exist_ok=True)
   partial = f"{path}.{jax.process_index()}-{os.getpid()}-{os.urandom(4).hex()}.partial"
-  with open(partial, "wb") as f:
-    np.savez(f, hash=hashes, chosen=sums[:, 0], rejected=sums[:, 1])
+  write_reference(partial, hashes, sums[:, 0], sums[:, 1])
   os.replace(partial, path)
   (log or (lambda line: print(line, file=sys.stderr, flush=True)))(f"Precomputed the DPO reference for {len(hashes)} pairs in {time.perf_counter() - started:.1f} s: {path}")
   return path
