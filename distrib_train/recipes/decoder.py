@@ -142,6 +142,7 @@ class Decoder(nnx.Module):
 
   def __init__(self, config, *, rngs: nnx.Rngs):
     self.config = config
+    self.deterministic = False  # ``model.eval()`` sets it: the adapters' dropout is off (lora.py)
     c, pd = config, jnp.dtype(config.param_dtype)
     d = c.d_model
     self.embed = param(rngs, (c.vocab_size, d), ("vocab", "embed"), pd, fan_in=1)
@@ -189,9 +190,12 @@ class Decoder(nnx.Module):
     return self.hidden_and_aux(tokens, positions, segment_ids)[0]
 
   def hidden_and_aux(self, tokens: jax.Array, positions: jax.Array | None = None,
-                     segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The final hidden states and what the layers report besides (a mixture's losses and loads)."""
+                     segment_ids: jax.Array | None = None, *,
+                     dropout_rng: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The final hidden states and what the layers report besides (a mixture's losses and loads).
+    ``dropout_rng``: the training step's key, for the adapters' dropout (none in eval mode)."""
     c = self.config
+    dropout_rng = None if self.deterministic else dropout_rng
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     # The table is gathered over its embedding side (fsdp) before the lookup: a lookup into the fsdp-sharded table
@@ -215,6 +219,10 @@ class Decoder(nnx.Module):
         stack = getattr(self, segment.name)
         layers = {k: v[...] for k, v in stack.items()}
         axes = {k: tuple(v.out_sharding) for k, v in stack.items()}
+        seeds = lora.dropout_seeds(c, None if dropout_rng is None else jax.random.fold_in(dropout_rng, len(axes)),
+                                   segment.count)
+        if seeds is not None:
+          layers[lora.SEED], axes[lora.SEED] = seeds, ("layers",)
         period = len(segment.kinds)
         if period > 1:
           layers = {k: v.reshape(segment.count // period, period, *v.shape[1:]) for k, v in layers.items()}
@@ -276,11 +284,10 @@ def loss_fn(*, model: Decoder, state: Any, rng: jax.Array, tokens: jax.Array, ta
   On a mesh with a context axis the tokens are taken in its load-balanced order (``parallel/context.py``);
   the loss, a sum over tokens, is the same.
   """
-  del rng
   tokens, rest = context.reorder(tokens, targets=targets, positions=positions, segment_ids=segment_ids,
                                  weights=weights)
   targets, positions, segment_ids, weights = (rest[k] for k in ("targets", "positions", "segment_ids", "weights"))
-  hidden, routing = model.hidden_and_aux(tokens, positions=positions, segment_ids=segment_ids)
+  hidden, routing = model.hidden_and_aux(tokens, positions=positions, segment_ids=segment_ids, dropout_rng=rng)
   if "layer_load" in routing:  # the step's loads move the router bias (router_bias_update_rate)
     model.update_router_bias(routing.pop("layer_load"))
   if weights is None:

@@ -101,7 +101,7 @@ class LlamaConfig:
   hf_model_type: str = ""  # the Hugging Face family it was read from and is written as ("qwen3", …); "": inferred
   lora_rank: int = 0  # LoRA adapters of this rank on lora_targets, the rest frozen (recipes/lora.py); 0: none
   lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank (PEFT's)
-  lora_dropout: float = 0.0  # on the adapters' inputs: not built (refused when set)
+  lora_dropout: float = 0.0  # the probability of dropping an adapter's input in training (PEFT's lora_dropout)
   lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
   def __post_init__(self):

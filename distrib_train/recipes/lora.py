@@ -4,8 +4,11 @@ With ``lora_rank`` > 0, each targeted projection ``W`` (``q``, ``k``, ``v``,
 ``o`` of GQA attention; ``gate``, ``up``, ``down`` of a dense MLP) gets two
 params, ``lora_a_<w>`` (its inputs → rank, normal / √fan-in) and
 ``lora_b_<w>`` (rank → its outputs, zeros, so a new adapter leaves the
-model as it was), and computes ``x·W + (alpha / rank)·(x·A)·B``, PEFT's
-default scaling. Only the adapters train (``trainable``): the base weights
+model as it was), and computes ``x·W + (alpha / rank)·(drop(x)·A)·B``,
+PEFT's default scaling and dropout: with ``lora.dropout`` = p > 0, a training
+step zeroes each adapter's inputs with probability p (scaling the rest by
+1 / (1 − p)), with its own mask per layer, projection and step
+(``dropout_seeds``); evaluation, ``model.eval()``, drops nothing. Only the adapters train (``trainable``): the base weights
 are frozen, out of the optimizer, and laid out by their logical axes like
 params (``train_state.STATE_FIELDS``); the adapters carry their weight's
 axes on its own side and none on the rank.
@@ -53,8 +56,8 @@ def check(config) -> None:
   """Refuses a LoRA setting the decoder cannot run.
 
   Raises:
-    ValueError: a negative rank, a rank with a dropout (not built), an unknown target, or MLA attention
-      with an attention target.
+    ValueError: a negative rank, a dropout outside [0, 1), an unknown target, or MLA attention with an
+      attention target.
   """
   if isinstance(config.lora_rank, bool) or config.lora_rank < 0:
     raise ValueError(f"lora.rank must be 0 (no adapters) or positive, got {config.lora_rank!r}.")
@@ -63,9 +66,9 @@ def check(config) -> None:
   unknown = [t for t in config.lora_targets if t not in TARGETS]
   if unknown or not config.lora_targets:
     raise ValueError(f"lora.targets names {unknown or 'nothing'}; choose among {', '.join(TARGETS)}.")
-  if config.lora_dropout:
-    raise ValueError(f"lora.dropout={config.lora_dropout}: dropout on the adapters' inputs is not built; set it"
-                     " to 0.")
+  if isinstance(config.lora_dropout, bool) or not 0 <= config.lora_dropout < 1:
+    raise ValueError(f"lora.dropout is the probability of dropping an adapter's input: 0 ≤ p < 1, got"
+                     f" {config.lora_dropout!r}.")
   if config.attention_kind == "mla" and set(config.lora_targets) & {"q", "k", "v", "o"}:
     raise ValueError("lora.targets q, k, v and o adapt GQA attention; this model's is MLA: adapt gate, up and"
                      " down only.")
@@ -100,12 +103,33 @@ def _inputs(name: str) -> int:
   return 2 if name == "wo" else 1
 
 
+SEED = "lora_dropout_seed"  # a layer's dropout seed among its arrays (``dropout_seeds``)
+
+
+def dropout_seeds(config, rng: jax.Array | None, layers: int) -> jax.Array | None:
+  """One uint32 seed per layer of a stack for the adapters' dropout this pass, or None where nothing drops
+  (no dropout, no key: evaluation and the reference pass)."""
+  if not (config.lora_rank and config.lora_dropout) or rng is None:
+    return None
+  return jax.random.bits(rng, (layers,), jnp.uint32)
+
+
+def _dropped(x: jax.Array, seed: jax.Array, name: str, p: float) -> jax.Array:
+  """``x`` with each element zeroed with probability ``p`` and the rest scaled by 1 / (1 − p); the mask is
+  the layer's seed's, folded with the projection's place among the targets."""
+  key = jax.random.fold_in(jax.random.key(seed), list(TARGETS.values()).index(name))
+  keep = jax.random.bernoulli(key, 1.0 - p, x.shape)
+  return jnp.where(keep, x / jnp.asarray(1.0 - p, x.dtype), jnp.zeros((), x.dtype))
+
+
 def delta(subscripts: str, x: jax.Array, layer: dict, name: str, config) -> jax.Array | None:
-  """``(alpha / rank)·(x·A)·B`` for weight ``name`` of one layer, in the projection's ``subscripts``, or None
-  where it has no adapter."""
+  """``(alpha / rank)·(drop(x)·A)·B`` for weight ``name`` of one layer, in the projection's ``subscripts``,
+  or None where it has no adapter; ``x`` is dropped where the layer carries a dropout seed."""
   a, b = layer.get(f"lora_a_{name}"), layer.get(f"lora_b_{name}")
   if a is None or getattr(_OFF, "on", False):
     return None
+  if layer.get(SEED) is not None:
+    x = _dropped(x, layer[SEED], name, config.lora_dropout)
   inputs, out = subscripts.split("->")
   x_sub, w_sub = inputs.split(",")
   n_in = _inputs(name)

@@ -140,8 +140,10 @@ def weight_name(aux: Any) -> str | None:
   return next((k for k in ("pairs", "tokens") if isinstance(aux, dict) and k in aux), None)
 
 
-def token_logprobs(decoder: Any, tokens: jax.Array, rest: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
-  hidden, routing = decoder.hidden_and_aux(tokens, positions=rest["positions"], segment_ids=rest["segment_ids"])
+def token_logprobs(decoder: Any, tokens: jax.Array, rest: dict[str, jax.Array],
+                   dropout_rng: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  hidden, routing = decoder.hidden_and_aux(tokens, positions=rest["positions"], segment_ids=rest["segment_ids"],
+                                           dropout_rng=dropout_rng)
   c = decoder.config
   logps = chunked_logprobs(hidden, decoder.head_weight(), rest["targets"], c.loss_chunk_size, c.loss_remat,
                            softcap=c.final_logit_softcap)
@@ -202,7 +204,6 @@ def dpo_loss_fn(settings: DpoConfig) -> Callable[..., Any]:
               segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
               weights: jax.Array | None = None,
               reference_logps: jax.Array | None = None) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
-    del rng
     if segment_ids is None or weights is None:
       raise ValueError("train.objective=dpo reads packed preference pairs: the batch needs segment_ids and weights"
                        " (data.packing: true).")
@@ -211,7 +212,7 @@ def dpo_loss_fn(settings: DpoConfig) -> Callable[..., Any]:
     if rest["positions"] is None:
       rest["positions"] = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     policy = policy_of(model)
-    logps, routing = token_logprobs(policy, tokens, rest)
+    logps, routing = token_logprobs(policy, tokens, rest, dropout_rng=rng)  # the reference drops nothing
     if "layer_load" in routing:  # the step's loads move the router bias (router_bias_update_rate)
       policy.update_router_bias(routing.pop("layer_load"))
     reference = None
