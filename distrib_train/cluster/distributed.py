@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import itertools
 import os
 import re
 import shutil
@@ -331,3 +332,22 @@ def topology() -> str:
 
 def is_multiprocess() -> bool:
   return jax.process_count() > 1
+
+
+_barrier_ids = itertools.count()
+
+
+def wait_for_every_process(what: str, timeout_s: int = 1800) -> None:
+  """A barrier on JAX's coordination service, which waits as long as it takes.
+
+  Process 0 loads the step from the persistent compilation cache while the
+  others may compile it (JAX writes the cache from process 0 only; on CPU the
+  other processes' keys differ), and the first step's collectives wait only
+  30 s for a late process (gloo's rendezvous) before failing the job.
+  """
+  if jax.process_count() == 1:
+    return
+  import orbax.checkpoint as ocp
+
+  ocp.multihost.sync_global_processes(f"distrib_train: {what} #{next(_barrier_ids)}", timeout=timeout_s,
+                                      processes=set(range(jax.process_count())))

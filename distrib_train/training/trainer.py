@@ -30,7 +30,6 @@ refusals (``checks.py``).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import pathlib
 import sys
@@ -74,9 +73,6 @@ __all__ = ["EXIT_HALTED", "RunResult", "Trainer", "TrainerSetupError", "aux_scal
 EXIT_HALTED = 3  # the process exit code of a run stopped by the non-finite guard
 
 
-_barrier_ids = itertools.count()
-
-
 @dataclasses.dataclass(frozen=True)
 class _SetUp:
   """What ``Trainer._set_up`` checked and opened: the plan, the training loader, the workdir's lock, the
@@ -88,22 +84,6 @@ class _SetUp:
   tokenizer: Any
   no_eval: str | None
   cache: str
-
-
-def _wait_for_every_process(what: str, timeout_s: int = 1800) -> None:
-  """A barrier on JAX's coordination service, which waits as long as it takes.
-
-  Process 0 loads the step from the persistent compilation cache while the
-  others may compile it (JAX writes the cache from process 0 only; on CPU the
-  other processes' keys differ), and the first step's collectives wait only
-  30 s for a late process (gloo's rendezvous) before failing the job.
-  """
-  if jax.process_count() == 1:
-    return
-  import orbax.checkpoint as ocp
-
-  ocp.multihost.sync_global_processes(f"distrib_train: {what} #{next(_barrier_ids)}", timeout=timeout_s,
-                                      processes=set(range(jax.process_count())))
 
 
 class Trainer:
@@ -203,7 +183,7 @@ class Trainer:
       # of the whole batch's activations on an FSDP mesh (llama-7b on 256 chips: 281 vs 10.8 GiB).
       with activation_sharding(plan.mesh, self.rules):
         self._compile(train_step, plan, step)
-        _wait_for_every_process("train step compiled")
+        distributed.wait_for_every_process("train step compiled")
         preemption.enter_steps()
         loop = TrainLoop(state=state, train_step=train_step, loader=loader, ckpt=ckpt,
                          abstract_train_state=plan.abstract_train_state, writer=writer,
