@@ -1,5 +1,6 @@
 """The fast checkpoint tier: each process's own shards on its own disk; a restart takes the newest complete tier."""
 
+import json
 import os
 import pathlib
 import shutil
@@ -59,6 +60,15 @@ def test_a_local_step_restores_onto_the_same_shards_and_refuses_other_runs_and_l
   for step in (5, 7):
     local.save(step, state)
   assert local.steps() == [5, 7]  # the newest two are kept
+  # A run whose frozen weights come from a named source saves the rest: a restore keeps the target's others.
+  part = LocalCheckpoints(tmp_path / "part", run_id="run-a", fields=("step", "params"))
+  part.save(3, state)
+  kept = jax.tree.map(lambda x: np.full_like(x, 7), state.opt_state)
+  restored = part.restore(plan.abstract_train_state.replace(opt_state=kept), 3)
+  np.testing.assert_array_equal(np.asarray(restored.params["w"]), np.asarray(state.params["w"]))
+  assert all((np.asarray(x) == 7).all() for x in jax.tree.leaves(restored.opt_state))
+  manifest = json.loads((tmp_path / "part" / "3" / "manifest.json").read_text())
+  assert sorted(manifest["files"]) == ["params/b", "params/w", "step"]
 
 
 def test_the_tiers_restore_the_newer_tier_of_this_run_and_say_which(tmp_path):

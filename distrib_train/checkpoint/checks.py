@@ -35,6 +35,9 @@ FORMAT_VERSION = 1
 # and those a params-only restore reads: the model's.
 SAVED_FIELDS = state_fields(checkpointed=True)
 MODEL_FIELDS = state_fields(checkpointed=True, roles=("trainable", "frozen", "model_state"))
+# A run whose frozen weights all come from a named source (a LoRA base, a DPO reference read from ``hf:``)
+# saves the rest; its steps' metadata lists the fields they hold and names the source.
+FROZEN_FIELDS = state_fields(checkpointed=True, roles=("frozen",))
 
 _VERSIONED_PACKAGES = ("distrib_train", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore")
 
@@ -82,18 +85,26 @@ def read_meta(directory: epath.Path, step: int) -> dict[str, Any]:
   return dict(meta)
 
 
-def step_meta(step: int, state: TrainState, prng_impls: Mapping[str, str], run: Mapping[str, Any]) -> dict[str, Any]:
+def held_fields(meta: Mapping[str, Any]) -> tuple[str, ...]:
+  """The fields a step's arrays hold (every saved field in a step written before the list was kept)."""
+  return tuple(f for f in SAVED_FIELDS if f in meta.get("fields", SAVED_FIELDS))
+
+
+def step_meta(step: int, state: TrainState, prng_impls: Mapping[str, str], run: Mapping[str, Any],
+              fields: tuple[str, ...] = SAVED_FIELDS) -> dict[str, Any]:
   """A step's ``meta`` JSON (what ``read_meta`` reads back), less the data iterator's part (``data_state.py``).
 
   Args:
     step: the step being saved.
     state: the train state being saved (its params' mesh is recorded).
     prng_impls: the PRNG key implementation of each typed key, by saved path.
-    run: the caller's JSON-able run metadata (config, tokenizer).
+    run: the caller's JSON-able run metadata (config, tokenizer, the frozen weights' source).
+    fields: the fields whose arrays the step holds.
   """
   return {
       "format_version": FORMAT_VERSION,
       "step": int(step),
+      "fields": list(fields),
       "prng_impls": prng_impls,
       "mesh": _mesh_of(state),
       "process_count": jax.process_count(),
@@ -214,8 +225,8 @@ def check_restorable(directory: str | epath.PathLike, target: TrainState) -> int
   steps = sorted(names.values())
   if not steps:
     return None
-  read_meta(directory, steps[-1])
-  check_matches(directory, steps[-1], abstract_target(target, SAVED_FIELDS), partial=False)
+  held = held_fields(read_meta(directory, steps[-1]))
+  check_matches(directory, steps[-1], abstract_target(target, held), partial=False)
   return steps[-1]
 
 

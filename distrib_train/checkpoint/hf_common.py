@@ -3,7 +3,8 @@
 ``SafetensorsDirectory(directory)`` reads a directory's ``*.safetensors``
 files (with or without an index) lazily: only their headers at first, then
 each slice asked for, memory-mapped, so a process reads only what its devices
-hold; ``shard_range`` turns a shard's index into its contiguous range.
+hold; ``shard_range`` turns a shard's index into its contiguous range;
+``fingerprint`` tells a directory's weights apart without reading them all.
 ``hf.py`` reads every family's tensors through them.
 
 Not for: which tensor goes where (``recipes/hf_tables.py``) or
@@ -13,6 +14,7 @@ Not for: which tensor goes where (``recipes/hf_tables.py``) or
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -103,3 +105,29 @@ def shard_range(index: slice, size: int) -> tuple[int, int]:
   if step != 1:
     raise HfCheckpointError("a strided shard index")  # jax shards are contiguous
   return start, stop
+
+
+_SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
+
+
+def fingerprint(directory: str) -> dict[str, str]:
+  """Per ``*.safetensors`` file, the sha256 of its size, its header and 16 slices of 64 KiB spread over it;
+  ``config.json``'s whole. Other weights of the same shapes differ in every slice; a copy elsewhere (new
+  modification times) matches. Reads about a MiB a file."""
+  out = {}
+  for name in sorted(os.listdir(directory)):
+    path = os.path.join(directory, name)
+    if name == "config.json":
+      with open(path, "rb") as f:
+        out[name] = hashlib.sha256(f.read()).hexdigest()[:32]
+    elif name.endswith(".safetensors"):
+      size = os.path.getsize(path)
+      digest = hashlib.sha256(str(size).encode())
+      with open(path, "rb") as f:
+        head = f.read(8)
+        digest.update(head + f.read(min(int.from_bytes(head, "little"), 100 << 20)))
+        for i in range(_SAMPLES):
+          f.seek(size * i // _SAMPLES)
+          digest.update(f.read(_SAMPLE_BYTES))
+      out[name] = digest.hexdigest()[:32]
+  return out

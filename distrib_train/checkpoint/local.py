@@ -60,9 +60,10 @@ def _read(path: pathlib.Path) -> np.ndarray:
 class LocalCheckpoints:
   """This process's fast tier (module docstring)."""
 
-  def __init__(self, directory: str | os.PathLike, run_id: str):
+  def __init__(self, directory: str | os.PathLike, run_id: str, fields: tuple[str, ...] = SAVED_FIELDS):
     self.directory = pathlib.Path(directory)
     self.run_id = run_id
+    self.fields = fields  # the saved fields (the persistent tier's: a named source's frozen weights are not)
     self.directory.mkdir(parents=True, exist_ok=True)
     for stale in self.directory.glob("*.tmp*"):  # what a killed save left
       shutil.rmtree(stale, ignore_errors=True)
@@ -80,7 +81,7 @@ class LocalCheckpoints:
     tmp = self.directory / f"{step}.tmp{os.getpid()}"
     tmp.mkdir(parents=True)
     files, key_impls, writes = {}, {}, []
-    for keys, leaf in flatten_fields(state, SAVED_FIELDS).items():
+    for keys, leaf in flatten_fields(state, self.fields).items():
       name = "/".join(keys)
       if is_prng_key(leaf):
         key_impls[name] = str(jax.random.key_impl(leaf))
@@ -94,7 +95,7 @@ class LocalCheckpoints:
     # Device → host copies and file writes overlap, several at a time (numpy releases the GIL while writing).
     with concurrent.futures.ThreadPoolExecutor(_WRITERS) as pool:
       list(pool.map(lambda job: np.save(job[0], np.asarray(job[1])), writes))
-    manifest = {"step": int(step), "run_id": self.run_id, "layout": _layout(abstract_target(state, SAVED_FIELDS)),
+    manifest = {"step": int(step), "run_id": self.run_id, "layout": _layout(abstract_target(state, self.fields)),
                 "files": files, "key_impls": key_impls, "data_position": position}
     (tmp / _MANIFEST).write_text(json.dumps(manifest))
     if final.exists():  # a step of an earlier run or layout (a restart on another shape trains it again)
@@ -110,7 +111,7 @@ class LocalCheckpoints:
     except (OSError, ValueError):
       return False
     return manifest.get("run_id") == self.run_id and manifest.get("layout") == _layout(
-        abstract_target(target, SAVED_FIELDS))
+        abstract_target(target, self.fields))
 
   def complete_step(self, target: Any, newer_than: int | None) -> int | None:
     """The newest step every process holds, usable on ``target``'s layout and newer than ``newer_than``."""
@@ -132,7 +133,7 @@ class LocalCheckpoints:
     folder = self.directory / str(step)
     manifest = json.loads((folder / _MANIFEST).read_text())
     values = {}
-    for keys, leaf in abstract_target(target, SAVED_FIELDS).items():
+    for keys, leaf in abstract_target(target, self.fields).items():
       name = "/".join(keys)
       blocks = manifest["files"][name]
       shards = [jax.device_put(_read(folder / blocks[_index_key(index, leaf.shape)]), device)
@@ -143,4 +144,4 @@ class LocalCheckpoints:
       values[keys] = value
     if data_iterator is not None and manifest.get("data_position") is not None:
       data_iterator.set_data_position(manifest["data_position"])
-    return fill_fields(target, SAVED_FIELDS, values)
+    return fill_fields(target, self.fields, values)

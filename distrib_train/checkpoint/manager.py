@@ -46,7 +46,7 @@ from distrib_train.checkpoint import data_state, retention
 from distrib_train.common.exit_hooks import register_early
 from distrib_train.checkpoint.checks import check_restorable  # noqa: F401 (public here too)
 from distrib_train.checkpoint.checks import (MODEL_FIELDS, SAVED_FIELDS, CheckpointError, abstract_target,
-                                             check_matches, first_line, read_meta, step_meta)
+                                             check_matches, first_line, held_fields, read_meta, step_meta)
 from distrib_train.checkpoint.faults import (CheckpointWriteError, finish_at_exit, is_storage_failure,
                                              quiet_echoes_of_failed_writes, write_error)
 from distrib_train.checkpoint.tree import fill_fields, flatten_fields, is_prng_key, nest, unnest
@@ -78,6 +78,10 @@ class CheckpointManager:
     async_save: return from ``save`` once the arrays are copied to host
       memory and write in the background.
     metadata: JSON-able run metadata (config, model name) saved in ``meta``.
+    saved_fields: the ``TrainState`` fields saved (default all of
+      ``SAVED_FIELDS``); a run whose frozen weights come from a source it
+      names in ``metadata`` leaves them out, and a restore then takes them
+      from its concrete target.
 
   Raises:
     ValueError: bad retention numbers, or a directory that cannot be
@@ -93,7 +97,11 @@ class CheckpointManager:
       save_interval_steps: int = 1,
       async_save: bool = True,
       metadata: Mapping[str, Any] | None = None,
+      saved_fields: tuple[str, ...] = SAVED_FIELDS,
   ):
+    if not set(saved_fields) <= set(SAVED_FIELDS) or not saved_fields:
+      raise ValueError(f"saved_fields must be some of {', '.join(SAVED_FIELDS)}, got {saved_fields!r}.")
+    self.saved_fields = tuple(f for f in SAVED_FIELDS if f in saved_fields)
     for name, value in (("max_to_keep", max_to_keep), ("keep_every_n_steps", keep_every_n_steps)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
@@ -216,7 +224,7 @@ class CheckpointManager:
           f"Cannot save step {step}: {str(self.directory)!r} already holds step {latest}. After restoring an"
           " earlier step, delete the later checkpoints or save to another directory."
       )
-    flat = flatten_fields(train_state, SAVED_FIELDS)
+    flat = flatten_fields(train_state, self.saved_fields)
     prng_impls = {}
     for keys, leaf in list(flat.items()):
       if is_prng_key(leaf):
@@ -225,7 +233,7 @@ class CheckpointManager:
       elif not isinstance(leaf, jax.Array):
         flat[keys] = np.asarray(leaf)
     data_meta, data_items = data_state.save_items(data_iterator)  # every process: a DataLoader gathers it
-    meta = {**step_meta(step, train_state, prng_impls, self.metadata), **data_meta}
+    meta = {**step_meta(step, train_state, prng_impls, self.metadata, self.saved_fields), **data_meta}
     items = {"state": ocp.args.PyTreeSave(nest(flat)), "meta": ocp.args.JsonSave(meta), **data_items}
     try:
       saved = self._manager.save(int(step), args=ocp.args.Composite(**items), force=force)
@@ -278,15 +286,16 @@ class CheckpointManager:
     step = self._existing_step(step)
     meta = self.metadata_of(step)
     data_state.check_restorable_into(data_iterator, meta, step, self.directory)
-    if params_only:
-      abstract_rest = [name for name, leaf in flatten_fields(target, tuple(f for f in SAVED_FIELDS if f not in MODEL_FIELDS)).items()
-                       if isinstance(leaf, jax.ShapeDtypeStruct)]
-      if abstract_rest:
-        raise ValueError(
-            f"params_only restore keeps the target's optimizer state, step and key, but {'/'.join(abstract_rest[0])}"
-            " is abstract; pass a concrete state (e.g. plan.init(make_state))."
-        )
-    fields = MODEL_FIELDS if params_only else SAVED_FIELDS
+    fields = tuple(f for f in (MODEL_FIELDS if params_only else SAVED_FIELDS) if f in held_fields(meta))
+    kept = tuple(f for f in SAVED_FIELDS if f not in fields)  # the target's own values stay
+    abstract_rest = [keys for keys, leaf in flatten_fields(target, kept).items()
+                     if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if abstract_rest:
+      why = (f"step {step} holds no {abstract_rest[0][0]} (the weights come from {meta['run'].get('frozen_source')})"
+             if abstract_rest[0][0] not in held_fields(meta) else "a params_only restore keeps the target's"
+             " optimizer state, step and key")
+      raise ValueError(f"{why}, but {'/'.join(abstract_rest[0])} is abstract; pass a concrete state (e.g."
+                       " plan.init(make_state), with those weights in it).")
     wanted = flatten_fields(target, fields)
     prng_impls = meta.get("prng_impls", {})
     abstract = abstract_target(target, fields)

@@ -45,7 +45,7 @@ from distrib_train.train_state import TrainState
 ConfigChanges = Callable[[Mapping[str, Any]], list[str]]
 
 
-def local_tier(workdir: pathlib.Path, directory: str = "") -> LocalCheckpoints:
+def local_tier(workdir: pathlib.Path, directory: str = "", fields: tuple[str, ...] | None = None) -> LocalCheckpoints:
   """This process's fast tier for the run in ``workdir``, tied to the workdir's run id.
 
   Process 0 keeps the run id in ``workdir/run_id`` (written at the first
@@ -59,6 +59,7 @@ def local_tier(workdir: pathlib.Path, directory: str = "") -> LocalCheckpoints:
       (``train.local_checkpoint_dir``); each process writes under
       ``process_<i>`` in it. Empty: ``<temp dir>/distrib_train-local/<a hash
       of the workdir>``.
+    fields: the fields it saves (default: every saved field).
 
   Returns:
     This process's ``LocalCheckpoints``.
@@ -76,7 +77,7 @@ def local_tier(workdir: pathlib.Path, directory: str = "") -> LocalCheckpoints:
   base = directory or os.path.join(
       tempfile.gettempdir(), "distrib_train-local", hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:16])
   return LocalCheckpoints(os.path.join(os.path.expanduser(base), f"process_{jax.process_index()}"),
-                          bytes(run_id).decode().strip())
+                          bytes(run_id).decode().strip(), *([fields] if fields else []))
 
 
 class CheckpointTiers:
