@@ -225,18 +225,26 @@ def test_dpo_sharded_equals_one_device_and_the_reference_stays_frozen(prefs):
 
 
 def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_cache):
-  """Straight against stopped and resumed, bit for bit (the frozen reference is in the checkpoint); the held-out
-  figures are means over pairs; the export writes the policy alone; a reference precomputed in one pass (kept
-  beside the data, no copy in the state) trains as the live one."""
-  from distrib_train.checkpoint import hf
-  from distrib_train.training import export
-  from distrib_train.training.trainer import Trainer
+  """Straight against stopped and resumed, bit for bit: the frozen reference is not in the checkpoint, which
+  names its source (the ``init_from: hf:`` directory) and reads it again, from where its files are now, and
+  refuses it changed; the held-out figures are means over pairs; the export writes the policy alone; a
+  reference precomputed in one pass (kept beside the data, no copy in the state) trains as the live one."""
+  import shutil
 
-  sets = lambda steps, *more: _config(
+  from flax import nnx
+
+  from distrib_train.checkpoint import checks, hf
+  from distrib_train.training import export
+  from distrib_train.training.trainer import Trainer, TrainerSetupError
+
+  model_config = _config(prefs).model_recipe().config
+  start = hf.hf_tensors(nnx.state(model_config.build(0), nnx.Param), model_config)  # the reference's weights
+  hf.save(nnx.state(model_config.build(0), nnx.Param), model_config, str(tmp_path / "base"))
+  sets = lambda steps, *more, base=tmp_path / "base": _config(
       prefs, f"train.steps={steps}", "train.log_every=1", "data.eval_fraction=0.25", "train.eval_batches=1",
       "train.async_checkpoint=false", f"train.compilation_cache_dir={xla_cache}", "optimizer.learning_rate=1e-2",
-      *more)
-  run = lambda workdir, steps, *more: Trainer(sets(steps, *more), workdir, console=False).run()
+      f"train.init_from={'hf:' * bool(base)}{base or ''}", *more)
+  run = lambda workdir, steps, *more, **kw: Trainer(sets(steps, *more, **kw), workdir, console=False).run()
   run(tmp_path / "straight", 4)
   run(tmp_path / "split", 2)
   run(tmp_path / "split", 4)
@@ -244,6 +252,23 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
   straight, split = read(tmp_path / "straight"), read(tmp_path / "split")
   train = lambda log: {m["step"]: (m["loss"], m["rewards/margin"]) for m in log if "loss" in m}
   assert train(straight) == train(split) and sorted(train(straight)) == [1, 2, 3, 4]
+  saved = tmp_path / "split" / "checkpoints"
+  assert checks.held_fields(checks.read_meta(saved, 4)) == ("step", "root_rng", "params", "opt_state",
+                                                            "loss_fn_state", "local_state")
+  assert not [k for k in checks.saved_shapes(saved, 4) if k[0] == "model_without_params"]
+  shutil.copytree(tmp_path / "base", tmp_path / "moved")
+  (tmp_path / "base").rename(tmp_path / "gone")
+  with pytest.raises(TrainerSetupError, match=r"frozen weights \(init_from\) are read from .*base, which is missing"):
+    run(tmp_path / "split", 5, base="")
+  shutil.copytree(tmp_path / "moved", tmp_path / "changed")
+  with open(tmp_path / "changed" / "model.safetensors", "r+b") as f:
+    f.seek(os.path.getsize(f.name) // 2)
+    f.write(b"\x7f" * 64)
+  with pytest.raises(TrainerSetupError, match=r"which differs: model.safetensors"):
+    run(tmp_path / "split", 5, base=tmp_path / "changed")
+  run(tmp_path / "split", 5, base=tmp_path / "moved")  # the same files elsewhere
+  assert [m["step"] for m in read(tmp_path / "split") if "loss" in m][-1] == 5
+  (tmp_path / "gone").rename(tmp_path / "base")
 
   from distrib_train.training import reference_pass
 
@@ -260,11 +285,7 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
   assert evals and evals[-1]["eval/pairs"] > 0 and "eval/perplexity" not in evals[-1]
   assert "eval/rewards/accuracy" in evals[-1]
   export.export(tmp_path / "straight", str(tmp_path / "hf"))
-  from flax import nnx
-
   written = hf.SafetensorsDirectory(str(tmp_path / "hf"))
-  model_config = _config(prefs).model_recipe().config
-  start = hf.hf_tensors(nnx.state(model_config.build(0), nnx.Param), model_config)  # the reference's weights
   assert sorted(written.tensors) == sorted(start)
   name = "model.layers.0.self_attn.q_proj.weight"
   assert np.abs(written.read(name) - start[name]).max() > 1e-4  # the trained policy, not the reference

@@ -401,14 +401,16 @@ def test_lora_from_transformers_weights_exports_a_merged_model_and_a_peft_adapte
     if os.environ.get("DT_REQUIRE_TORCH") == "1":
       raise
     pytest.skip("peft loads the adapter here: pip install peft")
+  from distrib_train.checkpoint import checks
   from distrib_train.checkpoint.manager import CheckpointManager
   from distrib_train.training import config as config_lib
+  from distrib_train.training import init_from
 
   _save("llama", tmp_path / "hf", vocab_size=256)
   overrides = ["data.seq_len=64", "data.global_batch_size=8", "data.packing=false", "train.steps=3",
                "train.eval_every=0", "train.async_checkpoint=false", "train.compilation_cache_dir=",
                "model.dtype=float32", "model.attention=xla", "optimizer.name=adamw", "optimizer.learning_rate=3e-2",
-               "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=q,v,o,down"]
+               "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=q,v,o,down", "model.lora.dropout=0.05"]
   run = _cli("--config", "tiny", "--workdir", str(tmp_path / "run"), "--cpu_devices", "8", "--init_from",
              f"hf:{tmp_path / 'hf'}", *[f"--set={o}" for o in overrides])
   assert run.returncode == 0, run.stderr[-3000:]
@@ -416,8 +418,16 @@ def test_lora_from_transformers_weights_exports_a_merged_model_and_a_peft_adapte
   model = config.model_recipe().config
   make = lambda: dt.TrainState.initial_state(model.build(0), optax.sgd(0.0), jax.random.key(0),
                                              is_param=model.trainable())
+  # The checkpoint holds the adapters, and names the base it read (its frozen weights are read from there).
+  meta = checks.read_meta(tmp_path / "run" / "checkpoints", 3)
+  assert "model_without_params" not in checks.held_fields(meta)
+  assert meta["run"]["frozen_source"]["init_from"]["path"] == str(tmp_path / "hf")
+  fresh = make()
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                          if isinstance(x, jax.Array) else x, fresh)
+  base_state = init_from.with_frozen(config, {"init_from": f"hf:{tmp_path / 'hf'}"}, abstract, fresh)
   with CheckpointManager(tmp_path / "run" / "checkpoints", async_save=False) as manager:
-    state = manager.restore(make(), params_only=True)
+    state = manager.restore(base_state, params_only=True)
   tokens = np.random.default_rng(1).integers(0, 256, size=(2, 32)).astype(np.int32)
   adapted = state.model
   ours = np.asarray(adapted.logits(adapted(jnp.asarray(tokens))))
@@ -441,7 +451,8 @@ def test_lora_from_transformers_weights_exports_a_merged_model_and_a_peft_adapte
   assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
   written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
   assert written["base_model_name_or_path"] == str(tmp_path / "hf")
-  assert (written["r"], written["lora_alpha"]) == (4, 8) and written["peft_type"] == "LORA"
+  assert (written["r"], written["lora_alpha"], written["lora_dropout"]) == (4, 8, 0.05)
+  assert written["peft_type"] == "LORA"
   assert sorted(written["target_modules"]) == ["down_proj", "o_proj", "q_proj", "v_proj"]
   base = transformers.AutoModelForCausalLM.from_pretrained(written["base_model_name_or_path"])
   loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()

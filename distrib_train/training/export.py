@@ -51,6 +51,7 @@ def export(workdir: str | os.PathLike, out: str, step: int | None = None, adapte
   from distrib_train.sharding.planner import MeshPlanner
   from distrib_train.train_state import TrainState
   from distrib_train.training import config as config_lib
+  from distrib_train.training import init_from
   from distrib_train.training.job import model_parts
 
   workdir = pathlib.Path(workdir)
@@ -73,7 +74,13 @@ def export(workdir: str | os.PathLike, out: str, step: int | None = None, adapte
   with CheckpointManager(workdir / "checkpoints", async_save=False) as manager:
     if manager.latest_step() is None:
       raise ValueError(f"{str(workdir / 'checkpoints')!r} holds no checkpoint.")
-    state = manager.restore(plan.init(make), step, params_only=True)  # the model: params and local state
+    state, step = plan.init(make), manager.latest_step() if step is None else step
+    # A run that saved no frozen weights (a LoRA base from hf:): the merged model reads them from its source.
+    source = None if adapter else init_from.restore_source(manager.metadata_of(step), config,
+                                                            f"Checkpoint step {step} in {str(manager.directory)!r}")
+    if source is not None:
+      state = init_from.with_frozen(config, source, plan.abstract_train_state, state)
+    state = manager.restore(state, step, params_only=True)  # the model: params and local state
   if adapter:  # with LoRA the params are the adapters
     from distrib_train.checkpoint import peft_adapter
 

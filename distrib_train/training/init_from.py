@@ -19,18 +19,30 @@ With ``train.objective: dpo`` and ``dpo.reference: hf:<dir>``, the frozen
 reference copy (``recipes/objectives.Preference``) is read from that
 checkpoint instead (checked with the rest).
 
+A run whose frozen weights all come from these sources (a LoRA base, a DPO
+reference copy: ``frozen_source``) saves checkpoints without them; their
+metadata names the sources and fingerprints their files. Restoring such a
+step (``restore_source``, ``with_frozen``) reads the frozen weights from the
+sources again, at the recorded path or at ``init_from``'s / ``dpo.reference``'s
+where the files have moved, and refuses sources whose files changed.
+
 Not for: resuming a run (``trainer.py``), the formats (``checkpoint/``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 
 from distrib_train.checkpoint import hf
-from distrib_train.checkpoint.checks import MODEL_FIELDS, abstract_target, check_matches, read_meta
+from distrib_train.checkpoint.checks import (FROZEN_FIELDS, MODEL_FIELDS, SAVED_FIELDS, CheckpointError,
+                                             abstract_target, check_matches, held_fields, read_meta)
+from distrib_train.checkpoint.hf_common import fingerprint
 from distrib_train.train_state import TrainState
 from distrib_train.training.config import Config
 
@@ -67,9 +79,11 @@ def check(config: Config, abstract: TrainState) -> None:
                     config.model_recipe().config, abstract.local_state)
   elif kind == "ckpt":
     directory, step = _checkpoint(path)
-    read_meta(directory, step)
+    meta = read_meta(directory, step)
+    restore_source(meta, config, f"Checkpoint step {step} in {str(directory)!r}")
+    held = tuple(f for f in MODEL_FIELDS if f in held_fields(meta))
     try:
-      check_matches(directory, step, abstract_target(abstract, MODEL_FIELDS), partial=True)
+      check_matches(directory, step, abstract_target(abstract, held), partial=True)
     except ValueError as e:
       if config.train.objective != "dpo" or not hf.is_reference(_first_frozen(abstract)):
         raise
@@ -80,6 +94,60 @@ def check(config: Config, abstract: TrainState) -> None:
   if _reference(config):  # a preference model's reference, of the policy's shape
     hf.check_params(_reference(config), (abstract.params, abstract.model_without_params),
                     config.model_recipe().config)
+
+
+def frozen_source(config: Config) -> dict[str, Any] | None:
+  """The sources of every frozen weight of ``config``'s state where they are named: ``init_from: hf:`` for a
+  LoRA base or a DPO reference copy (``dpo.reference`` for the copy, where set), with their files'
+  fingerprints; None where the frozen weights (if any) must be saved."""
+  kind, _, path = config.train.init_from.partition(":")
+  adapters = getattr(config.model_recipe().config, "lora_rank", 0)
+  copy = config.train.objective == "dpo" and config.dpo.live_reference
+  if kind != "hf" or not (adapters or copy):
+    return None
+  named = {"init_from": path, **({"reference": _reference(config)} if _reference(config) else {})}
+  return {role: {"path": os.path.abspath(os.path.expanduser(where)), "files": fingerprint(os.path.expanduser(where))}
+          for role, where in named.items()}
+
+
+def saved_fields(source: Mapping[str, Any] | None) -> tuple[str, ...]:
+  """The fields a run's checkpoints hold: all but the frozen weights where ``frozen_source`` names them."""
+  return tuple(f for f in SAVED_FIELDS if not (source and f in FROZEN_FIELDS))
+
+
+def restore_source(meta: Mapping[str, Any], config: Config, where: str) -> dict[str, str] | None:
+  """For a checkpoint step without its frozen weights (``meta``, the step at ``where``): the directories to read
+  them from, by role (``init_from``, ``reference``): the recorded path, else ``config``'s own for the role,
+  whichever holds the same files. None where the step holds them.
+
+  Raises:
+    CheckpointError: neither holds the recorded files (the first differing file named).
+  """
+  if all(f in held_fields(meta) for f in FROZEN_FIELDS):
+    return None
+  recorded = (meta.get("run") or {}).get("frozen_source") or {}
+  given = {"init_from": config.train.init_from, "reference": config.dpo.reference}
+  out = {}
+  for role, record in recorded.items():
+    candidates = [record["path"]] + [os.path.expanduser(given[role][3:])] * given[role].startswith("hf:")
+    found = [c for c in candidates if os.path.isdir(c) and fingerprint(c) == record["files"]]
+    if not found:
+      seen = fingerprint(candidates[-1]) if os.path.isdir(candidates[-1]) else {}
+      differ = sorted(n for n in set(seen) | set(record["files"]) if seen.get(n) != record["files"].get(n))
+      raise CheckpointError(
+          f"{where} holds the trained weights only; its frozen weights ({role}) are read from"
+          f" {record['path']}, which {'differs: ' + ', '.join(differ[:3]) if seen else 'is missing'}. Put those"
+          f" files back, or name where they are now ({'dpo.reference' if role == 'reference' else '--init_from'}"
+          " hf:<dir>).")
+    out[role] = f"hf:{found[0]}"
+  return out
+
+
+def with_frozen(config: Config, source: Mapping[str, str], abstract: TrainState, state: TrainState) -> TrainState:
+  """``state`` with its frozen weights read from ``source`` (``restore_source``'s directories)."""
+  train = dataclasses.replace(config.train, init_from=source["init_from"])
+  dpo = dataclasses.replace(config.dpo, reference=source.get("reference", ""))
+  return load(dataclasses.replace(config, train=train, dpo=dpo), abstract, state)[0]
 
 
 def _first_frozen(abstract: TrainState) -> tuple:
@@ -118,6 +186,9 @@ def _load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Trai
   from distrib_train.checkpoint.manager import CheckpointManager
 
   directory, step = _checkpoint(path)
+  source = restore_source(read_meta(directory, step), config, f"Checkpoint step {step} in {str(directory)!r}")
+  if source is not None:  # a run that saved no frozen weights: read them from where it did
+    state = with_frozen(config, source, abstract, state)
   with CheckpointManager(directory, async_save=False) as manager:
     restored = manager.restore(state, step, params_only=True)
   return restored.replace(step=state.step), f"Initialised the params from step {step} of {directory}."

@@ -162,10 +162,12 @@ class Trainer:
     writer, goodput, watchdog = self._open_records(setup, started)
     ckpt = None
     try:
+      fields = init_from.saved_fields(self.frozen)
       ckpt = CheckpointManager(self.workdir / "checkpoints", max_to_keep=t.keep_checkpoints,
-                               async_save=t.async_checkpoint,
-                               metadata={"config": self.config.to_dict(), "tokenizer": setup.tokenizer})
-      local = local_tier(self.workdir, t.local_checkpoint_dir) if t.local_checkpoint_every else None
+                               async_save=t.async_checkpoint, saved_fields=fields,
+                               metadata={"config": self.config.to_dict(), "tokenizer": setup.tokenizer,
+                                         "frozen_source": self.frozen})
+      local = local_tier(self.workdir, t.local_checkpoint_dir, fields) if t.local_checkpoint_every else None
       self.tiers = CheckpointTiers(ckpt, local, writer.log)
       state = self._init_or_restore(plan, loader)
       if jax.process_index() == 0:
@@ -225,9 +227,14 @@ class Trainer:
       plan = self._plan()
       latest = check_restorable(self.workdir / "checkpoints", plan.abstract_train_state)  # reads metadata only
       tokenizer = tokenizer_fingerprint(self.config.data_config())
+      # What this run's checkpoints leave out (frozen weights read from a named source), and where a restore
+      # reads them from (the newest step's sources, else this run's own).
+      self.frozen = init_from.frozen_source(self.config)
+      self._frozen_dirs = {role: f"hf:{r['path']}" for role, r in (self.frozen or {}).items()} or None
       if latest is not None:
-        check_same_tokenizer(read_meta(self.workdir / "checkpoints", latest), tokenizer,
-                             f"Checkpoint step {latest} in {str(self.workdir / 'checkpoints')!r}")
+        meta, where = read_meta(self.workdir / "checkpoints", latest), f"Checkpoint step {latest} in {self.workdir}"
+        check_same_tokenizer(meta, tokenizer, where)
+        self._frozen_dirs = init_from.restore_source(meta, self.config, where)
       elif t.init_from:
         init_from.check(self.config, plan.abstract_train_state)
       if self.config.train.objective == "dpo" and self.config.dpo.precompute_reference:  # before any loader
@@ -303,7 +310,12 @@ class Trainer:
   def _init_or_restore(self, plan, loader) -> TrainState:
     """The newest state either checkpoint tier holds (``checkpoint/tiers.py``), else a new one."""
     self.phases.enter("init" if self.tiers.persistent.latest_step() is None else "restore")
-    state = self.tiers.restore(plan.abstract_train_state, loader, self._config_changes)
+    target, local = plan.abstract_train_state, self.tiers.local
+    if self._frozen_dirs and (self.tiers.persistent.latest_step() is not None or (local and local.steps())):
+      # the frozen weights from their sources; the rest from the checkpoint
+      frozen = init_from.with_frozen(self.config, self._frozen_dirs, target, plan.init(self.job.make_state))
+      target = target.replace(model_without_params=frozen.model_without_params)
+    state = self.tiers.restore(target, loader, self._config_changes)
     if state is not None:
       return state
     state = plan.init(self.job.make_state)
