@@ -171,7 +171,10 @@ def abstract_target(target: TrainState, fields: tuple[str, ...]) -> dict[tuple[s
   return abstract
 
 
-def check_matches(directory: epath.Path, step: int, abstract: Mapping[tuple[str, ...], Any], partial: bool) -> None:
+def check_matches(directory: epath.Path, step: int, abstract: Mapping[tuple[str, ...], Any], partial: bool,
+                  fields: tuple[str, ...] | None = None) -> None:
+  """Refuses ``abstract`` (saved paths → leaves) where the step lacks a path or holds it with another shape, or
+  holds a path of ``fields`` (default: the model's with ``partial``, else every saved field) that it lacks."""
   saved = saved_shapes(directory, step)
   problems = []
   for keys, leaf in abstract.items():
@@ -180,7 +183,7 @@ def check_matches(directory: epath.Path, step: int, abstract: Mapping[tuple[str,
       problems.append(f"{name}: in the target {list(leaf.shape)}, not in the checkpoint")
     elif saved[keys] != tuple(leaf.shape):
       problems.append(f"{name}: checkpoint {list(saved[keys])}, target {list(leaf.shape)}")
-  restored_fields = MODEL_FIELDS if partial else SAVED_FIELDS
+  restored_fields = fields if fields is not None else MODEL_FIELDS if partial else SAVED_FIELDS
   for keys, shape in saved.items():
     if keys[0] in restored_fields and keys not in abstract:
       problems.append(f"{'/'.join(keys)}: in the checkpoint {list(shape)}, not in the target")

@@ -301,20 +301,8 @@ class CheckpointManager:
     abstract = abstract_target(target, fields)
     check_matches(self.directory, step, abstract, partial=params_only)
 
-    items = {"state": ocp.args.PyTreeRestore(
-        item=nest(abstract),
-        restore_args=ocp.checkpoint_utils.construct_restore_args(nest(abstract)),
-        partial_restore=params_only,
-    )}
-    items.update(data_state.restore_items(data_iterator, meta, step, self.directory))
-    try:
-      restored = unnest(self._manager.restore(step, args=ocp.args.Composite(**items))["state"])
-    except Exception as e:  # a truncated or damaged array file: tensorstore's message names the array
-      raise CheckpointError(
-          f"Checkpoint {str(self.directory / str(step))!r} cannot be read (a damaged or truncated file?):"
-          f" {first_line(e)}"
-      ) from e
-
+    restored = self._read(step, abstract, params_only,
+                          data_state.restore_items(data_iterator, meta, step, self.directory))
     values = {}
     for keys, leaf in wanted.items():
       value = restored[keys]
@@ -322,6 +310,30 @@ class CheckpointManager:
         value = jax.random.wrap_key_data(value, impl=prng_impls.get("/".join(keys), "threefry2x32"))
       values[keys] = value
     return fill_fields(target, fields, values)
+
+  def read_arrays(self, step: int, abstract: Mapping[tuple[str, ...], Any]) -> dict[tuple[str, ...], Any]:
+    """Some arrays of ``step`` by their saved paths (``("params", "embed")``), onto the given shardings: another
+    model's weights (a DPO reference from a run's checkpoint). Paths and shapes are checked first.
+
+    Raises:
+      CheckpointError: a path the step lacks or holds with another shape (named); a damaged file.
+    """
+    self._check_open()
+    step = self._existing_step(step)
+    self._manager.wait_until_finished()
+    check_matches(self.directory, step, abstract, partial=True, fields=())
+    return self._read(step, abstract, True)
+
+  def _read(self, step: int, abstract: Mapping[tuple[str, ...], Any], partial: bool, more: Any = None) -> dict:
+    items = {"state": ocp.args.PyTreeRestore(
+        item=nest(abstract), restore_args=ocp.checkpoint_utils.construct_restore_args(nest(abstract)),
+        partial_restore=partial), **(more or {})}
+    try:
+      return unnest(self._manager.restore(step, args=ocp.args.Composite(**items))["state"])
+    except Exception as e:  # a truncated or damaged array file: tensorstore's message names the array
+      raise CheckpointError(
+          f"Checkpoint {str(self.directory / str(step))!r} cannot be read (a damaged or truncated file?):"
+          f" {first_line(e)}") from e
 
   # --- lifecycle -----------------------------------------------------------------
 
