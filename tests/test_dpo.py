@@ -118,7 +118,8 @@ def test_bad_preference_records_are_refused_by_name(record, message):
 @pytest.mark.parametrize("sets, message", [
     (["dpo.loss=ipo"], "dpo.loss='ipo'; choose sigmoid, simpo, orpo"),
     (["dpo.beta=0"], "dpo.beta must be positive"),
-    (["dpo.reference=ckpt:/tmp"], "give hf:<a Hugging Face directory>"),
+    (["dpo.reference=/tmp"], "give hf:<a Hugging Face directory> or ckpt:<a distrib_train run>"),
+    (["dpo.reference=ckpt:/no/such/run", "train.init_from=hf:/tmp"], "'/no/such/run' is not a directory"),
     (["train.objective=rl"], "train.objective must be one of lm, dpo"),
     (["data.packing=false"], "data.packing=true"),
     (["data.loss_on=assistant"], "data.loss_on=completion"),
@@ -284,6 +285,32 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert differs(from_run.model_without_params, fresh.model_without_params)  # the base, not the seed's start
   assert differs(from_run.params, from_base.params)  # the run's trained policy
+  # An SFT run's checkpoint (the bare model): ckpt: fills the policy and the reference (the starting model);
+  # dpo.reference: ckpt: reads the reference alone from it; a LoRA run's adapters are refused as a reference.
+  from distrib_train.checkpoint.manager import CheckpointManager
+  from distrib_train.checkpoint.tree import flatten_fields
+
+  sft = job_lib.job_spec(config_lib.load("tiny", ["model.dtype=float32", "model.attention=xla",
+                                                  "train.seed=2"])).make_state()
+  with CheckpointManager(tmp_path / "sft" / "checkpoints", async_save=False) as manager:
+    manager.save(1, sft)
+  model = lambda state, role: {k[k.index(role) + 1:]: v for k, v in flatten_fields(
+      state, ("params", "model_without_params")).items() if role in k[1:3]}
+  want = {k[1:]: np.asarray(v) for k, v in flatten_fields(sft, ("params",)).items()}
+  for init, reference, roles in ((f"ckpt:{tmp_path / 'sft'}", "", ("policy", "reference")),
+                                 ("", f"ckpt:{tmp_path / 'sft'}", ("reference",))):
+    config = sets(4, f"dpo.reference={reference}", init=init)
+    init_from.check(config, abstract)
+    loaded = init_from.load(config, abstract, fresh)[0]
+    for role in roles:
+      got = model(loaded, role)
+      assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want), role
+  assert not differs(model(loaded, "policy"), model(from_base, "policy"))  # the policy from hf:base
+  lora = tmp_path / "lora" / "checkpoints"
+  with CheckpointManager(lora, async_save=False) as manager:
+    manager.save(1, job_lib.job_spec(config_lib.load("tiny", ["model.lora.rank=2"])).make_state())
+  with pytest.raises(ValueError, match=r"is a LoRA run's: its params are adapters .* export"):
+    init_from.check(sets(4, f"dpo.reference=ckpt:{lora}"), abstract)
 
   from distrib_train.training import reference_pass
 

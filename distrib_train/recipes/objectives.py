@@ -14,8 +14,8 @@
     reference's. The reference is the starting model, forward only: with
     LoRA the same model with its adapters off (no copy); otherwise a frozen
     copy in the state (``Preference``), laid out by the params' axes and
-    never in the optimizer; ``dpo.reference: hf:<dir>`` reads the copy from
-    another checkpoint.
+    never in the optimizer; ``dpo.reference: hf:<dir>`` or ``ckpt:<dir>``
+    (a distrib_train run's policy) reads the copy from another checkpoint.
   - ``simpo`` (SimPO, reference-free): ``−log σ(β·(ā_w − ā_l) − γ)``, ``ā``
     the mean log-probability per completion token.
   - ``orpo`` (ORPO, reference-free): ``−ā_w − λ·log σ(log odds(ā_w) − log
@@ -86,9 +86,9 @@ class DpoConfig:
     for name in ("simpo_gamma", "orpo_lambda"):
       if not getattr(self, name) >= 0:
         raise ValueError(f"dpo.{name} must be 0 or more, got {getattr(self, name)!r}.")
-    if self.reference and not self.reference.startswith("hf:"):
-      raise ValueError(f"dpo.reference={self.reference!r}: give hf:<a Hugging Face directory>, or leave it empty"
-                       " for the starting model (a distrib_train run's: export it with distrib-train export).")
+    if self.reference and not self.reference.startswith(("hf:", "ckpt:")):
+      raise ValueError(f"dpo.reference={self.reference!r}: give hf:<a Hugging Face directory> or ckpt:<a"
+                       " distrib_train run>, or leave it empty for the starting model.")
     if (self.reference or self.precompute_reference) and self.loss != "sigmoid":
       raise ValueError(f"dpo.reference and dpo.precompute_reference are read by dpo.loss=sigmoid; dpo.loss="
                        f"{self.loss} is reference-free.")

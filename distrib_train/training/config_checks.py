@@ -63,8 +63,9 @@ def check_config(config: Any) -> None:
     raise ConfigError(f"train.objective=dpo trains the reference decoders (model.name llama or moe), not"
                       f" {config.model.name!r}.")
   if t.objective == "dpo" and config.dpo.reference:
-    if not os.path.isdir(os.path.expanduser(config.dpo.reference[3:])):
-      raise ConfigError(f"dpo.reference {config.dpo.reference}: {config.dpo.reference[3:]!r} is not a directory.")
+    where = config.dpo.reference.partition(":")[2]
+    if not os.path.isdir(os.path.expanduser(where)):
+      raise ConfigError(f"dpo.reference {config.dpo.reference}: {where!r} is not a directory.")
     if not t.init_from:
       raise ConfigError(f"dpo.reference {config.dpo.reference} is the reference of a policy that starts from"
                         " trained weights: set train.init_from too (empty, the policy would start random).")

@@ -15,9 +15,12 @@ resumes from it and ignores ``init_from``).
   one step directory in it; the newest step unless a step is named; the
   params only (the optimizer may differ).
 
-With ``train.objective: dpo`` and ``dpo.reference: hf:<dir>``, the frozen
-reference copy (``recipes/objectives.Preference``) is read from that
-checkpoint instead (checked with the rest).
+With ``train.objective: dpo`` and a frozen reference copy
+(``recipes/objectives.Preference``), ``dpo.reference: hf:<dir>`` or
+``ckpt:<run>`` (a run's model: an SFT run's, a DPO run's policy) reads the
+copy from that checkpoint instead (checked with the rest). ``init_from:
+ckpt:`` of a run of the bare model (SFT) fills the policy, and the reference
+too unless ``dpo.reference`` names one: the reference is the starting model.
 
 A run whose frozen weights all come from these sources (a LoRA base, a DPO
 reference copy: ``frozen_source``) saves checkpoints without them; their
@@ -41,7 +44,8 @@ import jax
 
 from distrib_train.checkpoint import hf
 from distrib_train.checkpoint.checks import (FROZEN_FIELDS, MODEL_FIELDS, SAVED_FIELDS, CheckpointError,
-                                             abstract_target, check_matches, held_fields, read_meta)
+                                             abstract_target, check_matches, held_fields, read_meta, saved_shapes)
+from distrib_train.checkpoint.tree import fill_fields, flatten_fields
 from distrib_train.checkpoint.hf_common import fingerprint
 from distrib_train.train_state import TrainState
 from distrib_train.training.config import Config
@@ -61,10 +65,58 @@ def _checkpoint(path: str) -> tuple[pathlib.Path, int]:
   return directory, steps[-1]
 
 
-def _reference(config: Config) -> str:
-  """``dpo.reference``'s directory where the state holds a reference to read it into, else empty."""
+def _reference(config: Config) -> tuple[str, str]:
+  """``dpo.reference`` as ``(kind, path)`` where the state holds a reference to read it into, else empty."""
   live = config.train.objective == "dpo" and config.dpo.live_reference
-  return os.path.expanduser(config.dpo.reference[3:]) if live and config.dpo.reference else ""
+  kind, _, path = config.dpo.reference.partition(":") if live and config.dpo.reference else ("", "", "")
+  return kind, os.path.expanduser(path)
+
+
+def _is_preference(abstract: TrainState) -> bool:
+  """Whether the state is a preference model's (``objectives.Preference``: its params are the policy's)."""
+  return any(keys[:2] == ("params", "policy") for keys in flatten_fields(abstract, ("params",)))
+
+
+def _run_weights(path: str, abstract: TrainState, role: str) -> tuple[pathlib.Path, int, dict]:
+  """A distrib_train run's model (a DPO run's policy) as the ``policy`` or ``reference`` of a preference model's
+  state: ``(directory, step, {the state's saved path → (the checkpoint's path, the state's leaf)})``, checked.
+
+  Raises:
+    CheckpointError: a LoRA run's checkpoint (adapters on a base), or arrays missing or of other shapes.
+  """
+  directory, step = _checkpoint(path)
+  saved = saved_shapes(directory, step)
+  if any(keys[0] == "params" and keys[-1].startswith("lora_") for keys in saved):
+    raise CheckpointError(f"ckpt:{path} (step {step} in {str(directory)!r}) is a LoRA run's: its params are"
+                          " adapters on a frozen base. Export it merged (distrib-train export) and give hf:<that"
+                          " directory>.")
+  inner = ("policy",) if any(keys[:2] == ("params", "policy") for keys in saved) else ()
+  wanted = {}
+  for keys, leaf in abstract_target(abstract, ("params", "model_without_params", "local_state")).items():
+    if role in keys[1:3]:
+      source = "local_state" if keys[0] == "local_state" else "params"
+      wanted[keys] = ((source, *inner, *keys[keys.index(role) + 1:]), leaf)
+  check_matches(directory, step, dict(wanted.values()), partial=True, fields=())
+  return directory, step, wanted
+
+
+def _read_run_weights(path: str, abstract: TrainState, state: TrainState, role: str) -> TrainState:
+  """``state`` with ``role``'s weights read from a run's checkpoint (``_run_weights``)."""
+  from distrib_train.checkpoint.manager import CheckpointManager
+
+  directory, step, wanted = _run_weights(path, abstract, role)
+  with CheckpointManager(directory, async_save=False) as manager:
+    arrays = manager.read_arrays(step, dict(wanted.values()))
+  fields = ("params", "model_without_params", "local_state")
+  values = flatten_fields(state, fields)
+  values.update({keys: arrays[source] for keys, (source, _) in wanted.items()})
+  return fill_fields(state, fields, values)
+
+
+def _plain_into_preference(path: str, abstract: TrainState) -> bool:
+  """Whether ``init_from: ckpt:<path>`` is a run of the bare model (SFT, pretraining) into a preference model."""
+  directory, step = _checkpoint(path)
+  return _is_preference(abstract) and not any(k[:2] == ("params", "policy") for k in saved_shapes(directory, step))
 
 
 def check(config: Config, abstract: TrainState) -> None:
@@ -77,23 +129,21 @@ def check(config: Config, abstract: TrainState) -> None:
   if kind == "hf":  # the weights trained or frozen (LoRA's base) as one model
     hf.check_params(os.path.expanduser(path), (abstract.params, abstract.model_without_params),
                     config.model_recipe().config, abstract.local_state)
+  elif kind == "ckpt" and _plain_into_preference(path, abstract):  # its weights: the policy (and reference)
+    _run_weights(path, abstract, "policy")
+    if not _reference(config)[0]:
+      _run_weights(path, abstract, "reference")
   elif kind == "ckpt":
     directory, step = _checkpoint(path)
     meta = read_meta(directory, step)
     restore_source(meta, config, f"Checkpoint step {step} in {str(directory)!r}")
     held = tuple(f for f in MODEL_FIELDS if f in held_fields(meta))
-    try:
-      check_matches(directory, step, abstract_target(abstract, held), partial=True)
-    except ValueError as e:
-      if config.train.objective != "dpo" or not hf.is_reference(_first_frozen(abstract)):
-        raise
-      raise ValueError(f"{e} This DPO run holds its policy and a frozen reference copy, so ckpt: takes a DPO run"
-                       " of the same model; start from another run (SFT) with dpo.precompute_reference: true (the"
-                       " state then holds the policy alone), or export it (distrib-train export) and give"
-                       " --init_from hf:<dir>.") from None
-  if _reference(config):  # a preference model's reference, of the policy's shape
-    hf.check_params(_reference(config), (abstract.params, abstract.model_without_params),
-                    config.model_recipe().config)
+    check_matches(directory, step, abstract_target(abstract, held), partial=True)
+  reference, where = _reference(config)  # a preference model's reference, of the policy's shape
+  if reference == "hf":
+    hf.check_params(where, (abstract.params, abstract.model_without_params), config.model_recipe().config)
+  elif reference == "ckpt":
+    _run_weights(where, abstract, "reference")
 
 
 def frozen_source(config: Config) -> dict[str, Any] | None:
@@ -105,7 +155,10 @@ def frozen_source(config: Config) -> dict[str, Any] | None:
   copy = config.train.objective == "dpo" and config.dpo.live_reference
   if kind != "hf" or not (adapters or copy):
     return None
-  named = {"init_from": path, **({"reference": _reference(config)} if _reference(config) else {})}
+  reference, where = _reference(config)
+  if reference == "ckpt":  # a run's checkpoint has no fingerprint: the copy is saved
+    return None
+  named = {"init_from": path, **({"reference": where} if reference else {})}
   return {role: {"path": os.path.abspath(os.path.expanduser(where)), "files": fingerprint(os.path.expanduser(where))}
           for role, where in named.items()}
 
@@ -150,23 +203,20 @@ def with_frozen(config: Config, source: Mapping[str, str], abstract: TrainState,
   return load(dataclasses.replace(config, train=train, dpo=dpo), abstract, state)[0]
 
 
-def _first_frozen(abstract: TrainState) -> tuple:
-  leaves = jax.tree_util.tree_flatten_with_path(abstract.model_without_params)[0]
-  return leaves[0][0] if leaves else ()
-
-
 def load(config: Config, abstract: TrainState, state: TrainState) -> tuple[TrainState, str]:
   """``state`` with ``init_from``'s params (and ``dpo.reference``'s reference), and a line saying what was
   loaded."""
   state, line = _load(config, abstract, state)
-  if not _reference(config):
+  reference, where = _reference(config)
+  if reference == "ckpt":
+    return _read_run_weights(where, abstract, state, "reference"), f"{line} The reference: {config.dpo.reference}."
+  if not reference:
     return state, line
   # A preference model's reference (its weights and the local state its checkpoint holds) from its own
   # checkpoint; the other frozen weights (LoRA's base) as loaded.
   model, others = config.model_recipe().config, lambda p: not hf.is_reference(p)
-  frozen = hf.load_params(_reference(config), abstract.model_without_params, model,
-                          fresh=state.model_without_params, skip=others)
-  local_state = hf.load_params(_reference(config), abstract.local_state, model, fresh=state.local_state, skip=others)
+  frozen = hf.load_params(where, abstract.model_without_params, model, fresh=state.model_without_params, skip=others)
+  local_state = hf.load_params(where, abstract.local_state, model, fresh=state.local_state, skip=others)
   return (state.replace(model_without_params=frozen, local_state=local_state),
           f"{line} The reference: {config.dpo.reference}.")
 
@@ -179,13 +229,18 @@ def _load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Trai
     # With LoRA the params are the adapters (they keep their fresh values) and the base is frozen.
     params = hf.load_params(directory, abstract.params, model, fresh=state.params if adapters else None)
     frozen = hf.load_params(directory, abstract.model_without_params, model, fresh=state.model_without_params,
-                            skip=hf.is_reference if _reference(config) else None)  # read from dpo.reference
+                            skip=hf.is_reference if _reference(config)[0] else None)  # read from dpo.reference
     local_state = hf.load_params(directory, abstract.local_state, model, fresh=state.local_state)
     return (state.replace(params=params, model_without_params=frozen, local_state=local_state),
             f"Initialised the {'frozen base' if adapters else 'params'} from Hugging Face checkpoint {path}.")
   from distrib_train.checkpoint.manager import CheckpointManager
 
   directory, step = _checkpoint(path)
+  if _plain_into_preference(path, abstract):  # an SFT run's model: the policy and, by default, the reference
+    state = _read_run_weights(path, abstract, state, "policy")
+    if not _reference(config)[0]:
+      state = _read_run_weights(path, abstract, state, "reference")
+    return state, f"Initialised the policy from step {step} of {directory}."
   source = restore_source(read_meta(directory, step), config, f"Checkpoint step {step} in {str(directory)!r}")
   if source is not None:  # a run that saved no frozen weights: read them from where it did
     state = with_frozen(config, source, abstract, state)

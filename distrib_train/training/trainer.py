@@ -310,8 +310,9 @@ class Trainer:
   def _init_or_restore(self, plan, loader) -> TrainState:
     """The newest state either checkpoint tier holds (``checkpoint/tiers.py``), else a new one."""
     self.phases.enter("init" if self.tiers.persistent.latest_step() is None else "restore")
-    target, local = plan.abstract_train_state, self.tiers.local
-    if self._frozen_dirs and (self.tiers.persistent.latest_step() is not None or (local and local.steps())):
+    target, local, latest = plan.abstract_train_state, self.tiers.local, self.tiers.persistent.latest_step()
+    # (the local tier's complete step is agreed by every process: they all read the frozen weights, or none)
+    if self._frozen_dirs and (latest is not None or (local and local.complete_step(target, None) is not None)):
       # the frozen weights from their sources; the rest from the checkpoint
       frozen = init_from.with_frozen(self.config, self._frozen_dirs, target, plan.init(self.job.make_state))
       target = target.replace(model_without_params=frozen.model_without_params)
