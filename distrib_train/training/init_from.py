@@ -238,9 +238,10 @@ def _load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Trai
   directory, step = _checkpoint(path)
   if _plain_into_preference(path, abstract):  # an SFT run's model: the policy and, by default, the reference
     state = _read_run_weights(path, abstract, state, "policy")
-    if not _reference(config)[0]:
+    both = not _reference(config)[0]
+    if both:
       state = _read_run_weights(path, abstract, state, "reference")
-    return state, f"Initialised the policy from step {step} of {directory}."
+    return state, f"Initialised the policy{' and its reference' * both} from step {step} of {directory}."
   source = restore_source(read_meta(directory, step), config, f"Checkpoint step {step} in {str(directory)!r}")
   if source is not None:  # a run that saved no frozen weights: read them from where it did
     state = with_frozen(config, source, abstract, state)
