@@ -336,7 +336,8 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
 
 def test_sft_and_dpo_in_two_processes_take_one_processs_steps(prefs):
   """2 real processes × 4 devices, the data axis across them and each process reading its own rows, against one
-  process with 8: the same SFT and DPO losses and figures, step by step (fp32)."""
+  process with 8: the same SFT (through LoRA adapters with dropout: the same masks) and DPO losses and figures,
+  step by step (fp32)."""
   import pathlib
 
   import helpers
@@ -345,7 +346,8 @@ def test_sft_and_dpo_in_two_processes_take_one_processs_steps(prefs):
   results = mp_harness.run_workers(pathlib.Path(__file__).parent / "workers" / "post_training_worker.py", str(prefs),
                                    timeout=300)
   mesh = dt.build_mesh(dt.MeshConfig.from_yaml(pathlib.Path(__file__).parents[1] / "mesh_configs" / "cpu-8.yaml"))
-  want = {"sft": helpers.post_training_losses(["data.source=pydoc", "data.loss_on=assistant", "data.seq_len=512",
+  want = {"sft": helpers.post_training_losses(["data.source=pydoc", "data.loss_on=assistant", "model.lora.rank=4",
+                                               "model.lora.dropout=0.1", "data.seq_len=512",
                                                "data.global_batch_size=8"], mesh),
           "dpo": helpers.post_training_losses(["train.objective=dpo", "data.source=text", f"data.paths={prefs}",
                                                "data.text_field=*", "data.seq_len=512", "data.global_batch_size=8"],
