@@ -75,9 +75,12 @@ def export(workdir: str | os.PathLike, out: str, step: int | None = None, adapte
     if manager.latest_step() is None:
       raise ValueError(f"{str(workdir / 'checkpoints')!r} holds no checkpoint.")
     state, step = plan.init(make), manager.latest_step() if step is None else step
-    # A run that saved no frozen weights (a LoRA base from hf:): the merged model reads them from its source.
-    source = None if adapter else init_from.restore_source(manager.metadata_of(step), config,
-                                                            f"Checkpoint step {step} in {str(manager.directory)!r}")
+    # A run that saved no frozen weights (a LoRA base from hf:): the merged model reads them from its source
+    # (a DPO run's reference copy alone is not written, so not read).
+    frozen = jax.tree_util.tree_flatten_with_path(plan.abstract_train_state.model_without_params)[0]
+    merged = not adapter and any(not hf.is_reference(path) for path, _ in frozen)
+    source = init_from.restore_source(manager.metadata_of(step), config,
+                                      f"Checkpoint step {step} in {str(manager.directory)!r}") if merged else None
     if source is not None:
       state = init_from.with_frozen(config, source, plan.abstract_train_state, state)
     state = manager.restore(state, step, params_only=True)  # the model: params and local state
