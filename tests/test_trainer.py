@@ -93,13 +93,22 @@ def test_halt_stops_without_a_checkpoint(tmp_path):
 
 
 def test_rollback_restores_the_last_checkpoint_and_moves_past_the_batch(tmp_path):
-  config = small_config("train.nonfinite=rollback", "train.checkpoint_every=2")
-  result, console = run(config, tmp_path, poisoned_loss(config))
+  """A LoRA run on a Hugging Face base: its checkpoints hold the adapters, and the rollback keeps the base."""
+  from flax import nnx
+
+  from distrib_train.checkpoint import checks, hf
+
+  model = small_config().model_recipe().config
+  hf.save(nnx.state(model.build(1), nnx.Param), model, str(tmp_path / "base"))
+  config = small_config("train.nonfinite=rollback", "train.checkpoint_every=2", "model.lora.rank=4",
+                        f"train.init_from=hf:{tmp_path / 'base'}")
+  result, console = run(config, tmp_path / "run", poisoned_loss(config))
   assert result.status == "finished" and result.step == 8
   assert f"at step {BAD_STEP}: rolled back to step 4" in console
   assert sorted(result.losses) == list(range(1, 9))  # steps 5… were trained again, on later batches
   assert all(np.isfinite(v) for v in result.losses.values())
-  assert (tmp_path / "checkpoints" / "8").is_dir()
+  assert (tmp_path / "run" / "checkpoints" / "8").is_dir()
+  assert "model_without_params" not in checks.held_fields(checks.read_meta(tmp_path / "run" / "checkpoints", 8))
 
 
 def test_rollback_without_a_checkpoint_halts(tmp_path):

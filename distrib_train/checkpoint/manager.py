@@ -291,7 +291,8 @@ class CheckpointManager:
     abstract_rest = [keys for keys, leaf in flatten_fields(target, kept).items()
                      if isinstance(leaf, jax.ShapeDtypeStruct)]
     if abstract_rest:
-      why = (f"step {step} holds no {abstract_rest[0][0]} (the weights come from {meta['run'].get('frozen_source')})"
+      sources = ", ".join(f"{k} {v.get('path')}" for k, v in (meta["run"].get("frozen_source") or {}).items())
+      why = (f"step {step} holds no {abstract_rest[0][0]} (read from {sources or 'their source'})"
              if abstract_rest[0][0] not in held_fields(meta) else "a params_only restore keeps the target's"
              " optimizer state, step and key")
       raise ValueError(f"{why}, but {'/'.join(abstract_rest[0])} is abstract; pass a concrete state (e.g."

@@ -187,8 +187,10 @@ class Trainer:
         self._compile(train_step, plan, step)
         distributed.wait_for_every_process("train step compiled")
         preemption.enter_steps()
+        # A rollback restores onto the frozen weights as they are (never updated; a checkpoint may not hold them).
+        rollback = plan.abstract_train_state.replace(model_without_params=state.model_without_params)
         loop = TrainLoop(state=state, train_step=train_step, loader=loader, ckpt=ckpt,
-                         abstract_train_state=plan.abstract_train_state, writer=writer,
+                         abstract_train_state=rollback, writer=writer,
                          guard=NonFiniteGuard(t.nonfinite, t.max_nonfinite, writer.log), preemption=preemption,
                          last_step=t.steps, vocab_size=self.vocab_size, started=started, phases=self.phases)
         self._add_hooks(loop, plan, eval_step)
