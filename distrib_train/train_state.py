@@ -71,7 +71,9 @@ STATE_FIELDS = (
     StateField("root_rng", "rng", donated=False, checkpointed=True, layout="replicated"),
     StateField("params", "trainable", donated=True, checkpointed=True, layout="logical"),
     # The rest of the model: frozen weights cannot be rebuilt from code, so
-    # they are saved and an abstract target restores to a runnable state.
+    # they are saved and an abstract target restores to a runnable state;
+    # a run that reads them from a named source (a LoRA base from hf:)
+    # saves that source instead (training/init_from.py).
     # They are laid out by their logical axes, as params are (a frozen base
     # replicated on every chip would not fit); never in the optimizer.
     StateField("model_without_params", "frozen", donated=False, checkpointed=True, layout="logical"),
