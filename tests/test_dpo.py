@@ -260,13 +260,13 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
   assert not [k for k in checks.saved_shapes(saved, 4) if k[0] == "model_without_params"]
   shutil.copytree(tmp_path / "base", tmp_path / "moved")
   (tmp_path / "base").rename(tmp_path / "gone")
-  with pytest.raises(TrainerSetupError, match=r"frozen weights \(init_from\) are read from .*base, which is missing"):
+  with pytest.raises(TrainerSetupError, match=r"frozen weights \(init_from\) are read from their source, and \S*base is missing\."):
     run(tmp_path / "split", 5, base="")
   shutil.copytree(tmp_path / "moved", tmp_path / "changed")
   with open(tmp_path / "changed" / "model.safetensors", "r+b") as f:
     f.seek(os.path.getsize(f.name) // 2)
     f.write(b"\x7f" * 64)
-  with pytest.raises(TrainerSetupError, match=r"which differs: model.safetensors"):
+  with pytest.raises(TrainerSetupError, match=r"base is missing; \S*changed differs: model.safetensors\."):
     run(tmp_path / "split", 5, base=tmp_path / "changed")
   run(tmp_path / "split", 5, base=tmp_path / "moved")  # the same files elsewhere
   assert [m["step"] for m in read(tmp_path / "split") if "loss" in m][-1] == 5

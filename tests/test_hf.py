@@ -425,7 +425,7 @@ def test_lora_from_transformers_weights_exports_a_merged_model_and_a_peft_adapte
   fresh = make()
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                           if isinstance(x, jax.Array) else x, fresh)
-  base_state = init_from.with_frozen(config, {"init_from": f"hf:{tmp_path / 'hf'}"}, abstract, fresh)
+  base_state = init_from.with_frozen(config, meta["run"]["frozen_source"], abstract, fresh)
   with CheckpointManager(tmp_path / "run" / "checkpoints", async_save=False) as manager:
     state = manager.restore(base_state, params_only=True)
   tokens = np.random.default_rng(1).integers(0, 256, size=(2, 32)).astype(np.int32)

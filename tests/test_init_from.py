@@ -36,3 +36,31 @@ def test_init_from_a_checkpoint_of_another_model_is_refused_before_the_workdir_e
   assert not (tmp_path / "b").exists()
   with pytest.raises(config_lib.ConfigError, match=r"train.init_from must be hf:<Hugging Face dir> or ckpt:"):
     _config(xla_cache, "train.init_from=gs://bucket/run")
+
+
+def test_a_checkpoints_fingerprint_sees_a_tensor_changed_and_not_a_copy(tmp_path):
+  """``hf_common.fingerprint``, which names a LoRA base in its run's checkpoints: a copy elsewhere matches; the
+  last bytes of one tensor changed (and nothing at the file's sampled slices) do not."""
+  import json
+  import shutil
+
+  from flax import nnx
+
+  from distrib_train.checkpoint import hf
+  from distrib_train.checkpoint.hf_common import fingerprint
+
+  model = config_lib.load("tiny", ["model.d_model=512", "model.mlp_dim=1536"]).model_recipe().config
+  hf.save(nnx.state(model.build(0), nnx.Param), model, str(tmp_path / "a"))
+  shutil.copytree(tmp_path / "a", tmp_path / "b")
+  assert fingerprint(str(tmp_path / "a")) == fingerprint(str(tmp_path / "b"))
+  path = tmp_path / "b" / "model.safetensors"
+  total = path.stat().st_size
+  sampled = lambda at: any(total * i // 16 <= at < total * i // 16 + 65536 for i in range(16))
+  with open(path, "r+b") as f:
+    size = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(size))
+    ends = [8 + size + v["data_offsets"][1] - 4 for k, v in header.items() if k != "__metadata__"]
+    at = next(e for e in ends if not sampled(e) and not sampled(e + 3))
+    f.seek(at)
+    f.write(b"\x01\x02\x03\x04")
+  assert fingerprint(str(tmp_path / "a")) != fingerprint(str(tmp_path / "b"))

@@ -77,6 +77,12 @@ def test_adapter_dropout_drops_the_adapters_inputs_in_training_only():
   np.testing.assert_array_equal(one, run(jax.random.key(1)))  # the step's key decides the masks
   with lora.adapters_off():
     np.testing.assert_array_equal(run(None), run(jax.random.key(1)))
+  from distrib_train import microbatches as microbatching
+
+  stages = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+  with microbatching.pipelining(microbatching.Pipelining(stages, 2)), pytest.raises(
+      ValueError, match="lora.dropout does not run with a stage axis"):
+    run(jax.random.key(1))
   model.eval()
   np.testing.assert_array_equal(run(jax.random.key(1)), plain)
   dropped = np.asarray(lora._dropped(jnp.ones((200_000,)), jnp.uint32(7), "wq", 0.25))

@@ -107,13 +107,14 @@ def shard_range(index: slice, size: int) -> tuple[int, int]:
   return start, stop
 
 
-_SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
+_SAMPLE_BYTES = 4096
 
 
 def fingerprint(directory: str) -> dict[str, str]:
-  """Per ``*.safetensors`` file, the sha256 of its size, its header and 16 slices of 64 KiB spread over it;
-  ``config.json``'s whole. Other weights of the same shapes differ in every slice; a copy elsewhere (new
-  modification times) matches. Reads about a MiB a file."""
+  """Per ``*.safetensors`` file, the sha256 of its size, its header, each tensor's first and last 4 KiB (a
+  tensor changed throughout, as a merged adapter's, changes both) and 16 slices of 64 KiB spread over the file;
+  ``config.json``'s whole. A copy elsewhere (new modification times) matches. Reads 8 KiB a tensor and 1 MiB a
+  file."""
   out = {}
   for name in sorted(os.listdir(directory)):
     path = os.path.join(directory, name)
@@ -121,13 +122,21 @@ def fingerprint(directory: str) -> dict[str, str]:
       with open(path, "rb") as f:
         out[name] = hashlib.sha256(f.read()).hexdigest()[:32]
     elif name.endswith(".safetensors"):
-      size = os.path.getsize(path)
-      digest = hashlib.sha256(str(size).encode())
+      digest = hashlib.sha256(str(os.path.getsize(path)).encode())
       with open(path, "rb") as f:
         head = f.read(8)
-        digest.update(head + f.read(min(int.from_bytes(head, "little"), 100 << 20)))
-        for i in range(_SAMPLES):
-          f.seek(size * i // _SAMPLES)
-          digest.update(f.read(_SAMPLE_BYTES))
+        header = f.read(min(int.from_bytes(head, "little"), 100 << 20))
+        digest.update(head + header)
+        try:
+          spans = sorted(v["data_offsets"] for k, v in json.loads(header).items() if k != "__metadata__")
+        except (ValueError, AttributeError, KeyError, TypeError):  # not a safetensors header: its bytes only
+          spans = []
+        for begin, end in spans:
+          for at in (begin, max(begin, end - _SAMPLE_BYTES)):
+            f.seek(8 + len(header) + at)
+            digest.update(f.read(min(_SAMPLE_BYTES, end - at)))
+        for i in range(16):  # and 16 slices spread over the file
+          f.seek(os.path.getsize(path) * i // 16)
+          digest.update(f.read(16 * _SAMPLE_BYTES))
       out[name] = digest.hexdigest()[:32]
   return out

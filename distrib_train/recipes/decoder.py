@@ -206,20 +206,24 @@ class Decoder(nnx.Module):
     if c.scale_embeddings:  # Gemma: embeddings × √d_model
       x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
     x = constrain(x, ("batch", "length", "embed"))
-    if c.fp8 == "delayed" and (use := microbatching.active_pipelining()) is not None and use.request.stages > 1:
+    staged = (use := microbatching.active_pipelining()) is not None and use.request.stages > 1
+    if c.fp8 == "delayed" and staged:
       raise ValueError("model.fp8=delayed does not run with a stage axis: the pipeline runs every layer once per"
                        " microbatch, and each run would write the layer's amax history. Use fp8=current.")
+    if staged and dropout_rng is not None and c.lora_rank and c.lora_dropout:
+      raise ValueError("lora.dropout does not run with a stage axis: a layer's mask would repeat over the"
+                       " pipeline's microbatches. Set it to 0, or use a mesh without stages.")
     mixture_model = has_mixture(c)
     carry = (x, self._routing_sums(x)) if mixture_model else x
     per_example = {"positions": positions, "segment_ids": segment_ids}
     with fp8.active(c.fp8, c.fp8_min_dim):
       # Each segment: a scan over its periods (or an unrolled loop); the stages of a pipeline when the step's
       # mesh has a stage axis (parallel/pipeline.py).
-      for segment in segments(c):
+      for index, segment in enumerate(segments(c)):
         stack = getattr(self, segment.name)
         layers = {k: v[...] for k, v in stack.items()}
         axes = {k: tuple(v.out_sharding) for k, v in stack.items()}
-        seeds = lora.dropout_seeds(c, None if dropout_rng is None else jax.random.fold_in(dropout_rng, len(axes)),
+        seeds = lora.dropout_seeds(c, None if dropout_rng is None else jax.random.fold_in(dropout_rng, index),
                                    segment.count)
         if seeds is not None:
           layers[lora.SEED], axes[lora.SEED] = seeds, ("layers",)

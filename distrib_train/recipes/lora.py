@@ -8,7 +8,8 @@ model as it was), and computes ``x·W + (alpha / rank)·(drop(x)·A)·B``,
 PEFT's default scaling and dropout: with ``lora.dropout`` = p > 0, a training
 step zeroes each adapter's inputs with probability p (scaling the rest by
 1 / (1 − p)), with its own mask per layer, projection and step
-(``dropout_seeds``); evaluation, ``model.eval()``, drops nothing. Only the adapters train (``trainable``): the base weights
+(``dropout_seeds``); evaluation, ``model.eval()``, drops nothing; a stage
+axis is refused (``decoder.py``: the mask would repeat over microbatches). Only the adapters train (``trainable``): the base weights
 are frozen, out of the optimizer, and laid out by their logical axes like
 params (``train_state.STATE_FIELDS``); the adapters carry their weight's
 axes on its own side and none on the rank.

@@ -77,9 +77,10 @@ def _is_preference(abstract: TrainState) -> bool:
   return any(keys[:2] == ("params", "policy") for keys in flatten_fields(abstract, ("params",)))
 
 
-def _run_weights(path: str, abstract: TrainState, role: str) -> tuple[pathlib.Path, int, dict]:
+def _run_weights(path: str, abstract: TrainState, role: str | None) -> tuple[pathlib.Path, int, dict]:
   """A distrib_train run's model (a DPO run's policy) as the ``policy`` or ``reference`` of a preference model's
-  state: ``(directory, step, {the state's saved path → (the checkpoint's path, the state's leaf)})``, checked.
+  state, or (``role`` None) as a bare model's: ``(directory, step, {the state's saved path → (the checkpoint's
+  path, the state's leaf)})``, checked; LoRA adapters of the state keep their start.
 
   Raises:
     CheckpointError: a LoRA run's checkpoint (adapters on a base), or arrays missing or of other shapes.
@@ -93,14 +94,15 @@ def _run_weights(path: str, abstract: TrainState, role: str) -> tuple[pathlib.Pa
   inner = ("policy",) if any(keys[:2] == ("params", "policy") for keys in saved) else ()
   wanted = {}
   for keys, leaf in abstract_target(abstract, ("params", "model_without_params", "local_state")).items():
-    if role in keys[1:3]:
+    if (role is None or role in keys[1:3]) and not keys[-1].startswith("lora_"):  # adapters keep their start
       source = "local_state" if keys[0] == "local_state" else "params"
-      wanted[keys] = ((source, *inner, *keys[keys.index(role) + 1:]), leaf)
+      rest = keys[keys.index(role) + 1:] if role else keys[2:] if keys[0] == "model_without_params" else keys[1:]
+      wanted[keys] = ((source, *inner, *rest), leaf)
   check_matches(directory, step, dict(wanted.values()), partial=True, fields=())
   return directory, step, wanted
 
 
-def _read_run_weights(path: str, abstract: TrainState, state: TrainState, role: str) -> TrainState:
+def read_run_weights(path: str, abstract: TrainState, state: TrainState, role: str | None = None) -> TrainState:
   """``state`` with ``role``'s weights read from a run's checkpoint (``_run_weights``)."""
   from distrib_train.checkpoint.manager import CheckpointManager
 
@@ -168,13 +170,13 @@ def saved_fields(source: Mapping[str, Any] | None) -> tuple[str, ...]:
   return tuple(f for f in SAVED_FIELDS if not (source and f in FROZEN_FIELDS))
 
 
-def restore_source(meta: Mapping[str, Any], config: Config, where: str) -> dict[str, str] | None:
-  """For a checkpoint step without its frozen weights (``meta``, the step at ``where``): the directories to read
-  them from, by role (``init_from``, ``reference``): the recorded path, else ``config``'s own for the role,
-  whichever holds the same files. None where the step holds them.
+def restore_source(meta: Mapping[str, Any], config: Config, where: str) -> dict[str, Any] | None:
+  """For a checkpoint step without its frozen weights (``meta``, the step at ``where``): its record of their
+  sources (``frozen_source``'s form), each at the recorded path or else ``config``'s own for the role, whichever
+  holds the same files. None where the step holds them.
 
   Raises:
-    CheckpointError: neither holds the recorded files (the first differing file named).
+    CheckpointError: neither holds the recorded files (each place named, and what differs there).
   """
   if all(f in held_fields(meta) for f in FROZEN_FIELDS):
     return None
@@ -182,24 +184,26 @@ def restore_source(meta: Mapping[str, Any], config: Config, where: str) -> dict[
   given = {"init_from": config.train.init_from, "reference": config.dpo.reference}
   out = {}
   for role, record in recorded.items():
-    candidates = [record["path"]] + [os.path.expanduser(given[role][3:])] * given[role].startswith("hf:")
-    found = [c for c in candidates if os.path.isdir(c) and fingerprint(c) == record["files"]]
+    candidates = [record["path"]] + [os.path.abspath(os.path.expanduser(given[role][3:]))] * (
+        given[role].startswith("hf:") and os.path.abspath(os.path.expanduser(given[role][3:])) != record["path"])
+    seen = {c: fingerprint(c) if os.path.isdir(c) else None for c in candidates}
+    found = [c for c in candidates if seen[c] == record["files"]]
     if not found:
-      seen = fingerprint(candidates[-1]) if os.path.isdir(candidates[-1]) else {}
-      differ = sorted(n for n in set(seen) | set(record["files"]) if seen.get(n) != record["files"].get(n))
+      differ = lambda c: sorted(n for n in set(seen[c]) | set(record["files"]) if seen[c].get(n) != record["files"].get(n))
+      places = "; ".join(f"{c} {'is missing' if seen[c] is None else 'differs: ' + ', '.join(differ(c)[:3])}"
+                         for c in candidates)
       raise CheckpointError(
-          f"{where} holds the trained weights only; its frozen weights ({role}) are read from"
-          f" {record['path']}, which {'differs: ' + ', '.join(differ[:3]) if seen else 'is missing'}. Put those"
-          f" files back, or name where they are now ({'dpo.reference' if role == 'reference' else '--init_from'}"
-          " hf:<dir>).")
-    out[role] = f"hf:{found[0]}"
+          f"{where} holds the trained weights only; its frozen weights ({role}) are read from their source, and"
+          f" {places}. Put those files back, or name where they are now"
+          f" ({'dpo.reference' if role == 'reference' else 'train.init_from'}: hf:<dir>).")
+    out[role] = {**record, "path": found[0]}
   return out
 
 
-def with_frozen(config: Config, source: Mapping[str, str], abstract: TrainState, state: TrainState) -> TrainState:
-  """``state`` with its frozen weights read from ``source`` (``restore_source``'s directories)."""
-  train = dataclasses.replace(config.train, init_from=source["init_from"])
-  dpo = dataclasses.replace(config.dpo, reference=source.get("reference", ""))
+def with_frozen(config: Config, source: Mapping[str, Any], abstract: TrainState, state: TrainState) -> TrainState:
+  """``state`` with its frozen weights read from ``source`` (a ``frozen_source`` record)."""
+  train = dataclasses.replace(config.train, init_from=f"hf:{source['init_from']['path']}")
+  dpo = dataclasses.replace(config.dpo, reference=f"hf:{source['reference']['path']}" if "reference" in source else "")
   return load(dataclasses.replace(config, train=train, dpo=dpo), abstract, state)[0]
 
 
@@ -209,7 +213,7 @@ def load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Train
   state, line = _load(config, abstract, state)
   reference, where = _reference(config)
   if reference == "ckpt":
-    return _read_run_weights(where, abstract, state, "reference"), f"{line} The reference: {config.dpo.reference}."
+    return read_run_weights(where, abstract, state, "reference"), f"{line} The reference: {config.dpo.reference}."
   if not reference:
     return state, line
   # A preference model's reference (its weights and the local state its checkpoint holds) from its own
@@ -237,10 +241,10 @@ def _load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Trai
 
   directory, step = _checkpoint(path)
   if _plain_into_preference(path, abstract):  # an SFT run's model: the policy and, by default, the reference
-    state = _read_run_weights(path, abstract, state, "policy")
+    state = read_run_weights(path, abstract, state, "policy")
     both = not _reference(config)[0]
     if both:
-      state = _read_run_weights(path, abstract, state, "reference")
+      state = read_run_weights(path, abstract, state, "reference")
     return state, f"Initialised the policy{' and its reference' * both} from step {step} of {directory}."
   source = restore_source(read_meta(directory, step), config, f"Checkpoint step {step} in {str(directory)!r}")
   if source is not None:  # a run that saved no frozen weights: read them from where it did

@@ -229,14 +229,13 @@ class Trainer:
       plan = self._plan()
       latest = check_restorable(self.workdir / "checkpoints", plan.abstract_train_state)  # reads metadata only
       tokenizer = tokenizer_fingerprint(self.config.data_config())
-      # What this run's checkpoints leave out (frozen weights read from a named source), and where a restore
-      # reads them from (the newest step's sources, else this run's own).
+      # The sources of the frozen weights this run's checkpoints leave out (None: they are saved): a resumed
+      # run's are its checkpoint's (where their files are now), a new run's its config's.
       self.frozen = init_from.frozen_source(self.config)
-      self._frozen_dirs = {role: f"hf:{r['path']}" for role, r in (self.frozen or {}).items()} or None
       if latest is not None:
         meta, where = read_meta(self.workdir / "checkpoints", latest), f"Checkpoint step {latest} in {self.workdir}"
         check_same_tokenizer(meta, tokenizer, where)
-        self._frozen_dirs = init_from.restore_source(meta, self.config, where)
+        self.frozen = init_from.restore_source(meta, self.config, where)
       elif t.init_from:
         init_from.check(self.config, plan.abstract_train_state)
       if self.config.train.objective == "dpo" and self.config.dpo.precompute_reference:  # before any loader
@@ -314,10 +313,11 @@ class Trainer:
     self.phases.enter("init" if self.tiers.persistent.latest_step() is None else "restore")
     target, local, latest = plan.abstract_train_state, self.tiers.local, self.tiers.persistent.latest_step()
     # (the local tier's complete step is agreed by every process: they all read the frozen weights, or none)
-    if self._frozen_dirs and (latest is not None or (local and local.complete_step(target, None) is not None)):
-      # the frozen weights from their sources; the rest from the checkpoint
-      frozen = init_from.with_frozen(self.config, self._frozen_dirs, target, plan.init(self.job.make_state))
+    if self.frozen and (latest is not None or (local and local.complete_step(target, None) is not None)):
+      # the frozen weights from their sources (the rest of that state dropped at once); the rest from the step
+      frozen = init_from.with_frozen(self.config, self.frozen, target, plan.init(self.job.make_state))
       target = target.replace(model_without_params=frozen.model_without_params)
+      del frozen
     state = self.tiers.restore(target, loader, self._config_changes)
     if state is not None:
       return state
