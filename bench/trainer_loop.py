@@ -71,7 +71,7 @@ def trainer_step(config) -> tuple:
                              train_state_shardings=plan.train_state_shardings,
                              input_kwarg_shardings=plan.input_kwarg_shardings,
                              aux_output_shardings=plan.aux_output_shardings,
-                             **job_lib.step_options(trainer.job, plan))
+                             **job_lib.step_options(trainer.job, plan, trainer.rules))
   state = plan.init(trainer.job.make_state)
   with activation_sharding(plan.mesh, trainer.rules):
     step.compile(plan.abstract_train_state.replace(step=0), **trainer.job.inputs)  # the step object keeps it

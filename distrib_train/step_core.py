@@ -17,6 +17,7 @@ Not for: jit, donation, shardings or checking a step's arguments
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -69,6 +70,17 @@ class _StepStatics(NamedTuple):
   microbatch_weight: str | None = None
   pipelining: microbatching.Pipelining | None = None  # set when the mesh has a stage axis of size > 1
   input_shardings: tuple[tuple[str, Any], ...] = ()
+  # The (mesh, rules) the model's activations are laid out by while the step is traced (``constrain``, and the
+  # parallel paths that read it: ring attention, expert dispatch, the pipeline); part of jit's cache key.
+  activation: tuple[Any, Any] | None = None
+
+
+def _activations(statics: _StepStatics) -> Any:
+  """The trace's activation layout: the rules' ``on(mesh)`` (``AxisRules.on``: ``activation_sharding``)."""
+  if statics.activation is None:
+    return contextlib.nullcontext()
+  mesh, rules = statics.activation
+  return rules.on(mesh)
 
 
 # The arguments a donating train step gives up: the state it returns anew.
@@ -86,7 +98,12 @@ def _updated_params_and_states(
     inputs: dict[str, Any],
     statics: _StepStatics,
 ) -> tuple[Any, Any, Any, Any, AuxOutPyTree, Any]:
-  """One step as a pure function of the arrays it reads (``_StepArrays``)."""
+  """One step as a pure function of the arrays it reads (``_StepArrays``), traced in its activation layout."""
+  with _activations(statics):
+    return _train(params, model_leaves, opt_state, loss_fn_state, local_state, root_rng, step, inputs, statics)
+
+
+def _train(params, model_leaves, opt_state, loss_fn_state, local_state, root_rng, step, inputs, statics):
   loss_fn = statics.loss_fn
   # States made by TrainState.create may have no key; the loss gets None then.
   step_rng = None if root_rng is None else jax.random.fold_in(root_rng, step)
@@ -181,4 +198,5 @@ def _eval_outputs(
   model = models.merge_model(model_without_params, params, local_state, rng=step_rng)
   if isinstance(model, nnx.Module):
     model.eval()
-  return _call_loss(statics, model, loss_fn_state, step_rng, inputs)[2]
+  with _activations(statics):
+    return _call_loss(statics, model, loss_fn_state, step_rng, inputs)[2]

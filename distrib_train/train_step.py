@@ -40,7 +40,7 @@ class _JittedCore:
   def __init__(self, core: Any, loss_fn: LossFunction, *, jit: bool, donate: bool,
                train_state_shardings: TrainState | None, input_kwarg_shardings: dict[str, Any] | None,
                out_shardings: Any, microbatches: int = 1, microbatch_weight: str | None = None,
-               pipeline_repeats: int = 1, accumulate: bool = True):
+               pipeline_repeats: int = 1, accumulate: bool = True, activation_rules: Any = None):
     self.loss_fn = loss_fn
     self.input_kwarg_shardings = input_kwarg_shardings
     self.donate = donate
@@ -61,7 +61,11 @@ class _JittedCore:
       raise ValueError(f"pipeline_repeats is {pipeline_repeats}, but the step's mesh has no stage axis"
                        " (give train_state_shardings planned on a mesh with a stage axis of size > 1).")
     self.pipelining = pipelining
+    if activation_rules is not None and self._mesh is None:
+      raise ValueError("activation_rules lays the activations out on the shardings' mesh: give"
+                       " train_state_shardings too.")
     self._options = dict(
+        activation=None if activation_rules is None else (self._mesh, activation_rules),
         microbatches=microbatches if accumulate or pipelining is not None else 1,
         microbatch_weight=microbatch_weight, pipelining=pipelining,
         input_shardings=tuple((name, sharding) for name, sharding in (input_kwarg_shardings or {}).items()
@@ -160,7 +164,7 @@ class TrainStep:
   """
 
   def __init__(self, loss_fn, jit, donate, train_state_shardings, input_kwarg_shardings, aux_output_shardings,
-               microbatches=1, microbatch_weight=None, pipeline_repeats=1):
+               microbatches=1, microbatch_weight=None, pipeline_repeats=1, activation_rules=None):
     ts = train_state_shardings
     out_shardings = (
         None if ts is None else ts.params,
@@ -174,7 +178,7 @@ class TrainStep:
                              train_state_shardings=train_state_shardings,
                              input_kwarg_shardings=input_kwarg_shardings, out_shardings=out_shardings,
                              microbatches=microbatches, microbatch_weight=microbatch_weight,
-                             pipeline_repeats=pipeline_repeats)
+                             pipeline_repeats=pipeline_repeats, activation_rules=activation_rules)
     self.microbatches = microbatches
 
   @property
@@ -240,6 +244,7 @@ def build_train_step_fn(
     microbatches: int = 1,
     microbatch_weight: str | None = None,
     pipeline_repeats: int = 1,
+    activation_rules: Any = None,
 ) -> TrainStep:
   """Builds a train step function, with penzai's signature and semantics.
 
@@ -272,6 +277,12 @@ def build_train_step_fn(
       weighs microbatches equally.
     pipeline_repeats: the pipeline's rounds through the stages (1: GPipe;
       more: the circular schedule, a smaller bubble; needs a stage axis).
+    activation_rules: an ``AxisRules`` (the plan's; anything with ``on(mesh)``): the step is traced in
+      ``activation_sharding(mesh, activation_rules)`` on the shardings'
+      mesh, so the model's activation constraints and the paths that read
+      them (ring attention on a context axis, expert dispatch, the
+      pipeline) are the step's own input, wherever it is traced; None: the
+      caller's ``activation_sharding``, if any, applies.
 
   Returns:
     The step, a ``TrainStep`` (callable; ``.lower`` for ahead-of-time use).
@@ -284,6 +295,7 @@ def build_train_step_fn(
   return TrainStep(
       loss_fn, jit, donate_params_and_state, train_state_shardings, input_kwarg_shardings, aux_output_shardings,
       microbatches=microbatches, microbatch_weight=microbatch_weight, pipeline_repeats=pipeline_repeats,
+      activation_rules=activation_rules,
   )
 
 
@@ -295,12 +307,13 @@ class EvalStep:
   """
 
   def __init__(self, loss_fn, jit, train_state_shardings, input_kwarg_shardings, aux_output_shardings,
-               microbatches=1, pipeline_repeats=1):
+               microbatches=1, pipeline_repeats=1, activation_rules=None):
     # Microbatches matter to eval only as a pipeline's; without one the whole batch runs at once.
     self._core = _JittedCore(_eval_outputs, loss_fn, jit=jit, donate=False,
                              train_state_shardings=train_state_shardings,
                              input_kwarg_shardings=input_kwarg_shardings, out_shardings=aux_output_shardings,
-                             microbatches=microbatches, pipeline_repeats=pipeline_repeats, accumulate=False)
+                             microbatches=microbatches, pipeline_repeats=pipeline_repeats, accumulate=False,
+                             activation_rules=activation_rules)
 
   @property
   def loss_fn(self) -> LossFunction:
@@ -332,6 +345,7 @@ def build_eval_step_fn(
     *,
     microbatches: int = 1,
     pipeline_repeats: int = 1,
+    activation_rules: Any = None,
 ) -> EvalStep:
   """Builds an eval step: the loss function's aux, with nothing updated.
 
@@ -340,10 +354,10 @@ def build_eval_step_fn(
   function that calls the module in its eval mode. Nothing is donated.
   ``microbatches`` and ``pipeline_repeats`` apply only to a pipeline (a
   stage axis in the shardings' mesh); otherwise the whole batch is
-  evaluated at once.
+  evaluated at once. ``activation_rules`` as the train step's.
 
   Returns:
     ``eval_step(train_state, **inputs) -> aux``.
   """
   return EvalStep(loss_fn, jit, train_state_shardings, input_kwarg_shardings, aux_output_shardings,
-                  microbatches=microbatches, pipeline_repeats=pipeline_repeats)
+                  microbatches=microbatches, pipeline_repeats=pipeline_repeats, activation_rules=activation_rules)

@@ -108,7 +108,7 @@ def post_training_losses(overrides: list[str], mesh, steps: int = 3) -> list[dic
   plan = job_lib.plan_job(job, planner)
   step = dt.build_train_step_fn(job.loss_fn, train_state_shardings=plan.train_state_shardings,
                                 input_kwarg_shardings=plan.input_kwarg_shardings,
-                                **job_lib.step_options(job, plan))
+                                **job_lib.step_options(job, plan, planner.rules))
   state, out = plan.init(job.make_state), []
   with data.DataLoader(config.data_config(), plan.input_kwarg_shardings) as loader, \
       activation_sharding(mesh, planner.rules):

@@ -1,5 +1,6 @@
 """build_train_step_fn: penzai behaviour, donation, shardings, one compile."""
 
+import contextlib
 import inspect
 
 import jax
@@ -302,3 +303,35 @@ def test_the_eval_step_donates_nothing():
   assert float(aux["loss"]) == 96.0  # six entries of 4², from ones
   kept = (state.params, state.opt_state, state.loss_fn_state)
   assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(kept))
+
+
+def test_a_step_built_with_the_plans_rules_lays_out_activations_wherever_it_is_traced():
+  """``activation_rules``: the step carries its activation layout (a static argument, in jit's cache key), so
+  traced outside any ``activation_sharding`` it holds the constraints a step traced inside one holds; a step
+  without the rules, traced outside, holds none. Likewise for the eval step."""
+  from distrib_train.sharding.axis_rules import activation_sharding
+  from distrib_train.training import config as config_lib
+  from distrib_train.training import job as job_lib
+
+  config = config_lib.load("tiny", ["train.compilation_cache_dir="])
+  job = job_lib.job_spec(config)
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), devices=jax.devices()[:8])
+  planner = dt.MeshPlanner(mesh, job_lib.rules_for(config, dt.MeshConfig(("data",), (8,))))
+  plan = job_lib.plan_job(job, planner)
+  tokens = jax.ShapeDtypeStruct((8, 32), jnp.int32)
+  batch = {"tokens": tokens, "targets": tokens, "weights": jax.ShapeDtypeStruct((8, 32), jnp.float32)}
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=plan.input_kwarg_shardings[k]) for k, v in batch.items()}
+  shardings = {k: plan.input_kwarg_shardings[k] for k in batch}
+
+  def constraints(build, rules, inside):
+    step = build(job.loss_fn, train_state_shardings=plan.train_state_shardings, input_kwarg_shardings=shardings,
+                 activation_rules=rules)
+    jax.clear_caches()  # a step without the rules would reuse another trace's layout (jit's key lacks it)
+    with activation_sharding(plan.mesh, planner.rules) if inside else contextlib.nullcontext():
+      return step.lower(plan.abstract_train_state, **batch).as_text().count("sharding_constraint")
+
+  for build in (dt.build_train_step_fn, dt.build_eval_step_fn):
+    carried, traced_inside = constraints(build, planner.rules, False), constraints(build, None, True)
+    assert carried == traced_inside > constraints(build, None, False), build.__name__
+  with pytest.raises(ValueError, match="activation_rules lays the activations out on the shardings' mesh"):
+    dt.build_train_step_fn(job.loss_fn, activation_rules=planner.rules)

@@ -60,7 +60,7 @@ from distrib_train.podplan import hlo as hlo_module
 from distrib_train.podplan.layout import Layout, emulated_mesh, layout, use_emulated_devices  # noqa: F401
 from distrib_train.podplan.memory import CPU_BF16_TEMPORARIES, Memory, memory_of  # noqa: F401
 from distrib_train.podplan.timing import DEFAULT_EFFICIENCY, StepTime, step_time, xla_flops  # noqa: F401
-from distrib_train.sharding.axis_rules import AxisRules, activation_sharding
+from distrib_train.sharding.axis_rules import AxisRules
 from distrib_train.microbatches import STAGE_AXIS, bubble_fraction
 from distrib_train.training.config import Config
 from distrib_train.training.job import JobSpec, job_spec, plan_job, rules_for, step_options  # noqa: F401
@@ -136,12 +136,12 @@ def compile_step(spec: StepSpec, plan: Plan, rules: AxisRules, constrain_activat
   step = build_train_step_fn(spec.loss_fn, donate_params_and_state=True,
                              train_state_shardings=plan.train_state_shardings,
                              input_kwarg_shardings=plan.input_kwarg_shardings,
-                             aux_output_shardings=plan.aux_output_shardings, **step_options(spec, plan))
+                             aux_output_shardings=plan.aux_output_shardings,
+                             **step_options(spec, plan, rules if constrain_activations else None))
   inputs = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.input_kwarg_shardings[name])
             for name, x in spec.inputs.items()}
-  activations = activation_sharding(plan.mesh, rules) if constrain_activations else contextlib.nullcontext()
   start = time.perf_counter()
-  with activations, _stand_ins(plan.mesh):
+  with _stand_ins(plan.mesh):
     lowered = step.lower(plan.abstract_train_state.replace(step=0), **inputs)
   lowered_at = time.perf_counter()
   compiled = lowered.compile()

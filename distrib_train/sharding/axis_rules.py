@@ -323,6 +323,11 @@ class AxisRules:
     )
     return spec, tuple(skips)
 
+  def on(self, mesh: Any) -> Any:
+    """``activation_sharding(mesh, self)``: what a step built with ``activation_rules=self`` enters while it is
+    traced (the step's core sits below this package and asks the rules for it)."""
+    return activation_sharding(mesh, self)
+
 
 def _check_logical_axes(axes: Any, where: str) -> tuple[str | None, ...]:
   if isinstance(axes, str) or not isinstance(axes, (tuple, list)):
@@ -352,7 +357,8 @@ _ACTIVATION_SHARDING: contextvars.ContextVar[tuple[Any, AxisRules] | None] = con
 def activation_sharding(mesh: Any, rules: AxisRules) -> Iterator[None]:
   """Makes ``constrain`` pin activations to ``rules`` on ``mesh``.
 
-  Wrap the first call of a step (when it is traced) in it::
+  Wrap the first call of a step (when it is traced) in it, or build the step
+  with ``activation_rules=rules``, which enters it inside the step's trace::
 
     with activation_sharding(plan.mesh, rules):
       state, aux = train_step(state, **batch)

@@ -173,18 +173,20 @@ def data_config(config: Config, family: Family, mesh: Any = None, *, packed: boo
   return data
 
 
-def step_options(job: JobSpec, plan: Plan) -> dict[str, Any]:
-  """``build_train_step_fn``'s microbatch options for the job: its microbatches and pipeline repeats, and
-  microbatches weighted by the aux ``pairs`` or ``tokens`` count when the loss reports one (a mean over pairs or
-  tokens stays exact)."""
+def step_options(job: JobSpec, plan: Plan, rules: AxisRules | None = None) -> dict[str, Any]:
+  """``build_train_step_fn``'s options for the job: its microbatches and pipeline repeats, microbatches
+  weighted by the aux ``pairs`` or ``tokens`` count when the loss reports one (a mean over pairs or tokens stays
+  exact), and the plan's ``rules`` as the step's activation layout."""
   weight = objectives.weight_name(dict(plan.aux_output_shardings)
                                   if isinstance(plan.aux_output_shardings, Mapping) else None)
-  return {"microbatches": job.microbatches, "pipeline_repeats": job.pipeline_repeats, "microbatch_weight": weight}
+  return {"microbatches": job.microbatches, "pipeline_repeats": job.pipeline_repeats, "microbatch_weight": weight,
+          "activation_rules": rules}
 
 
-def eval_step_options(job: JobSpec) -> dict[str, Any]:
-  """``build_eval_step_fn``'s: the pipeline's microbatches and repeats (they matter only with a stage axis)."""
-  return {"microbatches": job.microbatches, "pipeline_repeats": job.pipeline_repeats}
+def eval_step_options(job: JobSpec, rules: AxisRules | None = None) -> dict[str, Any]:
+  """``build_eval_step_fn``'s: the pipeline's microbatches and repeats (they matter only with a stage axis), and
+  the activation layout."""
+  return {"microbatches": job.microbatches, "pipeline_repeats": job.pipeline_repeats, "activation_rules": rules}
 
 
 def rules_for(config: Config, mesh_config: MeshConfig) -> AxisRules:

@@ -43,7 +43,6 @@ from distrib_train.cluster import distributed
 from distrib_train.training import metrics as metrics_lib
 from distrib_train.training import job as job_lib
 from distrib_train.training import window as window_lib
-from distrib_train.sharding.axis_rules import activation_sharding
 from distrib_train.checkpoint.checks import check_restorable, read_meta
 from distrib_train.checkpoint.faults import quiet_echoes_of_failed_writes
 from distrib_train.checkpoint.manager import CheckpointManager
@@ -180,23 +179,19 @@ class Trainer:
         return RunResult("already_done", step)
       goodput.start(step)
       train_step, eval_step = self._build_steps(plan)
-      # The model's activation constraints (``axis_rules.constrain``) apply while a step is traced: here
-      # for the train step, in the loop for the eval step. Without them XLA may keep every device's copy
-      # of the whole batch's activations on an FSDP mesh (llama-7b on 256 chips: 281 vs 10.8 GiB).
-      with activation_sharding(plan.mesh, self.rules):
-        self._compile(train_step, plan, step)
-        distributed.wait_for_every_process("train step compiled")
-        preemption.enter_steps()
-        # A rollback restores onto the frozen weights as they are (never updated; a checkpoint may not hold them).
-        rollback = plan.abstract_train_state.replace(model_without_params=state.model_without_params)
-        loop = TrainLoop(state=state, train_step=train_step, loader=loader, ckpt=ckpt,
-                         abstract_train_state=rollback, writer=writer,
-                         guard=NonFiniteGuard(t.nonfinite, t.max_nonfinite, writer.log), preemption=preemption,
-                         last_step=t.steps, vocab_size=self.vocab_size, started=started, phases=self.phases)
-        self._add_hooks(loop, plan, eval_step)
-        result = loop.run()
-        goodput.finish(result.status)
-        return result
+      self._compile(train_step, plan, step)
+      distributed.wait_for_every_process("train step compiled")
+      preemption.enter_steps()
+      # A rollback restores onto the frozen weights as they are (never updated; a checkpoint may not hold them).
+      rollback = plan.abstract_train_state.replace(model_without_params=state.model_without_params)
+      loop = TrainLoop(state=state, train_step=train_step, loader=loader, ckpt=ckpt,
+                       abstract_train_state=rollback, writer=writer,
+                       guard=NonFiniteGuard(t.nonfinite, t.max_nonfinite, writer.log), preemption=preemption,
+                       last_step=t.steps, vocab_size=self.vocab_size, started=started, phases=self.phases)
+      self._add_hooks(loop, plan, eval_step)
+      result = loop.run()
+      goodput.finish(result.status)
+      return result
     finally:
       try:
         preemption.close()
@@ -278,15 +273,17 @@ class Trainer:
     return writer, goodput, watchdog
 
   def _build_steps(self, plan):
-    """The donating train step and the eval step, on the plan's shardings with the job's microbatches."""
+    """The donating train step and the eval step, on the plan's shardings with the job's microbatches, each
+    traced in the plan's activation layout (its rules; without it XLA may keep every device's copy of the whole
+    batch's activations on an FSDP mesh: llama-7b on 256 chips, 281 vs 10.8 GiB)."""
     train_step = build_train_step_fn(
         self.loss_fn, donate_params_and_state=True, train_state_shardings=plan.train_state_shardings,
         input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings,
-        **job_lib.step_options(self.job, plan))
+        **job_lib.step_options(self.job, plan, self.rules))
     eval_step = build_eval_step_fn(
         self.loss_fn, train_state_shardings=plan.train_state_shardings,
         input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings,
-        **job_lib.eval_step_options(self.job))
+        **job_lib.eval_step_options(self.job, self.rules))
     return train_step, eval_step
 
   def _compile(self, train_step, plan, step: int) -> None:
