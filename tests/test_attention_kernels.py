@@ -100,7 +100,49 @@ def test_the_kernel_is_chosen_in_one_place_for_what_the_layer_asks():
   with pytest.raises(ValueError, match="cannot run attention sinks or a soft cap"):
     choose(Attention("cudnn", softcap=30.0), q)
   with activation_sharding(ph.mesh_of({"context": 2}), dt.AxisRules("fsdp_tensor")):
-    assert choose(Attention("auto", context="all_gather"), q) == "all_gather"
+    assert choose(Attention("auto", context="all_gather"), q) == "all_gather"  # XLA's tiles on CPU
+    assert choose(Attention("splash", context="all_gather"), jnp.zeros((1, 512, 2, 16))) == "all_gather_splash"
+    kernel, reason = attention_kernels.decide(Attention("splash", context="all_gather"), q)
+    assert kernel == "all_gather" and "multiple of 2 × context × 128 = 512, got 128" in reason
+    assert attention_kernels.decide(Attention("splash"), q)[0] == "ring"
+
+
+@pytest.mark.parametrize("window", [0, 100])
+def test_the_zigzag_masks_blocks_answered_from_their_corners_are_the_masks_own(window):
+  from distrib_train.recipes.attention import _zigzag_mask
+
+  mask = _zigzag_mask(2, 512, window)
+  whole = mask.mask_function(mask.q_sequence[:, None], np.arange(512)[None, :])
+  for q in range(0, 512, 64):
+    for k in range(0, 512, 128):
+      np.testing.assert_array_equal(mask[slice(q, q + 64), slice(k, k + 128)], whole[q:q + 64, k:k + 128])
+
+
+@pytest.mark.parametrize("window, softcap, with_sinks", [(0, 0.0, False), (100, 3.0, True)])
+def test_splash_over_the_context_axis_by_all_gather_is_the_reference(window, softcap, with_sinks):
+  """Zigzag chunks of 128 (context 2) gather the keys and run splash per query shard, heads split over tensor."""
+  q, k, v, sinks, _ = _inputs(length=512, batch=2)
+  segments = jnp.asarray(np.repeat([[1] * 200 + [2] * 250 + [0] * 62], 2, axis=0), jnp.int32)
+  order = context.zigzag(512, 2)
+  take = lambda a: jnp.take(a, order, axis=1)
+  mesh = ph.mesh_of({"context": 2, "fsdp": 2, "tensor": 2})
+  layer = attention_kernels.Attention("splash", window=window, softcap=softcap, context="all_gather")
+
+  def run(q, k, v, sinks):
+    with activation_sharding(mesh, dt.AxisRules("fsdp_tensor")), attention_kernels.recorded() as decisions:
+      out = attention_kernels.attention(take(q), take(k), take(v), layer, positions=None,
+                                        segment_ids=take(segments), sinks=sinks if with_sinks else None)
+    (decision,) = decisions
+    assert decision.kernel == "all_gather_splash" and decision.gathered_bytes == 512 * 1 * (16 + 16) * 4
+    # each shard (chunks 0 and 3, or 1 and 2) runs 5 of its 8 blocks of 128 × 128; a window, 3 or 4 of them
+    assert decision.work == pytest.approx(5 * 128 * 128 / (512 * 513 / 4) if not window else
+                                          4 * 128 * 128 / ((100 * 101 / 2 + 412 * 100) / 2))
+    return jnp.sum(jnp.sin(out) * (take(segments) > 0)[..., None, None])
+
+  reference = _reference(window, softcap, with_sinks, segments)
+  want = _value_and_grads(lambda q, k, v, s: jnp.sum(jnp.sin(reference(q, k, v, s)) * (segments > 0)[..., None, None]),
+                          q, k, v, sinks)
+  _close(_value_and_grads(run, q, k, v, sinks), want)
 
 
 GEMMA_LIKE = dict(qk_norm=True, sandwich_norms=True, norm_weight_offset=1.0, scale_embeddings=True,

@@ -34,10 +34,15 @@ def test_ring_attention_on_context_4_fsdp_2_matches_one_device(packed):
     np.testing.assert_allclose(params[name], want, rtol=RTOL, atol=2e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("implementation", ["ring", "all_gather"])
+# all-gather through splash (interpreted here), under the layer's remat: its residuals kept, the keys regathered
+SPLASH = dict(context_attention="all_gather", attention="splash", remat="full")
+
+
+@pytest.mark.parametrize("implementation", ["ring", "all_gather", "all_gather_splash"])
 def test_gradients_match_one_device(implementation):
   want = ph.gradients(ph.mesh_of({}, devices=jax.devices()[:1]), packed=True)
-  got = ph.gradients(ph.mesh_of({"context": 4, "fsdp": 2}), packed=True, context_attention=implementation)
+  options = SPLASH if implementation == "all_gather_splash" else dict(context_attention=implementation)
+  got = ph.gradients(ph.mesh_of({"context": 4, "fsdp": 2}), packed=True, **options)
   for name in want:
     scale = np.max(np.abs(want[name]))
     np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=1e-5 * scale, err_msg=name)
@@ -112,3 +117,4 @@ def test_context_axis_across_two_processes():
   for r in results:
     assert r.result["mesh"]["context"] == 4
     np.testing.assert_allclose(r.result["losses"], want, rtol=RTOL)
+    np.testing.assert_allclose(r.result["splash_losses"], want, rtol=RTOL)  # all-gather, splash, gather over DCN

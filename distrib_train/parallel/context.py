@@ -14,7 +14,8 @@ device's own tokens). Attention needs every earlier key of a sequence, so
   every device and attended in one block. The same bytes arrive, in one
   collective with no overlap and ``C`` times the key/value memory; pick it
   for short sequences or a small axis, where the ring's ``C`` steps cost
-  more than they hide.
+  more than they hide. On TPU it runs splash instead of these tiles
+  (``recipes/attention.context_splash_attention``).
 
 Scores are computed in rematerialized tiles of at most ``block`` × ``block``
 (1024 by default) query and key positions per head, one tile at a time, so

@@ -50,7 +50,7 @@ from jax.sharding import Mesh
 from distrib_train.podplan import collectives as collectives_lib
 from distrib_train.podplan import cpu_attention
 from distrib_train.common.versions import gpu_capability
-from distrib_train.recipes import cudnn_attention
+from distrib_train.recipes import attention_kernels, cudnn_attention
 from distrib_train.podplan import gpu as gpu_lib
 from distrib_train.podplan import tpu as tpu_lib
 from distrib_train.cluster import hardware
@@ -130,9 +130,10 @@ def plan_state(spec: StepSpec, mesh: Mesh, rules: AxisRules) -> Plan:
     return plan_job(spec, MeshPlanner(mesh, rules))
 
 
-def compile_step(spec: StepSpec, plan: Plan, rules: AxisRules, constrain_activations: bool = True
-                 ) -> tuple[jax.stages.Compiled, dict[str, float]]:
-  """Lowers and compiles the trainer's step on abstract, sharded arguments."""
+def compile_step(spec: StepSpec, plan: Plan, rules: AxisRules, constrain_activations: bool = True,
+                 attention: list | None = None) -> tuple[jax.stages.Compiled, dict[str, float]]:
+  """Lowers and compiles the trainer's step on abstract, sharded arguments (``attention`` gets each attention
+  layer's ``attention_kernels.Decision``)."""
   step = build_train_step_fn(spec.loss_fn, donate_params_and_state=True,
                              train_state_shardings=plan.train_state_shardings,
                              input_kwarg_shardings=plan.input_kwarg_shardings,
@@ -141,8 +142,10 @@ def compile_step(spec: StepSpec, plan: Plan, rules: AxisRules, constrain_activat
   inputs = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.input_kwarg_shardings[name])
             for name, x in spec.inputs.items()}
   start = time.perf_counter()
-  with _stand_ins(plan.mesh):
+  with _stand_ins(plan.mesh), attention_kernels.recorded() as decisions:
     lowered = step.lower(plan.abstract_train_state.replace(step=0), **inputs)
+  if attention is not None:
+    attention.extend(decisions)
   lowered_at = time.perf_counter()
   compiled = lowered.compile()
   return compiled, {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at}
@@ -204,6 +207,8 @@ class PodPlan:
   microbatches: int = 1
   pipeline_repeats: int = 1
   custom_calls: tuple[str, ...] = ()  # the compiled program's custom-call targets (cuDNN attention, cuBLAS, …)
+  attention: list = dataclasses.field(default_factory=list)  # each attention layer's kernel and why
+  flops: dict[str, float] | None = None  # the compiled step's FLOPs per device: dots, attention and grouped kernels
 
   @property
   def compiled(self) -> bool:
@@ -313,6 +318,8 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
                     f" this); set data.global_batch_size to a multiple of {skip.mesh_axes_size}.")
   model_flops = spec.model_flops_per_step()
   model_flops = None if model_flops is None else model_flops / devices
+  attention: list = []
+  extra["attention"] = attention
   if not compile:
     return PodPlan(config_name, mesh_config.source, devices, kind, lay, plan,
                    memory_of(plan, kind, None, memory_fraction), None, None, spec.tokens_per_step,
@@ -322,7 +329,7 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
     # constructed with a Client"): keep it out of the cache.
     no_cache = _without_compilation_cache() if target is not None else contextlib.nullcontext()
     with no_cache:
-      compiled, compile_timings = compile_step(spec, plan, rules, constrain_activations)
+      compiled, compile_timings = compile_step(spec, plan, rules, constrain_activations, attention)
   except Exception as e:  # jax's JaxRuntimeError
     refusal = out_of_memory(e) if target is not None else None
     if refusal is None:
@@ -352,7 +359,8 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
     collectives = collectives_lib.find_collectives(text, lay.shape, lay.axis_names, lay.granule_of,
                                                    infer_reduce_scatters=target is None)
   wire = collectives_lib.wire_bytes_by_link(collectives)
-  times = step_time(model_flops, hlo_module.matmul_flops(text), wire, kind, efficiency, xla_flops(compiled))
+  extra["flops"] = hlo_module.flops(text)
+  times = step_time(model_flops, sum(extra["flops"].values()), wire, kind, efficiency, xla_flops(compiled))
   if not constrain_activations:
     notes.append("activations unconstrained (--no_activation_sharding): XLA chooses their layout.")
     if isinstance(target, TpuTopology) and spec.family.capabilities().attention in ("auto", "splash"):

@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping
 
 from distrib_train.parallel import grouped
+from distrib_train.recipes.attention import kernel_flops
 
 _DTYPE_BITS = {
     "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32,
@@ -120,6 +121,8 @@ def parse_module(hlo_text: str) -> tuple[dict[str, Computation], int | None]:
     instruction = _parse_instruction(line)
     if instruction is not None:
       current.instructions.append(instruction)
+    elif current.instructions:  # an attribute that spans lines (a Mosaic kernel's metadata): its instruction's
+      current.instructions[-1].attrs += "\n" + line
   partitions = re.search(r"\bnum_partitions=(\d+)", hlo_text)
   return computations, int(partitions.group(1)) if partitions else None
 
@@ -253,7 +256,7 @@ def _convolution_flops(instruction: Instruction, symbols: Mapping[str, str]) -> 
   return 2.0 * element_count(instruction.shape) * rhs[rhs_labels.index("i")] * taps
 
 
-_KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"')  # Pallas: Mosaic, Triton
+_KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|__cudnn\$fmha\w*)"')  # Pallas, cuDNN
 
 
 def _op_name(attrs: str) -> str:
@@ -262,36 +265,49 @@ def _op_name(attrs: str) -> str:
 
 
 def matmul_flops(hlo_text: str) -> float:
-  """FLOPs of every ``dot`` (and ``convolution``) a run of the module executes (loops multiplied).
+  """FLOPs of every ``dot`` (and ``convolution``) a run of the module executes (loops multiplied), kernels'
+  included (``flops``)."""
+  return sum(flops(hlo_text).values())
+
+
+def flops(hlo_text: str) -> dict[str, float]:
+  """FLOPs a run of the module executes (loops multiplied), as ``{"dots", "attention_kernels",
+  "grouped_kernels"}``.
 
   ``2 · output elements · contracted size`` per dot: the matmuls of one
   device's program, recomputation (remat) included, elementwise work not.
-  A grouped-matmul kernel (a custom call in ``parallel.grouped``'s name
-  scope) counts ``2 · rows · k · n`` for the rows it multiplies under even
-  routing, which its grid follows.
+  A kernel's work is invisible in the program, so it is read from the name
+  scope its caller put it in: a grouped-matmul kernel (``parallel.grouped``)
+  counts ``2 · rows · k · n`` for the rows it multiplies under even routing,
+  which its grid follows; a fused attention kernel (splash, cuDNN:
+  ``recipes/attention.flops_scope``) counts the query-key pairs its mask
+  lets run, for the pass it is (``kernel_flops``).
   """
   computations, _ = parse_module(hlo_text)
   times = multiplicities(computations)
-  total = 0.0
+  found = dict.fromkeys(("dots", "attention_kernels", "grouped_kernels"), 0.0)
   for computation in computations.values():
     count = times.get(computation.name, 0)
     if not count:
       continue
     symbols = None
     for instruction in computation.instructions:
-      if instruction.op == "custom-call":  # a kernel: its FLOPs from the grouped matmul's name scope, if any
-        if _KERNEL.search(instruction.attrs):  # not the compiler's own custom calls (gathers) in that scope
-          total += grouped.flops_tag(_op_name(instruction.attrs)) * count
+      if instruction.op == "custom-call":  # a kernel: its FLOPs from its name scope, if any
+        kernel = _KERNEL.search(instruction.attrs)  # not the compiler's own custom calls (gathers) in that scope
+        if kernel:
+          op_name = _op_name(instruction.attrs)
+          found["grouped_kernels"] += grouped.flops_tag(op_name) * count
+          found["attention_kernels"] += kernel_flops(op_name, instruction.name + " " + kernel.group(1)) * count
         continue
       if instruction.op not in ("dot", "convolution"):
         continue
       if symbols is None:
         symbols = {i.name: i.shape for i in computation.instructions}
       if instruction.op == "convolution":
-        total += _convolution_flops(instruction, symbols) * count
+        found["dots"] += _convolution_flops(instruction, symbols) * count
         continue
       contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.attrs)
       lhs = _dims(symbols.get(instruction.operands[0], "")) if instruction.operands else []
       size = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 1
-      total += 2.0 * element_count(instruction.shape) * size * count
-  return total
+      found["dots"] += 2.0 * element_count(instruction.shape) * size * count
+  return found

@@ -112,6 +112,10 @@ def time_lines(pod: Any, efficiency: float | None = None) -> list[str]:
   ratio = f" ({t.matmul_flops_per_device / t.model_flops_per_device:.2f}× the model's)" \
       if t.model_flops_per_device and t.matmul_flops_per_device else ""
   lines.append(f"  compiled matmul FLOPs per device {t.matmul_flops_per_device:.3g}{ratio}")
+  kernels = (pod.flops or {}).get("attention_kernels", 0.0)
+  if kernels:
+    lines.append(f"    of which fused attention kernels {kernels:.3g}, counted from the blocks their masks let run"
+                 " (a kernel's work is not in the compiled program)")
   if t.xla_flops_per_device is not None:
     lines.append(f"  XLA cost_analysis FLOPs per device {t.xla_flops_per_device:.3g} (loop bodies counted once)")
   lines.append(f"  {k.name}: peak {k.peak_flops / 1e12:.0f} TFLOP/s, ICI {k.ici_bandwidth / 1e9:.1f} GB/s,"
@@ -124,12 +128,26 @@ def time_lines(pod: Any, efficiency: float | None = None) -> list[str]:
   return lines
 
 
+def attention_lines(pod: Any) -> list[str]:
+  """Each attention layer's kernel as the step was traced, why, and what its mask and gather cost."""
+  if not pod.attention:
+    return []
+  lines = ["Attention (each layer's kernel, as the step was traced):"]
+  for d in pod.attention:
+    window = f", window {d.window:,}" if d.window else ""
+    cost = f"; its mask's blocks {d.work:.3f}× the causal ideal" if d.work is not None else ""
+    if d.gathered_bytes:
+      cost += f"; gathered keys and values {human_bytes(d.gathered_bytes)} a layer, rematerialised for the backward"
+    lines.append(f"  {d.kernel} ({d.length:,} tokens{window}): {d.reason}{cost}")
+  return lines
+
+
 def text(pod: Any, efficiency: float | None = None) -> str:
   """The full report of one plan."""
   timing = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in pod.timings.items())
   lines = [f"Plan: {headline(pod)}", f"  compiler: {compiler_line(pod)}; {timing}", ""]
   lines += memory_lines(pod)
-  for block in (pipeline_lines(pod), collective_lines(pod), time_lines(pod, efficiency)):
+  for block in (pipeline_lines(pod), attention_lines(pod), collective_lines(pod), time_lines(pod, efficiency)):
     if block:
       lines += [""] + block
   if pod.plan.skips:
@@ -193,6 +211,10 @@ def as_dict(pod: Any) -> dict[str, Any]:
     out["pipeline"] = pod.pipeline()
   if pod.custom_calls:
     out["custom_calls"] = list(pod.custom_calls)
+  if pod.attention:
+    out["attention"] = [dataclasses.asdict(d) for d in pod.attention]
+  if pod.flops is not None:
+    out["flops"] = dict(pod.flops)
   if pod.collectives is not None:
     out["collectives"] = collectives_lib.as_dicts(collectives_lib.summarize(pod.collectives))
     out["wire_bytes"] = pod.wire_bytes()

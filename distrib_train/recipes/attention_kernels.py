@@ -11,6 +11,13 @@ joins each softmax and is then dropped). ``choose`` says which kernel runs:
 
 - ``ring`` / ``all_gather``: the sequence is split over a ``context`` mesh
   axis (``parallel/context.py``, XLA tiles);
+- ``all_gather_splash``: the same split, ``model.context_attention:
+  all_gather`` on TPU (or ``model.attention: splash``, in interpret mode
+  off a TPU): the whole sequence's keys gathered, splash per query shard
+  (``attention.context_splash_attention``). On GPU the all-gather runs in
+  XLA tiles: a query chunk needs a causal mask aligned to the bottom right
+  of the gathered keys, and jax's cuDNN attention has only the top-left one
+  (``MaskType.CAUSAL`` / ``PADDING_CAUSAL``, no offsets);
 - ``splash``: on TPU for lengths a multiple of 128 (``attention.py``), the
   window as a local mask, sinks and the soft cap in the kernel;
 - ``cudnn_packed``: packed rows on a Hopper GPU (``cudnn_attention.py``),
@@ -25,7 +32,8 @@ joins each softmax and is then dropped). ``choose`` says which kernel runs:
   flash attention keeps its memory.
 
 ``model.attention`` asks for one (``auto`` lets ``choose`` pick); a kernel
-asked for that cannot run the layer is refused with the reason.
+asked for that cannot run the layer is refused with the reason. Inside
+``recorded()`` each choice is kept with its reason, for the plan's report.
 
 Not for: the kernels themselves (``attention.py``, ``cudnn_attention.py``,
 ``parallel/context.py``).
@@ -33,6 +41,8 @@ Not for: the kernels themselves (``attention.py``, ``cudnn_attention.py``,
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -41,9 +51,10 @@ import jax.numpy as jnp
 
 from distrib_train.common.versions import gpu_capability
 from distrib_train.parallel import context
+from distrib_train.recipes import attention as attention_lib
 from distrib_train.recipes import cudnn_attention
 from distrib_train.recipes.attention import BLOCK as SPLASH_BLOCK
-from distrib_train.recipes.attention import splash_attention
+from distrib_train.recipes.attention import context_splash_attention, splash_attention
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 REQUESTS = ("auto", "xla", "cudnn", "splash")
@@ -62,6 +73,8 @@ class Attention:
     softcap: scores become ``softcap · tanh(scores / softcap)`` before the softmax (0: off).
     max_segments: runs a packed row may hold in cuDNN's packed layout (0: a dense segment mask instead).
     context: with a context mesh axis, ``ring`` or ``all_gather``.
+    regather: ``all_gather_splash`` gathers the keys and values again for the backward pass rather than keep
+      them (False where the layer's remat recomputes them anyway).
   """
 
   requested: str = "auto"
@@ -70,6 +83,7 @@ class Attention:
   softcap: float = 0.0
   max_segments: int = 8
   context: str = "ring"
+  regather: bool = True
 
 
 def _device():
@@ -88,8 +102,54 @@ def _cudnn_runs(q: jax.Array, v_dim: int, masked: bool) -> bool:
           and (v_dim == qk_dim or hopper))
 
 
+_DECISIONS: contextvars.ContextVar[list | None] = contextvars.ContextVar("attention_decisions", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """One attention layer's kernel as ``attention`` ran it while a step was traced: the kernel ``choose``
+  picked, why, the sequence's length and the layer's window; for splash, the work its mask's blocks cost over
+  the causal ideal, and the bytes of one layer's gathered keys and values on a context axis (per device)."""
+
+  kernel: str
+  reason: str
+  length: int
+  window: int
+  work: float | None = None
+  gathered_bytes: float | None = None
+
+
+def recorded() -> contextlib.AbstractContextManager[list[Decision]]:
+  """While entered, every ``attention`` call adds its ``Decision`` (once per distinct one) to the list it
+  yields."""
+  return attention_lib.collecting(_DECISIONS)
+
+
 def choose(layer: Attention, q: jax.Array, *, masked: bool = False, sinks: bool = False,
            v_dim: int | None = None) -> str:
+  """The kernel ``attention`` runs for ``layer`` on ``q`` (``decide`` says why)."""
+  return decide(layer, q, masked=masked, sinks=sinks, v_dim=v_dim)[0]
+
+
+def _context_choice(layer: Attention, q: jax.Array, size: int) -> tuple[str, str]:
+  if layer.context == "ring":
+    return "ring", ("model.context_attention: ring; its blocks run in XLA tiles (a fused kernel's blocks would"
+                    " need a differentiable log-sum-exp to merge)")
+  platform = _device().platform
+  if layer.requested not in ("auto", "splash") or (platform != "tpu" and layer.requested != "splash"):
+    why = {"tpu": f"model.attention: {layer.requested}",
+           "gpu": "jax's cuDNN attention has no bottom-right causal mask for a query chunk against the gathered"
+                  " keys"}.get(platform, f"no fused kernel on {platform} (model.attention: splash runs splash"
+                                         " interpreted)")
+    return "all_gather", f"all-gather of keys and values; XLA tiles: {why}"
+  if q.shape[1] % (2 * size * SPLASH_BLOCK):
+    return "all_gather", (f"all-gather; XLA tiles: splash needs the length to be a multiple of 2 × context ×"
+                          f" {SPLASH_BLOCK} = {2 * size * SPLASH_BLOCK}, got {q.shape[1]}")
+  return "all_gather_splash", "all-gather of keys and values, splash per query shard (load-balanced causal mask)"
+
+
+def decide(layer: Attention, q: jax.Array, *, masked: bool = False, sinks: bool = False,
+           v_dim: int | None = None) -> tuple[str, str]:
   """The kernel ``attention`` runs for ``layer`` on ``q`` [batch, length, heads, qk_dim] (module docstring).
 
   Args:
@@ -105,27 +165,32 @@ def choose(layer: Attention, q: jax.Array, *, masked: bool = False, sinks: bool 
   if layer.requested not in REQUESTS:
     raise ValueError(f"model.attention must be one of {', '.join(REQUESTS)}, got {layer.requested!r}.")
   v_dim = q.shape[-1] if v_dim is None else v_dim
-  if context.context_size() > 1:
-    return layer.context
+  size = context.context_size()
+  if size > 1:
+    return _context_choice(layer, q, size)
   device = _device()
   splash_fits = q.shape[1] % SPLASH_BLOCK == 0
   if layer.requested == "splash":
-    return "splash"
+    return "splash", "model.attention: splash"
   if layer.requested in ("auto", "cudnn") and device.platform == "tpu":
     if layer.requested == "cudnn":
       raise ValueError("model.attention=cudnn is a GPU kernel and this step runs on TPU: use auto or splash.")
-    return "splash" if splash_fits else "xla"
+    return ("splash", "TPU") if splash_fits else (
+        "xla", f"TPU, but splash needs a length that is a multiple of {SPLASH_BLOCK}, got {q.shape[1]}")
   if layer.requested == "xla":
-    return "xla"
+    return "xla", "model.attention: xla"
   cudnn_can = not sinks and not layer.softcap
   if layer.requested == "cudnn" and not cudnn_can:
     raise ValueError("model.attention=cudnn cannot run attention sinks or a soft cap on the scores (cuDNN's"
                      " fused attention has neither): use auto, which runs them in XLA on GPU, or xla.")
-  if layer.requested == "auto" and not (cudnn_can and _cudnn_runs(q, v_dim, masked)):
-    return "xla"
+  if layer.requested == "auto" and not cudnn_can:
+    return "xla", "attention sinks or a soft cap, which cuDNN's fused attention lacks"
+  if layer.requested == "auto" and not _cudnn_runs(q, v_dim, masked):
+    return "xla", (f"no cuDNN flash attention for {device.platform}, {q.dtype} and head sizes {q.shape[-1]}/{v_dim}"
+                   " (it needs an Ampere or newer GPU, 16-bit inputs, head sizes a multiple of 8)")
   if masked and layer.max_segments and gpu_capability(device) >= (9, 0):
-    return "cudnn_packed"  # packed rows without a mask array
-  return "cudnn"
+    return "cudnn_packed", "packed rows on a Hopper GPU: cuDNN's packed layout, no mask array"
+  return "cudnn", f"model.attention: {layer.requested} on GPU"
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Attention, *, positions: jax.Array,
@@ -140,8 +205,22 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Attention, *, pos
     segment_ids: [batch, length] document ids of packed rows (None: one document per row).
     sinks: [heads] the layer's attention sinks (None: none).
   """
-  kernel = choose(layer, q, masked=segment_ids is not None, sinks=sinks is not None, v_dim=v.shape[-1])
+  kernel, reason = decide(layer, q, masked=segment_ids is not None, sinks=sinks is not None, v_dim=v.shape[-1])
+  with attention_lib.noted() as notes:
+    out = _run(kernel, q, k, v, layer, positions, segment_ids, sinks)
+  decisions = _DECISIONS.get()
+  decision = Decision(kernel, reason, int(q.shape[1]), layer.window, *(
+      (notes[0]["work"], notes[0].get("gathered_bytes")) if notes else ()))
+  if decisions is not None and decision not in decisions:
+    decisions.append(decision)
+  return out
+
+
+def _run(kernel, q, k, v, layer, positions, segment_ids, sinks):
   scale = layer.scale if layer.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+  if kernel == "all_gather_splash":
+    return context_splash_attention(q, k, v, segment_ids, window=layer.window, scale=scale, softcap=layer.softcap,
+                                    sinks=sinks, regather=layer.regather)
   if kernel in ("ring", "all_gather"):
     return context.attention(q, k, v, positions, segment_ids, kernel, window=layer.window, scale=scale,
                              softcap=layer.softcap, sinks=sinks)

@@ -43,6 +43,7 @@ import distrib_train.microbatches as microbatching
 from distrib_train.parallel import context
 from distrib_train.parallel.experts import EXPERT_OUTPUT
 from distrib_train.parallel.pipeline import layer_stack
+from distrib_train.recipes import attention as attention_lib
 from distrib_train.recipes import blocks, fp8, lora
 from distrib_train.recipes.blocks import Kind, param, rms_norm
 from distrib_train.recipes.cross_entropy import chunked_cross_entropy
@@ -175,6 +176,8 @@ class Decoder(nnx.Module):
     policy = REMAT_POLICIES[self.config.remat]
     names = ((EXPERT_OUTPUT,) if has_mixture(self.config) else ()) + \
         ((blocks.MLA_LATENT,) if self.config.attention_kind == "mla" else ())
+    if self.config.context_attention == "all_gather":  # the context kernel's output and log-sum-exp, not its rerun
+      names += (attention_lib.RESIDUALS,)
     if not names:
       return policy
     keep = jax.checkpoint_policies.save_only_these_names(*names)

@@ -195,7 +195,8 @@ class LlamaConfig:
     """What a layer of ``kind``'s attention computes and the kernel it asks for."""
     return attention_kernels.Attention(requested=self.attention, window=self.sliding_window if kind.sliding else 0,
                                        scale=self.softmax_scale(), softcap=self.attn_logit_softcap,
-                                       max_segments=self.packed_segments, context=self.context_attention)
+                                       max_segments=self.packed_segments, context=self.context_attention,
+                                       regather=self.remat == "none")
 
   # --- the family protocol (family.py) -----------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Worker: the tiny Llama on packed 1024-token rows, the context axis across the two processes (ring over DCN)."""
+"""Worker: the tiny Llama on packed 1024-token rows, the context axis across the two processes (ring over DCN,
+then all-gather through splash)."""
 
 import sys
 
@@ -13,4 +14,6 @@ import pipeline_helpers as ph  # noqa: E402
 ph.LENGTH, ph.BATCH = int(sys.argv[2]), 8
 mesh = ph.mesh_of({"context": 4, "fsdp": 2}, devices=jax.devices(), dcn={"context": 2})
 losses, _ = ph.train(mesh, steps=int(sys.argv[1]), packed=True)
-mp_harness.write_result({"losses": losses, "mesh": dict(mesh.shape)})
+splash_losses, _ = ph.train(mesh, steps=int(sys.argv[1]), packed=True, context_attention="all_gather",
+                            attention="splash", remat="full")
+mp_harness.write_result({"losses": losses, "splash_losses": splash_losses, "mesh": dict(mesh.shape)})
