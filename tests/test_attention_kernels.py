@@ -118,10 +118,13 @@ def test_the_zigzag_masks_blocks_answered_from_their_corners_are_the_masks_own(w
       np.testing.assert_array_equal(mask[slice(q, q + 64), slice(k, k + 128)], whole[q:q + 64, k:k + 128])
 
 
-@pytest.mark.parametrize("window, softcap, with_sinks", [(0, 0.0, False), (100, 3.0, True)])
-def test_splash_over_the_context_axis_by_all_gather_is_the_reference(window, softcap, with_sinks):
-  """Zigzag chunks of 128 (context 2) gather the keys and run splash per query shard, heads split over tensor."""
-  q, k, v, sinks, _ = _inputs(length=512, batch=2)
+@pytest.mark.parametrize("window, softcap, with_sinks, qk_dim", [(0, 0.0, False, 16), (100, 3.0, True, 16),
+                                                                 (0, 0.0, False, 24)], ids=["causal", "window",
+                                                                                           "mla-heads"])
+def test_splash_over_the_context_axis_by_all_gather_is_the_reference(window, softcap, with_sinks, qk_dim):
+  """Zigzag chunks of 128 (context 2) gather the keys and run splash per query shard, heads split over tensor;
+  MLA's values may have another head size than its queries."""
+  q, k, v, sinks, _ = _inputs(length=512, batch=2, qk_dim=qk_dim)
   segments = jnp.asarray(np.repeat([[1] * 200 + [2] * 250 + [0] * 62], 2, axis=0), jnp.int32)
   order = context.zigzag(512, 2)
   take = lambda a: jnp.take(a, order, axis=1)
@@ -133,7 +136,7 @@ def test_splash_over_the_context_axis_by_all_gather_is_the_reference(window, sof
       out = attention_kernels.attention(take(q), take(k), take(v), layer, positions=None,
                                         segment_ids=take(segments), sinks=sinks if with_sinks else None)
     (decision,) = decisions
-    assert decision.kernel == "all_gather_splash" and decision.gathered_bytes == 512 * 1 * (16 + 16) * 4
+    assert decision.kernel == "all_gather_splash" and decision.gathered_bytes == 512 * 1 * (qk_dim + 16) * 4
     # each shard (chunks 0 and 3, or 1 and 2) runs 5 of its 8 blocks of 128 × 128; a window, 3 or 4 of them
     assert decision.work == pytest.approx(5 * 128 * 128 / (512 * 513 / 4) if not window else
                                           4 * 128 * 128 / ((100 * 101 / 2 + 412 * 100) / 2))

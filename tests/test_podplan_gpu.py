@@ -175,6 +175,7 @@ text = estimate.compile_step(spec, plan, rules)[0].as_text()
 calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
 fmha = [line for line in text.splitlines() if "custom-call(" in line and "fmhaSoftmax" in line]
 print(json.dumps({"calls": calls, "square": sorted(set(re.findall(r"\w+\[[\d,]*320,320\]", text))),
+                  "kernel_flops": estimate.hlo_module.flops(text)["attention_kernels"],
                   "offsets": sorted(set(s for line in fmha for s in re.findall(r"s32\[4,\d+\]", line))),
                   "windows": [re.findall(r'"sliding_window_length": ?"?(\d+)', line) for line in fmha]}))
 """
@@ -194,6 +195,10 @@ def test_windowed_and_full_layers_compile_to_cudnn_attention_without_a_length_by
   assert sorted(w for call in found["windows"] for w in call) == ["0", "0", "64", "64"], found
   # max_segments 8: lengths and offsets
   assert found["offsets"] == (["s32[4,8]", "s32[4,9]"] if packed else []), found
+  # the plan counts cuDNN's work (not in the program): 4 rows × 4 heads, causal pairs of a window of 64 and of
+  # the full 320, head size 16, forward and one backward kernel
+  pairs = 4 * 4 * ((64 * 65 // 2 + 256 * 64) + 320 * 321 // 2)
+  assert found["kernel_flops"] == 2 * pairs * (16 + 16) + 2 * pairs * (3 * 16 + 2 * 16), found
 
 
 # The real-size presets of a kind compiled here run with DT_LONG_TESTS=1: qwen3-30b-a3b-gpu and gpt-oss-20b-gpu
@@ -224,6 +229,7 @@ def test_every_shipped_gpu_preset_fits_its_gpus_as_the_trainer_checks_it(preset,
   assert plan["compiler"] == "gpu" and memory["usable"] == int(memory["capacity"] * hardware.GPU_MEMORY_FRACTION)
   if not config_lib.load(preset).model_recipe().config.attention_sinks:  # gpt-oss's sinks: XLA tiles on GPU
     assert "__cudnn$fmhaSoftmaxBackward" in plan["custom_calls"], plan["custom_calls"]
+    assert plan["flops"]["attention_kernels"] > 0, plan["flops"]  # counted from its causal pairs
   allowance = max(checks.CUDNN_ALLOWANCE_BYTES, int(checks.CUDNN_ALLOWANCE_FRACTION * memory["usable"]))
   assert memory["total"] + allowance <= memory["usable"], (memory, allowance)
 

@@ -227,21 +227,43 @@ def _run(kernel, q, k, v, layer, positions, segment_ids, sinks):
   if kernel == "splash":
     return splash_attention(q, k, v, segment_ids, window=layer.window, scale=scale, softcap=layer.softcap,
                             sinks=sinks)
-  if kernel == "cudnn_packed":
-    return cudnn_attention.packed_attention(q, k, v, segment_ids, max_segments=layer.max_segments, scale=scale,
-                                            window=layer.window)
-  if kernel == "cudnn" and v.shape[-1] != q.shape[-1]:  # MLA's values: jax.nn's API wants one head size
-    return cudnn_attention.causal_attention(q, k, v, segment_ids, scale=scale, window=layer.window)
+  if kernel in ("cudnn_packed", "cudnn"):
+    with _cudnn_work(q, v, layer.window):
+      return _cudnn(kernel, q, k, v, layer, segment_ids, scale)
   if sinks is not None or layer.softcap or v.shape[-1] != q.shape[-1]:
     options = dict(window=layer.window, scale=scale, softcap=layer.softcap, sinks=sinks)
     if q.shape[1] > TILE:  # flash attention's memory in XLA: no [length, length] scores
       return context.tiled_attention(q, k, v, positions, segment_ids, block=TILE, **options)
     return reference_attention(q, k, v, segment_ids, **options)
+  return jax.nn.dot_product_attention(q, k, v, mask=None if segment_ids is None else cudnn_attention.segment_mask(
+      segment_ids), is_causal=True, scale=layer.scale, local_window_size=(layer.window - 1, 0) if layer.window
+      else None, implementation=None if layer.requested == "auto" else "xla")
+
+
+def _cudnn_work(q: jax.Array, v: jax.Array, window: int):
+  """``attention.flops_scope`` of a cuDNN call on one device: the causal pairs (a window's band) of its rows and
+  heads, which XLA splits as the rules split batch and heads (packed rows count whole rows: an upper bound)."""
+  active = active_activation_sharding()
+  split = 1
+  if active is not None:
+    mesh, rules = active
+    for spec in rules.spec(("batch", "length", "heads"), shape=q.shape[:3], mesh=mesh):
+      for axis in () if spec is None else (spec,) if isinstance(spec, str) else spec:
+        split *= int(mesh.shape[axis])
+  pairs = q.shape[0] * q.shape[2] * attention_lib.causal_pairs(q.shape[1], window) // split
+  return attention_lib.flops_scope(pairs, q.shape[-1], v.shape[-1])
+
+
+def _cudnn(kernel, q, k, v, layer, segment_ids, scale):
+  if kernel == "cudnn_packed":
+    return cudnn_attention.packed_attention(q, k, v, segment_ids, max_segments=layer.max_segments, scale=scale,
+                                            window=layer.window)
+  if v.shape[-1] != q.shape[-1]:  # MLA's values: jax.nn's API wants one head size
+    return cudnn_attention.causal_attention(q, k, v, segment_ids, scale=scale, window=layer.window)
   mask = None if segment_ids is None else cudnn_attention.segment_mask(segment_ids)
   window = (layer.window - 1, 0) if layer.window else None
   return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=layer.scale,
-                                      local_window_size=window, implementation="cudnn" if kernel == "cudnn"
-                                      else (None if layer.requested == "auto" else "xla"))
+                                      local_window_size=window, implementation="cudnn")
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, *, window: int,
