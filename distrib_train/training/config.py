@@ -182,6 +182,18 @@ class Config:
   def to_yaml(self) -> str:
     return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+  def changes_since(self, run: Mapping[str, Any]) -> list[str]:
+    """What differs between a checkpoint's config (in its run metadata) and this run's: ``section.key: old → new``."""
+    saved = run.get("config") or {}
+    now = self.to_dict()
+    # Of the train section only the seed shapes what a checkpoint holds; steps and intervals may change.
+    compared = {"model": None, "optimizer": None, "data": None, "dpo": None, "train": ("seed", "objective")}
+    return [f"{section}.{key}: {saved[section].get(key)!r} → {value!r}"
+            + (" (ignored: the weights and keys continue from the checkpoint)" if section == "train" else "")
+            for section, keys in compared.items() if isinstance(saved.get(section), dict)
+            for key, value in now[section].items()
+            if (keys is None or key in keys) and saved[section].get(key) != value]
+
   def model_recipe(self):
     """The ``ModelRecipe`` this config names (config fields overridden); with ``train.init_from: hf:<dir>``,
     the model's shape is the checkpoint's (its config.json, read by ``recipes/hf_shape.py``, once per config:

@@ -315,7 +315,7 @@ class Trainer:
       frozen = init_from.with_frozen(self.config, self.frozen, target, plan.init(self.job.make_state))
       target = target.replace(model_without_params=frozen.model_without_params)
       del frozen
-    state = self.tiers.restore(target, loader, self._config_changes)
+    state = self.tiers.restore(target, loader, self.config.changes_since)
     if state is not None:
       return state
     state = plan.init(self.job.make_state)
@@ -324,18 +324,6 @@ class Trainer:
       state, line = init_from.load(self.config, plan.abstract_train_state, state)
       self.writer.log(line + " The optimizer starts fresh.")
     return state.replace(step=int(state.step))
-
-  def _config_changes(self, run: Mapping[str, Any]) -> list[str]:
-    """What differs between a checkpoint's config (in its run metadata) and this run's: ``section.key: old → new``."""
-    saved = run.get("config") or {}
-    now = self.config.to_dict()
-    # Of the train section only the seed shapes what a checkpoint holds; steps and intervals may change.
-    compared = {"model": None, "optimizer": None, "data": None, "dpo": None, "train": ("seed", "objective")}
-    return [f"{section}.{key}: {saved[section].get(key)!r} → {value!r}"
-            + (" (ignored: the weights and keys continue from the checkpoint)" if section == "train" else "")
-            for section, keys in compared.items() if isinstance(saved.get(section), dict)
-            for key, value in now[section].items()
-            if (keys is None or key in keys) and saved[section].get(key) != value]
 
   # --- the loop's periodic work --------------------------------------------------
 
