@@ -6,7 +6,8 @@
 
 ``--config`` is a preset name (``distrib_train/configs/``) or a YAML file;
 ``--set section.key=value`` overrides one key (repeatable, typed);
-``--mesh_config`` a name in ``mesh_configs/`` or a path. A mistake in the
+``--mesh_config`` a name in ``mesh_configs/``, a path, or ``auto`` (the layout
+chosen at start for the devices the job has, ``podplan/auto.py``). A mistake in the
 flags or the config, a workdir that cannot be written or a checkpoint that
 does not fit (another model, incomplete, damaged) prints one ``error:`` line
 and exits with status 2 before anything is written. Exit status: 0 finished,
@@ -24,6 +25,7 @@ failed process.
 
 from __future__ import annotations
 
+import functools
 import logging as std_logging
 import os
 import signal
@@ -33,7 +35,8 @@ from collections.abc import Sequence
 from absl import app, flags, logging
 
 _CONFIG = flags.DEFINE_string("config", None, "Experiment preset name or YAML path (default: the built-in defaults).")
-_MESH = flags.DEFINE_string("mesh_config", None, "Mesh config: a name in mesh_configs/ or a YAML path.")
+_MESH = flags.DEFINE_string("mesh_config", None, "Mesh config: a name in mesh_configs/, a YAML path, or auto (the"
+                            " trainer chooses the layout for the devices it has).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: config, metrics, checkpoints (resumed from).")
 _SET = flags.DEFINE_multi_string("set", [], "Override a config key: --set train.steps=100 (repeatable).")
 _STEPS = flags.DEFINE_integer("steps", None, "Total train steps (same as --set train.steps=N).")
@@ -128,8 +131,16 @@ def main(argv: Sequence[str]) -> None:
   from distrib_train.data.jsonl import BadRecordError
   from distrib_train.training.trainer import EXIT_HALTED, Trainer, TrainerSetupError
 
+  layout_search = None
+  if config.mesh_config == "auto":  # the trainer chooses the layout at start, with podplan's compile-based search
+    import jax
+
+    from distrib_train.podplan import auto
+
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if jax.process_index() == 0 else None
+    layout_search = functools.partial(auto.search, say=say)
   try:
-    trainer = Trainer(config, _WORKDIR.value, profile_steps=profile)
+    trainer = Trainer(config, _WORKDIR.value, profile_steps=profile, layout_search=layout_search)
     result = trainer.run()
   except TrainerSetupError as e:
     _fail(str(e))

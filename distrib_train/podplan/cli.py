@@ -128,7 +128,10 @@ def main(argv: Sequence[str]) -> int:
     if args.mesh_config:
       overrides["mesh_config"] = args.mesh_config
     config = config_lib.load(args.config, overrides)
-    mesh_config = MeshConfig.from_yaml(find_mesh_config(config.mesh_config))
+    if config.mesh_config == "auto":  # the meshes a run's mesh_config: auto searches, here for the flags' machine
+      mesh_config, args.recommend = MeshConfig(("data", "fsdp", "tensor"), (-1, 1, 1), source="mesh_config auto"), True
+    else:
+      mesh_config = MeshConfig.from_yaml(find_mesh_config(config.mesh_config))
     devices = args.devices or mesh_config.devices or (_topology(args, mesh_config) or _NoTopology).devices
     if devices is None:
       raise _UsageError(f"{mesh_config.source} does not say how many devices it is for; pass --devices N.")

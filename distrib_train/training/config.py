@@ -113,6 +113,8 @@ class TrainConfig:
       stages (1: GPipe; R > 1: the circular schedule, bubble
       ``(S − 1) / (R·M + S − 1)``, needs ``microbatches`` ≥ stages and
       layers divisible by stages × R). Only with a ``stage`` axis.
+    layout_compiles: with ``mesh_config: auto``, the candidate layouts the search compiles at most
+      (``podplan/auto.py``).
     hang_timeout_s: the hang watchdog (``watchdog.py``): seconds a step (or
       the wait for its batch) may go without progress before every process
       writes its Python stacks and exits with status 4, naming the phase and
@@ -143,6 +145,7 @@ class TrainConfig:
   init_from: str = ""
   microbatches: int = 1
   pipeline_repeats: int = 1
+  layout_compiles: int = 6
   hang_timeout_s: float = 0.0
   hang_compile_timeout_s: float = 0.0
   hang_checkpoint_timeout_s: float = 0.0

@@ -40,7 +40,8 @@ def check_config(config: Any) -> None:
     raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio!r}.")
   if t.steps < 1:
     raise ConfigError(f"train.steps must be at least 1, got {t.steps!r}.")
-  for key in ("log_every", "keep_checkpoints", "max_nonfinite", "microbatches", "pipeline_repeats"):
+  for key in ("log_every", "keep_checkpoints", "max_nonfinite", "microbatches", "pipeline_repeats",
+              "layout_compiles"):
     if getattr(t, key) < 1:
       raise ConfigError(f"train.{key} must be at least 1, got {getattr(t, key)!r}.")
   for key in ("eval_every", "eval_batches", "checkpoint_every", "local_checkpoint_every", "hang_timeout_s",

@@ -5,17 +5,18 @@ the process is in, and the clock adds up the seconds of each. The hang
 watchdog (``watchdog.py``) reads the same clock to see how long the current
 phase has lasted. Phases and the goodput category their time counts as::
 
-  phase        category     what it is
-  startup      other        the trainer's start-up (before the clock, too)
-  init         other        a new run's sharded init (or ``train.init_from``)
-  restore      restore      reading the newest checkpoint (or a rollback's)
-  compile      compile      compiling the step and waiting for every process
-  data         data_wait    waiting for a batch
-  step         productive   dispatching steps, reading their loss, logging
-               replayed     ... of a step trained before by a run that died
-                            before checkpointing it
-  checkpoint   checkpoint   the blocking part of a save
-  eval         eval         evaluations
+  phase          category       what it is
+  layout_search  layout_search  ``mesh_config: auto`` choosing the layout (``layout_choice.py``)
+  startup        other          the trainer's start-up (before the clock, too)
+  init           other          a new run's sharded init (or ``train.init_from``)
+  restore        restore        reading the newest checkpoint (or a rollback's)
+  compile        compile        compiling the step and waiting for every process
+  data           data_wait      waiting for a batch
+  step           productive     dispatching steps, reading their loss, logging
+                 replayed       ... of a step trained before by a run that died
+                                before checkpointing it
+  checkpoint     checkpoint     the blocking part of a save
+  eval           eval           evaluations
 
 ``Goodput`` (written by process 0 only) keeps ``goodput.json`` in the workdir:
 one record per run (its status, steps, seconds per category) and their
@@ -49,9 +50,10 @@ import jax
 
 from distrib_train.training.hooks import Hooks, LoopView
 
-CATEGORIES = ("productive", "compile", "checkpoint", "data_wait", "restore", "replayed", "eval", "other")
+CATEGORIES = ("productive", "compile", "checkpoint", "data_wait", "restore", "replayed", "eval", "layout_search",
+              "other")
 _CATEGORY_OF_PHASE = {"step": "productive", "compile": "compile", "checkpoint": "checkpoint", "data": "data_wait",
-                      "restore": "restore", "eval": "eval"}  # any other phase: "other"
+                      "restore": "restore", "eval": "eval", "layout_search": "layout_search"}  # else: "other"
 FILE_NAME = "goodput.json"
 RUN_FILE_NAME = ".goodput_run.json"
 
@@ -73,13 +75,14 @@ class PhaseClock:
 
   Args:
     clock: seconds, monotonic (a fake one in tests).
+    layout_search: seconds ``mesh_config: auto``'s search took, before the clock was made.
   """
 
-  def __init__(self, clock: Callable[[], float] = time.perf_counter):
+  def __init__(self, clock: Callable[[], float] = time.perf_counter, layout_search: float = 0.0):
     self.clock = clock
     self.now = Now("startup", 0, clock())
     self.steps_done = 0
-    self._seconds: dict[str, float] = {}
+    self._seconds: dict[str, float] = {"layout_search": layout_search} if layout_search else {}
 
   def enter(self, phase: str, step: int | None = None) -> None:
     """From now on the process is in ``phase`` (after ``step``: default, the same step as before)."""
@@ -260,7 +263,8 @@ class Goodput:
 def summary(run: dict[str, Any], totals: dict[str, Any]) -> str:
   """One line: this run's goodput and where the rest of its time went, then the workdir's."""
   seconds = run["seconds"]
-  parts = ", ".join(f"{name.replace('_', ' ')} {seconds[name]:.1f} s" for name in CATEGORIES[1:])
+  parts = ", ".join(f"{name.replace('_', ' ')} {seconds[name]:.1f} s" for name in CATEGORIES[1:]
+                    if name != "layout_search" or seconds[name])  # mesh_config: auto's search, when it ran
   return (f"Goodput {run['goodput']:.1%} of {run['wall_s']:.1f} s ({seconds['productive']:.1f} s productive; {parts};"
           f" {run['steps_replayed']} of {run['steps']} steps replayed); over the workdir's {totals['runs']} run(s)"
           f" {totals['goodput']:.1%} of {totals['wall_s']:.1f} s, {totals['steps_replayed']} steps replayed.")

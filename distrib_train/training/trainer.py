@@ -14,6 +14,7 @@ writes its checkpoint shards)::
   tensorboard/     event files
   checkpoints/     orbax checkpoints with the data-iterator state
   goodput.json     where the workdir's time went, run by run (``goodput.py``)
+  auto_layout.json the layout ``mesh_config: auto`` chose, and its mesh in auto_mesh.yaml
   watchdog/        heartbeats and, after a hang, stacks (train.hang_timeout_s)
   profile/         a jax profiler trace, when asked for
 
@@ -54,7 +55,7 @@ from distrib_train.training.checks import (TrainerSetupError, check_batch_is_spl
 from distrib_train.training.compilation import (CacheEvents, cache_unsafe_reason, memory_line,
                                                 setup_compilation_cache)
 from distrib_train.training.config import Config
-from distrib_train.training import evaluation, init_from, reference_pass
+from distrib_train.training import evaluation, init_from, layout_choice, reference_pass
 from distrib_train.training.goodput import Goodput, PhaseClock
 from distrib_train.training.hooks import Profiler
 from distrib_train.training.loop import RunResult, TrainLoop, aux_scalars
@@ -98,11 +99,14 @@ class Trainer:
     input_axes: logical axes per input name.
     profile_steps: ``(first, last)`` steps to trace with the jax profiler.
     console: where console lines go (default stderr).
+    layout_search: for ``mesh_config: auto``, ``(config, workdir) -> layout_choice.Choice``
+      (``distrib_train.podplan.auto.search``; ``distrib-train`` passes it).
   """
 
   def __init__(self, config: Config, workdir: str | os.PathLike, *, model_fn: Callable[[int], Any] | None = None,
                loss_fn: Callable[..., Any] | None = None, input_axes: Mapping[str, Any] | None = None,
-               profile_steps: tuple[int, int] | None = None, console=None):
+               profile_steps: tuple[int, int] | None = None, console=None,
+               layout_search: Callable[..., Any] | None = None):
     self.config = config
     self.workdir = pathlib.Path(workdir).expanduser().absolute()
     # The model, loss and family, resolved once for the run and its job (``job.job_spec``).
@@ -116,10 +120,26 @@ class Trainer:
     self.fp8 = family.capabilities().fp8
     self.profile_steps = profile_steps
     self.console = console
+    # mesh_config: auto: ``layout_search`` chooses the mesh when the run starts (``layout_choice.py``)
+    self._layout_search, self._model_args = layout_search, dict(model_fn=model_fn, loss_fn=loss_fn,
+                                                                input_axes=input_axes)
+    self.mesh_config = self.layout = None
     try:
-      self.mesh_config = MeshConfig.from_yaml(find_mesh_config(config.mesh_config))
+      if config.mesh_config != layout_choice.AUTO:
+        self.mesh_config = MeshConfig.from_yaml(find_mesh_config(config.mesh_config))
     except ValueError as e:
       raise TrainerSetupError(str(e)) from None
+
+  def _choose_layout(self) -> None:
+    """``mesh_config: auto``: the layout search's choice for these devices, its settings applied."""
+    try:
+      self.layout = layout_choice.choose(self.config, self.workdir, self._layout_search,
+                                         self._model_args["model_fn"] is not None)
+    except ValueError as e:
+      raise TrainerSetupError(str(e)) from None
+    self.config, self.mesh_config = self.layout.apply(self.config), self.layout.mesh_config
+    self.parts = job_lib.model_parts(self.config, **self._model_args)
+    self.loss_fn = self.parts.loss_fn
 
   # --- setup -------------------------------------------------------------------
 
@@ -152,6 +172,8 @@ class Trainer:
         read-only disk); the steps committed before it are intact.
     """
     started = time.perf_counter()
+    if self.mesh_config is None:
+      self._choose_layout()
     t = self.config.train
     # From here SIGTERM / SIGINT end the run at once (``distributed.Terminated``), except between steps,
     # where the first one saves and stops.
@@ -259,8 +281,11 @@ class Trainer:
     writer = metrics_lib.MetricWriter(self.workdir if primary else None, t.steps, console=self.console)
     self.writer = writer
     # Phases for the goodput record (process 0 writes goodput.json) and the hang watchdog (off unless asked for).
-    self.phases = PhaseClock()
+    self.phases = PhaseClock(layout_search=self.layout.seconds if self.layout else 0.0)
     goodput = self.goodput = Goodput(self.workdir, self.phases, started=started, log=writer.log)
+    if self.layout is not None:
+      writer.log(self.layout.line)
+      layout_choice.keep(self.workdir, self.layout)
     watchdog = Watchdog(Limits.from_config(t), self.phases, self.workdir).start()
     self._evaluations = setup.no_eval is None
     if setup.lock.warning:

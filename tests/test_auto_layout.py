@@ -1,0 +1,77 @@
+"""``mesh_config: auto``: the trainer chooses its layout by compiling candidates on the job's own devices."""
+
+import io
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import mp_harness
+from distrib_train.podplan import auto
+from distrib_train.training import config as config_lib
+from distrib_train.training import layout_choice
+from distrib_train.training.trainer import Trainer, TrainerSetupError
+
+_WORKERS = pathlib.Path(__file__).resolve().parent / "workers"
+
+
+SMALL = ["data.seq_len=32", "data.global_batch_size=8", "train.steps=3", "train.log_every=1", "train.eval_every=0",
+         "train.checkpoint_every=0", "train.async_checkpoint=false", "optimizer.warmup_steps=0",
+         "train.layout_compiles=3"]
+
+
+@pytest.fixture
+def small_config(xla_cache):
+  return lambda *overrides: config_lib.load("tiny", [*SMALL, f"train.compilation_cache_dir={xla_cache}", *overrides])
+
+
+def _losses(workdir):
+  return [r["loss"] for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_auto_trains_as_the_layout_it_chose_given_by_hand_and_keeps_it_for_a_restart(tmp_path, small_config):
+  said = []
+  search = lambda config, workdir: auto.search(config, workdir, say=said.append)
+  console = io.StringIO()
+  result = Trainer(small_config("mesh_config=auto"), tmp_path / "auto", layout_search=search, console=console).run()
+  assert result.status == "finished"
+  kept = json.loads((tmp_path / "auto" / layout_choice.FILE_NAME).read_text())
+  assert kept["signature"] == {"devices": 8, "device_kind": "cpu", "platform": "cpu", "processes": 1}
+  assert kept["searched"]["compiled"] == 3 and len(kept["searched"]["finalists"]) >= 2, kept
+  assert "mesh_config: auto chose " in console.getvalue() and "runner-up" in kept["line"], console.getvalue()
+  assert said[1].startswith("meshes: compiling 1/") and said[-1].startswith("settings: compiling 3/3"), said
+  goodput = json.loads((tmp_path / "auto" / "goodput.json").read_text())
+  assert goodput["runs"][0]["seconds"]["layout_search"] > 0
+  # the same run on the chosen mesh and settings, given by hand: the same losses
+  mesh_file = tmp_path / "auto" / layout_choice.MESH_FILE_NAME
+  settings = [f"{k}={v}" for k, v in kept["settings"].items()]
+  Trainer(small_config(f"mesh_config={mesh_file}", *settings), tmp_path / "by_hand", console=io.StringIO()).run()
+  np.testing.assert_allclose(_losses(tmp_path / "auto"), _losses(tmp_path / "by_hand"), rtol=1e-6)
+  # a restart on the same devices reads the choice back, no search
+  said.clear()
+  console = io.StringIO()
+  Trainer(small_config("mesh_config=auto", "train.steps=4"), tmp_path / "auto", layout_search=search,
+          console=console).run()
+  assert not said and "reused from" in console.getvalue(), console.getvalue()
+  assert json.loads((tmp_path / "auto" / layout_choice.FILE_NAME).read_text()) == kept  # left as it was
+  # another machine's choice is not reused
+  kept["signature"]["devices"] = 16
+  (tmp_path / "auto" / layout_choice.FILE_NAME).write_text(json.dumps(kept))
+  assert layout_choice.kept(tmp_path / "auto") is None
+
+
+def test_auto_without_a_search_or_with_a_model_given_as_code_is_refused_before_the_workdir(tmp_path, small_config):
+  with pytest.raises(TrainerSetupError, match="mesh_config: auto needs a layout search"):
+    Trainer(small_config("mesh_config=auto"), tmp_path / "run").run()
+  recipe = small_config().model_recipe()
+  with pytest.raises(TrainerSetupError, match="a model given as code"):
+    Trainer(small_config("mesh_config=auto"), tmp_path / "run", model_fn=recipe.config.build,
+            loss_fn=recipe.loss_fn, input_axes=recipe.input_axes, layout_search=auto.search).run()
+  assert not (tmp_path / "run").exists()
+
+
+def test_two_processes_agree_on_one_choice(tmp_path):
+  results = mp_harness.run_workers(_WORKERS / "auto_layout_worker.py", str(tmp_path), timeout=300)
+  first, second = (r.result for r in results)
+  assert first == second and first["settings"] and first["processes"] == 2, results

@@ -1,0 +1,19 @@
+"""Worker: mesh_config: auto's search on 2 processes × 4 CPU devices; each process's choice as its result."""
+
+import sys
+
+import mp_harness
+
+mp_harness.worker_init()
+
+import jax  # noqa: E402  (after jax.distributed.initialize)
+
+from distrib_train.podplan import auto  # noqa: E402
+from distrib_train.training import config as config_lib  # noqa: E402
+
+config = config_lib.load("tiny", ["data.seq_len=32", "data.global_batch_size=8", "mesh_config=auto",
+                                  "train.layout_compiles=2"])
+choice = auto.search(config, f"{sys.argv[1]}/process{jax.process_index()}")
+mp_harness.write_result({"ici": list(choice.mesh_config.ici), "dcn": list(choice.mesh_config.dcn),
+                         "names": list(choice.mesh_config.axis_names), "settings": dict(choice.settings),
+                         "line": choice.line, "processes": jax.process_count()})
