@@ -40,7 +40,7 @@ def test_auto_trains_as_the_layout_it_chose_given_by_hand_and_keeps_it_for_a_res
   assert kept["signature"] == {"devices": 8, "device_kind": "cpu", "platform": "cpu", "processes": 1}
   assert kept["searched"]["compiled"] == 3 and len(kept["searched"]["finalists"]) >= 2, kept
   assert "mesh_config: auto chose " in console.getvalue() and "runner-up" in kept["line"], console.getvalue()
-  assert said[1].startswith("meshes: compiling 1/") and said[-1].startswith("settings: compiling 3/3"), said
+  assert said[1].startswith("meshes: compiling 1/") and said[-1].startswith("settings: compiled 3/3"), said
   goodput = json.loads((tmp_path / "auto" / "goodput.json").read_text())
   assert goodput["runs"][0]["seconds"]["layout_search"] > 0
   # the same run on the chosen mesh and settings, given by hand: the same losses

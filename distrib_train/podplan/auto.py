@@ -45,6 +45,7 @@ from distrib_train.podplan import search as search_lib
 from distrib_train.podplan.estimate import PodPlan, plan_pod
 from distrib_train.sharding.mesh import MeshConfig
 from distrib_train.training import layout_choice
+from distrib_train.training.checks import check_microbatches
 from distrib_train.training.config import Config
 
 REMATS = ("none", "dots_saveable", "full")
@@ -96,11 +97,19 @@ def _label(pod: PodPlan, settings: dict[str, Any]) -> str:
   return f"{mesh} ({said}): step {pod.time.step_s * 1e3:,.1f} ms"
 
 
-def _compiled(config: Config, mesh: MeshConfig, kind, devices: int, granules: int) -> PodPlan | None:
+def _compiled(config: Config, mesh: MeshConfig, kind, devices: int, granules: int) -> tuple[PodPlan | None, bool]:
+  """The compiled plan of ``config`` on ``mesh`` (None where the trainer would refuse its settings: microbatches
+  the batch's split cannot make), and whether it was compiled."""
+  t = config.train
   try:
-    return plan_pod(config, mesh, kind, devices, granules=granules)
-  except ValueError:  # the settings cannot run here (a batch the microbatches do not split)
-    return None
+    planned = plan_pod(config, mesh, kind, devices, granules=granules, compile=False)
+    check_microbatches(planned.plan, config.data.global_batch_size, t.microbatches, t.pipeline_repeats)
+  except ValueError:
+    return None, False
+  try:
+    return plan_pod(config, mesh, kind, devices, granules=granules), True
+  except ValueError:  # the compiler refused it
+    return None, True
   finally:
     jax.clear_caches()
 
@@ -165,9 +174,10 @@ def search(config: Config, workdir: str | os.PathLike, *, max_compiles: int | No
     if settings == preset:
       continue
     variant = layout_choice.Choice(mesh, settings, "").apply(config)
-    say(f"settings: compiling {compiled + 1}/{max_compiles}: {', '.join(f'{k}={v}' for k, v in settings.items())}")
-    pod = _compiled(variant, mesh, kind, devices, granules)
-    compiled += 1
+    pod, ran = _compiled(variant, mesh, kind, devices, granules)
+    compiled += ran
+    if ran:
+      say(f"settings: compiled {compiled}/{max_compiles}: {', '.join(f'{k}={v}' for k, v in settings.items())}")
     if pod is not None and pod.memory.fits and pod.compiled:
       finalists.append((pod, settings, pod.layout))
   finalists.sort(key=lambda f: f[0].time.step_s)
