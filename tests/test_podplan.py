@@ -269,9 +269,12 @@ def test_cli_plan_on_8_emulated_devices_prints_and_writes_json(tmp_path, cache_e
   assert any(row["axes"] == "fsdp" for row in data["collectives"])
 
 
-def test_cli_recommend_writes_a_mesh_config_that_loads(tmp_path, cache_env):
+@pytest.mark.parametrize("recommend", [["--recommend"], ["--mesh_config", "auto"]], ids=["recommend", "auto"])
+def test_cli_recommend_writes_a_mesh_config_that_loads(tmp_path, cache_env, recommend):
+  """--recommend over the config's mesh axes, or --mesh_config auto: the space a run's mesh_config: auto
+  searches (data, fsdp, tensor), for the machine the flags describe."""
   out_yaml = tmp_path / "best.yaml"
-  out = _plan("--config", "tiny", "--devices", "4", "--device_kind", "a100", "--recommend", "--max_compiles", "1",
+  out = _plan("--config", "tiny", "--devices", "4", "--device_kind", "a100", *recommend, "--max_compiles", "1",
               "--out", str(out_yaml), "--json", str(tmp_path / "r.json"), env=cache_env)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "Top 1 by estimated step time" in out.stdout and f"wrote {out_yaml}" in out.stdout
