@@ -109,7 +109,7 @@ FILE_SECONDS = {
     "test_trainer.py": 128, "test_cli.py": 128, "test_bad_inputs.py": 107, "test_models.py": 91,
     "test_slurm.py": 74, "test_faults.py": 63, "test_launchers.py": 60, "test_disk_full.py": 54,
     "test_watchdog.py": 45, "test_tokenizer.py": 41, "test_init_from.py": 36, "test_readme.py": 34,
-    "test_checkpoint.py": 32, "test_train_step.py": 28,
+    "test_checkpoint.py": 32, "test_train_step.py": 28, "test_auto_layout.py": 45,
 }
 
 
