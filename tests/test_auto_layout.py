@@ -37,7 +37,8 @@ def test_auto_trains_as_the_layout_it_chose_given_by_hand_and_keeps_it_for_a_res
   result = Trainer(small_config("mesh_config=auto"), tmp_path / "auto", layout_search=search, console=console).run()
   assert result.status == "finished"
   kept = json.loads((tmp_path / "auto" / layout_choice.FILE_NAME).read_text())
-  assert kept["signature"] == {"devices": 8, "device_kind": "cpu", "platform": "cpu", "processes": 1}
+  assert {k: v for k, v in kept["signature"].items() if k != "job"} == {"devices": 8, "device_kind": "cpu",
+                                                                        "platform": "cpu", "processes": 1}
   assert kept["searched"]["compiled"] == 3 and len(kept["searched"]["finalists"]) >= 2, kept
   assert "mesh_config: auto chose " in console.getvalue() and "runner-up" in kept["line"], console.getvalue()
   assert said[1].startswith("meshes: compiling 1/") and said[-1].startswith("settings: compiled 3/3"), said
@@ -55,10 +56,13 @@ def test_auto_trains_as_the_layout_it_chose_given_by_hand_and_keeps_it_for_a_res
           console=console).run()
   assert not said and "reused from" in console.getvalue(), console.getvalue()
   assert json.loads((tmp_path / "auto" / layout_choice.FILE_NAME).read_text()) == kept  # left as it was
-  # another machine's choice is not reused
+  # nor after the job changes (here its sequence length), nor another machine's
+  config = small_config("mesh_config=auto")
+  assert layout_choice.kept(tmp_path / "auto", config) is not None
+  assert layout_choice.kept(tmp_path / "auto", small_config("mesh_config=auto", "data.seq_len=64")) is None
   kept["signature"]["devices"] = 16
   (tmp_path / "auto" / layout_choice.FILE_NAME).write_text(json.dumps(kept))
-  assert layout_choice.kept(tmp_path / "auto") is None
+  assert layout_choice.kept(tmp_path / "auto", config) is None
 
 
 def test_auto_without_a_search_or_with_a_model_given_as_code_is_refused_before_the_workdir(tmp_path, small_config):
@@ -72,6 +76,9 @@ def test_auto_without_a_search_or_with_a_model_given_as_code_is_refused_before_t
 
 
 def test_two_processes_agree_on_one_choice(tmp_path):
+  """Both search; process 0 keeps the choice in its own workdir; searching again, process 1 (whose workdir
+  holds nothing) takes process 0's kept choice too."""
   results = mp_harness.run_workers(_WORKERS / "auto_layout_worker.py", str(tmp_path), timeout=300)
   first, second = (r.result for r in results)
   assert first == second and first["settings"] and first["processes"] == 2, results
+  assert first["again"]["reused"] and first["again"]["ici"] == first["ici"], first

@@ -4,9 +4,10 @@
 layout kept in the workdir for these devices (``training/layout_choice.py``), else a search, on the devices
 the job has, with the compiler that will run it:
 
-1. **Meshes.** Every factorisation of the devices over the axes the model's rules use (``data``, ``fsdp``,
-   ``tensor``; ``expert`` for a mixture), DCN across processes never for ``tensor``
-   (``search.candidate_meshes``), with the preset's remat and microbatches. Those whose state does not fit,
+1. **Meshes.** Every factorisation of the devices over ``data``, ``fsdp`` and ``tensor`` (``expert`` too
+   for a mixture; ``context`` and ``stage`` are not searched: a long-context or pipelined preset names its
+   mesh), DCN across granules (slices, else processes) never for ``tensor`` (``search.candidate_meshes``), with
+   the preset's remat and microbatches. Those whose state does not fit,
    whose batch does not split or whose rules skip a parameter dimension are dropped without compiling; the
    rest are ordered by a compile-free guess of their communication and the first ``MESH_COMPILES`` compiled
    (``search.recommend``).
@@ -14,11 +15,13 @@ the job has, with the compiler that will run it:
    ``full``) and microbatches that keep the global batch (1, 2, 4), most promising first, until
    ``train.layout_compiles`` compiles in all.
 3. **Choice.** Each compiled candidate's memory is the compiled figure against what the trainer's
-   allocator gives (``plan_pod``: on GPU the share ``XLA_PYTHON_CLIENT_MEM_FRACTION`` leaves); of those
-   that fit, the shortest estimated step (``timing.py``: compiled FLOPs and collective bytes) wins.
+   allocator gives (on GPU the share ``XLA_PYTHON_CLIENT_MEM_FRACTION`` gives, 0.92 unless set); a
+   candidate the compiler refuses for memory does not fit. Of those that fit and that the trainer's start-up
+   checks take, the shortest estimated step (``timing.py``: compiled FLOPs and collective bytes) wins.
 
 One choice per job: every process compiles the same candidates (a GPU compile may share its autotuning
-between processes), and process 0's choice is broadcast to the others. The log gets one line: what was
+between processes), and process 0's choice is broadcast to the others, as is process 0's reading of the kept
+record (or its error), so no process searches or fails alone. The log gets one line: what was
 chosen and its estimated step, and the runner-up with its own.
 
 Not measured: the choice is the compiler-based estimate on every platform; the timed steps per finalist
@@ -43,9 +46,9 @@ import numpy as np
 from distrib_train.cluster import hardware
 from distrib_train.podplan import search as search_lib
 from distrib_train.podplan.estimate import PodPlan, plan_pod
-from distrib_train.sharding.mesh import MeshConfig
+from distrib_train.sharding.mesh import MeshConfig, granules_of
 from distrib_train.training import layout_choice
-from distrib_train.training.checks import check_microbatches
+from distrib_train.training.checks import check_context, check_microbatches
 from distrib_train.training.config import Config
 
 REMATS = ("none", "dots_saveable", "full")
@@ -97,17 +100,27 @@ def _label(pod: PodPlan, settings: dict[str, Any]) -> str:
   return f"{mesh} ({said}): step {pod.time.step_s * 1e3:,.1f} ms"
 
 
-def _compiled(config: Config, mesh: MeshConfig, kind, devices: int, granules: int) -> tuple[PodPlan | None, bool]:
-  """The compiled plan of ``config`` on ``mesh`` (None where the trainer would refuse its settings: microbatches
-  the batch's split cannot make), and whether it was compiled."""
+def _runs(config: Config, pod: PodPlan) -> bool:
+  """Whether the trainer takes ``config`` on ``pod``'s mesh (its start-up checks of the microbatches and the
+  context split)."""
   t = config.train
   try:
-    planned = plan_pod(config, mesh, kind, devices, granules=granules, compile=False)
-    check_microbatches(planned.plan, config.data.global_batch_size, t.microbatches, t.pipeline_repeats)
+    check_microbatches(pod.plan, config.data.global_batch_size, t.microbatches, t.pipeline_repeats)
+    check_context(pod.plan, config.data.seq_len)
   except ValueError:
-    return None, False
+    return False
+  return True
+
+
+def _compiled(config: Config, mesh: MeshConfig, kind, devices: int, granules: int,
+              memory_fraction: float | None) -> tuple[PodPlan | None, bool]:
+  """The compiled plan of ``config`` on ``mesh`` (None where the trainer would refuse it), and whether it was
+  compiled."""
+  options = dict(granules=granules, memory_fraction=memory_fraction)
   try:
-    return plan_pod(config, mesh, kind, devices, granules=granules), True
+    if not _runs(config, plan_pod(config, mesh, kind, devices, compile=False, **options)):
+      return None, False
+    return plan_pod(config, mesh, kind, devices, **options), True
   except ValueError:  # the compiler refused it
     return None, True
   finally:
@@ -138,35 +151,52 @@ def search(config: Config, workdir: str | os.PathLike, *, max_compiles: int | No
   Raises:
     ValueError: no candidate fits (the smallest need named), or the devices are of an unknown kind.
   """
-  kept = layout_choice.kept(workdir)
-  kept = _agree({"kept": None if kept is None else _payload(kept.mesh_config, kept.settings, kept.line)})["kept"]
-  if kept is not None:  # process 0's, wherever the others' workdir is
-    return _choice(kept, 0.0, {}, reused=True)
+  signature = layout_choice.signature(config)
+  kept = error = None
+  if jax.process_index() == 0:  # process 0's record decides, wherever the others' workdirs are
+    try:
+      found = layout_choice.kept(workdir, config)
+      kept = None if found is None else _payload(found.mesh_config, found.settings, found.line)
+    except ValueError as e:
+      error = str(e)
+  agreed = _agree({"kept": kept, "error": error})
+  if agreed["error"]:
+    raise ValueError(agreed["error"])
+  if agreed["kept"] is not None:
+    return _choice(agreed["kept"], 0.0, {}, signature, reused=True)
   say = say or (lambda message: None)
   max_compiles = max_compiles or config.train.layout_compiles
   start = time.perf_counter()
-  kind, devices, granules = device_kind(), jax.device_count(), jax.process_count()
+  kind, devices, granules = device_kind(), jax.device_count(), granules_of(jax.devices())[0]
+  # the share of a GPU the trainer's allocator gets (cluster/gpu_environment.py sets it unless it is set)
+  fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") if kind.platform == "gpu" else None
+  memory_fraction = float(fraction) if fraction else None
   names = _axes(config)
   base = MeshConfig(names, (devices // granules,) + (1,) * (len(names) - 1), (granules,) + (1,) * (len(names) - 1),
                     source="mesh_config: auto", devices=devices)
   say(f"mesh_config: auto: searching layouts of {devices} {kind.name} devices over {', '.join(names)}")
-  meshes = search_lib.recommend(config, base, kind, devices, granules=granules,
+  meshes = search_lib.recommend(config, base, kind, devices, granules=granules, memory_fraction=memory_fraction,
                                 max_compiles=max(1, min(MESH_COMPILES, max_compiles - 1)),
                                 progress=lambda line: say(f"meshes: {line}"))
-  if not meshes.ranked:
+  ranked = [pod for pod in meshes.ranked if _runs(config, pod)]
+  if not ranked:
     needs = sorted(meshes.not_fitting_compiled, key=lambda p: p.memory.total)
     closest = (f"; the closest, {needs[0].layout.describe()}, needs {needs[0].memory.total / 2**30:.2f} GiB of"
                f" {needs[0].memory.usable / 2**30:.2f}") if needs else ""
-    raise ValueError(f"mesh_config: auto found no layout of {devices} devices that fits {config.model.preset}"
-                     f" ({meshes.candidates} candidates, {meshes.compiled} compiled{closest}): lower"
-                     " data.global_batch_size or data.seq_len, or use more devices.")
+    dropped = "".join(f", {n} dropped: {why}" for why, n in meshes.dropped.items() if n)
+    refused = len(meshes.ranked) - len(ranked)
+    raise ValueError(f"mesh_config: auto found no layout of {devices} devices that runs {config.model.preset}"
+                     f" ({meshes.candidates} meshes{dropped}; {meshes.compiled} compiled, {len(needs)} of them too"
+                     f" large{closest}" + (f", {refused} refused by the trainer's checks (train.microbatches,"
+                     " data.seq_len)" if refused else "") + "): lower data.global_batch_size or data.seq_len, use"
+                     " more devices, or name a mesh config.")
   model = config.model_recipe().config
   preset = {**({"model.remat": model.remat} if hasattr(model, "remat") else {}),
             "train.microbatches": config.train.microbatches}
-  best = meshes.ranked[0]
+  best = ranked[0]
   mesh = MeshConfig(best.layout.axis_names, best.layout.ici, best.layout.dcn, source="mesh_config: auto",
                     devices=devices)
-  finalists = [(pod, preset, pod.layout) for pod in meshes.ranked]
+  finalists = [(pod, preset, pod.layout) for pod in ranked]
   compiled = meshes.compiled
   for settings in _settings(config):
     if compiled >= max_compiles:
@@ -174,7 +204,7 @@ def search(config: Config, workdir: str | os.PathLike, *, max_compiles: int | No
     if settings == preset:
       continue
     variant = layout_choice.Choice(mesh, settings, "").apply(config)
-    pod, ran = _compiled(variant, mesh, kind, devices, granules)
+    pod, ran = _compiled(variant, mesh, kind, devices, granules, memory_fraction)
     compiled += ran
     if ran:
       say(f"settings: compiled {compiled}/{max_compiles}: {', '.join(f'{k}={v}' for k, v in settings.items())}")
@@ -188,7 +218,7 @@ def search(config: Config, workdir: str | os.PathLike, *, max_compiles: int | No
   agreed = _agree(_payload(layout, settings, line))
   searched = {"meshes": meshes.candidates, "dropped": {k: v for k, v in meshes.dropped.items() if v},
               "compiled": compiled, "finalists": [_label(p, s) for p, s, _ in finalists]}
-  return _choice(agreed, time.perf_counter() - start, searched)
+  return _choice(agreed, time.perf_counter() - start, searched, signature)
 
 
 def _payload(layout, settings: dict[str, Any], line: str) -> dict[str, Any]:
@@ -197,8 +227,8 @@ def _payload(layout, settings: dict[str, Any], line: str) -> dict[str, Any]:
           "settings": dict(settings), "line": line}
 
 
-def _choice(payload: dict[str, Any], seconds: float, searched: dict[str, Any],
+def _choice(payload: dict[str, Any], seconds: float, searched: dict[str, Any], signature: dict[str, Any],
             reused: bool = False) -> layout_choice.Choice:
   mesh = MeshConfig(tuple(payload["names"]), tuple(payload["ici"]), tuple(payload["dcn"]),
                     source="mesh_config: auto", devices=jax.device_count())
-  return layout_choice.Choice(mesh, payload["settings"], payload["line"], seconds, searched, reused)
+  return layout_choice.Choice(mesh, payload["settings"], payload["line"], seconds, searched, reused, signature)

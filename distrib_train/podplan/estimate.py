@@ -331,7 +331,7 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
     with no_cache:
       compiled, compile_timings = compile_step(spec, plan, rules, constrain_activations, attention)
   except Exception as e:  # jax's JaxRuntimeError
-    refusal = out_of_memory(e) if target is not None else None
+    refusal = out_of_memory(e) if target is not None or not emulated else None  # a compiler's own devices
     if refusal is None:
       if target is None or isinstance(e, ValueError):
         raise

@@ -145,6 +145,10 @@ def _context_choice(layer: Attention, q: jax.Array, size: int) -> tuple[str, str
   if q.shape[1] % (2 * size * SPLASH_BLOCK):
     return "all_gather", (f"all-gather; XLA tiles: splash needs the length to be a multiple of 2 × context ×"
                           f" {SPLASH_BLOCK} = {2 * size * SPLASH_BLOCK}, got {q.shape[1]}")
+  mesh, rules = active_activation_sharding()
+  split = rules.spec(("length",), shape=(q.shape[1],), mesh=mesh)[0]
+  if split != context.CONTEXT_AXIS and tuple(split or ()) != (context.CONTEXT_AXIS,):
+    return "all_gather", f"all-gather; XLA tiles: splash's query shards need 'length' on 'context' alone, got {split!r}"
   return "all_gather_splash", "all-gather of keys and values, splash per query shard (load-balanced causal mask)"
 
 

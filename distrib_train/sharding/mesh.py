@@ -330,7 +330,7 @@ def find_mesh_config(name_or_path: str | os.PathLike) -> str:
                    " (or give a .yaml path).")
 
 
-def _granules(devices: Sequence[Any]) -> tuple[int, bool]:
+def granules_of(devices: Sequence[Any]) -> tuple[int, bool]:
   """Counts granules: slices when devices span several, else processes.
 
   TPU multislice devices carry distinct ``slice_index`` values (so do GPUs
@@ -369,7 +369,7 @@ def build_mesh(config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh
         f" ({jax.process_count()} process(es), {devices[0].device_kind}). Pick a mesh config for"
         f" {len(devices)} devices."
     )
-  num_granules, process_is_granule = _granules(devices)
+  num_granules, process_is_granule = granules_of(devices)
   ici, dcn = config.resolve(len(devices), num_granules)
   def lay_out(split: bool) -> np.ndarray:
     if config.is_hybrid:

@@ -2,11 +2,11 @@
 
 A run whose ``mesh_config`` is ``auto`` asks a layout search (``podplan/auto.py``, handed to the ``Trainer`` as
 ``layout_search``; the ``distrib-train`` command does) for a ``Choice``: a mesh config and the settings that
-go with it (``model.remat``, ``train.microbatches``). The choice is kept in ``auto_layout.json`` in the
-workdir with the devices it was made for (``signature``), its mesh in ``auto_mesh.yaml`` (a mesh config any
-run loads as is): a restart on the same devices reads it back
-(``kept``) instead of searching; on other devices it searches again, and the checkpoint restores onto the
-new layout as onto any other mesh.
+go with it (``model.remat``, ``train.microbatches``). Once the step built on it has compiled and fits, the
+choice is kept in ``auto_layout.json`` in the workdir with the devices and job it was made for
+(``signature``), its mesh in ``auto_mesh.yaml`` (a mesh config any run loads as is). A restart on the same
+devices, of the same job, reads it back (``kept``) instead of searching; on other devices it searches again,
+and the checkpoint restores onto the new layout as onto any other mesh.
 
 Not for: searching (``podplan/auto.py``).
 """
@@ -14,6 +14,7 @@ Not for: searching (``podplan/auto.py``).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -41,6 +42,7 @@ class Choice:
     seconds: the search's wall time (0 when read back).
     searched: candidates the search considered, dropped and compiled, for the record.
     reused: read back from the workdir (``kept``), not searched.
+    signature: the devices and job it was made for (``signature``).
   """
 
   mesh_config: MeshConfig
@@ -49,6 +51,7 @@ class Choice:
   seconds: float = 0.0
   searched: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   reused: bool = False
+  signature: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def apply(self, config: Config) -> Config:
     """``config`` with the layout's settings (a reference model's remat; the microbatches)."""
@@ -64,15 +67,25 @@ class Choice:
                                train=dataclasses.replace(config.train, **train))
 
 
-def signature() -> dict[str, Any]:
-  """The devices a choice is made for: how many, of what kind, over how many processes."""
+def signature(config: Config) -> dict[str, Any]:
+  """What a choice is made for: the devices (how many, of what kind, over how many processes) and the job (a
+  digest of the model, the batch and sequence sizes, the microbatches, the rules and the objective: a restart
+  that changes one searches again rather than override the new settings with the old choice's)."""
   device = jax.devices()[0]
+  job = {"model": config.to_dict()["model"], "seq_len": config.data.seq_len, "objective": config.train.objective,
+         "global_batch_size": config.data.global_batch_size, "microbatches": config.train.microbatches,
+         "rules": config.train.rules, "init_from": config.train.init_from}
   return {"devices": jax.device_count(), "device_kind": str(getattr(device, "device_kind", device.platform)),
-          "platform": device.platform, "processes": jax.process_count()}
+          "platform": device.platform, "processes": jax.process_count(),
+          "job": hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()[:16]}
 
 
-def kept(workdir: str | os.PathLike) -> Choice | None:
-  """The choice kept in ``workdir`` when it was made for these devices, else None (none, or other devices)."""
+def kept(workdir: str | os.PathLike, config: Config) -> Choice | None:
+  """The choice kept in ``workdir`` when it was made for these devices and this job, else None.
+
+  Raises:
+    ValueError: the record or its mesh file cannot be read (the file named).
+  """
   path = pathlib.Path(workdir) / FILE_NAME
   try:
     record = json.loads(path.read_text())
@@ -80,7 +93,7 @@ def kept(workdir: str | os.PathLike) -> Choice | None:
     return None
   except (OSError, ValueError) as e:
     raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}); delete it to search again.") from None
-  if record.get("signature") != signature():
+  if record.get("signature") != signature(config):
     return None
   mesh = MeshConfig.from_yaml(path.with_name(MESH_FILE_NAME))
   return Choice(mesh, record["settings"], f"reused from {path}: {record['line']}", 0.0, record.get("searched", {}),
@@ -88,11 +101,12 @@ def kept(workdir: str | os.PathLike) -> Choice | None:
 
 
 def keep(workdir: str | os.PathLike, choice: Choice) -> None:
-  """Writes ``choice`` for these devices into ``workdir`` (process 0, a new choice; replaced atomically)."""
+  """Writes a new ``choice`` into ``workdir`` (process 0; replaced atomically), once the trainer's step built on
+  it has compiled and fits."""
   if jax.process_index() != 0 or choice.reused:
     return
   path = pathlib.Path(workdir) / FILE_NAME
-  record = {"signature": signature(), "settings": dict(choice.settings),
+  record = {"signature": dict(choice.signature), "settings": dict(choice.settings),
             "line": choice.line, "search_s": round(choice.seconds, 3),
             "searched": dict(choice.searched)}
   header = [f"Chosen by mesh_config: auto for {record['signature']['devices']} ×"

@@ -202,6 +202,8 @@ class Trainer:
       goodput.start(step)
       train_step, eval_step = self._build_steps(plan)
       self._compile(train_step, plan, step)
+      if self.layout is not None:  # kept for a restart once its step has compiled and fits
+        layout_choice.keep(self.workdir, self.layout)
       distributed.wait_for_every_process("train step compiled")
       preemption.enter_steps()
       # A rollback restores onto the frozen weights as they are (never updated; a checkpoint may not hold them).
@@ -285,7 +287,6 @@ class Trainer:
     goodput = self.goodput = Goodput(self.workdir, self.phases, started=started, log=writer.log)
     if self.layout is not None:
       writer.log(self.layout.line)
-      layout_choice.keep(self.workdir, self.layout)
     watchdog = Watchdog(Limits.from_config(t), self.phases, self.workdir).start()
     self._evaluations = setup.no_eval is None
     if setup.lock.warning:
