@@ -94,10 +94,8 @@ def _settings(config: Config) -> list[dict[str, Any]]:
 
 
 def _label(pod: PodPlan, settings: dict[str, Any]) -> str:
-  mesh = " × ".join(f"{n}={i * d}" for n, i, d in zip(pod.layout.axis_names, pod.layout.ici, pod.layout.dcn)
-                    if i * d > 1) or "one device"
   said = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in settings.items())
-  return f"{mesh} ({said}): step {pod.time.step_s * 1e3:,.1f} ms"
+  return f"{pod.layout.describe()} ({said}): step {pod.time.step_s * 1e3:,.1f} ms"
 
 
 def _runs(config: Config, pod: PodPlan) -> bool:

@@ -312,11 +312,12 @@ def context_splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
   if kv_heads != heads:  # keys split otherwise than queries: give each query head its own copy
     kt, vt = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=1) for x in (kt, vt))
     kv_heads = heads
-  axes = lambda spec: () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-  if axes(tokens) != (context.CONTEXT_AXIS,):
+  if tokens not in (context.CONTEXT_AXIS, (context.CONTEXT_AXIS,)):
     raise ValueError(f"splash attention over the context axis needs the logical 'length' axis on 'context' alone,"
                      f" got {tokens!r}; use model.context_attention: ring.")
-  local_heads = q.shape[2] // math.prod(int(mesh.shape[a]) for a in axes(heads))
+  q_spec, kv_spec = P(batch, heads, tokens, None), P(batch, kv_heads, tokens, None)
+  local_batch, local_heads = NamedSharding(mesh, q_spec).shard_shape(qt.shape)[:2]
+  local_kv = NamedSharding(mesh, kv_spec).shard_shape(kt.shape)[1]
   with jax.ensure_compile_time_eval():  # its mask info as constants, not values of the step being traced
     kernel = _context_kernel(local_heads, size, length, window, softcap, interpret)
   kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, context.CONTEXT_AXIS)))
@@ -332,8 +333,6 @@ def context_splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
         q, k, v, seg, gather(seg, axis=1))
 
   pairs, backward_pairs = visible_pairs(kernel, size), visible_pairs(kernel, size, "dkv")
-  local_batch = q.shape[0] // math.prod(int(mesh.shape[a]) for a in axes(batch))
-  local_kv = kt.shape[1] // math.prod(int(mesh.shape[a]) for a in axes(kv_heads))
   _note(pairs, length, window, size, gathered_bytes=local_batch * length * local_kv * (
       k.shape[-1] * k.dtype.itemsize + v.shape[-1] * v.dtype.itemsize))
   # the gathered keys and values are not kept for the backward pass: it gathers them again (a layer's remat
@@ -345,7 +344,6 @@ def context_splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
     rows = q.shape[0] * q.shape[1]  # sequences × heads of the call
     with fused_backward_scope(pairs * rows, backward_pairs * rows, q.shape[-1], v.shape[-1]):
       return local(kernel, q, k, v, seg, sinks)
-  q_spec, kv_spec = P(batch, heads, tokens, None), P(batch, kv_heads, tokens, None)
   out = jax.shard_map(scoped, mesh=mesh, in_specs=(kernel_spec, q_spec, kv_spec, kv_spec,
                                                    None if segment_ids is None else P(batch, tokens),
                                                    None if sinks is None else P(heads)),

@@ -48,6 +48,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from distrib_train.common.versions import gpu_capability
 from distrib_train.parallel import context
@@ -247,14 +248,13 @@ def _run(kernel, q, k, v, layer, positions, segment_ids, sinks):
 def _cudnn_work(q: jax.Array, v: jax.Array, window: int):
   """``attention.flops_scope`` of a cuDNN call on one device: the causal pairs (a window's band) of its rows and
   heads, which XLA splits as the rules split batch and heads (packed rows count whole rows: an upper bound)."""
+  rows, _, heads = q.shape[:3]
   active = active_activation_sharding()
-  split = 1
-  if active is not None:
+  if active is not None:  # one device's share of the rows and heads
     mesh, rules = active
-    for spec in rules.spec(("batch", "length", "heads"), shape=q.shape[:3], mesh=mesh):
-      for axis in () if spec is None else (spec,) if isinstance(spec, str) else spec:
-        split *= int(mesh.shape[axis])
-  pairs = q.shape[0] * q.shape[2] * attention_lib.causal_pairs(q.shape[1], window) // split
+    spec = rules.spec(("batch", "length", "heads"), shape=q.shape[:3], mesh=mesh)
+    rows, _, heads = NamedSharding(mesh, spec).shard_shape(q.shape[:3])
+  pairs = rows * heads * attention_lib.causal_pairs(q.shape[1], window)
   return attention_lib.flops_scope(pairs, q.shape[-1], v.shape[-1])
 
 
