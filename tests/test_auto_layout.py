@@ -76,9 +76,43 @@ def test_auto_without_a_search_or_with_a_model_given_as_code_is_refused_before_t
 
 
 def test_two_processes_agree_on_one_choice(tmp_path):
-  """Both search; process 0 keeps the choice in its own workdir; searching again, process 1 (whose workdir
+  """Both search and time the finalists process 0 names; process 0 keeps the choice in its own workdir; searching again, process 1 (whose workdir
   holds nothing) takes process 0's kept choice too."""
   results = mp_harness.run_workers(_WORKERS / "auto_layout_worker.py", str(tmp_path), timeout=300)
   first, second = (r.result for r in results)
   assert first == second and first["settings"] and first["processes"] == 2, results
+  assert "measured over 1 steps each" in first["line"], first
   assert first["again"]["reused"] and first["again"]["ici"] == first["ici"], first
+
+
+def test_the_settings_searched_start_from_the_presets_and_add_kernels_and_fp8_where_the_card_and_preset_allow(
+    small_config):
+  from distrib_train.cluster import hardware
+
+  cpu, h100, v5p = auto.device_kind(), hardware.device_kind("h100"), hardware.device_kind("v5p")
+  config = small_config("model.remat=full", "train.microbatches=2")
+  assert [k for k, _ in auto.dimensions(config, cpu)] == ["model.remat", "train.microbatches"]
+  assert dict(auto.dimensions(config, v5p))["model.attention"] == ("auto", "xla")  # no FP8 on a TPU
+  assert "model.fp8" not in dict(auto.dimensions(config, h100))  # FP8 only where the preset allows it
+  dims = dict(auto.dimensions(small_config("train.layout_fp8=true", "model.attention=cudnn"), h100))
+  assert dims["model.attention"] == ("cudnn", "xla") and dims["model.fp8"] == ("none", "current")
+  space = auto.settings_space(config, cpu)
+  assert space[0] == {"model.remat": "full", "train.microbatches": 2}  # the preset's own first
+  assert len(space) == 3 * 3 and len({json.dumps(s, sort_keys=True) for s in space}) == 9
+  changed = [sum(s[k] != space[0][k] for k in s) for s in space]
+  assert changed == sorted(changed), space  # fewer changes first
+
+
+def test_on_an_accelerator_the_fastest_estimates_run_timed_steps_and_the_shortest_measured_wins(
+    tmp_path, small_config):
+  """The timed path (an accelerator's) forced on the CPU devices: each of the fastest estimates runs its steps
+  on its own mesh, and the choice is the shortest measured."""
+  said = []
+  choice = auto.search(small_config("mesh_config=auto"), tmp_path, max_compiles=3, timed_steps=2, say=said.append)
+  timed = [line for line in said if line.startswith("timed: ")]
+  assert len(timed) == min(auto.TIMED, len(choice.searched["finalists"])) >= 2, said
+  measured = {line.split(": step measured ")[0].removeprefix("timed: "):
+              float(line.split("step measured ")[1].split(" ms")[0]) for line in timed}
+  chosen = choice.line.removeprefix("mesh_config: auto chose ").split(": step measured ")[0]
+  assert measured[chosen] == min(measured.values()), (choice.line, measured)
+  assert "measured over 2 steps each" in choice.line and "runner-up" in choice.line

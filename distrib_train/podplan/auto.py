@@ -11,33 +11,39 @@ the job has, with the compiler that will run it:
    whose batch does not split or whose rules skip a parameter dimension are dropped without compiling; the
    rest are ordered by a compile-free guess of their communication and the first ``MESH_COMPILES`` compiled
    (``search.recommend``).
-2. **Settings,** on the fastest mesh that fits: the reference model's remat (``none``, ``dots_saveable``,
-   ``full``) and microbatches that keep the global batch (1, 2, 4), most promising first, until
+2. **Settings,** on the fastest mesh that fits (``settings_space``): the reference model's remat (``none``,
+   ``dots_saveable``, ``full``), its attention kernel (on a GPU or TPU: the platform's fused kernel or XLA's),
+   FP8 matmuls (``model.fp8: current``, on an H100 or H200 where ``train.layout_fp8`` allows them) and
+   microbatches that keep the global batch (1, 2, 4); the preset's own first, then those that change fewer of
+   its settings. A setting that fits is not tried again with more microbatches. At most
    ``train.layout_compiles`` compiles in all.
 3. **Choice.** Each compiled candidate's memory is the compiled figure against what the trainer's
    allocator gives (on GPU the share ``XLA_PYTHON_CLIENT_MEM_FRACTION`` gives, 0.92 unless set); a
    candidate the compiler refuses for memory does not fit. Of those that fit and that the trainer's start-up
-   checks take, the shortest estimated step (``timing.py``: compiled FLOPs and collective bytes) wins.
+   checks take, on a GPU or TPU the three shortest estimates (``timing.py``: compiled FLOPs and collective
+   bytes) each run ``train.layout_timed_steps`` steps on the job's devices (``timed.py``), and the shortest
+   measured step wins; one that runs out of memory is dropped. On CPU devices, or with
+   ``layout_timed_steps: 0``, the shortest estimate wins.
 
 One choice per job: every process compiles the same candidates (a GPU compile may share its autotuning
-between processes), and process 0's choice is broadcast to the others, as is process 0's reading of the kept
-record (or its error), so no process searches or fails alone. The log gets one line: what was
-chosen and its estimated step, and the runner-up with its own.
+between processes) and times the finalists process 0 names; process 0's choice is broadcast to the others, as
+is process 0's reading of the kept record (or its error), so no process searches or fails alone. The log gets
+one line: what was chosen and its step, and the runner-up with its own.
 
-Not measured: the choice is the compiler-based estimate on every platform; the timed steps per finalist
-that an accelerator would allow are not run (no accelerator was at hand to check them against).
+``plan --recommend`` searches the same space (``search_space``) for a machine you do not have, with libtpu or
+XLA's CUDA compiler, and writes the choice as a mesh config and an experiment config.
 
-Not for: the figures of one layout (``estimate.py``), ``plan --recommend`` on a machine you do not have
-(``search.py``).
+Not for: the figures of one layout (``estimate.py``), the meshes alone (``search.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -45,6 +51,7 @@ import numpy as np
 
 from distrib_train.cluster import hardware
 from distrib_train.podplan import search as search_lib
+from distrib_train.podplan import timed
 from distrib_train.podplan.estimate import PodPlan, plan_pod
 from distrib_train.sharding.mesh import MeshConfig, granules_of
 from distrib_train.training import layout_choice
@@ -53,7 +60,10 @@ from distrib_train.training.config import Config
 
 REMATS = ("none", "dots_saveable", "full")
 MICROBATCHES = (1, 2, 4)
+KERNELS = {"gpu": "cudnn", "tpu": "splash"}  # the fused attention kernel a platform has, besides XLA's
+FP8_KINDS = ("h100", "h200")  # cards whose matmuls take FP8 operands (model.fp8)
 MESH_COMPILES = 3  # of the meshes, at most; the rest of ``max_compiles`` goes to the settings
+TIMED = 3  # finalists timed on an accelerator
 _BROADCAST_BYTES = 8192
 
 
@@ -74,28 +84,54 @@ def device_kind() -> hardware.DeviceKind:
                              devices_per_host=local, max_slice=local)
 
 
-def _axes(config: Config) -> tuple[str, ...]:
+def axes(config: Config) -> tuple[str, ...]:
+  """The mesh axes searched: data, fsdp, tensor, and expert for a mixture."""
   model = config.model_recipe().config
   return ("data", "fsdp", "tensor") + (("expert",) if getattr(model, "num_experts", 0) else ())
 
 
-def _settings(config: Config) -> list[dict[str, Any]]:
-  """The remat and microbatch settings to try, most promising first (less recomputation, fewer passes)."""
+def _first(preset: Any, options: Sequence[Any]) -> tuple[Any, ...]:
+  return (preset,) + tuple(o for o in options if o != preset)
+
+
+def dimensions(config: Config, kind: hardware.DeviceKind) -> list[tuple[str, tuple[Any, ...]]]:
+  """The settings searched on a mesh, each key with its options, the preset's first: the reference model's
+  remat; its attention kernel (the platform's fused kernel or XLA's, on a TPU or GPU); FP8 matmuls where
+  ``train.layout_fp8`` allows them and the card has them; microbatches that keep the global batch."""
   model = config.model_recipe().config
-  remats = REMATS if hasattr(model, "remat") else (None,)
-  batch = config.data.global_batch_size
   out = []
-  for microbatches in MICROBATCHES:
-    if batch % microbatches:
-      continue
-    for remat in remats:
-      out.append({**({"model.remat": remat} if remat else {}), "train.microbatches": microbatches})
+  if hasattr(model, "remat"):
+    out.append(("model.remat", _first(model.remat, REMATS)))
+  if hasattr(model, "attention") and kind.platform in KERNELS:
+    out.append(("model.attention", _first(model.attention, ("auto" if model.attention == "xla" else "xla",))))
+  if hasattr(model, "fp8") and config.train.layout_fp8 and kind.name in FP8_KINDS:
+    out.append(("model.fp8", _first(model.fp8, ("none", "current"))))
+  batch = config.data.global_batch_size
+  out.append(("train.microbatches", _first(config.train.microbatches,
+                                            [m for m in MICROBATCHES if batch % m == 0])))
   return out
 
 
-def _label(pod: PodPlan, settings: dict[str, Any]) -> str:
+def settings_space(config: Config, kind: hardware.DeviceKind) -> list[dict[str, Any]]:
+  """Every combination of ``dimensions``, most promising first: the preset's own, then those that change
+  fewer of its settings, fewer microbatches before more (each one more pass over the layers)."""
+  dims = dimensions(config, kind)
+  combos = itertools.product(*(range(len(options)) for _, options in dims))
+  order = lambda picks: (sum(p > 0 for p in picks), picks[-1], picks)
+  return [{key: options[p] for (key, options), p in zip(dims, picks)} for picks in sorted(combos, key=order)]
+
+
+def outrun(settings: dict[str, Any], fitted: Sequence[dict[str, Any]]) -> bool:
+  """Whether ``settings`` differ from settings that fit only by more microbatches: each one more is another
+  pass over the layers (and on FSDP another gather of the params), never a shorter step, so it is not tried."""
+  return any(fit["train.microbatches"] < settings["train.microbatches"] and all(
+      v == settings[k] for k, v in fit.items() if k != "train.microbatches") for fit in fitted)
+
+
+def _label(pod: PodPlan, settings: dict[str, Any], measured: float | None = None) -> str:
   said = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in settings.items())
-  return f"{pod.layout.describe()} ({said}): step {pod.time.step_s * 1e3:,.1f} ms"
+  step = f"measured {measured * 1e3:.3g} ms" if measured is not None else f"{pod.time.step_s * 1e3:.3g} ms"
+  return f"{pod.layout.describe()} ({said}): step {step}"
 
 
 def _runs(config: Config, pod: PodPlan) -> bool:
@@ -110,19 +146,79 @@ def _runs(config: Config, pod: PodPlan) -> bool:
   return True
 
 
-def _compiled(config: Config, mesh: MeshConfig, kind, devices: int, granules: int,
-              memory_fraction: float | None) -> tuple[PodPlan | None, bool]:
-  """The compiled plan of ``config`` on ``mesh`` (None where the trainer would refuse it), and whether it was
-  compiled."""
-  options = dict(granules=granules, memory_fraction=memory_fraction)
-  try:
-    if not _runs(config, plan_pod(config, mesh, kind, devices, compile=False, **options)):
-      return None, False
-    return plan_pod(config, mesh, kind, devices, **options), True
-  except ValueError:  # the compiler refused it
-    return None, True
-  finally:
-    jax.clear_caches()
+@dataclasses.dataclass
+class Found:
+  """What ``search_space`` found: the compiled candidates that fit, fastest estimate first, each with its
+  settings; the mesh search's record; how many candidates were compiled in all."""
+
+  finalists: list[tuple[PodPlan, dict[str, Any]]]
+  meshes: search_lib.Recommendation
+  compiled: int
+  settings: int
+
+  def record(self) -> dict[str, Any]:
+    return {"meshes": self.meshes.candidates, "dropped": {k: v for k, v in self.meshes.dropped.items() if v},
+            "settings": self.settings, "compiled": self.compiled,
+            "finalists": [_label(p, s) for p, s in self.finalists]}
+
+
+def search_space(config: Config, kind: hardware.DeviceKind, devices: int, *, granules: int, max_compiles: int,
+                 memory_fraction: float | None = None, target: Any = None, base: MeshConfig | None = None,
+                 say: Callable[[str], None] = lambda message: None, **options: Any) -> Found:
+  """The layouts of ``config`` on ``devices`` devices of ``kind`` (on this job's devices, or a ``target``'s
+  compiler for a machine you do not have), compiling at most ``max_compiles``: the meshes over ``base``'s axes
+  (default ``axes(config)``) by ``search.recommend``, then the settings of ``settings_space`` on the fastest mesh
+  that fits (module docstring).
+
+  Raises:
+    ValueError: no candidate fits (the smallest need and the drops named).
+  """
+  names = base.axis_names if base is not None else axes(config)
+  base = base or MeshConfig(names, (devices // granules,) + (1,) * (len(names) - 1),
+                            (granules,) + (1,) * (len(names) - 1), source="mesh_config: auto", devices=devices)
+  common = dict(granules=granules, memory_fraction=memory_fraction, target=target, **options)
+  meshes = search_lib.recommend(config, base, kind, devices, max_compiles=max(1, min(MESH_COMPILES, max_compiles - 1)),
+                                progress=lambda line: say(f"meshes: {line}"), **common)
+  ranked = [pod for pod in meshes.ranked if _runs(config, pod)]
+  if not ranked:
+    needs = sorted(meshes.not_fitting_compiled, key=lambda p: p.memory.total)
+    closest = (f"; the closest, {needs[0].layout.describe()}, needs {needs[0].memory.total / 2**30:.2f} GiB of"
+               f" {needs[0].memory.usable / 2**30:.2f}") if needs else ""
+    dropped = "".join(f", {n} dropped: {why}" for why, n in meshes.dropped.items() if n)
+    refused = len(meshes.ranked) - len(ranked)
+    raise ValueError(f"mesh_config: auto found no layout of {devices} devices that runs {config.model.preset}"
+                     f" ({meshes.candidates} meshes{dropped}; {meshes.compiled} compiled, {len(needs)} of them too"
+                     f" large{closest}" + (f", {refused} refused by the trainer's checks (train.microbatches,"
+                     " data.seq_len)" if refused else "") + "): lower data.global_batch_size or data.seq_len, use"
+                     " more devices, or name a mesh config.")
+  space = settings_space(config, kind)
+  preset, best = space[0], ranked[0]
+  mesh = MeshConfig(best.layout.axis_names, best.layout.ici, best.layout.dcn, rules=base.rules,
+                    source="mesh_config: auto", devices=devices, topology=getattr(base, "topology", None))
+  finalists = [(pod, preset) for pod in ranked]
+  compiled, fitted = meshes.compiled, [preset]
+  for settings in space[1:]:
+    if compiled >= max_compiles:
+      break
+    if outrun(settings, fitted):
+      continue
+    variant = layout_choice.Choice(mesh, settings, "").apply(config)
+    try:
+      if not _runs(variant, plan_pod(variant, mesh, kind, devices, compile=False, **common)):
+        continue
+      compiled += 1
+      pod = plan_pod(variant, mesh, kind, devices, **common)
+    except ValueError as e:  # the compiler refused it (or the model refused the setting: a kernel it cannot run)
+      say(f"settings: {', '.join(f'{k}={v}' for k, v in settings.items())} not compiled: {str(e)[:200]}")
+      continue
+    finally:
+      jax.clear_caches()
+    say(f"settings: compiled {compiled}/{max_compiles}: {', '.join(f'{k}={v}' for k, v in settings.items())}")
+    if pod.memory.fits and pod.compiled:
+      fitted.append(settings)
+      finalists.append((pod, settings))
+  finalists.sort(key=lambda f: f[0].time.step_s)
+  return Found(finalists, meshes, compiled, len(space))
 
 
 def _agree(payload: dict[str, Any]) -> dict[str, Any]:
@@ -140,11 +236,39 @@ def _agree(payload: dict[str, Any]) -> dict[str, Any]:
   return json.loads(agreed.decode())
 
 
+def _key(pod: PodPlan, settings: dict[str, Any]) -> str:
+  return json.dumps([pod.layout.describe(), settings], sort_keys=True)
+
+
+def _timed(config: Config, found: Found, devices: int, steps: int, say: Callable[[str], None]) -> list[tuple]:
+  """The first ``TIMED`` finalists with their measured seconds per step (process 0's clock), fastest first; a
+  finalist that runs out of memory is dropped."""
+  mine = {_key(pod, settings): (pod, settings) for pod, settings in found.finalists}
+  keys = _agree({"keys": [_key(pod, settings) for pod, settings in found.finalists[:TIMED]]})["keys"]
+  if any(key not in mine for key in keys):  # every process must run the same steps, or their collectives hang
+    raise ValueError("mesh_config: auto: the processes' compiles disagree on the finalists; name a mesh config.")
+  out = []
+  for pod, settings in map(mine.get, keys):
+    mesh = MeshConfig(pod.layout.axis_names, pod.layout.ici, pod.layout.dcn, source="mesh_config: auto",
+                      devices=devices)
+    try:
+      seconds = timed.measure(layout_choice.Choice(mesh, settings, "").apply(config), mesh, steps=steps)
+    except timed.OutOfMemory as e:
+      seconds = None
+      say(f"timed: {_label(pod, settings)}: out of memory when run, dropped ({e})")
+    seconds = _agree({"s": seconds})["s"]
+    if seconds is not None:
+      say(f"timed: {_label(pod, settings, seconds)}")
+      out.append((pod, settings, seconds))
+  return sorted(out, key=lambda f: f[2])
+
+
 def search(config: Config, workdir: str | os.PathLike, *, max_compiles: int | None = None,
-           say: Callable[[str], None] | None = None) -> layout_choice.Choice:
+           say: Callable[[str], None] | None = None, timed_steps: int | None = None) -> layout_choice.Choice:
   """The layout for ``config`` on this job's devices (module docstring): the one kept in ``workdir`` for them,
   else the fastest that fits of a search compiling at most ``max_compiles`` candidates (default
-  ``train.layout_compiles``).
+  ``train.layout_compiles``), by the compiler's estimate, or on an accelerator by ``timed_steps`` timed steps of
+  each of the first ``TIMED`` (default ``train.layout_timed_steps``; 0: the estimate alone).
 
   Raises:
     ValueError: no candidate fits (the smallest need named), or the devices are of an unknown kind.
@@ -168,55 +292,24 @@ def search(config: Config, workdir: str | os.PathLike, *, max_compiles: int | No
   kind, devices, granules = device_kind(), jax.device_count(), granules_of(jax.devices())[0]
   # the share of a GPU the trainer's allocator gets (cluster/gpu_environment.py sets it unless it is set)
   fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") if kind.platform == "gpu" else None
-  memory_fraction = float(fraction) if fraction else None
-  names = _axes(config)
-  base = MeshConfig(names, (devices // granules,) + (1,) * (len(names) - 1), (granules,) + (1,) * (len(names) - 1),
-                    source="mesh_config: auto", devices=devices)
-  say(f"mesh_config: auto: searching layouts of {devices} {kind.name} devices over {', '.join(names)}")
-  meshes = search_lib.recommend(config, base, kind, devices, granules=granules, memory_fraction=memory_fraction,
-                                max_compiles=max(1, min(MESH_COMPILES, max_compiles - 1)),
-                                progress=lambda line: say(f"meshes: {line}"))
-  ranked = [pod for pod in meshes.ranked if _runs(config, pod)]
-  if not ranked:
-    needs = sorted(meshes.not_fitting_compiled, key=lambda p: p.memory.total)
-    closest = (f"; the closest, {needs[0].layout.describe()}, needs {needs[0].memory.total / 2**30:.2f} GiB of"
-               f" {needs[0].memory.usable / 2**30:.2f}") if needs else ""
-    dropped = "".join(f", {n} dropped: {why}" for why, n in meshes.dropped.items() if n)
-    refused = len(meshes.ranked) - len(ranked)
-    raise ValueError(f"mesh_config: auto found no layout of {devices} devices that runs {config.model.preset}"
-                     f" ({meshes.candidates} meshes{dropped}; {meshes.compiled} compiled, {len(needs)} of them too"
-                     f" large{closest}" + (f", {refused} refused by the trainer's checks (train.microbatches,"
-                     " data.seq_len)" if refused else "") + "): lower data.global_batch_size or data.seq_len, use"
-                     " more devices, or name a mesh config.")
-  model = config.model_recipe().config
-  preset = {**({"model.remat": model.remat} if hasattr(model, "remat") else {}),
-            "train.microbatches": config.train.microbatches}
-  best = ranked[0]
-  mesh = MeshConfig(best.layout.axis_names, best.layout.ici, best.layout.dcn, source="mesh_config: auto",
-                    devices=devices)
-  finalists = [(pod, preset, pod.layout) for pod in ranked]
-  compiled = meshes.compiled
-  for settings in _settings(config):
-    if compiled >= max_compiles:
-      break
-    if settings == preset:
-      continue
-    variant = layout_choice.Choice(mesh, settings, "").apply(config)
-    pod, ran = _compiled(variant, mesh, kind, devices, granules, memory_fraction)
-    compiled += ran
-    if ran:
-      say(f"settings: compiled {compiled}/{max_compiles}: {', '.join(f'{k}={v}' for k, v in settings.items())}")
-    if pod is not None and pod.memory.fits and pod.compiled:
-      finalists.append((pod, settings, pod.layout))
-  finalists.sort(key=lambda f: f[0].time.step_s)
-  (chosen, settings, layout), *rest = finalists
-  line = (f"mesh_config: auto chose {_label(chosen, settings)}" + (f"; runner-up {_label(rest[0][0], rest[0][1])}"
-          if rest else "") + f" (estimated by the {chosen.compiler} compiler; {meshes.candidates} meshes,"
-          f" {compiled} compiled, in {time.perf_counter() - start:.1f} s)")
-  agreed = _agree(_payload(layout, settings, line))
-  searched = {"meshes": meshes.candidates, "dropped": {k: v for k, v in meshes.dropped.items() if v},
-              "compiled": compiled, "finalists": [_label(p, s) for p, s, _ in finalists]}
-  return _choice(agreed, time.perf_counter() - start, searched, signature)
+  say(f"mesh_config: auto: searching layouts of {devices} {kind.name} devices over {', '.join(axes(config))}")
+  found = search_space(config, kind, devices, granules=granules, max_compiles=max_compiles,
+                       memory_fraction=float(fraction) if fraction else None, say=say)
+  steps = config.train.layout_timed_steps if timed_steps is None else timed_steps
+  ranked = _timed(config, found, devices, steps, say) if steps and kind.platform != "cpu" or timed_steps else []
+  if ranked:
+    (chosen, settings, seconds), *rest = ranked
+    runner_up = f"; runner-up {_label(rest[0][0], rest[0][1], rest[0][2])}" if rest else ""
+    how = f"measured over {steps} steps each of the {len(ranked)} fastest estimates"
+  else:
+    (chosen, settings), *rest = found.finalists
+    seconds, runner_up = None, f"; runner-up {_label(*rest[0])}" if rest else ""
+    how = f"estimated by the {chosen.compiler} compiler"
+  line = (f"mesh_config: auto chose {_label(chosen, settings, seconds)}{runner_up} ({how};"
+          f" {found.meshes.candidates} meshes × {found.settings} settings, {found.compiled} compiled, in"
+          f" {time.perf_counter() - start:.1f} s)")
+  agreed = _agree(_payload(chosen.layout, settings, line))
+  return _choice(agreed, time.perf_counter() - start, found.record(), signature)
 
 
 def _payload(layout, settings: dict[str, Any], line: str) -> dict[str, Any]:

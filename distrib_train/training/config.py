@@ -115,6 +115,10 @@ class TrainConfig:
       layers divisible by stages × R). Only with a ``stage`` axis.
     layout_compiles: with ``mesh_config: auto``, the candidate layouts the search compiles at most
       (``podplan/auto.py``).
+    layout_timed_steps: with ``mesh_config: auto`` on a GPU or TPU, the steps each of the fastest three
+      estimates runs, timed, to choose between them (0: the compiler's estimate alone).
+    layout_fp8: with ``mesh_config: auto`` on an H100 or H200, the search may also try ``model.fp8: current``
+      (FP8 matmuls change the numerics, so only where the preset allows it; off by default).
     hang_timeout_s: the hang watchdog (``watchdog.py``): seconds a step (or
       the wait for its batch) may go without progress before every process
       writes its Python stacks and exits with status 4, naming the phase and
@@ -146,6 +150,8 @@ class TrainConfig:
   microbatches: int = 1
   pipeline_repeats: int = 1
   layout_compiles: int = 6
+  layout_timed_steps: int = 5
+  layout_fp8: bool = False
   hang_timeout_s: float = 0.0
   hang_compile_timeout_s: float = 0.0
   hang_checkpoint_timeout_s: float = 0.0

@@ -45,7 +45,7 @@ def check_config(config: Any) -> None:
     if getattr(t, key) < 1:
       raise ConfigError(f"train.{key} must be at least 1, got {getattr(t, key)!r}.")
   for key in ("eval_every", "eval_batches", "checkpoint_every", "local_checkpoint_every", "hang_timeout_s",
-              "hang_compile_timeout_s", "hang_checkpoint_timeout_s"):
+              "hang_compile_timeout_s", "hang_checkpoint_timeout_s", "layout_timed_steps"):
     if getattr(t, key) < 0:
       raise ConfigError(f"train.{key} must be 0 or more, got {getattr(t, key)!r}.")
   for key in ("hang_compile_timeout_s", "hang_checkpoint_timeout_s"):

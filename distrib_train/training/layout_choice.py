@@ -2,7 +2,7 @@
 
 A run whose ``mesh_config`` is ``auto`` asks a layout search (``podplan/auto.py``, handed to the ``Trainer`` as
 ``layout_search``; the ``distrib-train`` command does) for a ``Choice``: a mesh config and the settings that
-go with it (``model.remat``, ``train.microbatches``). Once the step built on it has compiled and fits, the
+go with it (``model.remat``, ``model.attention``, ``model.fp8``, ``train.microbatches``). Once the step built on it has compiled and fits, the
 choice is kept in ``auto_layout.json`` in the workdir with the devices and job it was made for
 (``signature``), its mesh in ``auto_mesh.yaml`` (a mesh config any run loads as is). A restart on the same
 devices, of the same job, reads it back (``kept``) instead of searching; on other devices it searches again,
@@ -54,7 +54,8 @@ class Choice:
   signature: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def apply(self, config: Config) -> Config:
-    """``config`` with the layout's settings (a reference model's remat; the microbatches)."""
+    """``config`` with the layout's settings (a reference model's remat, attention kernel and FP8; the
+    microbatches)."""
     model = dict(config.model.overrides)
     train = {}
     for key, value in self.settings.items():
@@ -74,6 +75,7 @@ def signature(config: Config) -> dict[str, Any]:
   device = jax.devices()[0]
   job = {"model": config.to_dict()["model"], "seq_len": config.data.seq_len, "objective": config.train.objective,
          "global_batch_size": config.data.global_batch_size, "microbatches": config.train.microbatches,
+         "fp8_allowed": config.train.layout_fp8,
          "rules": config.train.rules, "init_from": config.train.init_from}
   return {"devices": jax.device_count(), "device_kind": str(getattr(device, "device_kind", device.platform)),
           "platform": device.platform, "processes": jax.process_count(),
