@@ -282,6 +282,10 @@ def test_cli_recommend_writes_a_mesh_config_that_loads(tmp_path, cache_env, reco
   assert loaded.devices == 4 and loaded.axis_names == AXES and loaded.rules is not None
   data = json.loads((tmp_path / "r.json").read_text())
   assert data["compiled"] == 1 and len(data["ranked"]) == 1
+  # and the experiment config beside it, with the chosen settings and the mesh: the trainer loads it as is
+  written = config_lib.load(str(tmp_path / plan_cli.DEFAULT_CONFIG_OUT))
+  assert written.mesh_config == str(out_yaml) and written.model.preset == "tiny"
+  assert written.train.microbatches == data["chosen"]["train.microbatches"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -17,9 +17,12 @@ corrected for the target (``estimate.py`` says how).
 It plans the train state, compiles the trainer's step on abstract inputs
 (nothing is allocated) and prints the memory per device against the device
 kind's, the collectives per step by mesh axis (ICI or DCN), FLOPs, and an
-estimated step time and MFU. ``--recommend`` ranks the factorisations of the
-devices over the mesh axes and writes the best as a mesh-config YAML
-(``--out``); on a TPU target its finalists are compiled by libtpu.
+estimated step time and MFU. ``--recommend`` (or ``--mesh_config auto``)
+searches what a run's ``mesh_config: auto`` searches (``auto.py``): the
+factorisations of the devices over the mesh axes, then remat, attention
+kernel and microbatches on the best, and writes the choice as a mesh-config
+YAML (``--out``) and an experiment config the trainer loads as is
+(``--out_config``); on a TPU target its finalists are compiled by libtpu.
 
 A mistake in the flags, the config or the mesh config prints one ``error:``
 line and exits with status 2. Exit status 1: ``--recommend`` found no mesh
@@ -29,6 +32,7 @@ that fits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -37,6 +41,7 @@ import sys
 from collections.abc import Sequence
 
 DEFAULT_OUT = "recommended-mesh.yaml"
+DEFAULT_CONFIG_OUT = "recommended-config.yaml"
 
 
 class _UsageError(Exception):
@@ -63,10 +68,13 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--emulate", action="store_true", help="plan on emulated CPU devices even for a TPU target")
   p.add_argument("--granules", type=int, help="TPU slices or GPU hosts (default: from the mesh config; GPUs: one per"
                  " 8 devices)")
-  p.add_argument("--recommend", action="store_true", help="rank mesh factorisations and write the best as YAML")
+  p.add_argument("--recommend", action="store_true", help="rank mesh factorisations, then settings (remat,"
+                 " attention, microbatches) on the best; write the best as a mesh config and an experiment config")
   p.add_argument("--top", type=int, default=5, help="candidates to print with --recommend (default 5)")
   p.add_argument("--max_compiles", type=int, default=6, help="candidates --recommend compiles at most (default 6)")
   p.add_argument("--out", help=f"where --recommend writes the mesh config (default ./{DEFAULT_OUT})")
+  p.add_argument("--out_config", help="where --recommend writes the experiment config with the chosen settings and"
+                 f" mesh (default: {DEFAULT_CONFIG_OUT} beside --out)")
   p.add_argument("--json", help="also write the figures as JSON to this path")
   p.add_argument("--efficiency", type=float, default=None, help="share of peak FLOP/s the matmuls reach (default 0.6)")
   p.add_argument("--memory_fraction", type=float, help="usable share of device memory (default: TPU 1.0, GPU 0.92)")
@@ -129,7 +137,11 @@ def main(argv: Sequence[str]) -> int:
       overrides["mesh_config"] = args.mesh_config
     config = config_lib.load(args.config, overrides)
     if config.mesh_config == "auto":  # the meshes a run's mesh_config: auto searches, here for the flags' machine
-      mesh_config, args.recommend = MeshConfig(("data", "fsdp", "tensor"), (-1, 1, 1), source="mesh_config auto"), True
+      from distrib_train.podplan.auto import axes
+
+      names = axes(config)
+      mesh_config = MeshConfig(names, (-1,) + (1,) * (len(names) - 1), source="mesh_config auto")
+      args.recommend = True
     else:
       mesh_config = MeshConfig.from_yaml(find_mesh_config(config.mesh_config))
     devices = args.devices or mesh_config.devices or (_topology(args, mesh_config) or _NoTopology).devices
@@ -233,50 +245,74 @@ def _topology(args, mesh_config):
 
 
 def _recommend(args, config, mesh_config, kind, devices, granules, matches, notes, name, common, target) -> int:
+  from distrib_train.podplan import auto
   from distrib_train.podplan import search as mesh_search
   from distrib_train.podplan import estimate as podplan
   from distrib_train.podplan import report as podplan_report
+  from distrib_train.training import config as config_lib
+  from distrib_train.training.layout_choice import Choice
 
   if not matches:
     notes.append(f"{mesh_config.source} is for {mesh_config.devices} devices: its axes and rules are used, not its"
                  " sizes.")
-  print(f"Recommending a mesh for {name} on {devices} × {kind.name} ({granules} granule(s)) over axes"
-        f" {', '.join(mesh_config.axis_names)}", flush=True)
-  rec = mesh_search.recommend(config, mesh_config, kind, devices, granules=granules, max_compiles=args.max_compiles,
-                              progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True), target=target,
-                              **common)
-  print(podplan_report.recommendation_text(rec, args.top))
-  out = {"candidates": rec.candidates, "dropped": rec.dropped, "compiled": rec.compiled,
-         "ranked": [p.to_dict() for p in rec.ranked[:args.top]],
-         "not_fitting": [p.to_dict() for p in rec.not_fitting_compiled]}
-  if not rec.ranked:
+  print(f"Recommending a layout for {name} on {devices} × {kind.name} ({granules} granule(s)) over axes"
+        f" {', '.join(mesh_config.axis_names)}, then its settings", flush=True)
+  progress = lambda m: print(f"  {m}", file=sys.stderr, flush=True)
+  try:
+    found = auto.search_space(config, kind, devices, granules=granules, max_compiles=args.max_compiles,
+                              target=target, base=mesh_config, say=progress, **common)
+  except ValueError as e:
+    if "found no layout" not in str(e):
+      raise
+    found, failure = None, str(e)
+  rec = found.meshes if found else None
+  if rec is not None:
+    print(podplan_report.recommendation_text(rec, args.top))
+  out = {} if rec is None else {
+      "candidates": rec.candidates, "dropped": rec.dropped, "compiled": found.compiled,
+      "ranked": [p.to_dict() for p in rec.ranked[:args.top]],
+      "not_fitting": [p.to_dict() for p in rec.not_fitting_compiled],
+      "settings": [{"settings": s, "step_s": p.time.step_s, "memory": p.memory.total} for p, s in found.finalists]}
+  if found is None:
+    print(failure)
     for note in notes:
       print(f"  - {note}")
     if args.json:
       _write_json(args.json, out)
     return 1
-  best = rec.ranked[0]
+  print("\nSettings on the fastest mesh, by estimated step time:")
+  for pod, settings in found.finalists[:args.top]:
+    print(f"  {auto._label(pod, settings)}, {podplan_report.human_bytes(pod.memory.total)} per device")
+  best, settings = found.finalists[0]
   best.config_name = name
   best.notes.extend(notes)
   rules = podplan.rules_for(config, mesh_config)
+  said = ", ".join(f"{k}={v}" for k, v in settings.items())
   header = [f"Recommended by `distrib-train plan --recommend` for {name} on {devices} × {kind.name}"
-            f" ({datetime.date.today().isoformat()}).",
+            f" ({datetime.date.today().isoformat()}), with {said}.",
             f"Estimated step {best.time.step_s:.3g} s, MFU {best.time.mfu or 0:.1%};"
             f" {podplan_report.human_bytes(best.memory.total)} of {podplan_report.human_bytes(best.memory.usable)}"
             f" per device ({podplan_report.compiler_line(best)})."]
   path = args.out or DEFAULT_OUT
+  config_path = args.out_config or os.path.join(os.path.dirname(path), DEFAULT_CONFIG_OUT)
+  chosen = Choice(None, settings, "").apply(config)
+  chosen = dataclasses.replace(chosen, mesh_config=os.path.abspath(path))
   try:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
       f.write(mesh_search.mesh_config_yaml(best, rules, header))
+    with open(config_path, "w", encoding="utf-8") as f:
+      f.write("".join(f"# {line}\n" for line in header) + f"# Run it: distrib-train --config {config_path}\n"
+              + chosen.to_yaml())
   except OSError as e:
-    _fail(f"cannot write {path!r}: {e.strerror}.")
+    _fail(f"cannot write {e.filename!r}: {e.strerror}.")
   from distrib_train.sharding.mesh import MeshConfig
 
   MeshConfig.from_yaml(path)  # what was written loads
-  print(f"\nBest: {best.layout.describe()} → wrote {path}\n")
+  config_lib.load(config_path)
+  print(f"\nBest: {best.layout.describe()} with {said} → wrote {path} and {config_path}\n")
   print(best.report())
-  out["out"] = path
+  out.update(out=path, config_out=config_path, chosen=settings)
   if args.json:
     _write_json(args.json, out)
   return 0
