@@ -95,3 +95,20 @@ def test_fp8_gemm_bench_times_the_same_products_in_each_layout_on_cpu(tmp_path):
   built, kmajor = rows["fp8 as built"]["error"], rows["fp8 K-major"]["error"]
   assert all(0 < e < 0.1 for e in built + rows["fp8 e4m3 grads"]["error"]), rows
   assert all(abs(a - b) < 1e-3 for a, b in zip(built, kmajor)), (built, kmajor)
+
+
+def test_gpu_bench_reads_the_headline_table_it_prints_beside():
+  """bench/gpu.sh's rows each have a figure in RESULTS.md's headline table to print beside (the bench itself
+  needs a GPU; `bash bench/gpu.sh --smoke` runs it on CPU in about 3 minutes)."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "bench" / "gpu.py")
+  gpu = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(gpu)
+  table = gpu.headline()
+  assert set(gpu.ROWS) | {"auto-7b"} <= set(table), table
+  for key in ("bare", "fp8", "text", "moe"):
+    assert gpu._number(table[key][0]) and table[key][1] != "—", table[key]
+  out = subprocess.run([sys.executable, "bench/gpu.py", "--only", "bare,nope"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+  assert out.returncode == 2 and "unknown rows ['nope']" in out.stderr, out.stderr
