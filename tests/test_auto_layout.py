@@ -85,17 +85,20 @@ def test_two_processes_agree_on_one_choice(tmp_path):
   assert first["again"]["reused"] and first["again"]["ici"] == first["ici"], first
 
 
-def test_the_settings_searched_start_from_the_presets_and_add_kernels_and_fp8_where_the_card_and_preset_allow(
+def test_the_settings_searched_start_from_the_presets_and_add_kernels_and_fp8_where_timed_steps_can_rank_them(
     small_config):
   from distrib_train.cluster import hardware
 
   cpu, h100, v5p = auto.device_kind(), hardware.device_kind("h100"), hardware.device_kind("v5p")
   config = small_config("model.remat=full", "train.microbatches=2")
-  assert [k for k, _ in auto.dimensions(config, cpu)] == ["model.remat", "train.microbatches"]
-  assert dict(auto.dimensions(config, v5p))["model.attention"] == ("auto", "xla")  # no FP8 on a TPU
-  assert "model.fp8" not in dict(auto.dimensions(config, h100))  # FP8 only where the preset allows it
-  dims = dict(auto.dimensions(small_config("train.layout_fp8=true", "model.attention=cudnn"), h100))
+  assert [k for k, _ in auto.dimensions(config, cpu, timed=True)] == ["model.remat", "train.microbatches"]
+  assert dict(auto.dimensions(config, v5p, timed=True))["model.attention"] == ("auto", "xla")  # no FP8 on a TPU
+  assert "model.fp8" not in dict(auto.dimensions(config, h100, timed=True))  # only where the preset allows it
+  allowed = small_config("train.layout_fp8=true", "model.attention=cudnn")
+  dims = dict(auto.dimensions(allowed, h100, timed=True))
   assert dims["model.attention"] == ("cudnn", "xla") and dims["model.fp8"] == ("none", "current")
+  # the estimate cannot rank kernels or FP8 (it counts FLOPs and collectives): untimed, neither is searched
+  assert [k for k, _ in auto.dimensions(allowed, h100)] == ["model.remat", "train.microbatches"]
   space = auto.settings_space(config, cpu)
   assert space[0] == {"model.remat": "full", "train.microbatches": 2}  # the preset's own first
   assert len(space) == 3 * 3 and len({json.dumps(s, sort_keys=True) for s in space}) == 9

@@ -12,11 +12,11 @@ the job has, with the compiler that will run it:
    rest are ordered by a compile-free guess of their communication and the first ``MESH_COMPILES`` compiled
    (``search.recommend``).
 2. **Settings,** on the fastest mesh that fits (``settings_space``): the reference model's remat (``none``,
-   ``dots_saveable``, ``full``), its attention kernel (on a GPU or TPU: the platform's fused kernel or XLA's),
-   FP8 matmuls (``model.fp8: current``, on an H100 or H200 where ``train.layout_fp8`` allows them) and
-   microbatches that keep the global batch (1, 2, 4); the preset's own first, then those that change fewer of
-   its settings. A setting that fits is not tried again with more microbatches. At most
-   ``train.layout_compiles`` compiles in all.
+   ``dots_saveable``, ``full``) and microbatches that keep the global batch (1, 2, 4); where the finalists are
+   timed (below), also its attention kernel (the platform's fused kernel or XLA's) and FP8 matmuls
+   (``model.fp8: current``, on an H100 or H200 where ``train.layout_fp8`` allows them), which the estimate
+   cannot rank. The preset's own first, then those that change fewer of its settings; a setting that fits is
+   not tried again with more microbatches. At most ``train.layout_compiles`` compiles in all.
 3. **Choice.** Each compiled candidate's memory is the compiled figure against what the trainer's
    allocator gives (on GPU the share ``XLA_PYTHON_CLIENT_MEM_FRACTION`` gives, 0.92 unless set); a
    candidate the compiler refuses for memory does not fit. Of those that fit and that the trainer's start-up
@@ -94,17 +94,19 @@ def _first(preset: Any, options: Sequence[Any]) -> tuple[Any, ...]:
   return (preset,) + tuple(o for o in options if o != preset)
 
 
-def dimensions(config: Config, kind: hardware.DeviceKind) -> list[tuple[str, tuple[Any, ...]]]:
+def dimensions(config: Config, kind: hardware.DeviceKind, timed: bool = False) -> list[tuple[str, tuple[Any, ...]]]:
   """The settings searched on a mesh, each key with its options, the preset's first: the reference model's
-  remat; its attention kernel (the platform's fused kernel or XLA's, on a TPU or GPU); FP8 matmuls where
-  ``train.layout_fp8`` allows them and the card has them; microbatches that keep the global batch."""
+  remat; microbatches that keep the global batch; and where the finalists are ``timed``, the attention kernel
+  (the platform's fused kernel or XLA's, on a TPU or GPU) and FP8 matmuls (where ``train.layout_fp8`` allows
+  them and the card has them). The compiler-based estimate sees neither the memory traffic a fused kernel saves
+  nor FP8's faster matmuls (it counts FLOPs and collectives), so only measured steps choose those two."""
   model = config.model_recipe().config
   out = []
   if hasattr(model, "remat"):
     out.append(("model.remat", _first(model.remat, REMATS)))
-  if hasattr(model, "attention") and kind.platform in KERNELS:
+  if hasattr(model, "attention") and kind.platform in KERNELS and timed:
     out.append(("model.attention", _first(model.attention, ("auto" if model.attention == "xla" else "xla",))))
-  if hasattr(model, "fp8") and config.train.layout_fp8 and kind.name in FP8_KINDS:
+  if hasattr(model, "fp8") and config.train.layout_fp8 and kind.name in FP8_KINDS and timed:
     out.append(("model.fp8", _first(model.fp8, ("none", "current"))))
   batch = config.data.global_batch_size
   out.append(("train.microbatches", _first(config.train.microbatches,
@@ -112,10 +114,10 @@ def dimensions(config: Config, kind: hardware.DeviceKind) -> list[tuple[str, tup
   return out
 
 
-def settings_space(config: Config, kind: hardware.DeviceKind) -> list[dict[str, Any]]:
+def settings_space(config: Config, kind: hardware.DeviceKind, timed: bool = False) -> list[dict[str, Any]]:
   """Every combination of ``dimensions``, most promising first: the preset's own, then those that change
   fewer of its settings, fewer microbatches before more (each one more pass over the layers)."""
-  dims = dimensions(config, kind)
+  dims = dimensions(config, kind, timed)
   combos = itertools.product(*(range(len(options)) for _, options in dims))
   order = lambda picks: (sum(p > 0 for p in picks), picks[-1], picks)
   return [{key: options[p] for (key, options), p in zip(dims, picks)} for picks in sorted(combos, key=order)]
@@ -164,11 +166,11 @@ class Found:
 
 def search_space(config: Config, kind: hardware.DeviceKind, devices: int, *, granules: int, max_compiles: int,
                  memory_fraction: float | None = None, target: Any = None, base: MeshConfig | None = None,
-                 say: Callable[[str], None] = lambda message: None, **options: Any) -> Found:
+                 timed: bool = False, say: Callable[[str], None] = lambda message: None, **options: Any) -> Found:
   """The layouts of ``config`` on ``devices`` devices of ``kind`` (on this job's devices, or a ``target``'s
   compiler for a machine you do not have), compiling at most ``max_compiles``: the meshes over ``base``'s axes
   (default ``axes(config)``) by ``search.recommend``, then the settings of ``settings_space`` on the fastest mesh
-  that fits (module docstring).
+  that fits (module docstring); the attention kernel and FP8 only where the finalists will be ``timed``.
 
   Raises:
     ValueError: no candidate fits (the smallest need and the drops named).
@@ -191,7 +193,7 @@ def search_space(config: Config, kind: hardware.DeviceKind, devices: int, *, gra
                      f" large{closest}" + (f", {refused} refused by the trainer's checks (train.microbatches,"
                      " data.seq_len)" if refused else "") + "): lower data.global_batch_size or data.seq_len, use"
                      " more devices, or name a mesh config.")
-  space = settings_space(config, kind)
+  space = settings_space(config, kind, timed)
   preset, best = space[0], ranked[0]
   mesh = MeshConfig(best.layout.axis_names, best.layout.ici, best.layout.dcn, rules=base.rules,
                     source="mesh_config: auto", devices=devices, topology=getattr(base, "topology", None))
@@ -293,10 +295,11 @@ def search(config: Config, workdir: str | os.PathLike, *, max_compiles: int | No
   # the share of a GPU the trainer's allocator gets (cluster/gpu_environment.py sets it unless it is set)
   fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") if kind.platform == "gpu" else None
   say(f"mesh_config: auto: searching layouts of {devices} {kind.name} devices over {', '.join(axes(config))}")
-  found = search_space(config, kind, devices, granules=granules, max_compiles=max_compiles,
-                       memory_fraction=float(fraction) if fraction else None, say=say)
   steps = config.train.layout_timed_steps if timed_steps is None else timed_steps
-  ranked = _timed(config, found, devices, steps, say) if steps and kind.platform != "cpu" or timed_steps else []
+  timing = bool(steps and kind.platform != "cpu" or timed_steps)  # timed_steps given: timed anywhere (tests)
+  found = search_space(config, kind, devices, granules=granules, max_compiles=max_compiles, timed=timing,
+                       memory_fraction=float(fraction) if fraction else None, say=say)
+  ranked = _timed(config, found, devices, steps, say) if timing else []
   if ranked:
     (chosen, settings, seconds), *rest = ranked
     runner_up = f"; runner-up {_label(rest[0][0], rest[0][1], rest[0][2])}" if rest else ""

@@ -19,8 +19,9 @@ It plans the train state, compiles the trainer's step on abstract inputs
 kind's, the collectives per step by mesh axis (ICI or DCN), FLOPs, and an
 estimated step time and MFU. ``--recommend`` (or ``--mesh_config auto``)
 searches what a run's ``mesh_config: auto`` searches (``auto.py``): the
-factorisations of the devices over the mesh axes, then remat, attention
-kernel and microbatches on the best, and writes the choice as a mesh-config
+factorisations of the devices over the mesh axes, then remat and
+microbatches on the best (not the attention kernel or FP8: only a run's timed
+steps rank those), and writes the choice as a mesh-config
 YAML (``--out``) and an experiment config the trainer loads as is
 (``--out_config``); on a TPU target its finalists are compiled by libtpu.
 
@@ -69,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--granules", type=int, help="TPU slices or GPU hosts (default: from the mesh config; GPUs: one per"
                  " 8 devices)")
   p.add_argument("--recommend", action="store_true", help="rank mesh factorisations, then settings (remat,"
-                 " attention, microbatches) on the best; write the best as a mesh config and an experiment config")
+                 " microbatches) on the best; write the best as a mesh config and an experiment config")
   p.add_argument("--top", type=int, default=5, help="candidates to print with --recommend (default 5)")
   p.add_argument("--max_compiles", type=int, default=6, help="candidates --recommend compiles at most (default 6)")
   p.add_argument("--out", help=f"where --recommend writes the mesh config (default ./{DEFAULT_OUT})")

@@ -117,8 +117,9 @@ class TrainConfig:
       (``podplan/auto.py``).
     layout_timed_steps: with ``mesh_config: auto`` on a GPU or TPU, the steps each of the fastest three
       estimates runs, timed, to choose between them (0: the compiler's estimate alone).
-    layout_fp8: with ``mesh_config: auto`` on an H100 or H200, the search may also try ``model.fp8: current``
-      (FP8 matmuls change the numerics, so only where the preset allows it; off by default).
+    layout_fp8: with ``mesh_config: auto`` on an H100 or H200, the search may also try ``model.fp8: current``,
+      ranked by its timed steps (FP8 matmuls change the numerics, so only where the preset allows it; off by
+      default).
     hang_timeout_s: the hang watchdog (``watchdog.py``): seconds a step (or
       the wait for its batch) may go without progress before every process
       writes its Python stacks and exits with status 4, naming the phase and
