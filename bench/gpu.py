@@ -1,10 +1,11 @@
 """The headline measurements on your GPU, in one command, beside the figures in bench/RESULTS.md.
 
-Run from the repository root on a machine with one NVIDIA GPU (``bash bench/gpu.sh`` runs this):
+Run from the repository root on a machine with an NVIDIA GPU (``bash bench/gpu.sh`` runs this; the rows use
+one GPU, ``--big``'s the 7b preset's eight):
 
   python bench/gpu.py                          # every row below (about 25 minutes on an H200)
   python bench/gpu.py --only bare,fp8          # some rows
-  python bench/gpu.py --big                    # also llama-7b-gpu, auto against hand-tuned
+  python bench/gpu.py --big                    # also llama-7b-gpu, auto against hand-tuned (8 GPUs: its machine)
   python bench/gpu.py --smoke                  # the same rows at toy sizes on 8 emulated CPU devices
 
 Each row runs the bench that owns it, in its own process:
@@ -87,12 +88,13 @@ def corpus(workdir: pathlib.Path, smoke: bool) -> list[str]:
   return ["--text", str(text), "--tokenizer", f"hf:{workdir / 'tokenizer.json'}"]
 
 
-def trainer_tokens(config: str, workdir: pathlib.Path, steps: int, extra: list[str], limit: float) -> dict:
+def trainer_tokens(config: str, workdir: pathlib.Path, steps: int, extra: list[str], limit: float,
+                   env: dict[str, str] | None = None) -> dict:
   """The trainer CLI's tokens/s: the median of its metric windows after the first (the warm-up's)."""
   command = [sys.executable, "-m", "distrib_train", "--config", config, "--workdir", str(workdir), "--steps",
              str(steps), "--set", "train.log_every=10", "--set", "train.eval_every=0", "--set",
              "train.checkpoint_every=0", "--set", "data.eval_fraction=0", *extra]
-  output = _run(command, limit, capture_stderr=True)
+  output = _run(command, limit, env, capture_stderr=True)
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
   windows = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][1:]
   if not windows:
@@ -122,7 +124,8 @@ def _number(text: str) -> float | None:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--only", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
-  parser.add_argument("--big", action="store_true", help="also llama-7b-gpu in the auto row (needs ~130 GiB)")
+  parser.add_argument("--big", action="store_true", help="also llama-7b-gpu in the auto row, on the machine its"
+                      " preset names (8 × H100: gpu-1x8xh100)")
   parser.add_argument("--smoke", action="store_true", help="toy sizes on 8 emulated CPU devices (checks the script)")
   parser.add_argument("--json", help="write every figure here")
   args = parser.parse_args(argv)
@@ -132,6 +135,8 @@ def main(argv=None) -> int:
     parser.error(f"--only: unknown rows {sorted(unknown)}; choose from {', '.join(ROWS)}")
   py = sys.executable
   smoke = args.smoke
+  # the one-GPU rows see one GPU (the 1b preset's mesh is gpu-1), on a machine with more
+  one = {} if smoke else {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
   cpu = ["--cpu_devices", "8"] if smoke else []
   got: dict[str, tuple[str, float | None]] = {}
   out: dict[str, object] = {}
@@ -142,7 +147,7 @@ def main(argv=None) -> int:
     print(f"[{time.perf_counter() - start:5.0f} s] {label}", file=sys.stderr, flush=True)
     try:
       got[key] = body()
-    except (RuntimeError, subprocess.TimeoutExpired, KeyError, ValueError, StopIteration) as e:
+    except Exception as e:  # noqa: BLE001 - a row that fails says why; the table goes on
       lines = [line for line in str(e).splitlines() if line.strip()]
       got[key] = (f"failed: {lines[-1][:100] if lines else type(e).__name__}", None)
       if key == "bare" and "fp8" in only:
@@ -154,7 +159,7 @@ def main(argv=None) -> int:
       settings = BARE + (f";{BARE},fp8=delayed" if "fp8" in only else "")
       shapes = ["--shapes", "tiny", "--steps", "3", "--warmup", "1"] if smoke else ["--shapes", "1b"]
       _run([py, "bench/train_throughput.py", *shapes, "--reference", "none", "--sweep", "--settings", settings,
-            "--json", str(path)], 1500, {"JAX_PLATFORMS": "cpu"} if smoke else None)
+            "--json", str(path)], 1500, {"JAX_PLATFORMS": "cpu"} if smoke else one)
       rows = json.loads(path.read_text())["rows"]
       out["train_throughput"] = rows
       base = next(r for r in rows if "fp8=" not in r["setting"] and r.get("tokens_per_s"))
@@ -170,7 +175,7 @@ def main(argv=None) -> int:
       config = ["--config", "tiny", "--steps", "30", "--set", "data.seq_len=256", "--set",
                 "model.vocab_size=16384"] if smoke else [
           "--config", "llama-124m-gpu", "--steps", "60"]
-      _run([py, "bench/trainer_loop.py", *config, *cpu, *corpus(work, smoke), "--json", str(path)], 1200)
+      _run([py, "bench/trainer_loop.py", *config, *cpu, *corpus(work, smoke), "--json", str(path)], 1200, one)
       result = json.loads(path.read_text())
       out["trainer_loop"] = result
       return f"{result['ratio']:.3f}", result["ratio"]
@@ -180,7 +185,7 @@ def main(argv=None) -> int:
       path = work / "moe.json"
       shape = ["--cpu_devices", "8", "--d_model", "64", "--layers", "2", "--expert_mlp_dim", "128", "--seq_len", "64",
                "--vocab", "256", "--steps", "2", "--rounds", "1"] if smoke else ["--cpu_devices", "0", *MOE_SHAPE]
-      _run([py, "bench/moe_step.py", *shape, "--json", str(path)], 900)
+      _run([py, "bench/moe_step.py", *shape, "--json", str(path)], 900, one)
       results = json.loads(path.read_text())["results"]
       out["moe_step"] = results
       ratio = results["moe"]["tokens_per_s"] / results["dense"]["tokens_per_s"]
@@ -191,8 +196,9 @@ def main(argv=None) -> int:
     for preset in presets:
       def auto(preset=preset):
         steps = 30 if smoke else 60
-        hand = trainer_tokens(preset, work / f"{preset}-hand", steps, cpu, 1800)
-        auto = trainer_tokens(preset, work / f"{preset}-auto", steps, cpu + ["--mesh_config", "auto"], 2400)
+        env = one if preset != "llama-7b-gpu" else {}
+        hand = trainer_tokens(preset, work / f"{preset}-hand", steps, cpu, 1800, env)
+        auto = trainer_tokens(preset, work / f"{preset}-auto", steps, cpu + ["--mesh_config", "auto"], 2400, env)
         out[f"auto {preset}"] = {"hand": hand, "auto": auto}
         ratio = auto["tokens_per_s"] / hand["tokens_per_s"]
         print(f"  auto chose {auto['choice']} in {auto['search_s']:.0f} s", file=sys.stderr)

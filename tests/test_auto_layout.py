@@ -16,7 +16,8 @@ from distrib_train.training.trainer import Trainer, TrainerSetupError
 _WORKERS = pathlib.Path(__file__).resolve().parent / "workers"
 
 
-SMALL = ["data.seq_len=32", "data.global_batch_size=8", "train.steps=3", "train.log_every=1", "train.eval_every=0",
+SMALL = ["model.remat=full", "data.seq_len=32", "data.global_batch_size=8", "train.steps=3", "train.log_every=1",
+         "train.eval_every=0",
          "train.checkpoint_every=0", "train.async_checkpoint=false", "optimizer.warmup_steps=0",
          "train.layout_compiles=3"]
 
@@ -91,11 +92,11 @@ def test_the_settings_searched_start_from_the_presets_and_add_kernels_and_fp8_wh
 
   cpu, h100, v5p = auto.device_kind(), hardware.device_kind("h100"), hardware.device_kind("v5p")
   config = small_config("model.remat=full", "train.microbatches=2")
-  assert [k for k, _ in auto.dimensions(config, cpu, timed=True)] == ["model.remat", "train.microbatches"]
-  assert dict(auto.dimensions(config, v5p, timed=True))["model.attention"] == ("auto", "xla")  # no FP8 on a TPU
-  assert "model.fp8" not in dict(auto.dimensions(config, h100, timed=True))  # only where the preset allows it
+  assert [k for k, _ in auto.dimensions(config, cpu, timing=True)] == ["model.remat", "train.microbatches"]
+  assert dict(auto.dimensions(config, v5p, timing=True))["model.attention"] == ("auto", "xla")  # no FP8 on a TPU
+  assert "model.fp8" not in dict(auto.dimensions(config, h100, timing=True))  # only where the preset allows it
   allowed = small_config("train.layout_fp8=true", "model.attention=cudnn")
-  dims = dict(auto.dimensions(allowed, h100, timed=True))
+  dims = dict(auto.dimensions(allowed, h100, timing=True))
   assert dims["model.attention"] == ("cudnn", "xla") and dims["model.fp8"] == ("none", "current")
   # the estimate cannot rank kernels or FP8 (it counts FLOPs and collectives): untimed, neither is searched
   assert [k for k, _ in auto.dimensions(allowed, h100)] == ["model.remat", "train.microbatches"]
@@ -104,6 +105,19 @@ def test_the_settings_searched_start_from_the_presets_and_add_kernels_and_fp8_wh
   assert len(space) == 3 * 3 and len({json.dumps(s, sort_keys=True) for s in space}) == 9
   changed = [sum(s[k] != space[0][k] for k in s) for s in space]
   assert changed == sorted(changed), space  # fewer changes first
+  timed_space = auto.settings_space(allowed, h100, timing=True)
+  assert [next(k for k in s if s[k] != timed_space[0][k]) for s in timed_space[1:4]] == ["model.remat"] * 2 + [
+      "model.attention"], timed_space[:4]  # of single changes, the remat's first
+  # not tried: what differs from settings that fit only by more microbatches or a heavier remat
+  fit = {"model.remat": "dots_saveable", "model.attention": "xla", "train.microbatches": 2}
+  assert auto.outrun({**fit, "model.remat": "full"}, [fit]) and auto.outrun({**fit, "train.microbatches": 4}, [fit])
+  assert not auto.outrun({**fit, "model.remat": "none"}, [fit])  # lighter: it may fit too, and be faster
+  assert not auto.outrun({**fit, "model.remat": "none", "train.microbatches": 4}, [fit])  # lighter, more passes
+  assert not auto.outrun({**fit, "model.remat": "full", "model.attention": "cudnn"}, [fit])  # another kernel
+  # timed: the best estimate of each kernel first (the estimate cannot rank kernels), then the next estimates
+  finalists = [(name, {"model.attention": kernel, "model.remat": remat}) for name, kernel, remat in (
+      ("a", "auto", "none"), ("b", "auto", "full"), ("c", "xla", "none"), ("d", "auto", "dots_saveable"))]
+  assert [name for name, _ in auto._to_time(finalists)] == ["a", "c", "b"]
 
 
 def test_on_an_accelerator_the_fastest_estimates_run_timed_steps_and_the_shortest_measured_wins(

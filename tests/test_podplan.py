@@ -295,6 +295,7 @@ def test_cli_recommend_writes_a_mesh_config_that_loads(tmp_path, cache_env, reco
     (["--config", "tiny", "--set", "train.step=3"], "Unknown config key 'train.step'"),
     (["--config", "tiny", "--mesh_config", "nope"], "No mesh config named 'nope'"),
     (["--config", "tiny", "--efficiency", "2"], "--efficiency must be in (0, 1]"),
+    (["--config", "tiny", "--recommend", "--out_config", "tiny"], "--out_config must name a .yaml file"),
     (["--config", "tiny", "--frobnicate"], "unrecognized arguments: --frobnicate"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):

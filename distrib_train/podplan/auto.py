@@ -61,7 +61,7 @@ from distrib_train.training.config import Config
 REMATS = ("none", "dots_saveable", "full")
 MICROBATCHES = (1, 2, 4)
 KERNELS = {"gpu": "cudnn", "tpu": "splash"}  # the fused attention kernel a platform has, besides XLA's
-FP8_KINDS = ("h100", "h200")  # cards whose matmuls take FP8 operands (model.fp8)
+FP8_KINDS = ("h100", "h200")  # cards whose matmuls take FP8 operands (model.fp8): these and their variants
 MESH_COMPILES = 3  # of the meshes, at most; the rest of ``max_compiles`` goes to the settings
 TIMED = 3  # finalists timed on an accelerator
 _BROADCAST_BYTES = 8192
@@ -94,9 +94,9 @@ def _first(preset: Any, options: Sequence[Any]) -> tuple[Any, ...]:
   return (preset,) + tuple(o for o in options if o != preset)
 
 
-def dimensions(config: Config, kind: hardware.DeviceKind, timed: bool = False) -> list[tuple[str, tuple[Any, ...]]]:
+def dimensions(config: Config, kind: hardware.DeviceKind, timing: bool = False) -> list[tuple[str, tuple[Any, ...]]]:
   """The settings searched on a mesh, each key with its options, the preset's first: the reference model's
-  remat; microbatches that keep the global batch; and where the finalists are ``timed``, the attention kernel
+  remat; microbatches that keep the global batch; and where the finalists are timed (``timing``), the attention kernel
   (the platform's fused kernel or XLA's, on a TPU or GPU) and FP8 matmuls (where ``train.layout_fp8`` allows
   them and the card has them). The compiler-based estimate sees neither the memory traffic a fused kernel saves
   nor FP8's faster matmuls (it counts FLOPs and collectives), so only measured steps choose those two."""
@@ -104,9 +104,9 @@ def dimensions(config: Config, kind: hardware.DeviceKind, timed: bool = False) -
   out = []
   if hasattr(model, "remat"):
     out.append(("model.remat", _first(model.remat, REMATS)))
-  if hasattr(model, "attention") and kind.platform in KERNELS and timed:
+  if hasattr(model, "attention") and kind.platform in KERNELS and timing:
     out.append(("model.attention", _first(model.attention, ("auto" if model.attention == "xla" else "xla",))))
-  if hasattr(model, "fp8") and config.train.layout_fp8 and kind.name in FP8_KINDS and timed:
+  if hasattr(model, "fp8") and config.train.layout_fp8 and kind.name.startswith(FP8_KINDS) and timing:
     out.append(("model.fp8", _first(model.fp8, ("none", "current"))))
   batch = config.data.global_batch_size
   out.append(("train.microbatches", _first(config.train.microbatches,
@@ -114,25 +114,32 @@ def dimensions(config: Config, kind: hardware.DeviceKind, timed: bool = False) -
   return out
 
 
-def settings_space(config: Config, kind: hardware.DeviceKind, timed: bool = False) -> list[dict[str, Any]]:
+def settings_space(config: Config, kind: hardware.DeviceKind, timing: bool = False) -> list[dict[str, Any]]:
   """Every combination of ``dimensions``, most promising first: the preset's own, then those that change
   fewer of its settings, fewer microbatches before more (each one more pass over the layers)."""
-  dims = dimensions(config, kind, timed)
+  dims = dimensions(config, kind, timing)
   combos = itertools.product(*(range(len(options)) for _, options in dims))
-  order = lambda picks: (sum(p > 0 for p in picks), picks[-1], picks)
+  order = lambda picks: (sum(p > 0 for p in picks), picks[-1], tuple(-(p > 0) for p in picks), picks)
   return [{key: options[p] for (key, options), p in zip(dims, picks)} for picks in sorted(combos, key=order)]
 
 
 def outrun(settings: dict[str, Any], fitted: Sequence[dict[str, Any]]) -> bool:
-  """Whether ``settings`` differ from settings that fit only by more microbatches: each one more is another
-  pass over the layers (and on FSDP another gather of the params), never a shorter step, so it is not tried."""
-  return any(fit["train.microbatches"] < settings["train.microbatches"] and all(
-      v == settings[k] for k, v in fit.items() if k != "train.microbatches") for fit in fitted)
+  """Whether ``settings`` differ from settings that fit only by more microbatches or a heavier remat: each
+  microbatch more is another pass over the layers (and under FSDP another gather of the params), each remat
+  step more recomputes more, so neither shortens a step; such settings are not tried."""
+  weight = {"train.microbatches": lambda m: m, "model.remat": lambda r: REMATS.index(r) if r in REMATS else -1}
+  for fit in fitted:
+    heavier = [k for k in weight if k in fit and fit[k] != settings[k]]
+    others = all(v == settings[k] for k, v in fit.items() if k not in weight)
+    if others and heavier and all(weight[k](fit[k]) < weight[k](settings[k]) for k in heavier):
+      return True
+  return False
 
 
 def _label(pod: PodPlan, settings: dict[str, Any], measured: float | None = None) -> str:
   said = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in settings.items())
-  step = f"measured {measured * 1e3:.3g} ms" if measured is not None else f"{pod.time.step_s * 1e3:.3g} ms"
+  ms = lambda seconds: f"{seconds * 1e3:,.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.3g}"
+  step = f"measured {ms(measured)} ms" if measured is not None else f"{ms(pod.time.step_s)} ms"
   return f"{pod.layout.describe()} ({said}): step {step}"
 
 
@@ -166,11 +173,11 @@ class Found:
 
 def search_space(config: Config, kind: hardware.DeviceKind, devices: int, *, granules: int, max_compiles: int,
                  memory_fraction: float | None = None, target: Any = None, base: MeshConfig | None = None,
-                 timed: bool = False, say: Callable[[str], None] = lambda message: None, **options: Any) -> Found:
+                 timing: bool = False, say: Callable[[str], None] = lambda message: None, **options: Any) -> Found:
   """The layouts of ``config`` on ``devices`` devices of ``kind`` (on this job's devices, or a ``target``'s
   compiler for a machine you do not have), compiling at most ``max_compiles``: the meshes over ``base``'s axes
   (default ``axes(config)``) by ``search.recommend``, then the settings of ``settings_space`` on the fastest mesh
-  that fits (module docstring); the attention kernel and FP8 only where the finalists will be ``timed``.
+  that fits (module docstring); the attention kernel and FP8 only where the finalists will be timed (``timing``).
 
   Raises:
     ValueError: no candidate fits (the smallest need and the drops named).
@@ -193,7 +200,7 @@ def search_space(config: Config, kind: hardware.DeviceKind, devices: int, *, gra
                      f" large{closest}" + (f", {refused} refused by the trainer's checks (train.microbatches,"
                      " data.seq_len)" if refused else "") + "): lower data.global_batch_size or data.seq_len, use"
                      " more devices, or name a mesh config.")
-  space = settings_space(config, kind, timed)
+  space = settings_space(config, kind, timing)
   preset, best = space[0], ranked[0]
   mesh = MeshConfig(best.layout.axis_names, best.layout.ici, best.layout.dcn, rules=base.rules,
                     source="mesh_config: auto", devices=devices, topology=getattr(base, "topology", None))
@@ -224,45 +231,80 @@ def search_space(config: Config, kind: hardware.DeviceKind, devices: int, *, gra
 
 
 def _agree(payload: dict[str, Any]) -> dict[str, Any]:
-  """Process 0's ``payload``, on every process."""
+  """Process 0's ``payload``, on every process (a payload too large to send is an error on every process)."""
   if jax.process_count() == 1:
     return payload
   from jax.experimental import multihost_utils
 
   data = json.dumps(payload).encode()
   if len(data) > _BROADCAST_BYTES:
-    raise ValueError(f"mesh_config: auto: the choice ({len(data)} bytes) exceeds {_BROADCAST_BYTES} to broadcast.")
+    data = json.dumps({"__error__": f"mesh_config: auto: process 0's message ({len(data)} bytes) exceeds"
+                                    f" {_BROADCAST_BYTES} to broadcast."}).encode()
   buffer = np.zeros(_BROADCAST_BYTES, np.uint8)
   buffer[:len(data)] = np.frombuffer(data, np.uint8)
-  agreed = np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes().rstrip(b"\0")
-  return json.loads(agreed.decode())
+  agreed = json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes().rstrip(b"\0").decode())
+  if "__error__" in agreed:
+    raise ValueError(agreed["__error__"])
+  return agreed
+
+
+def _worst(status: int) -> int:
+  """The largest of every process's ``status`` (0: well; higher: worse), on every process: what one process met,
+  all act on, so none goes on alone into collectives the others have left."""
+  if jax.process_count() == 1:
+    return status
+  from jax.experimental import multihost_utils
+
+  return int(np.max(multihost_utils.process_allgather(np.array([status], np.int32))))
 
 
 def _key(pod: PodPlan, settings: dict[str, Any]) -> str:
   return json.dumps([pod.layout.describe(), settings], sort_keys=True)
 
 
-def _timed(config: Config, found: Found, devices: int, steps: int, say: Callable[[str], None]) -> list[tuple]:
-  """The first ``TIMED`` finalists with their measured seconds per step (process 0's clock), fastest first; a
-  finalist that runs out of memory is dropped."""
+def _to_time(finalists: list[tuple[PodPlan, dict[str, Any]]]) -> list[tuple[PodPlan, dict[str, Any]]]:
+  """The ``TIMED`` finalists to run: the best estimate of each attention kernel and FP8 mode (the estimate cannot
+  rank those against each other), then the next best estimates."""
+  kernels = lambda settings: (settings.get("model.attention"), settings.get("model.fp8"))
+  firsts = {}
+  for pod, settings in finalists:
+    firsts.setdefault(kernels(settings), (pod, settings))
+  chosen = list(firsts.values())[:TIMED]
+  return chosen + [f for f in finalists if f not in chosen][:TIMED - len(chosen)]
+
+
+def _timed(config: Config, found: Found, devices: int, steps: int,
+           say: Callable[[str], None]) -> tuple[list[tuple], set[str]]:
+  """``_to_time``'s finalists with their measured seconds per step (process 0's clock), fastest first, and the
+  keys of those that ran out of memory on some process (dropped everywhere)."""
   mine = {_key(pod, settings): (pod, settings) for pod, settings in found.finalists}
-  keys = _agree({"keys": [_key(pod, settings) for pod, settings in found.finalists[:TIMED]]})["keys"]
-  if any(key not in mine for key in keys):  # every process must run the same steps, or their collectives hang
+  keys = _agree({"keys": [_key(pod, settings) for pod, settings in _to_time(found.finalists)]})["keys"]
+  if _worst(int(any(key not in mine for key in keys))):  # every process must run the same steps
     raise ValueError("mesh_config: auto: the processes' compiles disagree on the finalists; name a mesh config.")
-  out = []
-  for pod, settings in map(mine.get, keys):
+  out, dropped = [], set()
+  for key in keys:
+    pod, settings = mine[key]
     mesh = MeshConfig(pod.layout.axis_names, pod.layout.ici, pod.layout.dcn, source="mesh_config: auto",
                       devices=devices)
+    seconds, status, error = None, 0, ""
     try:
       seconds = timed.measure(layout_choice.Choice(mesh, settings, "").apply(config), mesh, steps=steps)
     except timed.OutOfMemory as e:
-      seconds = None
-      say(f"timed: {_label(pod, settings)}: out of memory when run, dropped ({e})")
+      status, error = 1, str(e)
+    except Exception as e:  # noqa: BLE001 - every process must learn of it before any raises
+      status, error = 2, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    worst = _worst(status)
+    if worst == 2:
+      raise ValueError(f"mesh_config: auto could not run {_label(pod, settings)} to time it ("
+                       + (error or "on another process") + "); name a mesh config.")
+    if worst == 1:
+      dropped.add(key)
+      say(f"timed: {_label(pod, settings)}: out of memory when run, dropped ({error or 'on another process'})")
+      continue
     seconds = _agree({"s": seconds})["s"]
-    if seconds is not None:
-      say(f"timed: {_label(pod, settings, seconds)}")
-      out.append((pod, settings, seconds))
-  return sorted(out, key=lambda f: f[2])
+    say(f"timed: {_label(pod, settings, seconds)}")
+    out.append((pod, settings, seconds))
+  return sorted(out, key=lambda f: f[2]), dropped
 
 
 def search(config: Config, workdir: str | os.PathLike, *, max_compiles: int | None = None,
@@ -297,9 +339,14 @@ def search(config: Config, workdir: str | os.PathLike, *, max_compiles: int | No
   say(f"mesh_config: auto: searching layouts of {devices} {kind.name} devices over {', '.join(axes(config))}")
   steps = config.train.layout_timed_steps if timed_steps is None else timed_steps
   timing = bool(steps and kind.platform != "cpu" or timed_steps)  # timed_steps given: timed anywhere (tests)
-  found = search_space(config, kind, devices, granules=granules, max_compiles=max_compiles, timed=timing,
+  found = search_space(config, kind, devices, granules=granules, max_compiles=max_compiles, timing=timing,
                        memory_fraction=float(fraction) if fraction else None, say=say)
-  ranked = _timed(config, found, devices, steps, say) if timing else []
+  ranked, dropped = _timed(config, found, devices, steps, say) if timing else ([], set())
+  if dropped and not ranked:  # every timed finalist ran out of memory: the untimed ones that are left, by estimate
+    found.finalists = [f for f in found.finalists if _key(*f) not in dropped]
+    if not found.finalists:
+      raise ValueError(f"mesh_config: auto: every layout that compiled to fit ran out of memory when run"
+                       f" ({len(dropped)}); lower data.global_batch_size or data.seq_len, or name a mesh config.")
   if ranked:
     (chosen, settings, seconds), *rest = ranked
     runner_up = f"; runner-up {_label(rest[0][0], rest[0][1], rest[0][2])}" if rest else ""

@@ -97,6 +97,10 @@ def _positive(args: argparse.Namespace) -> None:
     value = getattr(args, name)
     if value is not None and value < 1:
       raise _UsageError(f"--{name} must be at least 1, got {value}.")
+  for name in ("out", "out_config"):
+    value = getattr(args, name)
+    if value is not None and not value.endswith((".yaml", ".yml")):
+      raise _UsageError(f"--{name} must name a .yaml file (a name without it reads as a preset), got {value!r}.")
   for name in ("efficiency", "memory_fraction"):
     value = getattr(args, name)
     if value is not None and not 0 < value <= 1:
@@ -297,13 +301,15 @@ def _recommend(args, config, mesh_config, kind, devices, granules, matches, note
   path = args.out or DEFAULT_OUT
   config_path = args.out_config or os.path.join(os.path.dirname(path), DEFAULT_CONFIG_OUT)
   chosen = Choice(None, settings, "").apply(config)
-  chosen = dataclasses.replace(chosen, mesh_config=os.path.abspath(path))
+  chosen = dataclasses.replace(chosen, mesh_config=path)  # as --out was given: relative to where you run
   try:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    for written in (path, config_path):
+      os.makedirs(os.path.dirname(os.path.abspath(written)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
       f.write(mesh_search.mesh_config_yaml(best, rules, header))
     with open(config_path, "w", encoding="utf-8") as f:
       f.write("".join(f"# {line}\n" for line in header) + f"# Run it: distrib-train --config {config_path}\n"
+              f"# (its mesh_config is the path --out was given, {path}: run from here, or edit it)\n"
               + chosen.to_yaml())
   except OSError as e:
     _fail(f"cannot write {e.filename!r}: {e.strerror}.")

@@ -62,6 +62,7 @@ def measure(config: Config, mesh_config: MeshConfig, *, steps: int = 5, warmup: 
   spec = step_spec(config, platform)
   rules = rules_for(config, mesh_config)
   state = batch = None
+  refusal = ""
   try:
     plan = plan_state(spec, build_mesh(mesh_config), rules)
     step = build_train_step_fn(spec.loss_fn, donate_params_and_state=True,
@@ -80,10 +81,12 @@ def measure(config: Config, mesh_config: MeshConfig, *, steps: int = 5, warmup: 
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
   except Exception as e:  # jax's XlaRuntimeError / JaxRuntimeError
-    if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
-      raise OutOfMemory(f"{mesh_config.source}: {str(e).splitlines()[0][:300]}") from None
-    raise
+    if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+      raise
+    refusal = f"{mesh_config.source}: {str(e).splitlines()[0][:300]}"  # raised below, once the arrays are freed
   finally:
-    del state, batch
+    state = batch = step = None
     gc.collect()
     jax.clear_caches()
+  gc.collect()  # the refused step's traceback is gone now, and the arrays its frames held with it
+  raise OutOfMemory(refusal)
