@@ -375,10 +375,12 @@ def test_cli_recommend_compiles_its_finalists_with_libtpu(tmp_path):
   mesh.write_text("topology: v4:2x2x2\naxes:\n  data: 1\n  fsdp: -1\n  tensor: 1\nrules: fsdp_tensor\n")
   out_yaml = tmp_path / "best.yaml"
   out = _cli("--config", "tiny", "--mesh_config", str(mesh), "--recommend", "--max_compiles", "2", "--out",
-             str(out_yaml), "--json", str(tmp_path / "rec.json"))
+             str(out_yaml), "--json", str(tmp_path / "rec.json"), "--set", "model.remat=full")
   assert out.returncode == 0, out.stderr
   data = json.loads((tmp_path / "rec.json").read_text())
+  # one mesh, then one setting on it (remat none: lighter than the config's full), both by libtpu
   assert data["compiled"] == 2 and all(p["compiler"] == "tpu" for p in data["ranked"])
+  assert {"model.remat": "none", "train.microbatches": 1} in [s["settings"] for s in data["settings"]], data
   best = MeshConfig.from_yaml(out_yaml)
   assert best.topology.name == "v4:2x2x2" and best.devices == 8
 
