@@ -13,8 +13,9 @@ finalists); (b) every candidate of the same space compiled: each mesh whose stat
 the batch and every parameter (as ``search.recommend`` drops without compiling), times every setting of
 ``auto.settings_space`` that the trainer's start-up checks take, except those ``auto.outrun`` skips (the same
 settings with more microbatches or a heavier remat than settings that fit on that mesh: never a shorter
-estimate; the search skips them too). Each compiled candidate is appended to ``<json>.<preset>.jsonl`` as it is done. It prints the space, the compiles and wall time of each, the estimated step
-of (a)'s choice and of (b)'s best, and their ratio (the target: within 1.05).
+estimate; the search skips them too). Each compiled candidate is appended to ``<json>.<preset>.jsonl`` as
+it is done. It prints the space, the compiles and wall time of each, the estimated step of (a)'s choice and of
+(b)'s best, and their ratio (the target: within 1.05).
 
 Not for: a run's own search on its devices (``distrib-train --mesh_config auto``).
 """
@@ -35,7 +36,7 @@ def _exhaustive(config, kind, devices, target, say, log=None):
   import jax
 
   from distrib_train.podplan import auto, search
-  from distrib_train.podplan.estimate import plan_pod
+  from distrib_train.podplan.estimate import plan_pod, step_spec
   from distrib_train.training.layout_choice import Choice
 
   names = auto.axes(config)
@@ -52,15 +53,13 @@ def _exhaustive(config, kind, devices, target, say, log=None):
         continue
       variant = Choice(mesh, settings, "").apply(config)
       try:
-        pod = plan_pod(variant, mesh, kind, devices, compile=False, target=target)
-        skips = pod.plan.skips
-        if pod.memory.state + pod.memory.inputs > pod.memory.usable or any(
-            s.path.startswith("inputs") and s.logical_name == "batch" or s.path.startswith("params")
-            for s in skips) or not auto._runs(variant, pod):
+        spec = step_spec(variant, "tpu")
+        pod = plan_pod(variant, mesh, kind, devices, compile=False, target=target, spec=spec)
+        if search.drop_reason(pod, spec) or not auto._runs(variant, pod):
           refused += 1
           continue
         compiled += 1
-        pod = plan_pod(variant, mesh, kind, devices, target=target)
+        pod = plan_pod(variant, mesh, kind, devices, target=target, spec=spec)
       except ValueError as e:
         say(f"  {mesh.source} {settings}: not compiled ({str(e)[:120]})")
         continue

@@ -265,12 +265,12 @@ def _key(pod: PodPlan, settings: dict[str, Any]) -> str:
 def _to_time(finalists: list[tuple[PodPlan, dict[str, Any]]]) -> list[tuple[PodPlan, dict[str, Any]]]:
   """The ``TIMED`` finalists to run: the best estimate of each attention kernel and FP8 mode (the estimate cannot
   rank those against each other), then the next best estimates."""
-  kernels = lambda settings: (settings.get("model.attention"), settings.get("model.fp8"))
   firsts = {}
-  for pod, settings in finalists:
-    firsts.setdefault(kernels(settings), (pod, settings))
+  for number, (_, settings) in enumerate(finalists):
+    firsts.setdefault((settings.get("model.attention"), settings.get("model.fp8")), number)
   chosen = list(firsts.values())[:TIMED]
-  return chosen + [f for f in finalists if f not in chosen][:TIMED - len(chosen)]
+  chosen += [n for n in range(len(finalists)) if n not in chosen][:TIMED - len(chosen)]
+  return [finalists[n] for n in chosen]
 
 
 def _timed(config: Config, found: Found, devices: int, steps: int,

@@ -150,6 +150,19 @@ def _pipeline_fits(pod: PodPlan, spec: StepSpec) -> bool:
   return all(n % (stage * r) == 0 for n in stacks) and (batch // m) % ways == 0
 
 
+def drop_reason(pod: PodPlan, spec: StepSpec) -> str | None:
+  """Why an uncompiled plan cannot be a candidate (a key of ``Recommendation.dropped``), or None."""
+  if not _pipeline_fits(pod, spec):
+    return "the pipeline cannot split the layers or the batch"
+  if any(s.path.startswith("inputs") and s.logical_name == "batch" for s in pod.plan.skips):
+    return "batch does not split"
+  if any(s.path.startswith("params") for s in pod.plan.skips):
+    return "a rule skips a parameter dimension"
+  if pod.memory.state + pod.memory.inputs > pod.memory.usable:
+    return "state does not fit"
+  return None
+
+
 @dataclasses.dataclass
 class Recommendation:
   """What ``recommend`` found: the ranked compiled plans and what it skipped."""
@@ -193,14 +206,9 @@ def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind
         raise
       dropped["does not map onto the TPU topology"] += 1
       continue
-    if not _pipeline_fits(pod, spec):
-      dropped["the pipeline cannot split the layers or the batch"] += 1
-    elif any(s.path.startswith("inputs") and s.logical_name == "batch" for s in pod.plan.skips):
-      dropped["batch does not split"] += 1
-    elif any(s.path.startswith("params") for s in pod.plan.skips):
-      dropped["a rule skips a parameter dimension"] += 1
-    elif pod.memory.state + pod.memory.inputs > pod.memory.usable:
-      dropped["state does not fit"] += 1
+    why = drop_reason(pod, spec)
+    if why:
+      dropped[why] += 1
     else:
       rough_total = pod.memory.state + pod.memory.inputs + rough_activation_bytes(pod.layout, spec)
       seconds = rough_seconds(pod.layout, spec, kind, pod.emulated)

@@ -26,6 +26,7 @@ from distrib_train.podplan.estimate import plan_state, step_spec
 from distrib_train.sharding.mesh import MeshConfig, build_mesh
 from distrib_train.training.config import Config
 from distrib_train.train_step import build_train_step_fn
+from distrib_train.training.checks import out_of_memory_message
 from distrib_train.training.job import rules_for, step_options
 
 
@@ -81,7 +82,7 @@ def measure(config: Config, mesh_config: MeshConfig, *, steps: int = 5, warmup: 
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
   except Exception as e:  # jax's XlaRuntimeError / JaxRuntimeError
-    if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+    if out_of_memory_message(e, None) is None:
       raise
     refusal = f"{mesh_config.source}: {str(e).splitlines()[0][:300]}"  # raised below, once the arrays are freed
   finally:
