@@ -7,6 +7,8 @@ transformers' logits (fp32, 1e-4); the export must load in transformers with
 the same logits, and import → export must give the same tensors, bit for bit.
 """
 
+import copy
+import dataclasses
 import json
 import math
 import os
@@ -110,9 +112,49 @@ def _tokens():
   return np.random.default_rng(0).integers(0, COMMON["vocab_size"], size=(4, 64)).astype(np.int32)
 
 
+def _rows_from_token_0():
+  """Rows that each begin with token 0, as a BOS of id 0 begins them: Gemma 3's ``pad_token_id``, whose embedding
+  row transformers zeroes. That token's hidden state then stays exactly zero through every layer, where each
+  RMSNorm's derivative is 1/√eps: only an embedding that passes no gradient to the pad row (transformers'
+  ``padding_idx``) keeps the gradient finite. The targets are the next tokens."""
+  tokens = _tokens()
+  tokens[:, 0] = 0
+  return tokens, np.roll(tokens, -1, axis=1)
+
+
 def _reference_logits(model, tokens):
   with torch.no_grad():
     return model(torch.from_numpy(np.array(tokens)).long()).logits.float().numpy()
+
+
+def _reference_gradients(model, tokens, targets, directory):
+  """transformers' mean cross-entropy over every position and its ``loss.backward()``: the gradient of each
+  parameter, as ``save_pretrained`` names and lays out that parameter (experts fused in memory are written one
+  by one; a tied head is the embedding's one parameter)."""
+  model = copy.deepcopy(model)
+  logits = model(torch.from_numpy(tokens).long()).logits.float()
+  torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(targets).long().flatten()).backward()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+  model.save_pretrained(directory)
+  buffers = {name for name, _ in model.named_buffers()}  # DeepSeek-V3's score correction: state, not trained
+  saved = hf.SafetensorsDirectory(str(directory))
+  return {name: saved.read(name).astype(np.float32) for name in saved.tensors if name not in buffers}
+
+
+def assert_gradients_equal(ours, reference, rtol=1e-4):
+  """The same gradient: the global norm of the difference, and each tensor's, within ``rtol`` of the reference's
+  norm."""
+  assert set(reference) <= set(ours), sorted(set(reference) - set(ours))
+  norm = lambda a: float(np.sqrt(np.sum(np.square(a, dtype=np.float64))))
+  assert all(np.isfinite(ours[name]).all() for name in reference), [n for n in reference if not np.isfinite(ours[n]).all()]
+  total = math.sqrt(sum(norm(reference[n]) ** 2 for n in reference))
+  difference = math.sqrt(sum(norm(ours[n] - reference[n]) ** 2 for n in reference))
+  assert difference <= rtol * total, (difference, total)
+  worst = {n: norm(ours[n] - reference[n]) / norm(reference[n]) for n in reference if norm(reference[n]) > 0}
+  assert max(worst.values()) <= rtol, sorted(worst.items(), key=lambda item: -item[1])[:5]
+  assert all(norm(ours[n]) == 0 for n in reference if norm(reference[n]) == 0)
 
 
 def _recipe(config):
@@ -121,6 +163,8 @@ def _recipe(config):
 
 def _import(directory):
   config = hf.llama_config(directory, dtype="float32", attention="xla")
+  if isinstance(config, recipes.moe.MoEConfig):  # the loss is the cross-entropy alone, as transformers' is here
+    config = dataclasses.replace(config, aux_loss_weight=0.0, z_loss_weight=0.0)
   model = config.build(0)
   planner = dt.MeshPlanner(dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2))), "fsdp_tensor")
   state, plan = planner.init(lambda: dt.TrainState.initial_state(model, optax.sgd(0.0), jax.random.key(0)),
@@ -142,8 +186,30 @@ def _logits(state, plan, rules, tokens):
     return np.asarray(forward(state, jnp.asarray(tokens)))
 
 
+def _logits_and_gradients(config, state, plan, rules, tokens, batch):
+  """The logits of ``tokens``, and the gradient of the run's loss function on ``batch`` (tokens, targets) as
+  Hugging Face tensors: one program, on the plan's shardings."""
+  model_without_params = state.model_without_params
+
+  def loss(params, inputs):
+    model = dt.models.merge_model(model_without_params, params, state.local_state)
+    return _recipe(config).loss_fn(model=model, state=None, rng=None, **inputs)[0]
+
+  def forward_and_backward(params, tokens, inputs):
+    model = dt.models.merge_model(model_without_params, params, state.local_state)
+    return model.logits(model(tokens)), jax.grad(loss)(params, inputs)
+
+  place = lambda a, key: jax.device_put(a, plan.input_kwarg_shardings[key])
+  inputs = {"tokens": place(batch[0], "tokens"), "targets": place(batch[1], "targets")}
+  with activation_sharding(plan.mesh, rules):
+    logits, grads = jax.jit(forward_and_backward)(state.params, jnp.asarray(tokens), inputs)
+  return np.asarray(logits), hf.hf_tensors(grads, config, local_state=state.local_state)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_import_gives_transformers_logits_and_export_loads_back_bit_for_bit(family, tmp_path):
+def test_import_gives_transformers_logits_and_gradients_and_export_loads_back_bit_for_bit(family, tmp_path):
+  """The logits, and the loss's gradient for every tensor on rows that begin with token 0 (``_rows_from_token_0``),
+  are transformers' on 8 devices (fp32); the export loads back in transformers with the same tensors."""
   reference = _save(family, tmp_path / "hf")
   tokens = _tokens()
   config, state, plan, rules = _import(str(tmp_path / "hf"))
@@ -154,8 +220,10 @@ def test_import_gives_transformers_logits_and_export_loads_back_bit_for_bit(fami
   planned = jax.tree_util.tree_leaves(plan.train_state_shardings.params)
   for leaf, sharding in zip(jax.tree_util.tree_leaves(state.params), planned, strict=True):
     assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)  # read onto the plan's shards
-  np.testing.assert_allclose(_logits(state, plan, rules, tokens), _reference_logits(reference, tokens),
-                             rtol=1e-4, atol=1e-4)
+  batch = _rows_from_token_0()
+  logits, gradients = _logits_and_gradients(config, state, plan, rules, tokens, batch)
+  np.testing.assert_allclose(logits, _reference_logits(reference, tokens), rtol=1e-4, atol=1e-4)
+  assert_gradients_equal(gradients, _reference_gradients(reference, *batch, tmp_path / "gradients"))
 
   hf.save(state.params, config, str(tmp_path / "out"), local_state=state.local_state, max_shard_bytes=64 << 10)
   exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
@@ -336,6 +404,62 @@ def test_the_cli_starts_each_family_from_transformers_weights_with_its_loss_and_
   again = hf.SafetensorsDirectory(str(tmp_path / "exported"))
   assert hf.tensors_equal({n: original.read(n).astype(np.float32) for n in original.tensors},
                           {n: again.read(n) for n in original.tensors})
+
+
+def _first_training_batch(data_config):
+  from distrib_train import data
+
+  mesh = dt.build_mesh(dt.MeshConfig(("data",), (8,)))
+  shardings = {k: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+               for k in data.DataLoader.batch_schema(data_config)}
+  with data.DataLoader(data_config, shardings, split="train") as loader:
+    return {k: np.asarray(v) for k, v in next(iter(loader)).items()}
+
+
+def test_gemma3_from_transformers_fine_tunes_with_transformers_gradient(tmp_path):
+  """The Gemma 3 fine-tune a user runs: a BPE whose ``<s>`` is id 0, Gemma 3's ``pad_token_id`` (row zeroed by
+  transformers), begins every row; ``--init_from hf:`` a bf16 sharded checkpoint on 8 devices with AdamW. Every
+  step's gradient norm is finite, the first one is transformers' ``loss.backward()`` on the same batch, and the loss
+  falls."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+
+  from data_helpers import write_corpus
+  from distrib_train.training import config as config_lib
+
+  corpus = write_corpus(tmp_path)
+  bpe = tokenizers.Tokenizer(models.BPE())
+  bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+  bpe.train([corpus], trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"],
+                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  assert bpe.token_to_id("<s>") == 0
+  reference = _save("gemma3", tmp_path / "hf", dtype=torch.bfloat16, shard="60KB", vocab_size=bpe.get_vocab_size())
+  assert reference.config.pad_token_id == 0 and not reference.model.embed_tokens.weight[0].any()
+  bpe.save(str(tmp_path / "hf" / "tokenizer.json"))
+  overrides = ["data.source=text", f"data.paths={corpus}", f"data.tokenizer=hf:{tmp_path / 'hf' / 'tokenizer.json'}",
+               "data.bos_token=<s>", "data.seq_len=16", "data.global_batch_size=8", "data.packing=false",
+               "train.steps=4", "train.log_every=1", "train.eval_every=0", "train.async_checkpoint=false",
+               "train.compilation_cache_dir=", "model.dtype=float32", "model.attention=xla", "optimizer.name=adamw",
+               "optimizer.learning_rate=3e-3", "optimizer.warmup_steps=0"]
+  run = _cli("--config", "tiny", "--workdir", str(tmp_path / "run"), "--cpu_devices", "8", "--init_from",
+             f"hf:{tmp_path / 'hf'}", *[f"--set={o}" for o in overrides])
+  assert run.returncode == 0, run.stderr[-3000:]
+  steps = [m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "grad_norm" in m]
+  assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(math.isfinite(m["grad_norm"]) for m in steps), steps
+
+  config = config_lib.load("tiny", [*overrides, f"train.init_from=hf:{tmp_path / 'hf'}"])
+  batch = _first_training_batch(config.data_config())
+  assert (batch["tokens"][:, 0] == 0).all()
+  reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+  logits = reference(torch.from_numpy(batch["tokens"]).long()).logits.float()
+  losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), torch.from_numpy(batch["targets"]).long(),
+                                             reduction="none")
+  weights = torch.from_numpy(batch["weights"]).float()
+  loss = (losses * weights).sum() / weights.sum()
+  loss.backward()
+  grad_norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in reference.parameters()))
+  np.testing.assert_allclose([steps[0]["loss"], steps[0]["grad_norm"]], [loss.item(), grad_norm], rtol=1e-4)
+  assert steps[-1]["loss"] < steps[0]["loss"]
 
 
 def test_sft_eval_loss_of_an_imported_model_is_transformers_loss_on_the_assistant_tokens(tmp_path):

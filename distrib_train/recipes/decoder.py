@@ -206,6 +206,8 @@ class Decoder(nnx.Module):
     # step (124m-like shape, 8 devices).
     table = constrain(self.embed[...], ("vocab", None))
     x = jnp.take(table, tokens, axis=0).astype(c.dtype)
+    if c.pad_token_id >= 0:  # the pad token's lookups leave its row untrained, as transformers' padding_idx does
+      x = jnp.where((tokens == c.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
     if c.scale_embeddings:  # Gemma: embeddings × √d_model
       x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
     x = constrain(x, ("batch", "length", "embed"))

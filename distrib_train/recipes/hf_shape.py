@@ -122,6 +122,16 @@ def _layer_types(hf: dict[str, Any], layers: int, pattern: int | None) -> tuple[
   return ()
 
 
+def _pad_token_id(hf: dict[str, Any], path: str) -> int:
+  """``pad_token_id`` (transformers' embedding ``padding_idx``; Gemma 3's configs default it to 0), -1 if none."""
+  pad = hf.get("pad_token_id", 0 if hf.get("model_type") == "gemma3_text" else None)
+  if pad is None:
+    return -1
+  if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < int(hf["vocab_size"]):
+    raise HfCheckpointError(f"{path}: pad_token_id {pad!r} is not a token id below vocab_size {hf['vocab_size']}.")
+  return pad
+
+
 def _dense_fields(hf: dict[str, Any], path: str, family: str) -> dict[str, Any]:
   heads = int(hf["num_attention_heads"])
   act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
@@ -140,7 +150,7 @@ def _dense_fields(hf: dict[str, Any], path: str, family: str) -> dict[str, Any]:
       tie_embeddings=bool(hf.get("tie_word_embeddings", family == "gemma3_text")),
       attention_bias=family in ("qwen2", "qwen2_moe") or (family not in ("mistral", "mixtral")
                                                           and bool(hf.get("attention_bias", False))),
-      mlp_activation=_ACTIVATIONS.get(act, "silu"), hf_model_type=family)
+      mlp_activation=_ACTIVATIONS.get(act, "silu"), hf_model_type=family, pad_token_id=_pad_token_id(hf, path))
   fields.update(_rope({**(hf.get("rope_scaling") or {}), **(rope.get("full_attention", {}) if by_type else rope)},
                       path))
   window = hf.get("sliding_window")
@@ -331,7 +341,7 @@ def hf_config(config: Any) -> dict[str, Any]:
       "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
       "head_dim": config.head_dim, "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
       "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_embeddings, "hidden_act": "silu",
-      "torch_dtype": "float32"}
+      "torch_dtype": "float32", "pad_token_id": config.pad_token_id if config.pad_token_id >= 0 else None}
   if config.rope_scaling != "none":
     out["rope_scaling"] = _rope_json(config)
   if family in ("llama", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3"):

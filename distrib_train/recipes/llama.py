@@ -75,6 +75,11 @@ class LlamaConfig:
   norm_weight_offset: float = 0.0  # the norms scale by offset + w (Gemma: 1)
   sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 3)
   scale_embeddings: bool = False  # embeddings × √d_model (Gemma)
+  # The token whose embedding row its lookups leave untrained (transformers' padding_idx, from config.json's
+  # pad_token_id); -1: none. A zero row there (transformers zeroes it) keeps that token's hidden state at exactly
+  # zero, where each RMSNorm's derivative is 1/√eps: the lookup's gradient to the row reaches ~1e19 and overflows
+  # the gradient's norm, though the weights' gradients are unaffected (decoder.Decoder.hidden_and_aux).
+  pad_token_id: int = -1
   mlp_activation: str = "silu"  # "silu" (SwiGLU), "gelu_tanh" (GeGLU, Gemma) or "swiglu_oss" (gpt-oss, clamped)
   swiglu_alpha: float = 1.702  # swiglu_oss only
   swiglu_limit: float = 7.0  # swiglu_oss only
@@ -134,6 +139,9 @@ class LlamaConfig:
       raise ValueError("layer_types names sliding layers but sliding_window is 0: set the window's size.")
     if self.sliding_window < 0:
       raise ValueError(f"sliding_window must be 0 (none) or positive, got {self.sliding_window}.")
+    if not -1 <= self.pad_token_id < self.vocab_size:
+      raise ValueError(f"pad_token_id must be -1 (none) or a token id below vocab_size ({self.vocab_size}), got"
+                       f" {self.pad_token_id}.")
     for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}.")
