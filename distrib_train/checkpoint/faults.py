@@ -3,16 +3,17 @@
 A save fails for want of storage — a full disk, a read-only or unwritable
 directory — rather than for a bug: ``CheckpointManager`` then raises one
 ``CheckpointWriteError`` (built by ``write_error``) that names the step, the
-directory and the cause, and says which earlier step is intact; the writes
-orbax abandons with it are kept off the console
-(``quiet_echoes_of_failed_writes``); a save still pending at interpreter exit
-is waited for (``finish_at_exit``). Not for: damaged or foreign checkpoints
+directory and the cause, and says which earlier step is intact; the reads
+and writes in flight beside a failed one are finished and their outcomes
+retrieved, so that nothing echoes after the error
+(``finish_event_loops_before_closing``); a save still pending at interpreter
+exit is waited for (``finish_at_exit``). Not for: damaged or foreign checkpoints
 on read (``checks.py``).
 """
 
 from __future__ import annotations
 
-import logging
+import asyncio
 import re
 import sys
 from collections.abc import Iterable
@@ -55,45 +56,67 @@ def write_error(step: int | None, directory: str, committed_steps: Iterable[int]
   )
 
 
-_echoes_quiet = False
+# How long a closing loop waits for the reads and writes still in flight on it (local files answer in
+# milliseconds; a stalled network mount is cancelled after this).
+_FINISH_SECONDS = 30.0
 
 
-def quiet_echoes_of_failed_writes() -> None:
-  """Silences what a failed background write leaves behind (installed once).
+class _FinishingEventLoop(asyncio.SelectorEventLoop):
+  """An event loop that finishes the tasks it holds before it closes.
 
-  When one array's write fails, orbax closes its event loop while tensorstore
-  is still finishing the other writes in flight; each then tries to wake the
-  closed loop and prints a "RuntimeError: Event loop is closed" traceback
-  (through ``sys.unraisablehook``), and asyncio logs the abandoned tasks. The
-  failure itself is raised as one CheckpointWriteError. Reads of a damaged
-  checkpoint echo the same way (each array's failed read is logged as "Task
-  exception was never retrieved", or a coroutine collected with its error
-  unretrieved): the trainer installs this before its first check of the
-  checkpoint.
+  orbax runs each read or write in a loop of its own (``asyncio_utils.run_sync``) and closes it the moment its
+  coroutine returns or raises. When one array's read or write fails, that coroutine raises at once, while the
+  other arrays gathered with it are still in flight in tensorstore or hold their own failures. Closed then, the
+  loop leaves them behind: tensorstore later tries to wake the closed loop ("RuntimeError: Event loop is
+  closed"), and each failure nobody retrieved is printed whenever the garbage collector reaches it ("Future
+  exception was never retrieved", "Task was destroyed but it is pending"). Here ``close`` first runs every
+  pending task to its end and retrieves each outcome (``return_exceptions``), so the one error raised is the
+  only thing a failed read or write leaves.
   """
-  global _echoes_quiet
-  if _echoes_quiet:
-    return
-  _echoes_quiet = True
-  previous = sys.unraisablehook
 
-  def hook(unraisable):
-    loop_closed = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
-    # A failed read's coroutine, garbage-collected with its error unretrieved
-    # ("Exception ignored in: <coroutine object _read_array_index_and_device_put>"):
-    # the same failure, already raised once as a CheckpointError.
-    code = getattr(unraisable.object, "cr_code", None)
-    orbax_coroutine = code is not None and any(name in code.co_filename for name in ("orbax", "tensorstore"))
-    if not (loop_closed or orbax_coroutine):
-      previous(unraisable)
+  def call_soon_threadsafe(self, callback, *args, context=None):
+    # After close has run every task to its end, a wake-up can only come from a tensorstore operation whose awaiting
+    # task orbax had already cancelled or dropped: nothing can retrieve its outcome, so it is dropped here rather
+    # than raised in tensorstore's thread (which prints "RuntimeError: Event loop is closed").
+    if self.is_closed():
+      return None
+    return super().call_soon_threadsafe(callback, *args, context=context)
 
-  def abandoned_write(record: logging.LogRecord) -> bool:
-    text = str(record.msg)
-    echo = "Task was destroyed but it is pending" in text or "Task exception was never retrieved" in text
-    return echo and ("orbax" in text or "tensorstore" in text)
+  def close(self) -> None:
+    # (Not from inside another loop running in this thread: that one cannot be paused to run this one.)
+    if not self.is_closed() and not self.is_running() and asyncio._get_running_loop() is None:
+      self.run_until_complete(self._finish())
+    super().close()
 
-  sys.unraisablehook = hook
-  logging.getLogger("asyncio").addFilter(lambda record: not abandoned_write(record))
+  async def _finish(self) -> None:
+    pending = asyncio.all_tasks() - {asyncio.current_task()}
+    if pending:
+      everything = asyncio.gather(*pending, return_exceptions=True)
+      try:
+        await asyncio.wait_for(everything, _FINISH_SECONDS)
+      except asyncio.TimeoutError:  # wait_for cancelled them: let that finish
+        await asyncio.gather(*pending, return_exceptions=True)
+    # The callbacks queued behind them, and those they queue: a gather's, which retrieve its children's failures
+    # (a task finished with its error while the loop stopped has only those to retrieve it).
+    for _ in range(100):
+      if not self._ready:
+        break
+      await asyncio.sleep(0)
+
+
+class _FinishingLoopPolicy(asyncio.DefaultEventLoopPolicy):
+  _loop_factory = _FinishingEventLoop
+
+
+def finish_event_loops_before_closing() -> None:
+  """Every asyncio loop made from now on (orbax makes one per read or write) finishes its tasks before closing.
+
+  Installed where checkpoints are first read or written (the trainer's start-up checks, ``CheckpointManager``).
+  It is installed only while asyncio's default policy is in use, as it is unless a program chose another (uvloop,
+  say), which is then left as it is.
+  """
+  if type(asyncio.get_event_loop_policy()) is asyncio.DefaultEventLoopPolicy:
+    asyncio.set_event_loop_policy(_FinishingLoopPolicy())
 
 
 def finish_at_exit(manager: Any) -> None:

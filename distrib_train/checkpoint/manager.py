@@ -48,7 +48,7 @@ from distrib_train.checkpoint.checks import check_restorable  # noqa: F401 (publ
 from distrib_train.checkpoint.checks import (MODEL_FIELDS, SAVED_FIELDS, CheckpointError, abstract_target,
                                              check_matches, first_line, held_fields, read_meta, step_meta)
 from distrib_train.checkpoint.faults import (CheckpointWriteError, finish_at_exit, is_storage_failure,
-                                             quiet_echoes_of_failed_writes, write_error)
+                                             finish_event_loops_before_closing, write_error)
 from distrib_train.checkpoint.tree import fill_fields, flatten_fields, is_prng_key, nest, unnest
 from distrib_train.train_state import TrainState
 
@@ -141,7 +141,7 @@ class CheckpointManager:
       pass
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     self._closed = False
-    quiet_echoes_of_failed_writes()
+    finish_event_loops_before_closing()
     self._pending_step: int | None = None  # the step an unfinished async save is writing
     self._deleted = retention.DeletedSteps(self.directory)
     self._deleted.empty()  # what a killed run left there too

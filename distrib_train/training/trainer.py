@@ -45,7 +45,7 @@ from distrib_train.training import metrics as metrics_lib
 from distrib_train.training import job as job_lib
 from distrib_train.training import window as window_lib
 from distrib_train.checkpoint.checks import check_restorable, read_meta
-from distrib_train.checkpoint.faults import quiet_echoes_of_failed_writes
+from distrib_train.checkpoint.faults import finish_event_loops_before_closing
 from distrib_train.checkpoint.manager import CheckpointManager
 from distrib_train.checkpoint.tiers import CheckpointTiers, local_tier
 from distrib_train.training.checks import (TrainerSetupError, check_batch_is_split, check_every_axis_is_used,
@@ -240,7 +240,7 @@ class Trainer:
     t = self.config.train
     loader = None
     try:
-      quiet_echoes_of_failed_writes()  # a damaged checkpoint's failed reads echo too, from the first check on
+      finish_event_loops_before_closing()  # a damaged checkpoint's failed reads leave nothing behind either
       cache_off = cache_unsafe_reason() if t.compilation_cache_dir else None
       cache_dir = setup_compilation_cache(t.compilation_cache_dir, enable=not cache_off)
       check_workdir(self.workdir)
