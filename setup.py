@@ -33,6 +33,8 @@ setuptools.setup(
         "numpy>=1.26",
         "rich>=13",
         "tensorboardX>=2.6",
+        # Chat templates (data.loss_on, the SFT and DPO demos): small, and what transformers renders them with.
+        "jinja2>=3.1.6",
     ],
     extras_require={
         "tpu": ["jax[tpu]>=0.10,<0.13"],

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from distrib_train.common import extras
+
 _TEXT_TYPES = ("string", "large_string")
 # ``data.text_field`` for conversation records (``data.loss_on`` set): a document is the whole record, as
 # JSON text, its conversation columns (``RECORD_COLUMNS``) read.
@@ -135,11 +137,7 @@ def is_dataset_folder(path: str) -> bool:
 
 
 def _load(path: str) -> Any:
-  try:
-    import datasets
-  except ImportError:
-    raise ValueError(f"Data path {path!r} is a Hugging Face datasets folder: pip install datasets (or"
-                     " 'distrib_train[datasets]').") from None
+  datasets = extras.require("datasets", f"a Hugging Face datasets folder as data ({path!r})")
   split_file = os.path.join(path, "dataset_dict.json")
   if os.path.isfile(split_file):
     try:

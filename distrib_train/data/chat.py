@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from distrib_train.common import extras
+
 LOSS_ON = ("assistant", "completion", "all")
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -123,7 +125,7 @@ def _read_text(path: str) -> str:
 def _compiled(text: str):
   """The template compiled in a sandbox as transformers compiles it, with a ``{% generation %}`` tag that
   records the character spans it renders (``_Spans``)."""
-  import jinja2
+  jinja2 = extras.require("jinja2", "data.loss_on")
   from jinja2 import ext, nodes
   from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -216,7 +218,7 @@ class ChatEncoder:
   def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False,
              spans: _Spans | None = None, where: str = "a conversation") -> str:
     """The template's text for ``messages``, as ``apply_chat_template(..., tokenize=False)`` renders it."""
-    import jinja2
+    jinja2 = extras.require("jinja2", "data.loss_on")
 
     variables = {**self.template.special_tokens, "messages": messages, "tools": None, "documents": None,
                  "add_generation_prompt": add_generation_prompt, "_distrib_train_spans": spans}
@@ -339,8 +341,7 @@ class ConversationTokenizer:
 
     kind, path = tokenizer_lib.parse(config.tokenizer)
     if kind == "hf":
-      import tokenizers
-
+      tokenizers = extras.require("tokenizers", "data.tokenizer hf:")
       tok = tokenizers.Tokenizer.from_file(os.path.expanduser(path))
       tok.no_truncation()
       tok.no_padding()

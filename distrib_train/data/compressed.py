@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from distrib_train.common import extras
 from distrib_train.data import block_order
 from distrib_train.data import index_cache
 from distrib_train.data import jsonl
@@ -56,11 +57,7 @@ def _open(path: str) -> Any:
     raise ValueError(f"Data file {path!r} is empty: not a {'zstd' if path.endswith('.zst') else 'gzip'} stream.")
   if path.endswith(".gz"):
     return gzip.open(path, "rb")
-  try:
-    import zstandard
-  except ImportError:
-    raise ValueError(f"Data file {path!r} is zstd-compressed: pip install zstandard (or"
-                     " 'distrib_train[text]').") from None
+  zstandard = extras.require("zstandard", f"zstd-compressed data ({path!r})")
   return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from distrib_train.common import extras
 from distrib_train.data import arrow_text
 from distrib_train.data import block_order
 from distrib_train.data import compressed
@@ -131,10 +132,7 @@ class ParquetFile:
   sequential = False  # any row group reads alone
 
   def __init__(self, path: str, field: str, cache: block_order.BlockCache | None = None):
-    try:
-      import pyarrow.parquet as pq
-    except ImportError:
-      raise ValueError("Parquet data needs pyarrow: pip install pyarrow (or 'distrib_train[text]').") from None
+    pq = extras.require("pyarrow.parquet", f"Parquet data ({path!r})")
     self.path, self.field = path, field
     self.cache = cache or block_order.BlockCache(1)
     try:

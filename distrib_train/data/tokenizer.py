@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from distrib_train.common import extras
+
 KINDS = ("bytes", "hf", "sentencepiece", "tiktoken")
 _PACKAGES = {"hf": "tokenizers", "sentencepiece": "sentencepiece", "tiktoken": "tiktoken"}
 # tiktoken's cl100k / o200k pre-tokenisation patterns are tiktoken's own; named here, not copied.
@@ -191,13 +193,7 @@ def _sha256(path: str) -> str:
 
 
 def _import(kind: str):
-  import importlib
-
-  try:
-    return importlib.import_module(_PACKAGES[kind])
-  except ImportError:
-    raise ValueError(f"data.tokenizer {kind}: needs the {_PACKAGES[kind]!r} package: pip install"
-                     f" {_PACKAGES[kind]} (or pip install 'distrib_train[text]').") from None
+  return extras.require(_PACKAGES[kind], f"data.tokenizer {kind}:")
 
 
 def _hf(path: str):
