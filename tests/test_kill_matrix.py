@@ -20,7 +20,7 @@ At the end: the final checkpoint's arrays, every process's data-iterator
 position and every logged loss (replays included) are bit-identical to an
 uninterrupted run's, and no temporary directory is left.
 
-10 kills by default (a few minutes on 2 cores). ``DT_LONG_TESTS=1`` makes it
+6 kills by default, one at each target (a minute or two on 2 cores). ``DT_LONG_TESTS=1`` makes it
 60; ``DT_KILLS=N`` sets any number, ``DT_KILL_SEED`` the seed, and
 ``DT_KILL_MATRIX_REPORT=path.json`` keeps the figures.
 """
@@ -40,12 +40,12 @@ import kill_harness
 from kill_harness import Job
 import xla_test_flags
 
-KILLS = int(os.environ.get("DT_KILLS") or (60 if os.environ.get("DT_LONG_TESTS") == "1" else 10))
+TARGETS = ("startup", "restore", "steps", "save_blocking", "save_background", "local_save")
+KILLS = int(os.environ.get("DT_KILLS") or (60 if os.environ.get("DT_LONG_TESTS") == "1" else len(TARGETS)))
 SEED = int(os.environ.get("DT_KILL_SEED", "0"))
 # A killed launch commits half a step of progress on average (0 to 4); near the
 # end only moments that cannot finish the run are picked (see _Moment).
 STEPS = KILLS // 2 + 14
-TARGETS = ("startup", "restore", "steps", "save_blocking", "save_background", "local_save")
 LAUNCH_TIMEOUT = 150  # seconds from launch to the kill moment, or to the end of the final launch
 
 
