@@ -75,12 +75,20 @@ def pydoc_conversations(docs: list[str]) -> list[str]:
 
 
 def pydoc_pairs(docs: list[str]) -> list[str]:
-  """The pydoc conversations as preference records: the passage asked about chosen, another passage rejected
-  (``train.objective: dpo`` on the demo corpus)."""
+  """The pydoc conversations as preference records: the passage asked about chosen, the same passage with its
+  words shuffled rejected (``train.objective: dpo`` on the demo corpus). The two are equally long and hold the
+  same words, so what a tiny model can learn from them is what generalizes to held-out pairs: fluent text over
+  scrambled text. (Another passage as the rejected answer taught it nothing that held out: reward accuracy 0.25.)"""
   import json
+  import random
+
+  def scrambled(message: dict, seed: int) -> dict:
+    words = message["content"].split(" ")
+    random.Random(seed).shuffle(words)
+    return {**message, "content": " ".join(words)}
 
   turns = [json.loads(record)["messages"] for record in pydoc_conversations(docs)]
-  return [json.dumps({"prompt": m[:1], "chosen": m[1:], "rejected": turns[(i + 7) % len(turns)][1:]})
+  return [json.dumps({"prompt": m[:1], "chosen": m[1:], "rejected": [scrambled(m[1], i)]})
           for i, m in enumerate(turns)]
 
 
