@@ -284,7 +284,7 @@ def test_missing_zstandard_is_one_clear_error(tmp_path, monkeypatch):
   jsonl = data_helpers.write_documents(tmp_path, [5, 9])
   path = _as_format(jsonl, tmp_path, "zst")
   monkeypatch.setitem(sys.modules, "zstandard", None)
-  with pytest.raises(ValueError, match=r"documents.jsonl.zst' is zstd-compressed: pip install zstandard"):
+  with pytest.raises(ValueError, match=r"zstd-compressed data \('.*documents.jsonl.zst'\) needs zstandard: pip install 'distrib_train\[text\]'"):
     sources.Documents(data.DataConfig(source="text", paths=(path,)))
 
 
