@@ -413,7 +413,7 @@ def _first_training_batch(data_config):
   shardings = {k: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
                for k in data.DataLoader.batch_schema(data_config)}
   with data.DataLoader(data_config, shardings, split="train") as loader:
-    return {k: np.asarray(v) for k, v in next(iter(loader)).items()}
+    return {k: np.array(v) for k, v in next(iter(loader)).items()}  # writable: torch.from_numpy needs it
 
 
 def test_gemma3_from_transformers_fine_tunes_with_transformers_gradient(tmp_path):
