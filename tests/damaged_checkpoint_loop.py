@@ -27,30 +27,15 @@ FAST = ["--config", "tiny", "--cpu_devices", "8", "--steps", "2", "--set", "data
         "--set", "optimizer.warmup_steps=0", "--set", "optimizer.decay_steps=10"]
 
 
-def _step(workdir):
-  return workdir / "checkpoints" / "2"
-
-
-def _remove_all(pattern):
-  def damage(workdir):
-    paths = list(_step(workdir).glob(pattern))
-    assert paths, pattern
-    for path in paths:
-      path.unlink()
-  return damage
-
-
-def _truncate(workdir):
-  for path in (_step(workdir) / "state").glob("ocdbt.process_*/d/*"):
-    with open(path, "r+b") as f:
-      f.truncate(10)
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from test_bad_inputs import _remove_all, _step, _truncate_arrays  # noqa: E402  (the damage the tests apply)
 
 
 # The cases of test_bad_inputs.CHECKPOINT_CASES whose refusal comes from a failed read of orbax or tensorstore.
 CASES = {
     "ocdbt-index-deleted": _remove_all("state/d/*"),
     "array-file-deleted": _remove_all("state/ocdbt.process_*/d/*"),
-    "truncated-arrays": _truncate,
+    "truncated-arrays": _truncate_arrays,
     "garbage-array-metadata": lambda workdir: (_step(workdir) / "state" / "_METADATA").write_text("garbage{"),
 }
 
