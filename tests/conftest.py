@@ -119,3 +119,20 @@ def pytest_collection_modifyitems(items):
     if file in COMPAT_FILES or f"{file}::{item.originalname}" in COMPAT_TESTS:
       item.add_marker(pytest.mark.compat)
   items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))  # stable: a file's own order is kept
+
+
+# The suite's serial test time, the figure each issue's growth is measured by (at most 5 % an issue): the sum of
+# every test's call phase, as pytest's --durations=0 lists them, printed at the end of a run. Under pytest-xdist
+# the controller receives every worker's reports, so the sum covers the whole run.
+_CALL_SECONDS = []
+
+
+def pytest_runtest_logreport(report):
+  if report.when == "call":
+    _CALL_SECONDS.append(report.duration)
+
+
+def pytest_terminal_summary(terminalreporter):
+  if _CALL_SECONDS and not os.environ.get("PYTEST_XDIST_WORKER"):
+    terminalreporter.write_line(f"serial test time: {sum(_CALL_SECONDS):.0f} s in the call phases of"
+                                f" {len(_CALL_SECONDS)} tests")
