@@ -8,6 +8,7 @@
 #   bash launch/local.sh --steps 500           # flags go to every process
 #   WORKDIR=/tmp/other NPROC=1 DEVICES=8 bash launch/local.sh
 #   bash launch/local.sh --dry-run             # print the commands, run nothing
+#   bash launch/local.sh --install-only        # create and install the venv, train nothing
 #
 # Environment: VENV (default <repo>/.venv), WORKDIR (default
 # /tmp/distrib_train_demo), NPROC, DEVICES, CONFIG (default tiny),
@@ -16,14 +17,16 @@
 # to $WORKDIR/logs/. If one process fails, the others are stopped.
 set -euo pipefail
 
-# --dry-run and --help count wherever they are: anywhere else they would
-# reach the trainer after the venv and $WORKDIR/logs were made.
+# --dry-run, --install-only and --help count wherever they are: anywhere else
+# they would reach the trainer after the venv and $WORKDIR/logs were made.
 DRY_RUN=0
+INSTALL_ONLY=0
 trainer_args=()
 for arg in "$@"; do
   case "$arg" in
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --dry-run) DRY_RUN=1 ;;
+    --install-only) INSTALL_ONLY=1 ;;
     *) trainer_args+=("$arg") ;;
   esac
 done
@@ -70,6 +73,7 @@ if ! "$VENV/bin/python" -c "import distrib_train, grain, tensorboardX" 2>/dev/nu
   "$VENV/bin/pip" install --quiet -e "$ROOT"
 fi
 echo "Environment ready in $(( $(date +%s) - start )) s"
+if (( INSTALL_ONLY )); then exit 0; fi
 
 PORT="$("$VENV/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 mkdir -p "$WORKDIR/logs"

@@ -10,7 +10,16 @@ why it cannot::
   <!-- not run: uses placeholders my_apply/my_batches -->
 
 (a fragment with placeholders, or a block that needs a GPU, TPU or pod). A
-block of another language marked ``<!-- run -->`` runs as Python too. Also
+block of another language marked ``<!-- run -->`` runs as Python too.
+
+Every command block (```bash, ```console: its ``$`` lines) runs too, unless
+marked the same way, in a virtualenv built as the README's set-up builds it
+(``launch/local.sh --install-only``: ``pip install -e .``, no extras), so a
+demo that needs a package the set-up does not install fails here. Each command
+runs as written with two changes: ``/tmp/`` becomes the test's own folder, and
+a training run gets ``--steps 2`` and the suite's compilation cache (it
+starts, trains and checkpoints; the full runs' figures are the docs' own). A
+block of commands must say it is one (```bash), not be left unlabelled. Also
 checked, over the same files: every ``distrib-train …`` / ``python -m
 distrib_train…`` command they name answers ``--help`` with exit status 0; the
 flags their flag tables list are the commands' own; every config key they
@@ -24,6 +33,7 @@ lines, and its table of guides names exactly the files in docs/.
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -62,6 +72,14 @@ def _blocks(text):
   return blocks
 
 
+def _blocks_code(text, line):
+  return next(code for at, _, code, _ in _blocks(text) if at == line)
+
+
+_SHELL = ("bash", "sh", "shell", "console")
+_LOOKS_LIKE_COMMANDS = re.compile(r"^(\$ |distrib-train |python3? |bash |pip |\.venv/)", re.MULTILINE)
+
+
 def _runnable(text):
   """``(line, code)`` of the blocks to run, and ``(line, reason)`` of those not run."""
   run, not_run = [], []
@@ -69,7 +87,7 @@ def _runnable(text):
     skip = _NOT_RUN.match(marker) if marker else None
     if skip:
       not_run.append((line, skip.group(1)))
-    elif language in ("python", "py") or (marker and _RUN.match(marker)):
+    elif language in ("python", "py") or (marker and _RUN.match(marker) and language not in _SHELL):
       run.append((line, code))
   return run, not_run
 
@@ -82,7 +100,7 @@ def test_the_guides_are_read():
 
 
 @pytest.mark.parametrize("name", list(_TEXTS))
-def test_every_python_block_is_run_or_says_why_not(name):
+def test_every_python_and_command_block_is_run_or_says_why_not(name):
   text = _TEXTS[name]
   problems = []
   for line, language, _, marker in _blocks(text):
@@ -92,8 +110,13 @@ def test_every_python_block_is_run_or_says_why_not(name):
     if marker and not skip and not _RUN.match(marker):
       problems.append(f"{name}:{line}: an HTML comment before a block that is neither"
                       f" '<!-- not run: REASON -->' nor '<!-- run -->': {marker}")
-    if skip and language not in ("python", "py"):
-      problems.append(f"{name}:{line}: 'not run' marks a {language or 'plain'} block (only Python blocks run)")
+    if skip and language not in ("python", "py", *_SHELL):
+      problems.append(f"{name}:{line}: 'not run' marks a {language or 'plain'} block (only Python and command"
+                      " blocks run)")
+    code = _blocks_code(text, line)
+    if not language and _LOOKS_LIKE_COMMANDS.search(code):
+      problems.append(f"{name}:{line}: an unlabelled block of commands: label it ```bash (or ```console for a"
+                      " transcript) so that it runs, or mark it '<!-- not run: REASON -->'")
   # A marker must sit right before a fence, not drift away from the block it was for.
   lines = text.splitlines()
   for number, text_line in enumerate(lines, 1):
@@ -136,6 +159,125 @@ def test_python_block_runs(name, line, code, tmp_path):
 
 def test_the_trainer_example_is_among_the_blocks_run():
   assert any("trainer.Trainer(" in code for name, _, code in _RUN_BLOCKS if name == "README.md")
+
+
+# --- command blocks, in the set-up's own virtualenv ---------------------------------------------------------
+
+STEPS = 2  # of each training run a block starts
+COMMAND_TIMEOUT_S = 300  # per command; a 2-step run of the tiny presets takes 20-40 s on a busy 2-core machine
+
+
+def _shell_commands(language, code):
+  """A command block's commands, as argv lists: continuation lines joined, comments dropped; of a ``console``
+  transcript, its ``$`` lines only."""
+  logical, current = [], ""
+  for line in code.splitlines():
+    if line.rstrip().endswith("\\"):
+      current += line.rstrip()[:-1] + " "
+      continue
+    logical.append(current + line)
+    current = ""
+  if language == "console":
+    logical = [line[2:] for line in logical if line.startswith("$ ")]
+  return [argv for argv in (shlex.split(line, comments=True) for line in logical) if argv]
+
+
+def _shell_blocks(text):
+  """``(line, language, code)`` of the command blocks to run."""
+  return [(line, language, code) for line, language, code, marker in _blocks(text)
+          if language in _SHELL and not (marker and _NOT_RUN.match(marker))]
+
+
+_SHELL_BLOCKS = [(name, line, language, code) for name, text in _TEXTS.items()
+                 for line, language, code in _shell_blocks(text)]
+
+
+def _is_training_run(argv):
+  """``distrib-train …`` / ``python -m distrib_train …`` without a subcommand: the trainer."""
+  if argv[0] == "distrib-train":
+    rest = argv[1:]
+  elif argv[:3] in (["python", "-m", "distrib_train"], ["python3", "-m", "distrib_train"]):
+    rest = argv[3:]
+  else:
+    return False
+  return not rest or rest[0].startswith("-")
+
+
+def _workdir(argv):
+  for i, arg in enumerate(argv):
+    if arg == "--workdir":
+      return argv[i + 1]
+    if arg.startswith("--workdir="):
+      return arg.partition("=")[2]
+  return None
+
+
+def test_command_blocks_are_found_and_parsed():
+  runs = [argv for name, _, language, code in _SHELL_BLOCKS if name.startswith("docs/")
+          for argv in _shell_commands(language, code) if _is_training_run(argv)]
+  assert len(runs) >= 4, runs  # the SFT and DPO demos, the pipeline, MoE and long-context runs
+  assert _shell_commands("bash", "a b \\\n  'c d'  # note\n# only a comment\n\ne") == [["a", "b", "c d"], ["e"]]
+  assert _shell_commands("console", "$ distrib-train x\nan output line\n") == [["distrib-train", "x"]]
+  assert _is_training_run(["python", "-m", "distrib_train", "--config", "tiny"])
+  assert not _is_training_run(["distrib-train", "plan", "--config", "tiny"])
+
+
+@pytest.fixture(scope="session")
+def setup_venv(tmp_path_factory, once_per_run):
+  """A virtualenv built by ``launch/local.sh --install-only``, as the README's set-up builds it, once per run."""
+
+  def build():
+    venv = tmp_path_factory.mktemp("setup-venv") / "venv"
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PIP_REQUIRE_VIRTUALENV")}
+    env["VENV"] = str(venv)
+    # launch/local.sh creates it with `python3 -m venv`: this run's interpreter, under that name.
+    env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    out = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--install-only"], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, f"launch/local.sh --install-only: exit {out.returncode}\n{(out.stdout + out.stderr)[-3000:]}"
+    return str(venv)
+
+  return pathlib.Path(once_per_run("setup-venv", build))
+
+
+def _setup_env(venv, tmp_path):
+  """What a user's shell holds after the set-up: the venv first on PATH, none of the suite's variables (the
+  fast-compile XLA flags aside, which change only compile speed)."""
+  import xla_test_flags
+
+  env = {key: value for key, value in os.environ.items()
+         if not key.startswith(("JAX_", "XLA_", "DT_", "PYTEST_")) and key not in ("VIRTUAL_ENV", "PYTHONPATH")}
+  env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+  env["VIRTUAL_ENV"] = str(venv)
+  env["HOME"] = env["TMPDIR"] = str(tmp_path)
+  env["XLA_FLAGS"] = xla_test_flags.FAST_COMPILE
+  return env
+
+
+@pytest.mark.parametrize("name,line,language,code", _SHELL_BLOCKS,
+                         ids=[f"{name}:{line}" for name, line, _, _ in _SHELL_BLOCKS])
+def test_command_block_runs_after_the_setup(name, line, language, code, setup_venv, xla_cache, tmp_path):
+  env = _setup_env(setup_venv, tmp_path)
+  for argv in _shell_commands(language, code):
+    argv = [arg.replace("/tmp/", f"{tmp_path}/") for arg in argv]
+    training = _is_training_run(argv)
+    if training:
+      argv += ["--steps", str(STEPS), "--set", f"train.compilation_cache_dir={xla_cache}"]
+    program = shutil.which(argv[0], path=env["PATH"])
+    assert program, f"{name}:{line}: {argv[0]} is not on the set-up's PATH"
+    try:
+      out = subprocess.run([program, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=COMMAND_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+      pytest.fail(f"{name}:{line}: {shlex.join(argv)} did not finish in {COMMAND_TIMEOUT_S} s:\n"
+                  f"{(e.stderr or '')[-3000:]}")
+    said = f"{name}:{line}: {shlex.join(argv)}: exit status {out.returncode}\n{out.stderr[-4000:]}"
+    assert out.returncode == 0, said
+    assert "Traceback" not in out.stderr, said
+    if training:
+      workdir = pathlib.Path(_workdir(argv))
+      assert (workdir / "checkpoints" / str(STEPS)).is_dir(), f"{said}\nno checkpoint of step {STEPS} in {workdir}"
 
 
 # --- the README's size and its table of guides ------------------------------------------------------------
