@@ -12,7 +12,9 @@ from distrib_train.parallel import context
 
 _WORKERS = pathlib.Path(__file__).resolve().parent / "workers"
 RTOL = 1e-4
-LENGTH = 1024
+# The shortest rows that show every path: 512 tokens give each of context 4's devices 128, the smallest block
+# splash takes (all-gather through splash), in two zigzag chunks of 64 (ring attention).
+LENGTH = 512
 
 
 @pytest.fixture(autouse=True)
@@ -25,9 +27,16 @@ def _one_device(packed, steps=3):
   return ph.train(ph.mesh_of({}, devices=jax.devices()[:1]), steps=steps, packed=packed)
 
 
+@pytest.fixture
+def packed_one_device(once_per_run):
+  """Three steps on packed rows on one device (losses, final params), computed once in the run: the reference
+  of the ring, composition and two-process tests (a shorter run's losses are its first ones)."""
+  return once_per_run(f"context-one-device-packed-{LENGTH}", lambda: _one_device(True, steps=3))
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
-def test_ring_attention_on_context_4_fsdp_2_matches_one_device(packed):
-  want_losses, want_params = _one_device(packed)
+def test_ring_attention_on_context_4_fsdp_2_matches_one_device(packed, packed_one_device):
+  want_losses, want_params = packed_one_device if packed else _one_device(packed)
   losses, params = ph.train(ph.mesh_of({"context": 4, "fsdp": 2}), steps=3, packed=packed)
   np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
   for name, want in want_params.items():
@@ -48,8 +57,8 @@ def test_gradients_match_one_device(implementation):
     np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=1e-5 * scale, err_msg=name)
 
 
-def test_context_composes_with_tensor_stage_and_expert_axes():
-  want = _one_device(True, steps=2)[0]
+def test_context_composes_with_tensor_stage_and_expert_axes(packed_one_device):
+  want = packed_one_device[0][:2]
   losses, _ = ph.train(ph.mesh_of({"context": 2, "tensor": 2, "fsdp": 2}), steps=2, packed=True)
   np.testing.assert_allclose(losses, want, rtol=RTOL)
   losses, _ = ph.train(ph.mesh_of({"stage": 2, "context": 2, "fsdp": 2}), steps=2, packed=True, microbatches=4)
@@ -111,8 +120,8 @@ def test_a_length_the_context_axis_does_not_split_is_refused(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
-def test_context_axis_across_two_processes():
-  want = _one_device(True, steps=3)[0]
+def test_context_axis_across_two_processes(packed_one_device):
+  want = packed_one_device[0]
   results = mp_harness.run_workers(_WORKERS / "context_worker.py", "3", str(LENGTH), timeout=300)
   for r in results:
     assert r.result["mesh"]["context"] == 4

@@ -1,4 +1,4 @@
-"""Worker: the tiny Llama on packed 1024-token rows, the context axis across the two processes (ring over DCN,
+"""Worker: the tiny Llama on packed rows (their length the second argument), the context axis across the two processes (ring over DCN,
 then all-gather through splash)."""
 
 import sys
