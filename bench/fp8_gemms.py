@@ -14,7 +14,7 @@ dispatched back to back:
   dx = g·wᵀ and dw = xᵀ·g, on bf16 operands;
 - ``fp8 as built``: the same three products on FP8 operands (e4m3 × e4m3
   forward, e5m2 × e4m3 backward, bf16 results divided by the scales
-  after, as ``recipes/fp8.py`` writes them), in the layouts XLA's
+  after, as ``kernels/fp8.py`` writes them), in the layouts XLA's
   CUDA compiler gives them in the 1b's step with ``model.fp8`` set: the
   weight's e4m3 copy contraction-minor for the forward product, and read
   again, the other way, by dx; dw reading both operands token-major;
@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from distrib_train.recipes import fp8  # noqa: E402
+from distrib_train.kernels import fp8  # noqa: E402
 
 E4M3, E5M2, F32, BF16 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32, jnp.bfloat16
 SHAPES_1B = "2048x2048,2048x5632,5632x2048"  # K x N: q/k/v/o, gate/up, down
@@ -96,7 +96,7 @@ def products(tokens: int, k: int, n: int, iters: int) -> list[dict]:
   g = (jax.random.normal(keys[2], (tokens, n), BF16) * 1e-3).astype(BF16)
   (qx, sx), (qw, sw), (qg, sg), (qg4, sg4) = _q(x, E4M3), _q(w, E4M3), _q(g, E5M2), _q(g, E4M3)
   qx_t, qw_t, qg_t = (jax.block_until_ready(jnp.asarray(a.T)) for a in (qx, qw, qg))  # materialized: row-major
-  # bf16 results, divided by the scales in float32, as recipes/fp8.py writes them (bench/NOTES.md lever 20)
+  # bf16 results, divided by the scales in float32, as kernels/fp8.py writes them (bench/NOTES.md lever 20)
   ein = lambda spec: jax.jit(lambda a, b, sa, sb: _scaled(jnp.einsum(spec, a, b, preferred_element_type=BF16), sa,
                                                             sb))
   bf = lambda spec: jax.jit(lambda a, b: jnp.einsum(spec, a, b))

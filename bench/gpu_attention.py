@@ -5,7 +5,7 @@ Run from the repository root on a Hopper GPU:
   python bench/gpu_attention.py                     # B 8 × 2048 × 16 heads × 128, 4 documents a row
   python bench/gpu_attention.py --kv_heads 4 --documents 12
 
-Checks ``recipes/cudnn_attention.packed_attention`` (cuDNN's packed layout,
+Checks ``kernels/attention/cudnn.packed_attention`` (cuDNN's packed layout,
 ``max_segments`` runs a row) against XLA's attention with the dense segment
 mask, computed in float32 from the same bf16 inputs: the output and the
 three input gradients (of a random cotangent), as ``‖x − ref‖ / ‖ref‖``.
@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from distrib_train.recipes import cudnn_attention  # noqa: E402
+from distrib_train.kernels.attention import cudnn as cudnn_attention  # noqa: E402
 
 
 def segments(rng: np.random.Generator, batch: int, length: int, documents: int) -> np.ndarray:

@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 import distrib_train as dt
 import pipeline_helpers as ph
 from distrib_train.parallel import context
-from distrib_train.recipes import attention_kernels
-from distrib_train.recipes.attention import splash_attention
+from distrib_train.kernels.attention import dispatch as attention_kernels
+from distrib_train.kernels.attention.splash import splash_attention
 from distrib_train.sharding.axis_rules import activation_sharding
 
 WINDOW = 24
@@ -109,7 +109,7 @@ def test_the_kernel_is_chosen_in_one_place_for_what_the_layer_asks():
 
 @pytest.mark.parametrize("window", [0, 100])
 def test_the_zigzag_masks_blocks_answered_from_their_corners_are_the_masks_own(window):
-  from distrib_train.recipes.attention import _zigzag_mask
+  from distrib_train.kernels.attention.splash import _zigzag_mask
 
   mask = _zigzag_mask(2, 512, window)
   whole = mask.mask_function(mask.q_sequence[:, None], np.arange(512)[None, :])

@@ -11,7 +11,7 @@ import pytest
 import pipeline_helpers as ph
 from distrib_train.parallel import experts
 from distrib_train import recipes
-from distrib_train.recipes import fp8
+from distrib_train.kernels import fp8
 from distrib_train.training import config as config_lib
 
 

@@ -1,4 +1,4 @@
-"""The grouped matmul kernel (``parallel/gmm_triton.py``): its values and gradients in Pallas' interpreter on CPU,
+"""The grouped matmul kernel (``kernels/gmm_triton.py``): its values and gradients in Pallas' interpreter on CPU,
 and its program from XLA's CUDA compiler for an H100 (compile-only devices, no GPU)."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cuda_plugin
-from distrib_train.parallel.gmm_triton import gmm
+from distrib_train.kernels.gmm_triton import gmm
 
 BLOCKS = dict(block_n=16, block_k=16, wgrad_block_k=16, interpret=True)
 
@@ -55,8 +55,8 @@ def test_fp8_products_in_the_kernels_equal_fp8_ragged_dot_values_and_gradients()
   backward as float16) gives ``fp8.ragged_dot``'s values and gradients: the same FP8 roundings and scales, and
   products of FP8 values are exact in float32, so only the summation order differs. Uneven groups, an empty one,
   trailing -1 tiles, K and N off the blocks."""
-  from distrib_train.parallel.gmm_triton import fp8_products
-  from distrib_train.recipes import fp8
+  from distrib_train.kernels.gmm_triton import fp8_products
+  from distrib_train.kernels import fp8
 
   sizes, tile_m, k, n = [5, 0, 20, 9], 8, 40, 24
   rows, m, tile_groups = _padded_layout(sizes, tile_m, trailing_tiles=2)
@@ -139,10 +139,10 @@ def test_a_broken_layout_contract_is_one_clear_error(change, culprit):
 _H100_PROGRAM = r"""
 import contextlib, json, math, re
 import jax, jax.numpy as jnp
-from distrib_train.parallel import grouped
-from distrib_train.parallel.gmm_triton import gmm
+from distrib_train.kernels import grouped
+from distrib_train.kernels.gmm_triton import gmm
 from distrib_train.podplan import gpu
-from distrib_train.recipes import fp8
+from distrib_train.kernels import fp8
 
 devices = gpu._devices("{card}", 1, 1)
 mesh = jax.sharding.Mesh(list(devices), ("x",))

@@ -1,4 +1,4 @@
-"""The routed experts' grouped matmuls (``parallel/grouped.py``): the padded layout, each platform's kernel
+"""The routed experts' grouped matmuls (``kernels/grouped.py``): the padded layout, each platform's kernel
 against a per-row reference (values and gradients), and how the plan counts them."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from distrib_train.parallel import grouped
+from distrib_train.kernels import grouped
 from distrib_train.podplan import collectives, hlo
 
 ROWS, EMBED, HIDDEN, GROUPS = 50, 32, 48, 4

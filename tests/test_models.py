@@ -13,6 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import distrib_train as dt
 from distrib_train import models, recipes
+from distrib_train.kernels import cross_entropy
+from distrib_train.kernels.attention import splash
 from distrib_train.sharding.axis_rules import activation_sharding
 from distrib_train.recipes import mlp
 from distrib_train.models.pytree import path_str
@@ -351,18 +353,18 @@ def test_chunked_cross_entropy_matches_the_plain_one():
   head = jnp.asarray(rng.normal(size=(8, 32)), jnp.float32)
   targets = jnp.asarray(rng.integers(0, 32, size=(2, 16)), jnp.int32)
   weights = jnp.ones((2, 16))
-  total, count = recipes.cross_entropy.chunked_cross_entropy(hidden, head, targets, weights, chunk_size=4)
+  total, count = cross_entropy.chunked_cross_entropy(hidden, head, targets, weights, chunk_size=4)
   plain = optax.softmax_cross_entropy_with_integer_labels(hidden @ head, targets).sum()
   np.testing.assert_allclose(float(total), float(plain), rtol=1e-5)
   assert float(count) == 32
   plain_grad = jax.grad(lambda h: optax.softmax_cross_entropy_with_integer_labels(h @ head, targets).sum())(hidden)
   for remat in (True, False):
-    grad = jax.grad(lambda h: recipes.cross_entropy.chunked_cross_entropy(h, head, targets, weights, 4, remat=remat)[0])
+    grad = jax.grad(lambda h: cross_entropy.chunked_cross_entropy(h, head, targets, weights, 4, remat=remat)[0])
     np.testing.assert_allclose(grad(hidden), plain_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_auto_attention_is_xla_off_gpu_and_explicit_choices_stand():
-  from distrib_train.recipes.attention_kernels import Attention, choose
+  from distrib_train.kernels.attention.dispatch import Attention, choose
 
   q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
   assert choose(Attention("auto"), q) == "xla"  # CPU here
@@ -413,7 +415,7 @@ def test_splash_attention_equals_xla_attention_and_its_gradients(sharded, kv_hea
     mesh = _mesh((2, 2, 2))
     context = activation_sharding(mesh, dt.AxisRules("fsdp_tensor"))
   with context:
-    got, got_grads = loss(recipes.attention.splash_attention)(q, k, v)
+    got, got_grads = loss(splash.splash_attention)(q, k, v)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for g, w in zip(got_grads, want_grads):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)

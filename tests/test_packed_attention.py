@@ -1,4 +1,4 @@
-"""Packed rows for cuDNN (recipes/cudnn_attention.py), the rows the loader gives it (data/sequences.py,
+"""Packed rows for cuDNN (kernels/attention/cudnn.py), the rows the loader gives it (data/sequences.py,
 data.max_documents_per_row), the GPU environment the trainer sets (cluster/gpu_environment.py) and its
 memory refusals (training/checks.py).
 
@@ -14,7 +14,7 @@ import pytest
 
 from distrib_train.cluster import gpu_environment, hardware
 from distrib_train.data import sequences
-from distrib_train.recipes import cudnn_attention
+from distrib_train.kernels.attention import cudnn as cudnn_attention
 from distrib_train.training import checks
 from distrib_train.training import config as config_lib
 from distrib_train.training import job as job_lib

@@ -55,7 +55,7 @@ _ONE_H100 = r"""
 import json, re
 import jax, jax.numpy as jnp
 from distrib_train.podplan import gpu, hlo
-from distrib_train.recipes import fp8
+from distrib_train.kernels import fp8
 
 mesh = jax.sharding.Mesh(list(gpu._devices("h100", 1, 1)), ("x",))
 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

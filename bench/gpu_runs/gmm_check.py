@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, ".")
-from distrib_train.parallel import grouped  # noqa: E402
-from distrib_train.recipes import fp8  # noqa: E402
+from distrib_train.kernels import grouped  # noqa: E402
+from distrib_train.kernels import fp8  # noqa: E402
 
 M, K, N, G, TILE = 8192, 1024, 2816, 8, 128
 sizes = np.full(G, M // G)  # even routing, every group a whole number of tiles

@@ -32,7 +32,7 @@ def shifted(packed: Mapping[str, np.ndarray], max_documents: int = 0) -> dict[st
   row become one segment whose targets weigh 0, so the row holds at most
   ``max_documents + 1`` runs of segment ids, the padding at its end
   included (cuDNN's packed attention takes a fixed number,
-  ``recipes/cudnn_attention.py``).
+  ``kernels/attention/cudnn.py``).
   """
   tokens, segments, positions = packed["tokens"], packed["tokens_segment_ids"], packed["tokens_positions"]
   loss = packed.get("tokens_loss")

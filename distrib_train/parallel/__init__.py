@@ -9,14 +9,14 @@
 - ``experts.py``: the ``expert`` mesh axis. A mixture of experts' layers
   call ``dispatch``: tokens to the devices holding their experts by
   ragged all-to-all, their grouped matmuls, and back.
-- ``grouped.py``, ``gmm_triton.py``: the experts' grouped matmuls over rows
-  padded to a tile (megablox on TPU, a Triton kernel on NVIDIA GPUs).
+  Their grouped matmuls are kernels (``kernels/grouped.py``).
 - ``context.py``: the ``context`` mesh axis. Sequences split over it in a
   load-balanced (zigzag) order; attention as ring attention (key/value
   blocks passed round by ``ppermute``, online softmax) or all-gather.
 
-Modules here may import ``common``, ``models``, the core and ``sharding``;
-recipes (reference models) import them, never the other way round.
+Modules here may import ``common``, ``models``, the core, ``sharding`` and
+``kernels`` (their layer); recipes (reference models) import them, never the
+other way round.
 """
 
 from distrib_train.parallel.pipeline import layer_stack

@@ -15,7 +15,7 @@ device's own tokens). Attention needs every earlier key of a sequence, so
   collective with no overlap and ``C`` times the key/value memory; pick it
   for short sequences or a small axis, where the ring's ``C`` steps cost
   more than they hide. On TPU it runs splash instead of these tiles
-  (``recipes/attention.context_splash_attention``).
+  (``kernels/attention/splash.context_splash_attention``).
 
 Scores are computed in rematerialized tiles of at most ``block`` × ``block``
 (1024 by default) query and key positions per head, one tile at a time, so
@@ -169,7 +169,7 @@ def tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
                     segment_ids: jax.Array | None, *, block: int = 1024, scale: float | None = None, window: int = 0,
                     softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
   """The same causal attention on the whole sequence (no context axis), in the same rematerialized tiles: the
-  memory of flash attention in plain XLA, for what no fused kernel runs (``recipes/attention_kernels.py``)."""
+  memory of flash attention in plain XLA, for what no fused kernel runs (``kernels/attention/dispatch.py``)."""
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
   scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -184,7 +184,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, se
   with the length split over the context axis (module docstring); grouped-query heads allowed. Scores are
   computed in tiles of at most ``block`` queries × ``block`` keys (``_fold``). ``window`` (keys a query sees,
   its own included; 0: all), ``scale`` (default 1/√dim), ``softcap`` and per-head ``sinks`` [heads] as in
-  ``recipes/attention_kernels.py``."""
+  ``kernels/attention/dispatch.py``."""
   if implementation not in ("ring", "all_gather"):
     raise ValueError(f"context attention must be 'ring' or 'all_gather', got {implementation!r}.")
   mesh, rules = active_activation_sharding()

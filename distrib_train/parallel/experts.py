@@ -43,7 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from distrib_train.microbatches import STAGE_AXIS
-from distrib_train.parallel import grouped
+from distrib_train.kernels import grouped
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 EXPERT_AXIS = "expert"

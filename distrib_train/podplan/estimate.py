@@ -50,7 +50,8 @@ from jax.sharding import Mesh
 from distrib_train.podplan import collectives as collectives_lib
 from distrib_train.podplan import cpu_attention
 from distrib_train.common.versions import gpu_capability
-from distrib_train.recipes import attention_kernels, cudnn_attention
+from distrib_train.kernels.attention import cudnn as cudnn_attention
+from distrib_train.kernels.attention import dispatch as attention_kernels
 from distrib_train.podplan import gpu as gpu_lib
 from distrib_train.podplan import tpu as tpu_lib
 from distrib_train.cluster import hardware

@@ -20,8 +20,8 @@ import math
 import re
 from collections.abc import Mapping
 
-from distrib_train.parallel import grouped
-from distrib_train.recipes.attention import kernel_flops
+from distrib_train.kernels import grouped
+from distrib_train.kernels.attention.splash import kernel_flops
 
 _DTYPE_BITS = {
     "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32,
@@ -277,10 +277,10 @@ def flops(hlo_text: str) -> dict[str, float]:
   ``2 · output elements · contracted size`` per dot: the matmuls of one
   device's program, recomputation (remat) included, elementwise work not.
   A kernel's work is invisible in the program, so it is read from the name
-  scope its caller put it in: a grouped-matmul kernel (``parallel.grouped``)
+  scope its caller put it in: a grouped-matmul kernel (``kernels.grouped``)
   counts ``2 · rows · k · n`` for the rows it multiplies under even routing,
   which its grid follows; a fused attention kernel (splash, cuDNN:
-  ``recipes/attention.flops_scope``) counts the query-key pairs its mask
+  ``kernels/attention/splash.flops_scope``) counts the query-key pairs its mask
   lets run, for the pass it is (``kernel_flops``).
   """
   computations, _ = parse_module(hlo_text)

@@ -39,7 +39,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from distrib_train.parallel.experts import dispatch
-from distrib_train.recipes import attention_kernels, fp8, lora, routing
+from distrib_train.kernels import fp8
+from distrib_train.kernels.attention import dispatch as attention_kernels
+from distrib_train.recipes import lora, routing
 from distrib_train.recipes.rope import frequencies, rotary
 from distrib_train.sharding.axis_rules import constrain
 

@@ -43,10 +43,11 @@ import distrib_train.microbatches as microbatching
 from distrib_train.parallel import context
 from distrib_train.parallel.experts import EXPERT_OUTPUT
 from distrib_train.parallel.pipeline import layer_stack
-from distrib_train.recipes import attention as attention_lib
-from distrib_train.recipes import blocks, fp8, lora
+from distrib_train.kernels.attention import splash as attention_lib
+from distrib_train.kernels import fp8
+from distrib_train.recipes import blocks, lora
 from distrib_train.recipes.blocks import Kind, param, rms_norm
-from distrib_train.recipes.cross_entropy import chunked_cross_entropy
+from distrib_train.kernels.cross_entropy import chunked_cross_entropy
 from distrib_train.recipes.routing import RouterBias
 from distrib_train.sharding.axis_rules import constrain
 

@@ -29,7 +29,9 @@ import jax
 from typing import Any
 from flax import nnx
 
-from distrib_train.recipes import attention_kernels, fp8, lora
+from distrib_train.kernels import fp8
+from distrib_train.kernels.attention import dispatch as attention_kernels
+from distrib_train.recipes import lora
 from distrib_train.recipes.blocks import Kind
 from distrib_train.recipes.decoder import INPUT_AXES, REMAT_POLICIES, Decoder, loss_fn  # noqa: F401 (the family's)
 from distrib_train.recipes.family import Capabilities
@@ -100,7 +102,7 @@ class LlamaConfig:
   rope_mscale: float = 0.0  # yarn scaling only (DeepSeek)
   rope_mscale_all_dim: float = 0.0  # yarn scaling only (DeepSeek: also scales MLA's softmax)
   context_attention: str = "ring"  # with a context mesh axis: "ring" or "all_gather" (parallel/context.py)
-  fp8: str = "none"  # "none", "current" or "delayed": the projections' operands rounded to FP8 (recipes/fp8.py)
+  fp8: str = "none"  # "none", "current" or "delayed": the projections' operands rounded to FP8 (kernels/fp8.py)
   fp8_amax_history: int = 16  # steps of amax each delayed scale is taken from (fp8 "delayed" only)
   fp8_min_dim: int = 2048  # a matmul whose weight is smaller along its contraction or output stays bf16 (fp8.active)
   hf_model_type: str = ""  # the Hugging Face family it was read from and is written as ("qwen3", …); "": inferred

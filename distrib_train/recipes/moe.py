@@ -18,7 +18,7 @@ the loads the step measured over the whole global batch (a step of several
 microbatches sums theirs).
 
 Dropless by default: every token reaches its experts, through grouped
-matmuls (``parallel/grouped.py``: each expert's rows padded only to the
+matmuls (``kernels/grouped.py``: each expert's rows padded only to the
 kernel's tile); ``capacity_factor`` > 0 caps each expert at ``ceil(cf ·
 assignments / experts)`` assignments of a device's tokens and drops (and
 counts) the rest. On a mesh the experts are split over the ``expert`` axis

@@ -48,7 +48,7 @@ from flax import nnx
 
 from distrib_train.parallel import context
 from distrib_train.recipes import lora
-from distrib_train.recipes.cross_entropy import chunked_logprobs
+from distrib_train.kernels.cross_entropy import chunked_logprobs
 
 OBJECTIVES = ("lm", "dpo")
 ROLES = ("policy", "reference")  # a ``Preference`` model's two halves

@@ -263,6 +263,6 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, axes: tuple[s
 
 def grouped_matmul(x: jax.Array, w: jax.Array, kernels, extra: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
   """``ragged_dot``'s FP8 grouped matmul (current scaling, inside ``active``) with its three products run by
-  ``kernels.products(extra)`` (``parallel.gmm_triton.Fp8Products``; ``extra``: its tiles' groups) instead of
+  ``kernels.products(extra)`` (``kernels.gmm_triton.Fp8Products``; ``extra``: its tiles' groups) instead of
   ``jax.lax.ragged_dot``, which XLA's CUDA compiler expands densely. ``kernels`` is hashable."""
   return _matmul(("kernels", kernels), tuple(axes), x, w.astype(x.dtype), None, extra)

@@ -18,9 +18,9 @@ joins each softmax and is then dropped). ``choose`` says which kernel runs:
   XLA tiles: a query chunk needs a causal mask aligned to the bottom right
   of the gathered keys, and jax's cuDNN attention has only the top-left one
   (``MaskType.CAUSAL`` / ``PADDING_CAUSAL``, no offsets);
-- ``splash``: on TPU for lengths a multiple of 128 (``attention.py``), the
+- ``splash``: on TPU for lengths a multiple of 128 (``splash.py``), the
   window as a local mask, sinks and the soft cap in the kernel;
-- ``cudnn_packed``: packed rows on a Hopper GPU (``cudnn_attention.py``),
+- ``cudnn_packed``: packed rows on a Hopper GPU (``cudnn.py``),
   the window as cuDNN's sliding window;
 - ``cudnn``: jax's cuDNN flash attention on an Ampere or newer GPU (16-bit,
   head sizes a multiple of 8 up to 128, 256 on Hopper), its window likewise;
@@ -35,7 +35,7 @@ joins each softmax and is then dropped). ``choose`` says which kernel runs:
 asked for that cannot run the layer is refused with the reason. Inside
 ``recorded()`` each choice is kept with its reason, for the plan's report.
 
-Not for: the kernels themselves (``attention.py``, ``cudnn_attention.py``,
+Not for: the kernels themselves (``splash.py``, ``cudnn.py``,
 ``parallel/context.py``).
 """
 
@@ -52,10 +52,10 @@ from jax.sharding import NamedSharding
 
 from distrib_train.common.versions import gpu_capability
 from distrib_train.parallel import context
-from distrib_train.recipes import attention as attention_lib
-from distrib_train.recipes import cudnn_attention
-from distrib_train.recipes.attention import BLOCK as SPLASH_BLOCK
-from distrib_train.recipes.attention import context_splash_attention, splash_attention
+from distrib_train.kernels.attention import splash as attention_lib
+from distrib_train.kernels.attention import cudnn as cudnn_attention
+from distrib_train.kernels.attention.splash import BLOCK as SPLASH_BLOCK
+from distrib_train.kernels.attention.splash import context_splash_attention, splash_attention
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 REQUESTS = ("auto", "xla", "cudnn", "splash")

@@ -24,7 +24,7 @@ that loops over the group's tiles (a group with no tiles gets zeros).
 blocks are zero-padded here and the result sliced.
 
 ``fp8_products`` runs the same kernels on float8 operands for ``model.fp8``
-(``recipes/fp8.py`` scales around them), each product in float32.
+(``kernels/fp8.py`` scales around them), each product in float32.
 
 Blocks (for an H100; untuned, no GPU to time them on): 128 × 128 output
 tiles, K in steps of 64, 4 warps, 3 pipeline stages; the weight gradient's
@@ -33,7 +33,7 @@ kernels in Pallas' interpreter on any backend (the tests, on CPU).
 
 Not for: TPU (megablox's grouped matmul, a Mosaic kernel), CPU (batched
 tiles, ``grouped.py``), choosing or routing tokens and padding groups
-(``experts.py``), FP8's scaling (``recipes/fp8.py``; ``Fp8Products`` are its grouped products here).
+(``experts.py``), FP8's scaling (``kernels/fp8.py``; ``Fp8Products`` are its grouped products here).
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, tile_groups: jax.Array, *, tile_m: int =
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Products:
-  """The three products of an FP8 grouped matmul as these kernels: ``recipes/fp8.py``'s custom VJP calls
+  """The three products of an FP8 grouped matmul as these kernels: ``kernels/fp8.py``'s custom VJP calls
   ``products(tile_groups)`` (``fp8.grouped_matmul``) and scales around them. Each takes float8 operands in the
   layout above and gives float32:
 
@@ -287,7 +287,7 @@ class Fp8Products:
     return out[:, :k, :n]
 
   def products(self, tile_groups: jax.Array):
-    """``(x·w, g·wᵀ, xᵀ·g)`` as functions of their two operands, the order ``recipes/fp8.py`` takes."""
+    """``(x·w, g·wᵀ, xᵀ·g)`` as functions of their two operands, the order ``kernels/fp8.py`` takes."""
     return (lambda a, b: self.forward(a, b, tile_groups), lambda g, b: self.input_grad(g, b, tile_groups),
             lambda a, g: self.weight_grad(a, g, tile_groups))
 

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from distrib_train.common.versions import gpu_capability
-from distrib_train.recipes import fp8
+from distrib_train.kernels import fp8
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 TILE = {"tpu": 128, "gpu": 128, "cpu": 64}  # rows per tile, at most
@@ -144,14 +144,14 @@ def _gpu_fp8_kernels(groups: int, tile: int):
   if gpu_capability(_target_device()) < FP8_KERNEL_CAPABILITY:
     return None
   try:
-    return importlib.import_module("distrib_train.parallel.gmm_triton").fp8_products(groups, tile_m=tile)
+    return importlib.import_module("distrib_train.kernels.gmm_triton").fp8_products(groups, tile_m=tile)
   except ImportError:
     return None
 
 
 def _gpu_gmm(lhs, rhs, sizes, tile_groups, tile):
   try:
-    triton = importlib.import_module("distrib_train.parallel.gmm_triton")
+    triton = importlib.import_module("distrib_train.kernels.gmm_triton")
   except ImportError:
     return jax.lax.ragged_dot(lhs, rhs, sizes)
   return triton.gmm(lhs, rhs, tile_groups, tile_m=tile)
