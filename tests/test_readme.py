@@ -72,10 +72,6 @@ def _blocks(text):
   return blocks
 
 
-def _blocks_code(text, line):
-  return next(code for at, _, code, _ in _blocks(text) if at == line)
-
-
 _SHELL = ("bash", "sh", "shell", "console")
 _LOOKS_LIKE_COMMANDS = re.compile(r"^(\$ |distrib-train |python3? |bash |pip |\.venv/)", re.MULTILINE)
 
@@ -103,7 +99,7 @@ def test_the_guides_are_read():
 def test_every_python_and_command_block_is_run_or_says_why_not(name):
   text = _TEXTS[name]
   problems = []
-  for line, language, _, marker in _blocks(text):
+  for line, language, code, marker in _blocks(text):
     skip = _NOT_RUN.match(marker) if marker else None
     if skip and not skip.group(1):
       problems.append(f"{name}:{line}: a 'not run' marker without a reason")
@@ -113,10 +109,9 @@ def test_every_python_and_command_block_is_run_or_says_why_not(name):
     if skip and language not in ("python", "py", *_SHELL):
       problems.append(f"{name}:{line}: 'not run' marks a {language or 'plain'} block (only Python and command"
                       " blocks run)")
-    code = _blocks_code(text, line)
     if not language and _LOOKS_LIKE_COMMANDS.search(code):
-      problems.append(f"{name}:{line}: an unlabelled block of commands: label it ```bash (or ```console for a"
-                      " transcript) so that it runs, or mark it '<!-- not run: REASON -->'")
+      problems.append(f"{name}:{line}: an unlabelled block of commands: label it ```bash (```console for a"
+                      " transcript) so that it runs; one that cannot run then says why: '<!-- not run: REASON -->'")
   # A marker must sit right before a fence, not drift away from the block it was for.
   lines = text.splitlines()
   for number, text_line in enumerate(lines, 1):
@@ -220,6 +215,9 @@ def test_command_blocks_are_found_and_parsed():
   assert _shell_commands("console", "$ distrib-train x\nan output line\n") == [["distrib-train", "x"]]
   assert _is_training_run(["python", "-m", "distrib_train", "--config", "tiny"])
   assert not _is_training_run(["distrib-train", "plan", "--config", "tiny"])
+  # an unlabelled block is taken for commands when a line starts like one, not for output or data
+  assert _LOOKS_LIKE_COMMANDS.search("# a comment\npython -m distrib_train --config sft-tiny\n")
+  assert not _LOOKS_LIKE_COMMANDS.search('{"prompt": "python is"}\ncheckpoints/1000/\nPlan: llama-7b-tpu\n')
 
 
 @pytest.fixture(scope="session")
