@@ -7,16 +7,17 @@ import pathlib
 import subprocess
 import sys
 
-from xla_test_flags import FAST_COMPILE  # one CPU device; compile speed only, as every test's
+from xla_test_flags import FAST_COMPILE  # compile speed only, as every test's
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+_ONE_CPU_DEVICE = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)  # the benches' own device count: 1
 
 
 def test_train_throughput_smoke_on_cpu(tmp_path):
   out = subprocess.run(
       [sys.executable, "bench/train_throughput.py", "--shapes", "tiny", "--steps", "2", "--warmup", "1",
        "--check_same_init", "--json", str(tmp_path / "rows.json")],
-      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE), capture_output=True, text=True,
+      cwd=ROOT, env=_ONE_CPU_DEVICE, capture_output=True, text=True,
       timeout=240)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
   lines = out.stdout.splitlines()
@@ -52,7 +53,7 @@ def test_data_bench_writes_every_format_and_times_what_this_checkout_reads(tmp_p
   out = subprocess.run(
       [sys.executable, "bench/data_bench.py", "--sizes", "2MB", "--dir", str(tmp_path / "corpora"), "--seconds", "0.3",
        "--seq_len", "256", "--batch", "8", "--json", str(tmp_path / "rows.json")],
-      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE), capture_output=True, text=True, timeout=240)
+      cwd=ROOT, env=_ONE_CPU_DEVICE, capture_output=True, text=True, timeout=240)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
   rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
   assert [r["format"] for r in rows] == ["jsonl", "parquet", "jsonl.zst", "jsonl.gz", "datasets", "array_record"]
@@ -73,7 +74,7 @@ def test_data_bench_counts_the_worker_processes_cpu(tmp_path):
   out = subprocess.run(
       [sys.executable, "bench/data_bench.py", "--sizes", "1MB", "--formats", "jsonl", "--dir", str(tmp_path),
        "--seconds", "1", "--seq_len", "256", "--batch", "8", "--num_workers", "1", "--json", str(tmp_path / "rows.json")],
-      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE), capture_output=True, text=True, timeout=240)
+      cwd=ROOT, env=_ONE_CPU_DEVICE, capture_output=True, text=True, timeout=240)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
   (row,) = json.loads((tmp_path / "rows.json").read_text())["rows"]
   assert row["tokens_per_s"] > 0 and row["main_cpu_ms_per_batch"] > 0
@@ -87,7 +88,7 @@ def test_fp8_gemm_bench_times_the_same_products_in_each_layout_on_cpu(tmp_path):
   out = subprocess.run(
       [sys.executable, "bench/fp8_gemms.py", "--tokens", "128", "--shapes", "64x96", "--iters", "2", "--json",
        str(tmp_path / "rows.json")],
-      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE), capture_output=True, text=True,
+      cwd=ROOT, env=_ONE_CPU_DEVICE, capture_output=True, text=True,
       timeout=240)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
   rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())}

@@ -220,20 +220,27 @@ def test_command_blocks_are_found_and_parsed():
   assert not _LOOKS_LIKE_COMMANDS.search('{"prompt": "python is"}\ncheckpoints/1000/\nPlan: llama-7b-tpu\n')
 
 
+def _without_the_suites_variables():
+  """This process's environment less what the suite and its virtualenv set (a user's shell has none of it)."""
+  return {key: value for key, value in os.environ.items()
+          if not key.startswith(("JAX_", "XLA_", "DT_", "PYTEST_"))
+          and key not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PIP_REQUIRE_VIRTUALENV")}
+
+
 @pytest.fixture(scope="session")
 def setup_venv(tmp_path_factory, once_per_run):
   """A virtualenv built by ``launch/local.sh --install-only``, as the README's set-up builds it, once per run."""
 
   def build():
     venv = tmp_path_factory.mktemp("setup-venv") / "venv"
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PIP_REQUIRE_VIRTUALENV")}
+    env = _without_the_suites_variables()
     env["VENV"] = str(venv)
     # launch/local.sh creates it with `python3 -m venv`: this run's interpreter, under that name.
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     out = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--install-only"], env=env,
                          capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, f"launch/local.sh --install-only: exit {out.returncode}\n{(out.stdout + out.stderr)[-3000:]}"
+    assert out.returncode == 0, (f"launch/local.sh --install-only: exit {out.returncode}\n"
+                                 f"{(out.stdout + out.stderr)[-3000:]}")
     return str(venv)
 
   return pathlib.Path(once_per_run("setup-venv", build))
@@ -244,8 +251,7 @@ def _setup_env(venv, tmp_path):
   fast-compile XLA flags aside, which change only compile speed)."""
   import xla_test_flags
 
-  env = {key: value for key, value in os.environ.items()
-         if not key.startswith(("JAX_", "XLA_", "DT_", "PYTEST_")) and key not in ("VIRTUAL_ENV", "PYTHONPATH")}
+  env = _without_the_suites_variables()
   env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
   env["VIRTUAL_ENV"] = str(venv)
   env["HOME"] = env["TMPDIR"] = str(tmp_path)
