@@ -22,8 +22,15 @@ Params are stacked per segment of equal layers (``decoder.py``): each
 function here takes one layer's slice. ``Kind`` says which variants a layer
 composes.
 
+Projection stands apart from attention, so that a cache can sit between
+them: ``gqa_projections`` gives GQA's rotated queries, keys and values;
+``mla_query`` MLA's queries and ``mla_latent`` each token's latent and
+rotary key (the ``kv_lora_rank + qk_rope_head_dim`` values a cache keeps),
+which ``mla_keys_values`` expands into the heads' keys and values;
+``attention_output`` and ``attention_residual`` finish the sublayer.
+
 Not for: the order of layers and their scan (``decoder.py``), the kernels
-(``attention_kernels.py``), the config (``llama.py``, ``moe.py``).
+(``kernels/attention/``), the config (``llama.py``, ``moe.py``).
 """
 
 from __future__ import annotations
@@ -133,7 +140,9 @@ def _project(subscripts: str, x: jax.Array, layer: dict, name: str, config=None)
   return out if adapted is None else out + adapted
 
 
-def _gqa(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) -> jax.Array:
+def gqa_projections(config, kind: Kind, h: jax.Array, layer: dict, positions) -> tuple[jax.Array, ...]:
+  """GQA's queries [batch, length, heads, head_dim], keys and values [batch, length, kv_heads, head_dim] of ``h``:
+  projected, biased, normed and rotated, ready for the attention (or a cache: ``generation/``)."""
   dtype = h.dtype
   q = _project("btd,dnh->btnh", h, layer, "wq", config)
   k = _project("btd,dkh->btkh", h, layer, "wk", config)
@@ -146,48 +155,93 @@ def _gqa(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) 
   freqs, factor = frequencies(rope, q.shape[-1]), rope.attention_factor()
   q = constrain(rotary(q, positions, freqs, factor), ("batch", "length", "heads", "head_dim"))
   k = constrain(rotary(k, positions, freqs, factor), ("batch", "length", "kv_heads", "head_dim"))
+  return q, k, v
+
+
+def _gqa(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) -> jax.Array:
+  q, k, v = gqa_projections(config, kind, h, layer, positions)
   attn = attention_kernels.attention(q, k, v, config.attention_for(kind), positions=positions,
                                      segment_ids=segment_ids, sinks=layer.get("sinks"))
-  return _project("btnh,nhd->btd", attn, layer, "wo", config)
+  return attention_output(config, attn, layer)
+
+
+def attention_output(config, attn: jax.Array, layer: dict) -> jax.Array:
+  """The output projection of the heads' attention [batch, length, heads, v_dim] → [batch, length, embed]."""
+  return _project("btnh,nhd->btd", attn, layer, "wo", config if config.attention_kind != "mla" else None)
 
 
 LATENT_NORM_EPS = 1e-6  # MLA's latent norms: DeepSeek's own epsilon, whatever the model's (transformers' too)
 MLA_LATENT = "mla_kv_latent"  # each token's key/value latent and rotary key, kept under remat (decoder.py)
 
 
-def _mla(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) -> jax.Array:
+def mla_query(config, kind: Kind, h: jax.Array, layer: dict, positions) -> jax.Array:
+  """MLA's queries [batch, length, heads, head_dim + qk_rope_head_dim]: their own part, then the rotated part."""
   c = config
-  nope, rope_dim, r = c.head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+  nope, rope_dim = c.head_dim, c.qk_rope_head_dim
   if c.q_lora_rank:
     q_latent = rms_norm(_project("btd,dr->btr", h, layer, "wq_a"), layer["q_a_norm"], LATENT_NORM_EPS)
     q = _project("btr,rnh->btnh", q_latent, layer, "wq_b")
   else:
     q = _project("btd,dnh->btnh", h, layer, "wq")
-  latent = checkpoint_name(_project("btd,dr->btr", h, layer, "wkv_a"), MLA_LATENT)  # [.., kv_lora_rank + rope]
-  kv_latent, k_rope = rms_norm(latent[..., :r], layer["kv_a_norm"], LATENT_NORM_EPS), latent[..., r:]
-  kv = _project("btr,rnh->btnh", kv_latent, layer, "wkv_b")
-  k_nope, v = kv[..., :nope], kv[..., nope:]
   rope = c.rope(kind.sliding)
   freqs, factor = frequencies(rope, rope_dim), rope.attention_factor()
   q_rope = rotary(q[..., nope:], positions, freqs, factor, interleaved=c.rope_interleave)
-  k_rope = rotary(k_rope[:, :, None, :], positions, freqs, factor, interleaved=c.rope_interleave)
-  q = constrain(jnp.concatenate([q[..., :nope], q_rope], axis=-1), ("batch", "length", "heads", "head_dim"))
+  return constrain(jnp.concatenate([q[..., :nope], q_rope], axis=-1), ("batch", "length", "heads", "head_dim"))
+
+
+def mla_latent(config, kind: Kind, h: jax.Array, layer: dict, positions) -> jax.Array:
+  """MLA's per-token key/value state [batch, length, kv_lora_rank + qk_rope_head_dim]: the normed latent, then
+  the rotated key part all heads share. What a cache keeps of MLA (``generation/``): the heads' keys and values
+  expand from it (``mla_keys_values``)."""
+  c = config
+  r = c.kv_lora_rank
+  latent = checkpoint_name(_project("btd,dr->btr", h, layer, "wkv_a"), MLA_LATENT)  # [.., kv_lora_rank + rope]
+  kv_latent, k_rope = rms_norm(latent[..., :r], layer["kv_a_norm"], LATENT_NORM_EPS), latent[..., r:]
+  rope = c.rope(kind.sliding)
+  freqs, factor = frequencies(rope, c.qk_rope_head_dim), rope.attention_factor()
+  k_rope = rotary(k_rope[:, :, None, :], positions, freqs, factor, interleaved=c.rope_interleave)[:, :, 0]
+  return jnp.concatenate([kv_latent, k_rope], axis=-1)
+
+
+def mla_keys_values(config, latent: jax.Array, layer: dict) -> tuple[jax.Array, jax.Array]:
+  """The heads' keys [batch, length, heads, head_dim + rope] and values [batch, length, heads, v_dim] expanded
+  from ``mla_latent``'s state."""
+  c = config
+  nope, rope_dim, r = c.head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+  kv = _project("btr,rnh->btnh", latent[..., :r], layer, "wkv_b")
+  k_nope, v = kv[..., :nope], kv[..., nope:]
+  k_rope = latent[..., None, r:]
   k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], rope_dim))], axis=-1)
-  k = constrain(k, ("batch", "length", "heads", "head_dim"))
-  attn = attention_kernels.attention(q, k, v, c.attention_for(kind), positions=positions, segment_ids=segment_ids,
-                                     sinks=layer.get("sinks"))
-  return _project("btnh,nhd->btd", attn, layer, "wo")
+  return constrain(k, ("batch", "length", "heads", "head_dim")), v
 
 
-def attention_sublayer(config, kind: Kind, x: jax.Array, layer: dict, positions, segment_ids) -> jax.Array:
-  """``x`` plus the attention of one layer (pre-norm): the first half of a decoder layer."""
-  h = _norm(config, x, layer["attn_norm"])
-  out = (_mla if config.attention_kind == "mla" else _gqa)(config, kind, h, layer, positions, segment_ids)
+def _mla(config, kind: Kind, h: jax.Array, layer: dict, positions, segment_ids) -> jax.Array:
+  q = mla_query(config, kind, h, layer, positions)
+  k, v = mla_keys_values(config, mla_latent(config, kind, h, layer, positions), layer)
+  attn = attention_kernels.attention(q, k, v, config.attention_for(kind), positions=positions,
+                                     segment_ids=segment_ids, sinks=layer.get("sinks"))
+  return attention_output(config, attn, layer)
+
+
+def attention_input(config, x: jax.Array, layer: dict) -> jax.Array:
+  """The attention's input: ``x`` normed (pre-norm)."""
+  return _norm(config, x, layer["attn_norm"])
+
+
+def attention_residual(config, x: jax.Array, out: jax.Array, layer: dict) -> jax.Array:
+  """``x`` plus the attention's projected output ``out`` (its bias, and the norm after it under sandwich norms)."""
   if config.attention_out_bias:
     out = out + layer["bo"].astype(out.dtype)
   if config.sandwich_norms:
     out = _norm(config, out, layer["post_attn_norm"])
   return x + constrain(out, ("batch", "length", "embed"))
+
+
+def attention_sublayer(config, kind: Kind, x: jax.Array, layer: dict, positions, segment_ids) -> jax.Array:
+  """``x`` plus the attention of one layer (pre-norm): the first half of a decoder layer."""
+  h = attention_input(config, x, layer)
+  out = (_mla if config.attention_kind == "mla" else _gqa)(config, kind, h, layer, positions, segment_ids)
+  return attention_residual(config, x, out, layer)
 
 
 # --- MLP --------------------------------------------------------------------------------------

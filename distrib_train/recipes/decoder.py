@@ -202,16 +202,7 @@ class Decoder(nnx.Module):
     dropout_rng = None if self.deterministic else dropout_rng
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    # The table is gathered over its embedding side (fsdp) before the lookup: a lookup into the fsdp-sharded table
-    # made XLA rematerialize it whole ("Involuntary full rematerialization") and moved about 40 % more bytes per
-    # step (124m-like shape, 8 devices).
-    table = constrain(self.embed[...], ("vocab", None))
-    x = jnp.take(table, tokens, axis=0).astype(c.dtype)
-    if c.pad_token_id >= 0:  # the pad token's lookups leave its row untrained, as transformers' padding_idx does
-      x = jnp.where((tokens == c.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
-    if c.scale_embeddings:  # Gemma: embeddings × √d_model
-      x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
-    x = constrain(x, ("batch", "length", "embed"))
+    x = self.embed_tokens(tokens)
     staged = (use := microbatching.active_pipelining()) is not None and use.request.stages > 1
     if c.fp8 == "delayed" and staged:
       raise ValueError("model.fp8=delayed does not run with a stage axis: the pipeline runs every layer once per"
@@ -240,7 +231,25 @@ class Decoder(nnx.Module):
         block = functools.partial(_period_block, c, segment.kinds, self._remat_policy(), mixture_model)
         carry = layer_stack(block, carry, layers, per_example=per_example, scan=c.scan_layers, layer_axes=axes)
     x, aux = (carry[0], self._routing_aux(carry[1])) if mixture_model else (carry, {})
-    return rms_norm(x, self.final_norm[...], c.norm_eps, c.norm_weight_offset), aux
+    return self.final_hidden(x), aux
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """The layers' input for ``tokens`` [batch, length]: their embeddings in the compute dtype (Gemma's scaled)."""
+    c = self.config
+    # The table is gathered over its embedding side (fsdp) before the lookup: a lookup into the fsdp-sharded table
+    # made XLA rematerialize it whole ("Involuntary full rematerialization") and moved about 40 % more bytes per
+    # step (124m-like shape, 8 devices).
+    table = constrain(self.embed[...], ("vocab", None))
+    x = jnp.take(table, tokens, axis=0).astype(c.dtype)
+    if c.pad_token_id >= 0:  # the pad token's lookups leave its row untrained, as transformers' padding_idx does
+      x = jnp.where((tokens == c.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
+    if c.scale_embeddings:  # Gemma: embeddings × √d_model
+      x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
+    return constrain(x, ("batch", "length", "embed"))
+
+  def final_hidden(self, x: jax.Array) -> jax.Array:
+    """The last layer's output normed: the hidden states the head reads."""
+    return rms_norm(x, self.final_norm[...], self.config.norm_eps, self.config.norm_weight_offset)
 
   def _routing_sums(self, x: jax.Array) -> dict[str, jax.Array]:
     rows, e = x.shape[0], self.config.num_experts
