@@ -329,8 +329,9 @@ def parse_overrides(assignments: Sequence[str]) -> dict[str, str]:
   return out
 
 
-def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str = "config") -> Config:
-  """A checked ``Config`` from nested YAML-like values and flat overrides.
+def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str = "config",
+          training: bool = True) -> Config:
+  """A checked ``Config`` from nested YAML-like values and flat overrides (``training``: as ``check_config``).
 
   Raises:
     ConfigError: an unknown key (with the closest valid ones), a value of the
@@ -369,20 +370,22 @@ def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str 
     )
   except ValueError as e:  # a value the section itself refuses (DataConfig checks its own)
     raise ConfigError(str(e)) from None
-  check_config(config)
+  check_config(config, training)
   return config
 
 
-def load(config: str | None = None, overrides: Sequence[str] | Mapping[str, Any] = ()) -> Config:
+def load(config: str | None = None, overrides: Sequence[str] | Mapping[str, Any] = (), *,
+         training: bool = True) -> Config:
   """A config from a preset name or YAML path (or the defaults), overridden.
 
   Args:
     config: a preset name (see ``preset_names()``) or a YAML path.
     overrides: ``key=value`` strings (``--set``) or a mapping.
+    training: check its data against its model too (False: a model loaded for use, ``training/run_model.py``).
   """
   raw = read_yaml(config_path(config)) if config else {}
   where = f"config {config!r}" if config else "config"
   if not isinstance(overrides, Mapping):
     overrides = parse_overrides(overrides)
-  return build(raw, overrides, where)
+  return build(raw, overrides, where, training)
 

@@ -20,8 +20,9 @@ from distrib_train.recipes.objectives import OBJECTIVES
 NONFINITE_POLICIES = ("skip", "halt", "rollback")
 
 
-def check_config(config: Any) -> None:
-  """Checks across a built ``Config``'s fields and sections.
+def check_config(config: Any, training: bool = True) -> None:
+  """Checks across a built ``Config``'s fields and sections (``training``: also those of its data against its
+  model; False for a config that only loads a model for use, ``training/run_model.py``).
 
   Raises:
     ConfigError: a value out of range or a combination that cannot run (named by its key).
@@ -85,5 +86,5 @@ def check_config(config: Any) -> None:
   except (ValueError, TypeError, ArithmeticError) as e:  # values the model's own config refuses
     raise ConfigError(f"model: {e}" if not isinstance(e, ValueError) else str(e)) from None
   vocab = family_of(config.model_recipe().config).vocab_size
-  if vocab is not None and vocab < 256 and config.data.tokenizer == "bytes":
+  if training and vocab is not None and vocab < 256 and config.data.tokenizer == "bytes":
     raise ConfigError(f"model.vocab_size {vocab} is below 256, the byte-level vocabulary of the data sources.")

@@ -43,16 +43,10 @@ def export(workdir: str | os.PathLike, out: str, step: int | None = None, adapte
     ValueError: no such run or step, another model than llama, ``adapter`` for a run without LoRA (named).
   """
   import jax
-  import optax
 
   from distrib_train.checkpoint import hf
-  from distrib_train.checkpoint.manager import CheckpointManager
-  from distrib_train.sharding.mesh import MeshConfig, build_mesh
-  from distrib_train.sharding.planner import MeshPlanner
-  from distrib_train.train_state import TrainState
   from distrib_train.training import config as config_lib
-  from distrib_train.training import init_from
-  from distrib_train.training.job import model_parts
+  from distrib_train.training import run_model
 
   workdir = pathlib.Path(workdir)
   if not (workdir / "config.yaml").exists():
@@ -65,25 +59,10 @@ def export(workdir: str | os.PathLike, out: str, step: int | None = None, adapte
   if adapter and not getattr(recipe.config, "lora_rank", 0):
     raise ValueError("--adapter writes a LoRA run's adapters; this run has none (model.lora.rank is 0): export"
                      " it without --adapter.")
-  mesh = build_mesh(MeshConfig(("data", "fsdp", "tensor"), (1, 1, 1)), jax.devices()[:1])
-  planner = MeshPlanner(mesh, "fsdp_tensor")
-  parts = model_parts(config)  # LoRA: the base is frozen; dpo: the policy with its reference
-  make = lambda: TrainState.initial_state(parts.model_fn(0), optax.sgd(0.0), jax.random.key(0),
-                                          is_param=parts.is_param)
-  plan = planner.plan(jax.eval_shape(make))
-  with CheckpointManager(workdir / "checkpoints", async_save=False) as manager:
-    if manager.latest_step() is None:
-      raise ValueError(f"{str(workdir / 'checkpoints')!r} holds no checkpoint.")
-    state, step = plan.init(make), manager.latest_step() if step is None else step
-    # A run that saved no frozen weights (a LoRA base from hf:): the merged model reads them from its source
-    # (a DPO run's reference copy alone is not written, so not read).
-    frozen = jax.tree_util.tree_flatten_with_path(plan.abstract_train_state.model_without_params)[0]
-    merged = not adapter and any(not hf.is_reference(path) for path, _ in frozen)
-    source = init_from.restore_source(manager.metadata_of(step), config,
-                                      f"Checkpoint step {step} in {str(manager.directory)!r}") if merged else None
-    if source is not None:
-      state = init_from.with_frozen(config, source, plan.abstract_train_state, state)
-    state = manager.restore(state, step, params_only=True)  # the model: params and local state
+  if not (workdir / "checkpoints").is_dir() or not any(p.name.isdigit() for p in (workdir / "checkpoints").iterdir()):
+    raise ValueError(f"{str(workdir / 'checkpoints')!r} holds no checkpoint.")
+  # The params onto this host's first device; the merged model's frozen weights too (LoRA's base from its source).
+  state = run_model.load(f"ckpt:{workdir}", step=step, devices=jax.devices()[:1], frozen=not adapter).state
   if adapter:  # with LoRA the params are the adapters
     from distrib_train.checkpoint import peft_adapter
 
