@@ -56,11 +56,11 @@ from distrib_train.kernels.attention import splash as attention_lib
 from distrib_train.kernels.attention import cudnn as cudnn_attention
 from distrib_train.kernels.attention.splash import BLOCK as SPLASH_BLOCK
 from distrib_train.kernels.attention.splash import context_splash_attention, splash_attention
+from distrib_train.kernels.attention.xla import masked_attention
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 REQUESTS = ("auto", "xla", "cudnn", "splash")
 TILE = 1024  # past this length, this module's own attention runs in tiles of this many queries and keys
-_MASKED = -1e30  # finite: a row with nothing to see gives no NaN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,28 +272,14 @@ def _cudnn(kernel, q, k, v, layer, segment_ids, scale):
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, *, window: int,
                         scale: float, softcap: float, sinks: jax.Array | None) -> jax.Array:
-  """Attention in plain XLA with what jax's own lacks (sinks, a soft cap): the scores in float32, then the
-  softmax, over the [length, length] scores of each head."""
-  batch, length, heads, qk_dim = q.shape
-  kv_heads = k.shape[2]
-  groups = heads // kv_heads
-  qg = q.reshape(batch, length, kv_heads, groups, qk_dim)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-  if softcap:
-    scores = softcap * jnp.tanh(scores / softcap)
+  """Attention in plain XLA with what jax's own lacks (sinks, a soft cap): each row's causal mask (a window's band,
+  each packed document to itself) over the [length, length] scores, through ``xla.masked_attention``."""
+  length = q.shape[1]
   query, key = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
   visible = key <= query
   if window:
     visible &= query - key < window
-  visible = visible[None, None, None]
+  visible = visible[None]
   if segment_ids is not None:
-    visible = visible & (segment_ids[:, None, None, :, None] == segment_ids[:, None, None, None, :])
-  scores = jnp.where(visible, scores, _MASKED)
-  if sinks is not None:
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1),
-                            (batch, kv_heads, groups, length, 1))
-    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-  else:
-    probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
-  return out.reshape(batch, length, heads, v.shape[-1])
+    visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
+  return masked_attention(q, k, v, visible, scale=scale, softcap=softcap, sinks=sinks)
