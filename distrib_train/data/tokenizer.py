@@ -5,7 +5,8 @@
 its own library, imported only then:
 
 - ``bytes``: UTF-8 bytes, ids 0–255 (the default; no library).
-- ``hf:<path>``: a Hugging Face ``tokenizer.json`` (``pip install tokenizers``).
+- ``hf:<path>``: a Hugging Face ``tokenizer.json``, or a directory holding one (as ``from_pretrained``
+  takes a model's directory) (``pip install tokenizers``).
 - ``sentencepiece:<path>``: a SentencePiece ``.model`` (``pip install sentencepiece``).
 - ``tiktoken:<path>``: a tiktoken BPE file of ``base64-token rank`` lines
   (``pip install tiktoken``); text is split with the cl100k pattern
@@ -175,9 +176,11 @@ def parse(spec: str, where: str = "data.tokenizer") -> tuple[str, str]:
   if text == "bytes":
     return "bytes", ""
   if not sep or kind not in KINDS or kind == "bytes":
-    raise ValueError(f"{where}: {spec!r} is not a tokenizer; use bytes, hf:<tokenizer.json>,"
+    raise ValueError(f"{where}: {spec!r} is not a tokenizer; use bytes, hf:<tokenizer.json or its directory>,"
                      " sentencepiece:<model file> or tiktoken:<bpe file> (local files; nothing is downloaded).")
   file = os.path.expanduser(path.partition("#")[0] if kind == "tiktoken" else path)
+  if kind == "hf" and file and os.path.isdir(file):  # a model's directory, as from_pretrained takes it
+    path = file = os.path.join(file, "tokenizer.json")
   if not file or not os.path.isfile(file):
     raise ValueError(f"{where}: tokenizer file {file!r} does not exist (a local {kind} file is needed; nothing is"
                      " downloaded).")
