@@ -20,6 +20,7 @@ LAYERS = (
     ("sharding",),
     ("kernels", "parallel"),
     ("recipes",),
+    ("generation",),
     ("checkpoint", "data", "cluster"),
     ("training",),
     ("podplan",),

@@ -1,0 +1,269 @@
+"""The decoder's key/value cache and its cached forward: prefill a prompt, then decode one token at a time.
+
+**Layout.** The cache mirrors the decoder's segments (``recipes/decoder.py``):
+for each segment, one entry per position in its period, stacked on a
+leading ``layers`` axis (the segment's periods), so the layers scan over
+their params and their cache together. A GQA layer keeps its rotated keys
+and values ``[layers, batch, slots, kv_heads, head_dim]``; an MLA layer
+(DeepSeek-V3) keeps ``mla_latent``'s state ``[layers, batch, slots,
+kv_lora_rank + qk_rope_head_dim]`` — the normed latent and the rotary key
+all heads share, not the expanded heads. A full layer has one slot per
+token (``max_len``); a sliding layer (Gemma 3's local layers, gpt-oss's)
+has a ring of ``window`` slots where that is shorter: token ``a`` goes to
+slot ``a mod window``.
+
+**Rows.** A batch's prompts are left-padded to one length, so every row
+writes the same slot at each step. ``pads`` [batch] counts each row's pads:
+the token at index ``a`` of the row has position ``a − pads`` (its first
+real token is position 0, as transformers' ``generate`` counts a
+left-padded row), and no query sees a pad.
+
+**Prefill** runs the prompt through the training kernels
+(``kernels/attention/dispatch``: splash, cuDNN, XLA), with the pads as a
+segment of their own, and writes every layer's keys and values (or
+latents). **Decode** writes one token's and reads the cache through
+``kernels/attention/xla``; MLA decodes absorbed: the queries move into
+the latent's space (``q_nope · W_uk``), attend over the cached latents as
+one key/value head, and the result leaves it through ``W_uv``.
+
+Logical axes: ``layers``, ``batch``, ``length`` (slots), ``kv_heads``,
+``head_dim``, laid out by the planner's rules as activations are
+(``cache_shardings``).
+
+Not for: sampling (``sampling.py``), the loop over steps (``engine.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from distrib_train.kernels import fp8
+from distrib_train.kernels.attention import dispatch as attention_kernels
+from distrib_train.kernels.attention.xla import masked_attention
+from distrib_train.recipes import blocks
+from distrib_train.recipes.blocks import Kind
+from distrib_train.recipes.decoder import segments
+from distrib_train.sharding.axis_rules import constrain
+
+GQA_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+LATENT_AXES = ("layers", "batch", "length", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One period position's cache in a segment: its name, the layers' kind, its slots, what it holds."""
+
+  segment: str
+  position: int
+  kind: Kind
+  periods: int
+  slots: int
+  ring: bool  # a sliding window's ring of ``slots`` (fewer than the cache's length)
+
+
+def entries(config, max_len: int) -> tuple[Entry, ...]:
+  """The cache's entries for a cache of ``max_len`` tokens (module docstring)."""
+  out = []
+  for segment in segments(config):
+    period = len(segment.kinds)
+    for i, kind in enumerate(segment.kinds):
+      window = config.sliding_window if kind.sliding else 0
+      ring = bool(window) and window < max_len
+      out.append(Entry(segment.name, i, kind, segment.count // period, window if ring else max_len, ring))
+  return tuple(out)
+
+
+def _shapes(config, entry: Entry, batch: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
+  lead = (entry.periods, batch, entry.slots)
+  if config.attention_kind == "mla":
+    return {"latent": (lead + (config.kv_lora_rank + config.qk_rope_head_dim,), LATENT_AXES)}
+  return {"k": (lead + (config.num_kv_heads, config.head_dim), GQA_AXES),
+          "v": (lead + (config.num_kv_heads, config.head_dim), GQA_AXES)}
+
+
+def cache_spec(config, batch: int, max_len: int, dtype: Any = None) -> dict[str, Any]:
+  """The cache as ``{segment: ({name: ShapeDtypeStruct}, …) per period position}`` (no memory)."""
+  dtype = jnp.dtype(dtype or config.dtype)
+  out: dict[str, list] = {}
+  for entry in entries(config, max_len):
+    out.setdefault(entry.segment, []).append(
+        {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, _) in _shapes(config, entry, batch).items()})
+  return {k: tuple(v) for k, v in out.items()}
+
+
+def cache_axes(config, batch: int, max_len: int) -> dict[str, Any]:
+  """The logical axes of each of the cache's arrays, as ``cache_spec`` lays them out."""
+  out: dict[str, list] = {}
+  for entry in entries(config, max_len):
+    out.setdefault(entry.segment, []).append(
+        {name: axes for name, (_, axes) in _shapes(config, entry, batch).items()})
+  return {k: tuple(v) for k, v in out.items()}
+
+
+def cache_shardings(config, batch: int, max_len: int, mesh, rules) -> dict[str, Any]:
+  """Each cache array's ``NamedSharding`` on ``mesh`` by ``rules`` (batch over data / fsdp, kv heads over
+  tensor, as the activations are)."""
+  spec, axes = cache_spec(config, batch, max_len), cache_axes(config, batch, max_len)
+  return jax.tree.map(lambda s, a: NamedSharding(mesh, rules.spec(a, shape=s.shape, mesh=mesh)), spec, axes,
+                      is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x))
+
+
+def init_cache(config, batch: int, max_len: int, dtype: Any = None, shardings: Any = None) -> dict[str, Any]:
+  """A zero cache for ``batch`` rows of up to ``max_len`` tokens (prompt and new tokens), in the model's compute
+  dtype unless ``dtype``; laid out by ``shardings`` (``cache_shardings``) where given."""
+  spec = cache_spec(config, batch, max_len, dtype)
+  zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
+  return jax.jit(zeros, out_shardings=shardings)() if shardings is not None else zeros()
+
+
+def cache_bytes(config, batch: int, max_len: int, dtype: Any = None) -> int:
+  """The whole cache's bytes (every device's together)."""
+  return sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(cache_spec(config, batch, max_len, dtype)))
+
+
+# --- the cached forward ----------------------------------------------------------------------
+
+
+def _slots_of(entry: Entry, index: jax.Array) -> jax.Array:
+  """The slot of absolute token ``index`` in the entry."""
+  return index % entry.slots if entry.ring else index
+
+
+def _visible(entry: Entry, t: jax.Array, pads: jax.Array) -> jax.Array:
+  """[batch, 1, slots]: which slots a query at absolute index ``t`` (the newest written) sees."""
+  slot = jnp.arange(entry.slots)
+  held = t - (t - slot) % entry.slots if entry.ring else slot  # the absolute index each slot holds
+  seen = (held <= t) & (held >= pads[:, None])
+  return seen[:, None, :]
+
+
+def _write_prefill(entry: Entry, cache: jax.Array, new: jax.Array) -> jax.Array:
+  """The cache (one layer's, [batch, slots, …]) with the prompt's ``new`` [batch, length, …] written."""
+  length = new.shape[1]
+  if not entry.ring:
+    return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), 0, axis=1)
+  kept = min(length, entry.slots)  # a ring keeps the last ``window`` tokens, each at its slot
+  slots = jnp.arange(length - kept, length) % entry.slots
+  return cache.at[:, slots].set(new[:, length - kept:].astype(cache.dtype))
+
+
+def _write_one(entry: Entry, cache: jax.Array, new: jax.Array, t: jax.Array) -> jax.Array:
+  return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), _slots_of(entry, t), axis=1)
+
+
+def _constrain_entry(config, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  axes = GQA_AXES[1:] if config.attention_kind != "mla" else LATENT_AXES[1:]
+  return {k: constrain(v, axes) for k, v in arrays.items()}
+
+
+def _attend_prefill(config, entry: Entry, h, layer, cache, positions, segment_ids):
+  kind = entry.kind
+  if config.attention_kind == "mla":
+    q = blocks.mla_query(config, kind, h, layer, positions)
+    latent = blocks.mla_latent(config, kind, h, layer, positions)
+    k, v = blocks.mla_keys_values(config, latent, layer)
+    cache = {"latent": _write_prefill(entry, cache["latent"], latent)}
+  else:
+    q, k, v = blocks.gqa_projections(config, kind, h, layer, positions)
+    cache = {"k": _write_prefill(entry, cache["k"], k), "v": _write_prefill(entry, cache["v"], v)}
+  attn = attention_kernels.attention(q, k, v, config.attention_for(kind), positions=positions,
+                                     segment_ids=segment_ids, sinks=layer.get("sinks"))
+  return blocks.attention_output(config, attn, layer), _constrain_entry(config, cache)
+
+
+def _attend_decode(config, entry: Entry, h, layer, cache, positions, t, pads):
+  kind, spec = entry.kind, config.attention_for(entry.kind)
+  visible = _visible(entry, t, pads)
+  scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(config.qk_dim)
+  options = dict(scale=scale, softcap=spec.softcap, sinks=layer.get("sinks"))
+  if config.attention_kind == "mla":
+    q = blocks.mla_query(config, kind, h, layer, positions)
+    latent = blocks.mla_latent(config, kind, h, layer, positions)
+    cache = _constrain_entry(config, {"latent": _write_one(entry, cache["latent"], latent, t)})
+    nope, r = config.head_dim, config.kv_lora_rank
+    w_kv = layer["wkv_b"].astype(h.dtype)  # [kv_lora_rank, heads, head_dim + v_dim]
+    q_latent = jnp.einsum("bqhn,rhn->bqhr", q[..., :nope], w_kv[..., :nope])
+    queries = jnp.concatenate([q_latent, q[..., nope:]], axis=-1)
+    stored = cache["latent"].astype(h.dtype)[:, :, None, :]  # one key/value head: the latent and rotary key
+    out = masked_attention(queries, stored, stored[..., :r], visible, **options)
+    attn = jnp.einsum("bqhr,rhv->bqhv", out, w_kv[..., nope:])
+  else:
+    q, k, v = blocks.gqa_projections(config, kind, h, layer, positions)
+    cache = _constrain_entry(config, {"k": _write_one(entry, cache["k"], k, t),
+                                      "v": _write_one(entry, cache["v"], v, t)})
+    attn = masked_attention(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), visible, **options)
+  return blocks.attention_output(config, attn, layer), cache
+
+
+def _layer(config, entry: Entry, x, layer, cache, positions, step):
+  h = blocks.attention_input(config, x, layer)
+  if step["decode"]:
+    out, cache = _attend_decode(config, entry, h, layer, cache, positions, step["t"], step["pads"])
+  else:
+    out, cache = _attend_prefill(config, entry, h, layer, cache, positions, step["segment_ids"])
+  x = blocks.attention_residual(config, x, out, layer)
+  x, _ = blocks.mlp_sublayer(config, entry.kind, x, layer)
+  return x, cache
+
+
+def _layers(model, cache: dict[str, Any], x: jax.Array, positions: jax.Array, max_len: int, step: dict):
+  config = model.config
+  by_segment: dict[str, list[Entry]] = {}
+  for entry in entries(config, max_len):
+    by_segment.setdefault(entry.segment, []).append(entry)
+  new_cache = {}
+  for segment in segments(config):
+    seg_entries = by_segment[segment.name]
+    period = len(seg_entries)
+    layers = {k: v[...] for k, v in getattr(model, segment.name).items()}
+    if period > 1:
+      layers = {k: v.reshape(segment.count // period, period, *v.shape[1:]) for k, v in layers.items()}
+
+    def body(x, xs, seg_entries=seg_entries, period=period):
+      params, caches = xs
+      out = []
+      for i, entry in enumerate(seg_entries):
+        one = params if period == 1 else {k: v[i] for k, v in params.items()}
+        x, c = _layer(config, entry, x, one, caches[i], positions, step)
+        out.append(c)
+      return x, tuple(out)
+
+    x, new_cache[segment.name] = jax.lax.scan(body, x, (layers, cache[segment.name]))
+  return x, new_cache
+
+
+def prefill(model, cache: dict[str, Any], tokens: jax.Array, pads: jax.Array, *,
+            max_len: int) -> tuple[jax.Array, dict[str, Any]]:
+  """Runs the left-padded prompts ``tokens`` [batch, length] (``pads`` [batch] pads each) from the start of a
+  cache of ``max_len`` tokens; returns the logits of each row's last token [batch, vocab] (float32) and the
+  cache written."""
+  c = model.config
+  batch, length = tokens.shape
+  index = jnp.arange(length)[None, :]
+  positions = jnp.maximum(index - pads[:, None], 0)
+  segment_ids = (index >= pads[:, None]).astype(jnp.int32)  # the pads a segment of their own (0)
+  with fp8.active(c.fp8, c.fp8_min_dim):
+    x = model.embed_tokens(tokens)
+    x, cache = _layers(model, cache, x, positions, max_len, {"decode": False, "segment_ids": segment_ids})
+  hidden = model.final_hidden(x[:, -1:])
+  return model.logits(hidden)[:, 0].astype(jnp.float32), cache
+
+
+def decode(model, cache: dict[str, Any], tokens: jax.Array, t: jax.Array, pads: jax.Array, *,
+           max_len: int) -> tuple[jax.Array, dict]:
+  """Runs one new token per row, ``tokens`` [batch], at absolute index ``t`` (a scalar: every row writes the same
+  slot) in a cache of ``max_len`` tokens; returns its logits [batch, vocab] (float32) and the cache with its keys
+  and values written."""
+  c = model.config
+  positions = (t - pads)[:, None]
+  with fp8.active(c.fp8, c.fp8_min_dim):
+    x = model.embed_tokens(tokens[:, None])
+    x, cache = _layers(model, cache, x, positions, max_len, {"decode": True, "t": t, "pads": pads})
+  return model.logits(model.final_hidden(x))[:, 0].astype(jnp.float32), cache
+
