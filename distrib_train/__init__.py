@@ -14,6 +14,7 @@ Public API:
   CheckpointManager                    sharded async checkpoints (orbax), any-mesh restore
   CheckpointError, check_restorable    a checkpoint that cannot be restored; the read-only check
   CheckpointWriteError                 a save that failed (full disk, read-only directory)
+  generate                             completions from a run's model or a Hugging Face one (KV cache, sampling)
 
 The run's config and loop are ``distrib_train.training``; joining processes
 is ``distrib_train.cluster``; the ``plan`` command is
@@ -41,6 +42,7 @@ _EXPORTS = {
     "EvalStep": "distrib_train.train_step", "LossFunction": "distrib_train.train_step",
     "TrainStep": "distrib_train.train_step", "build_eval_step_fn": "distrib_train.train_step",
     "build_train_step_fn": "distrib_train.train_step",
+    "generate": "distrib_train.training.generate",
 }
 
 
@@ -83,6 +85,7 @@ __all__ = [
     "check_restorable",
     "constrain",
     "data",
+    "generate",
     "models",
     "parallel",
     "recipes",

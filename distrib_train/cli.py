@@ -183,11 +183,15 @@ def main(argv: Sequence[str]) -> None:
 
 def run() -> None:
   """The ``distrib-train`` console script; ``distrib-train plan ...`` is ``plan_cli``, ``distrib-train export
-  ...`` is ``training/export.py``."""
+  ...`` is ``training/export.py``, ``distrib-train generate ...`` is ``training/generate.py``."""
   if len(sys.argv) > 1 and sys.argv[1] == "plan":
     from distrib_train.podplan import cli as plan_cli
 
     sys.exit(plan_cli.main(sys.argv[2:]))
+  if len(sys.argv) > 1 and sys.argv[1] == "generate":
+    from distrib_train.training import generate
+
+    sys.exit(generate.main(sys.argv[2:]))
   if len(sys.argv) > 1 and sys.argv[1] == "export":
     from distrib_train.training import export
 

@@ -1,0 +1,202 @@
+"""``distrib-train generate`` and ``dt.generate``: completions of text prompts from a run's model or a Hugging Face one.
+
+  distrib-train generate --init_from hf:/models/qwen3 --prompts q.jsonl --out a.jsonl --max_new_tokens 256
+  distrib-train generate --init_from ckpt:/tmp/distrib_train_demo --prompt "The Python"   # streamed
+  distrib-train generate --init_from ckpt:runs/sft --prompts q.jsonl --out a.jsonl --temperature 0.7 --n 4
+
+The model loads onto the mesh as ``training/run_model.py`` reads it, and
+``generation/engine.py`` samples. Prompts: each line of ``--prompts`` is a
+JSON record with ``prompt`` (text, encoded as the tokenizer encodes text by
+default: transformers' ``tokenizer(prompt)``, a BOS where the tokenizer
+adds one) or ``messages`` (rendered through the model's chat template with
+the generation prompt, as ``apply_chat_template(…, add_generation_prompt=True)``).
+Each output line is one completion: ``index`` (the prompt's line),
+``sample``, ``text``, ``ids`` (the new tokens), ``logprobs`` (the model's,
+one per new token) and ``finish_reason`` (``stop``: an end id or a stop
+string; ``length``: ``max_new_tokens``).
+
+The tokenizer and chat template are the Hugging Face directory's (``hf:``,
+or the one a run started from), unless ``data.tokenizer`` names another
+(``--set data.tokenizer=hf:DIR``: a directory, or its ``tokenizer.json``);
+a run of its own tokenizer uses it. End ids: ``generation_config.json``'s
+``eos_token_id`` (else ``config.json``'s), a run's ``data.eos_token``.
+
+A mistake prints one ``error:`` line and exits with status 2, before any
+model is read.
+
+Not for: the cache and the loop (``generation/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from distrib_train.training.generate_text import (Codec, end_ids, prompt_ids, read_prompts, truncate_at_stop,
+                                                  codec_for)
+
+
+def generate(init_from: str | None = None, prompts: Sequence[str | dict] = (), *, model: Any = None,
+             step: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, min_p: float = 0.0, n: int = 1, seed: int = 0, stop: Sequence[str] = (),
+             mesh_config: str | None = None, dtype: str | None = None, overrides: dict | None = None,
+             batch_size: int = 64, on_text: Callable[[str], None] | None = None,
+             log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+  """Completions of ``prompts`` (texts, or records with ``prompt`` or ``messages``), ``n`` each, as the records
+  ``distrib-train generate`` writes (module docstring).
+
+  Args:
+    init_from: ``hf:<dir>`` or ``ckpt:<run>`` (or ``model``: a ``run_model.RunModel`` already loaded).
+    prompts: the prompts.
+    step: a run's checkpoint step (default: the newest).
+    max_new_tokens, temperature, top_p, top_k, min_p, n, seed: as ``generation.sampling.Sampling`` and
+      ``generation.engine.Generator.generate`` (temperature 0: greedy).
+    stop: strings that end a completion (the text before the first one is kept).
+    mesh_config, dtype, overrides: as ``run_model.load``.
+    batch_size: rows decoded together.
+    on_text: called with each piece of the first completion's text as it is decoded (one prompt, n 1).
+    log: lines about compiles.
+
+  Raises:
+    ValueError: a bad prompt, setting or source (named), before the model is read where it can be.
+  """
+  from distrib_train.generation.engine import Generator
+  from distrib_train.generation.sampling import Sampling
+  from distrib_train.training import run_model
+
+  sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+  records = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
+  loaded = model if model is not None else run_model.load(init_from, step=step, mesh_config=mesh_config,
+                                                           dtype=dtype, overrides=overrides or {})
+  codec = codec_for(loaded)
+  ids = [prompt_ids(codec, record, f"prompt {i}") for i, record in enumerate(records)]
+  stream = _Streamer(codec, on_text, stop) if on_text is not None and len(ids) == 1 and n == 1 else None
+  generator = Generator(loaded.model, mesh=loaded.mesh, rules=loaded.rules, log=log)
+  completions = generator.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, n=n, seed=seed,
+                                   eos_ids=end_ids(loaded, codec), batch_size=batch_size, on_token=stream)
+  out = []
+  for c in completions:
+    text, kept, stopped = truncate_at_stop(codec, c.ids, stop)
+    out.append({"index": c.index, "sample": c.sample, "text": text, "ids": c.ids[:kept],
+                "logprobs": c.logprobs[:kept], "finish_reason": "stop" if stopped else c.finish_reason})
+  if stream is not None:
+    stream.finish(out[0]["text"])
+  return out
+
+
+class _Streamer:
+  """``on_token`` for one row: the text decoded so far passed on in pieces as it becomes final — not a character
+  cut between tokens, nor what may begin a stop string — and nothing past a stop string; ``finish`` passes the
+  rest of the completion's final text."""
+
+  def __init__(self, codec: Codec, on_text: Callable[[str], None], stop: Sequence[str]):
+    self.codec, self.on_text, self.stop = codec, on_text, [s for s in stop if s]
+    self.ids: list[int] = []
+    self.shown, self.done = 0, False
+
+  def _emit(self, text: str, end: int) -> None:
+    if end > self.shown:
+      self.on_text(text[self.shown:end])
+      self.shown = end
+
+  def __call__(self, tokens, finished) -> None:
+    if self.done or bool(finished[0]):
+      self.done = True
+      return
+    self.ids.append(int(tokens[0]))
+    text = self.codec.decode(self.ids)
+    hits = [text.find(s) for s in self.stop if s in text]
+    if hits:
+      self._emit(text, min(hits))
+      self.done = True
+      return
+    end = len(text.rstrip("\ufffd"))  # a character cut between tokens waits for the rest
+    held = max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+    self._emit(text, end - held)
+
+  def finish(self, text: str) -> None:
+    self._emit(text, len(text))
+
+
+def main(argv: Sequence[str]) -> int:
+  parser = argparse.ArgumentParser(prog="distrib-train generate", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--init_from", required=True, help="hf:<Hugging Face directory> or ckpt:<run directory>")
+  parser.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
+  parser.add_argument("--prompts", help="a JSONL file of records with 'prompt' (text) or 'messages' (a chat)")
+  parser.add_argument("--prompt", help="one text prompt; its answer is printed as it is generated")
+  parser.add_argument("--out", help="the JSONL file of completions (with --prompts)")
+  parser.add_argument("--max_new_tokens", type=int, default=256)
+  parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+  parser.add_argument("--top_p", type=float, default=1.0)
+  parser.add_argument("--top_k", type=int, default=0)
+  parser.add_argument("--min_p", type=float, default=0.0)
+  parser.add_argument("--n", type=int, default=1, help="samples per prompt")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--stop", action="append", default=[], help="a string that ends a completion (repeatable)")
+  parser.add_argument("--batch_size", type=int, default=64, help="rows decoded together")
+  parser.add_argument("--mesh_config", help="a mesh config's name or path (default: every device on fsdp)")
+  parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's or the run's)")
+  parser.add_argument("--set", action="append", default=[], dest="overrides",
+                      help="a config key: --set data.tokenizer=hf:DIR (repeatable)")
+  parser.add_argument("--cpu_devices", type=int, help="run on CPU, emulating this many devices per process")
+  parser.add_argument("--coordinator_address", help="host:port of process 0 (multi-process jobs)")
+  parser.add_argument("--num_processes", type=int)
+  parser.add_argument("--process_id", type=int)
+  args = parser.parse_args(list(argv))
+  try:
+    if bool(args.prompts) == bool(args.prompt):
+      raise ValueError("give --prompts FILE.jsonl (with --out) or --prompt TEXT, one of the two.")
+    if args.prompts and not args.out:
+      raise ValueError("--prompts needs --out FILE.jsonl for the completions.")
+    if args.out and os.path.isdir(args.out):
+      raise ValueError(f"--out {args.out!r} is a directory; name a .jsonl file.")
+    prompts = read_prompts(args.prompts) if args.prompts else [args.prompt]
+    from distrib_train.generation.sampling import Sampling
+    from distrib_train.training import config as config_lib
+
+    Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    if args.max_new_tokens < 1 or args.n < 1 or args.batch_size < 1:
+      raise ValueError("--max_new_tokens, --n and --batch_size must be at least 1.")
+    overrides = config_lib.parse_overrides(args.overrides)
+  except (ValueError, OSError) as e:
+    _fail(str(e))
+  from distrib_train.cluster import distributed
+
+  try:
+    distributed.initialize(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+                           process_id=args.process_id, cpu_devices=args.cpu_devices)
+  except ValueError as e:
+    _fail(str(e))
+  import jax
+
+  first = jax.process_index() == 0
+  say = (lambda line: print(line, file=sys.stderr, flush=True)) if first else None
+  on_text = (lambda piece: print(piece, end="", flush=True)) if args.prompt and first else None
+  try:
+    records = generate(args.init_from, prompts, step=args.step, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                       n=args.n, seed=args.seed, stop=args.stop, mesh_config=args.mesh_config, dtype=args.dtype,
+                       overrides=overrides, batch_size=args.batch_size, on_text=on_text, log=say)
+  except ValueError as e:  # ConfigError, CheckpointError and HfCheckpointError are ValueErrors
+    _fail(str(e))
+  if args.prompt:
+    if first:
+      print(flush=True)
+    return 0
+  if first:
+    partial = args.out + ".partial"
+    with open(partial, "w", encoding="utf-8") as f:
+      for record in records:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(partial, args.out)
+    print(f"wrote {len(records)} completions of {len(prompts)} prompts to {args.out}", file=sys.stderr)
+  return 0
+
+
+def _fail(message: str) -> None:
+  print(f"distrib-train: error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)

@@ -1,0 +1,175 @@
+"""Text in and out of generation: the tokenizer as a codec, prompt records into ids, end ids, stop strings.
+
+- ``codec_for(run_model)``: the tokenizer ``data.tokenizer`` names where it
+  is set (a run's own, or ``--set data.tokenizer=…``), else the Hugging
+  Face directory's ``tokenizer.json`` (``hf:``, or the directory a run
+  started from). ``bytes`` decodes UTF-8; ``hf:`` through the ``tokenizers``
+  library, text encoded with the tokenizer's own special tokens
+  (``add_special_tokens=True``, as transformers' ``tokenizer(text)``),
+  decoded without them (``skip_special_tokens=True``).
+- ``prompt_ids``: a ``prompt`` record's text so encoded (a run's
+  ``data.bos_token`` before it, as its documents were); a ``messages``
+  record through the chat template with the generation prompt, its ids
+  with no special tokens added (the template writes them).
+- ``end_ids``: ``generation_config.json``'s ``eos_token_id`` (one or a list),
+  else ``config.json``'s; a run's ``data.eos_token``.
+- ``truncate_at_stop``: a completion cut before its first stop string.
+
+Not for: reading documents for training (``data/``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from distrib_train.common import extras
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+  """A tokenizer for generation: ``encode(text, special)`` (``special``: the tokenizer's own BOS and such
+  added), ``decode(ids)`` (special tokens left out), ``token_id(text)``, where its files are (``path``: the
+  ``tokenizer.json``'s, for the chat template), and a run's ``bos``."""
+
+  spec: str
+  encode: Callable[[str, bool], list[int]]
+  decode: Callable[[Sequence[int]], str]
+  token_id: Callable[[str], int | None]
+  path: str = ""
+  bos: int | None = None
+
+
+def _bytes_codec() -> Codec:
+  return Codec("bytes", lambda text, special: list(text.encode("utf-8")),
+               lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace"), lambda text: None)
+
+
+def _hf_codec(spec: str, path: str) -> Codec:
+  tokenizers = extras.require("tokenizers", f"data.tokenizer {spec}")
+  try:
+    tok = tokenizers.Tokenizer.from_file(path)
+  except Exception as e:  # the library raises its own Exception type
+    raise ValueError(f"data.tokenizer: {path!r} is not a Hugging Face tokenizer.json: {e}") from None
+  tok.no_truncation()
+  tok.no_padding()
+  return Codec(spec, lambda text, special: tok.encode(text, add_special_tokens=special).ids,
+               lambda ids: tok.decode(list(ids), skip_special_tokens=True), tok.token_to_id, path)
+
+
+def tokenizer_file(spec_path: str) -> str:
+  """A Hugging Face tokenizer's file: the path, or a directory's ``tokenizer.json``."""
+  path = os.path.expanduser(spec_path)
+  return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+
+
+def codec_for(loaded: Any) -> Codec:
+  """The codec of a loaded model (module docstring).
+
+  Raises:
+    ValueError: no tokenizer to be had, a tokenizer kind generation cannot decode (named).
+  """
+  data = loaded.config.data
+  spec = data.tokenizer
+  if spec == "bytes" and loaded.hf_dir:  # the default: the model's own directory's
+    file = os.path.join(loaded.hf_dir, "tokenizer.json")
+    if not os.path.isfile(file):
+      raise ValueError(f"{loaded.hf_dir!r} holds no tokenizer.json; name one with --set data.tokenizer=hf:<dir or"
+                       " tokenizer.json>.")
+    return _hf_codec(f"hf:{loaded.hf_dir}", file)
+  kind, _, path = spec.partition(":")
+  if spec == "bytes":
+    codec = _bytes_codec()
+  elif kind == "hf":
+    file = tokenizer_file(path)
+    if not os.path.isfile(file):
+      raise ValueError(f"data.tokenizer: tokenizer file {file!r} does not exist (a local tokenizer.json or its"
+                       " directory is needed; nothing is downloaded).")
+    codec = _hf_codec(spec, file)
+  else:
+    raise ValueError(f"data.tokenizer {spec}: generation decodes bytes and hf: tokenizers; give the model's"
+                     " tokenizer.json with --set data.tokenizer=hf:<dir or tokenizer.json>.")
+  bos = codec.token_id(data.bos_token) if data.bos_token else None
+  return dataclasses.replace(codec, bos=bos)
+
+
+def read_prompts(path: str) -> list[dict[str, Any]]:
+  """The records of a prompts file, each checked to hold ``prompt`` (text) or ``messages`` (a list).
+
+  Raises:
+    ValueError: a missing file, a line that is no JSON object or holds neither key (file and line named).
+  """
+  path = os.path.expanduser(path)
+  if not os.path.isfile(path):
+    raise ValueError(f"--prompts {path!r} does not exist.")
+  records = []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except ValueError as e:
+        raise ValueError(f"{path}:{number}: not a JSON record: {e}") from None
+      if not isinstance(record, dict) or not (isinstance(record.get("prompt"), str)
+                                              or isinstance(record.get("messages"), list)):
+        raise ValueError(f"{path}:{number}: a prompt record needs 'prompt' (text) or 'messages' (a list of"
+                         " {role, content}).")
+      records.append(record)
+  if not records:
+    raise ValueError(f"--prompts {path!r} holds no prompt.")
+  return records
+
+
+def prompt_ids(codec: Codec, record: dict[str, Any], where: str) -> list[int]:
+  """A record's prompt ids (module docstring)."""
+  if "messages" in record and not isinstance(record.get("prompt"), str):
+    from distrib_train.data.chat import ChatEncoder, ChatTemplate
+
+    if not codec.path:
+      raise ValueError(f"{where}: 'messages' need a chat template, and the tokenizer {codec.spec} has none; give"
+                       " 'prompt' text, or the model's tokenizer with --set data.tokenizer=hf:<dir>.")
+    text = ChatEncoder(ChatTemplate.load(codec.path), None).render(record["messages"], add_generation_prompt=True,
+                                                                   where=where)
+    return codec.encode(text, False)
+  ids = codec.encode(record["prompt"], True)
+  return ([codec.bos] if codec.bos is not None else []) + ids
+
+
+def _ids(value: Any) -> list[int]:
+  if isinstance(value, int):
+    return [value]
+  return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
+
+
+def end_ids(loaded: Any, codec: Codec) -> list[int]:
+  """The ids that end a completion (module docstring)."""
+  ids: list[int] = []
+  if loaded.hf_dir:
+    for name in ("generation_config.json", "config.json"):
+      path = os.path.join(loaded.hf_dir, name)
+      if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+          found = _ids(json.load(f).get("eos_token_id"))
+        if found:
+          ids = found
+          break
+  eos = loaded.config.data.eos_token
+  if eos and codec.token_id(eos) is not None:
+    ids.append(codec.token_id(eos))
+  return sorted(set(ids))
+
+
+def truncate_at_stop(codec: Codec, ids: Sequence[int], stop: Sequence[str]) -> tuple[str, int, bool]:
+  """``(text, ids kept, stopped)``: the completion's text before its first stop string, and the fewest ids whose
+  text holds it; the whole completion where none occurs."""
+  text = codec.decode(ids)
+  hits = [(text.find(s), s) for s in stop if s and s in text]
+  if not hits:
+    return text, len(ids), False
+  cut = min(hits)[0]
+  kept = next(k for k in range(1, len(ids) + 1) if any(s in codec.decode(ids[:k]) for _, s in hits))
+  return text[:cut], kept, True
