@@ -152,6 +152,22 @@ def test_prompt_lengths_share_a_bucket_and_compiles_are_counted():
     generator.generate([[]], max_new_tokens=4)
 
 
+def test_the_plan_reports_the_caches_bytes_per_device(capsys):
+  """``plan --kv_cache``: the tiny Llama's cache (2 layers × k and v of 2 heads × 16, float32) of 8 rows × 64 tokens
+  is 256 KiB, 32 KiB a device on cpu-8 (rows over data × fsdp, kv heads over tensor); DeepSeek-V3's MLA keeps its
+  512 + 64 latent values per token and layer, not the expanded heads' 2 × 128 × (128 + 64)."""
+  from distrib_train.generation import cache as cache_lib
+  from distrib_train.podplan import cli as plan_cli
+  from distrib_train.training import config as config_lib
+
+  assert plan_cli.main(["--config", "tiny", "--no_compile", "--kv_cache", "8x64"]) == 0
+  line = capsys.readouterr().out.strip().splitlines()[-1]
+  assert line.startswith("Generation cache, 8 rows × 64 tokens (float32): 32.00 KiB per device, 256.00 KiB in all;")
+  deepseek = config_lib.load("deepseek-v3-tpu").model_recipe().config
+  assert cache_lib.values_per_token(deepseek) == 512 + 64
+  assert cache_lib.cache_bytes(deepseek, 1, 1) == 61 * (512 + 64) * 2  # bfloat16, every layer
+
+
 def _env():
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   env.pop("XLA_FLAGS", None)

@@ -297,6 +297,7 @@ def test_cli_recommend_writes_a_mesh_config_that_loads(tmp_path, cache_env, reco
     (["--config", "tiny", "--efficiency", "2"], "--efficiency must be in (0, 1]"),
     (["--config", "tiny", "--recommend", "--out_config", "tiny"], "--out_config must name a .yaml file"),
     (["--config", "tiny", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--config", "tiny", "--kv_cache", "64"], "--kv_cache must be ROWSxTOKENS, e.g. 64x4096, got '64'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
   with pytest.raises(SystemExit) as exit_info:

@@ -122,6 +122,14 @@ def init_cache(config, batch: int, max_len: int, dtype: Any = None, shardings: A
   return jax.jit(zeros, out_shardings=shardings)() if shardings is not None else zeros()
 
 
+def values_per_token(config) -> int:
+  """The values a layer keeps per token: keys and values of every kv head (GQA), or the latent and the shared
+  rotary key (MLA: ``kv_lora_rank + qk_rope_head_dim``, DeepSeek-V3's 512 + 64)."""
+  if config.attention_kind == "mla":
+    return config.kv_lora_rank + config.qk_rope_head_dim
+  return 2 * config.num_kv_heads * config.head_dim
+
+
 def cache_bytes(config, batch: int, max_len: int, dtype: Any = None) -> int:
   """The whole cache's bytes (every device's together)."""
   return sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(cache_spec(config, batch, max_len, dtype)))

@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--out_config", help="where --recommend writes the experiment config with the chosen settings and"
                  f" mesh (default: {DEFAULT_CONFIG_OUT} beside --out)")
   p.add_argument("--json", help="also write the figures as JSON to this path")
+  p.add_argument("--kv_cache", metavar="ROWSxTOKENS", help="also the generation cache of ROWS rows of TOKENS tokens"
+                 " (prompt and new) on this mesh: its bytes per device, laid out by the rules (e.g. 64x4096)")
   p.add_argument("--efficiency", type=float, default=None, help="share of peak FLOP/s the matmuls reach (default 0.6)")
   p.add_argument("--memory_fraction", type=float, help="usable share of device memory (default: TPU 1.0, GPU 0.92)")
   p.add_argument("--no_activation_sharding", action="store_true",
@@ -105,6 +107,12 @@ def _positive(args: argparse.Namespace) -> None:
     value = getattr(args, name)
     if value is not None and not 0 < value <= 1:
       raise _UsageError(f"--{name} must be in (0, 1], got {value}.")
+  if args.kv_cache is not None:
+    rows, x, tokens = args.kv_cache.lower().partition("x")
+    if not (x and rows.isdigit() and tokens.isdigit() and int(rows) > 0 and int(tokens) > 0):
+      raise _UsageError(f"--kv_cache must be ROWSxTOKENS, e.g. 64x4096, got {args.kv_cache!r}.")
+    if args.recommend:
+      raise _UsageError("--kv_cache reports the cache on the mesh planned; give it without --recommend.")
 
 
 def _granules(args, mesh_config, devices, kind, matches) -> int:
@@ -219,11 +227,35 @@ def main(argv: Sequence[str]) -> int:
     _fail(str(e))
   pod.notes.extend(notes)
   print(pod.report())
+  if args.kv_cache:
+    print(_kv_cache_line(config, pod.plan.mesh, podplan.rules_for(config, mesh_config), args.kv_cache))
   if args.arrays:
     print("\n" + pod.plan.report())
   if args.json:
     _write_json(args.json, pod.to_dict())
   return 0
+
+
+def _kv_cache_line(config, mesh, rules, text: str) -> str:
+  """The generation cache's size for ``text`` (``ROWSxTOKENS``) on ``mesh`` (``generation/cache.py``)."""
+  import jax
+  from jax.sharding import NamedSharding
+
+  from distrib_train.generation import cache as cache_lib
+  from distrib_train.podplan import report as podplan_report
+
+  model = config.model_recipe().config
+  rows, tokens = (int(v) for v in text.lower().split("x"))
+  spec, axes = cache_lib.cache_spec(model, rows, tokens), cache_lib.cache_axes(model, rows, tokens)
+  is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+  per_device = sum(math.prod(NamedSharding(mesh, rules.spec(a, shape=s.shape, mesh=mesh)).shard_shape(s.shape))
+                   * s.dtype.itemsize for s, a in zip(jax.tree.leaves(spec), jax.tree.leaves(axes, is_leaf=is_axes)))
+  whole = cache_lib.cache_bytes(model, rows, tokens)
+  layers = len(model.layer_kinds())
+  held = cache_lib.values_per_token(model)
+  return (f"Generation cache, {rows} rows × {tokens} tokens ({model.dtype}): {podplan_report.human_bytes(per_device)}"
+          f" per device, {podplan_report.human_bytes(whole)} in all; {held} values per token and layer"
+          f" ({layers} layers; a sliding layer keeps its window).")
 
 
 class _NoTopology:
