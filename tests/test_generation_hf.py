@@ -122,3 +122,20 @@ def test_text_and_chat_prompts_are_encoded_as_transformers_encodes_them(tmp_path
                                eos_token_id=None, pad_token_id=0)
     assert record["ids"] == out[0, len(ids):].tolist()[:len(record["ids"])]
     assert record["text"] == theirs.decode(record["ids"], skip_special_tokens=True)
+
+
+def test_the_cpu_bench_times_both_sides_on_the_same_tokens(tmp_path):
+  """``bench/generation.py cpu --smoke``: tokens/s of both, and the same greedy tokens."""
+  import json
+  import pathlib
+  import subprocess
+  import sys
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run([sys.executable, "bench/generation.py", "cpu", "--smoke", "--json", str(tmp_path / "r.json")],
+                       cwd=root, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  [row] = json.loads((tmp_path / "r.json").read_text())
+  assert row["same_tokens"] and row["ours_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0
+  assert "the same tokens: True" in out.stdout

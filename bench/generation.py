@@ -1,0 +1,237 @@
+"""Generation's figures: the decode step against its memory-bandwidth roofline, and tokens/s beside a reference.
+
+Run from the repository root:
+
+  python bench/generation.py tpu    # libtpu's compile for v5e-8, no TPU: Qwen3-8B at 64 × 4k, llama-7b-tpu at 16 × 4k
+  python bench/generation.py cpu    # CPU: tokens/s beside transformers' generate, the same model, threads and batch
+  python bench/generation.py gpu    # a GPU: tokens/s at batch 64, beside vLLM on the same card when vllm is installed
+  python bench/generation.py cpu --smoke   # a small run of the CPU rows (tests/test_bench.py)
+
+**tpu.** The decode step (one token for every row over a cache of the
+context's length: ``generation/cache.decode``) is compiled by libtpu for a
+v5e-8 slice (``pip install 'jax[tpu]'``; nothing runs), tensor 8 (the kv
+heads and the projections split over the chips), bf16 weights and cache.
+At decode a step must read every weight and the whole cache once, so its
+floor is (parameter bytes + cache bytes) per chip over the chip's HBM
+bandwidth (v5e: 819 GB/s). The figure printed is that floor over libtpu's
+own estimate of the step's bytes accessed (``cost_analysis``), also as
+time: 1.0 reads nothing twice; the target is ≥ 0.8. The shapes are the
+issue's: ``qwen3-8b-gpu``'s model at batch 64 × 4,096 tokens and
+``llama-7b-tpu``'s at 16 × 4,096.
+
+**cpu.** A small random Llama (``--d_model``, ``--layers``, a 1,024-token
+vocabulary) saved by transformers, read back by ``run_model`` as
+``distrib-train generate --init_from hf:`` reads it: greedy, ``--batch``
+prompts of ``--prompt`` tokens, ``--new`` new tokens, end ids off; both
+sides on the same ``--threads`` (torch's intra-op threads; XLA's CPU
+client's through its flags), the first call of each (compiles, warm-up)
+not timed, then the median of ``--repeats``. It also checks that both
+produce the same tokens.
+
+**gpu.** The same timing on the GPU (bf16, the Qwen3-8B shape scaled by
+``--layers``), and vLLM's ``LLM.generate`` on the same random weights when
+vllm is installed (the row says so when it is not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+V5E_BANDWIDTH = 819e9  # bytes/s per chip (cloud.google.com/tpu/docs/v5e)
+
+
+def _decode_step_bytes(preset: str, batch: int, context: int) -> dict:
+  """libtpu's compile of one decode step for ``preset``'s model on v5e-8 (tensor 8): its bytes accessed and the
+  roofline's bytes per chip."""
+  import jax
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from distrib_train.generation import cache as cache_lib
+  from distrib_train.podplan import tpu
+  from distrib_train.sharding.axis_rules import AxisRules, activation_sharding
+  from distrib_train.sharding.mesh import MeshConfig
+  from distrib_train.sharding.planner import MeshPlanner
+  from distrib_train.sharding.topology import TpuTopology
+  from distrib_train.train_state import TrainState
+  from distrib_train.training import config as config_lib
+
+  tpu.use_cpu_for_jax()
+  model = config_lib.load(preset).model_recipe().config
+  model = dataclasses.replace(model, dtype="bfloat16", param_dtype="bfloat16", remat="none", fp8="none")
+  mesh = tpu.mesh(MeshConfig(("data", "fsdp", "tensor"), (1, 1, 8)), TpuTopology.parse("v5e:2x4"))
+  rules = AxisRules("fsdp_tensor")
+  make = lambda: TrainState.initial_state(model.build(0), optax.sgd(0.0), jax.random.key(0))
+  state = MeshPlanner(mesh, rules).plan(jax.eval_shape(make)).abstract_train_state
+  spec = cache_lib.cache_spec(model, batch, context)
+  shardings = cache_lib.cache_shardings(model, batch, context, mesh, rules)
+  cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), spec, shardings)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  rows = jax.ShapeDtypeStruct((batch,), np.int32, sharding=replicated)
+  index = jax.ShapeDtypeStruct((), np.int32, sharding=replicated)
+
+  def step(state, cache, tokens, t, pads):
+    with activation_sharding(mesh, rules):
+      return cache_lib.decode(state.model, cache, tokens, t, pads, max_len=context)
+
+  compiled = jax.jit(step, donate_argnums=(1,), out_shardings=(None, shardings)).lower(
+      state, cache, rows, index, rows).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  per_chip = lambda tree: sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+                              for x in jax.tree.leaves(tree))
+  params = per_chip(state.params) + per_chip(state.model_without_params)
+  return {"preset": preset, "batch": batch, "context": context, "param_bytes": params, "cache_bytes": per_chip(cache),
+          "bytes_accessed": float(cost.get("bytes accessed", float("nan"))), "flops": float(cost.get("flops", 0.0)),
+          "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+
+
+def tpu_rows(args) -> list[dict]:
+  rows = []
+  for preset, batch in (("qwen3-8b-gpu", 64), ("llama-7b-tpu", 16)):
+    r = _decode_step_bytes(preset, batch, args.context)
+    floor = r["param_bytes"] + r["cache_bytes"]
+    r["roofline_ms"] = floor / V5E_BANDWIDTH * 1e3
+    r["estimate_ms"] = r["bytes_accessed"] / V5E_BANDWIDTH * 1e3
+    r["of_roofline"] = floor / r["bytes_accessed"]
+    rows.append(r)
+    print(f"{preset:14s} batch {batch:3d} × {args.context}: params {r['param_bytes'] / 2**30:.2f} GiB + cache"
+          f" {r['cache_bytes'] / 2**30:.2f} GiB per chip → roofline {r['roofline_ms']:.2f} ms; libtpu's bytes"
+          f" accessed {r['bytes_accessed'] / 2**30:.2f} GiB ({r['estimate_ms']:.2f} ms): {r['of_roofline']:.3f} ×"
+          f" the roofline (target ≥ 0.8); temp {r['temp_bytes'] / 2**30:.2f} GiB", flush=True)
+  return rows
+
+
+def _random_llama(directory: str, d_model: int, layers: int, dtype: str = "float32"):
+  import torch
+  import transformers
+
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(vocab_size=1024, hidden_size=d_model, intermediate_size=d_model * 3,
+                                    num_hidden_layers=layers, num_attention_heads=d_model // 64,
+                                    num_key_value_heads=max(1, d_model // 256), max_position_embeddings=4096,
+                                    bos_token_id=1, eos_token_id=2, dtype=dtype)
+  model = transformers.LlamaForCausalLM(config).eval()
+  model.save_pretrained(directory)
+  return model
+
+
+def _median_seconds(run, repeats: int) -> float:
+  run()  # compiles and warms up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def cpu_rows(args) -> list[dict]:
+  import numpy as np
+  import torch
+
+  from distrib_train.generation.engine import Generator
+  from distrib_train.training import run_model
+
+  torch.set_num_threads(args.threads)
+  directory = tempfile.mkdtemp(prefix="bench-generation-")
+  reference = _random_llama(directory, args.d_model, args.layers)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, 1024, size=args.prompt).tolist() for _ in range(args.batch)]
+  loaded = run_model.load(f"hf:{directory}", mesh_config=None)
+  generator = Generator(loaded.model, mesh=loaded.mesh, rules=loaded.rules)
+  ours_out = {}
+
+  def ours():
+    ours_out["ids"] = [c.ids for c in generator.generate(prompts, max_new_tokens=args.new)]
+
+  def theirs():
+    with torch.no_grad():
+      out = reference.generate(torch.tensor(prompts), attention_mask=torch.ones(args.batch, args.prompt, dtype=torch.long),
+                               do_sample=False, max_new_tokens=args.new, min_new_tokens=args.new, eos_token_id=None,
+                               pad_token_id=0)
+    ours_out["theirs"] = out[:, args.prompt:].tolist()
+
+  tokens = args.batch * args.new
+  ours_s, theirs_s = _median_seconds(ours, args.repeats), _median_seconds(theirs, args.repeats)
+  same = ours_out["ids"] == ours_out["theirs"]
+  row = {"batch": args.batch, "prompt": args.prompt, "new": args.new, "d_model": args.d_model, "layers": args.layers,
+         "threads": args.threads, "ours_tokens_per_s": tokens / ours_s, "transformers_tokens_per_s": tokens / theirs_s,
+         "ratio": theirs_s / ours_s, "same_tokens": same}
+  print(f"CPU, {args.threads} threads, d {args.d_model} × {args.layers} layers, batch {args.batch}, prompt"
+        f" {args.prompt}, {args.new} new: distrib_train {row['ours_tokens_per_s']:,.0f} tokens/s, transformers"
+        f" {row['transformers_tokens_per_s']:,.0f} tokens/s: {row['ratio']:.2f} ×; the same tokens: {same}", flush=True)
+  return [row]
+
+
+def gpu_rows(args) -> list[dict]:
+  import numpy as np
+
+  from distrib_train.generation.engine import Generator
+  from distrib_train.training import run_model
+
+  directory = tempfile.mkdtemp(prefix="bench-generation-")
+  _random_llama(directory, args.d_model, args.layers, dtype="bfloat16")
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, 1024, size=args.prompt).tolist() for _ in range(args.batch)]
+  loaded = run_model.load(f"hf:{directory}", dtype="bfloat16")
+  generator = Generator(loaded.model, mesh=loaded.mesh, rules=loaded.rules)
+  seconds = _median_seconds(lambda: generator.generate(prompts, max_new_tokens=args.new), args.repeats)
+  row = {"batch": args.batch, "new": args.new, "ours_tokens_per_s": args.batch * args.new / seconds}
+  print(f"GPU, batch {args.batch}: distrib_train {row['ours_tokens_per_s']:,.0f} tokens/s", flush=True)
+  try:
+    import vllm
+  except ImportError:
+    print("vLLM: not installed (pip install vllm): no side-by-side row", flush=True)
+    return [row]
+  llm = vllm.LLM(model=directory, dtype="bfloat16", skip_tokenizer_init=True)
+  params = vllm.SamplingParams(temperature=0.0, max_tokens=args.new, min_tokens=args.new, ignore_eos=True)
+  run = lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+  row["vllm_tokens_per_s"] = args.batch * args.new / _median_seconds(run, args.repeats)
+  row["ratio"] = row["ours_tokens_per_s"] / row["vllm_tokens_per_s"]
+  print(f"vLLM {row['vllm_tokens_per_s']:,.0f} tokens/s: distrib_train at {row['ratio']:.2f} × (target ≥ 0.8)")
+  return [row]
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("target", choices=("tpu", "cpu", "gpu"))
+  parser.add_argument("--context", type=int, default=4096, help="tpu: the cache's tokens")
+  parser.add_argument("--batch", type=int, default=None, help="cpu / gpu: prompts (default 8 / 64)")
+  parser.add_argument("--prompt", type=int, default=32)
+  parser.add_argument("--new", type=int, default=128)
+  parser.add_argument("--d_model", type=int, default=None, help="cpu / gpu: the random Llama's width (512 / 4096)")
+  parser.add_argument("--layers", type=int, default=None, help="(4 / 8)")
+  parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                      help="cpu: torch's threads (default: every core, which XLA's CPU client uses)")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--smoke", action="store_true", help="a small, quick run")
+  parser.add_argument("--json", help="write the rows here")
+  args = parser.parse_args(argv)
+  gpu = args.target == "gpu"
+  args.batch = args.batch or (64 if gpu else 8)
+  args.d_model = args.d_model or (4096 if gpu else 512)
+  args.layers = args.layers or (8 if gpu else 4)
+  if args.smoke:
+    args.batch, args.prompt, args.new, args.d_model, args.layers, args.repeats = 2, 8, 8, 128, 2, 1
+  if args.target == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  rows = {"tpu": tpu_rows, "cpu": cpu_rows, "gpu": gpu_rows}[args.target](args)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(rows, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
