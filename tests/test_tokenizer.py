@@ -90,6 +90,9 @@ def test_each_kind_encodes_as_its_own_library_does(hf_file, sp_file, tiktoken_fi
   assert tt.vocab_size == 262 and 261 in ids  # " the" merged
   assert b"".join(tiktoken_bytes(tiktoken_file)[i] for i in ids).decode() == TEXT
   assert tokenizer_lib.load("bytes")(TEXT) == list(TEXT.encode())
+  # a model's directory, as from_pretrained takes it: its tokenizer.json
+  by_directory = tokenizer_lib.load(f"hf:{hf_file.parent}")
+  assert by_directory(TEXT) == hf(TEXT) and by_directory.sha256 == hf.sha256
 
 
 def test_a_batch_encodes_as_one_by_one_with_bos_and_eos(hf_file, sp_file, tiktoken_file):
