@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 
 from distrib_train.kernels import grouped
-from distrib_train.kernels.attention.splash import kernel_flops
+from distrib_train.kernels.attention.work import kernel_flops
 
 _DTYPE_BITS = {
     "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32,
@@ -280,7 +280,7 @@ def flops(hlo_text: str) -> dict[str, float]:
   scope its caller put it in: a grouped-matmul kernel (``kernels.grouped``)
   counts ``2 · rows · k · n`` for the rows it multiplies under even routing,
   which its grid follows; a fused attention kernel (splash, cuDNN:
-  ``kernels/attention/splash.flops_scope``) counts the query-key pairs its mask
+  ``kernels/attention/work.flops_scope``) counts the query-key pairs its mask
   lets run, for the pass it is (``kernel_flops``).
   """
   computations, _ = parse_module(hlo_text)

@@ -52,11 +52,11 @@ from jax.sharding import NamedSharding
 
 from distrib_train.common.versions import gpu_capability
 from distrib_train.parallel import context
-from distrib_train.kernels.attention import splash as attention_lib
 from distrib_train.kernels.attention import cudnn as cudnn_attention
 from distrib_train.kernels.attention.splash import BLOCK as SPLASH_BLOCK
 from distrib_train.kernels.attention.splash import context_splash_attention, splash_attention
 from distrib_train.kernels.attention.xla import masked_attention
+from distrib_train.kernels.attention import work as attention_work
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 REQUESTS = ("auto", "xla", "cudnn", "splash")
@@ -123,7 +123,7 @@ class Decision:
 def recorded() -> contextlib.AbstractContextManager[list[Decision]]:
   """While entered, every ``attention`` call adds its ``Decision`` (once per distinct one) to the list it
   yields."""
-  return attention_lib.collecting(_DECISIONS)
+  return attention_work.collecting(_DECISIONS)
 
 
 def choose(layer: Attention, q: jax.Array, *, masked: bool = False, sinks: bool = False,
@@ -211,7 +211,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Attention, *, pos
     sinks: [heads] the layer's attention sinks (None: none).
   """
   kernel, reason = decide(layer, q, masked=segment_ids is not None, sinks=sinks is not None, v_dim=v.shape[-1])
-  with attention_lib.noted() as notes:
+  with attention_work.noted() as notes:
     out = _run(kernel, q, k, v, layer, positions, segment_ids, sinks)
   decisions = _DECISIONS.get()
   decision = Decision(kernel, reason, int(q.shape[1]), layer.window, *(
@@ -246,7 +246,7 @@ def _run(kernel, q, k, v, layer, positions, segment_ids, sinks):
 
 
 def _cudnn_work(q: jax.Array, v: jax.Array, window: int):
-  """``attention.flops_scope`` of a cuDNN call on one device: the causal pairs (a window's band) of its rows and
+  """``work.flops_scope`` of a cuDNN call on one device: the causal pairs (a window's band) of its rows and
   heads, which XLA splits as the rules split batch and heads (packed rows count whole rows: an upper bound)."""
   rows, _, heads = q.shape[:3]
   active = active_activation_sharding()
@@ -254,8 +254,8 @@ def _cudnn_work(q: jax.Array, v: jax.Array, window: int):
     mesh, rules = active
     spec = rules.spec(("batch", "length", "heads"), shape=q.shape[:3], mesh=mesh)
     rows, _, heads = NamedSharding(mesh, spec).shard_shape(q.shape[:3])
-  pairs = rows * heads * attention_lib.causal_pairs(q.shape[1], window)
-  return attention_lib.flops_scope(pairs, q.shape[-1], v.shape[-1])
+  pairs = rows * heads * attention_work.causal_pairs(q.shape[1], window)
+  return attention_work.flops_scope(pairs, q.shape[-1], v.shape[-1])
 
 
 def _cudnn(kernel, q, k, v, layer, segment_ids, scale):

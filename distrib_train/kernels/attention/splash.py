@@ -34,11 +34,8 @@ Not for: choosing it (``attention_kernels.py``).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -46,81 +43,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from distrib_train.kernels.attention.work import causal_pairs, flops_scope, fused_backward_scope, note
 from distrib_train.parallel import context
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 
 BLOCK = 128  # the kernel's key blocks are a multiple of the TPU's 128 lanes
-SCOPE = "attention_kernel"  # the name scope that carries a fused attention call's work to the plan
 RESIDUALS = "splash_residuals"  # the checkpoint name of what the context kernel keeps for its backward pass
-
-
-def flops_scope(pairs: int, qk_dim: int, v_dim: int):
-  """A name scope around a fused attention kernel's call (forward and backward) that tells ``podplan`` its work,
-  which the compiled program cannot show: the query-key ``pairs`` it computes (its mask's blocks that run, all
-  heads and rows of the call) and the head sizes."""
-  return jax.named_scope(f"{SCOPE}(pairs={pairs},qk={qk_dim},v={v_dim})")
-
-
-def fused_backward_scope(pairs: int, backward_pairs: int, qk_dim: int, v_dim: int):
-  """``flops_scope`` of a kernel whose one backward kernel runs ``backward_pairs`` (its own blocks)."""
-  return jax.named_scope(f"{SCOPE}(pairs={pairs},bwd={backward_pairs},qk={qk_dim},v={v_dim},fused=1)")
-
-
-_NOTES: contextvars.ContextVar[list | None] = contextvars.ContextVar("attention_kernel_notes", default=None)
-
-
-@contextlib.contextmanager
-def collecting(into: contextvars.ContextVar) -> Iterator[list]:
-  """While entered, ``into`` holds a new list, which this yields (what a trace adds to it)."""
-  found: list = []
-  token = into.set(found)
-  try:
-    yield found
-  finally:
-    into.reset(token)
-
-
-def noted() -> contextlib.AbstractContextManager[list[dict]]:
-  """While entered, each splash call traced adds what its mask costs to the list it yields: ``work``, the
-  query-key pairs its blocks compute on the busiest device over the causal ideal's share (half the square, or
-  a window's band), and with a context axis ``gathered_bytes``, one layer's gathered keys and values."""
-  return collecting(_NOTES)
-
-
-def causal_pairs(length: int, window: int = 0) -> int:
-  """The query-key pairs causal attention over ``length`` tokens needs (within ``window`` keys when > 0)."""
-  if not window or window >= length:
-    return length * (length + 1) // 2
-  return window * (window + 1) // 2 + (length - window) * window
-
-
-def _note(pairs: int, length: int, window: int, shards: int, **more: float) -> None:
-  found = _NOTES.get()
-  if found is not None:
-    found.append({"work": pairs * shards / causal_pairs(length, window), **more})
-
-
-def kernel_flops(op_name: str, kernel_name: str) -> float:
-  """FLOPs of one fused attention kernel call from its ``flops_scope`` in ``op_name`` (0 outside one).
-
-  ``kernel_name`` (the instruction's name and custom-call target) says which pass it is: the forward pass
-  multiplies Q·Kᵀ and P·V (2·pairs·(qk + v)); splash's dq kernel recomputes the scores, dP and dQ
-  (2·pairs·(2·qk + v)) and its dkv kernel the scores, dP, dV and dK (2·pairs·(2·qk + 2·v)); one backward
-  kernel (cuDNN's, splash's fused one) the scores, dP, dV, dQ and dK (2·pairs·(3·qk + 2·v)).
-  """
-  start = op_name.rfind(SCOPE + "(")
-  if start < 0:
-    return 0.0
-  fields = dict(part.split("=") for part in op_name[start + len(SCOPE) + 1:].split(")")[0].split(","))
-  pairs, qk, v = (int(fields[key]) for key in ("pairs", "qk", "v"))
-  if "Backward" in kernel_name or ("_dkv" in kernel_name and fields.get("fused") == "1"):
-    return 2.0 * int(fields.get("bwd", pairs)) * (3 * qk + 2 * v)
-  if "_dkv" in kernel_name:
-    return 2.0 * pairs * (2 * qk + 2 * v)
-  if "_dq" in kernel_name:
-    return 2.0 * pairs * (2 * qk + v)
-  return 2.0 * pairs * (qk + v)
 
 
 def _block(length: int) -> int:
@@ -149,7 +78,7 @@ def _local(q, k, v, segment_ids, sinks, *, window: int, softcap: float, interpre
   with jax.ensure_compile_time_eval():
     kernel = _kernel(q.shape[1], q.shape[2], k.shape[2], window, softcap, interpret)
   pairs = visible_pairs(kernel, 1)
-  _note(pairs, q.shape[2], window, 1)
+  note(pairs, q.shape[2], window, 1)
   with flops_scope(pairs * q.shape[0] * q.shape[1], q.shape[-1], v.shape[-1]):
     if segment_ids is None:
       return jax.vmap(lambda q, k, v: kernel(q, k, v, None, sinks))(q, k, v)
@@ -333,7 +262,7 @@ def context_splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
         q, k, v, seg, gather(seg, axis=1))
 
   pairs, backward_pairs = visible_pairs(kernel, size), visible_pairs(kernel, size, "dkv")
-  _note(pairs, length, window, size, gathered_bytes=local_batch * length * local_kv * (
+  note(pairs, length, window, size, gathered_bytes=local_batch * length * local_kv * (
       k.shape[-1] * k.dtype.itemsize + v.shape[-1] * v.dtype.itemsize))
   # the gathered keys and values are not kept for the backward pass: it gathers them again (a layer's remat
   # does so already; without one, this does)
