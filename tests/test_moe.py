@@ -11,7 +11,7 @@ import distrib_train as dt
 import mp_harness
 import pipeline_helpers as ph
 from distrib_train.parallel.experts import dispatch
-from distrib_train.recipes import blocks, moe, routing
+from distrib_train.recipes import blocks, moe, parts, routing
 
 _WORKERS = pathlib.Path(__file__).resolve().parent / "workers"
 RTOL = 1e-4
@@ -48,7 +48,7 @@ def test_shared_experts_behind_a_gate_add_to_the_routed_output():
   layer = {k: v[...][0] for k, v in model.layers.items()}
   x = jax.random.normal(jax.random.key(2), (2, 8, config.d_model))
   got, _ = blocks.mlp_sublayer(config, blocks.Kind(mixture=True), x, layer)
-  h = blocks.rms_norm(x, layer["mlp_norm"], config.norm_eps)
+  h = parts.rms_norm(x, layer["mlp_norm"], config.norm_eps)
   _, _, routed = _dense_reference(config, h, layer)
   shared = (jax.nn.silu(h @ layer["shared_gate"]) * (h @ layer["shared_up"])) @ layer["shared_down"]
   want = np.asarray(x) + routed + np.asarray(shared * jax.nn.sigmoid(h @ layer["shared_expert_gate"]))

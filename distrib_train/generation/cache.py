@@ -46,8 +46,8 @@ from jax.sharding import NamedSharding
 from distrib_train.kernels import fp8
 from distrib_train.kernels.attention import dispatch as attention_kernels
 from distrib_train.kernels.attention.xla import masked_attention
-from distrib_train.recipes import blocks
-from distrib_train.recipes.blocks import Kind
+from distrib_train.recipes import attention, blocks
+from distrib_train.recipes.parts import Kind
 from distrib_train.recipes.decoder import segments
 from distrib_train.sharding.axis_rules import constrain
 
@@ -173,16 +173,16 @@ def _constrain_entry(config, arrays: dict[str, jax.Array]) -> dict[str, jax.Arra
 def _attend_prefill(config, entry: Entry, h, layer, cache, positions, segment_ids):
   kind = entry.kind
   if config.attention_kind == "mla":
-    q = blocks.mla_query(config, kind, h, layer, positions)
-    latent = blocks.mla_latent(config, kind, h, layer, positions)
-    k, v = blocks.mla_keys_values(config, latent, layer)
+    q = attention.mla_query(config, kind, h, layer, positions)
+    latent = attention.mla_latent(config, kind, h, layer, positions)
+    k, v = attention.mla_keys_values(config, latent, layer)
     cache = {"latent": _write_prefill(entry, cache["latent"], latent)}
   else:
-    q, k, v = blocks.gqa_projections(config, kind, h, layer, positions)
+    q, k, v = attention.gqa_projections(config, kind, h, layer, positions)
     cache = {"k": _write_prefill(entry, cache["k"], k), "v": _write_prefill(entry, cache["v"], v)}
   attn = attention_kernels.attention(q, k, v, config.attention_for(kind), positions=positions,
                                      segment_ids=segment_ids, sinks=layer.get("sinks"))
-  return blocks.attention_output(config, attn, layer), _constrain_entry(config, cache)
+  return attention.attention_output(config, attn, layer), _constrain_entry(config, cache)
 
 
 def _attend_decode(config, entry: Entry, h, layer, cache, positions, t, pads):
@@ -191,8 +191,8 @@ def _attend_decode(config, entry: Entry, h, layer, cache, positions, t, pads):
   scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(config.qk_dim)
   options = dict(scale=scale, softcap=spec.softcap, sinks=layer.get("sinks"))
   if config.attention_kind == "mla":
-    q = blocks.mla_query(config, kind, h, layer, positions)
-    latent = blocks.mla_latent(config, kind, h, layer, positions)
+    q = attention.mla_query(config, kind, h, layer, positions)
+    latent = attention.mla_latent(config, kind, h, layer, positions)
     cache = _constrain_entry(config, {"latent": _write_one(entry, cache["latent"], latent, t)})
     nope, r = config.head_dim, config.kv_lora_rank
     w_kv = layer["wkv_b"].astype(h.dtype)  # [kv_lora_rank, heads, head_dim + v_dim]
@@ -202,20 +202,20 @@ def _attend_decode(config, entry: Entry, h, layer, cache, positions, t, pads):
     out = masked_attention(queries, stored, stored[..., :r], visible, **options)
     attn = jnp.einsum("bqhr,rhv->bqhv", out, w_kv[..., nope:])
   else:
-    q, k, v = blocks.gqa_projections(config, kind, h, layer, positions)
+    q, k, v = attention.gqa_projections(config, kind, h, layer, positions)
     cache = _constrain_entry(config, {"k": _write_one(entry, cache["k"], k, t),
                                       "v": _write_one(entry, cache["v"], v, t)})
     attn = masked_attention(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), visible, **options)
-  return blocks.attention_output(config, attn, layer), cache
+  return attention.attention_output(config, attn, layer), cache
 
 
 def _layer(config, entry: Entry, x, layer, cache, positions, step):
-  h = blocks.attention_input(config, x, layer)
+  h = attention.attention_input(config, x, layer)
   if step["decode"]:
     out, cache = _attend_decode(config, entry, h, layer, cache, positions, step["t"], step["pads"])
   else:
     out, cache = _attend_prefill(config, entry, h, layer, cache, positions, step["segment_ids"])
-  x = blocks.attention_residual(config, x, out, layer)
+  x = attention.attention_residual(config, x, out, layer)
   x, _ = blocks.mlp_sublayer(config, entry.kind, x, layer)
   return x, cache
 

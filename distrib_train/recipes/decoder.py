@@ -45,8 +45,8 @@ from distrib_train.parallel.experts import EXPERT_OUTPUT
 from distrib_train.parallel.pipeline import layer_stack
 from distrib_train.kernels.attention import splash as attention_lib
 from distrib_train.kernels import fp8
-from distrib_train.recipes import blocks, lora
-from distrib_train.recipes.blocks import Kind, param, rms_norm
+from distrib_train.recipes import attention, blocks, lora
+from distrib_train.recipes.parts import Kind, param, rms_norm
 from distrib_train.kernels.cross_entropy import chunked_cross_entropy
 from distrib_train.recipes.routing import RouterBias
 from distrib_train.sharding.axis_rules import constrain
@@ -106,8 +106,8 @@ def _mixture_layers(config) -> int:
 def _fp8_matmuls(config, mixture: bool) -> tuple[str, ...]:
   """The weights of a segment whose matmuls run in FP8 (each gets an amax history under ``delayed``)."""
   if not mixture:
-    return blocks.attention_matmuls(config) + ("w_gate", "w_up", "w_down")
-  return blocks.attention_matmuls(config) + (("shared_gate", "shared_up", "shared_down")
+    return attention.attention_matmuls(config) + ("w_gate", "w_up", "w_down")
+  return attention.attention_matmuls(config) + (("shared_gate", "shared_up", "shared_down")
                                              if config.num_shared_experts else ())
 
 
@@ -151,7 +151,7 @@ class Decoder(nnx.Module):
     for segment in segments(c):
       n, mixture = segment.count, segment.kinds[0].mixture
       norm = lambda: param(rngs, (n, d), ("layers", "embed"), pd, None, value=1.0 - c.norm_weight_offset)
-      stack = {**blocks.attention_params(c, rngs, n), "mlp_norm": norm()}
+      stack = {**attention.attention_params(c, rngs, n), "mlp_norm": norm()}
       stack.update(blocks.mixture_params(c, rngs, n) if mixture else blocks.dense_params(c, rngs, n, c.mlp_dim))
       stack.update(lora.adapter_params(c, rngs, stack, mixture))
       if c.sandwich_norms:
@@ -176,7 +176,7 @@ class Decoder(nnx.Module):
     MLA's key/value latent (its keys and values per head are recomputed from it, not kept)."""
     policy = REMAT_POLICIES[self.config.remat]
     names = ((EXPERT_OUTPUT,) if has_mixture(self.config) else ()) + \
-        ((blocks.MLA_LATENT,) if self.config.attention_kind == "mla" else ())
+        ((attention.MLA_LATENT,) if self.config.attention_kind == "mla" else ())
     if self.config.context_attention == "all_gather":  # the context kernel's output and log-sum-exp, not its rerun
       names += (attention_lib.RESIDUALS,)
     if not names:

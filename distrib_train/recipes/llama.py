@@ -32,7 +32,7 @@ from flax import nnx
 from distrib_train.kernels import fp8
 from distrib_train.kernels.attention import dispatch as attention_kernels
 from distrib_train.recipes import lora
-from distrib_train.recipes.blocks import Kind
+from distrib_train.recipes.parts import Kind
 from distrib_train.recipes.decoder import INPUT_AXES, REMAT_POLICIES, Decoder, loss_fn  # noqa: F401 (the family's)
 from distrib_train.recipes.family import Capabilities
 from distrib_train.recipes.rope import SCALINGS, Rope, yarn_mscale

@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from distrib_train.kernels.attention.work import causal_pairs, flops_scope, fused_backward_scope, note
+from distrib_train.kernels.attention.work import flops_scope, fused_backward_scope, note
 from distrib_train.parallel import context
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
