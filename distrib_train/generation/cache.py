@@ -45,14 +45,12 @@ from jax.sharding import NamedSharding
 
 from distrib_train.kernels import fp8
 from distrib_train.kernels.attention import dispatch as attention_kernels
-from distrib_train.kernels.attention.xla import masked_attention
 from distrib_train.recipes import attention, blocks
 from distrib_train.recipes.parts import Kind
 from distrib_train.recipes.decoder import segments
 from distrib_train.sharding.axis_rules import constrain
 
-GQA_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
-LATENT_AXES = ("layers", "batch", "length", None)
+LEAD_AXES = ("layers", "batch", "length")  # then the variant's own (GQA: kv_heads, head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +78,10 @@ def entries(config, max_len: int) -> tuple[Entry, ...]:
 
 
 def _shapes(config, entry: Entry, batch: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
-  lead = (entry.periods, batch, entry.slots)
-  if config.attention_kind == "mla":
-    return {"latent": (lead + (config.kv_lora_rank + config.qk_rope_head_dim,), LATENT_AXES)}
-  return {"k": (lead + (config.num_kv_heads, config.head_dim), GQA_AXES),
-          "v": (lead + (config.num_kv_heads, config.head_dim), GQA_AXES)}
+  """Each cached array's shape and logical axes: what the attention variant keeps per token
+  (``attention.Variant.cached``), for the entry's periods, rows and slots."""
+  return {name: ((entry.periods, batch, entry.slots, *dims), LEAD_AXES + axes)
+          for name, (dims, axes) in attention.variant(config).cached(config).items()}
 
 
 def cache_spec(config, batch: int, max_len: int, dtype: Any = None) -> dict[str, Any]:
@@ -125,9 +122,7 @@ def init_cache(config, batch: int, max_len: int, dtype: Any = None, shardings: A
 def values_per_token(config) -> int:
   """The values a layer keeps per token: keys and values of every kv head (GQA), or the latent and the shared
   rotary key (MLA: ``kv_lora_rank + qk_rope_head_dim``, DeepSeek-V3's 512 + 64)."""
-  if config.attention_kind == "mla":
-    return config.kv_lora_rank + config.qk_rope_head_dim
-  return 2 * config.num_kv_heads * config.head_dim
+  return sum(math.prod(dims) for dims, _ in attention.variant(config).cached(config).values())
 
 
 def cache_bytes(config, batch: int, max_len: int, dtype: Any = None) -> int:
@@ -165,47 +160,28 @@ def _write_one(entry: Entry, cache: jax.Array, new: jax.Array, t: jax.Array) -> 
   return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), _slots_of(entry, t), axis=1)
 
 
-def _constrain_entry(config, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  axes = GQA_AXES[1:] if config.attention_kind != "mla" else LATENT_AXES[1:]
-  return {k: constrain(v, axes) for k, v in arrays.items()}
+def _constrain(config, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  cached = attention.variant(config).cached(config)
+  return {k: constrain(v, LEAD_AXES[1:] + cached[k][1]) for k, v in arrays.items()}
 
 
 def _attend_prefill(config, entry: Entry, h, layer, cache, positions, segment_ids):
-  kind = entry.kind
-  if config.attention_kind == "mla":
-    q = attention.mla_query(config, kind, h, layer, positions)
-    latent = attention.mla_latent(config, kind, h, layer, positions)
-    k, v = attention.mla_keys_values(config, latent, layer)
-    cache = {"latent": _write_prefill(entry, cache["latent"], latent)}
-  else:
-    q, k, v = attention.gqa_projections(config, kind, h, layer, positions)
-    cache = {"k": _write_prefill(entry, cache["k"], k), "v": _write_prefill(entry, cache["v"], v)}
-  attn = attention_kernels.attention(q, k, v, config.attention_for(kind), positions=positions,
+  variant = attention.variant(config)
+  q, state = variant.project(config, entry.kind, h, layer, positions)
+  cache = _constrain(config, {k: _write_prefill(entry, cache[k], state[k]) for k in cache})
+  keys, values = variant.expand(config, state, layer)
+  attn = attention_kernels.attention(q, keys, values, config.attention_for(entry.kind), positions=positions,
                                      segment_ids=segment_ids, sinks=layer.get("sinks"))
-  return attention.attention_output(config, attn, layer), _constrain_entry(config, cache)
+  return attention.attention_output(config, attn, layer), cache
 
 
 def _attend_decode(config, entry: Entry, h, layer, cache, positions, t, pads):
-  kind, spec = entry.kind, config.attention_for(entry.kind)
-  visible = _visible(entry, t, pads)
+  variant, spec = attention.variant(config), config.attention_for(entry.kind)
+  q, state = variant.project(config, entry.kind, h, layer, positions)
+  cache = _constrain(config, {k: _write_one(entry, cache[k], state[k], t) for k in cache})
   scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(config.qk_dim)
-  options = dict(scale=scale, softcap=spec.softcap, sinks=layer.get("sinks"))
-  if config.attention_kind == "mla":
-    q = attention.mla_query(config, kind, h, layer, positions)
-    latent = attention.mla_latent(config, kind, h, layer, positions)
-    cache = _constrain_entry(config, {"latent": _write_one(entry, cache["latent"], latent, t)})
-    nope, r = config.head_dim, config.kv_lora_rank
-    w_kv = layer["wkv_b"].astype(h.dtype)  # [kv_lora_rank, heads, head_dim + v_dim]
-    q_latent = jnp.einsum("bqhn,rhn->bqhr", q[..., :nope], w_kv[..., :nope])
-    queries = jnp.concatenate([q_latent, q[..., nope:]], axis=-1)
-    stored = cache["latent"].astype(h.dtype)[:, :, None, :]  # one key/value head: the latent and rotary key
-    out = masked_attention(queries, stored, stored[..., :r], visible, **options)
-    attn = jnp.einsum("bqhr,rhv->bqhv", out, w_kv[..., nope:])
-  else:
-    q, k, v = attention.gqa_projections(config, kind, h, layer, positions)
-    cache = _constrain_entry(config, {"k": _write_one(entry, cache["k"], k, t),
-                                      "v": _write_one(entry, cache["v"], v, t)})
-    attn = masked_attention(q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), visible, **options)
+  attn = variant.decode(config, q, cache, _visible(entry, t, pads), layer, scale=scale, softcap=spec.softcap,
+                        sinks=layer.get("sinks"))
   return attention.attention_output(config, attn, layer), cache
 
 

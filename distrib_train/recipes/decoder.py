@@ -176,7 +176,7 @@ class Decoder(nnx.Module):
     MLA's key/value latent (its keys and values per head are recomputed from it, not kept)."""
     policy = REMAT_POLICIES[self.config.remat]
     names = ((EXPERT_OUTPUT,) if has_mixture(self.config) else ()) + \
-        ((attention.MLA_LATENT,) if self.config.attention_kind == "mla" else ())
+        attention.variant(self.config).remat_names
     if self.config.context_attention == "all_gather":  # the context kernel's output and log-sum-exp, not its rerun
       names += (attention_lib.RESIDUALS,)
     if not names:

@@ -45,28 +45,12 @@ _LAYER = "model.layers.{layer}."
 
 
 def _attention(config) -> list[Tensor]:
+  from distrib_train.recipes.attention import variant  # the variant's own tensors
+
   a = _LAYER + "self_attn."
-  if config.attention_kind == "mla":
-    out = [Tensor("wkv_a", a + "kv_a_proj_with_mqa.weight", "transposed"),
-           Tensor("kv_a_norm", a + "kv_a_layernorm.weight", "same"),
-           Tensor("wkv_b", a + "kv_b_proj.weight", "heads_in"),
-           Tensor("wo", a + "o_proj.weight", "heads_out")]
-    if config.q_lora_rank:
-      out += [Tensor("wq_a", a + "q_a_proj.weight", "transposed"),
-              Tensor("q_a_norm", a + "q_a_layernorm.weight", "same"),
-              Tensor("wq_b", a + "q_b_proj.weight", "heads_in")]
-    else:
-      out.append(Tensor("wq", a + "q_proj.weight", "heads_in"))
-    return out
-  out = [Tensor(ours, a + f"{theirs}_proj.weight", "heads_in") for ours, theirs in (("wq", "q"), ("wk", "k"),
-                                                                                    ("wv", "v"))]
-  out.append(Tensor("wo", a + "o_proj.weight", "heads_out"))
-  if config.attention_bias:
-    out += [Tensor(f"b{x}", a + f"{x}_proj.bias", "heads_vector") for x in "qkv"]
+  out = [Tensor(*fields) for fields in variant(config).hf_tensors(config, a)]
   if config.attention_out_bias:
     out.append(Tensor("bo", a + "o_proj.bias", "same"))
-  if config.qk_norm:
-    out += [Tensor("q_norm", a + "q_norm.weight", "same"), Tensor("k_norm", a + "k_norm.weight", "same")]
   if config.attention_sinks:
     out.append(Tensor("sinks", a + "sinks", "same"))
   return out

@@ -31,11 +31,11 @@ from flax import nnx
 
 from distrib_train.kernels import fp8
 from distrib_train.kernels.attention import dispatch as attention_kernels
-from distrib_train.recipes import lora
+from distrib_train.recipes import attention, lora
 from distrib_train.recipes.parts import Kind
 from distrib_train.recipes.decoder import INPUT_AXES, REMAT_POLICIES, Decoder, loss_fn  # noqa: F401 (the family's)
 from distrib_train.recipes.family import Capabilities
-from distrib_train.recipes.rope import SCALINGS, Rope, yarn_mscale
+from distrib_train.recipes.rope import SCALINGS, Rope
 
 LAYER_TYPES = ("full", "sliding")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oss")
@@ -129,8 +129,8 @@ class LlamaConfig:
                        f" padding), got {self.max_segments!r}.")
     if self.attention not in attention_kernels.REQUESTS:
       raise ValueError(f"attention must be 'auto', 'xla', 'cudnn' or 'splash', got {self.attention!r}.")
-    if self.attention_kind not in ("gqa", "mla"):
-      raise ValueError(f"attention_kind must be 'gqa' or 'mla', got {self.attention_kind!r}.")
+    if self.attention_kind not in attention.VARIANTS:
+      raise ValueError(f"attention_kind must be one of {', '.join(attention.VARIANTS)}, got {self.attention_kind!r}.")
     if self.mlp_activation not in MLP_ACTIVATIONS:
       raise ValueError(f"mlp_activation must be one of {', '.join(MLP_ACTIVATIONS)}, got {self.mlp_activation!r}.")
     if self.layer_types and (len(self.layer_types) != self.num_layers
@@ -147,7 +147,7 @@ class LlamaConfig:
     for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}.")
-    lora.check(self)
+    lora.check(self, attention.variant(self).lora_targets)
 
   def trainable(self) -> Any:
     """The nnx filter of the params that train: the LoRA adapters where there are any, else None (all)."""
@@ -168,11 +168,11 @@ class LlamaConfig:
   @property
   def qk_dim(self) -> int:
     """A head's query and key size (MLA: with the rotary part)."""
-    return self.head_dim + (self.qk_rope_head_dim if self.attention_kind == "mla" else 0)
+    return attention.variant(self).qk_dim(self)
 
   @property
   def v_dim(self) -> int:
-    return self.v_head_dim if self.attention_kind == "mla" else self.head_dim
+    return attention.variant(self).v_dim(self)
 
   def rope(self, sliding: bool = False) -> Rope:
     """The rotary embedding of a full layer, or of a sliding one (its own unscaled base, where it has one)."""
@@ -186,12 +186,7 @@ class LlamaConfig:
 
   def softmax_scale(self) -> float | None:
     """The attention softmax scale (None: 1/√qk_dim, the kernels' default)."""
-    if self.attention_kind == "mla":
-      scale = (self.query_pre_attn_scalar or self.qk_dim) ** -0.5
-      if self.rope_scaling == "yarn" and self.rope_mscale_all_dim:  # DeepSeek's YaRN scales MLA's softmax too
-        scale *= yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
-      return scale
-    return self.query_pre_attn_scalar ** -0.5 if self.query_pre_attn_scalar else None
+    return attention.variant(self).softmax_scale(self)
 
   @property
   def packed_segments(self) -> int:

@@ -53,12 +53,13 @@ def adapters_off() -> Iterator[None]:
     _OFF.on = before
 
 
-def check(config) -> None:
-  """Refuses a LoRA setting the decoder cannot run.
+def check(config, attention_targets: frozenset[str] = frozenset("qkvo")) -> None:
+  """Refuses a LoRA setting the decoder cannot run (``attention_targets``: which of q, k, v, o the model's
+  attention variant takes: ``attention.Variant.lora_targets``).
 
   Raises:
-    ValueError: a negative rank, a dropout outside [0, 1), an unknown target, or MLA attention with an
-      attention target.
+    ValueError: a negative rank, a dropout outside [0, 1), an unknown target, or an attention target the
+      variant does not take (MLA takes none).
   """
   if isinstance(config.lora_rank, bool) or config.lora_rank < 0:
     raise ValueError(f"lora.rank must be 0 (no adapters) or positive, got {config.lora_rank!r}.")
@@ -70,9 +71,10 @@ def check(config) -> None:
   if isinstance(config.lora_dropout, bool) or not 0 <= config.lora_dropout < 1:
     raise ValueError(f"lora.dropout is the probability of dropping an adapter's input: 0 ≤ p < 1, got"
                      f" {config.lora_dropout!r}.")
-  if config.attention_kind == "mla" and set(config.lora_targets) & {"q", "k", "v", "o"}:
-    raise ValueError("lora.targets q, k, v and o adapt GQA attention; this model's is MLA: adapt gate, up and"
-                     " down only.")
+  refused = sorted(set(config.lora_targets) & ({"q", "k", "v", "o"} - set(attention_targets)))
+  if refused:
+    raise ValueError(f"lora.targets q, k, v and o adapt GQA attention; this model's is"
+                     f" {config.attention_kind.upper()}: adapt gate, up and down only.")
 
 
 def weights(config) -> tuple[str, ...]:
