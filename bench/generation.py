@@ -157,9 +157,9 @@ def cpu_rows(args) -> list[dict]:
 
   def theirs():
     with torch.no_grad():
-      out = reference.generate(torch.tensor(prompts), attention_mask=torch.ones(args.batch, args.prompt, dtype=torch.long),
-                               do_sample=False, max_new_tokens=args.new, min_new_tokens=args.new, eos_token_id=None,
-                               pad_token_id=0)
+      mask = torch.ones(args.batch, args.prompt, dtype=torch.long)
+      out = reference.generate(torch.tensor(prompts), attention_mask=mask, do_sample=False, max_new_tokens=args.new,
+                               min_new_tokens=args.new, eos_token_id=None, pad_token_id=0)
     ours_out["theirs"] = out[:, args.prompt:].tolist()
 
   tokens = args.batch * args.new
@@ -170,7 +170,8 @@ def cpu_rows(args) -> list[dict]:
          "ratio": theirs_s / ours_s, "same_tokens": same}
   print(f"CPU, {args.threads} threads, d {args.d_model} × {args.layers} layers, batch {args.batch}, prompt"
         f" {args.prompt}, {args.new} new: distrib_train {row['ours_tokens_per_s']:,.0f} tokens/s, transformers"
-        f" {row['transformers_tokens_per_s']:,.0f} tokens/s: {row['ratio']:.2f} ×; the same tokens: {same}", flush=True)
+        f" {row['transformers_tokens_per_s']:,.0f} tokens/s: {row['ratio']:.2f} ×; the same tokens: {same}",
+        flush=True)
   return [row]
 
 

@@ -70,10 +70,12 @@ def generate(init_from: str | None = None, prompts: Sequence[str | dict] = (), *
 
   sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
   records = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
-  loaded = model if model is not None else run_model.load(init_from, step=step, mesh_config=mesh_config,
-                                                           dtype=dtype, overrides=overrides or {})
-  codec = codec_for(loaded)
+  # The tokenizer and the prompts first, from the source's files alone: a bad prompt is refused before any weight
+  # is read.
+  found = model if model is not None else run_model.source(init_from, dtype=dtype, overrides=overrides or {})
+  codec = codec_for(found)
   ids = [prompt_ids(codec, record, f"prompt {i}") for i, record in enumerate(records)]
+  loaded = model if model is not None else run_model.load(found, step=step, mesh_config=mesh_config)
   stream = _Streamer(codec, on_text, stop) if on_text is not None and len(ids) == 1 and n == 1 else None
   generator = Generator(loaded.model, mesh=loaded.mesh, rules=loaded.rules, log=log)
   completions = generator.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, n=n, seed=seed,

@@ -67,7 +67,8 @@ def tokenizer_file(spec_path: str) -> str:
 
 
 def codec_for(loaded: Any) -> Codec:
-  """The codec of a loaded model (module docstring).
+  """The codec of a model's source or of the model loaded (``run_model.Source`` or ``RunModel``: module
+  docstring).
 
   Raises:
     ValueError: no tokenizer to be had, a tokenizer kind generation cannot decode (named).

@@ -80,8 +80,35 @@ def checkpoint_dtype(directory: str) -> str:
   return _DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), "float32")
 
 
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Where a model comes from, read from its config files alone (no weights): ``init_from``, the ``config``,
+  ``hf_dir`` (as ``RunModel``'s) and a run's ``checkpoints`` directory (empty for ``hf:``)."""
+
+  init_from: str
+  config: Config
+  hf_dir: str | None
+  checkpoints: str
+
+
+def source(init_from: str, *, dtype: str | None = None, overrides: Mapping[str, Any] = ()) -> Source:
+  """The ``Source`` ``init_from`` names (``load``'s arguments), checked from its files' headers: a missing
+  directory, config or checkpoint is refused here, before any weight is read.
+
+  Raises:
+    ConfigError, ValueError: what is not there or not readable (named).
+  """
+  if dtype is not None and dtype not in _DTYPES:
+    raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(_DTYPES)}.")
+  config, hf_dir, checkpoints = _config(init_from, dtype, dict(overrides))
+  if config.model.name not in ("llama", "moe"):
+    raise ConfigError(f"{init_from}: the run's model is {config.model.name!r}; only the reference decoders (llama,"
+                      " moe) load for use here.")
+  return Source(init_from, config, hf_dir, checkpoints)
+
+
 def _config(init_from: str, dtype: str | None, overrides: Mapping[str, Any]) -> tuple[Config, str | None, str]:
-  """``(config, hf_dir, workdir)`` of the source."""
+  """``(config, hf_dir, checkpoints directory)`` of the source."""
   from distrib_train.training import config as config_lib
   from distrib_train.training import init_from as init_lib
 
@@ -117,12 +144,12 @@ def _mesh(mesh_config: str | None):
   return config, build_mesh(config)
 
 
-def load(init_from: str, *, step: int | None = None, mesh_config: str | None = None, dtype: str | None = None,
+def load(init_from: str | Source, *, step: int | None = None, mesh_config: str | None = None, dtype: str | None = None,
          overrides: Mapping[str, Any] = (), devices: Any = None, frozen: bool = True) -> RunModel:
   """The model ``init_from`` names, loaded onto a mesh (module docstring).
 
   Args:
-    init_from: ``hf:<dir>`` or ``ckpt:<run>``.
+    init_from: ``hf:<dir>`` or ``ckpt:<run>``, or its ``source`` read before.
     step: a run's checkpoint step (default: the newest).
     mesh_config: a mesh config's name or path (default: every device on ``fsdp``).
     dtype: the compute dtype (default: the checkpoint's for ``hf:``, the run's for ``ckpt:``).
@@ -144,12 +171,8 @@ def load(init_from: str, *, step: int | None = None, mesh_config: str | None = N
   from distrib_train.training import init_from as init_lib
   from distrib_train.training.job import model_parts, rules_for
 
-  if dtype is not None and dtype not in _DTYPES:
-    raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(_DTYPES)}.")
-  config, hf_dir, directory = _config(init_from, dtype, dict(overrides))
-  if config.model.name not in ("llama", "moe"):
-    raise ConfigError(f"{init_from}: the run's model is {config.model.name!r}; only the reference decoders (llama,"
-                      " moe) load for use here.")
+  found = init_from if isinstance(init_from, Source) else source(init_from, dtype=dtype, overrides=overrides)
+  init_from, config, hf_dir, directory = found.init_from, found.config, found.hf_dir, found.checkpoints
   if devices is not None:
     mesh_spec = MeshConfig(("data", "fsdp", "tensor"), (1, 1, 1))
     mesh = build_mesh(mesh_spec, devices)
@@ -177,9 +200,9 @@ def load(init_from: str, *, step: int | None = None, mesh_config: str | None = N
 
     leaves = jax.tree_util.tree_flatten_with_path(plan.abstract_train_state.model_without_params)[0]
     if frozen and any(not hf.is_reference(path) for path, _ in leaves):
-      source = init_lib.restore_source(manager.metadata_of(step), config,
-                                       f"Checkpoint step {step} in {str(manager.directory)!r}")
-      if source is not None:
-        state = init_lib.with_frozen(config, source, plan.abstract_train_state, state)
+      sources = init_lib.restore_source(manager.metadata_of(step), config,
+                                        f"Checkpoint step {step} in {str(manager.directory)!r}")
+      if sources is not None:
+        state = init_lib.with_frozen(config, sources, plan.abstract_train_state, state)
     state = manager.restore(state, step, params_only=True)  # the model: params and local state
   return RunModel(config, state, plan, rules, init_from, step, hf_dir)
