@@ -139,64 +139,65 @@ def _slots_of(entry: Entry, index: jax.Array) -> jax.Array:
 
 
 def _visible(entry: Entry, t: jax.Array, pads: jax.Array) -> jax.Array:
-  """[batch, 1, slots]: which slots a query at absolute index ``t`` (the newest written) sees."""
+  """[batch, 1, slots]: which of the cache's slots, as they were before token ``t`` is written, a query at
+  absolute index ``t`` sees (its own key and value join apart: ``masked_attention``'s ``new``)."""
   slot = jnp.arange(entry.slots)
-  held = t - (t - slot) % entry.slots if entry.ring else slot  # the absolute index each slot holds
-  seen = (held <= t) & (held >= pads[:, None])
+  held = t - (t - slot) % entry.slots if entry.ring else slot  # the index each slot holds once t is written
+  seen = (held < t) & (held >= pads[:, None])  # slot t's old content (a ring's token t − window) is not seen
   return seen[:, None, :]
 
 
-def _write_prefill(entry: Entry, cache: jax.Array, new: jax.Array) -> jax.Array:
-  """The cache (one layer's, [batch, slots, …]) with the prompt's ``new`` [batch, length, …] written."""
-  length = new.shape[1]
+def _write(entry: Entry, stacked: jax.Array, index: jax.Array, new: jax.Array, start: jax.Array | int) -> jax.Array:
+  """The stacked cache [periods, batch, slots, …] with layer ``index``'s tokens ``new`` [batch, length, …] written
+  from absolute index ``start`` (in place: the buffer is the loop's carry)."""
+  new = new.astype(stacked.dtype)[None]
+  length = new.shape[2]
   if not entry.ring:
-    return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), 0, axis=1)
-  kept = min(length, entry.slots)  # a ring keeps the last ``window`` tokens, each at its slot
-  slots = jnp.arange(length - kept, length) % entry.slots
-  return cache.at[:, slots].set(new[:, length - kept:].astype(cache.dtype))
-
-
-def _write_one(entry: Entry, cache: jax.Array, new: jax.Array, t: jax.Array) -> jax.Array:
-  return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), _slots_of(entry, t), axis=1)
+    return jax.lax.dynamic_update_slice(stacked, new, (index, 0, start) + (0,) * (stacked.ndim - 3))
+  if length == 1:
+    return jax.lax.dynamic_update_slice(stacked, new, (index, 0, start % entry.slots) + (0,) * (stacked.ndim - 3))
+  kept = min(length, entry.slots)  # a ring keeps the last ``window`` tokens, each at its slot (no repeats)
+  slots = (start + jnp.arange(length - kept, length)) % entry.slots
+  return stacked.at[index, :, slots].set(new[0, :, length - kept:].swapaxes(0, 1))
 
 
 def _constrain(config, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
   cached = attention.variant(config).cached(config)
-  return {k: constrain(v, LEAD_AXES[1:] + cached[k][1]) for k, v in arrays.items()}
+  return {k: constrain(v, LEAD_AXES + cached[k][1]) for k, v in arrays.items()}
 
 
-def _attend_prefill(config, entry: Entry, h, layer, cache, positions, segment_ids):
-  variant = attention.variant(config)
-  q, state = variant.project(config, entry.kind, h, layer, positions)
-  cache = _constrain(config, {k: _write_prefill(entry, cache[k], state[k]) for k in cache})
-  keys, values = variant.expand(config, state, layer)
-  attn = attention_kernels.attention(q, keys, values, config.attention_for(entry.kind), positions=positions,
-                                     segment_ids=segment_ids, sinks=layer.get("sinks"))
-  return attention.attention_output(config, attn, layer), cache
-
-
-def _attend_decode(config, entry: Entry, h, layer, cache, positions, t, pads):
+def _attend(config, entry: Entry, h, layer, cache, index, positions, step):
+  """One layer's attention output, and the segment's stacked cache with this layer's new tokens written."""
   variant, spec = attention.variant(config), config.attention_for(entry.kind)
   q, state = variant.project(config, entry.kind, h, layer, positions)
-  cache = _constrain(config, {k: _write_one(entry, cache[k], state[k], t) for k in cache})
-  scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(config.qk_dim)
-  attn = variant.decode(config, q, cache, _visible(entry, t, pads), layer, scale=scale, softcap=spec.softcap,
-                        sinks=layer.get("sinks"))
+  if not step["decode"]:
+    keys, values = variant.expand(config, state, layer)
+    attn = attention_kernels.attention(q, keys, values, spec, positions=positions,
+                                       segment_ids=step["segment_ids"], sinks=layer.get("sinks"))
+    start = 0
+  else:
+    old = {k: jax.lax.dynamic_index_in_dim(v, index, 0, keepdims=False) for k, v in cache.items()}
+    scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(config.qk_dim)
+    attn = variant.decode(config, q, old, state, _visible(entry, step["t"], step["pads"]), layer, scale=scale,
+                          softcap=spec.softcap, sinks=layer.get("sinks"))
+    start = step["t"]
+  cache = _constrain(config, {k: _write(entry, cache[k], index, state[k], start) for k in cache})
   return attention.attention_output(config, attn, layer), cache
 
 
-def _layer(config, entry: Entry, x, layer, cache, positions, step):
+def _layer(config, entry: Entry, x, layer, cache, index, positions, step):
   h = attention.attention_input(config, x, layer)
-  if step["decode"]:
-    out, cache = _attend_decode(config, entry, h, layer, cache, positions, step["t"], step["pads"])
-  else:
-    out, cache = _attend_prefill(config, entry, h, layer, cache, positions, step["segment_ids"])
+  out, cache = _attend(config, entry, h, layer, cache, index, positions, step)
   x = attention.attention_residual(config, x, out, layer)
   x, _ = blocks.mlp_sublayer(config, entry.kind, x, layer)
   return x, cache
 
 
-def _layers(model, cache: dict[str, Any], x: jax.Array, positions: jax.Array, max_len: int, step: dict):
+def _layers(model, cache: dict[str, Any], x: jax.Array, positions: jax.Array, max_len: int, step: dict,
+            unroll: bool = False):
+  """The layers over ``x``, each segment a scan over its periods that carries the segment's stacked cache (so
+  each layer's writes land in place); ``unroll``: the scans unrolled (one program per layer, as a compiler's cost
+  analysis counts a loop's body once)."""
   config = model.config
   by_segment: dict[str, list[Entry]] = {}
   for entry in entries(config, max_len):
@@ -209,16 +210,19 @@ def _layers(model, cache: dict[str, Any], x: jax.Array, positions: jax.Array, ma
     if period > 1:
       layers = {k: v.reshape(segment.count // period, period, *v.shape[1:]) for k, v in layers.items()}
 
-    def body(x, xs, seg_entries=seg_entries, period=period):
-      params, caches = xs
+    def body(carry, xs, seg_entries=seg_entries, period=period):
+      x, caches = carry
+      params, index = xs
       out = []
       for i, entry in enumerate(seg_entries):
         one = params if period == 1 else {k: v[i] for k, v in params.items()}
-        x, c = _layer(config, entry, x, one, caches[i], positions, step)
+        x, c = _layer(config, entry, x, one, caches[i], index, positions, step)
         out.append(c)
-      return x, tuple(out)
+      return (x, tuple(out)), None
 
-    x, new_cache[segment.name] = jax.lax.scan(body, x, (layers, cache[segment.name]))
+    periods = segment.count // period
+    (x, new_cache[segment.name]), _ = jax.lax.scan(body, (x, cache[segment.name]), (layers, jnp.arange(periods)),
+                                                   unroll=periods if unroll else 1)
   return x, new_cache
 
 
@@ -240,14 +244,14 @@ def prefill(model, cache: dict[str, Any], tokens: jax.Array, pads: jax.Array, *,
 
 
 def decode(model, cache: dict[str, Any], tokens: jax.Array, t: jax.Array, pads: jax.Array, *,
-           max_len: int) -> tuple[jax.Array, dict]:
+           max_len: int, unroll: bool = False) -> tuple[jax.Array, dict]:
   """Runs one new token per row, ``tokens`` [batch], at absolute index ``t`` (a scalar: every row writes the same
   slot) in a cache of ``max_len`` tokens; returns its logits [batch, vocab] (float32) and the cache with its keys
-  and values written."""
+  and values written (``unroll``: as ``_layers``)."""
   c = model.config
   positions = (t - pads)[:, None]
   with fp8.active(c.fp8, c.fp8_min_dim):
     x = model.embed_tokens(tokens[:, None])
-    x, cache = _layers(model, cache, x, positions, max_len, {"decode": True, "t": t, "pads": pads})
+    x, cache = _layers(model, cache, x, positions, max_len, {"decode": True, "t": t, "pads": pads}, unroll)
   return model.logits(model.final_hidden(x))[:, 0].astype(jnp.float32), cache
 

@@ -215,20 +215,21 @@ def _mla_project(config, kind, h, layer, positions):
   return mla_query(config, kind, h, layer, positions), {"latent": mla_latent(config, kind, h, layer, positions)}
 
 
-def _gqa_decode(config, q, cached, visible, layer, **options):
-  return masked_attention(q, cached["k"].astype(q.dtype), cached["v"].astype(q.dtype), visible, **options)
+def _gqa_decode(config, q, cached, state, visible, layer, **options):
+  return masked_attention(q, cached["k"].astype(q.dtype), cached["v"].astype(q.dtype), visible,
+                          new=(state["k"], state["v"]), **options)
 
 
-def _mla_decode(config, q, cached, visible, layer, **options):
+def _mla_decode(config, q, cached, state, visible, layer, **options):
   """MLA over cached latents, absorbed: the queries' own part moves into the latent's space (``q_nope · W_uk``)
   beside their rotary part, attends over every token's latent and rotary key as one key/value head (the latent
   its value), and the result leaves through ``W_uv``."""
   nope, r = config.head_dim, config.kv_lora_rank
   w_kv = layer["wkv_b"].astype(q.dtype)  # [kv_lora_rank, heads, head_dim + v_dim]
   queries = jnp.concatenate([jnp.einsum("bqhn,rhn->bqhr", q[..., :nope], w_kv[..., :nope]), q[..., nope:]], -1)
-  stored = cached["latent"].astype(q.dtype)[:, :, None, :]
-  return jnp.einsum("bqhr,rhv->bqhv", masked_attention(queries, stored, stored[..., :r], visible, **options),
-                    w_kv[..., nope:])
+  stored, new = cached["latent"].astype(q.dtype)[:, :, None, :], state["latent"].astype(q.dtype)[:, :, None, :]
+  out = masked_attention(queries, stored, stored[..., :r], visible, new=(new, new[..., :r]), **options)
+  return jnp.einsum("bqhr,rhv->bqhv", out, w_kv[..., nope:])
 
 
 def _tensor(param_name: str, name: str, layout: str) -> tuple[str, str, str]:
@@ -271,8 +272,8 @@ class Variant:
     project: ``(config, kind, h, layer, positions)`` → the queries and each token's state, what a cache keeps
       (GQA: ``k`` and ``v``; MLA: ``latent``).
     expand: ``(config, state, layer)`` → the keys and values the kernels attend over.
-    decode: ``(config, q, cached, visible, layer, scale=, softcap=, sinks=)`` → attention over a cache's state
-      (``generation/``).
+    decode: ``(config, q, cached, state, visible, layer, scale=, softcap=, sinks=)`` → attention over a cache's
+      ``visible`` slots and the new tokens' own ``state`` (``generation/``).
     cached: ``(config)`` → per cached name, its dims per token and their logical axes.
     hf_tensors: ``(config, prefix)`` → its params' Hugging Face tensors as ``(param, name, layout)``
       (``hf_tables.Tensor``'s fields).

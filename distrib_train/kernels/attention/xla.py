@@ -30,7 +30,8 @@ _MASKED = -1e30  # finite: a query with nothing visible gives no NaN (its row is
 
 
 def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array, *, scale: float,
-                     softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
+                     softcap: float = 0.0, sinks: jax.Array | None = None,
+                     new: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
   """Attention of ``q`` over the visible keys → [batch, queries, heads, v_dim] in ``q``'s dtype.
 
   Args:
@@ -41,6 +42,9 @@ def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: 
     scale: the softmax scale.
     softcap: scores become ``softcap · tanh(scores / softcap)`` before the softmax (0: off).
     sinks: [heads] a logit per head that joins each softmax and is then dropped (None: none).
+    new: the queries' own keys [batch, queries, kv_heads, qk_dim] and values, seen by every query (causally
+      among themselves), apart from ``keys`` and ``values``: a decode step's token, not yet in the cache it reads,
+      so the cache is read once and written in place rather than copied with the token in it.
   """
   batch, queries, heads, qk_dim = q.shape
   kv_heads = keys.shape[2]
@@ -50,11 +54,22 @@ def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: 
   if softcap:
     scores = softcap * jnp.tanh(scores / softcap)
   scores = jnp.where(jnp.broadcast_to(visible, (batch, queries, keys.shape[1]))[:, None, None], scores, _MASKED)
+  if new is not None:
+    own = jnp.einsum("bqkgd,bskd->bkgqs", qg, new[0], preferred_element_type=jnp.float32) * scale
+    if softcap:
+      own = softcap * jnp.tanh(own / softcap)
+    causal = jnp.arange(queries)[None, :] <= jnp.arange(queries)[:, None]
+    scores = jnp.concatenate([scores, jnp.where(causal, own, _MASKED)], axis=-1)
   if sinks is not None:
     sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1),
                             (batch, kv_heads, groups, queries, 1))
     probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
   else:
     probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+  slots = keys.shape[1]
+  out = jnp.einsum("bkgqs,bskd->bqkgd", probs[..., :slots].astype(values.dtype), values,
+                   preferred_element_type=jnp.float32)
+  if new is not None:
+    out = out + jnp.einsum("bkgqs,bskd->bqkgd", probs[..., slots:].astype(values.dtype), new[1],
+                           preferred_element_type=jnp.float32)
   return out.reshape(batch, queries, heads, values.shape[-1]).astype(q.dtype)
