@@ -206,7 +206,8 @@ def test_cli_generates_from_a_runs_checkpoint_to_jsonl_and_streams_one_prompt(tr
   records_py = dt.generate(f"ckpt:{trained_run}", ["The Python", "import os"], max_new_tokens=6, temperature=0.8,
                            n=2, seed=3)
   assert [r["ids"] for r in records_py] == [r["ids"] for r in records]
-  streamed = _cli("--init_from", f"ckpt:{trained_run}", "--step", 2, "--prompt", "The Python", "--max_new_tokens", 8)
+  streamed = _cli("--init_from", f"ckpt:{trained_run}", "--step", 2, "--prompt", "The Python", "--max_new_tokens", 8,
+                  "--cpu_devices", 2)
   assert streamed.returncode == 0, streamed.stderr[-3000:]
   greedy = dt.generate(f"ckpt:{trained_run}", ["The Python"], max_new_tokens=8)[0]
   assert streamed.stdout == greedy["text"] + "\n"

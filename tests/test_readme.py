@@ -398,6 +398,7 @@ def test_command_exists(program, sub, tmp_path):
 # Every flag table, by the file and heading it sits under, and the command whose flags it lists.
 _FLAG_TABLES = [("README.md", "The command line", None),
                 ("docs/planning.md", "Flags", "plan"),
+                ("docs/generation.md", "Sampling", "generate"),
                 ("docs/launching.md", "Multi-host", None)]
 
 

@@ -93,13 +93,11 @@ class Generator:
   def _sharding(self):
     return activation_sharding(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
 
-  def _program(self, kind: str, rows: int, prompt: int, max_len: int, sampling: Sampling, stream: Any = None):
-    key = (kind, rows, prompt, max_len, sampling, stream)
+  def _program(self, kind: str, rows: int, prompt: int, max_len: int, sampling: Sampling):
+    key = (kind, rows, prompt, max_len, sampling)
     if key not in self._programs:
-      if kind == "prefill":
-        self._programs[key] = self._prefill_program(rows, prompt, max_len, sampling)
-      else:
-        self._programs[key] = self._decode_program(rows, prompt, max_len, sampling, stream)
+      make = self._prefill_program if kind == "prefill" else self._decode_program
+      self._programs[key] = make(rows, prompt, max_len, sampling)
       self.log(f"Generation: {kind} for {rows} rows × {prompt} prompt tokens (cache {max_len}) is new"
                f" ({self.compiles} programs so far).")
     return self._programs[key]
@@ -129,36 +127,35 @@ class Generator:
     return jax.jit(run, out_shardings=None if shardings is None else (shardings, replicated, replicated,
                                                                       replicated))
 
-  def _decode_program(self, rows: int, prompt: int, max_len: int, sampling: Sampling, stream: Any = None):
+  def _decode_program(self, rows: int, prompt: int, max_len: int, sampling: Sampling):
+    """The decode loop from new token ``start`` up to (not including) ``until``, or until every row is done."""
     graphdef = self.graphdef
     new = max_len - prompt
 
-    def run(state, cache, out, logprobs, done, pads, index, sample, seed, eos):
+    def run(state, cache, out, logprobs, done, pads, index, sample, seed, eos, start, until):
       model = nnx.merge(graphdef, state)
       keys = row_keys(seed, index, sample)
 
       def proceed(carry):
         i, _, _, _, done, _ = carry
-        return (i < new) & ~jnp.all(done)
+        return (i < jnp.minimum(until, new)) & ~jnp.all(done)
 
       def step(carry):
         i, cache, out, logprobs, done, last = carry
         logits, cache = cache_lib.decode(model, cache, last, prompt + i - 1, pads, max_len=max_len)
         token, logprob = choose(logits, keys, i, sampling)
-        if stream is not None:  # each step's tokens to the host as they come (one prompt on the terminal)
-          jax.debug.callback(stream, token, done, ordered=True)
         out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(done, 0, token)[:, None], i, axis=1)
         logprobs = jax.lax.dynamic_update_slice_in_dim(logprobs, jnp.where(done, 0.0, logprob)[:, None], i, axis=1)
         done = done | jnp.any(token[:, None] == eos[None, :], axis=-1)
         return i + 1, cache, out, logprobs, done, token
 
-      carry = (jnp.int32(1), cache, out, logprobs, done, out[:, 0])
-      i, cache, out, logprobs, done, _ = jax.lax.while_loop(proceed, step, carry)
-      return out, logprobs, i, cache  # the cache returned: its donated buffers are the loop's
+      last = jax.lax.dynamic_index_in_dim(out, start - 1, axis=1, keepdims=False)
+      i, cache, out, logprobs, done, _ = jax.lax.while_loop(proceed, step, (start, cache, out, logprobs, done, last))
+      return out, logprobs, done, i, cache  # the cache returned: its donated buffers are the loop's
 
     shardings, replicated = self._cache_shardings(rows, max_len), self._replicated()
     return jax.jit(run, donate_argnums=(1, 2, 3), out_shardings=None if shardings is None else (
-        replicated, replicated, replicated, shardings))
+        replicated, replicated, replicated, replicated, shardings))
 
   def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
                n: int = 1, seed: int = 0, eos_ids: Sequence[int] = (), batch_size: int = 64,
@@ -166,7 +163,8 @@ class Generator:
     """Completions of ``prompts`` (lists of token ids), ``n`` each, ordered by prompt then sample.
 
     ``on_token(tokens, finished)``, where given, receives each step's new token of every row [rows] and which rows
-    had finished before it, as the steps run (for a terminal that prints the answer as it comes).
+    had finished before it, as the steps run (for a terminal that prints the answer as it comes): the decode loop
+    then returns to the host after every step.
 
     Raises:
       ValueError: an empty prompt, ``max_new_tokens`` or ``n`` under 1, ids outside the vocabulary (named).
@@ -205,11 +203,21 @@ class Generator:
     seed = np.uint32(seed)
     with self._sharding():
       prefill = self._program("prefill", rows, prompt, max_len, sampling)
-      decode = self._program("decode", rows, prompt, max_len, sampling, stream)
+      decode = self._program("decode", rows, prompt, max_len, sampling)
       cache, out, logprobs, done = prefill(self.state, tokens, pads, index, sample, seed, eos, np.int32(len(chunk)))
-      if stream is not None:
+      inputs = (pads, index, sample, seed, eos)
+      if stream is None:  # one call: the whole loop on the device
+        out, logprobs, done, steps, _ = decode(self.state, cache, out, logprobs, done, *inputs, np.int32(1),
+                                               np.int32(max_new_tokens))
+      else:  # one call a step, each step's tokens to the host as they come (a terminal's answer)
         stream(np.asarray(out[:, 0]), np.zeros((rows,), bool))
-      out, logprobs, steps, _ = decode(self.state, cache, out, logprobs, done, pads, index, sample, seed, eos)
+        steps = 1
+        while steps < max_new_tokens and not bool(np.all(np.asarray(done))):
+          before = np.asarray(done)
+          out, logprobs, done, _, cache = decode(self.state, cache, out, logprobs, done, *inputs, np.int32(steps),
+                                                 np.int32(steps + 1))
+          stream(np.asarray(out[:, steps]), before)
+          steps += 1
     out, logprobs, steps = np.asarray(out), np.asarray(logprobs), int(steps)
     completions = []
     for r, (p, s) in enumerate(chunk):
