@@ -139,3 +139,27 @@ def test_the_cpu_bench_times_both_sides_on_the_same_tokens(tmp_path):
   [row] = json.loads((tmp_path / "r.json").read_text())
   assert row["same_tokens"] and row["ours_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0
   assert "the same tokens: True" in out.stdout
+
+
+def test_two_processes_give_transformers_greedy_tokens(tmp_path):
+  """A model saved by transformers, read by 2 processes × 4 devices (fsdp and the batch across the processes,
+  tensor within, ``tests/workers/generation_worker.py``): the greedy tokens of ``generate(do_sample=False)``."""
+  import pathlib
+
+  import mp_harness
+
+  reference = test_hf._save("qwen3", tmp_path / "hf")
+  (tmp_path / "mesh.yaml").write_text("devices: 8\ngranules: 2\naxes:\n  data: 1\n  fsdp: {ici: 2, dcn: 2}\n"
+                                      "  tensor: {ici: 2}\nrules: fsdp_tensor\n")
+  results = mp_harness.run_workers(pathlib.Path(__file__).parent / "workers" / "generation_worker.py",
+                                   str(tmp_path / "hf"), str(tmp_path / "mesh.yaml"), timeout=300)
+  rng = np.random.default_rng(0)  # the worker's prompts
+  prompts = [rng.integers(0, test_hf.COMMON["vocab_size"], size=n).tolist() for n in (5, 13, 2)]
+  want = []
+  for prompt in prompts:
+    with torch.no_grad():
+      out = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, min_new_tokens=8,
+                               eos_token_id=None, pad_token_id=0)
+    want.append(out[0, len(prompt):].tolist())
+  for r in results:
+    assert r.result["greedy"] == want
