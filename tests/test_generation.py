@@ -8,7 +8,6 @@ whose cache differs (a sliding window's ring that wraps, MLA's latent,
 experts on the expert axis, LoRA's adapters).
 """
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -26,7 +25,6 @@ from distrib_train import recipes
 from distrib_train.checkpoint import hf
 from distrib_train.generation.engine import Generator, bucket
 from distrib_train.generation.sampling import Sampling
-from distrib_train.sharding.axis_rules import activation_sharding
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FP32 = dict(dtype="float32", param_dtype="float32", attention="xla")

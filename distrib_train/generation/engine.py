@@ -16,7 +16,9 @@ and sample. Each batch:
    token chosen.
 4. **Decode** (one jitted call): a ``while_loop`` of cached steps, the
    cache and the outputs donated, each finished row (an end id) kept
-   finished; it ends when every row has, or at ``max_new_tokens``.
+   finished; it ends when every row has, or at ``max_new_tokens``. With
+   ``on_token`` (a terminal's streamed answer) the same program runs one
+   step a call, each step's tokens read on the host.
 
 Each program is compiled once per (rows, bucket, cache length, sampling)
 and kept; ``compiles`` counts them, and each new one is logged.
