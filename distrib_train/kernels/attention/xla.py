@@ -13,6 +13,20 @@ softmax scale, a soft cap, per-head sinks (gpt-oss). Scores, softmax and
 the weighted sum accumulate in float32 (at decode, one pass over the cache:
 the bytes read are the work).
 
+**At decode, the bandwidth is the work.** Two choices keep libtpu's
+program at the cache's bandwidth (``bench/generation.py tpu``):
+- each kv head's queries (its group × the queries) are padded to at least
+  two rows. With one query per kv head (multi-head attention at decode:
+  Llama 2's 7B), the scores are a matrix-vector product, which XLA
+  rewrites as a multiply and a reduce over the head dimension on the
+  vector unit: 0.26 × the bandwidth on a probe (16 rows × 4,096 slots,
+  4 kv heads). As a matrix of two rows it runs on the matrix unit at
+  1.0 ×. The padded row is dropped.
+- the new token's scores (``new``) join the cache's in one softmax without
+  being concatenated to them: ``slots + 1`` keys are not a multiple of the
+  128 lanes, and the copies that would pad them cost as much as the
+  attention.
+
 DeepSeek-V3's MLA decodes through it with one key/value head: the queries
 absorbed into the latent (``q_nope · W_uk`` beside ``q_rope``), the cached
 latent and rotary key as the keys, the latent as the values
@@ -23,10 +37,13 @@ Not for: choosing a layer's kernel (``dispatch.py``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 _MASKED = -1e30  # finite: a query with nothing visible gives no NaN (its row is never read)
+_MIN_ROWS = 2  # the query rows each kv head's product has at least (module docstring)
 
 
 def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array, *, scale: float,
@@ -50,26 +67,31 @@ def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: 
   kv_heads = keys.shape[2]
   groups = heads // kv_heads
   qg = q.reshape(batch, queries, kv_heads, groups, qk_dim)
-  scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, keys, preferred_element_type=jnp.float32) * scale
-  if softcap:
-    scores = softcap * jnp.tanh(scores / softcap)
+  rows = groups * queries
+  if rows < _MIN_ROWS:  # a matrix-vector product: padded to a matrix (module docstring)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, -(-_MIN_ROWS // queries) - groups), (0, 0)))
+  scores = _scores(qg, keys, scale, softcap)
   scores = jnp.where(jnp.broadcast_to(visible, (batch, queries, keys.shape[1]))[:, None, None], scores, _MASKED)
+  parts = [scores]  # each part's scores [batch, kv_heads, groups, queries, its slots], one softmax over all
   if new is not None:
-    own = jnp.einsum("bqkgd,bskd->bkgqs", qg, new[0], preferred_element_type=jnp.float32) * scale
-    if softcap:
-      own = softcap * jnp.tanh(own / softcap)
     causal = jnp.arange(queries)[None, :] <= jnp.arange(queries)[:, None]
-    scores = jnp.concatenate([scores, jnp.where(causal, own, _MASKED)], axis=-1)
+    parts.append(jnp.where(causal, _scores(qg, new[0], scale, softcap), _MASKED))
+  top = functools.reduce(jnp.maximum, [p.max(-1, keepdims=True) for p in parts])
+  padded_groups = qg.shape[3]
   if sinks is not None:
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1),
-                            (batch, kv_heads, groups, queries, 1))
-    probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-  else:
-    probs = jax.nn.softmax(scores, axis=-1)
-  slots = keys.shape[1]
-  out = jnp.einsum("bkgqs,bskd->bqkgd", probs[..., :slots].astype(values.dtype), values,
-                   preferred_element_type=jnp.float32)
-  if new is not None:
-    out = out + jnp.einsum("bkgqs,bskd->bqkgd", probs[..., slots:].astype(values.dtype), new[1],
-                           preferred_element_type=jnp.float32)
-  return out.reshape(batch, queries, heads, values.shape[-1]).astype(q.dtype)
+    sink = jnp.pad(sinks.astype(jnp.float32).reshape(kv_heads, groups), ((0, 0), (0, padded_groups - groups)))
+    sink = sink.reshape(1, kv_heads, padded_groups, 1, 1)
+    top = jnp.maximum(top, sink)
+  top = jax.lax.stop_gradient(top)  # the softmax does not depend on it (as in jax.nn.softmax)
+  weights = [jnp.exp(p - top) for p in parts]
+  total = sum(w.sum(-1, keepdims=True) for w in weights)
+  if sinks is not None:
+    total = total + jnp.exp(sink - top)
+  out = sum(jnp.einsum("bkgqs,bskd->bqkgd", (w / total).astype(v.dtype), v, preferred_element_type=jnp.float32)
+            for w, v in zip(weights, [values] + ([new[1]] if new is not None else [])))
+  return out[:, :, :, :groups].reshape(batch, queries, heads, values.shape[-1]).astype(q.dtype)
+
+
+def _scores(qg: jax.Array, keys: jax.Array, scale: float, softcap: float) -> jax.Array:
+  scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, keys, preferred_element_type=jnp.float32) * scale
+  return softcap * jnp.tanh(scores / softcap) if softcap else scores
