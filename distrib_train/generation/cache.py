@@ -4,10 +4,14 @@
 for each segment, one entry per position in its period, stacked on a
 leading ``layers`` axis (the segment's periods), so the layers scan over
 their params and their cache together. A GQA layer keeps its rotated keys
-and values ``[layers, batch, slots, kv_heads, head_dim]``; an MLA layer
+and values ``[layers, batch, kv_heads, slots, head_dim]``; an MLA layer
 (DeepSeek-V3) keeps ``mla_latent``'s state ``[layers, batch, slots,
 kv_lora_rank + qk_rope_head_dim]`` — the normed latent and the rotary key
-all heads share, not the expanded heads. A full layer has one slot per
+all heads share, not the expanded heads. Heads come before slots, so each
+row's and head's slots are one matrix (the two minor axes a TPU tiles):
+with the slots after the heads, 1 to 4 kv heads a chip were padded into
+each tile, and libtpu copied each layer's cache out of the stack before
+its product (``bench/generation.py tpu``). A full layer has one slot per
 token (``max_len``); a sliding layer (Gemma 3's local layers, gpt-oss's)
 has a ring of ``window`` slots where that is shorter: token ``a`` goes to
 slot ``a mod window``.
@@ -26,7 +30,7 @@ latents). **Decode** writes one token's and reads the cache through
 the latent's space (``q_nope · W_uk``), attend over the cached latents as
 one key/value head, and the result leaves it through ``W_uv``.
 
-Logical axes: ``layers``, ``batch``, ``length`` (slots), ``kv_heads``,
+Logical axes: ``layers``, ``batch``, ``kv_heads``, ``length`` (slots),
 ``head_dim``, laid out by the planner's rules as activations are
 (``cache_shardings``).
 
@@ -50,7 +54,6 @@ from distrib_train.recipes.parts import Kind
 from distrib_train.recipes.decoder import segments
 from distrib_train.sharding.axis_rules import constrain
 
-LEAD_AXES = ("layers", "batch", "length")  # then the variant's own (GQA: kv_heads, head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +80,16 @@ def entries(config, max_len: int) -> tuple[Entry, ...]:
   return tuple(out)
 
 
+def _layout(dims: tuple, axes: tuple, periods, batch, slots) -> tuple[tuple, tuple]:
+  """A cached array's shape and logical axes from what a token keeps (``attention.Variant.cached``): layers,
+  rows, the token's leading dims (kv heads), the slots, its last dim (module docstring)."""
+  return ((periods, batch, *dims[:-1], slots, dims[-1]),
+          ("layers", "batch", *axes[:-1], "length", axes[-1]))
+
+
 def _shapes(config, entry: Entry, batch: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
-  """Each cached array's shape and logical axes: what the attention variant keeps per token
-  (``attention.Variant.cached``), for the entry's periods, rows and slots."""
-  return {name: ((entry.periods, batch, entry.slots, *dims), LEAD_AXES + axes)
+  """Each cached array's shape and logical axes, for the entry's periods, rows and slots."""
+  return {name: _layout(dims, axes, entry.periods, batch, entry.slots)
           for name, (dims, axes) in attention.variant(config).cached(config).items()}
 
 
@@ -147,23 +156,31 @@ def _visible(entry: Entry, t: jax.Array, pads: jax.Array) -> jax.Array:
   return seen[:, None, :]
 
 
+def _token_major(cached: jax.Array) -> jax.Array:
+  """One layer's cached array [batch, …, slots, last] as [batch, slots, …, last], the tokens' own layout (a view
+  the compiler folds into the products that read it)."""
+  return jnp.moveaxis(cached, -2, 1)
+
+
 def _write(entry: Entry, stacked: jax.Array, index: jax.Array, new: jax.Array, start: jax.Array | int) -> jax.Array:
-  """The stacked cache [periods, batch, slots, …] with layer ``index``'s tokens ``new`` [batch, length, …] written
-  from absolute index ``start`` (in place: the buffer is the loop's carry)."""
-  new = new.astype(stacked.dtype)[None]
-  length = new.shape[2]
+  """The stacked cache [periods, batch, …, slots, last] with layer ``index``'s tokens ``new`` [batch, length, …,
+  last] written from absolute index ``start`` (in place: the buffer is the loop's carry)."""
+  new = jnp.moveaxis(new.astype(stacked.dtype), 1, -2)[None]  # [1, batch, …, length, last]
+  length = new.shape[-2]
+  at = lambda slot: (index,) + (0,) * (stacked.ndim - 3) + (slot, 0)
   if not entry.ring:
-    return jax.lax.dynamic_update_slice(stacked, new, (index, 0, start) + (0,) * (stacked.ndim - 3))
+    return jax.lax.dynamic_update_slice(stacked, new, at(start))
   if length == 1:
-    return jax.lax.dynamic_update_slice(stacked, new, (index, 0, start % entry.slots) + (0,) * (stacked.ndim - 3))
+    return jax.lax.dynamic_update_slice(stacked, new, at(start % entry.slots))
   kept = min(length, entry.slots)  # a ring keeps the last ``window`` tokens, each at its slot (no repeats)
   slots = (start + jnp.arange(length - kept, length)) % entry.slots
-  return stacked.at[index, :, slots].set(new[0, :, length - kept:].swapaxes(0, 1))
+  written = jnp.moveaxis(stacked, -2, 1).at[index, slots].set(jnp.moveaxis(new[0, ..., length - kept:, :], -2, 0))
+  return jnp.moveaxis(written, 1, -2)
 
 
 def _constrain(config, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
   cached = attention.variant(config).cached(config)
-  return {k: constrain(v, LEAD_AXES + cached[k][1]) for k, v in arrays.items()}
+  return {k: constrain(v, _layout(*cached[k], *v.shape[:2], v.shape[-2])[1]) for k, v in arrays.items()}
 
 
 def _attend(config, entry: Entry, h, layer, cache, index, positions, step):
@@ -176,7 +193,7 @@ def _attend(config, entry: Entry, h, layer, cache, index, positions, step):
                                        segment_ids=step["segment_ids"], sinks=layer.get("sinks"))
     start = 0
   else:
-    old = {k: jax.lax.dynamic_index_in_dim(v, index, 0, keepdims=False) for k, v in cache.items()}
+    old = {k: _token_major(jax.lax.dynamic_index_in_dim(v, index, 0, keepdims=False)) for k, v in cache.items()}
     scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(config.qk_dim)
     attn = variant.decode(config, q, old, state, _visible(entry, step["t"], step["pads"]), layer, scale=scale,
                           softcap=spec.softcap, sinks=layer.get("sinks"))
