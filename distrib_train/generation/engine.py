@@ -14,9 +14,10 @@ and sample. Each batch:
    holds that bucket plus ``max_new_tokens``.
 3. **Prefill** (one jitted call): the cache made and written, the first new
    token chosen.
-4. **Decode** (one jitted call): a ``while_loop`` of cached steps, the
-   cache and the outputs donated, each finished row (an end id) kept
-   finished; it ends when every row has, or at ``max_new_tokens``. With
+4. **Decode** (one compiled call): a ``while_loop`` of cached steps, the
+   cache donated, in the layout the compiler chose for the loop (the
+   prefill writes it so); each finished row (an end id) is kept finished,
+   and it ends when every row has, or at ``max_new_tokens``. With
    ``on_token`` (a terminal's streamed answer) the same program runs one
    step a call, each step's tokens read on the host.
 
@@ -95,11 +96,14 @@ class Generator:
   def _sharding(self):
     return activation_sharding(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
 
-  def _program(self, kind: str, rows: int, prompt: int, max_len: int, sampling: Sampling):
-    key = (kind, rows, prompt, max_len, sampling)
+  def _program(self, kind: str, rows: int, prompt: int, max_len: int, sampling: Sampling, ends: int):
+    key = (kind, rows, prompt, max_len, sampling, ends)
     if key not in self._programs:
-      make = self._prefill_program if kind == "prefill" else self._decode_program
-      self._programs[key] = make(rows, prompt, max_len, sampling)
+      if kind == "decode":
+        self._programs[key] = self._decode_program(rows, prompt, max_len, sampling, ends)
+      else:
+        decode = self._program("decode", rows, prompt, max_len, sampling, ends)
+        self._programs[key] = self._prefill_program(rows, prompt, max_len, sampling, self._cache_formats(decode))
       self.log(f"Generation: {kind} for {rows} rows × {prompt} prompt tokens (cache {max_len}) is new"
                f" ({self.compiles} programs so far).")
     return self._programs[key]
@@ -112,7 +116,8 @@ class Generator:
   def _replicated(self):
     return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
 
-  def _prefill_program(self, rows: int, prompt: int, max_len: int, sampling: Sampling):
+  def _prefill_program(self, rows: int, prompt: int, max_len: int, sampling: Sampling, cache_formats):
+    """The prefill, its cache written in ``cache_formats``: the decode program's (``_decode_program``)."""
     graphdef, config, new = self.graphdef, self.config, max_len - prompt
 
     def run(state, tokens, pads, index, sample, seed, eos, live):
@@ -125,12 +130,23 @@ class Generator:
       done = jnp.any(token[:, None] == eos[None, :], axis=-1) | (jnp.arange(rows) >= live)
       return cache, out, logprobs, done
 
-    shardings, replicated = self._cache_shardings(rows, max_len), self._replicated()
-    return jax.jit(run, out_shardings=None if shardings is None else (shardings, replicated, replicated,
-                                                                      replicated))
+    replicated = self._replicated()
+    return jax.jit(run, out_shardings=None if cache_formats is None else (cache_formats, replicated, replicated,
+                                                                          replicated))
 
-  def _decode_program(self, rows: int, prompt: int, max_len: int, sampling: Sampling):
-    """The decode loop from new token ``start`` up to (not including) ``until``, or until every row is done."""
+  @staticmethod
+  def _cache_formats(decode):
+    """The cache's format (sharding and layout) that ``decode`` (a compiled program, or a jitted one without a mesh)
+    takes."""
+    return decode.input_formats[0][1] if hasattr(decode, "input_formats") else None
+
+  def _decode_program(self, rows: int, prompt: int, max_len: int, sampling: Sampling, ends: int):
+    """The decode loop from new token ``start`` up to (not including) ``until``, or until every row is done.
+
+    On a mesh it is compiled ahead of the call, the cache's layout left to the compiler (``Layout.AUTO``): libtpu
+    lays a loop's carried cache out otherwise than a program's argument, and with the argument's layout fixed it
+    copied the whole cache into and out of the loop at every call (``bench/generation.py tpu``). The prefill
+    then writes the cache in the layout this program takes."""
     graphdef = self.graphdef
     new = max_len - prompt
 
@@ -156,8 +172,24 @@ class Generator:
       return out, logprobs, done, i, cache  # the cache returned: its donated buffers are the loop's
 
     shardings, replicated = self._cache_shardings(rows, max_len), self._replicated()
-    return jax.jit(run, donate_argnums=(1, 2, 3), out_shardings=None if shardings is None else (
-        replicated, replicated, replicated, replicated, shardings))
+    if shardings is None:
+      return jax.jit(run, donate_argnums=(1, 2, 3))
+    from jax.experimental.layout import Format, Layout
+
+    auto = jax.tree.map(lambda sh: Format(Layout.AUTO, sh), shardings)
+    spec = cache_lib.cache_spec(self.config, rows, max_len)
+    at = lambda shape, dtype, sharding=replicated: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    state = jax.tree.map(lambda x: at(x.shape, x.dtype, x.sharding), self.state)
+    cache = jax.tree.map(lambda s, sh: at(s.shape, s.dtype, sh), spec, shardings)
+    new, vector, scalar = max_len - prompt, (rows,), ()
+    args = (state, cache, at((rows, new), np.int32), at((rows, new), np.float32), at(vector, np.bool_),
+            at(vector, np.int32), at(vector, np.int32), at(vector, np.int32), at(scalar, np.uint32),
+            at((ends,), np.int32), at(scalar, np.int32), at(scalar, np.int32))
+    in_shardings = (jax.tree.map(lambda x: x.sharding, state), auto) + (replicated,) * (len(args) - 2)
+    with self._sharding():
+      # the cache alone donated: libtpu refused to alias the token outputs, which it laid out anew (small: rows × new)
+      return jax.jit(run, donate_argnums=(1,), in_shardings=in_shardings, out_shardings=(
+          replicated, replicated, replicated, replicated, auto)).lower(*args).compile()
 
   def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
                n: int = 1, seed: int = 0, eos_ids: Sequence[int] = (), batch_size: int = 64,
@@ -204,8 +236,8 @@ class Generator:
     eos = np.asarray(eos_ids, np.int32).reshape(-1)
     seed = np.uint32(seed)
     with self._sharding():
-      prefill = self._program("prefill", rows, prompt, max_len, sampling)
-      decode = self._program("decode", rows, prompt, max_len, sampling)
+      prefill = self._program("prefill", rows, prompt, max_len, sampling, len(eos))
+      decode = self._program("decode", rows, prompt, max_len, sampling, len(eos))
       cache, out, logprobs, done = prefill(self.state, tokens, pads, index, sample, seed, eos, np.int32(len(chunk)))
       inputs = (pads, index, sample, seed, eos)
       if stream is None:  # one call: the whole loop on the device
