@@ -55,7 +55,6 @@ from distrib_train.recipes.decoder import segments
 from distrib_train.sharding.axis_rules import constrain
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Entry:
   """One period position's cache in a segment: its name, the layers' kind, its slots, what it holds."""
@@ -168,10 +167,8 @@ def _write(entry: Entry, stacked: jax.Array, index: jax.Array, new: jax.Array, s
   new = jnp.moveaxis(new.astype(stacked.dtype), 1, -2)[None]  # [1, batch, …, length, last]
   length = new.shape[-2]
   at = lambda slot: (index,) + (0,) * (stacked.ndim - 3) + (slot, 0)
-  if not entry.ring:
-    return jax.lax.dynamic_update_slice(stacked, new, at(start))
-  if length == 1:
-    return jax.lax.dynamic_update_slice(stacked, new, at(start % entry.slots))
+  if not entry.ring or length == 1:
+    return jax.lax.dynamic_update_slice(stacked, new, at(_slots_of(entry, start)))
   kept = min(length, entry.slots)  # a ring keeps the last ``window`` tokens, each at its slot (no repeats)
   slots = (start + jnp.arange(length - kept, length)) % entry.slots
   written = jnp.moveaxis(stacked, -2, 1).at[index, slots].set(jnp.moveaxis(new[0, ..., length - kept:, :], -2, 0))
