@@ -103,7 +103,8 @@ class Generator:
         self._programs[key] = self._decode_program(rows, prompt, max_len, sampling, ends)
       else:
         decode = self._program("decode", rows, prompt, max_len, sampling, ends)
-        self._programs[key] = self._prefill_program(rows, prompt, max_len, sampling, self._cache_formats(decode))
+        formats = None if self.mesh is None else decode.input_formats[0][1]  # the cache's, as the decode takes it
+        self._programs[key] = self._prefill_program(rows, prompt, max_len, sampling, formats)
       self.log(f"Generation: {kind} for {rows} rows × {prompt} prompt tokens (cache {max_len}) is new"
                f" ({self.compiles} programs so far).")
     return self._programs[key]
@@ -133,12 +134,6 @@ class Generator:
     replicated = self._replicated()
     return jax.jit(run, out_shardings=None if cache_formats is None else (cache_formats, replicated, replicated,
                                                                           replicated))
-
-  @staticmethod
-  def _cache_formats(decode):
-    """The cache's format (sharding and layout) that ``decode`` (a compiled program, or a jitted one without a mesh)
-    takes."""
-    return decode.input_formats[0][1] if hasattr(decode, "input_formats") else None
 
   def _decode_program(self, rows: int, prompt: int, max_len: int, sampling: Sampling, ends: int):
     """The decode loop from new token ``start`` up to (not including) ``until``, or until every row is done.
