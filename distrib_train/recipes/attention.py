@@ -232,31 +232,26 @@ def _mla_decode(config, q, cached, state, visible, layer, **options):
   return jnp.einsum("bqhr,rhv->bqhv", out, w_kv[..., nope:])
 
 
-def _tensor(param_name: str, name: str, layout: str) -> tuple[str, str, str]:
-  return param_name, name, layout
-
-
 def _gqa_tensors(config, a: str) -> list[tuple[str, str, str]]:
-  out = [_tensor(ours, a + f"{theirs}_proj.weight", "heads_in") for ours, theirs in (("wq", "q"), ("wk", "k"),
-                                                                                    ("wv", "v"))]
-  out.append(_tensor("wo", a + "o_proj.weight", "heads_out"))
+  out = [(ours, a + f"{theirs}_proj.weight", "heads_in") for ours, theirs in (("wq", "q"), ("wk", "k"), ("wv", "v"))]
+  out.append(("wo", a + "o_proj.weight", "heads_out"))
   if config.attention_bias:
-    out += [_tensor(f"b{x}", a + f"{x}_proj.bias", "heads_vector") for x in "qkv"]
+    out += [(f"b{x}", a + f"{x}_proj.bias", "heads_vector") for x in "qkv"]
   if config.qk_norm:
-    out += [_tensor("q_norm", a + "q_norm.weight", "same"), _tensor("k_norm", a + "k_norm.weight", "same")]
+    out += [("q_norm", a + "q_norm.weight", "same"), ("k_norm", a + "k_norm.weight", "same")]
   return out
 
 
 def _mla_tensors(config, a: str) -> list[tuple[str, str, str]]:
-  out = [_tensor("wkv_a", a + "kv_a_proj_with_mqa.weight", "transposed"),
-         _tensor("kv_a_norm", a + "kv_a_layernorm.weight", "same"),
-         _tensor("wkv_b", a + "kv_b_proj.weight", "heads_in"),
-         _tensor("wo", a + "o_proj.weight", "heads_out")]
+  out = [("wkv_a", a + "kv_a_proj_with_mqa.weight", "transposed"),
+         ("kv_a_norm", a + "kv_a_layernorm.weight", "same"),
+         ("wkv_b", a + "kv_b_proj.weight", "heads_in"),
+         ("wo", a + "o_proj.weight", "heads_out")]
   if config.q_lora_rank:
-    out += [_tensor("wq_a", a + "q_a_proj.weight", "transposed"), _tensor("q_a_norm", a + "q_a_layernorm.weight", "same"),
-            _tensor("wq_b", a + "q_b_proj.weight", "heads_in")]
+    out += [("wq_a", a + "q_a_proj.weight", "transposed"), ("q_a_norm", a + "q_a_layernorm.weight", "same"),
+            ("wq_b", a + "q_b_proj.weight", "heads_in")]
   else:
-    out.append(_tensor("wq", a + "q_proj.weight", "heads_in"))
+    out.append(("wq", a + "q_proj.weight", "heads_in"))
   return out
 
 
