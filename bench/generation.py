@@ -66,7 +66,7 @@ def _decode_step_bytes(preset: str, batch: int, context: int) -> dict:
   from jax.sharding import NamedSharding, PartitionSpec
 
   from distrib_train.generation import cache as cache_lib
-  from distrib_train.podplan import tpu
+  from distrib_train.podplan import hlo, tpu
   from distrib_train.sharding.axis_rules import AxisRules, activation_sharding
   from distrib_train.sharding.mesh import MeshConfig
   from distrib_train.sharding.planner import MeshPlanner
@@ -104,20 +104,34 @@ def _decode_step_bytes(preset: str, batch: int, context: int) -> dict:
                               for x in jax.tree.leaves(tree))
   params = per_chip(state.params) + per_chip(state.model_without_params)
   weight_shapes = {tuple(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(state.params)}
-  hoisted = sum(c for shape, c in _param_copies(compiled.as_text()) if shape in weight_shapes)
-
-  engine = _engine_decode(state.model, mesh, rules, batch, context)
-  if os.environ.get("DT_BENCH_HLO"):
-    with open(f"{os.environ['DT_BENCH_HLO']}.{preset}.engine.hlo", "w") as f:
-      f.write(engine.pop("text"))
-  engine.pop("text", None)
+  computations, _ = hlo.parse_module(compiled.as_text())
+  instructions = [i for c in computations.values() for i in c.instructions]
+  # a weight laid out anew for its product (a copy of a parameter): loop-invariant in the engine's decode loop, which
+  # the compiler hoists out of its ``while``: once a call, not once a step
+  symbols = {i.name: i for i in instructions}
+  hoisted = sum(_estimated_cycles(i) for i in instructions if i.op == "copy" and i.operands
+                and getattr(symbols.get(i.operands[0]), "op", None) == "parameter"
+                and _dims(i.shape) in weight_shapes)
   return {"preset": preset, "batch": batch, "context": context, "param_bytes": params, "cache_bytes": per_chip(cache),
           "bytes_accessed": float(cost.get("bytes accessed", float("nan"))), "flops": float(cost.get("flops", 0.0)),
-          "temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "estimated_cycles": _cycles(compiled.as_text()),
-          "hoisted_cycles": hoisted, **engine}
+          "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+          "estimated_cycles": sum(_estimated_cycles(i) for i in instructions), "hoisted_cycles": hoisted,
+          **_engine_decode(preset, state.model, mesh, rules, batch, context)}
 
 
-def _engine_decode(model, mesh, rules, batch: int, context: int) -> dict:
+def _dims(shape: str) -> tuple[int, ...]:
+  from distrib_train.podplan import hlo
+
+  return tuple(int(d) for d in hlo.ARRAY.search(shape).group(2).split(",") if d)
+
+
+def _estimated_cycles(instruction) -> int:
+  """libtpu's estimate of an instruction's cycles, in its backend config (0 where it gives none)."""
+  found = re.search(r'"estimated_cycles":"(\d+)"', instruction.attrs)
+  return int(found.group(1)) if found else 0
+
+
+def _engine_decode(preset: str, model, mesh, rules, batch: int, context: int) -> dict:
   """The engine's own decode program (``Generator``: the ``while`` loop of steps over a scan of layers, the cache in
   the layout the compiler picks) for a cache of ``context`` tokens, half of them prompt: libtpu's estimated cycles a
   step (the step loop's body once, each nested loop's body by its trips) and a call (the rest: the entry's
@@ -127,32 +141,15 @@ def _engine_decode(model, mesh, rules, batch: int, context: int) -> dict:
   from distrib_train.podplan import hlo
 
   compiled = Generator(model, mesh=mesh, rules=rules)._decode_program(batch, context // 2, context, Sampling(), 1)
-  text = compiled.as_text()
-  computations, _ = hlo.parse_module(text)
+  if os.environ.get("DT_BENCH_HLO"):
+    with open(f"{os.environ['DT_BENCH_HLO']}.{preset}.engine.hlo", "w") as f:
+      f.write(compiled.as_text())
+  computations, _ = hlo.parse_module(compiled.as_text())
   times = hlo.multiplicities(computations)  # the step loop's trips are dynamic: counted once, so one step
-  own = {name: sum(int(c) for i in comp.instructions for c in re.findall(r'"estimated_cycles":"(\d+)"', i.attrs))
-         for name, comp in computations.items()}
-  entry = next(name for name, comp in computations.items() if comp.is_entry)
-  step = sum(times[name] * own[name] for name in computations if name != entry)
-  return {"engine_step_cycles": step, "engine_call_cycles": own[entry],
-          "engine_temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "text": text}
-
-
-def _cycles(text: str) -> int:
-  """The sum of libtpu's estimate of each fusion's cycles (in its backend config) over a compiled program."""
-  return sum(int(c) for c in re.findall(r'"estimated_cycles":"(\d+)"', text))
-
-
-def _param_copies(text: str) -> list[tuple[tuple[int, ...], int]]:
-  """Each copy of a program's parameter (a weight laid out anew for its product): its shape and estimated cycles.
-  In the engine's decode loop these are loop-invariant, and the compiler hoists them out of its ``while``: once a
-  call, not once a step."""
-  out = []
-  for line in text.splitlines():
-    m = re.search(r"= \w+\[([\d,]*)\]\S* copy\(%param[.\d]*\).*\"estimated_cycles\":\"(\d+)\"", line)
-    if m:
-      out.append((tuple(int(d) for d in m.group(1).split(",") if d), int(m.group(2))))
-  return out
+  own = {name: sum(_estimated_cycles(i) for i in c.instructions) for name, c in computations.items()}
+  entry = next(name for name, c in computations.items() if c.is_entry)
+  return {"engine_step_cycles": sum(times[name] * own[name] for name in computations if name != entry),
+          "engine_call_cycles": own[entry], "engine_temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
 
 
 def tpu_rows(args) -> list[dict]:
