@@ -57,10 +57,31 @@ def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, chu
   return join(out)
 
 
-def _target_logprobs(h: jax.Array, head: jax.Array, t: jax.Array, softcap: float) -> jax.Array:
+def chunked_scores(hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk_size: int,
+                   softcap: float = 0.0) -> tuple[jax.Array, jax.Array]:
+  """Each target's log-probability [batch, length] (float32) and whether it is the logits' argmax (the first
+  of equal maxima, as ``torch.argmax``), chunk by chunk as ``chunked_logprobs``: a scorer's figures (no
+  gradient; ``generation/scoring.py``)."""
+  split, join = _chunks(hidden, chunk_size)
+
+  def scores(carry, xs):
+    h, t = xs
+    logits = _logits(h, head, softcap)
+    target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+    greedy = jnp.argmax(logits, axis=-1) == t
+    return carry, (target_logit - jax.nn.logsumexp(logits, axis=-1), greedy)
+
+  _, (logprobs, greedy) = jax.lax.scan(scores, None, (split(hidden), split(targets)))
+  return join(logprobs), join(greedy)
+
+
+def _logits(h: jax.Array, head: jax.Array, softcap: float) -> jax.Array:
   logits = jnp.einsum("...d,dv->...v", h, head.astype(h.dtype)).astype(jnp.float32)
-  if softcap:
-    logits = softcap * jnp.tanh(logits / softcap)
+  return softcap * jnp.tanh(logits / softcap) if softcap else logits
+
+
+def _target_logprobs(h: jax.Array, head: jax.Array, t: jax.Array, softcap: float) -> jax.Array:
+  logits = _logits(h, head, softcap)
   target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
   return target_logit - jax.nn.logsumexp(logits, axis=-1)
 
