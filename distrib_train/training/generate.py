@@ -36,8 +36,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from distrib_train.training import run_model
 from distrib_train.training.generate_text import (Codec, end_ids, prompt_ids, read_prompts, truncate_at_stop,
                                                   codec_for)
+from distrib_train.training.run_model import fail
 
 
 def generate(init_from: str | None = None, prompts: Sequence[str | dict] = (), *, model: Any = None,
@@ -66,7 +68,6 @@ def generate(init_from: str | None = None, prompts: Sequence[str | dict] = (), *
   """
   from distrib_train.generation.engine import Generator
   from distrib_train.generation.sampling import Sampling
-  from distrib_train.training import run_model
 
   sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
   records = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
@@ -126,8 +127,6 @@ class _Streamer:
 
 def main(argv: Sequence[str]) -> int:
   parser = argparse.ArgumentParser(prog="distrib-train generate", description=__doc__.split("\n\n")[0])
-  parser.add_argument("--init_from", required=True, help="hf:<Hugging Face directory> or ckpt:<run directory>")
-  parser.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
   parser.add_argument("--prompts", help="a JSONL file of records with 'prompt' (text) or 'messages' (a chat)")
   parser.add_argument("--prompt", help="one text prompt; its answer is printed as it is generated")
   parser.add_argument("--out", help="the JSONL file of completions (with --prompts)")
@@ -140,14 +139,7 @@ def main(argv: Sequence[str]) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--stop", action="append", default=[], help="a string that ends a completion (repeatable)")
   parser.add_argument("--batch_size", type=int, default=64, help="rows decoded together")
-  parser.add_argument("--mesh_config", help="a mesh config's name or path (default: every device on fsdp)")
-  parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's or the run's)")
-  parser.add_argument("--set", action="append", default=[], dest="overrides",
-                      help="a config key: --set data.tokenizer=hf:DIR (repeatable)")
-  parser.add_argument("--cpu_devices", type=int, help="run on CPU, emulating this many devices per process")
-  parser.add_argument("--coordinator_address", help="host:port of process 0 (multi-process jobs)")
-  parser.add_argument("--num_processes", type=int)
-  parser.add_argument("--process_id", type=int)
+  run_model.add_flags(parser)
   args = parser.parse_args(list(argv))
   try:
     if bool(args.prompts) == bool(args.prompt):
@@ -165,18 +157,8 @@ def main(argv: Sequence[str]) -> int:
       raise ValueError("--max_new_tokens, --n and --batch_size must be at least 1.")
     overrides = config_lib.parse_overrides(args.overrides)
   except (ValueError, OSError) as e:
-    _fail(str(e))
-  from distrib_train.cluster import distributed
-
-  try:
-    distributed.initialize(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-                           process_id=args.process_id, cpu_devices=args.cpu_devices)
-  except ValueError as e:
-    _fail(str(e))
-  import jax
-
-  first = jax.process_index() == 0
-  say = (lambda line: print(line, file=sys.stderr, flush=True)) if first else None
+    fail(str(e))
+  first, say = run_model.start(args)
   on_text = (lambda piece: print(piece, end="", flush=True)) if args.prompt and first else None
   try:
     records = generate(args.init_from, prompts, step=args.step, max_new_tokens=args.max_new_tokens,
@@ -184,7 +166,7 @@ def main(argv: Sequence[str]) -> int:
                        n=args.n, seed=args.seed, stop=args.stop, mesh_config=args.mesh_config, dtype=args.dtype,
                        overrides=overrides, batch_size=args.batch_size, on_text=on_text, log=say)
   except ValueError as e:  # ConfigError, CheckpointError and HfCheckpointError are ValueErrors
-    _fail(str(e))
+    fail(str(e))
   if args.prompt:
     if first:
       print(flush=True)
@@ -197,8 +179,3 @@ def main(argv: Sequence[str]) -> int:
     os.replace(partial, args.out)
     print(f"wrote {len(records)} completions of {len(prompts)} prompts to {args.out}", file=sys.stderr)
   return 0
-
-
-def _fail(message: str) -> None:
-  print(f"distrib-train: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)

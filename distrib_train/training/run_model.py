@@ -206,3 +206,43 @@ def load(init_from: str | Source, *, step: int | None = None, mesh_config: str |
         state = init_lib.with_frozen(config, sources, plan.abstract_train_state, state)
     state = manager.restore(state, step, params_only=True)  # the model: params and local state
   return RunModel(config, state, plan, rules, init_from, step, hf_dir)
+
+
+def add_flags(parser: Any) -> None:
+  """The flags of a command that loads a model for use (``generate``, ``eval``): where the model is and the job
+  it runs in (``start``)."""
+  parser.add_argument("--init_from", required=True, help="hf:<Hugging Face directory> or ckpt:<run directory>")
+  parser.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
+  parser.add_argument("--mesh_config", help="a mesh config's name or path (default: every device on fsdp)")
+  parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's or the run's)")
+  parser.add_argument("--set", action="append", default=[], dest="overrides",
+                      help="a config key: --set data.tokenizer=hf:DIR (repeatable)")
+  parser.add_argument("--cpu_devices", type=int, help="run on CPU, emulating this many devices per process")
+  parser.add_argument("--coordinator_address", help="host:port of process 0 (multi-process jobs)")
+  parser.add_argument("--num_processes", type=int)
+  parser.add_argument("--process_id", type=int)
+
+
+def start(args: Any) -> tuple[bool, Any]:
+  """Joins the job ``add_flags``' flags describe (or emulates the devices), or refuses flags that name no job
+  (``fail``): whether this is process 0, and its way to say a line on stderr (None elsewhere)."""
+  import sys
+
+  from distrib_train.cluster import distributed
+
+  try:
+    distributed.initialize(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
+                           process_id=args.process_id, cpu_devices=args.cpu_devices)
+  except ValueError as e:
+    fail(str(e))
+  first = jax.process_index() == 0
+  return first, (lambda line: print(line, file=sys.stderr, flush=True)) if first else None
+
+
+def fail(message: str) -> None:
+  """One ``error:`` line and exit status 2: a command's refusal."""
+  import sys
+
+  print(f"distrib-train: error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
