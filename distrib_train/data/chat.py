@@ -81,9 +81,7 @@ class ChatTemplate:
     path = os.path.expanduser(tokenizer_path)
     directory = path if os.path.isdir(path) else os.path.dirname(path)
     config = _read_json(os.path.join(directory, "tokenizer_config.json"))
-    specials = _read_json(os.path.join(directory, "special_tokens_map.json"))
-    tokens = {name: text for name in _SPECIAL_NAMES
-              if (text := _token_text(config.get(name, specials.get(name)))) is not None}
+    tokens = special_tokens(tokenizer_path)
     if override:
       return cls(_read_text(override), override, tokens)
     jinja_file = os.path.join(directory, "chat_template.jinja")
@@ -101,6 +99,18 @@ class ChatTemplate:
       raise ValueError(f"{directory!r} has no chat template (neither chat_template.jinja nor a chat_template in"
                        " tokenizer_config.json); name a .jinja file in data.chat_template.")
     return cls(template, f"{where} (chat_template)", tokens)
+
+
+def special_tokens(tokenizer_path: str) -> dict[str, str]:
+  """The text of each special token (``bos_token``, ``eos_token``, …) the tokenizer at ``tokenizer_path`` (its
+  ``tokenizer.json`` or its directory) names in ``tokenizer_config.json`` or ``special_tokens_map.json``, as
+  transformers' tokenizer reads them."""
+  path = os.path.expanduser(tokenizer_path)
+  directory = path if os.path.isdir(path) else os.path.dirname(path)
+  config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+  specials = _read_json(os.path.join(directory, "special_tokens_map.json"))
+  return {name: text for name in _SPECIAL_NAMES
+          if (text := _token_text(config.get(name, specials.get(name)))) is not None}
 
 
 def _read_json(path: str) -> dict[str, Any]:
