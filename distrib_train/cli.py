@@ -183,7 +183,8 @@ def main(argv: Sequence[str]) -> None:
 
 def run() -> None:
   """The ``distrib-train`` console script; ``distrib-train plan ...`` is ``plan_cli``, ``distrib-train export
-  ...`` is ``training/export.py``, ``distrib-train generate ...`` is ``training/generate.py``."""
+  ...`` is ``training/export.py``, ``distrib-train generate ...`` is ``training/generate.py``, ``distrib-train
+  eval ...`` is ``training/eval_tasks.py``."""
   if len(sys.argv) > 1 and sys.argv[1] == "plan":
     from distrib_train.podplan import cli as plan_cli
 
@@ -192,6 +193,10 @@ def run() -> None:
     from distrib_train.training import generate
 
     sys.exit(generate.main(sys.argv[2:]))
+  if len(sys.argv) > 1 and sys.argv[1] == "eval":
+    from distrib_train.training import eval_tasks
+
+    sys.exit(eval_tasks.main(sys.argv[2:]))
   if len(sys.argv) > 1 and sys.argv[1] == "export":
     from distrib_train.training import export
 

@@ -27,6 +27,7 @@ EXTRAS = {
     "zstandard": "text",
     "datasets": "datasets",
     "penzai": "penzai",
+    "lm_eval": "eval",
 }
 
 
@@ -46,4 +47,5 @@ def require(module: str, feature: str) -> ModuleType:
     package = module.split(".")[0]
     extra = EXTRAS.get(package)
     fix = f"pip install 'distrib_train[{extra}]'" if extra else f"pip install {package}"
-    raise MissingPackageError(f"{feature} needs {package}: {fix}") from None
+    name = {"lm_eval": "lm-eval"}.get(package, package)
+    raise MissingPackageError(f"{feature} needs {name}: {fix}") from None
