@@ -77,6 +77,8 @@ class TrainConfig:
     log_every: steps per metrics line (and per host sync for metrics).
     eval_every: steps between evaluations (0: only at the end).
     eval_batches: batches per evaluation (0: the whole held-out split).
+    eval_tasks, eval_tasks_every, eval_include_path, eval_tasks_limit: lm-eval tasks the live model is scored
+      on every ``eval_tasks_every`` steps (0: at the end), more task YAMLs, documents per task (``eval_hook.py``).
     checkpoint_every: steps between checkpoints (0: only at the end).
     keep_checkpoints: newest checkpoints kept.
     local_checkpoint_every: steps between fast-tier checkpoints: every
@@ -136,6 +138,10 @@ class TrainConfig:
   log_every: int = 10
   eval_every: int = 0
   eval_batches: int = 0
+  eval_tasks: tuple[str, ...] = ()
+  eval_tasks_every: int = 0
+  eval_include_path: str = ""
+  eval_tasks_limit: float = 0.0
   checkpoint_every: int = 0
   keep_checkpoints: int = 3
   local_checkpoint_every: int = 0

@@ -45,8 +45,9 @@ def check_config(config: Any, training: bool = True) -> None:
               "layout_compiles"):
     if getattr(t, key) < 1:
       raise ConfigError(f"train.{key} must be at least 1, got {getattr(t, key)!r}.")
-  for key in ("eval_every", "eval_batches", "checkpoint_every", "local_checkpoint_every", "hang_timeout_s",
-              "hang_compile_timeout_s", "hang_checkpoint_timeout_s", "layout_timed_steps"):
+  for key in ("eval_every", "eval_batches", "eval_tasks_every", "eval_tasks_limit", "checkpoint_every",
+              "local_checkpoint_every", "hang_timeout_s", "hang_compile_timeout_s", "hang_checkpoint_timeout_s",
+              "layout_timed_steps"):
     if getattr(t, key) < 0:
       raise ConfigError(f"train.{key} must be 0 or more, got {getattr(t, key)!r}.")
   for key in ("hang_compile_timeout_s", "hang_checkpoint_timeout_s"):
@@ -71,6 +72,9 @@ def check_config(config: Any, training: bool = True) -> None:
     if not t.init_from:
       raise ConfigError(f"dpo.reference {config.dpo.reference} is the reference of a policy that starts from"
                         " trained weights: set train.init_from too (empty, the policy would start random).")
+  if t.eval_tasks and config.model.name not in ("llama", "moe"):
+    raise ConfigError(f"train.eval_tasks scores the reference decoders (model.name llama or moe), not"
+                      f" {config.model.name!r}.")
   if t.nonfinite not in NONFINITE_POLICIES:
     raise ConfigError(f"train.nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {t.nonfinite!r}.")
   if t.init_from:

@@ -20,12 +20,11 @@ writes its checkpoint shards)::
 
 The step is compiled ahead of the loop with the real shardings, so its memory analysis is known (and a GPU
 step that cannot fit refused) before the first step. The trainer then hands a ``TrainLoop`` (``loop.py``) the
-state and the step, with its periodic work as hooks (``hooks.py``: profile, log, checkpoint, evaluation)
-and the non-finite guard (``nonfinite.py``).
+state and the step, with its periodic work as hooks (``hooks.py``: profile, log, checkpoint, evaluation, task
+scores: ``eval_hook.py``) and the non-finite guard (``nonfinite.py``).
 
-Not for: parsing flags (``cli.py``), what a step computes
-(``train_step.py``), the step loop itself (``loop.py``) or the start-up
-refusals (``checks.py``).
+Not for: parsing flags (``cli.py``), what a step computes (``train_step.py``), the step loop itself
+(``loop.py``) or the start-up refusals (``checks.py``).
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ from distrib_train.training.checks import (TrainerSetupError, check_batch_is_spl
 from distrib_train.training.compilation import (CacheEvents, cache_unsafe_reason, memory_line,
                                                 setup_compilation_cache)
 from distrib_train.training.config import Config
-from distrib_train.training import evaluation, init_from, layout_choice, reference_pass
+from distrib_train.training import eval_hook, evaluation, init_from, layout_choice, reference_pass
 from distrib_train.training.goodput import Goodput, PhaseClock
 from distrib_train.training.hooks import Profiler
 from distrib_train.training.loop import RunResult, TrainLoop, aux_scalars
@@ -263,6 +262,7 @@ class Trainer:
       loader = DataLoader(self.data_config, plan.input_kwarg_shardings, vocab_size=self.vocab_size)
       no_eval = evaluation.missing_eval_split(self.data_config, plan.input_kwarg_shardings, self.vocab_size,
                                                t.eval_every)
+      eval_hook.check(self.config)  # train.eval_tasks: lm-eval there, each task known and local
       if jax.process_index() == 0:
         self.workdir.mkdir(parents=True, exist_ok=True)
       # Before anything else is written: a second job would delete the first's in-progress checkpoint.
@@ -392,6 +392,7 @@ class Trainer:
     if self.tiers.local is not None:
       loop.hooks.add_hook(save_local, every=t.local_checkpoint_every, pauses_clock=True)
     loop.hooks.add_hook(evaluate, every=t.eval_every, pauses_clock=True)
+    eval_hook.register(loop, self.config, plan, self.rules, self.writer, self.phases)  # train.eval_tasks
     self.goodput.register(loop.hooks, every=t.log_every, checkpoint_every=t.checkpoint_every)  # last: after the rest
 
   def _evaluate(self, step, state, plan, eval_step) -> float:
