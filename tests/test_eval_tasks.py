@@ -1,0 +1,155 @@
+"""Evaluation without a reference model: packed scoring against the sampler, ``distrib-train eval`` on a trained
+run (lm-eval's table, results JSON and samples), its refusals, and ``train.eval_tasks`` in a run.
+
+lm-eval's own ``hf`` model is the reference in ``test_eval_tasks_hf.py``
+(a Llama and a Qwen3-MoE on 8 devices, and 2 processes).
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("lm_eval", reason="distrib-train eval needs lm-eval: pip install 'distrib_train[eval]'")
+
+from distrib_train.generation.engine import Generator  # noqa: E402
+from distrib_train.generation.scoring import Scorer, pack  # noqa: E402
+
+import test_generation  # noqa: E402
+from test_bad_inputs import FAST, _env  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+trained_run = test_generation.trained_run  # the fixture: test_bad_inputs' 2-step tiny run
+
+
+def test_pack_fits_each_length_best_first_and_never_overlaps():
+  lengths = [7, 3, 5, 8, 2, 1, 6, 4]
+  placed = pack(lengths, 8)
+  rows: dict[int, list[tuple[int, int]]] = {}
+  for n, (row, at) in zip(lengths, placed):
+    rows.setdefault(row, []).append((at, at + n))
+  assert len(rows) == 5  # 36 tokens in rows of 8: the fewest that hold them
+  for spans in rows.values():
+    spans.sort()
+    assert spans[-1][1] <= 8 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("kind", ["llama", "moe"])
+def test_packed_scores_of_greedy_completions_are_the_samplers_on_8_devices(kind):
+  """The sampler's greedy completions, scored as continuations of their prompts, several to a row: each token
+  is the argmax (``is_greedy``) and its log-probability the sampler's; a changed last token is not greedy."""
+  model = test_generation._model(kind, {})
+  mesh, rules = test_generation._mesh(kind)
+  sharded = test_generation._sharded(model, mesh, rules)
+  prompts = test_generation._prompts(model.config.vocab_size, lengths=(5, 13, 2, 9, 4))
+  completions = Generator(sharded, mesh=mesh, rules=rules).generate(prompts, max_new_tokens=6)
+  scorer = Scorer(sharded, mesh=mesh, rules=rules)
+  sequences = [p + c.ids for p, c in zip(prompts, completions)]
+  changed = sequences[0][:-1] + [(sequences[0][-1] + 1) % model.config.vocab_size]
+  scores = scorer.score(sequences + [changed], [6] * 6, row_len=32, rows=1)
+  for score, completion in zip(scores, completions):
+    assert score.greedy
+    np.testing.assert_allclose(score.logprobs, completion.logprobs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(score.logprob, sum(completion.logprobs), rtol=1e-5)
+  assert not scores[-1].greedy
+  assert scorer.compiles == 1
+  assert len({row for row, _ in pack([len(s) - 1 for s in sequences + [changed]], 32)}) < 6  # several to a row
+
+
+def _eval(*args, env=None, timeout=300):
+  return subprocess.run([sys.executable, "-m", "distrib_train.cli", "eval", *map(str, args)], cwd=ROOT,
+                        env=env or _env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_prints_lm_evals_table_and_writes_its_results_and_samples(trained_run, tmp_path):
+  out = tmp_path / "results"
+  run = _eval("--init_from", f"ckpt:{trained_run}", "--tasks", "demo", "--limit", 4, "--output_path", out,
+              "--log_samples", "--cpu_devices", 8, "--batch_size", 2, "--max_length", 64)
+  assert run.returncode == 0, run.stderr[-3000:]
+  for name in ("demo_choice", "demo_perplexity", "demo_completion"):
+    assert name in run.stdout
+  assert "acc_norm" in run.stdout and "word_perplexity" in run.stdout and "exact_match" in run.stdout
+  (folder,) = out.iterdir()
+  (results,) = folder.glob("results_*.json")
+  data = json.loads(results.read_text())
+  assert data["results"]["demo_choice"]["sample_len"] == 4
+  assert 0 <= data["results"]["demo_choice"]["acc,none"] <= 1
+  assert data["results"]["demo_perplexity"]["bits_per_byte,none"] > 0
+  samples = sorted(p.name.split("_2")[0] for p in folder.glob("samples_*.jsonl"))
+  assert samples == ["samples_demo_choice", "samples_demo_completion", "samples_demo_perplexity"]
+  choice = [json.loads(line) for line in next(folder.glob("samples_demo_choice_*.jsonl")).read_text().splitlines()]
+  assert len(choice) == 4 and all(len(s["resps"]) == 4 for s in choice)  # four choices, each scored
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "remote_task"], "task remote_task: its data (dataset_path: some_org/some_data) would be"
+                                 " downloaded, and eval runs offline"),
+    (["--tasks", "missing_file"], "task missing_file: its data file 'nowhere/test.jsonl' does not exist"),
+    (["--tasks", "demo", "--log_samples"], "--log_samples needs --output_path"),
+])
+def test_cli_refuses_in_one_line_before_reading_the_model(trained_run, tmp_path, args, message):
+  tasks = tmp_path / "tasks"
+  tasks.mkdir()
+  (tasks / "remote.yaml").write_text("task: remote_task\ndataset_path: some_org/some_data\noutput_type:"
+                                     " loglikelihood_rolling\ntest_split: test\ndoc_to_text: ''\ndoc_to_target: x\n")
+  (tasks / "missing.yaml").write_text("task: missing_file\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                      "    test: nowhere/test.jsonl\noutput_type: loglikelihood_rolling\n"
+                                      "test_split: test\ndoc_to_text: ''\ndoc_to_target: x\n")
+  run = _eval("--init_from", f"ckpt:{trained_run}", "--include_path", tasks, *args, "--output_path",
+              tmp_path / "out", "--cpu_devices", 8) if "--log_samples" not in args else \
+      _eval("--init_from", f"ckpt:{trained_run}", *args, "--cpu_devices", 8)
+  assert run.returncode == 2
+  (line,) = [line for line in run.stderr.splitlines() if line.startswith("distrib-train: error:")]
+  assert message in line
+  assert not (tmp_path / "out").exists()
+
+
+def test_cli_without_lm_eval_names_the_extra(trained_run):
+  run = _eval("--init_from", f"ckpt:{trained_run}", "--tasks", "demo", env=_env(hide=("lm_eval",)))
+  assert run.returncode == 2
+  assert "distrib-train eval needs lm-eval: pip install 'distrib_train[eval]'" in run.stderr
+
+
+def test_a_run_logs_task_scores_and_their_time_as_it_goes(tmp_path, xla_cache):
+  workdir = tmp_path / "run"
+  cmd = [sys.executable, "-m", "distrib_train", "--config", "tiny", "--workdir", str(workdir), *FAST,
+         "--steps", "4", "--set", "data.seq_len=64", "--set", "train.eval_tasks=demo_choice,demo_perplexity", "--set", "train.eval_tasks_every=2",
+         "--set", "train.eval_tasks_limit=3", "--set", f"train.compilation_cache_dir={xla_cache}"]
+  run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  scored = [r for r in records if "eval/demo_choice/acc" in r]
+  assert [r["step"] for r in scored] == [2, 4]
+  for r in scored:
+    assert set(r) >= {"eval/demo_choice/acc", "eval/demo_choice/acc_norm", "eval/demo_perplexity/word_perplexity",
+                      "eval/demo_perplexity/byte_perplexity", "eval/demo_perplexity/bits_per_byte"}
+  goodput = json.loads((workdir / "goodput.json").read_text())
+  assert goodput["runs"][-1]["seconds"]["eval_tasks"] > 0
+
+
+def test_a_run_with_a_task_it_cannot_read_stops_before_writing(tmp_path):
+  tasks = tmp_path / "tasks"
+  tasks.mkdir()
+  (tasks / "remote.yaml").write_text("task: remote_task\ndataset_path: some_org/some_data\noutput_type:"
+                                     " loglikelihood_rolling\ntest_split: test\ndoc_to_text: ''\ndoc_to_target: x\n")
+  workdir = tmp_path / "run"
+  run = subprocess.run([sys.executable, "-m", "distrib_train", "--config", "tiny", "--workdir", str(workdir), *FAST,
+                        "--set", "train.eval_tasks=demo_choice,remote_task", "--set",
+                        f"train.eval_include_path={tasks}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+  assert run.returncode == 2
+  assert "task remote_task: its data (dataset_path: some_org/some_data) would be downloaded" in run.stderr
+  assert not workdir.exists()
+
+
+def test_demo_tasks_are_built_from_held_out_text():
+  from distrib_train.training import demo_tasks
+
+  choice = list(demo_tasks.choice()["test"])
+  assert len(choice) >= 20 and all(len(d["choices"]) == 4 and 0 <= d["label"] < 4 for d in choice)
+  assert len({d["label"] for d in choice}) > 1
+  completion = list(demo_tasks.completion()["test"])
+  assert all(d["context"].endswith(" ") and d["answer"].isalpha() for d in completion)
