@@ -75,16 +75,17 @@ def write_tasks(directory: pathlib.Path, documents: int = 12) -> pathlib.Path:
   return directory
 
 
-def save_model(family: str, directory: pathlib.Path):
-  """``test_hf``'s tiny ``family`` (fp32, random weights, ``CONTEXT`` positions) with a byte-level BPE of 480
-  ids whose BOS the tokenizer adds (a Llama 3 tokenizer's habit), saved together: the transformers model."""
+def save_model(family: str, directory: pathlib.Path, context: int = CONTEXT, **changes):
+  """``test_hf``'s tiny ``family`` (fp32, random weights, ``context`` positions; ``changes``: other config
+  fields) with a byte-level BPE of 472 ids whose BOS the tokenizer adds (a Llama 3 tokenizer's habit), saved
+  together: the transformers model."""
   import test_hf
   import tokenizers
   from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
   from distrib_train.training import demo_tasks
 
-  reference = test_hf._save(family, directory, vocab_size=512, max_position_embeddings=CONTEXT)
+  reference = test_hf._save(family, directory, vocab_size=512, max_position_embeddings=context, **changes)
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
@@ -96,7 +97,7 @@ def save_model(family: str, directory: pathlib.Path):
   tok.save(str(directory / "tokenizer.json"))
   (directory / "tokenizer_config.json").write_text(json.dumps({
       "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
-      "model_max_length": CONTEXT}))
+      "model_max_length": context}))
   eos_id = tok.token_to_id(eos)
   for name in ("config.json", "generation_config.json"):
     path = directory / name

@@ -27,14 +27,17 @@ trained_run = test_generation.trained_run  # the fixture: test_bad_inputs' 2-ste
 
 def test_pack_fits_each_length_best_first_and_never_overlaps():
   lengths = [7, 3, 5, 8, 2, 1, 6, 4]
-  placed = pack(lengths, 8)
-  rows: dict[int, list[tuple[int, int]]] = {}
-  for n, (row, at) in zip(lengths, placed):
-    rows.setdefault(row, []).append((at, at + n))
-  assert len(rows) == 5  # 36 tokens in rows of 8: the fewest that hold them
-  for spans in rows.values():
-    spans.sort()
-    assert spans[-1][1] <= 8 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+  for shortest in (0, 2):
+    placed, sizes = pack(lengths, 8, shortest)
+    rows: dict[int, list[tuple[int, int]]] = {}
+    for n, (row, at) in zip(lengths, placed):
+      rows.setdefault(row, []).append((at, at + n))
+    assert sum(sizes) < 8 * 6  # 36 tokens: few rows, little padding
+    for row, spans in rows.items():
+      spans.sort()
+      assert spans[-1][1] <= sizes[row] and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+  assert pack(lengths, 8)[1] == [8] * 5  # without ``shortest``, every row is the longest: the fewest rows
+  assert sorted(pack([3, 3, 15], 16, 4)[1]) == [4, 4, 16]  # short rows for what the long one cannot hold
 
 
 @pytest.mark.parametrize("kind", ["llama", "moe"])
@@ -48,15 +51,15 @@ def test_packed_scores_of_greedy_completions_are_the_samplers_on_8_devices(kind)
   completions = Generator(sharded, mesh=mesh, rules=rules).generate(prompts, max_new_tokens=6)
   scorer = Scorer(sharded, mesh=mesh, rules=rules)
   sequences = [p + c.ids for p, c in zip(prompts, completions)]
-  changed = sequences[0][:-1] + [(sequences[0][-1] + 1) % model.config.vocab_size]
-  scores = scorer.score(sequences + [changed], [6] * 6, row_len=32, rows=1)
+  changed = sequences[0][:-1] + [(sequences[0][-1] + 1) % model.config.vocab_size]  # the same prefix
+  scores = scorer.score(sequences + [changed], [6] * 6, row_len=32, rows=1, shortest=16)
   for score, completion in zip(scores, completions):
     assert score.greedy
     np.testing.assert_allclose(score.logprobs, completion.logprobs, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(score.logprob, sum(completion.logprobs), rtol=1e-5)
-  assert not scores[-1].greedy
-  assert scorer.compiles == 1
-  assert len({row for row, _ in pack([len(s) - 1 for s in sequences + [changed]], 32)}) < 6  # several to a row
+  assert not scores[-1].greedy and scores[-1].logprobs[:5] == scores[0].logprobs[:5]
+  assert scores[-1].logprobs[5] < scores[0].logprobs[5]
+  assert scorer.compiles == 2  # rows of 16 and of 32 tokens
 
 
 def _eval(*args, env=None, timeout=300):

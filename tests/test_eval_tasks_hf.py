@@ -100,3 +100,21 @@ def test_two_processes_give_lm_evals_hf_answers(tmp_path):
   for r in results:
     answers = r.result["answers"]
     _assert_same(r.result["metrics"], answers, their_metrics, their_answers)
+
+
+def test_the_bench_times_both_models_on_the_same_requests(tmp_path):
+  """``bench/evaluation.py --smoke``: requests/s of both, for both kinds of request, and the same answers."""
+  import json
+  import subprocess
+  import sys
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run([sys.executable, "bench/evaluation.py", "--smoke", "--json", str(tmp_path / "r.json")],
+                       cwd=root, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  rows = json.loads((tmp_path / "r.json").read_text())
+  assert [row["kind"] for row in rows] == ["words", "letters"]
+  for row in rows:
+    assert row["same_answers"] and row["ours_requests_per_s"] > 0 and row["hf_requests_per_s"] > 0
+  assert "the same answers: True" in out.stdout

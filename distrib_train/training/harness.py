@@ -9,9 +9,10 @@ model does, on the same token ids:
   encodes it (the whole text, then the context; trailing spaces of the
   context moved to the continuation; an empty context becomes the prefix
   token), cut to the last ``max_length + 1`` tokens; every request of a call
-  packed into rows with segment ids (``generation/scoring.py``), so no
-  padding is computed; ``is_greedy`` from the argmax at each continuation
-  token.
+  packed into rows with segment ids (``generation/scoring.py``), so little
+  padding is computed, and requests that differ only in their last token (a
+  question's answer letters) computed once; ``is_greedy`` from the argmax at
+  each continuation token.
 - ``loglikelihood_rolling((text,))``: the text in windows of ``max_length``
   tokens, as ``lm_eval.utils.get_rolling_token_windows`` cuts them (the
   prefix token first), each token scored once; the windows of all requests
@@ -51,7 +52,8 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
 SAMPLING_SEED = 1234  # do_sample's seed: lm-eval passes none
-_ROW_CAP = 2048  # a row's tokens where max_length is longer and the requests shorter
+_ROW_TOKENS = 0  # a row's tokens where max_length is longer and the requests shorter
+_SHORTEST_ROW = 64  # the shortest packed row (shorter sequences share it)
 
 
 class HarnessLM(TemplateLM):
@@ -174,7 +176,7 @@ class HarnessLM(TemplateLM):
   # --- the three requests ---------------------------------------------------------------------------
 
   def _row_len(self, longest: int) -> int:
-    target = max(longest, min(self._max_length, _ROW_CAP))
+    target = max(longest, min(self._max_length, _ROW_TOKENS))
     return max(16, 1 << max(0, target - 1).bit_length())
 
   def _score(self, pairs: Sequence[tuple[list[int], list[int]]]):
@@ -189,7 +191,7 @@ class HarnessLM(TemplateLM):
     if not sequences:
       return []
     row_len = self._row_len(max(len(s) - 1 for s in sequences))
-    return self.scorer.score(sequences, scored, row_len=row_len, rows=self._batch_size)
+    return self.scorer.score(sequences, scored, row_len=row_len, rows=self._batch_size, shortest=_SHORTEST_ROW)
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
     scores = self._score([(list(context), list(continuation)) for _, context, continuation in requests])
