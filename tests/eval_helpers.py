@@ -10,6 +10,10 @@ import pathlib
 
 CONTEXT = 64  # the model's max_position_embeddings: lm-eval's max_length, so long texts roll over windows
 TASKS = ("local_choice", "local_perplexity", "local_completion")
+# A Llama 3 style template (its headers plain text here: the BPE knows no such tokens).
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<{{ message['role'] }}>\n{{ message['content'] | trim }}"
+                 "{% if not loop.last or add_generation_prompt %}\n{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>\n{% endif %}")
 _YAML = {
     "local_choice": """task: local_choice
 dataset_path: json
@@ -97,7 +101,7 @@ def save_model(family: str, directory: pathlib.Path, context: int = CONTEXT, **c
   tok.save(str(directory / "tokenizer.json"))
   (directory / "tokenizer_config.json").write_text(json.dumps({
       "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
-      "model_max_length": context}))
+      "model_max_length": context, "chat_template": CHAT_TEMPLATE}))
   eos_id = tok.token_to_id(eos)
   for name in ("config.json", "generation_config.json"):
     path = directory / name

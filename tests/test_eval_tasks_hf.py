@@ -38,26 +38,25 @@ from distrib_train.training.harness import HarnessLM
 pytestmark = pytest.mark.compat
 
 
-def _theirs(hf_dir, tasks_dir):
+def _theirs(hf_dir, tasks_dir, tasks=eval_helpers.TASKS, **options):
   eval_tasks.offline()
   results = lm_eval.simple_evaluate(
       model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32", "device": "cpu"},
-      tasks=list(eval_helpers.TASKS), task_manager=eval_tasks.task_manager([str(tasks_dir)]), log_samples=True,
-      batch_size=4, bootstrap_iters=0)
-  return eval_tasks.scores(results), _answers(results)
+      tasks=list(tasks), task_manager=eval_tasks.task_manager([str(tasks_dir)]), log_samples=True,
+      batch_size=4, bootstrap_iters=0, **options)
+  return eval_tasks.scores(results), _answers(results, tasks)
 
 
-def _answers(results):
-  return {task: [s["resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
-          for task in eval_helpers.TASKS}
+def _answers(results, tasks=eval_helpers.TASKS):
+  return {task: [s["resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])] for task in tasks}
 
 
-def _assert_same(ours_metrics, ours_answers, their_metrics, their_answers):
+def _assert_same(ours_metrics, ours_answers, their_metrics, their_answers, tasks=eval_helpers.TASKS):
   assert set(ours_metrics) == set(their_metrics)
   for key, value in their_metrics.items():
     np.testing.assert_allclose(ours_metrics[key], value, rtol=1e-5, err_msg=key)
   generated = 0
-  for task in eval_helpers.TASKS:
+  for task in tasks:
     assert len(ours_answers[task]) == len(their_answers[task]) > 0
     for ours, theirs in zip(ours_answers[task], their_answers[task]):
       for (a,), (b,) in zip(ours, theirs, strict=True):  # each request's one answer
@@ -83,6 +82,21 @@ def test_every_metric_and_sample_is_lm_evals_hf_models_on_8_devices(family, tmp_
   assert lm.max_length == eval_helpers.CONTEXT
   assert lm.scorer.compiles <= 2  # the rows of every call share a program (one row length per request kind)
   _assert_same(eval_tasks.scores(ours), _answers(ours), *_theirs(tmp_path / "hf", tasks))
+
+
+def test_chat_template_and_few_shot_turns_give_lm_evals_hf_answers(tmp_path):
+  """``--apply_chat_template --fewshot_as_multiturn --num_fewshot 2``: the same prompts (the model's chat template,
+  two examples as turns) and so the same answers."""
+  eval_helpers.save_model("llama", tmp_path / "hf")
+  tasks_dir = eval_helpers.write_tasks(tmp_path / "tasks")
+  tasks = ("local_choice", "local_completion")
+  options = dict(num_fewshot=2, apply_chat_template=True, fewshot_as_multiturn=True)
+  ours = eval_tasks.evaluate(HarnessLM.load(f"hf:{tmp_path / 'hf'}", mesh_config="cpu-8", batch_size=4), tasks,
+                             include_path=[str(tasks_dir)], log_samples=True, bootstrap_iters=0, **options)
+  prompt = sorted(ours["samples"]["local_choice"], key=lambda s: s["doc_id"])[0]["arguments"][0][0]
+  assert prompt.startswith("<|begin_of_text|><user>\n") and prompt.count("<assistant>") == 3
+  _assert_same(eval_tasks.scores(ours), _answers(ours, tasks), *_theirs(tmp_path / "hf", tasks_dir, tasks, **options),
+               tasks)
 
 
 def test_two_processes_give_lm_evals_hf_answers(tmp_path):
