@@ -2,8 +2,9 @@
 
 Run from the repository root (needs ``pip install 'lm-eval[hf]'`` and PyTorch's CPU build):
 
-  python bench/evaluation.py             # the rows of bench/RESULTS.md
-  python bench/evaluation.py --smoke     # a small run (tests/test_eval_tasks_hf.py)
+  python bench/evaluation.py                          # the rows of bench/RESULTS.md (CPU)
+  python bench/evaluation.py --device cuda --rows 64  # both models on a GPU
+  python bench/evaluation.py --smoke                  # a small run (tests/test_eval_tasks_hf.py)
 
 A random Llama (``--d_model``, ``--layers``, 8 heads, 2 kv heads, a 512-id
 vocabulary, fp32, 512 positions) with a byte-level BPE, saved by
@@ -14,7 +15,7 @@ four continuations of 1 to 8 words — ``4 × docs`` ``(context,
 continuation)`` pairs of 10 to 130 tokens. Both models answer the same
 list through ``loglikelihood`` (tokenizing included) on the same
 ``--threads``: ours from the directory as ``distrib-train eval --init_from
-hf:`` reads it, one CPU device, ``--rows`` packed rows of up to 512 tokens a
+hf:`` reads it, one device, ``--rows`` packed rows of up to 512 tokens a
 call; lm-eval's ``HFLM`` at ``--batch_size``. The first call of each
 (compiles, warm-up) is not timed; then the median of ``--repeats``. The
 answers are checked equal (1e-4).
@@ -79,13 +80,16 @@ def main(argv=None) -> int:
   parser.add_argument("--rows", type=int, default=8, help="ours: packed rows per forward call")
   parser.add_argument("--batch_size", type=int, default=32, help="lm-eval's hf model: requests per forward call")
   parser.add_argument("--threads", type=int, default=os.cpu_count())
+  parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                      help="cuda: both on the GPU (ours on jax's default backend, the hf model on cuda)")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--smoke", action="store_true", help="a small, quick run")
   parser.add_argument("--json", help="write the row here")
   args = parser.parse_args(argv)
   if args.smoke:
     args.d_model, args.layers, args.docs, args.repeats = 64, 2, 8, 1
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if args.device == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["TOKENIZERS_PARALLELISM"] = "false"
   import logging
 
@@ -106,7 +110,7 @@ def main(argv=None) -> int:
                           num_attention_heads=8, num_key_value_heads=2, head_dim=args.d_model // 8,
                           intermediate_size=4 * args.d_model)
   ours_lm = HarnessLM.load(f"hf:{directory}", batch_size=args.rows)
-  theirs_lm = HFLM(pretrained=str(directory), dtype="float32", device="cpu", batch_size=args.batch_size)
+  theirs_lm = HFLM(pretrained=str(directory), dtype="float32", device=args.device, batch_size=args.batch_size)
   rows = []
   for kind in ("words", "letters"):
     requests = _requests(args.docs, kind)
@@ -121,7 +125,7 @@ def main(argv=None) -> int:
            "hf_requests_per_s": len(requests) / theirs_s, "ratio": theirs_s / ours_s, "same_answers": same,
            "packed_rows": _rows(ours_lm, requests)}
     rows.append(row)
-    print(f"CPU, {args.threads} threads, d {args.d_model} × {args.layers} layers, {len(requests)} log-likelihood"
+    print(f"{args.device.upper()}, {args.threads} threads, d {args.d_model} × {args.layers} layers, {len(requests)} log-likelihood"
           f" requests ({kind}) of {row['tokens_min']}-{row['tokens_max']} tokens (mean {row['tokens_mean']:.0f}):"
           f" distrib_train {row['ours_requests_per_s']:,.1f} requests/s ({row['packed_rows']}),"
           f" lm-eval's hf model {row['hf_requests_per_s']:,.1f} requests/s (batch {args.batch_size}):"
