@@ -4,7 +4,7 @@ Run from the repository root (needs ``pip install 'lm-eval[hf]'`` and PyTorch's 
 
   python bench/evaluation.py                          # the rows of bench/RESULTS.md (CPU)
   python bench/evaluation.py --device cuda --rows 64  # both models on a GPU
-  python bench/evaluation.py --smoke                  # a small run (tests/test_eval_tasks_hf.py)
+  python bench/evaluation.py --smoke                  # a small, quick run
 
 A random Llama (``--d_model``, ``--layers``, 8 heads, 2 kv heads, a 512-id
 vocabulary, fp32, 512 positions) with a byte-level BPE, saved by

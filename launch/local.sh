@@ -52,7 +52,7 @@ fi
 start=$(date +%s)
 if (( DRY_RUN )); then
   if [[ ! -x "$VENV/bin/python" ]]; then printf '%q ' python3 -m venv "$VENV"; echo; fi
-  printf '%q ' "$VENV/bin/pip" install -e "${ROOT}[eval]"; echo
+  printf '%q ' "$VENV/bin/pip" install -e "$ROOT"; echo
   for ((i = 0; i < NPROC; i++)); do
     cmd=("$VENV/bin/python" -m distrib_train --config "$CONFIG" --mesh_config "$MESH_CONFIG"
          --workdir "$WORKDIR" --cpu_devices "$DEVICES" "$@")
@@ -67,11 +67,10 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   echo "Creating a virtualenv in $VENV"
   python3 -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import distrib_train, grain, tensorboardX, lm_eval" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import distrib_train, grain, tensorboardX" 2>/dev/null; then
   echo "Installing distrib_train into $VENV"
   "$VENV/bin/pip" install --quiet --upgrade pip
-  # The eval extra (lm-eval): `distrib-train eval` scores the demo run on its tasks.
-  "$VENV/bin/pip" install --quiet -e "${ROOT}[eval]"
+  "$VENV/bin/pip" install --quiet -e "$ROOT"
 fi
 echo "Environment ready in $(( $(date +%s) - start )) s"
 if (( INSTALL_ONLY )); then exit 0; fi

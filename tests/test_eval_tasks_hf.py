@@ -10,7 +10,8 @@ expert 4) and, for the Llama, in 2 processes × 4 devices; lm-eval's ``hf``
 model reads the same directory. Every metric (``acc``, ``acc_norm``,
 ``word_perplexity``, ``byte_perplexity``, ``bits_per_byte``,
 ``exact_match``) and every sample's answer must match: log-likelihoods to
-1e-4, ``is_greedy`` and generated texts exactly.
+1e-4, ``is_greedy`` and generated texts exactly — also with the chat template and few-shot turns.
+(``bench/evaluation.py`` times both on the same requests and checks their answers equal.)
 """
 
 import importlib
@@ -73,6 +74,8 @@ def _assert_same(ours_metrics, ours_answers, their_metrics, their_answers, tasks
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_every_metric_and_sample_is_lm_evals_hf_models_on_8_devices(family, tmp_path):
+  """The three tasks; for the Llama also ``--apply_chat_template --fewshot_as_multiturn --num_fewshot 2`` on two of
+  them: the same prompts (the model's chat template, two examples as turns), so the same answers."""
   eval_helpers.save_model(family, tmp_path / "hf")
   tasks = eval_helpers.write_tasks(tmp_path / "tasks")
   mesh = "cpu-8-expert" if family == "qwen3_moe" else "cpu-8"
@@ -82,21 +85,16 @@ def test_every_metric_and_sample_is_lm_evals_hf_models_on_8_devices(family, tmp_
   assert lm.max_length == eval_helpers.CONTEXT
   assert lm.scorer.compiles <= 2  # the rows of every call share a program (one row length per request kind)
   _assert_same(eval_tasks.scores(ours), _answers(ours), *_theirs(tmp_path / "hf", tasks))
-
-
-def test_chat_template_and_few_shot_turns_give_lm_evals_hf_answers(tmp_path):
-  """``--apply_chat_template --fewshot_as_multiturn --num_fewshot 2``: the same prompts (the model's chat template,
-  two examples as turns) and so the same answers."""
-  eval_helpers.save_model("llama", tmp_path / "hf")
-  tasks_dir = eval_helpers.write_tasks(tmp_path / "tasks")
-  tasks = ("local_choice", "local_completion")
+  if family != "llama":
+    return
+  chat_tasks = ("local_choice", "local_completion")
   options = dict(num_fewshot=2, apply_chat_template=True, fewshot_as_multiturn=True)
-  ours = eval_tasks.evaluate(HarnessLM.load(f"hf:{tmp_path / 'hf'}", mesh_config="cpu-8", batch_size=4), tasks,
-                             include_path=[str(tasks_dir)], log_samples=True, bootstrap_iters=0, **options)
+  ours = eval_tasks.evaluate(lm, chat_tasks, include_path=[str(tasks)], log_samples=True, bootstrap_iters=0,
+                             **options)
   prompt = sorted(ours["samples"]["local_choice"], key=lambda s: s["doc_id"])[0]["arguments"][0][0]
   assert prompt.startswith("<|begin_of_text|><user>\n") and prompt.count("<assistant>") == 3
-  _assert_same(eval_tasks.scores(ours), _answers(ours, tasks), *_theirs(tmp_path / "hf", tasks_dir, tasks, **options),
-               tasks)
+  _assert_same(eval_tasks.scores(ours), _answers(ours, chat_tasks),
+               *_theirs(tmp_path / "hf", tasks, chat_tasks, **options), chat_tasks)
 
 
 def test_two_processes_give_lm_evals_hf_answers(tmp_path):
@@ -115,20 +113,3 @@ def test_two_processes_give_lm_evals_hf_answers(tmp_path):
     answers = r.result["answers"]
     _assert_same(r.result["metrics"], answers, their_metrics, their_answers)
 
-
-def test_the_bench_times_both_models_on_the_same_requests(tmp_path):
-  """``bench/evaluation.py --smoke``: requests/s of both, for both kinds of request, and the same answers."""
-  import json
-  import subprocess
-  import sys
-
-  root = pathlib.Path(__file__).resolve().parents[1]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  out = subprocess.run([sys.executable, "bench/evaluation.py", "--smoke", "--json", str(tmp_path / "r.json")],
-                       cwd=root, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
-  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-  rows = json.loads((tmp_path / "r.json").read_text())
-  assert [row["kind"] for row in rows] == ["words", "letters"]
-  for row in rows:
-    assert row["same_answers"] and row["ours_requests_per_s"] > 0 and row["hf_requests_per_s"] > 0
-  assert "the same answers: True" in out.stdout
