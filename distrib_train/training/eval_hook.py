@@ -49,7 +49,6 @@ def register(loop: Any, config: Any, plan: Any, rules: Any, writer: Any, phases:
   def score(loop: Any) -> None:
     from distrib_train.recipes import objectives
     from distrib_train.training import eval_tasks
-    from distrib_train.training.generate_text import codec_for
 
     with phases.phase("eval_tasks"):
       model = objectives.policy_of(loop.state.model)
@@ -58,9 +57,7 @@ def register(loop: Any, config: Any, plan: Any, rules: Any, writer: Any, phases:
         from distrib_train.training.run_model import RunModel
 
         source = t.init_from[3:] if t.init_from.startswith("hf:") else None
-        live = RunModel(config, loop.state, plan, rules, "live", loop.step, source)
-        codec = codec_for(live)
-        scorer["lm"] = HarnessLM(live, codec=codec)
+        scorer["lm"] = HarnessLM(RunModel(config, loop.state, plan, rules, "live", loop.step, source))
         include = [t.eval_include_path] if t.eval_include_path else []
         scorer["manager"], scorer["include"] = eval_tasks.task_manager(include), include
       lm = scorer["lm"]

@@ -52,7 +52,6 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
 SAMPLING_SEED = 1234  # do_sample's seed: lm-eval passes none
-_ROW_TOKENS = 0  # a row's tokens where max_length is longer and the requests shorter
 _SHORTEST_ROW = 64  # the shortest packed row (shorter sequences share it)
 
 
@@ -176,8 +175,10 @@ class HarnessLM(TemplateLM):
   # --- the three requests ---------------------------------------------------------------------------
 
   def _row_len(self, longest: int) -> int:
-    target = max(longest, min(self._max_length, _ROW_TOKENS))
-    return max(16, 1 << max(0, target - 1).bit_length())
+    """The longest packed row: the longest sequence's power of two (rows shorter than it: ``scoring.pack``)."""
+    from distrib_train.generation.engine import bucket
+
+    return bucket(longest)
 
   def _score(self, pairs: Sequence[tuple[list[int], list[int]]]):
     """Scores of ``(context ids, continuation ids)`` pairs, each cut as the ``hf`` model cuts it."""
