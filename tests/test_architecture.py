@@ -20,6 +20,7 @@ LAYERS = (
     ("sharding",),
     ("kernels", "parallel"),
     ("recipes",),
+    ("objectives",),
     ("generation",),
     ("checkpoint", "data", "cluster"),
     ("training",),

@@ -16,7 +16,7 @@ import distrib_train as dt  # noqa: E402
 from distrib_train import data  # noqa: E402
 from distrib_train.data.chat import CHATML, ChatEncoder, ChatTemplate, Utf8Bytes  # noqa: E402
 from distrib_train.data.preference import encode_pair  # noqa: E402
-from distrib_train.recipes import objectives  # noqa: E402
+from distrib_train.objectives import dpo as objectives  # noqa: E402
 from distrib_train.training import config as config_lib  # noqa: E402
 from distrib_train.training import job as job_lib  # noqa: E402
 

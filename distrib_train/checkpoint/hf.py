@@ -40,13 +40,13 @@ from distrib_train.recipes import decoder, hf_tables
 # config.json ↔ the reference models' config is read and written in recipes/hf_shape.py; public here too.
 from distrib_train.recipes.hf_shape import FAMILIES, MOE_FAMILIES, HfCheckpointError, hf_config  # noqa: F401
 from distrib_train.recipes.hf_shape import is_moe, llama_config  # noqa: F401
-from distrib_train.recipes.objectives import ROLES
+from distrib_train.objectives.dpo import ROLES
 
 
 def _path_keys(path) -> tuple[str, ...]:
   """``("layers", "wq")`` for a param's pytree path (nnx's trailing ``value`` dropped, and the leading indices of
   a tuple of trees or of the frozen weights' adapter: a weight is named the same trained or frozen; and a
-  preference model's ``policy`` or ``reference``, ``recipes/objectives.py``: both are the same model)."""
+  preference model's ``policy`` or ``reference``, ``objectives/dpo.py``: both are the same model)."""
   path = list(path)
   while path and isinstance(path[0], (jax.tree_util.SequenceKey, jax.tree_util.FlattenedIndexKey)):
     path.pop(0)

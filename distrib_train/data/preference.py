@@ -21,14 +21,14 @@ packed whole into one row, never split.
 A pair longer than ``seq_len + 1`` tokens is left out
 (``data.long_conversations: drop``) or has each half cut to its share of
 the row (``truncate``); a half cut before its completion is then not
-scored, and the objective leaves that pair out (``recipes/objectives.py``).
+scored, and the objective leaves that pair out (``objectives/dpo.py``).
 
 With a precomputed reference (``data.reference_logps``, set by
 ``dpo.precompute_reference``; ``training/reference_pass.py``) the tokens are
 ``PAIR_TOKENS``: each sequence's reference sum rides on its first scored
 token (``ref``), read from the kept file by the record's hash.
 
-Not for: the objective itself (``recipes/objectives.py``), the template
+Not for: the objective itself (``objectives/dpo.py``), the template
 (``chat.py``), packing (``lanes.py``, ``finite.py``).
 """
 

@@ -9,7 +9,7 @@ An experiment is four small sections::
   train:      steps, seed, log / eval / checkpoint intervals, non-finite
               policy, compilation cache, profiling, peak FLOP/s, objective
   dpo:        the preference objective's β, loss and reference (read with
-              train.objective: dpo; recipes/objectives.py)
+              train.objective: dpo; objectives/dpo.py)
 
 plus ``mesh_config`` (a file in ``mesh_configs/`` or a path). ``load``
 reads a YAML file (or a preset shipped in ``distrib_train/configs/``) over
@@ -40,7 +40,7 @@ from distrib_train.training.config_values import check_model_value, closest_keys
 
 from distrib_train.data.config import REFERENCE_PENDING
 from distrib_train.data.pipeline import DataConfig
-from distrib_train.recipes.objectives import DpoConfig
+from distrib_train.objectives.dpo import DpoConfig
 
 PRESETS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"  # distrib_train/configs
 
@@ -100,7 +100,7 @@ class TrainConfig:
       has none).
     rules: axis rules (a rule-set name) when the mesh config names none.
     objective: ``lm`` (next-token cross-entropy: pretraining, SFT) or
-      ``dpo`` (preference pairs, the ``dpo`` section; ``recipes/objectives.py``).
+      ``dpo`` (preference pairs, the ``dpo`` section; ``objectives/dpo.py``).
     init_from: a new run's weights: ``hf:<dir>`` (a Hugging Face Llama /
       Mistral / Qwen2 checkpoint; the model's shape comes from its
       config.json) or ``ckpt:<workdir, checkpoints dir or step dir>`` (the

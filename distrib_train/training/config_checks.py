@@ -15,7 +15,7 @@ from typing import Any
 from distrib_train.common.text import short_repr
 from distrib_train.common.yaml_loader import ConfigError
 from distrib_train.recipes.family import family_of
-from distrib_train.recipes.objectives import OBJECTIVES
+from distrib_train.objectives.dpo import OBJECTIVES
 
 NONFINITE_POLICIES = ("skip", "halt", "rollback")
 

@@ -47,7 +47,7 @@ def register(loop: Any, config: Any, plan: Any, rules: Any, writer: Any, phases:
   scorer: dict[str, Any] = {}
 
   def score(loop: Any) -> None:
-    from distrib_train.recipes import objectives
+    from distrib_train.objectives import dpo as objectives
     from distrib_train.training import eval_tasks
 
     with phases.phase("eval_tasks"):

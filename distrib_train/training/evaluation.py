@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from distrib_train.recipes import objectives
+from distrib_train.objectives import dpo as objectives
 from distrib_train.training.checks import local_value
 from distrib_train.training.loop import aux_scalars
 

@@ -16,7 +16,7 @@ resumes from it and ignores ``init_from``).
   params only (the optimizer may differ).
 
 With ``train.objective: dpo`` and a frozen reference copy
-(``recipes/objectives.Preference``), ``dpo.reference: hf:<dir>`` or
+(``objectives/dpo.Preference``), ``dpo.reference: hf:<dir>`` or
 ``ckpt:<run>`` (a run's model: an SFT run's, a DPO run's policy) reads the
 copy from that checkpoint instead (checked with the rest). ``init_from:
 ckpt:`` of a run of the bare model (SFT) fills the policy, and the reference

@@ -26,7 +26,7 @@ import jax
 import optax
 
 from distrib_train.data.pipeline import DataLoader
-from distrib_train.recipes import objectives
+from distrib_train.objectives import dpo as objectives
 from distrib_train.recipes.family import Family, family_of
 from distrib_train.sharding.axis_rules import AxisRules
 from distrib_train.sharding.mesh import MeshConfig

@@ -22,9 +22,9 @@ steps are global) and writes the file (a temporary name, renamed). The file
 holds a 64-bit hash of each record's text and its two sums; the pair tokenizer
 (``data/preference.py``) puts them on the batch as ``reference_logps`` and
 the objective reads them instead of running the reference
-(``recipes/objectives.py``): no reference in memory, no reference forward.
+(``objectives/dpo.py``): no reference in memory, no reference forward.
 
-Not for: the objective (``recipes/objectives.py``), the pairs' rows
+Not for: the objective (``objectives/dpo.py``), the pairs' rows
 (``data/preference.py``).
 """
 
@@ -208,7 +208,8 @@ def _sums(state: Any, tokens: Any, targets: Any, segment_ids: Any, positions: An
   import jax.numpy as jnp
 
   from distrib_train.parallel import context
-  from distrib_train.recipes import lora, objectives
+  from distrib_train.recipes import lora
+  from distrib_train.objectives import dpo as objectives
 
   tokens, rest = context.reorder(tokens, targets=targets, segment_ids=segment_ids, positions=positions,
                                  weights=weights)

@@ -59,7 +59,7 @@ class RunModel:
   @property
   def model(self):
     """The model to use: a preference run's policy, else the model."""
-    from distrib_train.recipes import objectives
+    from distrib_train.objectives import dpo as objectives
 
     return objectives.policy_of(self.state.model)
 

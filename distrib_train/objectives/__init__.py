@@ -1,0 +1,1 @@
+"""Training objectives, apart from the model family (``train.objective``): ``dpo`` (preference pairs)."""
