@@ -132,14 +132,13 @@ class DataLoader:
 
     ``tokens``, ``targets`` (int32) and ``weights`` (float32, 0 where a
     target is padding or crosses a document boundary), then with packing
-    ``segment_ids`` and ``positions`` (int32), and with a precomputed DPO
-    reference ``reference_logps`` (float32); each ``[global_batch_size,
-    seq_len]``.
+    ``segment_ids`` and ``positions`` (int32); each ``[global_batch_size,
+    seq_len]``. (An objective's own fields, a precomputed DPO reference's
+    ``reference_logps``, are its record's: ``objectives.Objective``.)
     """
     shape = (config.global_batch_size, config.seq_len)
     names = ["tokens", "targets", "weights"] + (["segment_ids", "positions"] if config.packing else [])
-    names += ["reference_logps"] if config.reference_logps else []  # precomputed DPO reference (preference.py)
-    return {name: jax.ShapeDtypeStruct(shape, np.float32 if name in ("weights", "reference_logps") else np.int32)
+    return {name: jax.ShapeDtypeStruct(shape, np.float32 if name == "weights" else np.int32)
             for name in names}
 
   def __init__(self, config: DataConfig, input_shardings: Mapping[str, Any], *, split: str = "train",
@@ -222,6 +221,12 @@ class DataLoader:
 
   def __iter__(self) -> Iterator[dict[str, jax.Array]]:
     return self
+
+  def next_batch(self, state: Any = None) -> dict[str, jax.Array]:
+    """The next batch, as ``next(loader)``: a training loop's batch source (``training/loop.py``), which may read
+    the train state; a loader does not."""
+    del state
+    return next(self)
 
   def next_local(self) -> dict[str, np.ndarray]:
     """This process's rows of the next batch, as numpy (no cross-process

@@ -39,18 +39,16 @@ Not for: the pairs' data (``data/preference.py``), the model's forward pass
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distrib_train.parallel import context
-from distrib_train.recipes import lora
+from distrib_train.recipes import decoder, lora
 from distrib_train.kernels.cross_entropy import chunked_logprobs
 
-OBJECTIVES = ("lm", "dpo")
 ROLES = ("policy", "reference")  # a ``Preference`` model's two halves
 DPO_LOSSES = ("sigmoid", "simpo", "orpo")
 
@@ -135,19 +133,33 @@ def preference_model(model_config: Any, is_param: Any, settings: DpoConfig) -> t
   return build, trains
 
 
-def weight_name(aux: Any) -> str | None:
-  """The aux count a batch's figures are weighted by: ``pairs`` (``dpo``), else ``tokens``, else None."""
-  return next((k for k in ("pairs", "tokens") if isinstance(aux, dict) and k in aux), None)
+def objective(model_config: Any, is_param: Any, settings: DpoConfig, input_axes: Mapping[str, Any]) -> Any:
+  """``train.objective: dpo``'s record (``objectives.Objective``): the policy (and its reference where that is a
+  frozen copy), the loss, the figures weighed by pairs, a third more FLOPs for a live reference's forward, and the
+  precomputed reference's figures as a batch field."""
+  from distrib_train.objectives import Objective
+
+  model_fn, is_param = preference_model(model_config, is_param, settings)
+  extra = {"reference_logps": "float32"} if settings.precompute_reference else {}
+  axes = {**input_axes, **{name: input_axes["tokens"] for name in extra}}
+  return Objective("dpo", model_fn, dpo_loss_fn(settings), is_param, axes, extra_inputs=extra, weight="pairs",
+                   perplexity=False, flops_scale=4 / 3 if settings.live_reference else 1.0)
 
 
-def token_logprobs(decoder: Any, tokens: jax.Array, rest: dict[str, jax.Array],
+def head_logprobs(model: Any, hidden: jax.Array, targets: jax.Array) -> jax.Array:
+  """Each target's log-probability [batch, length] from the decoder's final hidden states, by chunks."""
+  c = model.config
+  return chunked_logprobs(hidden, model.head_weight(), targets, c.loss_chunk_size, c.loss_remat,
+                          softcap=c.final_logit_softcap)
+
+
+def token_logprobs(model: Any, tokens: jax.Array, rest: dict[str, jax.Array],
                    dropout_rng: jax.Array | None = None) -> tuple[jax.Array, dict]:
-  hidden, routing = decoder.hidden_and_aux(tokens, positions=rest["positions"], segment_ids=rest["segment_ids"],
-                                           dropout_rng=dropout_rng)
-  c = decoder.config
-  logps = chunked_logprobs(hidden, decoder.head_weight(), rest["targets"], c.loss_chunk_size, c.loss_remat,
-                           softcap=c.final_logit_softcap)
-  return logps, routing
+  """Each target's log-probability under ``model`` for a batch already in the context axis's order (``rest``:
+  ``targets``, ``positions``, ``segment_ids``), and the routing figures."""
+  hidden, routing = model.hidden_and_aux(tokens, positions=rest["positions"], segment_ids=rest["segment_ids"],
+                                         dropout_rng=dropout_rng)
+  return head_logprobs(model, hidden, rest["targets"]), routing
 
 
 def pair_sums(values: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -207,14 +219,12 @@ def dpo_loss_fn(settings: DpoConfig) -> Callable[..., Any]:
     if segment_ids is None or weights is None:
       raise ValueError("train.objective=dpo reads packed preference pairs: the batch needs segment_ids and weights"
                        " (data.packing: true).")
-    tokens, rest = context.reorder(tokens, targets=targets, positions=positions, segment_ids=segment_ids,
-                                   weights=weights, reference_logps=reference_logps)
-    if rest["positions"] is None:
-      rest["positions"] = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     policy = policy_of(model)
-    logps, routing = token_logprobs(policy, tokens, rest, dropout_rng=rng)  # the reference drops nothing
-    if "layer_load" in routing:  # the step's loads move the router bias (router_bias_update_rate)
-      policy.update_router_bias(routing.pop("layer_load"))
+    hidden, routing, rest = decoder.forward(policy, tokens, dropout_rng=rng, targets=targets, positions=positions,
+                                            segment_ids=segment_ids, weights=weights,
+                                            reference_logps=reference_logps)  # the reference drops nothing
+    tokens = rest["tokens"]
+    logps = head_logprobs(policy, hidden, rest["targets"])
     reference = None
     if settings.uses_reference:
       if rest["reference_logps"] is not None:  # precomputed: each sequence's sum on one of its scored targets
@@ -229,10 +239,7 @@ def dpo_loss_fn(settings: DpoConfig) -> Callable[..., Any]:
                          " give the batch's reference_logps (dpo.precompute_reference).")
       reference = _sums(jax.lax.stop_gradient(ref_logps), rest["weights"], rest["segment_ids"])
     loss, aux = preference_figures(_sums(logps, rest["weights"], rest["segment_ids"]), reference, settings)
-    if routing:
-      c = policy.config
-      loss = loss + c.aux_loss_weight * routing["balance_loss"] + c.z_loss_weight * routing["z_loss"]
-      aux = {**aux, "loss": loss, "preference_loss": aux["loss"], **routing}
+    loss, aux = decoder.with_routing_losses(loss, aux, routing, policy.config, "preference_loss")
     return loss, state, aux
 
   return loss_fn

@@ -290,6 +290,37 @@ class Decoder(nnx.Module):
     return cap * jnp.tanh(logits / cap) if cap else logits
 
 
+def forward(model: Decoder, tokens: jax.Array, *, dropout_rng: jax.Array | None = None,
+            **per_token: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array | None]]:
+  """What every objective runs before its loss: the batch in the context axis's load-balanced order
+  (``parallel/context.py``; a loss that sums over tokens is the same), positions filled in where None, the forward
+  pass, and the router bias moved by the step's loads (``router_bias_update_rate``).
+
+  Returns:
+    ``(hidden, routing, rest)``: the final hidden states, a mixture's routing figures (empty for a dense model)
+    and ``per_token`` in the order of ``hidden``, with ``positions`` and ``tokens``.
+  """
+  tokens, rest = context.reorder(tokens, **per_token)
+  rest["tokens"] = tokens
+  if rest.get("positions") is None:
+    rest["positions"] = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  hidden, routing = model.hidden_and_aux(tokens, positions=rest["positions"], segment_ids=rest.get("segment_ids"),
+                                         dropout_rng=dropout_rng)
+  if "layer_load" in routing:
+    model.update_router_bias(routing.pop("layer_load"))
+  return hidden, routing, rest
+
+
+def with_routing_losses(loss: jax.Array, aux: dict[str, jax.Array], routing: dict[str, jax.Array], config: Any,
+                        name: str) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """A mixture's weighted balance and z losses added to an objective's ``loss``, which aux keeps as ``name``; the
+  routing figures join aux. A dense model's (no routing) unchanged."""
+  if not routing:
+    return loss, aux
+  total = loss + config.aux_loss_weight * routing["balance_loss"] + config.z_loss_weight * routing["z_loss"]
+  return total, {**aux, "loss": total, name: loss, **routing}
+
+
 def loss_fn(*, model: Decoder, state: Any, rng: jax.Array, tokens: jax.Array, targets: jax.Array,
             segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
             weights: jax.Array | None = None) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
@@ -300,22 +331,17 @@ def loss_fn(*, model: Decoder, state: Any, rng: jax.Array, tokens: jax.Array, ta
   1.0 is perfect balance, averaged over layers) and ``dropped_tokens`` (capacity mode). With
   ``router_bias_update_rate`` > 0 the model's router bias (local state) moves from this pass's loads.
 
-  On a mesh with a context axis the tokens are taken in its load-balanced order (``parallel/context.py``);
-  the loss, a sum over tokens, is the same.
+  On a mesh with a context axis the tokens are taken in its load-balanced order (``forward``).
   """
-  tokens, rest = context.reorder(tokens, targets=targets, positions=positions, segment_ids=segment_ids,
-                                 weights=weights)
-  targets, positions, segment_ids, weights = (rest[k] for k in ("targets", "positions", "segment_ids", "weights"))
-  hidden, routing = model.hidden_and_aux(tokens, positions=positions, segment_ids=segment_ids, dropout_rng=rng)
-  if "layer_load" in routing:  # the step's loads move the router bias (router_bias_update_rate)
-    model.update_router_bias(routing.pop("layer_load"))
+  hidden, routing, rest = forward(model, tokens, dropout_rng=rng, targets=targets, positions=positions,
+                                  segment_ids=segment_ids, weights=weights)
+  targets, segment_ids, weights = (rest[k] for k in ("targets", "segment_ids", "weights"))
   if weights is None:
     weights = jnp.ones(targets.shape, jnp.float32) if segment_ids is None else (segment_ids > 0).astype(jnp.float32)
   c = model.config
   total, count = chunked_cross_entropy(hidden, model.head_weight(), targets, weights, c.loss_chunk_size,
                                        c.loss_remat, softcap=c.final_logit_softcap)
   cross_entropy = total / jnp.maximum(count, 1.0)
-  if not routing:
-    return cross_entropy, state, {"loss": cross_entropy, "tokens": count}
-  loss = cross_entropy + c.aux_loss_weight * routing["balance_loss"] + c.z_loss_weight * routing["z_loss"]
-  return loss, state, {"loss": loss, "cross_entropy": cross_entropy, "tokens": count, **routing}
+  loss, aux = with_routing_losses(cross_entropy, {"loss": cross_entropy, "tokens": count}, routing, c,
+                                  "cross_entropy")
+  return loss, state, aux

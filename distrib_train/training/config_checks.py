@@ -15,7 +15,7 @@ from typing import Any
 from distrib_train.common.text import short_repr
 from distrib_train.common.yaml_loader import ConfigError
 from distrib_train.recipes.family import family_of
-from distrib_train.objectives.dpo import OBJECTIVES
+from distrib_train.objectives import OBJECTIVES
 
 NONFINITE_POLICIES = ("skip", "halt", "rollback")
 
@@ -60,17 +60,20 @@ def check_config(config: Any, training: bool = True) -> None:
     raise ConfigError(f"train.rules must be one of {', '.join(sorted(RULE_SETS))}, got {t.rules!r}.")
   if t.objective not in OBJECTIVES:
     raise ConfigError(f"train.objective must be one of {', '.join(OBJECTIVES)}, got {t.objective!r}.")
-  if t.objective != "dpo" and config.dpo != type(config.dpo)():
-    raise ConfigError(f"The dpo section is read with train.objective: dpo; this run's objective is {t.objective}.")
-  if t.objective == "dpo" and config.model.name not in ("llama", "moe"):
-    raise ConfigError(f"train.objective=dpo trains the reference decoders (model.name llama or moe), not"
+  for section in OBJECTIVES[1:]:  # each objective's own section (dpo, grpo) is read with it alone
+    if t.objective != section and getattr(config, section) != type(getattr(config, section))():
+      raise ConfigError(f"The {section} section is read with train.objective: {section}; this run's objective is"
+                        f" {t.objective}.")
+  if t.objective != "lm" and config.model.name not in ("llama", "moe"):
+    raise ConfigError(f"train.objective={t.objective} trains the reference decoders (model.name llama or moe), not"
                       f" {config.model.name!r}.")
-  if t.objective == "dpo" and config.dpo.reference:
-    where = config.dpo.reference.partition(":")[2]
+  reference = getattr(getattr(config, t.objective, None), "reference", "")
+  if reference:
+    where = reference.partition(":")[2]
     if not os.path.isdir(os.path.expanduser(where)):
-      raise ConfigError(f"dpo.reference {config.dpo.reference}: {where!r} is not a directory.")
+      raise ConfigError(f"{t.objective}.reference {reference}: {where!r} is not a directory.")
     if not t.init_from:
-      raise ConfigError(f"dpo.reference {config.dpo.reference} is the reference of a policy that starts from"
+      raise ConfigError(f"{t.objective}.reference {reference} is the reference of a policy that starts from"
                         " trained weights: set train.init_from too (empty, the policy would start random).")
   if t.eval_tasks and config.model.name not in ("llama", "moe"):
     raise ConfigError(f"train.eval_tasks scores the reference decoders (model.name llama or moe), not"

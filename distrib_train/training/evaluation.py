@@ -3,8 +3,8 @@
 The trainer checks the split at start-up (``missing_eval_split``: a run asked
 to evaluate with nothing held out is refused before it trains) and runs
 ``evaluate`` from its evaluation hook. The figures are token-weighted means of
-the eval step's aux (pair-weighted for ``train.objective: dpo``), written under
-``eval/``.
+the eval step's aux, weighed by the objective's count (``Objective.weight``:
+pairs for ``train.objective: dpo``), written under ``eval/``.
 
 Not for: what the eval step computes (``train_step.build_eval_step_fn``) or
 when it runs (the trainer's hooks).
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from distrib_train.objectives import dpo as objectives
+from distrib_train import objectives
 from distrib_train.training.checks import local_value
 from distrib_train.training.loop import aux_scalars
 
@@ -46,9 +46,10 @@ def missing_eval_split(data_config: Any, shardings: Any, vocab_size: int | None,
 
 
 def evaluate(eval_step: Callable[..., Any], state: Any, step: int, data_config: Any, shardings: Any, *,
-             batches: int, writer: Any, phases: Any) -> float:
-  """One pass over the eval split (the first ``batches`` batches when > 0); writes the token-weighted means
-  of the aux and the perplexity under ``eval/`` and returns the eval loss."""
+             batches: int, writer: Any, phases: Any, objective: objectives.Objective | None = None) -> float:
+  """One pass over the eval split (the first ``batches`` batches when > 0); writes the means of the aux weighed
+  by ``objective``'s count (tokens without one) and, where it has one, the perplexity under ``eval/``, and returns
+  the eval loss."""
   from distrib_train.data.pipeline import DataLoader
 
   start = time.perf_counter()
@@ -61,7 +62,7 @@ def evaluate(eval_step: Callable[..., Any], state: Any, step: int, data_config: 
     for batch in loader:
       phases.enter("eval")  # progress, for the watchdog
       aux = eval_step(state, **batch)
-      weight = objectives.weight_name(aux)  # pairs (dpo), else tokens
+      weight = objectives.weight_in(aux, objective.weight if objective else None)  # pairs (dpo), else tokens
       tokens = float(local_value(aux[weight])) if weight else 1.0
       loss = aux["loss"] if isinstance(aux, Mapping) else aux
       total += float(local_value(loss)) * tokens
@@ -76,8 +77,9 @@ def evaluate(eval_step: Callable[..., Any], state: Any, step: int, data_config: 
   eval_loss = total / max(count, 1.0)
   aux_means = {name: value / max(count, 1.0) for name, value in aux_totals.items()}
   # exp of a mean token cross-entropy (without a mixture's routing losses); capped below overflow
-  figures = {"pairs": count} if weight == "pairs" else \
-      {"perplexity": math.exp(min(aux_means.get("cross_entropy", eval_loss), 700.0)), "tokens": count}
+  figures = {weight or "tokens": count}
+  if objective is None or objective.perplexity:
+    figures["perplexity"] = math.exp(min(aux_means.get("cross_entropy", eval_loss), 700.0))
   writer.write(step, {**aux_means, "loss": eval_loss, **figures,
                       "batches": done, "seconds": time.perf_counter() - start}, prefix="eval/")
   return eval_loss

@@ -65,10 +65,17 @@ def _checkpoint(path: str) -> tuple[pathlib.Path, int]:
   return directory, steps[-1]
 
 
+def _section(config: Config) -> Any:
+  """The objective's section with a reference in the step (``dpo``, ``grpo`` with beta > 0), else None."""
+  section = getattr(config, config.train.objective, None)
+  return section if getattr(section, "live_reference", False) else None
+
+
 def _reference(config: Config) -> tuple[str, str]:
-  """``dpo.reference`` as ``(kind, path)`` where the state holds a reference to read it into, else empty."""
-  live = config.train.objective == "dpo" and config.dpo.live_reference
-  kind, _, path = config.dpo.reference.partition(":") if live and config.dpo.reference else ("", "", "")
+  """``dpo.reference`` (``grpo.reference``) as ``(kind, path)`` where the state holds a reference to read it into,
+  else empty."""
+  section = _section(config)
+  kind, _, path = section.reference.partition(":") if section and section.reference else ("", "", "")
   return kind, os.path.expanduser(path)
 
 
@@ -154,7 +161,7 @@ def frozen_source(config: Config) -> dict[str, Any] | None:
   fingerprints; None where the frozen weights (if any) must be saved."""
   kind, _, path = config.train.init_from.partition(":")
   adapters = getattr(config.model_recipe().config, "lora_rank", 0)
-  copy = config.train.objective == "dpo" and config.dpo.live_reference
+  copy = _section(config) is not None
   if kind != "hf" or not (adapters or copy):
     return None
   reference, where = _reference(config)
@@ -181,7 +188,7 @@ def restore_source(meta: Mapping[str, Any], config: Config, where: str) -> dict[
   if all(f in held_fields(meta) for f in FROZEN_FIELDS):
     return None
   recorded = (meta.get("run") or {}).get("frozen_source") or {}
-  given = {"init_from": config.train.init_from, "reference": config.dpo.reference}
+  given = {"init_from": config.train.init_from, "reference": getattr(_section(config), "reference", "")}
   out = {}
   for role, record in recorded.items():
     candidates = [record["path"]] + [os.path.abspath(os.path.expanduser(given[role][3:]))] * (
@@ -195,7 +202,7 @@ def restore_source(meta: Mapping[str, Any], config: Config, where: str) -> dict[
       raise CheckpointError(
           f"{where} holds the trained weights only; its frozen weights ({role}) are read from their source, and"
           f" {places}. Put those files back, or name where they are now"
-          f" ({'dpo.reference' if role == 'reference' else 'train.init_from'}: hf:<dir>).")
+          f" ({config.train.objective + '.reference' if role == 'reference' else 'train.init_from'}: hf:<dir>).")
     out[role] = {**record, "path": found[0]}
   return out
 
@@ -203,8 +210,10 @@ def restore_source(meta: Mapping[str, Any], config: Config, where: str) -> dict[
 def with_frozen(config: Config, source: Mapping[str, Any], abstract: TrainState, state: TrainState) -> TrainState:
   """``state`` with its frozen weights read from ``source`` (a ``frozen_source`` record)."""
   train = dataclasses.replace(config.train, init_from=f"hf:{source['init_from']['path']}")
-  dpo = dataclasses.replace(config.dpo, reference=f"hf:{source['reference']['path']}" if "reference" in source else "")
-  return load(dataclasses.replace(config, train=train, dpo=dpo), abstract, state)[0]
+  name = config.train.objective
+  section = {name: dataclasses.replace(getattr(config, name), reference=f"hf:{source['reference']['path']}"
+                                       if "reference" in source else "")} if _section(config) else {}
+  return load(dataclasses.replace(config, train=train, **section), abstract, state)[0]
 
 
 def load(config: Config, abstract: TrainState, state: TrainState) -> tuple[TrainState, str]:
@@ -213,7 +222,7 @@ def load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Train
   state, line = _load(config, abstract, state)
   reference, where = _reference(config)
   if reference == "ckpt":
-    return read_run_weights(where, abstract, state, "reference"), f"{line} The reference: {config.dpo.reference}."
+    return read_run_weights(where, abstract, state, "reference"), f"{line} The reference: {_section(config).reference}."
   if not reference:
     return state, line
   # A preference model's reference (its weights and the local state its checkpoint holds) from its own
@@ -222,7 +231,7 @@ def load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Train
   frozen = hf.load_params(where, abstract.model_without_params, model, fresh=state.model_without_params, skip=others)
   local_state = hf.load_params(where, abstract.local_state, model, fresh=state.local_state, skip=others)
   return (state.replace(model_without_params=frozen, local_state=local_state),
-          f"{line} The reference: {config.dpo.reference}.")
+          f"{line} The reference: {_section(config).reference}.")
 
 
 def _load(config: Config, abstract: TrainState, state: TrainState) -> tuple[TrainState, str]:

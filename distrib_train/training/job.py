@@ -26,7 +26,7 @@ import jax
 import optax
 
 from distrib_train.data.pipeline import DataLoader
-from distrib_train.objectives import dpo as objectives
+from distrib_train import objectives
 from distrib_train.recipes.family import Family, family_of
 from distrib_train.sharding.axis_rules import AxisRules
 from distrib_train.sharding.mesh import MeshConfig
@@ -65,6 +65,7 @@ class JobSpec:
   microbatches: int = 1
   pipeline_repeats: int = 1
   flops_scale: float = 1.0  # DPO's reference forward: a third more than the policy's forward and backward
+  objective: objectives.Objective | None = None  # what it trains for (``objectives.Objective``)
 
   @property
   def tokens_per_step(self) -> int:
@@ -84,38 +85,36 @@ class JobSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ModelParts:
-  """A job's model as the config or the caller gives it, resolved once: ``model_fn(seed)``, the loss, the
-  inputs' logical axes, the reference model's config (None for a model given as code) and its family."""
+  """A job's model as the config or the caller gives it, resolved once: its objective (``objectives.Objective``:
+  ``model_fn(seed)``, the loss, the inputs' logical axes, which variables train), the reference model's config
+  (None for a model given as code) and its family."""
 
-  model_fn: Callable[[int], Any]
-  loss_fn: Callable[..., Any]
-  input_axes: Mapping[str, Any]
+  objective: objectives.Objective
   model_config: Any
   family: Family
-  is_param: Any = None  # which of the model's variables train (LoRA: the adapters); None: every param
-  flops_scale: float = 1.0  # the step's FLOPs over the family's training count (DPO's reference forward: 4/3)
+
+  model_fn = property(lambda self: self.objective.model_fn)
+  loss_fn = property(lambda self: self.objective.loss_fn)
+  input_axes = property(lambda self: self.objective.input_axes)
+  is_param = property(lambda self: self.objective.is_param)
+  flops_scale = property(lambda self: self.objective.flops_scale)
 
 
 def model_parts(config: Config, *, model_fn: Callable[[int], Any] | None = None,
                 loss_fn: Callable[..., Any] | None = None, input_axes: Mapping[str, Any] | None = None) -> ModelParts:
-  """``model_fn``, ``loss_fn`` and ``input_axes`` where given, the config's reference model for the rest."""
+  """``model_fn``, ``loss_fn`` and ``input_axes`` where given, the config's reference model and objective for the
+  rest."""
   recipe = config.model_recipe() if model_fn is None or loss_fn is None or input_axes is None else None
   model_config = recipe.config if recipe is not None and model_fn is None else None
   trainable = getattr(model_config, "trainable", None)
   is_param = trainable() if trainable is not None else None
-  flops_scale = 1.0
-  if config.train.objective == "dpo":  # the policy, and its reference where that is a frozen copy
-    if model_config is None or loss_fn is not None:
-      raise ConfigError("train.objective=dpo trains the reference decoders (model.name llama or moe); a model and"
-                        " loss given as code brings its own objective.")
-    model_fn, is_param = objectives.preference_model(model_config, is_param, config.dpo)
-    loss_fn = objectives.dpo_loss_fn(config.dpo)
-    flops_scale = 4 / 3 if config.dpo.live_reference else 1.0  # a forward more: a third of forward and backward
-    if config.dpo.precompute_reference:  # the reference's figures come with the batch
-      input_axes = {**recipe.input_axes, "reference_logps": recipe.input_axes["tokens"]}
-  return ModelParts(model_fn or recipe.config.build, loss_fn or recipe.loss_fn,
-                    input_axes if input_axes is not None else recipe.input_axes, model_config,
-                    family_of(model_config), is_param, flops_scale)
+  name = config.train.objective
+  try:
+    objective = objectives.build(name, recipe, model_config, is_param, getattr(config, name, None),
+                                 model_fn=model_fn, loss_fn=loss_fn, input_axes=input_axes)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return ModelParts(objective, model_config, family_of(model_config))
 
 
 def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, loss_fn: Callable[..., Any] | None = None,
@@ -132,9 +131,12 @@ def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, lo
 
   with logical_annotations_only():
     abstract = jax.eval_shape(make_state)
-  return JobSpec(abstract, DataLoader.batch_schema(config.data_config()), parts.loss_fn, parts.input_axes,
-                 parts.model_config, make_state, optimizer, family=parts.family, microbatches=t.microbatches,
-                 pipeline_repeats=t.pipeline_repeats, flops_scale=parts.flops_scale)
+  inputs = DataLoader.batch_schema(config.data_config())
+  shape = inputs["tokens"].shape
+  inputs.update({name: jax.ShapeDtypeStruct(shape, dtype) for name, dtype in parts.objective.extra_inputs.items()})
+  return JobSpec(abstract, inputs, parts.loss_fn, parts.input_axes, parts.model_config, make_state, optimizer,
+                 family=parts.family, microbatches=t.microbatches, pipeline_repeats=t.pipeline_repeats,
+                 flops_scale=parts.flops_scale, objective=parts.objective)
 
 
 def packed_attention(family: Family, mesh: Any) -> bool:
@@ -175,10 +177,10 @@ def data_config(config: Config, family: Family, mesh: Any = None, *, packed: boo
 
 def step_options(job: JobSpec, plan: Plan, rules: AxisRules | None = None) -> dict[str, Any]:
   """``build_train_step_fn``'s options for the job: its microbatches and pipeline repeats, microbatches
-  weighted by the aux ``pairs`` or ``tokens`` count when the loss reports one (a mean over pairs or tokens stays
-  exact), and the plan's ``rules`` as the step's activation layout."""
-  weight = objectives.weight_name(dict(plan.aux_output_shardings)
-                                  if isinstance(plan.aux_output_shardings, Mapping) else None)
+  weighted by the objective's aux count (``Objective.weight``: a mean over pairs or tokens stays exact), and the
+  plan's ``rules`` as the step's activation layout."""
+  aux = dict(plan.aux_output_shardings) if isinstance(plan.aux_output_shardings, Mapping) else None
+  weight = objectives.weight_in(aux, job.objective.weight if job.objective else None)
   return {"microbatches": job.microbatches, "pipeline_repeats": job.pipeline_repeats, "microbatch_weight": weight,
           "activation_rules": rules}
 

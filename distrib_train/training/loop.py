@@ -1,5 +1,9 @@
 """The step loop: batch → step → judge the loss → due hooks, until the last step.
 
+Each batch comes from a **source** given the state (``source.next_batch(state)``): the data loader's next
+batch (``DataLoader``: the state unread), or completions the policy samples (``rollouts.py``). The source
+keeps its own position, saved with each checkpoint (``data_position`` / ``set_data_position``).
+
 ``TrainLoop`` owns what changes while a run trains — the train state, the
 step, the pending (not yet read) loss, the metrics window, the result — and
 nothing else: periodic work is in its ``hooks`` (``hooks.py``), what a
@@ -24,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distrib_train.objectives import COUNTS
 from distrib_train.training import optimizers
 from distrib_train.training.checks import check_token_ids, local_value
 from distrib_train.training.goodput import PhaseClock
@@ -53,13 +58,13 @@ class RunResult:
 
 
 def aux_scalars(aux: Any) -> dict[str, Any]:
-  """The scalars a loss returns in ``aux`` besides ``loss`` and ``tokens`` (``pairs``)
+  """The scalars a loss returns in ``aux`` besides ``loss`` and its counts (``objectives.COUNTS``: tokens, pairs)
   (accuracy, perplexity, …): logged like the loss, window-means in training
   and token-weighted means in evaluation."""
   if not isinstance(aux, Mapping):
     return {}
   return {str(name): value for name, value in aux.items()
-          if name not in ("loss", "tokens", "pairs") and np.ndim(value) == 0
+          if name != "loss" and name not in COUNTS and np.ndim(value) == 0
           and jnp.issubdtype(getattr(value, "dtype", np.asarray(value).dtype), jnp.number)}
 
 
@@ -99,7 +104,8 @@ class TrainLoop:
   Args:
     state: the initial or restored train state.
     train_step: ``train_step(state, **batch) -> (state, aux)``.
-    loader: the training batches (a ``DataLoader``).
+    source: the training batches: ``source.next_batch(state)``, and its position saved with each checkpoint (a
+      ``DataLoader``; ``rollouts.RolloutSource``).
     ckpt: the run's ``CheckpointManager`` (preemption saves and rollbacks).
     abstract_train_state: what a rollback restores onto.
     writer: the run's ``MetricWriter``.
@@ -113,13 +119,13 @@ class TrainLoop:
       ``data``, ``step``, ``checkpoint`` and ``restore`` on it.
   """
 
-  def __init__(self, *, state: Any, train_step: Callable[..., Any], loader: Any, ckpt: Any,
+  def __init__(self, *, state: Any, train_step: Callable[..., Any], source: Any, ckpt: Any,
                abstract_train_state: Any, writer: Any, guard: NonFiniteGuard, preemption: Any, last_step: int,
                vocab_size: int | None, started: float, phases: PhaseClock | None = None):
     self.state = state
     self.step = int(state.step)
     self.train_step = train_step
-    self.loader = loader
+    self.source = source
     self.ckpt = ckpt
     self.abstract_train_state = abstract_train_state
     self.writer = writer
@@ -168,12 +174,13 @@ class TrainLoop:
       return verdict
     wait_start = time.perf_counter()
     self.phases.enter("data", self.step)
-    batch = next(self.loader)
+    batch = self.source.next_batch(self.state)
+    self.window.note(getattr(self.source, "take_figures", dict)())  # a source's own figures (rollouts)
     self.phases.enter("step")
     self.window.data_wait_s += time.perf_counter() - wait_start
-    self.window.skipped_documents = getattr(self.loader, "skipped_documents", None)
-    if getattr(getattr(self.loader, "config", None), "conversations", False):
-      self.window.long_conversations = self.loader.long_conversations
+    self.window.skipped_documents = getattr(self.source, "skipped_documents", None)
+    if getattr(getattr(self.source, "config", None), "conversations", False):
+      self.window.long_conversations = self.source.long_conversations
     if not self.steps_this_run:
       check_token_ids(batch, self.vocab_size)
     self.state, aux = self.train_step(self.state, **batch)
@@ -254,7 +261,7 @@ class TrainLoop:
     self.writer.log(f"Preemption: saving step {self.step} and stopping.")
     self.phases.enter("checkpoint")
     if self.ckpt.latest_step() != self.step:
-      self.ckpt.save(self.step, self.state, self.loader, force=True)
+      self.ckpt.save(self.step, self.state, self.source, force=True)
     self.ckpt.wait_until_finished()
     self.result.status, self.result.step = "preempted", self.step
     return Verdict("stop", self.step)

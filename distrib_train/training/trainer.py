@@ -8,10 +8,8 @@ describes, resuming from the newest checkpoint in ``workdir/checkpoints``.
 What it leaves in ``workdir`` (process 0 writes the files, every process
 writes its checkpoint shards)::
 
-  config.yaml      the effective config
-  plan.txt         the plan report (every array's layout, bytes per device)
-  metrics.jsonl    one JSON object per log point and per evaluation
-  tensorboard/     event files
+  config.yaml, plan.txt   the effective config; the plan report (every array's layout, bytes per device)
+  metrics.jsonl    one JSON object per log point and per evaluation; tensorboard/: event files
   checkpoints/     orbax checkpoints with the data-iterator state
   goodput.json     where the workdir's time went, run by run (``goodput.py``)
   auto_layout.json the layout ``mesh_config: auto`` chose, and its mesh in auto_mesh.yaml
@@ -161,14 +159,12 @@ class Trainer:
   def run(self) -> RunResult:
     """Trains to ``config.train.steps`` (or until preempted or halted).
 
-    Set-up (``_set_up``: every check, before the workdir is touched), the
-    run's records (``_open_records``), the steps (``_build_steps``,
-    ``_compile``), then the loop.
+    Set-up (``_set_up``: every check, before the workdir is touched), the run's records (``_open_records``), the
+    steps (``_build_steps``, ``_compile``), then the loop.
 
     Raises:
       TrainerSetupError: the run cannot start (raised before the workdir is written to).
-      CheckpointWriteError: a checkpoint could not be written (a full or
-        read-only disk); the steps committed before it are intact.
+      CheckpointWriteError: a checkpoint could not be written (a full or read-only disk); the steps before it stay.
     """
     started = time.perf_counter()
     if self.mesh_config is None:
@@ -207,7 +203,7 @@ class Trainer:
       preemption.enter_steps()
       # A rollback restores onto the frozen weights as they are (never updated; a checkpoint may not hold them).
       rollback = plan.abstract_train_state.replace(model_without_params=state.model_without_params)
-      loop = TrainLoop(state=state, train_step=train_step, loader=loader, ckpt=ckpt,
+      loop = TrainLoop(state=state, train_step=train_step, source=loader, ckpt=ckpt,
                        abstract_train_state=rollback, writer=writer,
                        guard=NonFiniteGuard(t.nonfinite, t.max_nonfinite, writer.log), preemption=preemption,
                        last_step=t.steps, vocab_size=self.vocab_size, started=started, phases=self.phases)
@@ -371,14 +367,14 @@ class Trainer:
     def save_checkpoint(loop: TrainLoop) -> None:
       with loop.phases.phase("checkpoint"):
         if loop.ckpt.latest_step() != loop.step:
-          loop.ckpt.save(loop.step, loop.state, loop.loader, force=True)
+          loop.ckpt.save(loop.step, loop.state, loop.source, force=True)
           loop.guard.checkpoint_saved()
         else:
           loop.ckpt.check_background_save()
 
     def save_local(loop: TrainLoop) -> None:
       with loop.phases.phase("checkpoint"):
-        self.tiers.local.save(loop.step, loop.state, loop.loader)
+        self.tiers.local.save(loop.step, loop.state, loop.source)
 
     def evaluate(loop: TrainLoop) -> None:
       if self._evaluations:
@@ -396,5 +392,5 @@ class Trainer:
     self.goodput.register(loop.hooks, every=t.log_every, checkpoint_every=t.checkpoint_every)  # last: after the rest
 
   def _evaluate(self, step, state, plan, eval_step) -> float:
-    return evaluation.evaluate(eval_step, state, step, self.data_config, plan.input_kwarg_shardings,
-                               batches=self.config.train.eval_batches, writer=self.writer, phases=self.phases)
+    return evaluation.evaluate(eval_step, state, step, self.data_config, plan.input_kwarg_shardings, writer=self.writer,
+                               batches=self.config.train.eval_batches, phases=self.phases, objective=self.parts.objective)

@@ -59,6 +59,11 @@ class MetricsWindow:
     for name, value in aux.items():
       self.aux.setdefault(name, []).append(value)
 
+  def note(self, figures: Mapping[str, float]) -> None:
+    """Figures a batch source reports of its batch (an RL objective's rollouts), averaged like the aux."""
+    for name, value in figures.items():
+      self.aux.setdefault(name, []).append(value)
+
   def mean(self) -> dict[str, float]:
     """``loss`` and ``grad_norm`` means (when a step was finite), then the aux means."""
     out: dict[str, float] = {}
