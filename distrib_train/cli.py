@@ -129,6 +129,7 @@ def main(argv: Sequence[str]) -> None:
     _fail(str(e))
   from distrib_train.checkpoint import CheckpointWriteError
   from distrib_train.data.jsonl import BadRecordError
+  from distrib_train.training.rewards import RewardError
   from distrib_train.training.trainer import EXIT_HALTED, Trainer, TrainerSetupError
 
   layout_search = None
@@ -144,7 +145,7 @@ def main(argv: Sequence[str]) -> None:
     result = trainer.run()
   except TrainerSetupError as e:
     _fail(str(e))
-  except (CheckpointWriteError, BadRecordError) as e:  # a full or read-only disk, or a malformed line, mid-run
+  except (CheckpointWriteError, BadRecordError, RewardError) as e:  # a full disk, a malformed line, a reward, mid-run
     # Its first line: grain's prefetch thread appends a note on its own traceback filtering.
     print(f"distrib-train: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
     if distributed.is_multiprocess():

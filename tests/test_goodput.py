@@ -57,7 +57,7 @@ def test_a_run_s_time_is_split_by_phase_and_sums_to_its_wall_time(tmp_path):
   goodput.finish("finished")
   run = json.loads((tmp_path / "goodput.json").read_text())["runs"][0]
   assert run["seconds"] == {"productive": 4.0, "compile": 3.0, "checkpoint": 4.0, "data_wait": 2.0, "restore": 2.0,
-                            "replayed": 0.0, "eval": 0.0, "eval_tasks": 0.0, "layout_search": 0.0, "other": 1.0}
+                            "replayed": 0.0, "eval": 0.0, "eval_tasks": 0.0, "generation": 0.0, "layout_search": 0.0, "other": 1.0}
   assert run["wall_s"] == 16.0 and run["goodput"] == 0.25 and run["status"] == "finished"
   assert (run["start_step"], run["last_step"], run["steps"], run["steps_replayed"]) == (0, 4, 4, 0)
   assert logs[-1].startswith("Goodput 25.0% of 16.0 s (4.0 s productive; compile 3.0 s, checkpoint 4.0 s,")

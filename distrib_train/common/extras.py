@@ -28,6 +28,7 @@ EXTRAS = {
     "datasets": "datasets",
     "penzai": "penzai",
     "lm_eval": "eval",
+    "math_verify": "rl",
 }
 
 
@@ -47,5 +48,5 @@ def require(module: str, feature: str) -> ModuleType:
     package = module.split(".")[0]
     extra = EXTRAS.get(package)
     fix = f"pip install 'distrib_train[{extra}]'" if extra else f"pip install {package}"
-    name = {"lm_eval": "lm-eval"}.get(package, package)
+    name = {"lm_eval": "lm-eval", "math_verify": "math-verify"}.get(package, package)
     raise MissingPackageError(f"{feature} needs {name}: {fix}") from None

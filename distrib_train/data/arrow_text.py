@@ -30,17 +30,25 @@ _TEXT_TYPES = ("string", "large_string")
 # ``data.text_field`` for conversation records (``data.loss_on`` set): a document is the whole record, as
 # JSON text, its conversation columns (``RECORD_COLUMNS``) read.
 RECORD = "*"
+PROMPTS = "**"  # a prompt record (RL's prompts: ``training/rollouts.py``): every column, ``prompt`` among them
+RECORDS = (RECORD, PROMPTS)
 RECORD_COLUMNS = ("messages", "prompt", "completion", "chosen", "rejected")
 
 
-def record_columns(path: str, names: list[str]) -> list[str]:
+def record_columns(path: str, names: list[str], field: str = RECORD) -> list[str]:
   """The conversation columns of a table with columns ``names``: ``messages``, or ``prompt`` and
-  ``completion`` (and a preference pair's ``chosen`` / ``rejected``).
+  ``completion`` (and a preference pair's ``chosen`` / ``rejected``); for prompt records (``field`` ``PROMPTS``)
+  every column, ``prompt`` among them.
 
   Raises:
     ValueError: neither ``messages``, ``prompt`` and ``completion`` nor ``chosen`` and ``rejected`` (the columns
       listed).
   """
+  if field == PROMPTS:
+    if "prompt" not in names:
+      raise ValueError(f"Data file {path!r} holds no prompt records: a 'prompt' column is needed; its columns:"
+                       f" {', '.join(names)}.")
+    return list(names)
   columns = [name for name in RECORD_COLUMNS if name in names]
   if "messages" not in columns and not {"prompt", "completion"} <= set(columns) \
       and not {"chosen", "rejected"} <= set(columns):
@@ -165,8 +173,8 @@ class DatasetFolder:
     if getattr(dataset, "_indices", None) is not None:  # a selection not yet written out
       table = dataset.flatten_indices().data.table
     schema = table.schema
-    if field == RECORD:
-      self._chunks = [Records(batch) for batch in table.select(record_columns(path, schema.names)).to_batches()
+    if field in RECORDS:
+      self._chunks = [Records(batch) for batch in table.select(record_columns(path, schema.names, field)).to_batches()
                       if batch.num_rows]
     else:
       check_text_type(path, field, schema.names, schema.field(field).type if field in schema.names else None)

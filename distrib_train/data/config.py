@@ -21,7 +21,7 @@ class DataConfig:
   """What to read and how to batch it.
 
   Attributes:
-    source: ``synthetic``, ``pydoc`` or ``text``.
+    source: ``synthetic``, ``pydoc``, ``text`` or ``arithmetic`` (prompt records of sums, for RL's demo).
     paths: files or globs for ``text`` (``.txt``, ``.jsonl``, ``.jsonl.zst``,
       ``.jsonl.gz``, ``.parquet``, ``.array_record``, or folders written by
       ``datasets``' ``save_to_disk``); read lazily, document by document.
@@ -87,6 +87,9 @@ class DataConfig:
       the file of the pairs' reference figures (``training/reference_pass.py``),
       put on the batch as ``reference_logps`` (``REFERENCE_PENDING`` until the
       pass has named it: the batch's schema has the field, no loader reads).
+    prompts: set from ``train.objective: grpo``, not a config key: the records
+      are prompts (``{"prompt": text | messages, …}``) the policy completes
+      (``training/rollouts.py``), every column kept for the reward functions.
   """
 
   source: str = "pydoc"
@@ -113,6 +116,7 @@ class DataConfig:
   long_conversations: str = "truncate"
   pairs: bool = False
   reference_logps: str = ""
+  prompts: bool = False
 
   @property
   def conversations(self) -> bool:
@@ -135,8 +139,8 @@ class DataConfig:
         raise ValueError(f"Data config: {name} must be 0 or more, got {value!r}.")
     if not 0.0 <= self.eval_fraction < 1.0:
       raise ValueError(f"Data config: eval_fraction must be in [0, 1), got {self.eval_fraction!r}.")
-    if self.source not in ("synthetic", "pydoc", "text"):
-      raise ValueError(f"Data config: unknown source {self.source!r}; known: synthetic, pydoc, text.")
+    if self.source not in ("synthetic", "pydoc", "text", "arithmetic"):
+      raise ValueError(f"Data config: unknown source {self.source!r}; known: synthetic, pydoc, text, arithmetic.")
     if self.bad_records not in ("skip", "error"):
       raise ValueError(f"Data config: unknown bad_records {self.bad_records!r}; known: skip, error.")
     if self.source == "text" and not self.paths:

@@ -5,7 +5,9 @@ with every CPython, ``pydoc_data.topics``: a real corpus with no download), or
 ``text``: files or globs of text, JSONL or Parquet (read lazily by
 ``text_files.py``), compressed JSONL (``compressed.py``), Hugging Face
 ``datasets`` folders (``arrow_text.py``), or ArrayRecord shards of text or of
-token ids (written by ``record_shards.py``). Each is random access (``len``
+token ids (written by ``record_shards.py``); ``arithmetic``: prompt records of
+single-digit sums with their solution (``{"prompt": "3+4=", "solution": "7"}``),
+the GRPO demo's task. Each is random access (``len``
 and ``[index]``), as grain's ``MapDataset.source`` wants; a corpus with files
 read by blocks (Parquet, compressed JSONL) says so (``blocks()``) and its
 readers share one ``block_order.BlockCache`` of ``data.block_cache`` blocks.
@@ -92,6 +94,15 @@ def pydoc_pairs(docs: list[str]) -> list[str]:
           for i, m in enumerate(turns)]
 
 
+def arithmetic_records() -> list[str]:
+  """Sums of two digits under 10 as prompt records (JSON text), ``a+b=`` with its ``solution``: ten for each sum,
+  so no answer is more likely than another (a policy that ignores its prompt gets one in ten right)."""
+  import json
+
+  pairs = [(j % (total + 1), total - j % (total + 1)) for total in range(10) for j in range(10)]
+  return [json.dumps({"prompt": f"{a}+{b}=", "solution": str(a + b)}) for a, b in pairs]
+
+
 def read_by_blocks(config: DataConfig) -> bool:
   """Whether ``config``'s corpus has files read by blocks (Parquet, compressed JSONL), whose order is the
   shuffle by blocks (``block_order.py``) rather than grain's index shuffle."""
@@ -117,13 +128,15 @@ class Documents:
             pydoc_conversations(_pydoc_documents(CONVERSATION_BYTES))
     elif config.source == "synthetic":
       self._docs = None
+    elif config.source == "arithmetic":
+      self._docs = arithmetic_records()
     else:
       files = text_files.expand(config.paths)
       records = [f for f in files if f.endswith(".array_record")]
       texts = [f for f in files if not f.endswith(".array_record")]
       if records and texts:
         raise ValueError("Data paths mix .array_record shards and text files; give one kind.")
-      if records and config.conversations:
+      if records and (config.conversations or config.prompts):
         raise ValueError(f"Data file {records[0]!r} is an ArrayRecord shard, not conversation records"
                          f" (data.loss_on={config.loss_on}): give JSONL (plain or compressed), Parquet or a datasets"
                          " folder of records with 'messages', or 'prompt' and 'completion'.")
@@ -145,8 +158,8 @@ class Documents:
   def _reader(self, path: str) -> Any:
     """The reader of one text file (or ``datasets`` folder); of its conversation records with ``data.loss_on``."""
     config = self.config
-    field = arrow_text.RECORD if config.conversations else config.text_field
-    if config.conversations and not (path.endswith((".jsonl", ".parquet")) or compressed.is_compressed(path)
+    field = arrow_text.PROMPTS if config.prompts else arrow_text.RECORD if config.conversations else config.text_field
+    if (config.conversations or config.prompts) and not (path.endswith((".jsonl", ".parquet")) or compressed.is_compressed(path)
                                      or arrow_text.is_dataset_folder(path)):
       raise ValueError(f"Data file {path!r} holds text, not conversation records (data.loss_on={config.loss_on}):"
                        " give JSONL (plain or compressed), Parquet or a datasets folder of records with"

@@ -140,8 +140,8 @@ class ParquetFile:
     except Exception as e:  # pyarrow's ArrowInvalid / OSError with its own text
       raise ValueError(f"Data file {path!r} is not a readable Parquet file: {e}") from None
     schema = self.file.schema_arrow
-    if field == arrow_text.RECORD:
-      self._columns = arrow_text.record_columns(path, schema.names)
+    if field in arrow_text.RECORDS:
+      self._columns = arrow_text.record_columns(path, schema.names, field)
     else:
       self._columns = [field]
       arrow_text.check_text_type(path, field, schema.names,
@@ -159,7 +159,7 @@ class ParquetFile:
     """Row group ``group``'s texts (from the cache, else read and kept)."""
     def read() -> arrow_text.Strings | arrow_text.Records:
       table = self.file.read_row_group(group, columns=self._columns)
-      if self.field == arrow_text.RECORD:
+      if self.field in arrow_text.RECORDS:
         return arrow_text.Records(table)
       return arrow_text.Strings(table.column(0), self.path, self.field, int(self.starts[group]))
 

@@ -9,7 +9,9 @@ keeps at least one token), so the same logits keep the same tokens.
 then moot.
 
 The log-probability returned is the model's own, ``log_softmax`` of the raw
-logits at the chosen token, before any filter (vLLM's default).
+logits at the chosen token, before any filter (vLLM's default); with
+``scaled_logprobs``, of the logits divided by the temperature (what an RL
+objective's trainer computes, ``objectives/grpo.py``).
 
 **Keys.** Each row's key is ``fold_in(fold_in(fold_in(key(seed), prompt),
 sample), step)``: it comes from the prompt's index in the request, the
@@ -39,12 +41,14 @@ class Sampling:
     top_k: keep the ``top_k`` most likely tokens (0: all).
     top_p: keep the fewest most likely tokens whose probability sums to at least ``top_p`` (1: all).
     min_p: keep the tokens at least ``min_p`` times as likely as the most likely one (0: all).
+    scaled_logprobs: the log-probability returned is of the logits divided by ``temperature`` (else the raw ones).
   """
 
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
   min_p: float = 0.0
+  scaled_logprobs: bool = False
 
   def __post_init__(self):
     for name, ok, rule in (("temperature", self.temperature >= 0, "0 (greedy) or positive"),
@@ -117,5 +121,6 @@ def choose(logits: jax.Array, keys: jax.Array, step: jax.Array, sampling: Sampli
     draw = filtered(logits, sampling)
     token = jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, step), row))(keys, draw)
   token = token.astype(jnp.int32)
-  logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
+  scaled = logits / sampling.temperature if sampling.scaled_logprobs and not sampling.greedy else logits
+  logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), token[:, None], axis=-1)[:, 0]
   return token, logprob

@@ -57,6 +57,29 @@ def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, chu
   return join(out)
 
 
+def chunked_logprobs_and_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk_size: int,
+                                 remat: bool = True, softcap: float = 0.0,
+                                 temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """Each target's log-probability and its position's entropy [batch, length] (float32), under the logits divided
+  by ``temperature`` (after the softcap, as a sampler divides them), chunk by chunk as ``chunked_logprobs``: an RL
+  objective's per-token figures (``objectives/grpo.py``). The entropy carries no gradient."""
+  split, join = _chunks(hidden, chunk_size)
+
+  def figures(h, t):
+    logits = _logits(h, head, softcap) / temperature
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+    plain = jax.lax.stop_gradient(logits)
+    probs = jax.nn.softmax(plain, axis=-1)
+    entropy = jax.lax.stop_gradient(logz) - jnp.sum(probs * plain, axis=-1)
+    return target_logit - logz, entropy
+
+  if remat:
+    figures = jax.checkpoint(figures)
+  _, (logprobs, entropy) = jax.lax.scan(lambda carry, xs: (carry, figures(*xs)), None, (split(hidden), split(targets)))
+  return join(logprobs), join(entropy)
+
+
 def chunked_scores(hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk_size: int,
                    softcap: float = 0.0) -> tuple[jax.Array, jax.Array]:
   """Each target's log-probability [batch, length] (float32) and whether it is the logits' argmax (the first

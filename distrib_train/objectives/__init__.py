@@ -3,6 +3,8 @@
 - ``lm`` (the default): the family's own next-token cross-entropy (``decoder.loss_fn``): pretraining, and SFT
   with ``data.loss_on``.
 - ``dpo``: DPO / SimPO / ORPO on preference pairs (``dpo.py``).
+- ``grpo``: GRPO and its variants on the policy's own completions (``grpo.py``; the rollouts in
+  ``training/rollouts.py``).
 
 The record is what the job, the trainer, the loop and evaluation read of an objective: the model it trains
 (``model_fn``, ``is_param``), its loss, the batch fields and their logical axes, the aux count its figures are
@@ -18,7 +20,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-OBJECTIVES = ("lm", "dpo")
+OBJECTIVES = ("lm", "dpo", "grpo")
 COUNTS = ("tokens", "pairs", "sequences", "batches")  # aux counts: weights, never averaged as figures
 
 
@@ -38,6 +40,7 @@ class Objective:
       where the aux has it (a loss given as code), else equal weights.
     perplexity: evaluation reports ``exp`` of the mean cross-entropy.
     flops_scale: the step's FLOPs over the family's training count (DPO's reference forward: 4/3).
+    rollouts: its batches are the policy's own completions (``training/rollouts.py``), not the data loader's.
   """
 
   name: str
@@ -49,6 +52,7 @@ class Objective:
   weight: str | None = "tokens"
   perplexity: bool = True
   flops_scale: float = 1.0
+  rollouts: bool = False
 
   def weight_of(self, aux: Any) -> str | None:
     """The aux count this objective's figures are weighed by, where ``aux`` (a mapping) holds it."""
@@ -67,7 +71,7 @@ def build(name: str, recipe: Any, model_config: Any, is_param: Any, settings: An
           model_fn: Callable[[int], Any] | None = None, loss_fn: Callable[..., Any] | None = None,
           input_axes: Mapping[str, Any] | None = None) -> Objective:
   """The objective ``name`` of the reference model ``recipe`` (its ``model_config``; None for a model given as
-  code), with its config section ``settings`` (``dpo``); ``model_fn``, ``loss_fn`` and ``input_axes``
+  code), with its config section ``settings`` (``dpo``, ``grpo``); ``model_fn``, ``loss_fn`` and ``input_axes``
   where the caller gives them.
 
   Raises:
@@ -85,4 +89,8 @@ def build(name: str, recipe: Any, model_config: Any, is_param: Any, settings: An
     from distrib_train.objectives import dpo
 
     return dpo.objective(model_config, is_param, settings, recipe.input_axes)
+  if name == "grpo":
+    from distrib_train.objectives import grpo
+
+    return grpo.objective(model_config, is_param, settings, recipe.input_axes)
   raise ValueError(f"train.objective must be one of {', '.join(OBJECTIVES)}, got {name!r}.")

@@ -41,6 +41,7 @@ from distrib_train.training.config_values import check_model_value, closest_keys
 from distrib_train.data.config import REFERENCE_PENDING
 from distrib_train.data.pipeline import DataConfig
 from distrib_train.objectives.dpo import DpoConfig
+from distrib_train.objectives.grpo import GrpoConfig
 
 PRESETS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"  # distrib_train/configs
 
@@ -79,8 +80,7 @@ class TrainConfig:
     eval_batches: batches per evaluation (0: the whole held-out split).
     eval_tasks, eval_tasks_every, eval_include_path, eval_tasks_limit: lm-eval tasks the live model is scored
       on every ``eval_tasks_every`` steps (0: at the end), more task YAMLs, documents per task (``eval_hook.py``).
-    checkpoint_every: steps between checkpoints (0: only at the end).
-    keep_checkpoints: newest checkpoints kept.
+    checkpoint_every, keep_checkpoints: steps between checkpoints (0: only at the end); newest ones kept.
     local_checkpoint_every: steps between fast-tier checkpoints: every
       process writes its own shards to ``local_checkpoint_dir``
       (``checkpoint/local.py``); a restart takes the newest step complete in
@@ -96,11 +96,11 @@ class TrainConfig:
     max_nonfinite: consecutive skipped steps, or rollbacks without a clean
       checkpoint in between, before the run halts anyway.
     compilation_cache_dir: persistent XLA compilation cache ('' disables).
-    peak_tflops: per-device peak for MFU (0: look the device kind up; CPU
-      has none).
+    peak_tflops: per-device peak for MFU (0: look the device kind up; CPU has none).
     rules: axis rules (a rule-set name) when the mesh config names none.
-    objective: ``lm`` (next-token cross-entropy: pretraining, SFT) or
-      ``dpo`` (preference pairs, the ``dpo`` section; ``objectives/dpo.py``).
+    objective: ``lm`` (next-token cross-entropy: pretraining, SFT), ``dpo``
+      (preference pairs, the ``dpo`` section) or ``grpo`` (RL on the
+      policy's completions, the ``grpo`` section); ``objectives/``.
     init_from: a new run's weights: ``hf:<dir>`` (a Hugging Face Llama /
       Mistral / Qwen2 checkpoint; the model's shape comes from its
       config.json) or ``ckpt:<workdir, checkpoints dir or step dir>`` (the
@@ -182,14 +182,15 @@ class Config:
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
   dpo: DpoConfig = DpoConfig()
+  grpo: GrpoConfig = GrpoConfig()
   mesh_config: str = "cpu-8"
 
   def to_dict(self) -> dict[str, Any]:
     """Plain, YAML-able values (model overrides inlined into ``model``)."""
     out = dataclasses.asdict(self)
     out["data"]["tokenizer"] = self.data.tokenizer_name()
-    out["data"].pop("pairs")  # set from train.objective and dpo
-    out["data"].pop("reference_logps")
+    for key in _NOT_CONFIG_KEYS:  # set from train.objective and its section
+      out["data"].pop(key)
     model = out.pop("model")
     out = {"model": {"name": model["name"], "preset": model["preset"], **dict(model["overrides"])}, **out}
     out["data"]["paths"] = list(out["data"]["paths"])
@@ -203,7 +204,8 @@ class Config:
     saved = run.get("config") or {}
     now = self.to_dict()
     # Of the train section only the seed shapes what a checkpoint holds; steps and intervals may change.
-    compared = {"model": None, "optimizer": None, "data": None, "dpo": None, "train": ("seed", "objective")}
+    compared = {"model": None, "optimizer": None, "data": None, "dpo": None, "grpo": None,
+                "train": ("seed", "objective")}
     return [f"{section}.{key}: {saved[section].get(key)!r} → {value!r}"
             + (" (ignored: the weights and keys continue from the checkpoint)" if section == "train" else "")
             for section, keys in compared.items() if isinstance(saved.get(section), dict)
@@ -246,18 +248,19 @@ class Config:
   def data_config(self) -> DataConfig:
     """This config's ``distrib_train.data.DataConfig`` (the ``data`` section); the trainer's own, rows capped
     for cuDNN's packed attention where it runs, is ``training/job.data_config``); ``dpo``'s reads preference
-    pairs, their completions scored."""
-    if self.train.objective != "dpo":
-      return self.data
-    data = dataclasses.replace(self.data, pairs=True, loss_on=self.data.loss_on or "completion")
-    if self.dpo.precompute_reference:  # the trainer names the file once its pass has run (reference_pass.py)
-      data = dataclasses.replace(data, reference_logps=REFERENCE_PENDING)
-    return data
+    pairs, their completions scored; ``grpo``'s prompt records, a completion to a row."""
+    objective, records = self.train.objective, dict(loss_on=self.data.loss_on or "completion")
+    if objective == "grpo":
+      return dataclasses.replace(self.data, packing=False, prompts=True)
+    # dpo's precomputed reference: the trainer names its file once its pass has run (reference_pass.py)
+    return self.data if objective != "dpo" else dataclasses.replace(self.data, pairs=True, **records, **(
+        {"reference_logps": REFERENCE_PENDING} if self.dpo.precompute_reference else {}))
 
 
-_SECTIONS = {"optimizer": OptimizerConfig, "data": DataConfig, "train": TrainConfig, "dpo": DpoConfig}
+_SECTIONS = {"optimizer": OptimizerConfig, "data": DataConfig, "train": TrainConfig, "dpo": DpoConfig,
+             "grpo": GrpoConfig}
 # Fields set from code, not from a config file.
-_NOT_CONFIG_KEYS: tuple[str, ...] = ("pairs", "reference_logps")
+_NOT_CONFIG_KEYS: tuple[str, ...] = ("pairs", "reference_logps", "prompts")
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -371,7 +374,7 @@ def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str 
         optimizer=OptimizerConfig(**sections["optimizer"]),
         data=DataConfig(**sections["data"]),
         train=TrainConfig(**sections["train"]),
-        dpo=DpoConfig(**sections["dpo"]),
+        **{name: _SECTIONS[name](**sections[name]) for name in ("dpo", "grpo")},
         mesh_config=mesh_config,
     )
   except ValueError as e:  # a value the section itself refuses (DataConfig checks its own)

@@ -76,6 +76,14 @@ def coerce(value: Any, kind: Any, key: str) -> Any:
       if not all(n.is_integer() for n in numbers):
         raise wrong("a list of integers (0,1,2)")
       value = [int(n) for n in numbers]
+    if item is float and isinstance(value, (list, tuple)):
+      try:
+        value = [float(v) for v in value if not isinstance(v, bool)] if not any(isinstance(v, bool) for v in value) \
+            else None
+      except (TypeError, ValueError):
+        value = None
+      if value is None or not all(math.isfinite(v) for v in value):
+        raise wrong("a list of finite numbers (1.0,0.5)")
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, item) for v in value):
       raise wrong("a list of integers (0,1,2)" if item is int else "a list of strings (a,b,c)")
     return tuple(value)

@@ -18,6 +18,7 @@ phase has lasted. Phases and the goodput category their time counts as::
   checkpoint     checkpoint     the blocking part of a save
   eval           eval           evaluations
   eval_tasks     eval_tasks     lm-eval task scores (``train.eval_tasks``: ``eval_hook.py``)
+  generate       generation     an RL objective's rollouts: sampling and scoring (``rollouts.py``)
 
 ``Goodput`` (written by process 0 only) keeps ``goodput.json`` in the workdir:
 one record per run (its status, steps, seconds per category) and their
@@ -52,9 +53,9 @@ import jax
 from distrib_train.training.hooks import Hooks, LoopView
 
 CATEGORIES = ("productive", "compile", "checkpoint", "data_wait", "restore", "replayed", "eval", "eval_tasks",
-              "layout_search", "other")
+              "generation", "layout_search", "other")
 _CATEGORY_OF_PHASE = {"step": "productive", "compile": "compile", "checkpoint": "checkpoint", "data": "data_wait",
-                      "restore": "restore", "eval": "eval", "eval_tasks": "eval_tasks",
+                      "restore": "restore", "eval": "eval", "eval_tasks": "eval_tasks", "generate": "generation",
                       "layout_search": "layout_search"}  # else: "other"
 FILE_NAME = "goodput.json"
 RUN_FILE_NAME = ".goodput_run.json"

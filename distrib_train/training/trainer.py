@@ -15,6 +15,7 @@ writes its checkpoint shards)::
   auto_layout.json the layout ``mesh_config: auto`` chose, and its mesh in auto_mesh.yaml
   watchdog/        heartbeats and, after a hang, stacks (train.hang_timeout_s)
   profile/         a jax profiler trace, when asked for
+  rollouts.jsonl   ``train.objective: grpo``'s completions, one per line (``rollouts.py``)
 
 The step is compiled ahead of the loop with the real shardings, so its memory analysis is known (and a GPU
 step that cannot fit refused) before the first step. The trainer then hands a ``TrainLoop`` (``loop.py``) the
@@ -52,7 +53,7 @@ from distrib_train.training.checks import (TrainerSetupError, check_batch_is_spl
 from distrib_train.training.compilation import (CacheEvents, cache_unsafe_reason, memory_line,
                                                 setup_compilation_cache)
 from distrib_train.training.config import Config
-from distrib_train.training import eval_hook, evaluation, init_from, layout_choice, reference_pass
+from distrib_train.training import eval_hook, evaluation, init_from, layout_choice, reference_pass, rollouts
 from distrib_train.training.goodput import Goodput, PhaseClock
 from distrib_train.training.hooks import Profiler
 from distrib_train.training.loop import RunResult, TrainLoop, aux_scalars
@@ -255,9 +256,12 @@ class Trainer:
       if self.config.train.objective == "dpo" and self.config.dpo.precompute_reference:  # before any loader
         kept = reference_pass.ensure(self.config, self.job, plan, self.rules, init_from.load, self.data_config)
         self.data_config = dataclasses.replace(self.data_config, reference_logps=kept)
-      loader = DataLoader(self.data_config, plan.input_kwarg_shardings, vocab_size=self.vocab_size)
-      no_eval = evaluation.missing_eval_split(self.data_config, plan.input_kwarg_shardings, self.vocab_size,
-                                               t.eval_every)
+      if self.parts.objective.rollouts:  # the policy's own completions (train.objective: grpo), no held-out loss
+        loader, no_eval = rollouts.RolloutSource(self.config, plan, self.rules, self), rollouts.NO_EVAL
+      else:
+        loader = DataLoader(self.data_config, plan.input_kwarg_shardings, vocab_size=self.vocab_size)
+        no_eval = evaluation.missing_eval_split(self.data_config, plan.input_kwarg_shardings, self.vocab_size,
+                                                 t.eval_every)
       eval_hook.check(self.config)  # train.eval_tasks: lm-eval there, each task known and local
       if jax.process_index() == 0:
         self.workdir.mkdir(parents=True, exist_ok=True)
