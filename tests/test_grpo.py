@@ -106,6 +106,26 @@ def test_a_run_writes_rollouts_and_resumes_exactly(tmp_path):
   assert goodput["runs"][-1]["seconds"]["generation"] > 0
 
 
+def test_lora_samples_with_its_adapters_and_its_reference_is_them_off(tmp_path):
+  """With LoRA the state holds no reference copy (beta > 0: the reference is the adapters off); the sampler reads
+  the adapters as they train: its log-probabilities stay the trainer's after the adapters have moved."""
+  from distrib_train.common.naming import path_str
+  from distrib_train.training import job as job_lib
+
+  import jax
+
+  config = _config("model.lora.rank=4", "optimizer.learning_rate=0.01", steps=3)
+  state = job_lib.job_spec(config).abstract_state
+  names = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.model_without_params)]
+  assert names and not any("reference" in n or "policy" in n for n in names)
+  assert all("lora" in path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params))
+  assert _train(config, tmp_path / "run").status == "finished"
+  metrics = grpo_helpers.read_jsonl(tmp_path / "run" / "metrics.jsonl")
+  assert [r["step"] for r in metrics if "kl" in r] == [1, 2, 3]
+  assert max(r["kl"] for r in metrics if "kl" in r) > 0  # the adapters moved away from the reference
+  assert max(r["sampler_gap/max"] for r in metrics if "sampler_gap/max" in r) < 1e-4
+
+
 def test_a_failing_reward_function_stops_the_run_in_one_line(tmp_path):
   """A reward function that raises stops ``distrib-train`` with one line naming it and the prompt's index; no
   checkpoint is written past the last good step."""

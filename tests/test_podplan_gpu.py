@@ -207,7 +207,8 @@ def test_windowed_and_full_layers_compile_to_cudnn_attention_without_a_length_by
 # (llama-7b-gpu's model), and the post-training presets of qwen3-8b-gpu's model (SFT and DPO, full and LoRA; 18-20 s
 # each here, bench/RESULTS.md has their memory).
 LONG_GPU_PRESETS = ("llama-124m-gpu", "llama-7b-gpu", "qwen3-30b-a3b-gpu", "gpt-oss-20b-gpu", "llama-1b-gpu",
-                    "sft-qwen3-8b-gpu", "sft-qwen3-8b-lora-gpu", "dpo-qwen3-8b-gpu", "dpo-qwen3-8b-lora-gpu")
+                    "sft-qwen3-8b-gpu", "sft-qwen3-8b-lora-gpu", "dpo-qwen3-8b-gpu", "dpo-qwen3-8b-lora-gpu",
+                    "grpo-qwen3-8b-gpu", "grpo-qwen3-8b-lora-gpu")
 
 
 @pytest.mark.parametrize("preset", [

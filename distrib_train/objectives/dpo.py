@@ -1,7 +1,5 @@
-"""Training objectives, apart from the model family: ``train.objective``.
+"""``train.objective: dpo``: DPO, SimPO and ORPO on preference pairs.
 
-- ``lm`` (the default): the family's own next-token cross-entropy
-  (``decoder.loss_fn``): pretraining, and SFT with ``data.loss_on``.
 - ``dpo``: preference pairs (``data/preference.py``). A batch row holds
   whole pairs, each two segments: the chosen sequence (targets weigh +1
   where scored) and the rejected one (−1). The objective sums each

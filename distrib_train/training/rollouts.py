@@ -132,8 +132,8 @@ class RolloutSource:
       if first != step:  # resumed mid-way: the batch made at ``first``, as it was
         host = self._read_kept(first)
       else:
-        phases = self.run.phases
-        with phases.phase("generate"):
+        jax.block_until_ready(state.params)  # the step before, dispatched: its time is not the sampler's
+        with self.run.phases.phase("generate"):
           host = self._roll_out(state, step)
       self._kept = (first, self._place(host))
     return self._kept[1]
@@ -194,13 +194,14 @@ class RolloutSource:
     records = [_record(self.documents, i) for i in indices]
     prompts, rendered = zip(*[self._prompt(r, i) for r, i in zip(records, indices)])
     generator = self._sampler(state)
+    sampled = time.perf_counter()
     sampling = Sampling(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
                         scaled_logprobs=True)
     seed = (self.config.train.seed * 1_000_003 + step) % (1 << 32)
     completions = generator.generate(prompts, max_new_tokens=g.max_completion_length, sampling=sampling,
                                      n=g.num_generations, seed=seed, eos_ids=self.end_ids,
                                      batch_size=self.config.data.global_batch_size)
-    generated = time.perf_counter() - started
+    generated = time.perf_counter() - sampled
     rows = [(p, c) for p in range(len(prompts)) for c in completions[p * g.num_generations:(p + 1) * g.num_generations]]
     texts = [self.codec.decode([t for t in c.ids if t not in self.end_ids]) for _, c in rows]
     values = self._rewards(records, indices, rows, texts)
