@@ -63,7 +63,8 @@ def distinct_letters(prompts, completions, completion_ids, **columns):
 
 def echoes_target(prompts, completions, completion_ids, target, **columns):
   """1 where the completion holds its record's ``target`` column, None where the record has none."""
-  return [None if t is None else float(t in c) for c, t in zip(completions, target)]
+  text = lambda c: c if isinstance(c, str) else c[0]["content"]
+  return [None if t is None else float(t in text(c)) for c, t in zip(completions, target)]
 
 
 def fails_on_seven(prompts, completions, completion_ids, **columns):
@@ -89,9 +90,11 @@ def losses(workdir):
 # --- a run on a Hugging Face directory ---------------------------------------------------------------------
 
 def write_prompts(path, count=8):
-  """Prompt records for a tiny BPE model: text prompts, most with a ``target`` column (None where absent)."""
-  records = [{"prompt": f"Question {i}: why " + "so " * (i % 3), **({"target": "e"} if i % 4 else {})}
-             for i in range(count)]
+  """Prompt records for a tiny BPE model: text prompts and, every other one, a chat's messages; most with a
+  ``target`` column (None where absent)."""
+  question = lambda i: f"Question {i}: why " + "so " * (i % 3)
+  records = [{"prompt": question(i) if i % 2 else [{"role": "user", "content": question(i)}],
+              **({"target": "e"} if i % 4 else {})} for i in range(count)]
   pathlib.Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
   return path
 

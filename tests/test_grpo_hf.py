@@ -6,7 +6,8 @@ and its loss at each step. transformers then computes every completion token's l
 temperature) under the starting model (the old policy and the reference) and under the run's step-1 checkpoint
 exported to Hugging Face (the policy at step 2, so the importance weights and the clip bite), and TRL's formula
 (``grpo_helpers.trl_loss``) on them must give the run's losses to 1e-4. Each loss type, both importance-sampling
-levels and beta 0 and 0.04 appear among the runs; on 8 devices, on one device and in 2 processes × 4 devices.
+levels and beta 0 and 0.04 appear among the runs (dapo and dr_grpo on 8 devices, bnpo on one device, grpo in 2
+processes × 4 devices; token and sequence weights, beta 0 and 0.04 each twice).
 """
 
 import importlib
@@ -71,8 +72,21 @@ def _check_against_trl(workdir, hf_dir, config):
     mask *= ~np.asarray([r["truncated"] for r in rows])[:, None]
   import transformers
 
-  tok = transformers.AutoTokenizer.from_pretrained(hf_dir)  # the prompts as transformers tokenizes them
-  prompts = [tok(r["prompt"])["input_ids"] for r in rows]
+  # The prompts as TRL tokenizes them: a text prompt with the tokenizer's special tokens (its BOS); a chat rendered
+  # by transformers' chat template with the generation prompt (the rollouts must hold that text), then tokenized
+  # without adding any.
+  tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  records = grpo_helpers.read_jsonl(config.data.paths[0])
+  prompts = []
+  for r in rows:
+    prompt = records[r["prompt_index"]]["prompt"]
+    if isinstance(prompt, str):
+      assert r["prompt"] == prompt
+      prompts.append(tok(prompt)["input_ids"])
+    else:
+      assert r["prompt"] == tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+      prompts.append(tok(r["prompt"], add_special_tokens=False)["input_ids"])
+  assert any(isinstance(records[r["prompt_index"]]["prompt"], list) for r in rows)
   export.export(workdir, str(workdir / "step1_hf"), step=1)
   start = _logps(hf_dir, rows, prompts, g.temperature)
   after_one = _logps(workdir / "step1_hf", rows, prompts, g.temperature)
@@ -88,7 +102,6 @@ def _check_against_trl(workdir, hf_dir, config):
 
 @pytest.mark.parametrize("settings", [
     ("grpo.loss_type=dapo", "grpo.importance_sampling_level=token"),
-    ("grpo.loss_type=grpo", "grpo.importance_sampling_level=sequence", "grpo.beta=0.04"),
     ("grpo.loss_type=dr_grpo", "grpo.importance_sampling_level=token", "grpo.beta=0.04",
      "grpo.mask_truncated_completions=true", "grpo.epsilon_high=0.28"),
 ])
@@ -123,7 +136,7 @@ def test_the_runs_loss_is_trls_formula_in_two_processes(model, tmp_path):
   hf_dir, prompts = model
   (tmp_path / "mesh.yaml").write_text("devices: 8\ngranules: 2\naxes:\n  data: 1\n  fsdp: {ici: 2, dcn: 2}\n"
                                       "  tensor: {ici: 2}\nrules: fsdp_tensor\n")
-  settings = ["grpo.loss_type=grpo", "grpo.importance_sampling_level=token", "grpo.beta=0.04"]
+  settings = ["grpo.loss_type=grpo", "grpo.importance_sampling_level=sequence", "grpo.beta=0.04"]
   results = mp_harness.run_workers(pathlib.Path(__file__).parent / "workers" / "grpo_worker.py", str(hf_dir),
                                    str(prompts), str(tmp_path / "mesh.yaml"), str(tmp_path / "run"), *settings,
                                    timeout=400)

@@ -312,27 +312,39 @@ class RolloutSource:
   # --- a batch kept for num_iterations > 1, and the records ---------------------------------------------------
 
   def _kept_path(self, step: int) -> str:
-    return os.path.join(self.run.workdir, "rollouts_batch", f"{step}.npz")
+    return os.path.join(self.run.workdir, "rollouts_batch", str(step))
 
   def _keep(self, step: int, host: Mapping[str, np.ndarray]) -> None:
+    """Process 0 writes the batch as raw arrays and a JSON of their dtypes and shapes (no pickle), whole or not
+    at all; the batches before it go."""
+    import shutil
+
     if jax.process_index() != 0:
       return
-    directory = os.path.dirname(self._kept_path(step))
-    os.makedirs(directory, exist_ok=True)
-    temporary = self._kept_path(step) + ".tmp.npz"
-    np.savez(temporary, **host)
-    os.replace(temporary, self._kept_path(step))
+    final = self._kept_path(step)
+    temporary = final + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    os.makedirs(temporary)
+    for name, value in host.items():
+      np.ascontiguousarray(value).tofile(os.path.join(temporary, f"{name}.bin"))
+    with open(os.path.join(temporary, "arrays.json"), "w", encoding="utf-8") as f:
+      json.dump({name: [str(value.dtype), list(value.shape)] for name, value in host.items()}, f)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(temporary, final)
+    directory = os.path.dirname(final)
     for name in os.listdir(directory):
-      if name.endswith(".npz") and name != f"{step}.npz":
-        os.remove(os.path.join(directory, name))
+      if name != str(step):
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
   def _read_kept(self, step: int) -> dict[str, np.ndarray]:
     path = self._kept_path(step)
-    if not os.path.isfile(path):
+    if not os.path.isfile(os.path.join(path, "arrays.json")):
       raise ValueError(f"{path}: the rollouts of step {step} this run resumes within (grpo.num_iterations="
                        f"{self.settings.num_iterations}) are missing.")
-    with np.load(path) as kept:
-      return {name: kept[name] for name in kept.files}
+    with open(os.path.join(path, "arrays.json"), encoding="utf-8") as f:
+      layout = json.load(f)
+    return {name: np.fromfile(os.path.join(path, f"{name}.bin"), np.dtype(dtype)).reshape(shape)
+            for name, (dtype, shape) in layout.items()}
 
   def _record(self, step, indices, rendered, rows, texts, values, reward, advantages, zero_std, generated,
               seconds) -> None:
