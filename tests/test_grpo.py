@@ -22,7 +22,7 @@ from distrib_train.training import config as config_lib
 from distrib_train.training import rollouts
 
 ROLLOUT_KEYS = {"step", "prompt_index", "prompt", "completion", "completion_ids", "rewards", "reward", "advantage",
-                "length", "truncated"}
+                "length", "truncated"}  # as docs/rl.md lists them
 
 
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
@@ -73,20 +73,26 @@ def _train(config, workdir):
 
 
 def test_a_run_writes_rollouts_and_resumes_exactly(tmp_path):
-  """4 steps with ``num_iterations: 2`` in one go, and the same stopped after step 3 (mid-way through a batch of
-  completions) and resumed: the same rollouts and losses. The rollouts file holds one
-  line per completion with the documented keys, the rewards and advantages as TRL computes them; the metrics hold
-  the rollout figures, the clip ratios and the sampler / trainer gap (tiny: the same weights, fp32)."""
-  settings = ("grpo.num_iterations=2", "train.checkpoint_every=1", "grpo.loss_type=grpo", "grpo.beta=0.04")
-  whole = _train(_config(*settings), tmp_path / "whole")
-  assert whole.status == "finished" and whole.step == 4
-  for stop in (3, 4):
-    result = _train(_config(*settings, steps=stop), tmp_path / "resumed")
-    assert result.status == "finished" and result.step == stop
+  """6 steps with ``num_iterations: 2`` in one go, and the same killed after step 5 before its checkpoint was
+  committed, resumed from step 3's (mid-way through the batch of completions made at step 2, which the batch made
+  at step 4 did not remove): the same rollouts and losses, the lines of the steps trained again not doubled. The
+  rollouts file holds one line per completion with the documented keys, the rewards and advantages as TRL computes
+  them; the metrics hold the rollout figures, the clip ratios and the sampler / trainer gap (tiny: the same
+  weights, fp32)."""
+  import shutil
+
+  settings = ("grpo.num_iterations=2", "train.checkpoint_every=3", "grpo.loss_type=grpo", "grpo.beta=0.04")
+  whole = _train(_config(*settings, steps=6), tmp_path / "whole")
+  assert whole.status == "finished" and whole.step == 6
+  assert _train(_config(*settings, steps=5), tmp_path / "resumed").step == 5
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "5")  # killed before step 5's checkpoint was committed
+  assert sorted(p.name for p in (tmp_path / "resumed" / "rollouts_batch").iterdir()) == ["2", "4"]
+  result = _train(_config(*settings, steps=6), tmp_path / "resumed")
+  assert result.status == "finished" and result.step == 6
   rows = grpo_helpers.read_jsonl(tmp_path / "whole" / "rollouts.jsonl")
   assert rows == grpo_helpers.read_jsonl(tmp_path / "resumed" / "rollouts.jsonl")
   assert grpo_helpers.losses(tmp_path / "whole") == grpo_helpers.losses(tmp_path / "resumed")
-  assert len(rows) == 2 * 32 and {r["step"] for r in rows} == {1, 3}  # one batch of completions per 2 steps
+  assert len(rows) == 3 * 32 and {r["step"] for r in rows} == {1, 3, 5}  # one batch of completions per 2 steps
   assert all(set(r) == ROLLOUT_KEYS for r in rows)
   first = [r for r in rows if r["step"] == 1]
   assert all(r["prompt"].endswith("=") and r["length"] == len(r["completion_ids"]) == 2 for r in first)
@@ -162,6 +168,8 @@ def _arithmetic_record(index):
     (["grpo.reward_funcs=no_such_module:f"], "no module named 'no_such_module'"),
     (["train.eval_every=10"], "train.eval_every"),
     (["data.seq_len=2"], "data.seq_len=2 holds no prompt"),
+    (["data.source=pydoc"], "data.source=pydoc: train.objective=grpo reads prompt records"),
+    (["model.lora.rank=4", "model.lora.dropout=0.1"], "model.lora.dropout"),
 ])
 def test_a_run_that_cannot_work_is_refused_in_one_line(overrides, message):
   config = config_lib.load("grpo-tiny", overrides)

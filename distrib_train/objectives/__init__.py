@@ -36,8 +36,8 @@ class Objective:
     input_axes: the batch's fields and their logical axes.
     extra_inputs: the batch fields the data loader does not make, by name: their dtype (each
       ``[global_batch_size, seq_len]``).
-    weight: the aux count a batch's figures are weighed by, over microbatches and in evaluation; None: ``tokens``
-      where the aux has it (a loss given as code), else equal weights.
+    weight: the aux count a batch's figures are weighed by, over microbatches and in evaluation; None: ``pairs``
+      or ``tokens`` where the aux has it (a loss given as code), else equal weights.
     perplexity: evaluation reports ``exp`` of the mean cross-entropy.
     flops_scale: the step's FLOPs over the family's training count (DPO's reference forward: 4/3).
     rollouts: its batches are the policy's own completions (``training/rollouts.py``), not the data loader's.
@@ -60,10 +60,12 @@ class Objective:
 
 
 def weight_in(aux: Any, weight: str | None = None) -> str | None:
-  """``weight`` where the mapping ``aux`` holds it; with None, ``tokens`` where it holds that; else None."""
+  """``weight`` where the mapping ``aux`` holds it; with None (a loss given as code), ``pairs`` or else ``tokens``
+  where it holds them; else None."""
   if not isinstance(aux, Mapping):
     return None
-  weight = weight or "tokens"
+  if weight is None:
+    return next((k for k in ("pairs", "tokens") if k in aux), None)
   return weight if weight in aux else None
 
 

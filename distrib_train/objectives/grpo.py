@@ -176,7 +176,7 @@ def figures(logps: jax.Array, entropy: jax.Array, mask: jax.Array, advantages: j
   tokens = jnp.sum(per_row)
   rows = jnp.float32(mask.shape[0])
   masked_mean = lambda x: jnp.sum(x * mask) / jnp.maximum(tokens, 1.0)
-  log_ratio = logps - old_logps
+  log_ratio = jnp.where(mask > 0, logps - old_logps, 0.0)  # nothing overflows where nothing counts
   if settings.importance_sampling_level == "sequence":
     log_weight = (jnp.sum(log_ratio * mask, axis=-1) / jnp.maximum(per_row, 1.0))[:, None]
   else:
@@ -186,7 +186,7 @@ def figures(logps: jax.Array, entropy: jax.Array, mask: jax.Array, advantages: j
   per_token = -jnp.minimum(coef * advantages, clipped * advantages)
   aux: dict[str, jax.Array] = {}
   if ref_logps is not None and settings.beta:
-    delta = ref_logps - logps
+    delta = jnp.where(mask > 0, ref_logps - logps, 0.0)
     kl = jnp.exp(delta) - delta - 1
     per_token = per_token + settings.beta * kl
     aux["kl"] = masked_mean(kl)

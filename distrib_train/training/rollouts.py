@@ -14,8 +14,12 @@ the batch step ``s + 1`` trains on. Every ``grpo.num_iterations`` steps it makes
    A function that fails stops the run with one line naming it and the prompt.
 4. **Advantages**, the rows (prompt + completion, the completion's targets weighed), the sampler's
    log-probabilities and, with ``num_iterations`` > 1, the policy's at generation time (kept in
-   ``<workdir>/rollouts_batch/`` for a resume mid-way), placed on the step's input shardings.
-5. **Records**: ``rollouts.jsonl`` (one line per completion), and ``rollout/`` figures in ``metrics.jsonl``.
+   ``<workdir>/rollouts_batch/`` for a resume mid-way: ``rollout_records.py``), placed on the step's input
+   shardings.
+5. **Records**: ``rollouts.jsonl`` (one line per completion), and ``rollout/`` figures in ``metrics.jsonl``
+   (``rollout_records.py``).
+
+After a rollback by the non-finite guard the batches are sampled anew (another key), not the one that failed.
 
 The time is the ``generate`` phase, the goodput category ``generation``.
 
@@ -24,6 +28,7 @@ Not for: the loss (``objectives/grpo.py``), the reward functions (``rewards.py``
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -35,6 +40,7 @@ import jax
 import numpy as np
 
 from distrib_train.training import rewards as rewards_lib
+from distrib_train.training import rollout_records as records
 
 POSITION_VERSION = 1
 NO_EVAL = "train.objective=grpo trains on its own completions, with no held-out loss (train.eval_tasks scores tasks)."
@@ -77,6 +83,12 @@ def check(config: Any) -> list[rewards_lib.RewardFunc]:
   if data.seq_len < g.max_completion_length + 1:
     raise ValueError(f"data.seq_len={data.seq_len} holds no prompt before grpo.max_completion_length="
                      f"{g.max_completion_length} new tokens; raise data.seq_len.")
+  if config.data.source not in ("text", "arithmetic"):
+    raise ValueError(f"data.source={config.data.source}: train.objective=grpo reads prompt records, {{\"prompt\":"
+                     " …}: data.source text with data.paths (JSONL, Parquet, a datasets folder), or arithmetic.")
+  if getattr(config.model_recipe().config, "lora_dropout", 0.0):
+    raise ValueError("model.lora.dropout: train.objective=grpo compares the policy with its sampler and its"
+                     " reference, which drop nothing; set model.lora.dropout=0.")
   if config.train.eval_every:
     raise ValueError("train.eval_every: train.objective=grpo trains on its own completions and has no held-out"
                      " loss; score tasks with train.eval_tasks instead.")
@@ -94,8 +106,13 @@ def prompt_order(count: int, per_step: int, seed: int, batch: int) -> list[int]:
   out = []
   for i in range(batch * per_step, (batch + 1) * per_step):
     epoch, at = divmod(i, count)
-    out.append(int(np.random.default_rng([seed, epoch]).permutation(count)[at]))
+    out.append(int(_permutation(count, seed, epoch)[at]))
   return out
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(count: int, seed: int, epoch: int) -> np.ndarray:
+  return np.random.default_rng([seed, epoch]).permutation(count)
 
 
 class RolloutSource:
@@ -117,9 +134,11 @@ class RolloutSource:
     self.max_prompt = config.data.seq_len - self.settings.max_completion_length
     if self.settings.max_prompt_length:
       self.max_prompt = min(self.max_prompt, self.settings.max_prompt_length)
-    self._generator = self._logps_fn = None
+    self._generator = self._logps_fn = self._chat = None
     self._kept: tuple[int, dict[str, jax.Array]] | None = None
     self._figures: dict[str, float] = {}
+    self._furthest: int | None = None
+    self._replays = 0
     self.skipped_documents = 0
 
   # --- the loop's source ---------------------------------------------------------------------------------
@@ -127,10 +146,18 @@ class RolloutSource:
   def next_batch(self, state: Any) -> dict[str, jax.Array]:
     """The batch step ``state.step + 1`` trains on: the kept one within ``num_iterations``, else new rollouts."""
     step = int(state.step)
+    if self._furthest is None:  # a resumed run trains the steps after it again: their lines go
+      if jax.process_index() == 0:
+        records.trim(self.run.workdir, step)
+    elif step < self._furthest:  # a rollback (the non-finite guard): sample anew, not the batch that failed
+      self._replays += 1
+      self._kept = None
+      self.run.writer.log(f"Rollouts from step {step} are sampled anew after the rollback (replay {self._replays}).")
+    self._furthest = max(step, self._furthest or 0)
     first = step - step % self.settings.num_iterations
     if self._kept is None or self._kept[0] != first:
       if first != step:  # resumed mid-way: the batch made at ``first``, as it was
-        host = self._read_kept(first)
+        host = records.read(self.run.workdir, first, self.settings.num_iterations)
       else:
         jax.block_until_ready(state.params)  # the step before, dispatched: its time is not the sampler's
         with self.run.phases.phase("generate"):
@@ -168,6 +195,22 @@ class RolloutSource:
     return prompt_order(len(self.documents), self.prompts_per_step, self.config.data.seed,
                         step // self.settings.num_iterations)
 
+  def _records(self, indices: list[int]) -> tuple[list[int], list[dict[str, Any]]]:
+    """The records at ``indices``; a malformed one (``data.bad_records: skip``) is counted and the next one in
+    the corpus taken instead."""
+    out_indices, records = [], []
+    for index in indices:
+      record, tried = _record(self.documents, index), 1
+      while record is None:
+        if tried == len(self.documents):
+          raise ValueError("data: every prompt record is malformed (data.bad_records: skip skipped them all).")
+        self.skipped_documents += 1
+        index, tried = (index + 1) % len(self.documents), tried + 1
+        record = _record(self.documents, index)
+      out_indices.append(index)
+      records.append(record)
+    return out_indices, records
+
   def _prompt(self, record: dict[str, Any], index: int) -> tuple[list[int], str]:
     """A record's prompt ids (the last ``max_prompt`` kept) and its rendered text."""
     prompt = record["prompt"]
@@ -180,8 +223,9 @@ class RolloutSource:
       if not self.codec.path:
         raise ValueError(f"prompt record {index}: messages need a chat template, and the tokenizer"
                          f" {self.codec.spec} has none; give 'prompt' text, or the model's tokenizer.")
-      text = ChatEncoder(ChatTemplate.load(self.codec.path), None).render(
-          prompt, add_generation_prompt=True, where=f"prompt record {index}")
+      if self._chat is None:  # the model's template, read once
+        self._chat = ChatEncoder(ChatTemplate.load(self.codec.path, self.config.data.chat_template), None)
+      text = self._chat.render(prompt, add_generation_prompt=True, where=f"prompt record {index}")
       ids = self.codec.encode(text, False)
     return ids[-self.max_prompt:], text
 
@@ -190,14 +234,13 @@ class RolloutSource:
 
     started = time.perf_counter()
     g = self.settings
-    indices = self.prompt_indices(step)
-    records = [_record(self.documents, i) for i in indices]
+    indices, records = self._records(self.prompt_indices(step))
     prompts, rendered = zip(*[self._prompt(r, i) for r, i in zip(records, indices)])
     generator = self._sampler(state)
     sampled = time.perf_counter()
     sampling = Sampling(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
                         scaled_logprobs=True)
-    seed = (self.config.train.seed * 1_000_003 + step) % (1 << 32)
+    seed = (self.config.train.seed * 1_000_003 + step + 7_919 * self._replays) % (1 << 32)
     completions = generator.generate(prompts, max_new_tokens=g.max_completion_length, sampling=sampling,
                                      n=g.num_generations, seed=seed, eos_ids=self.end_ids,
                                      batch_size=self.config.data.global_batch_size)
@@ -246,6 +289,8 @@ class RolloutSource:
             [rows[i][1].ids for i in mine], columns, [indices[rows[i][0]] for i in mine])
       except rewards_lib.RewardError as e:
         error = str(e)
+      except Exception as e:  # noqa: BLE001 - every process must reach the gather below, then stop with the line
+        error = f"reward functions: {type(e).__name__}: {e}".splitlines()[0]
     if count == 1:
       if error:
         raise rewards_lib.RewardError(error)
@@ -256,13 +301,15 @@ class RolloutSource:
     raw = error.encode("utf-8")[:1024]
     message[:len(raw)] = np.frombuffer(raw, np.uint8)
     owned = np.asarray([p % count == me for p, _ in rows])
-    gathered = multihost_utils.process_allgather({"values": np.where(owned[:, None], values, 0.0),
+    exact = np.ascontiguousarray(np.where(owned[:, None], values, 0.0), np.float64).view(np.uint32)  # no float32
+    gathered = multihost_utils.process_allgather({"values": exact,
                                                   "message": message})
     messages = [bytes(m).rstrip(b"\0").decode("utf-8", "replace") for m in np.asarray(gathered["message"])]
     if any(messages):
       raise rewards_lib.RewardError(next(m for m in messages if m))
     owner = np.asarray([p % count for p, _ in rows])
-    return np.asarray(gathered["values"])[owner, np.arange(n)]
+    every = np.ascontiguousarray(np.asarray(gathered["values"], np.uint32)).view(np.float64)
+    return every.reshape(count, n, len(funcs))[owner, np.arange(n)]
 
   def _rows(self, prompts, rows, advantages) -> dict[str, np.ndarray]:
     """The batch's rows: prompt then completion, its targets weighed (module docstring of objectives/grpo.py)."""
@@ -309,70 +356,34 @@ class RolloutSource:
     return {name: jax.make_array_from_callback(value.shape, shardings[name], lambda index, v=value: v[index])
             for name, value in host.items()}
 
-  # --- a batch kept for num_iterations > 1, and the records ---------------------------------------------------
-
-  def _kept_path(self, step: int) -> str:
-    return os.path.join(self.run.workdir, "rollouts_batch", str(step))
+  # --- a batch kept for num_iterations > 1, and the records (rollout_records.py) ------------------------------
 
   def _keep(self, step: int, host: Mapping[str, np.ndarray]) -> None:
-    """Process 0 writes the batch as raw arrays and a JSON of their dtypes and shapes (no pickle), whole or not
-    at all; the batches before it go."""
-    import shutil
+    if jax.process_index() == 0:
+      oldest = self._oldest_checkpoint()
+      records.keep(self.run.workdir, step, host, oldest - oldest % self.settings.num_iterations)
 
-    if jax.process_index() != 0:
-      return
-    final = self._kept_path(step)
-    temporary = final + ".tmp"
-    shutil.rmtree(temporary, ignore_errors=True)
-    os.makedirs(temporary)
-    for name, value in host.items():
-      np.ascontiguousarray(value).tofile(os.path.join(temporary, f"{name}.bin"))
-    with open(os.path.join(temporary, "arrays.json"), "w", encoding="utf-8") as f:
-      json.dump({name: [str(value.dtype), list(value.shape)] for name, value in host.items()}, f)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(temporary, final)
-    directory = os.path.dirname(final)
-    for name in os.listdir(directory):
-      if name != str(step):
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-
-  def _read_kept(self, step: int) -> dict[str, np.ndarray]:
-    path = self._kept_path(step)
-    if not os.path.isfile(os.path.join(path, "arrays.json")):
-      raise ValueError(f"{path}: the rollouts of step {step} this run resumes within (grpo.num_iterations="
-                       f"{self.settings.num_iterations}) are missing.")
-    with open(os.path.join(path, "arrays.json"), encoding="utf-8") as f:
-      layout = json.load(f)
-    return {name: np.fromfile(os.path.join(path, f"{name}.bin"), np.dtype(dtype)).reshape(shape)
-            for name, (dtype, shape) in layout.items()}
+  def _oldest_checkpoint(self) -> int:
+    """The oldest step either checkpoint tier may restore (0 where none is saved yet): its batch stays."""
+    tiers = getattr(self.run, "tiers", None)
+    persistent, local = getattr(tiers, "persistent", None), getattr(tiers, "local", None)
+    steps = (persistent.all_steps() if persistent is not None else []) + (local.steps() if local is not None else [])
+    return min(steps) if steps else 0
 
   def _record(self, step, indices, rendered, rows, texts, values, reward, advantages, zero_std, generated,
               seconds) -> None:
     lengths = np.asarray([len(c.ids) for _, c in rows])
     truncated = np.asarray([c.finish_reason == "length" for _, c in rows])
     names = [f.name for f in self.funcs]
-    figures = {"reward/mean": float(np.mean(reward)), "reward/std": float(np.std(reward, ddof=1)) if len(reward) > 1
-               else 0.0, "completions/mean_length": float(lengths.mean()), "completions/min_length": int(lengths.min()),
-               "completions/max_length": int(lengths.max()), "completions/clipped_ratio": float(truncated.mean()),
-               "frac_reward_zero_std": float(np.mean(zero_std)), "generation_seconds": generated,
-               "generation_tokens_per_s": float(lengths.sum() / max(generated, 1e-9)), "seconds": seconds}
-    for j, name in enumerate(names):
-      column = values[:, j]
-      present = column[~np.isnan(column)]
-      figures[f"rewards/{name}/mean"] = float(present.mean()) if present.size else float("nan")
-      figures[f"rewards/{name}/std"] = float(present.std(ddof=1)) if present.size > 1 else 0.0
-    self._figures = {f"rollout/{k}": v for k, v in figures.items()}
+    self._figures = records.figures(names, values, reward, zero_std, lengths, truncated, generated, seconds)
     if jax.process_index() != 0:
       return
-    with open(os.path.join(self.run.workdir, "rollouts.jsonl"), "a", encoding="utf-8") as f:
-      for r, (p, completion) in enumerate(rows):
-        line = {"step": step + 1, "prompt_index": indices[p], "prompt": rendered[p],
-                "completion": texts[r], "completion_ids": completion.ids,
-                "rewards": {name: (None if np.isnan(values[r, j]) else float(values[r, j]))
-                            for j, name in enumerate(names)},
-                "reward": float(reward[r]), "advantage": float(advantages[r]), "length": len(completion.ids),
-                "truncated": bool(truncated[r])}
-        f.write(json.dumps(line) + "\n")
+    records.write_lines(self.run.workdir, [
+        {"step": step + 1, "prompt_index": indices[p], "prompt": rendered[p], "completion": texts[r],
+         "completion_ids": completion.ids,
+         "rewards": {name: (None if np.isnan(values[r, j]) else float(values[r, j])) for j, name in enumerate(names)},
+         "reward": float(reward[r]), "advantage": float(advantages[r]), "length": len(completion.ids),
+         "truncated": bool(truncated[r])} for r, (p, completion) in enumerate(rows)])
 
 
 def _replicated(x: jax.Array, mesh: Any) -> jax.Array:
