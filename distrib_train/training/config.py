@@ -193,8 +193,8 @@ class Config:
       out["data"].pop(key)
     model = out.pop("model")
     out = {"model": {"name": model["name"], "preset": model["preset"], **dict(model["overrides"])}, **out}
-    out["data"]["paths"] = list(out["data"]["paths"])
-    return out
+    return {section: {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}  # YAML's lists
+            if isinstance(values, dict) else values for section, values in out.items()}
 
   def to_yaml(self) -> str:
     return yaml.safe_dump(self.to_dict(), sort_keys=False)
