@@ -56,7 +56,7 @@ def test_round_trip_through_yaml(tmp_path):
     ("model.num_layers=two", "model.num_layers must be an integer"),
     ("train.nonfinite=ignore", "train.nonfinite must be one of skip, halt, rollback"),
     ("train.steps=0", "train.steps must be at least 1"),
-    ("optimizer.schedule=exp", "optimizer.schedule must be constant, cosine or linear"),
+    ("optimizer.schedule=exp", "optimizer.schedule must be constant, cosine, linear or wsd"),
     ("data.source=web", "unknown source 'web'"),
     ("model.vocab_size=100", "vocab_size 100 is below 256"),
     ("model.preset=huge", "Unknown preset 'huge'"),

@@ -1,15 +1,12 @@
 """The run configuration: typed sections, YAML files and ``--set`` overrides.
 
-An experiment is four small sections::
+An experiment is a few small sections::
 
-  model:      name: llama, preset: tiny, and any field of the model's config
-              (remat: full, scan_layers: false, attention: cudnn, …)
-  optimizer:  adamw / adam / sgd, learning rate, schedule, warmup, clipping
+  model:      name: llama, preset: tiny, and any field of the model's config (remat: full, attention: cudnn, …)
+  optimizer:  adamw / adam / sgd / muon, learning rate, schedule (wsd too), warmup, clipping
   data:       source, paths, seq_len, global_batch_size, …  (DataConfig)
-  train:      steps, seed, log / eval / checkpoint intervals, non-finite
-              policy, compilation cache, profiling, peak FLOP/s, objective
-  dpo:        the preference objective's β, loss and reference (read with
-              train.objective: dpo; objectives/dpo.py)
+  train:      steps, seed, intervals, non-finite policy, compilation cache, peak FLOP/s, objective
+  dpo, grpo:  an objective's own settings (read with train.objective: dpo / grpo; objectives/)
 
 plus ``mesh_config`` (a file in ``mesh_configs/`` or a path). ``load``
 reads a YAML file (or a preset shipped in ``distrib_train/configs/``) over
@@ -48,11 +45,14 @@ PRESETS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"  # distrib
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  """Optimizer and learning-rate schedule.
+  """Optimizer and learning-rate schedule (``optimizers.py``).
 
-  The schedule warms up linearly from 0 over ``warmup_steps``, then follows
-  ``schedule`` (``constant``, ``cosine`` or ``linear``) down to
-  ``learning_rate * min_lr_ratio`` at ``decay_steps`` (0: the run's steps).
+  The schedule warms up linearly from 0 over ``warmup_steps``, then follows ``schedule`` (``constant``,
+  ``cosine``, ``linear`` or ``wsd``) down to ``learning_rate * min_lr_ratio`` at ``decay_steps`` (0: the run's
+  steps). ``wsd`` (warmup-stable-decay) holds the peak and decays over the last ``decay_fraction`` of the steps,
+  ``decay_shape`` ``linear`` or ``1-sqrt``. ``muon`` takes the ``muon_*`` fields (YAML ``muon: {ns_steps: …}``,
+  ``--set optimizer.muon.ns_steps=…``); ``muon_adam_lr`` 0: the AdamW part's peak is ``learning_rate``,
+  ``muon_consistent_rms`` 0: Keller Jordan's √max(1, out/in) scale rather than Moonlight's RMS match.
   """
 
   name: str = "adamw"
@@ -66,6 +66,13 @@ class OptimizerConfig:
   eps: float = 1e-8
   weight_decay: float = 0.0
   grad_clip_norm: float = 1.0  # 0: no clipping
+  decay_fraction: float = 0.2
+  decay_shape: str = "linear"
+  muon_ns_steps: int = 5
+  muon_beta: float = 0.95
+  muon_nesterov: bool = True
+  muon_consistent_rms: float = 0.2
+  muon_adam_lr: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,40 +88,30 @@ class TrainConfig:
     eval_tasks, eval_tasks_every, eval_include_path, eval_tasks_limit: lm-eval tasks the live model is scored
       on every ``eval_tasks_every`` steps (0: at the end), more task YAMLs, documents per task (``eval_hook.py``).
     checkpoint_every, keep_checkpoints: steps between checkpoints (0: only at the end); newest ones kept.
-    local_checkpoint_every: steps between fast-tier checkpoints: every
-      process writes its own shards to ``local_checkpoint_dir``
-      (``checkpoint/local.py``); a restart takes the newest step complete in
-      either tier. 0: off.
-    local_checkpoint_dir: the fast tier's directory on each host's own disk
-      (``/dev/shm/…`` for memory); each process writes under
-      ``process_<i>`` in it. Empty: ``<temp dir>/distrib_train-local/<a hash
-      of the workdir>``.
+    local_checkpoint_every: steps between fast-tier checkpoints: every process writes its own shards to
+      ``local_checkpoint_dir`` (``checkpoint/local.py``); a restart takes the newest step complete in either
+      tier. 0: off.
+    local_checkpoint_dir: the fast tier's directory on each host's own disk (``/dev/shm/…`` for memory); each
+      process writes under ``process_<i>`` in it. Empty: ``<temp dir>/distrib_train-local/<a hash of the workdir>``.
     async_checkpoint: write checkpoints in the background.
-    nonfinite: what a non-finite loss or gradient does: ``skip`` (drop the
-      update and count it), ``halt`` (stop with a message, no checkpoint) or
-      ``rollback`` (restore the last checkpoint, move past the batch).
-    max_nonfinite: consecutive skipped steps, or rollbacks without a clean
-      checkpoint in between, before the run halts anyway.
+    nonfinite: what a non-finite loss or gradient does: ``skip`` (drop the update and count it), ``halt`` (stop
+      with a message, no checkpoint) or ``rollback`` (restore the last checkpoint, move past the batch).
+    max_nonfinite: consecutive skipped steps, or rollbacks without a clean checkpoint in between, before the run
+      halts anyway.
     compilation_cache_dir: persistent XLA compilation cache ('' disables).
     peak_tflops: per-device peak for MFU (0: look the device kind up; CPU has none).
     rules: axis rules (a rule-set name) when the mesh config names none.
-    objective: ``lm`` (next-token cross-entropy: pretraining, SFT), ``dpo``
-      (preference pairs, the ``dpo`` section) or ``grpo`` (RL on the
-      policy's completions, the ``grpo`` section); ``objectives/``.
-    init_from: a new run's weights: ``hf:<dir>`` (a Hugging Face Llama /
-      Mistral / Qwen2 checkpoint; the model's shape comes from its
-      config.json) or ``ckpt:<workdir, checkpoints dir or step dir>`` (the
-      params of a distrib_train run); the optimizer starts fresh. Empty: a
-      random init. A run that resumes from its own checkpoint ignores it.
-    microbatches: split each step's global batch into this many
-      microbatches inside the step. Without a ``stage`` mesh axis: gradient
-      accumulation (float32, one update per step; less activation memory).
-      With one: the pipeline's microbatches (more of them, a smaller
-      bubble).
-    pipeline_repeats: rounds each microbatch makes through the pipeline
-      stages (1: GPipe; R > 1: the circular schedule, bubble
-      ``(S − 1) / (R·M + S − 1)``, needs ``microbatches`` ≥ stages and
-      layers divisible by stages × R). Only with a ``stage`` axis.
+    objective: ``lm`` (next-token cross-entropy: pretraining, SFT), ``dpo`` (preference pairs, the ``dpo``
+      section) or ``grpo`` (RL on the policy's completions, the ``grpo`` section); ``objectives/``.
+    init_from: a new run's weights: ``hf:<dir>`` (a Hugging Face checkpoint; the model's shape comes from its
+      config.json) or ``ckpt:<workdir, checkpoints dir or step dir>`` (the params of a distrib_train run); the
+      optimizer starts fresh. Empty: a random init. A run that resumes from its own checkpoint ignores it.
+    microbatches: split each step's global batch into this many microbatches inside the step. Without a
+      ``stage`` mesh axis: gradient accumulation (float32, one update per step; less activation memory). With
+      one: the pipeline's microbatches (more of them, a smaller bubble).
+    pipeline_repeats: rounds each microbatch makes through the pipeline stages (1: GPipe; R > 1: the circular
+      schedule, bubble ``(S − 1) / (R·M + S − 1)``, needs ``microbatches`` ≥ stages and layers divisible by
+      stages × R). Only with a ``stage`` axis.
     layout_compiles: with ``mesh_config: auto``, the candidate layouts the search compiles at most
       (``podplan/auto.py``).
     layout_timed_steps: with ``mesh_config: auto`` on a GPU or TPU, the steps each of the fastest three
@@ -272,6 +269,7 @@ def valid_keys(model_fields: Sequence[str] = ()) -> list[str]:
   """Every ``section.key`` a config or ``--set`` accepts."""
   keys = ["mesh_config", "model.name", "model.preset"] + [f"model.{f}" for f in model_fields]
   keys += [f"model.lora.{f[5:]}" for f in model_fields if f.startswith("lora_")]  # model.lora: {rank, …}
+  keys += [f"optimizer.muon.{f.name[5:]}" for f in dataclasses.fields(OptimizerConfig) if f.name.startswith("muon_")]
   for section, cls in _SECTIONS.items():
     keys += [f"{section}.{name}" for name in _field_types(cls)]
   return keys
@@ -288,7 +286,7 @@ def _flat(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
       if not isinstance(value, Mapping):
         raise ConfigError(f"{where}: section {key!r} must be a mapping, got {value!r}.")
       for sub, v in value.items():
-        if key == "model" and isinstance(v, Mapping):  # model.lora: {rank: 8, …} → model.lora.rank
+        if key in ("model", "optimizer") and isinstance(v, Mapping):  # model.lora: {rank: 8} → model.lora.rank
           out.update({f"{key}.{sub}.{k}": item for k, item in v.items()})
         else:
           out[f"{key}.{sub}"] = v
@@ -361,7 +359,9 @@ def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str 
       mesh_config = coerce(value, str, key)
       continue
     section, _, field = key.partition(".")
-    field = field.replace(".", "_") if section == "model" and field.replace(".", "_") in model_types else field
+    if section in ("model", "optimizer") and field.replace(".", "_") in (
+        model_types if section == "model" else _field_types(OptimizerConfig)):
+      field = field.replace(".", "_")
     if section == "model" and field in model_types:
       model_overrides[field] = check_model_value(key, coerce(value, model_types[field], key), field)
     elif section in _SECTIONS and field in (types_ := _field_types(_SECTIONS[section])):

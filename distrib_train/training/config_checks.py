@@ -28,10 +28,19 @@ def check_config(config: Any, training: bool = True) -> None:
     ConfigError: a value out of range or a combination that cannot run (named by its key).
   """
   o, t = config.optimizer, config.train
-  if o.name not in ("adamw", "adam", "sgd"):
-    raise ConfigError(f"optimizer.name must be adamw, adam or sgd, got {o.name!r}.")
-  if o.schedule not in ("constant", "cosine", "linear"):
-    raise ConfigError(f"optimizer.schedule must be constant, cosine or linear, got {o.schedule!r}.")
+  if o.name not in ("adamw", "adam", "sgd", "muon"):
+    raise ConfigError(f"optimizer.name must be adamw, adam, sgd or muon, got {o.name!r}.")
+  if o.schedule not in ("constant", "cosine", "linear", "wsd"):
+    raise ConfigError(f"optimizer.schedule must be constant, cosine, linear or wsd, got {o.schedule!r}.")
+  for key, value, ok, what in (
+      ("decay_fraction", o.decay_fraction, 0.0 < o.decay_fraction <= 1.0, "in (0, 1]"),
+      ("decay_shape", o.decay_shape, o.decay_shape in ("linear", "1-sqrt"), "linear or 1-sqrt"),
+      ("muon.ns_steps", o.muon_ns_steps, o.muon_ns_steps >= 1, "at least 1"),
+      ("muon.beta", o.muon_beta, 0.0 <= o.muon_beta < 1.0, "in [0, 1)"),
+      ("muon.consistent_rms", o.muon_consistent_rms, o.muon_consistent_rms >= 0, "0 (off) or more"),
+      ("muon.adam_lr", o.muon_adam_lr, o.muon_adam_lr >= 0, "0 (learning_rate) or more")):
+    if not ok:
+      raise ConfigError(f"optimizer.{key} must be {what}, got {value!r}.")
   if o.learning_rate <= 0:
     raise ConfigError(f"optimizer.learning_rate must be positive, got {o.learning_rate!r}.")
   for key in ("warmup_steps", "decay_steps"):

@@ -136,7 +136,7 @@ def model_field_types(name: str, preset: str) -> dict[str, type]:
 
 
 # integer model fields where 0 is a setting (off), not a size
-_MAY_BE_ZERO = ("max_segments", "fp8_min_dim", "sliding_window", "q_lora_rank", "lora_rank")
+_MAY_BE_ZERO = ("max_segments", "fp8_min_dim", "sliding_window", "q_lora_rank", "lora_rank", "mtp_depth")
 
 
 def check_model_value(key: str, value: Any, field: str = "") -> Any:

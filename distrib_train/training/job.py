@@ -26,7 +26,7 @@ import jax
 import optax
 
 from distrib_train.data.pipeline import DataLoader
-from distrib_train import objectives
+from distrib_train import models, objectives
 from distrib_train.recipes.family import Family, family_of
 from distrib_train.sharding.axis_rules import AxisRules
 from distrib_train.sharding.mesh import MeshConfig
@@ -123,7 +123,8 @@ def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, lo
   replace the config's reference model (all three, or the recipe fills in), or ``parts`` resolved before."""
   parts = parts or model_parts(config, model_fn=model_fn, loss_fn=loss_fn, input_axes=input_axes)
   t = config.train
-  optimizer = optimizers.build(config.optimizer, t.steps, t.nonfinite)
+  optimizer = optimizers.build(config.optimizer, t.steps, t.nonfinite,
+                               param_axes=param_axes(parts, t.seed) if config.optimizer.name == "muon" else None)
 
   def make_state() -> TrainState:
     return TrainState.initial_state(parts.model_fn(t.seed), optimizer, jax.random.key(t.seed),
@@ -137,6 +138,14 @@ def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, lo
   return JobSpec(abstract, inputs, parts.loss_fn, parts.input_axes, parts.model_config, make_state, optimizer,
                  family=parts.family, microbatches=t.microbatches, pipeline_repeats=t.pipeline_repeats,
                  flops_scale=parts.flops_scale, objective=parts.objective)
+
+
+def param_axes(parts: ModelParts, seed: int = 0) -> dict[str, tuple[str | None, ...]]:
+  """Each param's logical axes by ``/``-path, from the model built abstractly (Muon's matrices: ``muon.py``)."""
+  with logical_annotations_only():
+    state = jax.eval_shape(lambda: TrainState.initial_state(parts.model_fn(seed), optax.set_to_zero(),
+                                                            jax.random.key(seed), is_param=parts.is_param))
+  return dict(models.annotated_axes(state.model_without_params, state.params))
 
 
 def packed_attention(family: Family, mesh: Any) -> bool:

@@ -4,8 +4,12 @@
 transformation:
 
   record the gradient norm → [skip non-finite updates (``nonfinite.py``)]
-  → clip by global norm → adamw / adam / sgd with an injected (readable)
-  learning rate
+  → clip by global norm → adamw / adam / sgd / muon with an injected
+  (readable) learning rate
+
+``muon`` is ``optax.contrib.muon`` with dimension numbers from the params'
+logical axes (``muon.py``), its AdamW part at ``muon_adam_lr`` on the same
+schedule's shape.
 
 so the gradient norm, the learning rate and the count of skipped updates are
 ordinary optimizer-state leaves: checkpointed with it, and read by
@@ -20,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from distrib_train.training import muon
 from distrib_train.training.config import OptimizerConfig
 from distrib_train.training.nonfinite import guard_updates
 
@@ -44,8 +49,16 @@ def record_grad_norm() -> optax.GradientTransformation:
   return optax.GradientTransformation(init, update)
 
 
+def wsd_decay_start(config: OptimizerConfig, steps: int) -> int:
+  """``wsd``'s last stable step: the updates after it decay (``steps`` or ``decay_steps`` less its
+  ``decay_fraction``, rounded)."""
+  total = config.decay_steps or steps
+  return max(config.warmup_steps, total - round(config.decay_fraction * total))
+
+
 def schedule(config: OptimizerConfig, steps: int) -> optax.Schedule:
-  """Linear warm-up from 0, then constant / cosine / linear decay."""
+  """Linear warm-up from 0, then constant / cosine / linear decay, or ``wsd``: the peak held to its last stable
+  step, then down to the end over the rest, linearly or as 1 − √(progress) (Hägele et al., 2024)."""
   peak = config.learning_rate
   decay_steps = max(1, (config.decay_steps or steps) - config.warmup_steps)
   end = peak * config.min_lr_ratio
@@ -53,6 +66,14 @@ def schedule(config: OptimizerConfig, steps: int) -> optax.Schedule:
     after = optax.cosine_decay_schedule(peak, decay_steps, alpha=config.min_lr_ratio)
   elif config.schedule == "linear":
     after = optax.linear_schedule(peak, end, decay_steps)
+  elif config.schedule == "wsd":
+    stable = wsd_decay_start(config, steps) - config.warmup_steps
+    length = max(1, (config.decay_steps or steps) - wsd_decay_start(config, steps))
+
+    def after(count):
+      progress = jnp.clip((count - stable) / length, 0.0, 1.0)
+      fall = progress if config.decay_shape == "linear" else 1.0 - jnp.sqrt(1.0 - progress)
+      return peak - (peak - end) * fall
   else:
     after = optax.constant_schedule(peak)
   if not config.warmup_steps:
@@ -61,16 +82,33 @@ def schedule(config: OptimizerConfig, steps: int) -> optax.Schedule:
   return optax.join_schedules([warmup, after], [config.warmup_steps])
 
 
-def build(config: OptimizerConfig, steps: int, nonfinite: str = "skip") -> optax.GradientTransformation:
+def _muon(config: OptimizerConfig, lr: optax.Schedule, param_axes: Any) -> optax.GradientTransformation:
+  """optax's Muon, its dimension numbers from ``param_axes`` (``muon.dimension_numbers``), its AdamW part at
+  ``muon_adam_lr`` (0: ``learning_rate``) on the same schedule's shape."""
+  ratio = (config.muon_adam_lr or config.learning_rate) / config.learning_rate
+  static = ("ns_steps", "nesterov", "muon_weight_dimension_numbers", "consistent_rms")
+  return optax.inject_hyperparams(optax.contrib.muon, static_args=static)(
+      learning_rate=lr, adam_learning_rate=lambda count: lr(count) * ratio, ns_steps=config.muon_ns_steps,
+      beta=config.muon_beta, nesterov=config.muon_nesterov, eps=config.eps,
+      consistent_rms=config.muon_consistent_rms or None, weight_decay=config.weight_decay,
+      adam_b1=config.b1, adam_b2=config.b2, adam_weight_decay=config.weight_decay,
+      muon_weight_dimension_numbers=muon.dimension_numbers(param_axes or {}))
+
+
+def build(config: OptimizerConfig, steps: int, nonfinite: str = "skip",
+          param_axes: Any = None) -> optax.GradientTransformation:
   """The configured optimizer, wrapped by the non-finite guard: with
   ``nonfinite="skip"`` a step whose gradients are not finite leaves params
-  and optimizer moments unchanged."""
+  and optimizer moments unchanged. ``param_axes``: ``/``-path → logical axes
+  (``models.annotated_axes``), which Muon's matrices are (``muon.py``)."""
   lr = schedule(config, steps)
   if config.name == "adamw":
     inner = optax.inject_hyperparams(optax.adamw)(
         learning_rate=lr, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay)
   elif config.name == "adam":
     inner = optax.inject_hyperparams(optax.adam)(learning_rate=lr, b1=config.b1, b2=config.b2, eps=config.eps)
+  elif config.name == "muon":
+    inner = _muon(config, lr, param_axes)
   else:
     inner = optax.inject_hyperparams(optax.sgd)(learning_rate=lr, momentum=config.b1 or None)
   parts = [inner] if not config.grad_clip_norm else [optax.clip_by_global_norm(config.grad_clip_norm), inner]
