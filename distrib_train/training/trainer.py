@@ -1,12 +1,11 @@
-"""The training loop: plan → init or restore → compile → steps → eval →
-checkpoints, with metrics, preemption and a non-finite guard.
+"""The training loop: plan → init or restore → compile → steps → eval → checkpoints, with metrics, preemption
+and a non-finite guard.
 
-``Trainer(config, workdir).run()`` trains the model a ``Config`` names (or
-one given as code: ``model_fn`` and ``loss_fn``) on the mesh its mesh config
-describes, resuming from the newest checkpoint in ``workdir/checkpoints``.
+``Trainer(config, workdir).run()`` trains the model a ``Config`` names (or one given as code: ``model_fn`` and
+``loss_fn``) on the mesh its mesh config describes, resuming from the newest checkpoint in ``workdir/checkpoints``
+(a finished ``wsd`` run given more steps: from its last stable step, ``wsd.py``).
 
-What it leaves in ``workdir`` (process 0 writes the files, every process
-writes its checkpoint shards)::
+What it leaves in ``workdir`` (process 0 writes the files, every process writes its checkpoint shards)::
 
   config.yaml, plan.txt   the effective config; the plan report (every array's layout, bytes per device)
   metrics.jsonl    one JSON object per log point and per evaluation; tensorboard/: event files
@@ -53,7 +52,7 @@ from distrib_train.training.checks import (TrainerSetupError, check_batch_is_spl
 from distrib_train.training.compilation import (CacheEvents, cache_unsafe_reason, memory_line,
                                                 setup_compilation_cache)
 from distrib_train.training.config import Config
-from distrib_train.training import eval_hook, evaluation, init_from, layout_choice, reference_pass, rollouts
+from distrib_train.training import eval_hook, evaluation, init_from, layout_choice, reference_pass, rollouts, wsd
 from distrib_train.training.goodput import Goodput, PhaseClock
 from distrib_train.training.hooks import Profiler
 from distrib_train.training.loop import RunResult, TrainLoop, aux_scalars
@@ -90,10 +89,10 @@ class Trainer:
   Args:
     config: the checked experiment config.
     workdir: where the run's files go; created when the run starts.
-    model_fn: ``model_fn(seed) -> model`` instead of the config's reference
-      model (with ``loss_fn``; ``input_axes`` for the batch's logical axes).
-    loss_fn: a penzai-style loss, ``loss_fn(*, model, state, rng, **batch)
-      -> (loss, state, aux)``; aux may hold ``loss`` and ``tokens``.
+    model_fn: ``model_fn(seed) -> model`` instead of the config's reference model (with ``loss_fn``;
+      ``input_axes`` for the batch's logical axes).
+    loss_fn: a penzai-style loss, ``loss_fn(*, model, state, rng, **batch) -> (loss, state, aux)``; aux may
+      hold ``loss`` and ``tokens``.
     input_axes: logical axes per input name.
     profile_steps: ``(first, last)`` steps to trace with the jax profiler.
     console: where console lines go (default stderr).
@@ -110,14 +109,12 @@ class Trainer:
     # The model, loss and family, resolved once for the run and its job (``job.job_spec``).
     self.parts = job_lib.model_parts(config, model_fn=model_fn, loss_fn=loss_fn, input_axes=input_axes)
     self.loss_fn = self.parts.loss_fn
-    family = self.parts.family
-    per_token = family.flops_per_token(config.data.seq_len)
+    family, per_token = self.parts.family, self.parts.family.flops_per_token(config.data.seq_len)
     self.flops_per_token = None if per_token is None else per_token * self.parts.flops_scale
     # Ids at or beyond it would be looked up as NaN: every step skipped.
     self.vocab_size = family.vocab_size
     self.fp8 = family.capabilities().fp8
-    self.profile_steps = profile_steps
-    self.console = console
+    self.profile_steps, self.console = profile_steps, console
     # mesh_config: auto: ``layout_search`` chooses the mesh when the run starts (``layout_choice.py``)
     self._layout_search, self._model_args = layout_search, dict(model_fn=model_fn, loss_fn=loss_fn,
                                                                 input_axes=input_axes)
@@ -180,11 +177,12 @@ class Trainer:
     ckpt = None
     try:
       fields = init_from.saved_fields(self.frozen)
-      ckpt = CheckpointManager(self.workdir / "checkpoints", max_to_keep=t.keep_checkpoints,
-                               async_save=t.async_checkpoint, saved_fields=fields,
-                               metadata={"config": self.config.to_dict(), "tokenizer": setup.tokenizer,
-                                         "frozen_source": self.frozen})
       local = local_tier(self.workdir, t.local_checkpoint_dir, fields) if t.local_checkpoint_every else None
+      wsd.extend(self.workdir / "checkpoints", local, self.config, writer.log)  # a finished wsd run extended
+      ckpt = CheckpointManager(self.workdir / "checkpoints", max_to_keep=t.keep_checkpoints,
+                               keep_every_n_steps=wsd.stable_step(self.config), async_save=t.async_checkpoint,
+                               saved_fields=fields, metadata={"config": self.config.to_dict(),
+                                                              "tokenizer": setup.tokenizer, "frozen_source": self.frozen})
       self.tiers = CheckpointTiers(ckpt, local, writer.log)
       state = self._init_or_restore(plan, loader)
       if jax.process_index() == 0:
@@ -387,7 +385,9 @@ class Trainer:
 
     loop.hooks.add_hook(log_window, every=t.log_every)
     # The checkpoint before the evaluation: an evaluation that fails must not lose the steps trained.
-    loop.hooks.add_hook(save_checkpoint, every=t.checkpoint_every, pauses_clock=True,
+    stable = wsd.stable_step(self.config)  # wsd's last stable step too, kept to extend the run from
+    loop.hooks.add_hook(save_checkpoint, when=lambda step: step in (stable, t.steps) or bool(
+        t.checkpoint_every and step % t.checkpoint_every == 0), pauses_clock=True,
                         between=lambda loop: loop.ckpt.check_background_save())  # a full disk stops the run now
     if self.tiers.local is not None:
       loop.hooks.add_hook(save_local, every=t.local_checkpoint_every, pauses_clock=True)
