@@ -77,13 +77,17 @@ def build(name: str, recipe: Any, model_config: Any, is_param: Any, settings: An
   where the caller gives them.
 
   Raises:
-    ValueError: a preference or RL objective asked of a model and loss given as code.
+    ValueError: a preference or RL objective asked of a model and loss given as code, or of a model with
+      multi-token prediction (``mtp_depth`` > 0: only ``lm`` trains it).
   """
   if name == "lm":
     custom = loss_fn is not None
     return Objective("custom" if custom else "lm", model_fn or recipe.config.build, loss_fn or recipe.loss_fn,
                      is_param, input_axes if input_axes is not None else recipe.input_axes,
                      weight=None if custom else "tokens", perplexity=True)
+  if getattr(model_config, "mtp_depth", 0):
+    raise ValueError(f"train.objective={name} does not train multi-token prediction (model.mtp_depth"
+                     f" {model_config.mtp_depth}); train it with objective lm, or set model.mtp_depth=0.")
   if model_config is None or loss_fn is not None:
     raise ValueError(f"train.objective={name} trains the reference decoders (model.name llama or moe); a model and"
                      " loss given as code brings its own objective.")

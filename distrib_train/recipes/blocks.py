@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distrib_train.parallel.experts import dispatch
-from distrib_train.recipes import routing
-from distrib_train.recipes.attention import attention_sublayer
+from distrib_train.recipes import lora, routing
+from distrib_train.recipes.attention import attention_params, attention_sublayer
 from distrib_train.recipes.parts import Kind, norm as _norm, param, project as _project
 from distrib_train.sharding.axis_rules import constrain
 
@@ -111,6 +111,24 @@ def mlp_sublayer(config, kind: Kind, x: jax.Array, layer: dict) -> tuple[jax.Arr
   if config.sandwich_norms:
     out = _norm(config, out, layer["post_mlp_norm"])
   return x + out, aux
+
+
+def layer_params(config, rngs: nnx.Rngs, n: int, mixture: bool) -> dict[str, Any]:
+  """``n`` layers' params, stacked on a leading ``layers`` axis: the attention and its norm, the MLP's norm and
+  the MLP (gated, or a mixture's experts), LoRA's adapters, the norm after the MLP under sandwich norms, and a
+  mixture's router score correction (``RouterBias`` local state) where the config has one."""
+  c = config
+  norm = lambda: param(rngs, (n, c.d_model), ("layers", "embed"), jnp.dtype(c.param_dtype), None,
+                       value=1.0 - c.norm_weight_offset)
+  stack = {**attention_params(c, rngs, n), "mlp_norm": norm()}
+  stack.update(mixture_params(c, rngs, n) if mixture else dense_params(c, rngs, n, c.mlp_dim))
+  stack.update(lora.adapter_params(c, rngs, stack, mixture))
+  if c.sandwich_norms:
+    stack["post_mlp_norm"] = norm()
+  if mixture and (c.router_score_bias or c.router_bias_update_rate > 0):
+    stack["router_bias"] = routing.RouterBias(jnp.zeros((n, c.num_experts), jnp.float32),
+                                              out_sharding=("layers", None))
+  return stack
 
 
 def layer(config, kind: Kind, x: jax.Array, params: dict, positions, segment_ids) -> tuple[jax.Array, dict]:

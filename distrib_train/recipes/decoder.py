@@ -20,6 +20,10 @@ through the layers as per-row sums (``routing.py``); with
 ``router_bias_update_rate`` > 0 the step's loads move each mixture layer's
 ``router_bias`` once per step.
 
+With ``mtp_depth`` > 0 the decoder also holds DeepSeek-V3's multi-token
+prediction modules under ``mtp`` (``mtp.py``); only ``loss_fn`` runs them,
+never the forward pass or generation.
+
 Logical axes: ``batch``, ``length``, ``embed``, ``heads``, ``kv_heads``,
 ``head_dim``, ``mlp``, ``vocab``, ``layers``, ``latent`` (MLA's low ranks),
 ``expert``, ``expert_mlp``.
@@ -45,7 +49,7 @@ from distrib_train.parallel.experts import EXPERT_OUTPUT
 from distrib_train.parallel.pipeline import layer_stack
 from distrib_train.kernels.attention import splash as attention_lib
 from distrib_train.kernels import fp8
-from distrib_train.recipes import attention, blocks, lora
+from distrib_train.recipes import attention, blocks, lora, mtp
 from distrib_train.recipes.parts import Kind, param, rms_norm
 from distrib_train.kernels.cross_entropy import chunked_cross_entropy
 from distrib_train.recipes.routing import RouterBias
@@ -150,14 +154,7 @@ class Decoder(nnx.Module):
     self.embed = param(rngs, (c.vocab_size, d), ("vocab", "embed"), pd, fan_in=1)
     for segment in segments(c):
       n, mixture = segment.count, segment.kinds[0].mixture
-      norm = lambda: param(rngs, (n, d), ("layers", "embed"), pd, None, value=1.0 - c.norm_weight_offset)
-      stack = {**attention.attention_params(c, rngs, n), "mlp_norm": norm()}
-      stack.update(blocks.mixture_params(c, rngs, n) if mixture else blocks.dense_params(c, rngs, n, c.mlp_dim))
-      stack.update(lora.adapter_params(c, rngs, stack, mixture))
-      if c.sandwich_norms:
-        stack["post_mlp_norm"] = norm()
-      if mixture and (c.router_score_bias or c.router_bias_update_rate > 0):
-        stack["router_bias"] = RouterBias(jnp.zeros((n, c.num_experts), jnp.float32), out_sharding=("layers", None))
+      stack = blocks.layer_params(c, rngs, n, mixture)
       if c.fp8 == "delayed":  # one (3, history) amax history per layer and matmul, in local state
         for name in _fp8_matmuls(c, mixture):
           stack[f"fp8_{name}"] = fp8.AmaxHistory(jnp.zeros((n, 3, c.fp8_amax_history), jnp.float32),
@@ -169,6 +166,8 @@ class Decoder(nnx.Module):
     self.final_norm = param(rngs, (d,), ("embed",), pd, None, value=1.0 - c.norm_weight_offset)
     if not c.tie_embeddings:
       self.head = param(rngs, (d, c.vocab_size), ("embed", "vocab"), pd, fan_in=d)
+    if c.mtp_depth:  # DeepSeek-V3's multi-token prediction modules (mtp.py); none at depth 0
+      setattr(self, mtp.NAME, nnx.Dict(mtp.params(c, rngs)))
 
   def _remat_policy(self) -> Any:
     """What the backward pass keeps of a layer under remat; a mixture's expert outputs too (the router's
@@ -331,17 +330,23 @@ def loss_fn(*, model: Decoder, state: Any, rng: jax.Array, tokens: jax.Array, ta
   1.0 is perfect balance, averaged over layers) and ``dropped_tokens`` (capacity mode). With
   ``router_bias_update_rate`` > 0 the model's router bias (local state) moves from this pass's loads.
 
+  With ``mtp_depth`` > 0 the multi-token-prediction losses join (``mtp.with_mtp_loss``: aux ``cross_entropy``,
+  the main head's, and ``mtp_loss_<k>``).
+
   On a mesh with a context axis the tokens are taken in its load-balanced order (``forward``).
   """
+  c = model.config
+  ahead = mtp.shifted(c, targets, segment_ids, weights) if c.mtp_depth else {}  # in the batch's own order
   hidden, routing, rest = forward(model, tokens, dropout_rng=rng, targets=targets, positions=positions,
-                                  segment_ids=segment_ids, weights=weights)
+                                  segment_ids=segment_ids, weights=weights, **ahead)
   targets, segment_ids, weights = (rest[k] for k in ("targets", "segment_ids", "weights"))
   if weights is None:
     weights = jnp.ones(targets.shape, jnp.float32) if segment_ids is None else (segment_ids > 0).astype(jnp.float32)
-  c = model.config
   total, count = chunked_cross_entropy(hidden, model.head_weight(), targets, weights, c.loss_chunk_size,
                                        c.loss_remat, softcap=c.final_logit_softcap)
   cross_entropy = total / jnp.maximum(count, 1.0)
   loss, aux = with_routing_losses(cross_entropy, {"loss": cross_entropy, "tokens": count}, routing, c,
                                   "cross_entropy")
+  if c.mtp_depth:
+    loss, aux = mtp.with_mtp_loss(model, hidden, rest, loss, aux)
   return loss, state, aux

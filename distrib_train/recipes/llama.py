@@ -12,6 +12,9 @@ and the compute dtype bfloat16 by default; ``scan_layers`` scans each
 segment of equal layers (one compiled period) or unrolls them, ``remat``
 picks a rematerialisation policy per layer.
 
+``mtp_depth`` > 0 adds DeepSeek-V3's multi-token prediction modules and
+their loss (``mtp.py``), weighted by ``mtp_loss_weight``.
+
 The config is the family protocol's answer for its model (``family.py``):
 vocabulary, FLOPs per token, capabilities. ``MoEConfig`` (``moe.py``) adds
 the experts.
@@ -31,7 +34,7 @@ from flax import nnx
 
 from distrib_train.kernels import fp8
 from distrib_train.kernels.attention import dispatch as attention_kernels
-from distrib_train.recipes import attention, lora
+from distrib_train.recipes import attention, lora, mtp
 from distrib_train.recipes.parts import Kind
 from distrib_train.recipes.decoder import INPUT_AXES, REMAT_POLICIES, Decoder, loss_fn  # noqa: F401 (the family's)
 from distrib_train.recipes.family import Capabilities
@@ -110,6 +113,8 @@ class LlamaConfig:
   lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank (PEFT's)
   lora_dropout: float = 0.0  # the probability of dropping an adapter's input in training (PEFT's lora_dropout)
   lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+  mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction: this many modules, each a token further (mtp.py)
+  mtp_loss_weight: float = 0.3  # the loss adds this × the depths' mean cross-entropy (DeepSeek-V3: 0.3, then 0.1)
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -148,6 +153,11 @@ class LlamaConfig:
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}.")
     lora.check(self, attention.variant(self).lora_targets)
+    if isinstance(self.mtp_depth, bool) or not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
+      raise ValueError(f"mtp_depth must be 0 (no multi-token prediction) or a positive number of modules, got"
+                       f" {self.mtp_depth!r}.")
+    if not self.mtp_loss_weight >= 0:
+      raise ValueError(f"mtp_loss_weight must be 0 or more (DeepSeek-V3: 0.3), got {self.mtp_loss_weight!r}.")
 
   def trainable(self) -> Any:
     """The nnx filter of the params that train: the LoRA adapters where there are any, else None (all)."""
@@ -206,18 +216,21 @@ class LlamaConfig:
   # --- the family protocol (family.py) -----------------------------------------------------------
 
   def num_params(self) -> int:
-    """Every parameter, embeddings and output head included (counted from the model's shapes)."""
+    """Every parameter, embeddings, output head and multi-token-prediction modules included (counted from the
+    model's shapes)."""
     return sum(math.prod(shape) for shape in _param_shapes(self).values())
 
   def active_params(self) -> int:
-    """The parameters one token passes through (all of a dense model's)."""
+    """The parameters one token passes through in training (all of a dense model's, MTP modules included)."""
     return self.num_params()
 
   def flops_per_token(self, seq_len: int) -> int:
     """Training FLOPs per token, PaLM's count: 6·N_active + 6·Σ_layers heads·(qk + v)·S, where a sliding layer's
-    S is its window where that is shorter (12·L·heads·head_dim·S for a plain decoder)."""
+    S is its window where that is shorter (12·L·heads·head_dim·S for a plain decoder); with ``mtp_depth``, each
+    MTP module's block attention and the shared head's matmul again too (``mtp.extra_flops_per_token``)."""
     attention = sum(min(seq_len, self.sliding_window) if kind.sliding else seq_len for kind in self.layer_kinds())
-    return 6 * self.active_params() + 6 * self.num_heads * (self.qk_dim + self.v_dim) * attention
+    return (6 * self.active_params() + 6 * self.num_heads * (self.qk_dim + self.v_dim) * attention
+            + mtp.extra_flops_per_token(self, seq_len))
 
   def capabilities(self) -> Capabilities:
     """What the model runs (the family protocol, ``family.py``)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from distrib_train.recipes import llama
+from distrib_train.recipes import llama, mtp
 from distrib_train.recipes.decoder import INPUT_AXES, loss_fn  # noqa: F401 (the family's)
 from distrib_train.recipes.routing import ROUTERS
 
@@ -92,10 +92,12 @@ class MoEConfig(llama.LlamaConfig):
     return frozenset(range(self.num_layers)) - frozenset(self.dense_layers)
 
   def active_params(self) -> int:
-    """The parameters one token passes through (its ``experts_per_token`` routed experts)."""
+    """The parameters one token passes through (its ``experts_per_token`` routed experts), in the MTP modules'
+    mixture blocks too."""
     d, f = self.d_model, self.expert_mlp_dim
     per_expert = 3 * d * f + ((2 * f + d) if self.expert_bias else 0)
-    unused = (self.num_experts - self.experts_per_token) * per_expert * len(self.mixture_layers())
+    blocks = len(self.mixture_layers()) + (self.mtp_depth if mtp.kind(self).mixture else 0)
+    unused = (self.num_experts - self.experts_per_token) * per_expert * blocks
     return self.num_params() - unused
 
 
