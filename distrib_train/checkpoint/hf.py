@@ -17,6 +17,10 @@ layouts (``recipes/hf_tables.py``), used three ways:
   and ``config.json``, ``recipes/hf_shape.py``); an import followed by an
   export gives the same tensors, bit for bit.
 
+DeepSeek-V3's multi-token-prediction modules (``model.mtp_depth``) are
+its layers after the last (``model.layers.61.*``), their copies of the
+embedding and head written, not read.
+
 Layers live in segments of equal layers (``recipes/decoder.py``): segment
 ``layers_3``'s layer ``i`` is Hugging Face's layer ``3 + i``. ``config.json``
 is read in ``recipes/hf_shape.py``; the safetensors reader is
@@ -36,7 +40,7 @@ import jax
 import numpy as np
 
 from distrib_train.checkpoint.hf_common import SafetensorsDirectory, shard_range
-from distrib_train.recipes import decoder, hf_tables
+from distrib_train.recipes import decoder, hf_tables, mtp
 # config.json ↔ the reference models' config is read and written in recipes/hf_shape.py; public here too.
 from distrib_train.recipes.hf_shape import FAMILIES, MOE_FAMILIES, HfCheckpointError, hf_config  # noqa: F401
 from distrib_train.recipes.hf_shape import is_moe, llama_config  # noqa: F401
@@ -69,12 +73,22 @@ def _adapter(keys: tuple[str, ...]) -> bool:
 
 
 def _tables(config) -> dict[str, tuple[int, dict[str, hf_tables.Tensor]]]:
-  """Each segment's name → (its first layer, its tensors by our param name); ``""`` → the top-level ones."""
+  """Each segment's name → (its first layer, its tensors by our param name); ``""`` → the top-level ones; the
+  multi-token-prediction modules' (``mtp``) → the layers after the last."""
   out = {"": (0, {t.param: t for t in hf_tables.top_tensors(config)})}
   for segment in decoder.segments(config):
     tensors = hf_tables.tensors(config, segment.kinds[0].mixture)
     out[segment.name] = (segment.start, {t.param: t for t in tensors})
+  if config.mtp_depth:
+    out[mtp.NAME] = (config.num_layers, {t.param: t for t in hf_tables.mtp_tensors(config)})
   return out
+
+
+def _layers(config, name: str) -> int:
+  """How many layers the table ``name`` (a segment, or ``mtp``) stacks."""
+  if name == mtp.NAME:
+    return config.mtp_depth
+  return next(s.count for s in decoder.segments(config) if s.name == name)
 
 
 def _find(config, keys: tuple[str, ...]) -> tuple[hf_tables.Tensor | None, int | None]:
@@ -147,7 +161,7 @@ def _read_names(config) -> set[str]:
   """Every Hugging Face tensor the family's tables read for ``config``."""
   names = set()
   for segment, (start, tensors) in _tables(config).items():
-    count = next((s.count for s in decoder.segments(config) if s.name == segment), 1)
+    count = _layers(config, segment) if segment else 1
     for tensor in tensors.values():
       for layer in (range(start, start + count) if segment else [None]):
         name = tensor.name.format(layer=layer, expert="{expert}")
@@ -286,6 +300,10 @@ def hf_tensors(params: Any, config, local_state: Any = None) -> dict[str, np.nda
       else:
         for i in range(a.shape[0]):
           _written(tensor, a[i], out, start + i)
+  for depth in range(config.mtp_depth):  # DeepSeek-V3's MTP layers carry copies of the embedding and head
+    for name, copied in hf_tables.MTP_COPIES:
+      source = out.get(copied, out["model.embed_tokens.weight"])  # a tied head is the embedding
+      out[f"model.layers.{config.num_layers + depth}.{name}"] = source
   return out
 
 

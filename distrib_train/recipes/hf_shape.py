@@ -13,6 +13,9 @@ Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, gpt-oss. ``hf_config(config)`` writes a
 config's ``config.json`` for its family (``hf_model_type``) for
 ``distrib-train export``.
 
+``num_nextn_predict_layers`` (multi-token prediction, ``mtp.py``) sets
+``mtp_depth`` where the checkpoint holds those layers, and is written back.
+
 Refused, naming the file and key: another architecture; a quantized
 checkpoint (``quantization_config``: gpt-oss's MXFP4 experts, DeepSeek-V3's
 block-scaled FP8 — convert them to bf16 first); an activation or RoPE
@@ -30,6 +33,7 @@ import json
 import os
 from typing import Any
 
+from distrib_train.recipes import mtp
 from distrib_train.recipes.llama import LlamaConfig
 from distrib_train.recipes.moe import MoEConfig
 
@@ -230,6 +234,7 @@ def _fields(path: str, stamp: tuple[int, int]) -> tuple[type, tuple[tuple[str, A
     raise HfCheckpointError(f"{path}: quantization_config {method!r}: quantized weights (gpt-oss's MXFP4 experts,"
                             " DeepSeek-V3's FP8 blocks) are not read; convert the checkpoint to bf16 first.")
   fields = _dense_fields(hf, path, family)
+  fields["mtp_depth"] = mtp.checkpoint_depth(hf, os.path.dirname(path), fields["num_layers"])
   cls = LlamaConfig
   if family in MOE_FAMILIES.values():
     fields.update(_mixture_fields(hf, path, family, fields["num_layers"]))
@@ -272,7 +277,8 @@ def shape_fields(config: Any) -> tuple[str, ...]:
 _SHAPE_FIELDS = frozenset(f.name for f in dataclasses.fields(MoEConfig)) - {
     "dtype", "param_dtype", "remat", "scan_layers", "attention", "max_segments", "loss_chunk_size", "loss_remat",
     "context_attention", "fp8", "fp8_amax_history", "fp8_min_dim", "capacity_factor", "aux_loss_weight",
-    "z_loss_weight", "router_bias_update_rate", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"}
+    "z_loss_weight", "router_bias_update_rate", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+    "mtp_loss_weight"}
 
 
 # --- config.json out ----------------------------------------------------------------------------
@@ -359,6 +365,7 @@ def hf_config(config: Any) -> dict[str, Any]:
                swiglu_limit=config.swiglu_limit)
   if family in ("mistral", "mixtral"):
     out["sliding_window"] = config.sliding_window or None
+  out["num_nextn_predict_layers"] = config.mtp_depth  # multi-token-prediction layers, after the last
   if not is_moe(config):
     return out
   out.update(num_experts_per_tok=config.experts_per_token, router_aux_loss_coef=config.aux_loss_weight)

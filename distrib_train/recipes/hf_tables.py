@@ -18,6 +18,13 @@ filled in) and the ``layout`` that turns one into the other:
 - ``even`` / ``odd``: the even or odd columns of gpt-oss's interleaved
   ``gate_up`` (``[E, in, 2F]`` or ``[E, 2F]``) are our gate or up.
 
+DeepSeek-V3's multi-token-prediction modules (``mtp.py``) are layers
+``num_layers`` … ``num_layers + mtp_depth − 1`` (``mtp_tensors``): a
+layer's tensors for the block, ``enorm``, ``hnorm``, ``eh_proj`` and
+``shared_head.norm`` of their own, and ``embed_tokens`` and
+``shared_head.head``, copies of the main model's (``MTP_COPIES``: written,
+never read).
+
 A param may be local state, not trained: ``router_bias`` (DeepSeek-V3's
 ``e_score_correction_bias``).
 
@@ -114,3 +121,19 @@ def top_tensors(config) -> list[Tensor]:
   if not config.tie_embeddings:
     out.append(Tensor("head", "lm_head.weight", "transposed"))
   return out
+
+
+# The copies of the main model's embedding and head each MTP layer of a DeepSeek-V3 checkpoint carries, by the
+# top-level tensor each copies (a tied model's head is its embedding).
+MTP_COPIES = (("embed_tokens.weight", "model.embed_tokens.weight"), ("shared_head.head.weight", "lm_head.weight"))
+
+
+def mtp_tensors(config) -> list[Tensor]:
+  """The tensors of one multi-token-prediction layer (``{layer}`` = ``num_layers`` + its depth − 1): its block's,
+  a layer of the model's last layer's kind, and its own norms and projection."""
+  from distrib_train.recipes import mtp
+
+  own = [Tensor("enorm", _LAYER + "enorm.weight", "same"), Tensor("hnorm", _LAYER + "hnorm.weight", "same"),
+         Tensor("eh_proj", _LAYER + "eh_proj.weight", "transposed"),
+         Tensor("head_norm", _LAYER + "shared_head.norm.weight", "same")]
+  return tensors(config, mtp.kind(config).mixture) + own
