@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import jax
@@ -172,9 +172,11 @@ def abstract_target(target: TrainState, fields: tuple[str, ...]) -> dict[tuple[s
 
 
 def check_matches(directory: epath.Path, step: int, abstract: Mapping[tuple[str, ...], Any], partial: bool,
-                  fields: tuple[str, ...] | None = None) -> None:
+                  fields: tuple[str, ...] | None = None, left_out: Collection[str] = ()) -> None:
   """Refuses ``abstract`` (saved paths → leaves) where the step lacks a path or holds it with another shape, or
-  holds a path of ``fields`` (default: the model's with ``partial``, else every saved field) that it lacks."""
+  holds a path of ``fields`` (default: the model's with ``partial``, else every saved field) that it lacks, but
+  for the model's top-level subtrees named in ``left_out`` (``mtp``: a model restored without its
+  multi-token-prediction modules)."""
   saved = saved_shapes(directory, step)
   problems = []
   for keys, leaf in abstract.items():
@@ -185,7 +187,7 @@ def check_matches(directory: epath.Path, step: int, abstract: Mapping[tuple[str,
       problems.append(f"{name}: checkpoint {list(saved[keys])}, target {list(leaf.shape)}")
   restored_fields = fields if fields is not None else MODEL_FIELDS if partial else SAVED_FIELDS
   for keys, shape in saved.items():
-    if keys[0] in restored_fields and keys not in abstract:
+    if keys[0] in restored_fields and keys not in abstract and not (len(keys) > 1 and keys[1] in left_out):
       problems.append(f"{'/'.join(keys)}: in the checkpoint {list(shape)}, not in the target")
   if problems:
     shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")

@@ -3,6 +3,7 @@
   distrib-train export --workdir runs/ft --out hf/ft            # the newest checkpoint
   distrib-train export --workdir runs/ft --out hf/ft --step 1000
   distrib-train export --workdir runs/lora --out hf/lora --adapter
+  distrib-train export --workdir runs/mtp --out hf/mtp --drop_mtp   # without the MTP modules
 
 Reads the run's ``config.yaml``, restores the params of one checkpoint
 (params only: the optimizer state is not read) onto this host's first device
@@ -16,6 +17,9 @@ adapters are merged into their weights, or, with ``--adapter``, written alone
 as a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``,
 ``checkpoint/peft_adapter.py``) on the checkpoint the run started from
 (``base_model_name_or_path``: ``init_from``'s ``hf:`` directory, else null).
+A run with multi-token prediction (``model.mtp_depth``) writes its modules as
+DeepSeek-V3 does, as the layers after the last with
+``num_nextn_predict_layers``; ``--drop_mtp`` leaves them out (and writes 0).
 
 A mistake prints one ``error:`` line and exits with status 2; nothing is
 written then.
@@ -35,9 +39,11 @@ def _fail(message: str) -> None:
   sys.exit(2)
 
 
-def export(workdir: str | os.PathLike, out: str, step: int | None = None, adapter: bool = False) -> list[str]:
+def export(workdir: str | os.PathLike, out: str, step: int | None = None, adapter: bool = False,
+           drop_mtp: bool = False) -> list[str]:
   """Writes the params of ``workdir``'s checkpoint ``step`` (default: the newest) to ``out`` as a Hugging Face
-  checkpoint, or with ``adapter`` a LoRA run's adapters as a PEFT adapter; returns the files written.
+  checkpoint, or with ``adapter`` a LoRA run's adapters as a PEFT adapter; returns the files written. With
+  ``drop_mtp`` the multi-token-prediction modules are left out.
 
   Raises:
     ValueError: no such run or step, another model than llama, ``adapter`` for a run without LoRA (named).
@@ -68,7 +74,12 @@ def export(workdir: str | os.PathLike, out: str, step: int | None = None, adapte
 
     kind, _, base = config.train.init_from.partition(":")
     return peft_adapter.save(state.params, recipe.config, out, base=os.path.expanduser(base) if kind == "hf" else None)
-  return hf.save(_weights(state, recipe.config), recipe.config, out, local_state=state.local_state)
+  model_config = recipe.config
+  if drop_mtp:  # the model without its MTP modules: the tables then name none of their tensors
+    import dataclasses
+
+    model_config = dataclasses.replace(model_config, mtp_depth=0)
+  return hf.save(_weights(state, recipe.config), model_config, out, local_state=state.local_state)
 
 
 def _weights(state, config) -> dict:
@@ -105,9 +116,12 @@ def main(argv: Sequence[str]) -> int:
   parser.add_argument("--adapter", action="store_true",
                       help="a LoRA run: write its adapters alone as a PEFT adapter (adapter_config.json +"
                            " adapter_model.safetensors) on the checkpoint it started from, not the merged model")
+  parser.add_argument("--drop_mtp", action="store_true",
+                      help="leave the multi-token-prediction modules (model.mtp_depth) out: config.json's"
+                           " num_nextn_predict_layers is then 0")
   args = parser.parse_args(list(argv))
   try:
-    written = export(args.workdir, args.out, args.step, args.adapter)
+    written = export(args.workdir, args.out, args.step, args.adapter, args.drop_mtp)
   except ValueError as e:  # CheckpointError and HfCheckpointError are ValueErrors
     _fail(str(e))
   print(f"wrote {', '.join(written)} to {args.out}")

@@ -11,7 +11,8 @@ generation on top of it, read a model this way.
   as transformers' ``dtype="auto"``) unless ``dtype`` names another.
 - ``ckpt:<run>``: a distrib_train workdir (its ``config.yaml`` and
   ``checkpoints``); the newest step unless ``step`` names one; its params and
-  local state only. A run that saved no frozen weights (a LoRA base) reads
+  local state only (with ``--set model.mtp_depth=0``, its multi-token-prediction
+  modules left unread). A run that saved no frozen weights (a LoRA base) reads
   them from the sources its checkpoint names (``init_from.restore_source``).
 
 The mesh: ``mesh_config`` (a name in ``mesh_configs/`` or a path), else
@@ -204,8 +205,24 @@ def load(init_from: str | Source, *, step: int | None = None, mesh_config: str |
                                         f"Checkpoint step {step} in {str(manager.directory)!r}")
       if sources is not None:
         state = init_lib.with_frozen(config, sources, plan.abstract_train_state, state)
-    state = manager.restore(state, step, params_only=True)  # the model: params and local state
+    state = _model_arrays(manager, step, state, getattr(config.model_recipe().config, "mtp_depth", 0))
   return RunModel(config, state, plan, rules, init_from, step, hf_dir)
+
+
+def _model_arrays(manager: Any, step: int, state: Any, mtp_depth: int) -> Any:
+  """``state`` with the model's params and local state of checkpoint ``step``; a run's multi-token-prediction
+  modules (``params/mtp/…``) left unread where the model has none (``--set model.mtp_depth=0``: generation and
+  evaluation read the main head only), every other array matched as ``restore(params_only=True)`` matches it."""
+  from distrib_train.checkpoint import checks, tree
+  from distrib_train.recipes import mtp
+
+  saved = checks.saved_shapes(manager.directory, step)
+  if mtp_depth or not any(keys[1:2] == (mtp.NAME,) for keys in saved):
+    return manager.restore(state, step, params_only=True)
+  fields = tuple(f for f in checks.MODEL_FIELDS if f in checks.held_fields(manager.metadata_of(step)))
+  abstract = checks.abstract_target(state, fields)
+  checks.check_matches(manager.directory, step, abstract, partial=True, left_out=(mtp.NAME,))
+  return tree.fill_fields(state, fields, manager.read_arrays(step, abstract))
 
 
 def add_flags(parser: Any) -> None:
