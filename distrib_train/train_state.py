@@ -199,8 +199,9 @@ def apply_optimizer(optimizer_def: optax.GradientTransformation, grads: Any, opt
   An ``OVERWRITE_WITH_GRADIENT`` collection in ``params`` takes its value
   from ``grads``; the optimizer sees only ``params["params"]`` then.
   """
-  updates, new_opt_state = optimizer_def.update(optimized_part(grads), opt_state, optimized_part(params))
-  new_params = optax.apply_updates(optimized_part(params), updates)
+  with jax.named_scope("optimizer"):  # the plan counts the collectives of this scope apart (Muon's Newton–Schulz)
+    updates, new_opt_state = optimizer_def.update(optimized_part(grads), opt_state, optimized_part(params))
+    new_params = optax.apply_updates(optimized_part(params), updates)
   if isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads:
     new_params = {**params, "params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
   return new_params, new_opt_state

@@ -57,6 +57,7 @@ from distrib_train.podplan.hlo import (CALLS, Computation, Instruction, array_by
                                       parse_module)
 from distrib_train.podplan.replica_groups import parse_replica_groups, parse_source_target_pairs
 
+_OPTIMIZER_SCOPE = re.compile(r'op_name="[^"]*/optimizer/')
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _OPS = {kind: kind for kind in KINDS} | {f"{kind}-start": kind for kind in KINDS} | {
     "ragged-all-to-all": "all-to-all", "ragged-all-to-all-start": "all-to-all"}
@@ -79,6 +80,8 @@ class Collective:
     dcn: a group spans more than one granule (slice / host).
     sliced: an all-reduce whose every use keeps ``1/n`` of it (a
       reduce-scatter in all but name; ``wire_bytes`` counts it as one).
+    optimizer: it came from the optimizer's update (the ``optimizer`` name
+      scope ``train_state.apply_optimizer`` opens: Muon's Newton–Schulz).
   """
 
   kind: str
@@ -91,6 +94,7 @@ class Collective:
   partial: bool = False
   dcn: bool = False
   sliced: bool = False
+  optimizer: bool = False
 
   @property
   def axes_label(self) -> str:
@@ -254,7 +258,8 @@ def find_collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Seque
       wire = _wire_bytes("reduce-scatter" if sliced else kind, payload, n)
       axes, partial, dcn = _axes_of(groups, mesh_shape, axis_names, granules)
       partial = partial and kind != "collective-permute"  # a pair is never a whole axis
-      out.append(Collective(kind, instruction.name, count, n, payload, wire, axes, partial, dcn, sliced))
+      optimizer = bool(_OPTIMIZER_SCOPE.search(instruction.attrs))
+      out.append(Collective(kind, instruction.name, count, n, payload, wire, axes, partial, dcn, sliced, optimizer))
   return out
 
 
@@ -298,6 +303,11 @@ def summarize(collectives: Sequence[Collective]) -> list[CollectiveTotal]:
     entry[3] += c.count * c.wire_bytes
   rows = [CollectiveTotal(k, a, d, int(v[0]), int(v[1]), v[2], v[3]) for (k, a, d), v in totals.items()]
   return sorted(rows, key=lambda r: (-r.wire_bytes, r.kind, r.axes))
+
+
+def optimizer_wire_bytes(collectives: Sequence[Collective]) -> float:
+  """Bytes each device sends per step in the optimizer's update (Muon's Newton–Schulz; AdamW's: a norm's)."""
+  return sum(c.count * c.wire_bytes for c in collectives if c.optimizer)
 
 
 def wire_bytes_by_link(collectives: Sequence[Collective]) -> dict[str, float]:

@@ -78,7 +78,8 @@ def collective_lines(pod: Any) -> list[str]:
             human_bytes(t.wire_bytes)) for t in totals]
   lines += _table(rows, right=(3, 4, 5, 6))
   wire = pod.wire_bytes()
-  lines.append(f"  sent per step: ICI {human_bytes(wire['ici'])}, DCN {human_bytes(wire['dcn'])}")
+  lines.append(f"  sent per step: ICI {human_bytes(wire['ici'])}, DCN {human_bytes(wire['dcn'])}; in the optimizer's"
+               f" update (Muon's Newton–Schulz): {human_bytes(collectives_lib.optimizer_wire_bytes(pod.collectives))}")
   if any(t.kind.endswith("*") for t in totals):
     lines.append("  * all-reduces whose result is only used sliced to 1/n: reduce-scatters, as TPU/GPU compile them")
   return lines
@@ -218,6 +219,7 @@ def as_dict(pod: Any) -> dict[str, Any]:
   if pod.collectives is not None:
     out["collectives"] = collectives_lib.as_dicts(collectives_lib.summarize(pod.collectives))
     out["wire_bytes"] = pod.wire_bytes()
+    out["optimizer_wire_bytes"] = collectives_lib.optimizer_wire_bytes(pod.collectives)
   if t is not None:
     out["time"] = {**dataclasses.asdict(t), "step_s": t.step_s, "mfu": t.mfu}
   return out

@@ -87,12 +87,13 @@ def _muon(config: OptimizerConfig, lr: optax.Schedule, param_axes: Any) -> optax
   ``muon_adam_lr`` (0: ``learning_rate``) on the same schedule's shape."""
   ratio = (config.muon_adam_lr or config.learning_rate) / config.learning_rate
   static = ("ns_steps", "nesterov", "muon_weight_dimension_numbers", "consistent_rms")
-  return optax.inject_hyperparams(optax.contrib.muon, static_args=static)(
+  return muon.spread_over_mesh(lambda dimension_numbers: optax.inject_hyperparams(
+      optax.contrib.muon, static_args=static)(
       learning_rate=lr, adam_learning_rate=lambda count: lr(count) * ratio, ns_steps=config.muon_ns_steps,
       beta=config.muon_beta, nesterov=config.muon_nesterov, eps=config.eps,
       consistent_rms=config.muon_consistent_rms or None, weight_decay=config.weight_decay,
       adam_b1=config.b1, adam_b2=config.b2, adam_weight_decay=config.weight_decay,
-      muon_weight_dimension_numbers=muon.dimension_numbers(param_axes or {}))
+      muon_weight_dimension_numbers=dimension_numbers), param_axes or {})
 
 
 def build(config: OptimizerConfig, steps: int, nonfinite: str = "skip",
