@@ -97,11 +97,11 @@ def cpu_step(rounds: int, block: int) -> None:
     loader = data.DataLoader(config.data_config(), plan_.input_kwarg_shardings)
     batch = next(loader)
     loader.close()
-    runs[name] = [step, plan_.init(job.make_state), batch, activation_sharding(mesh, planner.rules), []]
+    runs[name] = [step, plan_.init(job.make_state), batch, (mesh, planner.rules), []]
   for r in range(rounds + 1):  # the first round compiles and warms up
     for name, run in runs.items():
       step, state, batch, rules, times = run
-      with rules:
+      with activation_sharding(*rules):
         start = time.perf_counter()
         for _ in range(block):
           state, aux = step(state, **batch)

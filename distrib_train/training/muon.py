@@ -103,7 +103,8 @@ class _Stack:
   nbatch: int
   batch_axes: tuple[str, ...]
   moved: tuple[tuple[int, tuple[str, ...]], ...]  # (position in ``order`` after the batch's one, its mesh axes)
-  pad: int  # zero matrices each device adds, so the moved axes' devices divide its batch
+  shared: tuple[str, ...]  # the mesh axes the param is whole over (data): each of their devices takes a part
+  pad: int  # zero matrices each device adds, so the moved and shared axes' devices divide its batch
   m: int
   n: int
 
@@ -114,20 +115,24 @@ class _Stack:
     entries = _entries(spec, len(shape))
     batch_axes = tuple(a for i in batch for a in entries[i])
     moved = tuple((1 + k, entries[i]) for k, i in enumerate(red + out) if entries[i])
+    used = {a for e in entries for a in e}
+    shared = tuple(a for a, size in mesh.shape.items() if size > 1 and a not in used)
     local = math.prod(shape[i] for i in batch) // math.prod(mesh.shape[a] for a in batch_axes)
-    ways = math.prod(mesh.shape[a] for _, axes in moved for a in axes)
-    return _Stack(batch + red + out, len(batch), batch_axes, moved, -local % ways,
+    ways = math.prod(mesh.shape[a] for a in tuple(a for _, axes in moved for a in axes) + shared)
+    return _Stack(batch + red + out, len(batch), batch_axes, moved, shared, -local % ways,
                   math.prod(shape[i] for i in red), math.prod(shape[i] for i in out))
 
   @property
   def spec(self) -> PartitionSpec:
-    return PartitionSpec(self.batch_axes + tuple(a for _, axes in self.moved for a in axes) or None, None, None)
+    axes = self.batch_axes + tuple(a for _, axes in self.moved for a in axes) + self.shared
+    return PartitionSpec(axes or None, None, None)
 
 
 def _spread(x: jax.Array, stack: _Stack, spec: PartitionSpec, mesh: Any) -> jax.Array:
   """``x`` (laid out as ``spec``) as a stack of whole matrices ``[B', M, N]`` split over the devices: each
   device's block is regrouped locally, padded with zero matrices, and its split reduction and output axes are
-  gathered by one all-to-all each (the batch split instead), so Newton–Schulz needs no collective."""
+  gathered by one all-to-all each (the batch split instead), so Newton–Schulz needs no collective; where the
+  param is whole over a mesh axis (data), each of its devices keeps a part of the stack (gathered back after)."""
 
   def local(block):
     block = block.transpose(stack.order)
@@ -137,6 +142,9 @@ def _spread(x: jax.Array, stack: _Stack, spec: PartitionSpec, mesh: Any) -> jax.
       block = jnp.concatenate([block, jnp.zeros((stack.pad, *rest), block.dtype)])
     for dim, axes in stack.moved:
       block = jax.lax.all_to_all(block, axes, 0, dim, tiled=True)
+    if stack.shared:  # the same block on each of these devices: each keeps its part
+      part = block.shape[0] // math.prod(mesh.shape[a] for a in stack.shared)
+      block = jax.lax.dynamic_slice_in_dim(block, jax.lax.axis_index(stack.shared) * part, part, 0)
     return block.reshape(-1, stack.m, stack.n)
 
   return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=stack.spec, check_vma=False)(x)
@@ -151,6 +159,8 @@ def _gather(y: jax.Array, stack: _Stack, spec: PartitionSpec, mesh: Any, shape: 
 
   def local(block):
     block = block.reshape(-1, *whole)
+    if stack.shared:
+      block = jax.lax.all_gather(block, stack.shared, axis=0, tiled=True)
     for dim, axes in reversed(stack.moved):
       block = jax.lax.all_to_all(block, axes, dim, 0, tiled=True)
     block = block[:block.shape[0] - stack.pad] if stack.pad else block
