@@ -243,3 +243,28 @@ def test_deepseek_v3_mtp_layer_imports_and_exports_bit_for_bit(tmp_path):
   assert hf.tensors_equal(tensors, {k: exported.read(k) for k in exported.tensors})
   assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
   np.testing.assert_array_equal(np.asarray(loaded.model.mtp["eh_proj"][...][0]), tensors[n + "eh_proj.weight"].T)
+
+  # A run from the checkpoint may drop its MTP module (model.mtp_depth=0) or, on a checkpoint without one, add a
+  # fresh one (the rest read as ever).
+  from distrib_train.sharding.planner import MeshPlanner
+  from distrib_train.training import config as config_lib
+  from distrib_train.training import init_from, job as job_lib
+
+  without = tmp_path / "without"
+  without.mkdir()
+  save_file({k: v for k, v in tensors.items() if not k.startswith(n)}, str(without / "model.safetensors"),
+            metadata={"format": "pt"})
+  (without / "config.json").write_text(json.dumps({**saved, "num_nextn_predict_layers": 0}))
+  mesh = jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
+  for where, depth in ((directory, 0), (without, 1)):
+    run = config_lib.load("tiny", [f"train.init_from=hf:{where}", f"model.mtp_depth={depth}", "model.dtype=float32"],
+                          training=False)  # (its vocabulary is smaller than the bytes the data would hold)
+    assert run.model_recipe().config.mtp_depth == depth
+    job = job_lib.job_spec(run)
+    plan = job_lib.plan_job(job, MeshPlanner(mesh, run.train.rules))
+    fresh = plan.init(job.make_state)
+    state, _ = init_from.load(run, plan.abstract_train_state, fresh)
+    np.testing.assert_array_equal(np.asarray(state.params["embed"]), tensors["model.embed_tokens.weight"])
+    assert ("mtp" in state.params) == bool(depth)
+    if depth:  # kept as initialised
+      np.testing.assert_array_equal(np.asarray(state.params["mtp"]["eh_proj"]), np.asarray(fresh.params["mtp"]["eh_proj"]))

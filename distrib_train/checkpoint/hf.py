@@ -180,7 +180,7 @@ def _unread(reader: SafetensorsDirectory, config) -> list[str]:
                 and not n.endswith("rotary_emb.inv_freq") and not (config.tie_embeddings and n == "lm_head.weight"))
 
 
-def check_params(directory: str, abstract_params: Any, config, abstract_local: Any = None) -> None:
+def check_params(directory: str, abstract_params: Any, config, abstract_local: Any = None, skip: Any = None) -> None:
   """Checks, from the files' headers alone, that ``directory`` holds every tensor of ``abstract_params`` (and of
   the local state the checkpoint sets, ``abstract_local``) in the shape ``config`` gives it, and nothing the
   importer would leave unread.
@@ -195,6 +195,8 @@ def check_params(directory: str, abstract_params: Any, config, abstract_local: A
                             f" {config.hf_model_type or 'reference'} importer: a variant it does not model.")
   for tree, required in ((abstract_params, True), (abstract_local, False)):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if tree is not None else []:
+      if skip is not None and skip(path):  # a leaf the loader keeps fresh
+        continue
       keys = _path_keys(path)
       tensor, start = _find(config, keys)
       if tensor is None:
@@ -227,7 +229,7 @@ def load_params(directory: str, abstract: Any, config, fresh: Any = None, skip: 
   Raises:
     HfCheckpointError: a tensor missing or of another shape (named).
   """
-  check_params(directory, abstract if fresh is None else None, config, None if fresh is None else abstract)
+  check_params(directory, abstract if fresh is None else None, config, None if fresh is None else abstract, skip)
   reader = SafetensorsDirectory(directory)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
   kept = jax.tree_util.tree_leaves(fresh) if fresh is not None else [None] * len(leaves)

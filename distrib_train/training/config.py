@@ -193,8 +193,7 @@ class Config:
     return {section: {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}  # YAML's lists
             if isinstance(values, dict) else values for section, values in out.items()}
 
-  def to_yaml(self) -> str:
-    return yaml.safe_dump(self.to_dict(), sort_keys=False)
+  to_yaml = lambda self: yaml.safe_dump(self.to_dict(), sort_keys=False)  # noqa: E731
 
   def changes_since(self, run: Mapping[str, Any]) -> list[str]:
     """What differs between a checkpoint's config (in its run metadata) and this run's: ``section.key: old → new``."""
@@ -229,13 +228,14 @@ class Config:
     cls, fields = hf_shape.checkpoint_fields(os.path.expanduser(self.train.init_from[3:]))
     kept = {f.name: getattr(recipe.config, f.name) for f in dataclasses.fields(cls)
             if hasattr(recipe.config, f.name) and f.name not in hf_shape.shape_fields(recipe.config)}
+    kept.update({k: v for k, v in self.model.overrides.items() if k == "mtp_depth"})  # MTP dropped or added
     try:
       config = cls(**{**fields, **kept})  # the run's own settings (loss weights too) beat the checkpoint's
     except ValueError as e:  # a preset setting the checkpoint's model cannot take
       raise ConfigError(f"train.init_from {self.train.init_from}: {e}") from None
     fixed = hf_shape.shape_fields(config)
     clashes = [f"model.{k}={v!r} (the checkpoint has {getattr(config, k)!r})"
-               for k, v in self.model.overrides.items() if k in fixed and getattr(config, k) != v]
+               for k, v in self.model.overrides.items() if k in set(fixed) - {"mtp_depth"} and getattr(config, k) != v]
     if clashes:
       raise ConfigError(f"train.init_from {self.train.init_from}: {', '.join(clashes)}; leave the model's shape to"
                         " the checkpoint.")

@@ -35,6 +35,7 @@ Not for: resuming a run (``trainer.py``), the formats (``checkpoint/``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 from collections.abc import Mapping
@@ -47,6 +48,7 @@ from distrib_train.checkpoint.checks import (FROZEN_FIELDS, MODEL_FIELDS, SAVED_
                                              abstract_target, check_matches, held_fields, read_meta, saved_shapes)
 from distrib_train.checkpoint.tree import fill_fields, flatten_fields
 from distrib_train.checkpoint.hf_common import fingerprint
+from distrib_train.recipes import mtp
 from distrib_train.train_state import TrainState
 from distrib_train.training.config import Config
 
@@ -239,11 +241,18 @@ def _load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Trai
   if kind == "hf":
     directory, model = os.path.expanduser(path), config.model_recipe().config
     adapters = getattr(model, "lora_rank", 0)
-    # With LoRA the params are the adapters (they keep their fresh values) and the base is frozen.
-    params = hf.load_params(directory, abstract.params, model, fresh=state.params if adapters else None)
+    # With LoRA the params are the adapters (they keep their fresh values) and the base is frozen; MTP modules
+    # (model.mtp_depth) on a checkpoint without them keep theirs too.
+    new_mtp = getattr(model, "mtp_depth", 0) and not mtp.checkpoint_depth(
+        json.loads((pathlib.Path(directory) / "config.json").read_text()), directory, model.num_layers)
+    fresh_mtp = (lambda path: any(getattr(k, "key", None) == "mtp" for k in path)) if new_mtp else None
+    reference = _reference(config)[0]
+    params = hf.load_params(directory, abstract.params, model, fresh=state.params if adapters or new_mtp else None,
+                            skip=fresh_mtp)
     frozen = hf.load_params(directory, abstract.model_without_params, model, fresh=state.model_without_params,
-                            skip=hf.is_reference if _reference(config)[0] else None)  # read from dpo.reference
-    local_state = hf.load_params(directory, abstract.local_state, model, fresh=state.local_state)
+                            skip=lambda path: bool(reference and hf.is_reference(path)  # read from dpo.reference
+                                                   or fresh_mtp and fresh_mtp(path)))
+    local_state = hf.load_params(directory, abstract.local_state, model, fresh=state.local_state, skip=fresh_mtp)
     return (state.replace(params=params, model_without_params=frozen, local_state=local_state),
             f"Initialised the {'frozen base' if adapters else 'params'} from Hugging Face checkpoint {path}.")
   from distrib_train.checkpoint.manager import CheckpointManager
