@@ -39,6 +39,7 @@ GiB = 2**30
 
 
 def _plan(preset: str, optimizer: str, extra: list[str]) -> dict:
+  """``distrib-train plan --json`` of ``preset`` with ``optimizer`` and ``extra`` flags, in a fresh process."""
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "plan.json")
     command = [sys.executable, "-m", "distrib_train", "plan", "--config", preset, "--json", out,
@@ -72,6 +73,13 @@ def plan(presets: list[str], extra: list[str]) -> None:
 
 
 def cpu_step(rounds: int, block: int) -> None:
+  medians = time_steps({"adamw": ["optimizer.name=adamw"], "muon": ["optimizer.name=muon"]}, rounds, block)
+  print(f"muon / adamw: {medians['muon'] / medians['adamw']:.3f}")
+
+
+def time_steps(variants: dict[str, list[str]], rounds: int, block: int, preset: str = "tiny") -> dict[str, float]:
+  """The median seconds per step of each variant (``preset`` + its overrides) on the preset's mesh, timed in
+  rounds of alternating blocks of ``block`` steps (the first round compiles and warms up)."""
   import jax
   import numpy as np
 
@@ -83,8 +91,8 @@ def cpu_step(rounds: int, block: int) -> None:
   from distrib_train.training import job as job_lib
 
   runs = {}
-  for name in ("adamw", "muon"):
-    config = config_lib.load("tiny", [f"optimizer.name={name}"])
+  for name, overrides in variants.items():
+    config = config_lib.load(preset, overrides)
     mesh_config = MeshConfig.from_yaml(find_mesh_config(config.mesh_config))
     mesh = build_mesh(mesh_config)
     job = job_lib.job_spec(config)
@@ -112,8 +120,8 @@ def cpu_step(rounds: int, block: int) -> None:
   medians = {name: statistics.median(run[4]) for name, run in runs.items()}
   for name, seconds in medians.items():
     print(f"{name}: {seconds * 1e3:.2f} ms/step (median of {rounds} blocks of {block})")
-  print(f"muon / adamw: {medians['muon'] / medians['adamw']:.3f}")
   del np
+  return medians
 
 
 def _train(optimizer: str, lr: float, steps: int, eval_every: int, workdir: pathlib.Path) -> dict[int, float]:
@@ -121,11 +129,11 @@ def _train(optimizer: str, lr: float, steps: int, eval_every: int, workdir: path
   from distrib_train.training.trainer import Trainer
 
   config = config_lib.load("tiny", [f"optimizer.name={optimizer}", f"optimizer.learning_rate={lr}",
-                                    f"train.steps={steps}", f"train.eval_every={eval_every}", "train.eval_batches=8",
+                                    f"train.steps={steps}", f"train.eval_every={eval_every}", "train.eval_batches=4",
                                     "train.checkpoint_every=0", f"train.log_every={eval_every}"])
   Trainer(config, workdir, console=io.StringIO()).run()
   lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-  return {m["step"]: m["eval_loss"] for m in lines if "eval_loss" in m}
+  return {m["step"]: m["eval/loss"] for m in lines if "eval/loss" in m}
 
 
 def quality(adamw_lrs: list[float], muon_lrs: list[float], steps: int, eval_every: int) -> None:
@@ -156,8 +164,8 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--block", type=int, default=5)
   parser.add_argument("--quality", action="store_true")
-  parser.add_argument("--adamw_lrs", type=float, nargs="*", default=[1e-3, 3e-3, 1e-2])
-  parser.add_argument("--muon_lrs", type=float, nargs="*", default=[3e-3, 1e-2, 3e-2])
+  parser.add_argument("--adamw_lrs", type=float, nargs="*", default=[3e-3, 1e-2, 3e-2])
+  parser.add_argument("--muon_lrs", type=float, nargs="*", default=[1e-2, 3e-2, 1e-1])
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--eval_every", type=int, default=10)
   args = parser.parse_args(argv)

@@ -342,11 +342,14 @@ def loss_fn(*, model: Decoder, state: Any, rng: jax.Array, tokens: jax.Array, ta
   targets, segment_ids, weights = (rest[k] for k in ("targets", "segment_ids", "weights"))
   if weights is None:
     weights = jnp.ones(targets.shape, jnp.float32) if segment_ids is None else (segment_ids > 0).astype(jnp.float32)
-  total, count = chunked_cross_entropy(hidden, model.head_weight(), targets, weights, c.loss_chunk_size,
-                                       c.loss_remat, softcap=c.final_logit_softcap)
+  head = model.head_weight()
+  if c.mtp_depth:  # gathered over its embedding side once, for the main head and each depth (one all-gather)
+    head = constrain(head, (None, "vocab"))
+  total, count = chunked_cross_entropy(hidden, head, targets, weights, c.loss_chunk_size, c.loss_remat,
+                                       softcap=c.final_logit_softcap)
   cross_entropy = total / jnp.maximum(count, 1.0)
   loss, aux = with_routing_losses(cross_entropy, {"loss": cross_entropy, "tokens": count}, routing, c,
                                   "cross_entropy")
   if c.mtp_depth:
-    loss, aux = mtp.with_mtp_loss(model, hidden, rest, loss, aux)
+    loss, aux = mtp.with_mtp_loss(model, hidden, rest, loss, aux, head)
   return loss, state, aux

@@ -119,8 +119,8 @@ def _module(config, block, layer: dict, hidden: jax.Array, embedded: jax.Array, 
   return block(x, layer, positions, segment_ids)
 
 
-def with_mtp_loss(model, hidden: jax.Array, rest: dict[str, Any], loss: jax.Array,
-                  aux: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+def with_mtp_loss(model, hidden: jax.Array, rest: dict[str, Any], loss: jax.Array, aux: dict[str, jax.Array],
+                  head: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """``loss`` (the main objective's, routing losses included) plus the weighted MTP losses, and ``aux`` with
   ``cross_entropy`` (kept where given), ``mtp_loss_<k>`` and the new ``loss``.
 
@@ -130,13 +130,14 @@ def with_mtp_loss(model, hidden: jax.Array, rest: dict[str, Any], loss: jax.Arra
     rest: ``forward``'s per-token arrays, ``shifted``'s among them, in the same order.
     loss, aux: the main loss and its aux (``aux["loss"]`` is the main cross-entropy where ``cross_entropy`` is
       not there yet).
+    head: the output head as the main loss used it (gathered once for both); None: ``model.head_weight()``.
   """
   c = model.config
   block = functools.partial(blocks.layer, c, kind(c))
   if c.remat != "none":
     block = jax.checkpoint(block, policy=model._remat_policy())
   stack = getattr(model, NAME)
-  head = model.head_weight()
+  head = model.head_weight() if head is None else head
   positions, segment_ids = rest["positions"], rest.get("segment_ids")
   figures, routing = {}, {"balance": [], "z": []}
   with fp8.active("current" if c.fp8 == "delayed" else c.fp8, c.fp8_min_dim):  # no amax histories here
