@@ -125,3 +125,21 @@ def test_muon_on_8_devices_equals_one_device(model, axes):
   assert losses_1[-1] < losses_1[0]
   for a, b in zip(params_8, params_1):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_plan_counts_the_optimizers_collectives_apart():
+  """A collective whose op_name lies in the ``optimizer`` scope (``train_state.apply_optimizer``) counts as the
+  optimizer's: the plan's "in the optimizer's update" and ``optimizer_wire_bytes``."""
+  from distrib_train.podplan import collectives
+
+  hlo = """HloModule step, num_partitions=8
+
+ENTRY %main (x: f32[4,16]) -> f32[8,16] {
+  %x = f32[4,16]{1,0} parameter(0)
+  %g = f32[8,16]{1,0} all-gather(%x), channel_id=1, replica_groups=[4,2]<=[8], dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/jit(main)/optimizer/dot_general"}
+  ROOT %h = f32[8,16]{1,0} all-gather(%x), channel_id=2, replica_groups=[4,2]<=[8], dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/jit(main)/transpose(jvp(loss))/dot_general"}
+}
+"""
+  found = {c.name: c for c in collectives.find_collectives(hlo, (2, 2, 2), ("data", "fsdp", "tensor"))}
+  assert found["g"].optimizer and not found["h"].optimizer
+  assert collectives.optimizer_wire_bytes(list(found.values())) == found["g"].wire_bytes > 0
