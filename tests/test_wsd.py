@@ -15,7 +15,7 @@ from distrib_train.training.trainer import Trainer
 
 
 def test_wsd_holds_the_peak_then_decays_linearly_or_as_one_minus_sqrt():
-  for shape, fall in (("linear", lambda p: p), ("1-sqrt", lambda p: 1 - math.sqrt(1 - p))):
+  for shape, fall in (("linear", lambda p: p), ("1-sqrt", lambda p: math.sqrt(p))):
     c = config_lib.load("tiny", ["optimizer.schedule=wsd", "optimizer.learning_rate=1.0", "optimizer.warmup_steps=4",
                                  "optimizer.min_lr_ratio=0.1", "optimizer.decay_fraction=0.25",
                                  f"optimizer.decay_shape={shape}", "train.steps=40"])
@@ -56,6 +56,8 @@ def test_a_finished_run_extends_from_its_last_stable_step(tmp_path, xla_cache):
   steps = sorted(int(p.name) for p in (short / "checkpoints").iterdir() if p.name.isdigit())
   assert steps == [6, 8]  # the last stable step kept beside the newest (keep_checkpoints=1)
   assert first[8]["learning_rate"] < first[7]["learning_rate"] == first[6]["learning_rate"]  # update 8 decays
+  result, console, _ = _run(short, 8, xla_cache)  # the steps it had: no extension
+  assert result.status == "already_done" and "Extending" not in console
   result, console, again = _run(short, 12, xla_cache)
   assert result.status == "finished" and "restoring its last stable step 6" in console
   assert (short / "checkpoints" / ".decayed-8" / "8").is_dir()
@@ -65,3 +67,27 @@ def test_a_finished_run_extends_from_its_last_stable_step(tmp_path, xla_cache):
     np.testing.assert_allclose(again[step]["loss"], straight[step]["loss"], rtol=1e-6)
     np.testing.assert_allclose(again[step]["learning_rate"], straight[step]["learning_rate"], rtol=1e-6)
   assert again[8]["learning_rate"] == pytest.approx(3e-3)  # stable again where the short run decayed
+
+
+def test_the_manager_keeps_the_stable_step_and_no_multiple_of_it(tmp_path):
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import distrib_train as dt
+
+  state = dt.TrainState.initial_state({"w": jnp.ones(4)}, optax.sgd(0.1), jax.random.key(0))
+  with dt.CheckpointManager(tmp_path, max_to_keep=1, keep_steps=(2,), async_save=False) as checkpoints:
+    for step in range(1, 6):
+      checkpoints.save(step, state.replace(step=step))
+    assert checkpoints.all_steps() == [2, 5]  # 4, a multiple of 2, leaves
+
+
+def test_a_checkpoint_of_an_earlier_release_shows_no_change_for_the_keys_it_lacked():
+  config = config_lib.load("tiny")
+  old = config.to_dict()
+  for key in ("decay_fraction", "decay_shape", "muon_ns_steps", "muon_adam_lr"):
+    del old["optimizer"][key]
+  assert config.changes_since({"config": old}) == []
+  old["optimizer"]["learning_rate"] = 1.0
+  assert config.changes_since({"config": old}) == ["optimizer.learning_rate: 1.0 → 0.003"]

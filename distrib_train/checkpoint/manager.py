@@ -12,21 +12,17 @@ with three items per step:
 - ``meta``: JSON — format version, mesh axes and shape, package versions, the
   PRNG key implementations, and whatever run metadata the caller passes.
 
-Old steps past ``max_to_keep`` leave by one rename into
-``directory/.deleted/`` and are removed there (``retention.py``), so a kill
-mid-deletion never leaves half a step among the listed ones.
+Old steps past ``max_to_keep`` leave by one rename into ``directory/.deleted/`` and are removed there
+(``retention.py``), so a kill mid-deletion never leaves half a step among the listed ones.
 
-The static parts (the model's structure and config, ``optimizer_def``) are
-not saved: they are rebuilt from code and config, and ``restore`` fills a
-target state (concrete or ``jax.eval_shape``-abstract, leaves carrying the
-shardings to restore onto) — so a checkpoint restores onto any mesh or device
-count. Nothing is pickled; restoring runs no code from the checkpoint.
+The static parts (the model's structure and config, ``optimizer_def``) are not saved: they are rebuilt from code
+and config, and ``restore`` fills a target state (concrete or ``jax.eval_shape``-abstract, leaves carrying the
+shardings to restore onto) — so a checkpoint restores onto any mesh or device count. Nothing is pickled;
+restoring runs no code from the checkpoint.
 
-The on-disk layout and the read-only checks (``check_restorable``, the
-errors a damaged or foreign checkpoint gets) are in ``checks.py``; what a
-storage fault (a full disk) raises and silences is in ``faults.py``; how a
-data iterator's state is kept and what it restores from, in
-``data_state.py``.
+The on-disk layout and the read-only checks (``check_restorable``, the errors a damaged or foreign checkpoint
+gets) are in ``checks.py``; what a storage fault (a full disk) raises and silences is in ``faults.py``; how a
+data iterator's state is kept and what it restores from, in ``data_state.py``.
 
 Not for: choosing what to save when (``trainer.py``).
 """
@@ -73,6 +69,7 @@ class CheckpointManager:
     max_to_keep: keep the newest N checkpoints (None: all).
     keep_every_n_steps: also keep every checkpoint whose step is a multiple
       of N, forever.
+    keep_steps: also keep these steps (a ``wsd`` run's last stable step).
     save_interval_steps: ``save`` writes only steps that are multiples of it
       (unless ``force=True``).
     async_save: return from ``save`` once the arrays are copied to host
@@ -94,6 +91,7 @@ class CheckpointManager:
       *,
       max_to_keep: int | None = 3,
       keep_every_n_steps: int | None = None,
+      keep_steps: tuple[int, ...] = (),
       save_interval_steps: int = 1,
       async_save: bool = True,
       metadata: Mapping[str, Any] | None = None,
@@ -114,6 +112,8 @@ class CheckpointManager:
     policies = [preservation.LatestN(max_to_keep)]
     if keep_every_n_steps is not None:
       policies.append(preservation.EveryNSteps(keep_every_n_steps))
+    if keep_steps:
+      policies.append(preservation.CustomSteps(list(keep_steps)))
     self.save_interval_steps = save_interval_steps
     options = ocp.CheckpointManagerOptions(
         # The interval is applied in save(): orbax would also save the first

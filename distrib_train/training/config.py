@@ -197,16 +197,16 @@ class Config:
 
   def changes_since(self, run: Mapping[str, Any]) -> list[str]:
     """What differs between a checkpoint's config (in its run metadata) and this run's: ``section.key: old → new``."""
-    saved = run.get("config") or {}
-    now = self.to_dict()
-    # Of the train section only the seed shapes what a checkpoint holds; steps and intervals may change.
+    saved, now = run.get("config") or {}, self.to_dict()
+    # Of the train section only the seed shapes what a checkpoint holds; steps and intervals may change. A key
+    # the checkpoint's release did not have is no change.
     compared = {"model": None, "optimizer": None, "data": None, "dpo": None, "grpo": None,
                 "train": ("seed", "objective")}
     return [f"{section}.{key}: {saved[section].get(key)!r} → {value!r}"
             + (" (ignored: the weights and keys continue from the checkpoint)" if section == "train" else "")
             for section, keys in compared.items() if isinstance(saved.get(section), dict)
             for key, value in now[section].items()
-            if (keys is None or key in keys) and saved[section].get(key) != value]
+            if (keys is None or key in keys) and key in saved[section] and saved[section][key] != value]
 
   def model_recipe(self):
     """The ``ModelRecipe`` this config names (config fields overridden); with ``train.init_from: hf:<dir>``,

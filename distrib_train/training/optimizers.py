@@ -72,7 +72,7 @@ def schedule(config: OptimizerConfig, steps: int) -> optax.Schedule:
 
     def after(count):
       progress = jnp.clip((count - stable) / length, 0.0, 1.0)
-      fall = progress if config.decay_shape == "linear" else 1.0 - jnp.sqrt(1.0 - progress)
+      fall = progress if config.decay_shape == "linear" else jnp.sqrt(progress)  # 1-sqrt: lr ∝ 1 − √progress
       return peak - (peak - end) * fall
   else:
     after = optax.constant_schedule(peak)

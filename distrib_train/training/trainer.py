@@ -180,7 +180,7 @@ class Trainer:
       local = local_tier(self.workdir, t.local_checkpoint_dir, fields) if t.local_checkpoint_every else None
       wsd.extend(self.workdir / "checkpoints", local, self.config, writer.log)  # a finished wsd run extended
       ckpt = CheckpointManager(self.workdir / "checkpoints", max_to_keep=t.keep_checkpoints,
-                               keep_every_n_steps=wsd.stable_step(self.config), async_save=t.async_checkpoint,
+                               keep_steps=wsd.kept_steps(self.config), async_save=t.async_checkpoint,
                                saved_fields=fields, metadata={"config": self.config.to_dict(),
                                                               "tokenizer": setup.tokenizer, "frozen_source": self.frozen})
       self.tiers = CheckpointTiers(ckpt, local, writer.log)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from distrib_train.checkpoint.checks import CheckpointError, read_meta
 from distrib_train.cluster import distributed
@@ -34,6 +35,12 @@ def stable_step(config: Config) -> int | None:
   return step if 0 < step < steps else None
 
 
+def kept_steps(config: Config) -> tuple[int, ...]:
+  """The steps the checkpoint manager keeps past ``train.keep_checkpoints``: the last stable step, if any."""
+  step = stable_step(config)
+  return () if step is None else (step,)
+
+
 def _steps(directory: pathlib.Path) -> list[int]:
   """The committed steps in a checkpoints directory (orbax's step folders with their metadata)."""
   if not directory.is_dir():
@@ -41,9 +48,31 @@ def _steps(directory: pathlib.Path) -> list[int]:
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / "meta").is_dir())
 
 
+def _decide(directory: pathlib.Path, local: Any, config: Config) -> tuple[int, int, int]:
+  """``(stable, newest, old steps)`` for an extension, ``stable`` -1 for none and -2 for one whose stable step has
+  no checkpoint. The newest step is either tier's (a local step past the persistent tier's newest is decayed
+  progress too)."""
+  steps = _steps(directory)
+  if config.optimizer.schedule != "wsd" or not steps:
+    return -1, 0, 0
+  saved = (read_meta(directory, steps[-1]).get("run") or {}).get("config") or {}
+  known = {f.name for f in dataclasses.fields(OptimizerConfig)}
+  try:
+    old = OptimizerConfig(**{k: v for k, v in (saved.get("optimizer") or {}).items() if k in known})
+    old_steps = int(saved["train"]["steps"])
+  except (KeyError, TypeError, ValueError):
+    return -1, 0, 0  # a checkpoint without its config: resumed as any other
+  newest = max([steps[-1], *(local.steps() if local is not None else [])])
+  stable = wsd_decay_start(old, old_steps)
+  if (old.schedule != "wsd" or not 0 < stable < old_steps or newest <= stable or config.train.steps <= old_steps
+      or wsd_decay_start(config.optimizer, config.train.steps) <= stable):
+    return -1, 0, 0  # not past the old run's stable step, or not given more steps: an ordinary resume
+  return (stable if stable in steps else -2), newest, old_steps
+
+
 def extend(directory: pathlib.Path, local: Any, config: Config, log: Callable[[str], None]) -> int | None:
-  """Prepares an extension of a finished ``wsd`` run (module docstring): the steps after its last stable step
-  moved aside (the persistent tier's by process 0, each process's local tier's by itself).
+  """Prepares an extension of a finished ``wsd`` run (module docstring): process 0 decides for every process,
+  moves the persistent tier's steps after the last stable step aside, and each process removes its local tier's.
 
   Returns:
     The last stable step the run restores, or None when this start is no extension.
@@ -51,32 +80,26 @@ def extend(directory: pathlib.Path, local: Any, config: Config, log: Callable[[s
   Raises:
     CheckpointError: an extension whose last stable step has no checkpoint.
   """
-  steps = _steps(directory)
-  if config.optimizer.schedule != "wsd" or not steps:
-    return None
-  latest = steps[-1]
-  saved = (read_meta(directory, latest).get("run") or {}).get("config") or {}
-  known = {f.name for f in dataclasses.fields(OptimizerConfig)}
-  try:
-    old = OptimizerConfig(**{k: v for k, v in (saved.get("optimizer") or {}).items() if k in known})
-    old_steps = int(saved["train"]["steps"])
-  except (KeyError, TypeError, ValueError):
-    return None  # a checkpoint without its config: resumed as any other
-  stable = wsd_decay_start(old, old_steps)
-  if old.schedule != "wsd" or latest <= stable or wsd_decay_start(config.optimizer, config.train.steps) <= stable:
-    return None
-  if stable not in steps:
+  decision = np.asarray(_decide(directory, local, config) if jax.process_index() == 0 else (0, 0, 0), np.int64)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    decision = np.asarray(multihost_utils.broadcast_one_to_all(decision))
+  stable, newest, old_steps = (int(x) for x in decision)
+  if stable == -2:
     raise CheckpointError(f"Extending the run in {str(directory)!r} to {config.train.steps} steps needs its last"
-                          f" stable step, {stable}, which has no checkpoint there (steps: {', '.join(map(str, steps))})"
+                          f" stable step, which has no checkpoint there (steps: {', '.join(map(str, _steps(directory)))})"
                           "; a run of this release keeps it.")
-  aside = directory / f".decayed-{latest}"
+  if stable < 0:
+    return None
+  aside = directory / f".decayed-{newest}"
   if jax.process_index() == 0:
     aside.mkdir(exist_ok=True)
-    for step in (s for s in steps if s > stable):
+    for step in (s for s in _steps(directory) if s > stable):
       shutil.move(str(directory / str(step)), str(aside / str(step)))
   for step in (s for s in (local.steps() if local is not None else []) if s > stable):
     shutil.rmtree(local.directory / str(step), ignore_errors=True)
   distributed.wait_for_every_process("decayed steps moved aside")
   log(f"Extending a finished wsd run from {old_steps} to {config.train.steps} steps: restoring its last stable step"
-      f" {stable}; its decayed steps (to {latest}) are in {aside}.")
+      f" {stable}; its decayed steps (to {newest}) are in {aside}.")
   return stable
