@@ -243,9 +243,15 @@ def _load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Trai
     adapters = getattr(model, "lora_rank", 0)
     # With LoRA the params are the adapters (they keep their fresh values) and the base is frozen; MTP modules
     # (model.mtp_depth) on a checkpoint without them keep theirs too.
-    new_mtp = getattr(model, "mtp_depth", 0) and not mtp.checkpoint_depth(
+    depth, held = getattr(model, "mtp_depth", 0), mtp.checkpoint_depth(
         json.loads((pathlib.Path(directory) / "config.json").read_text()), directory, model.num_layers)
+    if 0 < held < depth:
+      raise hf.HfCheckpointError(f"model.mtp_depth={depth}: {directory} holds {held} MTP layer(s); set"
+                                 f" model.mtp_depth to 0 or {held}, or start fresh ones from a checkpoint without")
+    new_mtp = depth and not held
     fresh_mtp = (lambda path: any(getattr(k, "key", None) == "mtp" for k in path)) if new_mtp else None
+    if new_mtp and not adapters:  # the rest as strictly checked as ever (fresh below for the MTP leaves alone)
+      hf.check_params(directory, abstract.params, model, skip=fresh_mtp)
     reference = _reference(config)[0]
     params = hf.load_params(directory, abstract.params, model, fresh=state.params if adapters or new_mtp else None,
                             skip=fresh_mtp)

@@ -57,17 +57,13 @@ def dimension_numbers_for(axes: tuple[str | None, ...] | None, shape: tuple[int,
 
 
 def _find(axes_by_path: Mapping[str, tuple[str | None, ...]], path: tuple[Any, ...]) -> tuple[str | None, ...] | None:
-  name = path_str(path)
-  if name in axes_by_path:
-    return axes_by_path[name]
-  return next((v for k, v in axes_by_path.items() if k.endswith("/" + name)), None)
+  name = path_str(path)  # the optimizer may see a flax fp8 model's ``params`` collection alone
+  return axes_by_path.get(name, axes_by_path.get(f"params/{name}"))
 
 
 def dimension_numbers(axes_by_path: Mapping[str, tuple[str | None, ...]]) -> Any:
   """``optax.contrib.muon``'s ``muon_weight_dimension_numbers`` as a function of the params (or updates): each
-  leaf's from its ``/``-path's logical axes in ``axes_by_path`` (``models.annotated_axes``). A path is looked up
-  whole, then without its leading keys (the optimizer may see ``params`` of a flax fp8 model, not the whole
-  collection)."""
+  leaf's from its ``/``-path's logical axes in ``axes_by_path`` (``models.annotated_axes``)."""
 
   def of(tree: Any) -> Any:
     return jax.tree_util.tree_map_with_path(
@@ -202,8 +198,10 @@ def spread_over_mesh(inner_factory: Callable[[Any], optax.GradientTransformation
 
   def infos(tree):
     axes = jax.tree_util.tree_map_with_path(lambda path, x: _find(axes_by_path, path), tree)
-    return jax.tree_util.tree_map(lambda d, a, x: None if d is None else _Matrices(d, a, tuple(x.shape)),
-                                  dims_of(tree), axes, tree, is_leaf=is_dims)
+    return jax.tree_util.tree_map(  # axes of another rank are no layout of this leaf's
+        lambda d, a, x: None if d is None else _Matrices(d, a if a is not None and len(a) == x.ndim else None,
+                                                         tuple(x.shape)),
+        dims_of(tree), axes, tree, is_leaf=is_dims)
 
   def each(fn, tree, info):
     return jax.tree_util.tree_map(lambda i, x: x if i is None or isinstance(x, MaskedNode) else fn(x, i),
