@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import pathlib
 import re
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -66,6 +68,14 @@ def _check_complete(directory: epath.Path, step: int) -> None:
         f"Checkpoint {str(step_dir)!r} is incomplete (no {', '.join(missing)}): a copy cut short, or a directory"
         " distrib_train did not write. Move it out of the way to resume from the step before it."
     )
+
+
+def step_dirs(directory: str | os.PathLike) -> list[int]:
+  """The steps a checkpoints directory lists (its folders named by a number), oldest first; none where it is
+  missing. Read-only: no manager opened, nothing created."""
+  directory = pathlib.Path(directory)
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()) \
+      if directory.is_dir() else []
 
 
 def read_meta(directory: epath.Path, step: int) -> dict[str, Any]:

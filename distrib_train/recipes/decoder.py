@@ -50,7 +50,7 @@ from distrib_train.parallel.pipeline import layer_stack
 from distrib_train.kernels.attention import splash as attention_lib
 from distrib_train.kernels import fp8
 from distrib_train.recipes import attention, blocks, lora, mtp
-from distrib_train.recipes.parts import Kind, param, rms_norm
+from distrib_train.recipes.parts import Kind, param, rms_norm, token_weights
 from distrib_train.kernels.cross_entropy import chunked_cross_entropy
 from distrib_train.recipes.routing import RouterBias
 from distrib_train.sharding.axis_rules import constrain
@@ -340,8 +340,7 @@ def loss_fn(*, model: Decoder, state: Any, rng: jax.Array, tokens: jax.Array, ta
   hidden, routing, rest = forward(model, tokens, dropout_rng=rng, targets=targets, positions=positions,
                                   segment_ids=segment_ids, weights=weights, **ahead)
   targets, segment_ids, weights = (rest[k] for k in ("targets", "segment_ids", "weights"))
-  if weights is None:
-    weights = jnp.ones(targets.shape, jnp.float32) if segment_ids is None else (segment_ids > 0).astype(jnp.float32)
+  weights = token_weights(targets, segment_ids, weights)
   head = model.head_weight()
   if c.mtp_depth:  # gathered over its embedding side once, for the main head and each depth (one all-gather)
     head = constrain(head, (None, "vocab"))

@@ -62,7 +62,7 @@ from flax import nnx
 from distrib_train.kernels import fp8
 from distrib_train.kernels.cross_entropy import chunked_cross_entropy
 from distrib_train.recipes import blocks
-from distrib_train.recipes.parts import Kind, norm, param, project
+from distrib_train.recipes.parts import Kind, norm, param, project, token_weights
 from distrib_train.sharding.axis_rules import constrain
 
 NAME = "mtp"  # the decoder's attribute, and the top-level key of its params in checkpoints
@@ -95,8 +95,7 @@ def shifted(config, targets: jax.Array, segment_ids: jax.Array | None,
             weights: jax.Array | None) -> dict[str, jax.Array]:
   """Per depth k, in the batch's own order: ``mtp_tokens_k`` (t_{i+k}, the embedded token), ``mtp_targets_k``
   (t_{i+k+1}) and ``mtp_weights_k`` (float32; 0 where the prediction is not counted: module docstring)."""
-  if weights is None:
-    weights = jnp.ones(targets.shape, jnp.float32) if segment_ids is None else (segment_ids > 0).astype(jnp.float32)
+  weights = token_weights(targets, segment_ids, weights)
   length = targets.shape[1]
   out = {}
   for k in range(1, config.mtp_depth + 1):

@@ -57,3 +57,11 @@ def project(subscripts: str, x: jax.Array, layer: dict, name: str, config=None) 
   out = fp8.einsum(subscripts, x, layer[name].astype(x.dtype), layer.get(f"fp8_{name}"))
   adapted = lora.delta(subscripts, x, layer, name, config) if config is not None and config.lora_rank else None
   return out if adapted is None else out + adapted
+
+
+def token_weights(targets: jax.Array, segment_ids: jax.Array | None, weights: jax.Array | None) -> jax.Array:
+  """Each target's loss weight: ``weights`` where given, else 1 on a document's tokens (0 on a packed row's
+  padding, segment 0)."""
+  if weights is not None:
+    return weights
+  return jnp.ones(targets.shape, jnp.float32) if segment_ids is None else (segment_ids > 0).astype(jnp.float32)

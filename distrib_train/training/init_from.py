@@ -44,7 +44,7 @@ from typing import Any
 import jax
 
 from distrib_train.checkpoint import hf
-from distrib_train.checkpoint.checks import (FROZEN_FIELDS, MODEL_FIELDS, SAVED_FIELDS, CheckpointError,
+from distrib_train.checkpoint.checks import (FROZEN_FIELDS, MODEL_FIELDS, SAVED_FIELDS, CheckpointError, step_dirs,
                                              abstract_target, check_matches, held_fields, read_meta, saved_shapes)
 from distrib_train.checkpoint.tree import fill_fields, flatten_fields
 from distrib_train.checkpoint.hf_common import fingerprint
@@ -59,8 +59,7 @@ def _checkpoint(path: str) -> tuple[pathlib.Path, int]:
   if where.name.isdigit() and (where / "meta").exists():
     return where.parent, int(where.name)
   directory = where / "checkpoints" if (where / "checkpoints").is_dir() else where
-  steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()) \
-      if directory.is_dir() else []
+  steps = step_dirs(directory)
   if not steps:
     raise ValueError(f"train.init_from ckpt:{path}: no checkpoint there (a workdir, its checkpoints directory or"
                      " one step directory).")

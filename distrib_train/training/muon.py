@@ -76,7 +76,7 @@ def describe(params: Any, axes_by_path: Mapping[str, tuple[str | None, ...]]) ->
   """Each param's treatment, by path: ``muon reduce (1,) out (2,)`` or ``adamw`` (for the plan and the docs)."""
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    dims = dimension_numbers_for(axes_by_path.get(path_str(path)), tuple(leaf.shape))
+    dims = dimension_numbers_for(_find(axes_by_path, path), tuple(leaf.shape))
     out[path_str(path)] = "adamw" if dims is None else f"muon reduce {dims.reduction_axis} out {dims.output_axis}"
   return out
 
@@ -170,11 +170,11 @@ STACKED = MuonDimensionNumbers((1,), (2,))  # a spread param's: [matrices, reduc
 
 @dataclasses.dataclass(frozen=True)
 class _Matrices:
-  """A Muon param's dimension numbers, logical axes and shape (a leaf of the tree ``spread_over_mesh`` maps)."""
+  """A Muon param's shape, its layout on the mesh and its stack (a leaf of the tree ``spread_over_mesh`` maps)."""
 
-  dims: MuonDimensionNumbers
-  axes: tuple[str | None, ...] | None
   shape: tuple[int, ...]
+  spec: PartitionSpec
+  stack: _Stack
 
 
 def spread_over_mesh(inner_factory: Callable[[Any], optax.GradientTransformation],
@@ -196,12 +196,17 @@ def spread_over_mesh(inner_factory: Callable[[Any], optax.GradientTransformation
   is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)
   is_info = lambda x: x is None or isinstance(x, _Matrices)
 
-  def infos(tree):
+  def infos(tree, mesh, rules):
+    def info(dims, axes, x):
+      if dims is None:
+        return None
+      # the param's layout by its axes (axes of another rank are no layout of this leaf's: replicated)
+      spec = rules.spec(axes if axes is not None and len(axes) == x.ndim else (None,) * x.ndim, shape=x.shape,
+                        mesh=mesh)
+      return _Matrices(tuple(x.shape), spec, _Stack.of(dims, x.shape, spec, mesh))
+
     axes = jax.tree_util.tree_map_with_path(lambda path, x: _find(axes_by_path, path), tree)
-    return jax.tree_util.tree_map(  # axes of another rank are no layout of this leaf's
-        lambda d, a, x: None if d is None else _Matrices(d, a if a is not None and len(a) == x.ndim else None,
-                                                         tuple(x.shape)),
-        dims_of(tree), axes, tree, is_leaf=is_dims)
+    return jax.tree_util.tree_map(info, dims_of(tree), axes, tree, is_leaf=is_dims)
 
   def each(fn, tree, info):
     return jax.tree_util.tree_map(lambda i, x: x if i is None or isinstance(x, MaskedNode) else fn(x, i),
@@ -216,12 +221,11 @@ def spread_over_mesh(inner_factory: Callable[[Any], optax.GradientTransformation
     if active is None or active[0].size == 1:
       return plain.update(updates, state, params)
     mesh, rules = active
-    info = infos(updates)
+    info = infos(updates, mesh, rules)
     labels = jax.tree_util.tree_map(lambda i: None if i is None else STACKED, info, is_leaf=is_info)
     stacked = inner_factory(lambda tree: labels)  # the same Muon, on the stacks
-    spec = lambda i: rules.spec(i.axes or (None,) * len(i.shape), shape=i.shape, mesh=mesh)
-    spread = lambda x, i: _spread(x, _Stack.of(i.dims, i.shape, spec(i), mesh), spec(i), mesh)
-    gather = lambda x, i: _gather(x, _Stack.of(i.dims, i.shape, spec(i), mesh), spec(i), mesh, i.shape)
+    spread = lambda x, i: _spread(x, i.stack, i.spec, mesh)
+    gather = lambda x, i: _gather(x, i.stack, i.spec, mesh, i.shape)
     out, new = stacked.update(each(spread, updates, info), moments(spread, state, info),
                               None if params is None else each(spread, params, info))
     return each(gather, out, info), moments(gather, new, info)

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from distrib_train.checkpoint.checks import CheckpointError, read_meta
+from distrib_train.checkpoint.checks import CheckpointError, read_meta, step_dirs
 from distrib_train.cluster import distributed
 from distrib_train.training.config import Config, OptimizerConfig
 from distrib_train.training.optimizers import wsd_decay_start
@@ -41,18 +41,11 @@ def kept_steps(config: Config) -> tuple[int, ...]:
   return () if step is None else (step,)
 
 
-def _steps(directory: pathlib.Path) -> list[int]:
-  """The committed steps in a checkpoints directory (orbax's step folders with their metadata)."""
-  if not directory.is_dir():
-    return []
-  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / "meta").is_dir())
-
-
 def _decide(directory: pathlib.Path, local: Any, config: Config) -> tuple[int, int, int]:
   """``(stable, newest, old steps)`` for an extension, ``stable`` -1 for none and -2 for one whose stable step has
   no checkpoint. The newest step is either tier's (a local step past the persistent tier's newest is decayed
   progress too)."""
-  steps = _steps(directory)
+  steps = step_dirs(directory)
   if config.optimizer.schedule != "wsd" or not steps:
     return -1, 0, 0
   saved = (read_meta(directory, steps[-1]).get("run") or {}).get("config") or {}
@@ -87,15 +80,16 @@ def extend(directory: pathlib.Path, local: Any, config: Config, log: Callable[[s
     decision = np.asarray(multihost_utils.broadcast_one_to_all(decision))
   stable, newest, old_steps = (int(x) for x in decision)
   if stable == -2:
+    held = ", ".join(map(str, step_dirs(directory)))
     raise CheckpointError(f"Extending the run in {str(directory)!r} to {config.train.steps} steps needs its last"
-                          f" stable step, which has no checkpoint there (steps: {', '.join(map(str, _steps(directory)))})"
-                          "; a run of this release keeps it.")
+                          f" stable step, which has no checkpoint there (steps: {held}); a run of this release"
+                          " keeps it.")
   if stable < 0:
     return None
   aside = directory / f".decayed-{newest}"
   if jax.process_index() == 0:
     aside.mkdir(exist_ok=True)
-    for step in (s for s in _steps(directory) if s > stable):
+    for step in (s for s in step_dirs(directory) if s > stable):
       shutil.move(str(directory / str(step)), str(aside / str(step)))
   for step in (s for s in (local.steps() if local is not None else []) if s > stable):
     shutil.rmtree(local.directory / str(step), ignore_errors=True)
