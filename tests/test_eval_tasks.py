@@ -38,6 +38,8 @@ def test_pack_fits_each_length_best_first_and_never_overlaps():
       assert spans[-1][1] <= sizes[row] and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
   assert pack(lengths, 8)[1] == [8] * 5  # without ``shortest``, every row is the longest: the fewest rows
   assert sorted(pack([3, 3, 15], 16, 4)[1]) == [4, 4, 16]  # short rows for what the long one cannot hold
+  rows = [row for row, _ in pack([1] * 10, 16, 0, per_row=3)[0]]
+  assert max(rows.count(r) for r in rows) == 3 and len(set(rows)) == 4  # a GPU's cap on a row's segments
 
 
 @pytest.mark.parametrize("kind", ["llama", "moe"])
@@ -60,6 +62,55 @@ def test_packed_scores_of_greedy_completions_are_the_samplers_on_8_devices(kind)
   assert not scores[-1].greedy and scores[-1].logprobs[:5] == scores[0].logprobs[:5]
   assert scores[-1].logprobs[5] < scores[0].logprobs[5]
   assert scorer.compiles == 2  # rows of 16 and of 32 tokens
+
+
+@pytest.mark.parametrize("variant", ["sliding_ring", "mla_experts"])
+def test_a_contexts_continuations_share_its_rows_and_score_as_each_alone_on_8_devices(variant):
+  """Several continuations of a context in one row (its trunk once, each branch seeing it and itself), on 8
+  devices: every figure and argmax as the model's own forward gives them, each sequence alone in its row —
+  for a window the branches outgrow (Gemma 3's caps, sinks) and MLA with experts. The cases: branches of many
+  tokens, of one (read at the trunk's end), sharing their first tokens, one input reached from two contexts,
+  a trunk too short to share, a tree split over rows of 32, and questions after one few-shot prompt (its
+  trunk, their answer letters read at each question's end)."""
+  import jax
+  import jax.numpy as jnp
+
+  from distrib_train.generation import scoring
+
+  kind, fields = test_generation.VARIANTS[variant]
+  model = test_generation._model(kind, fields)
+  mesh, rules = test_generation._mesh(kind)
+  vocab = model.config.vocab_size
+  rng = np.random.default_rng(1)
+  ids = lambda n: rng.integers(0, vocab, n).tolist()
+  sequences, scored = [], []
+  for context in (ids(14), ids(20), ids(scoring.MIN_TRUNK - 3)):
+    shared = ids(2)
+    for continuation in (ids(5), ids(1), ids(9), shared + ids(3), shared + ids(4), ids(1)):
+      sequences.append(context + continuation)
+      scored.append(len(continuation))
+  sequences.append(sequences[3][:-1] + ids(1))  # sequence 3's context and its first 4 ids as a context
+  scored.append(1)
+  fewshot = ids(12)
+  for question in (ids(6), ids(9), ids(4)):
+    sequences += [fewshot + question + ids(1) for _ in range(3)]
+    scored += [1] * 3
+  scorer = Scorer(test_generation._sharded(model, mesh, rules), mesh=mesh, rules=rules)
+  scores = scorer.score(sequences, scored, row_len=32, rows=2)
+  trees, _ = scoring._trees([tuple(s[:-1]) for s in sequences], True, 32)
+  assert scorer.layout.trees == len(trees) < len({tuple(s[:-1]) for s in sequences})
+  assert any(t.trunk == tuple(fewshot) and len(t.branches) == 3 for t in trees)
+  assert any(len(t.trunk) == 14 and len(t.branches) > 1 for t in trees)
+  assert len([t for t in trees if len(t.trunk) == 20]) > 1  # a tree split over rows
+  width = max(map(len, sequences))
+  tokens = np.array([s + [0] * (width - len(s)) for s in sequences], np.int32)
+  logits = jax.jit(lambda m, t: m.logits(m(t)).astype(jnp.float32))(model, tokens)
+  logprobs = np.asarray(jax.nn.log_softmax(logits))
+  for i, (seq, k, score) in enumerate(zip(sequences, scored, scores)):
+    at = np.arange(len(seq) - 1 - k, len(seq) - 1)
+    want = logprobs[i, at, np.array(seq)[at + 1]]
+    np.testing.assert_allclose(score.logprobs, want, rtol=2e-5, atol=2e-5, err_msg=f"sequence {i}")
+    assert score.greedy == bool(np.all(np.argmax(logits[i, at], -1) == np.array(seq)[at + 1]))
 
 
 def _eval(*args, env=None, timeout=300):

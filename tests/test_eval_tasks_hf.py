@@ -83,7 +83,7 @@ def test_every_metric_and_sample_is_lm_evals_hf_models_on_8_devices(family, tmp_
   ours = eval_tasks.evaluate(lm, list(eval_helpers.TASKS), include_path=[str(tasks)], log_samples=True,
                              bootstrap_iters=0)
   assert lm.max_length == eval_helpers.CONTEXT
-  assert lm.scorer.compiles <= 2  # the rows of every call share a program (one row length per request kind)
+  assert lm.scorer.compiles <= 2  # calls share programs (a row length per request kind: trees or not)
   _assert_same(eval_tasks.scores(ours), _answers(ours), *_theirs(tmp_path / "hf", tasks))
   if family != "llama":
     return

@@ -10,9 +10,10 @@ model does, on the same token ids:
   context moved to the continuation; an empty context becomes the prefix
   token), cut to the last ``max_length + 1`` tokens; every request of a call
   packed into rows with segment ids (``generation/scoring.py``), so little
-  padding is computed, and requests that differ only in their last token (a
-  question's answer letters) computed once; ``is_greedy`` from the argmax at
-  each continuation token.
+  padding is computed, and a context computed once for the continuations
+  that share it (``share_contexts``: a question's answer letters or
+  choices, a few-shot prompt's questions; up to 1,024 tokens a tree,
+  ``scoring.py``); ``is_greedy`` from the argmax at each continuation token.
 - ``loglikelihood_rolling((text,))``: the text in windows of ``max_length``
   tokens, as ``lm_eval.utils.get_rolling_token_windows`` cuts them (the
   prefix token first), each token scored once; the windows of all requests
@@ -57,11 +58,12 @@ _SHORTEST_ROW = 64  # the shortest packed row (shorter sequences share it)
 
 class HarnessLM(TemplateLM):
   """lm-eval's ``LM`` (module docstring). ``batch_size``: packed rows per forward call (and 8 × as many
-  prompts decoded together)."""
+  prompts decoded together). ``share_contexts``: a context's continuations side by side in a row, the context
+  once (``scoring.Scorer.score``'s ``share``; such rows run XLA's attention, whatever ``model.attention`` asks)."""
 
   def __init__(self, loaded: Any = None, *, model: Any = None, mesh: Any = None, rules: Any = None,
                codec: Any = None, end_ids: Sequence[int] = (), max_length: int | None = None, batch_size: int = 8,
-               specials: dict[str, str] | None = None, log: Any = None):
+               specials: dict[str, str] | None = None, log: Any = None, share_contexts: bool = True):
     super().__init__()
     from distrib_train.generation.engine import Generator
     from distrib_train.generation.scoring import Scorer
@@ -79,6 +81,7 @@ class HarnessLM(TemplateLM):
       raise ValueError("HarnessLM: give a loaded model, or model=, codec= and max_length=.")
     self.codec, self.end_ids, self._max_length = codec, list(end_ids), int(max_length)
     self._batch_size = max(int(batch_size), 1)
+    self.share_contexts = share_contexts
     self.scorer = Scorer(model, mesh=mesh, rules=rules)
     self.generator = Generator(model, mesh=mesh, rules=rules, log=log)
     specials = _special_texts(codec) if specials is None else specials
@@ -175,7 +178,8 @@ class HarnessLM(TemplateLM):
   # --- the three requests ---------------------------------------------------------------------------
 
   def _row_len(self, longest: int) -> int:
-    """The longest packed row: the longest sequence's power of two (rows shorter than it: ``scoring.pack``)."""
+    """The longest packed row of sequences alone: the longest sequence's power of two (shorter rows, and rows of
+    trees: ``scoring.Scorer.score``)."""
     from distrib_train.generation.engine import bucket
 
     return bucket(longest)
@@ -192,7 +196,8 @@ class HarnessLM(TemplateLM):
     if not sequences:
       return []
     row_len = self._row_len(max(len(s) - 1 for s in sequences))
-    return self.scorer.score(sequences, scored, row_len=row_len, rows=self._batch_size, shortest=_SHORTEST_ROW)
+    return self.scorer.score(sequences, scored, row_len=row_len, rows=self._batch_size, shortest=_SHORTEST_ROW,
+                             share=self.share_contexts)
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
     scores = self._score([(list(context), list(continuation)) for _, context, continuation in requests])

@@ -29,7 +29,11 @@ joins each softmax and is then dropped). ``choose`` says which kernel runs:
   scores; or, where sinks or a soft cap are asked for or the values' head
   size is not the queries' (MLA), this module's own, past ``TILE`` tokens in
   rematerialized tiles of online softmax (``parallel/context.py``), as
-  flash attention keeps its memory.
+  flash attention keeps its memory;
+- ``xla`` with branches: inside ``shared_prefixes(branch_ids)``, rows whose
+  documents hold a shared prefix and its continuations side by side
+  (``generation/scoring.py``): this module's own over the [length, length]
+  scores, with a mask segment ids cannot say.
 
 ``model.attention`` asks for one (``auto`` lets ``choose`` pick); a kernel
 asked for that cannot run the layer is refused with the reason. Inside
@@ -104,6 +108,23 @@ def _cudnn_runs(q: jax.Array, v_dim: int, masked: bool) -> bool:
 
 
 _DECISIONS: contextvars.ContextVar[list | None] = contextvars.ContextVar("attention_decisions", default=None)
+_BRANCHES: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("attention_branches", default=None)
+
+
+@contextlib.contextmanager
+def shared_prefixes(branch_ids: jax.Array):
+  """While entered (a program being traced), every ``attention`` also reads ``branch_ids`` [batch, length]: in
+  each packed document, the tokens of branch 0 are a prefix every branch continues, and a token of branch
+  ``b > 0`` sees those and the earlier tokens of its own branch, never another branch's. A row lays a document
+  out as its prefix, then each branch after the other, the branches' positions each continuing the prefix's
+  (sliding windows count positions, not places in the row). Several continuations of one context are so
+  computed over the context once (``generation/scoring.py``). Runs in XLA over the [length, length] scores,
+  whatever kernel the layer asks for; no context axis."""
+  token = _BRANCHES.set(branch_ids)
+  try:
+    yield
+  finally:
+    _BRANCHES.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +192,11 @@ def decide(layer: Attention, q: jax.Array, *, masked: bool = False, sinks: bool 
     raise ValueError(f"model.attention must be one of {', '.join(REQUESTS)}, got {layer.requested!r}.")
   v_dim = q.shape[-1] if v_dim is None else v_dim
   size = context.context_size()
+  if _BRANCHES.get() is not None:
+    if size > 1:
+      raise ValueError("shared-prefix rows (scoring) split over a context axis: their mask is not the context"
+                       " kernels'; use a mesh without one.")
+    return "xla", "shared-prefix rows: a prefix and its branches side by side, a mask beyond segment ids"
   if size > 1:
     return _context_choice(layer, q, size)
   device = _device()
@@ -235,8 +261,10 @@ def _run(kernel, q, k, v, layer, positions, segment_ids, sinks):
   if kernel in ("cudnn_packed", "cudnn"):
     with _cudnn_work(q, v, layer.window):
       return _cudnn(kernel, q, k, v, layer, segment_ids, scale)
+  options = dict(window=layer.window, scale=scale, softcap=layer.softcap, sinks=sinks)
+  if (branch_ids := _BRANCHES.get()) is not None:
+    return reference_attention(q, k, v, segment_ids, branch_ids=branch_ids, positions=positions, **options)
   if sinks is not None or layer.softcap or v.shape[-1] != q.shape[-1]:
-    options = dict(window=layer.window, scale=scale, softcap=layer.softcap, sinks=sinks)
     if q.shape[1] > TILE:  # flash attention's memory in XLA: no [length, length] scores
       return context.tiled_attention(q, k, v, positions, segment_ids, block=TILE, **options)
     return reference_attention(q, k, v, segment_ids, **options)
@@ -271,15 +299,21 @@ def _cudnn(kernel, q, k, v, layer, segment_ids, scale):
 
 
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, *, window: int,
-                        scale: float, softcap: float, sinks: jax.Array | None) -> jax.Array:
+                        scale: float, softcap: float, sinks: jax.Array | None, branch_ids: jax.Array | None = None,
+                        positions: jax.Array | None = None) -> jax.Array:
   """Attention in plain XLA with what jax's own lacks (sinks, a soft cap): each row's causal mask (a window's band,
-  each packed document to itself) over the [length, length] scores, through ``xla.masked_attention``."""
+  each packed document to itself) over the [length, length] scores, through ``xla.masked_attention``. With
+  ``branch_ids`` (and ``positions``), shared-prefix rows (``shared_prefixes``): a branch sees its prefix and
+  itself, the window counts positions."""
   length = q.shape[1]
   query, key = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
-  visible = key <= query
-  if window:
-    visible &= query - key < window
-  visible = visible[None]
+  visible = (key <= query)[None]
+  if branch_ids is not None:
+    visible = visible & ((branch_ids[:, None, :] == 0) | (branch_ids[:, None, :] == branch_ids[:, :, None]))
+    if window:
+      visible = visible & (positions[:, :, None] - positions[:, None, :] < window)
+  elif window:
+    visible = visible & (query - key < window)[None]
   if segment_ids is not None:
     visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
   return masked_attention(q, k, v, visible, scale=scale, softcap=softcap, sinks=sinks)
