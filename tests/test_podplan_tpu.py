@@ -123,6 +123,7 @@ def test_single_host_v5e_is_compiled_by_libtpu_with_no_correction(tmp_path):
   assert data["compiler"] == "tpu" and data["device_kind"] == "TPU v5 lite" and data["kind"] == "v5e"
   assert data["topology"] == {"name": "v5e:2x2", "slices": 1, "chips": 4}
   assert "libtpu" in pod.report()
+  assert pod.estimated_cycles > 0 and data["estimated_cycles"] == pod.estimated_cycles  # libtpu's own estimate
 
 
 def test_the_tpu_plan_compiles_the_attention_a_tpu_run_uses_splash(tmp_path):
@@ -279,6 +280,11 @@ ENTRY %main (x: f32[4]) -> f32[4] {
   assert hlo_module.multiplicities(hlo_module.parse_module(text)[0])["body"] == 7
   (found,) = collectives.find_collectives(text, (2,), ("fsdp",))
   assert found.count == 7 and found.axes == ("fsdp",)
+  assert hlo_module.estimated_cycles(text) is None  # no compiler's estimate in it
+  estimated = text.replace("replica_groups={{0,1}}, to_apply=%add",
+                           'replica_groups={{0,1}}, to_apply=%add, backend_config={"estimated_cycles":"100"}')
+  estimated = estimated.replace("tuple(%zero, %x)", 'tuple(%zero, %x), backend_config={"estimated_cycles":"3"}')
+  assert hlo_module.estimated_cycles(estimated) == 7 * 100 + 3  # the loop's body by its trips
 
 
 def test_a_custom_calls_config_spanning_lines_does_not_end_its_computation():

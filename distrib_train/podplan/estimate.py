@@ -210,6 +210,7 @@ class PodPlan:
   custom_calls: tuple[str, ...] = ()  # the compiled program's custom-call targets (cuDNN attention, cuBLAS, …)
   attention: list = dataclasses.field(default_factory=list)  # each attention layer's kernel and why
   flops: dict[str, float] | None = None  # the compiled step's FLOPs per device: dots, attention and grouped kernels
+  estimated_cycles: int | None = None  # libtpu's own estimate of the step (hlo.estimated_cycles); None elsewhere
 
   @property
   def compiled(self) -> bool:
@@ -361,6 +362,7 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
                                                    infer_reduce_scatters=target is None)
   wire = collectives_lib.wire_bytes_by_link(collectives)
   extra["flops"] = hlo_module.flops(text)
+  extra["estimated_cycles"] = hlo_module.estimated_cycles(text) if isinstance(target, TpuTopology) else None
   times = step_time(model_flops, sum(extra["flops"].values()), wire, kind, efficiency, xla_flops(compiled))
   if not constrain_activations:
     notes.append("activations unconstrained (--no_activation_sharding): XLA chooses their layout.")

@@ -33,6 +33,7 @@ _CALL_LISTS = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 NAME = re.compile(r"%([\w.\-]+)")
+_ESTIMATED_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 
 
 def array_bytes(shape_text: str) -> int:
@@ -217,6 +218,16 @@ def multiplicities(computations: Mapping[str, Computation]) -> dict[str, int]:
 
   return {name: times(name) for name in computations}
 
+
+def estimated_cycles(hlo_text: str) -> int | None:
+  """libtpu's own estimate of one run of a compiled TPU program: the cycles its backend config gives each
+  instruction, a loop's body by its trip count (a dynamic count once); None where the program carries none
+  (another compiler's)."""
+  computations, _ = parse_module(hlo_text)
+  times = multiplicities(computations)
+  found = [(name, int(m.group(1))) for name, c in computations.items() for i in c.instructions
+           if (m := _ESTIMATED_CYCLES.search(i.attrs))]
+  return sum(times[name] * cycles for name, cycles in found) if found else None
 
 
 def element_count(shape_text: str) -> int:

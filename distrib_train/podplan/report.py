@@ -216,6 +216,8 @@ def as_dict(pod: Any) -> dict[str, Any]:
     out["attention"] = [dataclasses.asdict(d) for d in pod.attention]
   if pod.flops is not None:
     out["flops"] = dict(pod.flops)
+  if pod.estimated_cycles is not None:
+    out["estimated_cycles"] = pod.estimated_cycles
   if pod.collectives is not None:
     out["collectives"] = collectives_lib.as_dicts(collectives_lib.summarize(pod.collectives))
     out["wire_bytes"] = pod.wire_bytes()
