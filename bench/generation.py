@@ -3,6 +3,7 @@
 Run from the repository root:
 
   python bench/generation.py tpu    # libtpu's compile for v5e-8, no TPU: Qwen3-8B at 64 × 4k, llama-7b-tpu at 16 × 4k
+  python bench/generation.py prefill   # libtpu, no TPU: llama-7b-tpu's prefill beside its training step, the same tokens
   python bench/generation.py cpu    # CPU: tokens/s beside transformers' generate, the same model, threads and batch
   python bench/generation.py gpu    # a GPU: tokens/s at batch 64, beside vLLM on the same card when vllm is installed
   python bench/generation.py cpu --smoke   # a small run of the CPU rows (tests/test_bench.py)
@@ -24,6 +25,18 @@ loop (once a call, not once a step). The layers are
 unrolled for the count (a loop's body is counted once). The shapes are the
 issue's: ``qwen3-8b-gpu``'s model at batch 64 × 4,096 tokens and
 ``llama-7b-tpu``'s at 16 × 4,096.
+
+**prefill.** ``--preset``'s training step as ``distrib-train plan``
+compiles it with libtpu for its mesh config's topology (``llama-7b-tpu``:
+v5e-256, fsdp 256, 256 × 4,096 tokens), and the prefill of the same rows
+and tokens (``generation/cache.prefill`` into a cache of that length, bf16
+weights, the same mesh and rules), each one's MFU by libtpu's own cycle
+estimate (``podplan/hlo.estimated_cycles``: every instruction's, loop
+bodies by their trips) at the chip's clock: model FLOPs (the plan's PaLM
+count for the step; a third of it, the forward, for the prefill) over
+that time at the chip's peak; and each program's own matmul FLOPs (the
+step's remat recomputation included) over the same. The target: the
+prefill within 10 % of the step's MFU.
 
 **cpu.** A small random Llama (``--d_model``, ``--layers``, a 1,024-token
 vocabulary) saved by transformers, read back by ``run_model`` as
@@ -55,6 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 V5E_BANDWIDTH = 819e9  # bytes/s per chip (cloud.google.com/tpu/docs/v5e)
 V5E_CLOCK = 1.5e9  # Hz: 197 TFLOP/s bf16 over 4 MXUs of 128 × 128 multiply-adds
+CLOCKS = {"v5e": V5E_CLOCK, "v5p": 1.75e9, "v4": 1.05e9}  # Hz, for libtpu's cycles (v5p, v4: their published clocks)
 
 
 def _decode_step_bytes(preset: str, batch: int, context: int) -> dict:
@@ -178,6 +192,74 @@ def tpu_rows(args) -> list[dict]:
   return rows
 
 
+def prefill_rows(args) -> list[dict]:
+  import jax
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from distrib_train.podplan import estimate
+  from distrib_train.generation import cache as cache_lib
+  from distrib_train.podplan import hlo, tpu
+  from distrib_train.sharding.axis_rules import activation_sharding
+  from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
+  from distrib_train.sharding.planner import MeshPlanner
+  from distrib_train.train_state import TrainState
+  from distrib_train.training import config as config_lib
+
+  tpu.use_cpu_for_jax()
+  config = config_lib.load(args.preset)
+  mesh_config = MeshConfig.from_yaml(find_mesh_config(config.mesh_config))
+  topology = mesh_config.topology
+  kind = tpu.kind_of(topology)
+  clock = CLOCKS[kind.name]
+  pod = estimate.plan_pod(config, mesh_config, kind, topology.devices, config_name=args.preset, target=topology)
+  if pod.estimated_cycles is None:
+    raise SystemExit(f"{args.preset}: the plan's step did not compile ({pod.notes[0]})")
+  step_s = pod.estimated_cycles / clock
+  train_flops = pod.time.model_flops_per_device
+
+  model = config.model_recipe().config
+  model = dataclasses.replace(model, dtype="bfloat16", param_dtype="bfloat16", remat="none", fp8="none")
+  batch, length = config.data.global_batch_size, config.data.seq_len
+  mesh = tpu.mesh(mesh_config, topology)
+  rules = estimate.rules_for(config, mesh_config)
+  make = lambda: TrainState.initial_state(model.build(0), optax.sgd(0.0), jax.random.key(0))
+  state = MeshPlanner(mesh, rules).plan(jax.eval_shape(make)).abstract_train_state
+  spec = cache_lib.cache_spec(model, batch, length)
+  shardings = cache_lib.cache_shardings(model, batch, length, mesh, rules)
+  cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), spec, shardings)
+  rows = NamedSharding(mesh, rules.spec(("batch", None), mesh=mesh))
+  tokens = jax.ShapeDtypeStruct((batch, length), np.int32, sharding=rows)
+  pads = jax.ShapeDtypeStruct((batch,), np.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+
+  def prefill(state, cache, tokens, pads):
+    with activation_sharding(mesh, rules):
+      return cache_lib.prefill(state.model, cache, tokens, pads, max_len=length)
+
+  compiled = jax.jit(prefill, donate_argnums=(1,), out_shardings=(None, shardings)).lower(
+      state, cache, tokens, pads).compile()
+  prefill_s = hlo.estimated_cycles(compiled.as_text()) / clock
+  prefill_flops = model.flops_per_token(length) / 3 * batch * length / topology.devices
+  peak = kind.peak_flops
+  row = {"preset": args.preset, "topology": topology.name, "batch": batch, "length": length,
+         "train_step_s": step_s, "train_mfu": train_flops / step_s / peak, "prefill_s": prefill_s,
+         "prefill_mfu": prefill_flops / prefill_s / peak,
+         # the programs' own matmul FLOPs (a remat's recomputed forward included): the share of peak they run at
+         "train_hfu": pod.time.matmul_flops_per_device / step_s / peak,
+         "prefill_hfu": sum(hlo.flops(compiled.as_text()).values()) / prefill_s / peak,
+         "prefill_temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+  row["ratio"] = row["prefill_mfu"] / row["train_mfu"]
+  row["hfu_ratio"] = row["prefill_hfu"] / row["train_hfu"]
+  print(f"{args.preset} on {topology.name} ({topology.devices} chips), {batch} × {length} tokens, by libtpu's"
+        f" cycle estimate at {clock / 1e9:.2f} GHz: the training step {step_s * 1e3:.1f} ms, MFU"
+        f" {row['train_mfu']:.3f}; the prefill {prefill_s * 1e3:.1f} ms, MFU {row['prefill_mfu']:.3f}:"
+        f" {row['ratio']:.3f} × the step's (target 0.9-1.1 or above); of the programs' own matmul FLOPs (the"
+        f" step's remat included) {row['train_hfu']:.3f} and {row['prefill_hfu']:.3f}: {row['hfu_ratio']:.3f} ×;"
+        f" prefill temp {row['prefill_temp_bytes'] / 2**30:.2f} GiB", flush=True)
+  return [row]
+
+
 def _random_llama(directory: str, d_model: int, layers: int, dtype: str = "float32"):
   import torch
   import transformers
@@ -272,7 +354,8 @@ def gpu_rows(args) -> list[dict]:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("target", choices=("tpu", "cpu", "gpu"))
+  parser.add_argument("target", choices=("tpu", "prefill", "cpu", "gpu"))
+  parser.add_argument("--preset", default="llama-7b-tpu", help="prefill: the TPU preset (its mesh config's topology)")
   parser.add_argument("--context", type=int, default=4096, help="tpu: the cache's tokens")
   parser.add_argument("--batch", type=int, default=None, help="cpu / gpu: prompts (default 8 / 64)")
   parser.add_argument("--prompt", type=int, default=32)
@@ -293,7 +376,7 @@ def main(argv=None) -> int:
     args.batch, args.prompt, args.new, args.d_model, args.layers, args.repeats = 2, 8, 8, 128, 2, 1
   if args.target == "cpu":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  rows = {"tpu": tpu_rows, "cpu": cpu_rows, "gpu": gpu_rows}[args.target](args)
+  rows = {"tpu": tpu_rows, "prefill": prefill_rows, "cpu": cpu_rows, "gpu": gpu_rows}[args.target](args)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=1)
