@@ -212,10 +212,12 @@ def prefill_rows(args) -> list[dict]:
   mesh_config = MeshConfig.from_yaml(find_mesh_config(config.mesh_config))
   topology = mesh_config.topology
   kind = tpu.kind_of(topology)
+  if kind.name not in CLOCKS:
+    raise SystemExit(f"{args.preset}: no clock known for {kind.name} chips (bench/generation.py CLOCKS)")
   clock = CLOCKS[kind.name]
   pod = estimate.plan_pod(config, mesh_config, kind, topology.devices, config_name=args.preset, target=topology)
   if pod.estimated_cycles is None:
-    raise SystemExit(f"{args.preset}: the plan's step did not compile ({pod.notes[0]})")
+    raise SystemExit(f"{args.preset}: the plan's step was not compiled: {' '.join(pod.notes)[:300]}")
   step_s = pod.estimated_cycles / clock
   train_flops = pod.time.model_flops_per_device
 
@@ -239,8 +241,10 @@ def prefill_rows(args) -> list[dict]:
 
   compiled = jax.jit(prefill, donate_argnums=(1,), out_shardings=(None, shardings)).lower(
       state, cache, tokens, pads).compile()
-  prefill_s = hlo.estimated_cycles(compiled.as_text()) / clock
-  prefill_flops = model.flops_per_token(length) / 3 * batch * length / topology.devices
+  prefill_s = (hlo.estimated_cycles(compiled.as_text()) or 0) / clock or float("nan")
+  # the forward's third of the step's count, less the head at every position but each row's last (prefill's logits)
+  head = 2 * model.vocab_size * model.d_model * (length - 1) * batch
+  prefill_flops = (model.flops_per_token(length) / 3 * batch * length - head) / topology.devices
   peak = kind.peak_flops
   row = {"preset": args.preset, "topology": topology.name, "batch": batch, "length": length,
          "train_step_s": step_s, "train_mfu": train_flops / step_s / peak, "prefill_s": prefill_s,

@@ -26,7 +26,7 @@ The trees are packed as the trainer packs documents: best fit, longest
 first, the trees with branches apart from those without (which run the
 layers' own kernels), into rows as short as their trees allow (``shortest``
 at least, ``row_len`` or, for trees, ``TILE`` at most; without
-``shortest`` every row ``row_len``), each tree a segment of its own
+``shortest`` every row that long), each tree a segment of its own
 (``segment_ids``, positions from 0), so no tree's attention reads another's
 and no row is padded more than its tail; on a GPU, fewer trees a row than
 cuDNN's packed attention takes runs. Rows go through the model ``rows`` at
@@ -52,6 +52,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from distrib_train.common.versions import gpu_capability
 from distrib_train.generation.engine import batch_multiple
 from distrib_train.kernels.attention.dispatch import TILE, shared_prefixes
 from distrib_train.kernels.cross_entropy import chunked_scores
@@ -234,11 +235,15 @@ class Scorer:
 
   @property
   def _per_row(self) -> int:
-    """The trees a row may hold: on a GPU, fewer than the runs cuDNN's packed attention takes (``max_segments``,
-    the padding one of them), which it would otherwise merge; elsewhere any number."""
-    segments = getattr(self.config, "packed_segments", 0)
-    platform = (self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]).platform
-    return segments - 1 if segments and platform == "gpu" else 0
+    """The sequences a plain row may hold: where cuDNN's packed attention would run it (a Hopper GPU, 16-bit,
+    ``model.attention`` auto or cudnn: ``dispatch.decide``), fewer than the runs it takes (``max_segments``, the
+    padding one of them), which it would otherwise merge; elsewhere any number."""
+    c = self.config
+    segments = getattr(c, "packed_segments", 0)
+    device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+    cudnn = (device.platform == "gpu" and gpu_capability(device) >= (9, 0) and getattr(c, "attention", "auto") in ("auto", "cudnn")
+             and getattr(c, "dtype", "") in ("bfloat16", "float16"))
+    return segments - 1 if segments and cudnn else 0
 
   def score(self, sequences: Sequence[Sequence[int]], scored: Sequence[int], *, row_len: int, rows: int = 8,
             shortest: int = 0, share: bool = True) -> list[Score]:
@@ -274,8 +279,8 @@ class Scorer:
     kinds: list[bool] = []  # each row's: branched trees (XLA's attention, TILE long at most) or not (its kernels)
     for branched in (False, True):
       group = [t for t, tree in enumerate(trees) if bool(tree.branches) == branched]
-      spots, group_sizes = pack([trees[t].size for t in group], min(longest, TILE) if branched else longest,
-                                shortest, self._per_row)
+      spots, group_sizes = pack([trees[t].size for t in group], min(longest, TILE) if branched else row_len,
+                                shortest, 0 if branched else self._per_row)
       for t, (row, at) in zip(group, spots):
         placed[t] = (len(sizes) + row, at)
       sizes += group_sizes

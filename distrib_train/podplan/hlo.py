@@ -225,7 +225,9 @@ def estimated_cycles(hlo_text: str) -> int | None:
   (another compiler's)."""
   computations, _ = parse_module(hlo_text)
   times = multiplicities(computations)
-  found = [(name, int(m.group(1))) for name, c in computations.items() for i in c.instructions
+  fused = {name for c in computations.values() for i in c.instructions if i.op == "fusion"
+           for name in re.findall(r"calls=%([\w.\-]+)", i.attrs)}  # a fusion's estimate is its body's: once
+  found = [(name, int(m.group(1))) for name, c in computations.items() if name not in fused for i in c.instructions
            if (m := _ESTIMATED_CYCLES.search(i.attrs))]
   return sum(times[name] * cycles for name, cycles in found) if found else None
 
