@@ -52,8 +52,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from distrib_train.common.versions import gpu_capability
 from distrib_train.generation.engine import batch_multiple
+from distrib_train.kernels.attention.cudnn import packs_rows
 from distrib_train.kernels.attention.dispatch import TILE, shared_prefixes
 from distrib_train.kernels.cross_entropy import chunked_scores
 from distrib_train.sharding.axis_rules import activation_sharding
@@ -183,7 +183,7 @@ def _trees(inputs: list[tuple[int, ...]], share: bool, cap: int) -> tuple[list[_
     trunk, mine = members[0][:shared], []  # mine: this trunk's trees
     for ids in sorted(members, key=len, reverse=True):  # first fit, the longest branch first
       rest = ids[shared:]
-      if shared + len(rest) > cap:  # too long to share: a tree of its own, no branch
+      if len(ids) > cap:  # too long to share: a tree of its own, no branch
         trees.append(_Tree(ids, [], [[]]))
         placed[ids] = (len(trees) - 1, 0)
         continue
@@ -235,15 +235,11 @@ class Scorer:
 
   @property
   def _per_row(self) -> int:
-    """The sequences a plain row may hold: where cuDNN's packed attention would run it (a Hopper GPU, 16-bit,
-    ``model.attention`` auto or cudnn: ``dispatch.decide``), fewer than the runs it takes (``max_segments``, the
-    padding one of them), which it would otherwise merge; elsewhere any number."""
-    c = self.config
-    segments = getattr(c, "packed_segments", 0)
+    """The sequences a plain row may hold: where cuDNN's packed attention runs it (``cudnn.packs_rows``), fewer
+    than the runs it takes, which it would otherwise merge; elsewhere any number."""
+    caps = self.config.capabilities()
     device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
-    cudnn = (device.platform == "gpu" and gpu_capability(device) >= (9, 0) and getattr(c, "attention", "auto") in ("auto", "cudnn")
-             and getattr(c, "dtype", "") in ("bfloat16", "float16"))
-    return segments - 1 if segments and cudnn else 0
+    return caps.max_segments - 1 if packs_rows(caps.max_segments, caps.attention, caps.dtype, device) else 0
 
   def score(self, sequences: Sequence[Sequence[int]], scored: Sequence[int], *, row_len: int, rows: int = 8,
             shortest: int = 0, share: bool = True) -> list[Score]:

@@ -151,11 +151,11 @@ def param_axes(parts: ModelParts, seed: int = 0) -> dict[str, tuple[str | None, 
 def packed_attention(family: Family, mesh: Any) -> bool:
   """Whether the model runs packed rows through cuDNN's packed layout on ``mesh``: a Hopper or newer
   GPU, ``model.attention`` auto or cudnn, ``model.max_segments`` > 0, no context axis (ring attention)."""
-  from distrib_train.common.versions import gpu_capability
+  from distrib_train.kernels.attention.cudnn import packs_rows
 
   caps = family.capabilities()
-  return (caps.max_segments > 0 and caps.attention in ("auto", "cudnn") and caps.dtype in ("bfloat16", "float16")
-          and dict(mesh.shape).get("context", 1) == 1 and gpu_capability(mesh.devices.flat[0]) >= (9, 0))
+  return dict(mesh.shape).get("context", 1) == 1 and packs_rows(caps.max_segments, caps.attention, caps.dtype,
+                                                                mesh.devices.flat[0])
 
 
 def data_config(config: Config, family: Family, mesh: Any = None, *, packed: bool | None = None) -> DataConfig:

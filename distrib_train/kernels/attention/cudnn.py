@@ -51,6 +51,16 @@ def _module():
   return fused_attention_stablehlo
 
 
+def packs_rows(max_segments: int, attention: str, dtype: str, device) -> bool:
+  """Whether a model's packed rows run through cuDNN's packed layout (``packed_attention``) on ``device``: a
+  Hopper or newer GPU, ``model.attention`` auto or cudnn, 16-bit, ``model.max_segments`` > 0 (the runs a row may
+  hold, the padding one of them; more are merged)."""
+  from distrib_train.common.versions import gpu_capability
+
+  return (max_segments > 0 and attention in ("auto", "cudnn") and dtype in ("bfloat16", "float16")
+          and gpu_capability(device) >= (9, 0))
+
+
 def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
   """cuDNN's packed layout of ``segment_ids`` ``[batch, length]``: each row's runs of equal ids.
 
