@@ -37,18 +37,15 @@ it is computed in that order without undoing it.
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from distrib_train.kernels.attention.xla import NEGATIVE, fold
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 CONTEXT_AXIS = "context"
-_NEGATIVE = -1e30  # a masked score: finite, so a block with nothing to see gives no NaN
 
 
 def context_size() -> int:
@@ -80,68 +77,13 @@ def reorder(tokens: jax.Array, **per_token: jax.Array | None) -> tuple[jax.Array
   return take(tokens), {k: take(v) for k, v in per_token.items()}
 
 
-def _block(q, k, v, pos_q, pos_k, seg_q, seg_k, state, window: int = 0, softcap: float = 0.0):
-  """Folds one key/value block into the online softmax ``state`` = (max, sum, accumulator)."""
-  m, l, acc = state
-  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k.astype(jnp.float32))
-  if softcap:
-    scores = softcap * jnp.tanh(scores / softcap)
-  visible = pos_k[:, None, None, None, :] <= pos_q[:, None, None, :, None]
-  if window:
-    visible &= pos_q[:, None, None, :, None] - pos_k[:, None, None, None, :] < window
-  if seg_q is not None:
-    visible &= seg_k[:, None, None, None, :] == seg_q[:, None, None, :, None]
-  scores = jnp.where(visible, scores, _NEGATIVE)
-  m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-  p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
-  correction = jnp.exp(m - m_new)
-  l = l * correction + jnp.sum(p, axis=-1)
-  acc = acc * jnp.moveaxis(correction, 3, 1)[..., None] + jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
-  return m_new, l, acc
-
-
-def _divisor_at_most(n: int, target: int) -> int:
-  return max(d for d in range(1, min(n, target) + 1) if n % d == 0)
-
-
-def _fold(q, k, v, pos_q, pos_k, seg_q, seg_k, state, block: int, window: int = 0, softcap: float = 0.0):
-  """Folds a whole key/value block into ``state`` in tiles of at most ``block`` queries × ``block`` keys.
-
-  Each tile is rematerialized and the tiles run one after another (``lax.map`` over query tiles, ``lax.scan``
-  over key tiles), so the largest score array, forward or backward, is [block × block] per head whatever the
-  sequence length: the memory of flash attention, in plain XLA.
-  """
-  batch, q_len = q.shape[:2]
-  k_len = k.shape[1]
-  tq, tk = _divisor_at_most(q_len, block), _divisor_at_most(k_len, block)
-  tiles = lambda a, t, axis: None if a is None else jnp.moveaxis(
-      a.reshape(*a.shape[:axis], a.shape[axis] // t, t, *a.shape[axis + 1:]), axis, 0)
-  untile = lambda a, axis: jnp.moveaxis(a, 0, axis).reshape(*a.shape[1:axis + 1], -1, *a.shape[axis + 2:])
-  # keep the tiles' inputs, not their [q, k] scores, for the backward pass
-  fold = jax.checkpoint(functools.partial(_block, window=window, softcap=softcap))
-  key_tiles = (tiles(k, tk, 1), tiles(v, tk, 1), tiles(pos_k, tk, 1), tiles(seg_k, tk, 1))
-
-  def one_query_tile(xs):
-    q_t, pos_t, seg_t, m, l, acc = xs
-    def over_keys(state, kv):
-      k_t, v_t, posk_t, segk_t = kv
-      return fold(q_t, k_t, v_t, pos_t, posk_t, seg_t, segk_t, state), None
-    return jax.lax.scan(over_keys, (m, l, acc), key_tiles)[0]
-
-  m, l, acc = state
-  xs = (tiles(q, tq, 1), tiles(pos_q, tq, 1), tiles(seg_q, tq, 1), tiles(m, tq, 3), tiles(l, tq, 3),
-        tiles(acc, tq, 1))
-  m, l, acc = jax.lax.map(one_query_tile, xs)
-  return untile(m, 3), untile(l, 3), untile(acc, 1)
-
-
 def _local(q, k, v, pos, seg, sinks, *, size: int, implementation: str, block: int, scale: float, window: int,
            softcap: float):
   batch, length, heads, dim = q.shape
   kv, v_dim = k.shape[2], v.shape[-1]
   qg = q.astype(jnp.float32).reshape(batch, length, kv, heads // kv, dim) * scale
   if sinks is None:
-    start, total = jnp.full((batch, kv, heads // kv, length), _NEGATIVE, jnp.float32), 0.0
+    start, total = jnp.full((batch, kv, heads // kv, length), NEGATIVE, jnp.float32), 0.0
   else:  # a sink is a key every query sees, whose value is zero: the softmax starts from it
     start, total = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, heads // kv, 1),
                                     (batch, kv, heads // kv, length)), 1.0
@@ -150,14 +92,14 @@ def _local(q, k, v, pos, seg, sinks, *, size: int, implementation: str, block: i
   options = dict(window=window, softcap=softcap)
   if implementation == "all_gather":
     gather = lambda a: jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True)
-    state = _fold(qg, gather(k), gather(v), pos, gather(pos), seg, None if seg is None else gather(seg), state,
+    state = fold(qg, gather(k), gather(v), pos, gather(pos), seg, None if seg is None else gather(seg), state,
                   block, **options)
   else:
     ring = [(i, (i + 1) % size) for i in range(size)]
     chunk = (k, v, pos, seg)
     for step in range(size):
       k_b, v_b, pos_b, seg_b = chunk
-      state = _fold(qg, k_b, v_b, pos, pos_b, seg, seg_b, state, block, **options)
+      state = fold(qg, k_b, v_b, pos, pos_b, seg, seg_b, state, block, **options)
       if step < size - 1:
         chunk = jax.tree_util.tree_map(lambda a: jax.lax.ppermute(a, CONTEXT_AXIS, ring), chunk)
   m, l, acc = state
@@ -182,7 +124,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, se
               softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
   """Causal attention of ``q`` [batch, length, heads, dim] over ``k``, ``v`` [batch, length, kv_heads, dim]
   with the length split over the context axis (module docstring); grouped-query heads allowed. Scores are
-  computed in tiles of at most ``block`` queries × ``block`` keys (``_fold``). ``window`` (keys a query sees,
+  computed in tiles of at most ``block`` queries × ``block`` keys (``kernels/attention/xla.fold``). ``window`` (keys a query sees,
   its own included; 0: all), ``scale`` (default 1/√dim), ``softcap`` and per-head ``sinks`` [heads] as in
   ``kernels/attention/dispatch.py``."""
   if implementation not in ("ring", "all_gather"):

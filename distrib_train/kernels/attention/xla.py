@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 _MASKED = -1e30  # finite: a query with nothing visible gives no NaN (its row is never read)
+NEGATIVE = -1e30  # a masked score in a tile: finite, so a block with nothing to see gives no NaN
 _MIN_ROWS = 2  # the query rows each kv head's product has at least (module docstring)
 
 
@@ -95,3 +96,58 @@ def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: 
 def _scores(qg: jax.Array, keys: jax.Array, scale: float, softcap: float) -> jax.Array:
   scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, keys, preferred_element_type=jnp.float32) * scale
   return softcap * jnp.tanh(scores / softcap) if softcap else scores
+
+
+def fold_block(q, k, v, pos_q, pos_k, seg_q, seg_k, state, window: int = 0, softcap: float = 0.0):
+  """Folds one key/value block into the online softmax ``state`` = (max, sum, accumulator)."""
+  m, l, acc = state
+  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k.astype(jnp.float32))
+  if softcap:
+    scores = softcap * jnp.tanh(scores / softcap)
+  visible = pos_k[:, None, None, None, :] <= pos_q[:, None, None, :, None]
+  if window:
+    visible &= pos_q[:, None, None, :, None] - pos_k[:, None, None, None, :] < window
+  if seg_q is not None:
+    visible &= seg_k[:, None, None, None, :] == seg_q[:, None, None, :, None]
+  scores = jnp.where(visible, scores, NEGATIVE)
+  m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+  p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+  correction = jnp.exp(m - m_new)
+  l = l * correction + jnp.sum(p, axis=-1)
+  acc = acc * jnp.moveaxis(correction, 3, 1)[..., None] + jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
+  return m_new, l, acc
+
+
+def _divisor_at_most(n: int, target: int) -> int:
+  return max(d for d in range(1, min(n, target) + 1) if n % d == 0)
+
+
+def fold(q, k, v, pos_q, pos_k, seg_q, seg_k, state, block: int, window: int = 0, softcap: float = 0.0):
+  """Folds a whole key/value block into ``state`` in tiles of at most ``block`` queries × ``block`` keys.
+
+  Each tile is rematerialized and the tiles run one after another (``lax.map`` over query tiles, ``lax.scan``
+  over key tiles), so the largest score array, forward or backward, is [block × block] per head whatever the
+  sequence length: the memory of flash attention, in plain XLA.
+  """
+  batch, q_len = q.shape[:2]
+  k_len = k.shape[1]
+  tq, tk = _divisor_at_most(q_len, block), _divisor_at_most(k_len, block)
+  tiles = lambda a, t, axis: None if a is None else jnp.moveaxis(
+      a.reshape(*a.shape[:axis], a.shape[axis] // t, t, *a.shape[axis + 1:]), axis, 0)
+  untile = lambda a, axis: jnp.moveaxis(a, 0, axis).reshape(*a.shape[1:axis + 1], -1, *a.shape[axis + 2:])
+  # keep the tiles' inputs, not their [q, k] scores, for the backward pass
+  fold_tile = jax.checkpoint(functools.partial(fold_block, window=window, softcap=softcap))
+  key_tiles = (tiles(k, tk, 1), tiles(v, tk, 1), tiles(pos_k, tk, 1), tiles(seg_k, tk, 1))
+
+  def one_query_tile(xs):
+    q_t, pos_t, seg_t, m, l, acc = xs
+    def over_keys(state, kv):
+      k_t, v_t, posk_t, segk_t = kv
+      return fold_tile(q_t, k_t, v_t, pos_t, posk_t, seg_t, segk_t, state), None
+    return jax.lax.scan(over_keys, (m, l, acc), key_tiles)[0]
+
+  m, l, acc = state
+  xs = (tiles(q, tq, 1), tiles(pos_q, tq, 1), tiles(seg_q, tq, 1), tiles(m, tq, 3), tiles(l, tq, 3),
+        tiles(acc, tq, 1))
+  m, l, acc = jax.lax.map(one_query_tile, xs)
+  return untile(m, 3), untile(l, 3), untile(acc, 1)
