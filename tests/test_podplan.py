@@ -159,6 +159,16 @@ def test_cpu_stand_in_for_cudnn_attention_matches_xla_attention_and_its_gradient
     out = jax.jit(lambda q: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
                                                          implementation="cudnn"))(q)
   np.testing.assert_allclose(out, jax.jit(want)(q), atol=1e-5)
+  windowed = jax.jit(lambda q: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                                            local_window_size=(4, 0)))(q)
+  np.testing.assert_allclose(chunked_attention(q, k, v, mask=mask, is_causal=True, window=5, chunk=16), windowed,
+                             atol=1e-5)
+  with emulating_cudnn():
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=(4, 0),
+                                       implementation="cudnn")
+    np.testing.assert_allclose(out, windowed, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="bias"):
+      jax.nn.dot_product_attention(q, k, v, bias=jnp.zeros((2, 4, 64, 64)), implementation="cudnn")
   assert jax.nn.dot_product_attention is original
 
 

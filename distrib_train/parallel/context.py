@@ -18,7 +18,9 @@ device's own tokens). Attention needs every earlier key of a sequence, so
   (``kernels/attention/splash.context_splash_attention``).
 
 Scores are computed in rematerialized tiles of at most ``block`` × ``block``
-(1024 by default) query and key positions per head, one tile at a time, so
+(1024 by default) query and key positions per head, one tile at a time
+(``kernels/attention/xla.fold``, which attention without a context axis
+runs too), so
 attention's memory grows linearly with the sequence, as with flash attention
 kernels; on TPU and GPU the tiles are XLA's (fused kernels such as splash or
 cuDNN would need a differentiable log-sum-exp per block, which neither
@@ -42,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from distrib_train.kernels.attention.xla import NEGATIVE, fold
+from distrib_train.kernels.attention import xla
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 CONTEXT_AXIS = "context"
@@ -79,44 +81,22 @@ def reorder(tokens: jax.Array, **per_token: jax.Array | None) -> tuple[jax.Array
 
 def _local(q, k, v, pos, seg, sinks, *, size: int, implementation: str, block: int, scale: float, window: int,
            softcap: float):
-  batch, length, heads, dim = q.shape
-  kv, v_dim = k.shape[2], v.shape[-1]
-  qg = q.astype(jnp.float32).reshape(batch, length, kv, heads // kv, dim) * scale
-  if sinks is None:
-    start, total = jnp.full((batch, kv, heads // kv, length), NEGATIVE, jnp.float32), 0.0
-  else:  # a sink is a key every query sees, whose value is zero: the softmax starts from it
-    start, total = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, heads // kv, 1),
-                                    (batch, kv, heads // kv, length)), 1.0
-  state = (start, jnp.full((batch, kv, heads // kv, length), total, jnp.float32),
-           jnp.zeros((batch, length, kv, heads // kv, v_dim), jnp.float32))
+  qg = xla.grouped(q, k.shape[2], scale)
+  state = xla.online_start(qg, v.shape[-1], sinks)
   options = dict(window=window, softcap=softcap)
   if implementation == "all_gather":
     gather = lambda a: jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True)
-    state = fold(qg, gather(k), gather(v), pos, gather(pos), seg, None if seg is None else gather(seg), state,
-                  block, **options)
+    state = xla.fold(qg, gather(k), gather(v), pos, gather(pos), seg, None if seg is None else gather(seg), state,
+                     block, **options)
   else:
     ring = [(i, (i + 1) % size) for i in range(size)]
     chunk = (k, v, pos, seg)
     for step in range(size):
       k_b, v_b, pos_b, seg_b = chunk
-      state = fold(qg, k_b, v_b, pos, pos_b, seg, seg_b, state, block, **options)
+      state = xla.fold(qg, k_b, v_b, pos, pos_b, seg, seg_b, state, block, **options)
       if step < size - 1:
         chunk = jax.tree_util.tree_map(lambda a: jax.lax.ppermute(a, CONTEXT_AXIS, ring), chunk)
-  m, l, acc = state
-  out = acc / jnp.moveaxis(jnp.maximum(l, 1e-30), 3, 1)[..., None]
-  return out.reshape(batch, length, heads, v_dim).astype(q.dtype)
-
-
-def tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None,
-                    segment_ids: jax.Array | None, *, block: int = 1024, scale: float | None = None, window: int = 0,
-                    softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
-  """The same causal attention on the whole sequence (no context axis), in the same rematerialized tiles: the
-  memory of flash attention in plain XLA, for what no fused kernel runs (``kernels/attention/dispatch.py``)."""
-  if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
-  scale = q.shape[-1] ** -0.5 if scale is None else scale
-  return _local(q, k, v, positions, segment_ids, sinks, size=1, implementation="ring", block=block, scale=scale,
-                window=window, softcap=softcap)
+  return xla.online_result(state, q.dtype)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,

@@ -23,40 +23,34 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
+from distrib_train.kernels.attention import xla
+
 CHUNK = 512  # query positions per chunk
 
 
-def chunked_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, chunk=CHUNK):
-  """``jax.nn.dot_product_attention`` ([batch, length, heads, dim] in and out) a query chunk at a time.
+def chunked_attention(query, key, value, mask=None, *, scale=None, is_causal=False, window=0, chunk=CHUNK):
+  """``jax.nn.dot_product_attention`` ([batch, length, heads, dim] in and out) a query chunk at a time, each
+  through ``kernels/attention/xla.masked_attention`` (the decode step's and the reference's attention).
 
-  Grouped-query attention (fewer key/value heads) is supported; ``bias`` and
-  ``mask`` broadcast to ``[batch, heads, q_length, kv_length]``.
+  Grouped-query attention (fewer key/value heads) is supported; ``mask`` broadcasts to ``[batch, 1, q_length,
+  kv_length]`` (one mask for every head, as the models' segment masks are); ``window`` (causal only) the keys a
+  query sees, its own included (jax's ``local_window_size=(window − 1, 0)``).
   """
   batch, length, heads, dim = query.shape
-  kv_length, kv_heads = key.shape[1], key.shape[2]
-  groups = heads // kv_heads
+  kv_length = key.shape[1]
   scale = 1.0 / math.sqrt(dim) if scale is None else scale
   size = chunk if length % chunk == 0 else length
   count = length // size
-
-  def rows(array, start):  # [batch, 1 or heads, length, kv_length] → this chunk's, by kv head and group
-    array = jnp.broadcast_to(array, (batch, array.shape[-3], length, kv_length))
-    part = jax.lax.dynamic_slice_in_dim(array, start, size, axis=2)
-    return part[:, :, None] if part.shape[1] == 1 else part.reshape(batch, kv_heads, groups, size, kv_length)
+  if mask is not None:
+    mask = jnp.broadcast_to(jnp.asarray(mask), (batch, 1, length, kv_length))[:, 0]
 
   def block(q, start):
-    q = q.reshape(batch, size, kv_heads, groups, dim)
-    logits = jnp.einsum("bqkgd,bskd->bkgqs", q, key).astype(jnp.float32) * scale
-    if bias is not None:
-      logits = logits + rows(jnp.asarray(bias), start).astype(jnp.float32)
-    keep = jnp.ones((size, kv_length), bool)
-    if is_causal:
-      keep = (start + jnp.arange(size))[:, None] >= jnp.arange(kv_length)[None, :]
+    rows = (start + jnp.arange(size))[None]
+    keep = (xla.visible(rows, jnp.arange(kv_length)[None], window=window) if is_causal
+            else jnp.ones((1, size, kv_length), bool))
     if mask is not None:
-      keep = keep & rows(jnp.asarray(mask), start)
-    logits = jnp.where(keep, logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
-    return jnp.einsum("bkgqs,bskd->bqkgd", weights, value).reshape(batch, size, heads, dim)
+      keep = keep & jax.lax.dynamic_slice_in_dim(mask, start, size, axis=1)
+    return xla.masked_attention(q, key, value, keep, scale=scale)
 
   def body(carry, xs):
     q, start = xs
@@ -64,7 +58,7 @@ def chunked_attention(query, key, value, bias=None, mask=None, *, scale=None, is
 
   chunks = jnp.moveaxis(query.reshape(batch, count, size, heads, dim), 1, 0)
   _, out = jax.lax.scan(body, None, (chunks, jnp.arange(count) * size))
-  return jnp.moveaxis(out, 0, 1).reshape(batch, length, heads, dim)
+  return jnp.moveaxis(out, 0, 1).reshape(batch, length, heads, value.shape[-1])
 
 
 @contextlib.contextmanager
@@ -74,11 +68,22 @@ def emulating_cudnn() -> Iterator[None]:
 
   def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                             implementation=None, **kwargs):
-    unsupported = {k: v for k, v in kwargs.items() if v is not None and v is not False}
-    if implementation != "cudnn" or unsupported:
+    if implementation != "cudnn":
       return original(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                       implementation=implementation, **kwargs)
-    return chunked_attention(query, key, value, bias, mask, scale=scale, is_causal=is_causal)
+    local = kwargs.pop("local_window_size", None)
+    unsupported = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
+    if bias is not None:
+      unsupported.append("bias")
+    if mask is not None and jnp.ndim(mask) >= 3 and jnp.shape(mask)[-3] != 1:
+      unsupported.append("a mask per head")
+    if local is not None and (not is_causal or tuple(local)[1] != 0):
+      unsupported.append(f"local_window_size={tuple(local)} beyond a causal window")
+    if unsupported:
+      raise NotImplementedError("planning on CPU stands in for cuDNN attention without "
+                                f"{', '.join(unsupported)} (podplan/cpu_attention.py)")
+    return chunked_attention(query, key, value, mask, scale=scale, is_causal=is_causal,
+                             window=0 if local is None else int(local[0]) + 1)
 
   jax.nn.dot_product_attention = dot_product_attention
   try:

@@ -28,7 +28,7 @@ joins each softmax and is then dropped). ``choose`` says which kernel runs:
   soft cap on GPU): jax's attention, which materialises the [length, length]
   scores; or, where sinks or a soft cap are asked for or the values' head
   size is not the queries' (MLA), this module's own, past ``TILE`` tokens in
-  rematerialized tiles of online softmax (``parallel/context.py``), as
+  rematerialized tiles of online softmax (``xla.tiled_attention``), as
   flash attention keeps its memory;
 - ``xla`` with branches: inside ``shared_prefixes(branch_ids)``, rows whose
   documents hold a shared prefix and its continuations side by side
@@ -39,7 +39,7 @@ joins each softmax and is then dropped). ``choose`` says which kernel runs:
 asked for that cannot run the layer is refused with the reason. Inside
 ``recorded()`` each choice is kept with its reason, for the plan's report.
 
-Not for: the kernels themselves (``splash.py``, ``cudnn.py``,
+Not for: the kernels themselves (``splash.py``, ``cudnn.py``, ``xla.py``,
 ``parallel/context.py``).
 """
 
@@ -59,7 +59,7 @@ from distrib_train.parallel import context
 from distrib_train.kernels.attention import cudnn as cudnn_attention
 from distrib_train.kernels.attention.splash import BLOCK as SPLASH_BLOCK
 from distrib_train.kernels.attention.splash import context_splash_attention, splash_attention
-from distrib_train.kernels.attention.xla import masked_attention
+from distrib_train.kernels.attention.xla import masked_attention, tiled_attention, visible
 from distrib_train.kernels.attention import work as attention_work
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
@@ -266,7 +266,7 @@ def _run(kernel, q, k, v, layer, positions, segment_ids, sinks):
     return reference_attention(q, k, v, segment_ids, branch_ids=branch_ids, positions=positions, **options)
   if sinks is not None or layer.softcap or v.shape[-1] != q.shape[-1]:
     if q.shape[1] > TILE:  # flash attention's memory in XLA: no [length, length] scores
-      return context.tiled_attention(q, k, v, positions, segment_ids, block=TILE, **options)
+      return tiled_attention(q, k, v, positions, segment_ids, block=TILE, **options)
     return reference_attention(q, k, v, segment_ids, **options)
   return jax.nn.dot_product_attention(q, k, v, mask=None if segment_ids is None else cudnn_attention.segment_mask(
       segment_ids), is_causal=True, scale=layer.scale, local_window_size=(layer.window - 1, 0) if layer.window
@@ -305,15 +305,11 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
   each packed document to itself) over the [length, length] scores, through ``xla.masked_attention``. With
   ``branch_ids`` (and ``positions``), shared-prefix rows (``shared_prefixes``): a branch sees its prefix and
   itself, the window counts positions."""
-  length = q.shape[1]
-  query, key = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
-  visible = (key <= query)[None]
-  if branch_ids is not None:
-    visible = visible & ((branch_ids[:, None, :] == 0) | (branch_ids[:, None, :] == branch_ids[:, :, None]))
-    if window:
-      visible = visible & (positions[:, :, None] - positions[:, None, :] < window)
-  elif window:
-    visible = visible & (query - key < window)[None]
-  if segment_ids is not None:
-    visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
-  return masked_attention(q, k, v, visible, scale=scale, softcap=softcap, sinks=sinks)
+  rows = jnp.arange(q.shape[1])[None]
+  if branch_ids is None:  # a packed document's rows are its order (its positions restart, its segment apart)
+    seen = visible(rows, rows, window=window, query_segments=segment_ids, key_segments=segment_ids)
+  else:  # a branch's positions continue its trunk's, in another place of the row: the window counts positions
+    seen = (visible(rows, rows, query_segments=segment_ids, key_segments=segment_ids)
+            & visible(positions, positions, window=window)
+            & ((branch_ids[:, None, :] == 0) | (branch_ids[:, None, :] == branch_ids[:, :, None])))
+  return masked_attention(q, k, v, seen, scale=scale, softcap=softcap, sinks=sinks)

@@ -1,17 +1,27 @@
-"""Attention in plain XLA over an explicit mask: the decode step's kernel, and training's where no fused one serves.
+"""Attention in plain XLA: the decode step's kernel, and training's and scoring's where no fused one serves.
 
-``masked_attention(q, keys, values, visible, …)`` computes softmax
-attention of ``q`` [batch, queries, heads, qk_dim] over ``keys`` [batch,
-slots, kv_heads, qk_dim] and ``values`` [batch, slots, kv_heads, v_dim],
-grouped-query heads, where ``visible`` [batch, queries, slots] says which
-keys each query sees. The caller decides the mask: a cache's causal order,
-a sliding window's ring and a left-padded row's pads
-(``generation/cache.py``), or a training row's causal, windowed, per-document
-mask (``dispatch.reference_attention``); this kernel knows nothing of
-positions. It runs what the fused kernels run on a layer's scores: a
-softmax scale, a soft cap, per-head sinks (gpt-oss). Scores, softmax and
-the weighted sum accumulate in float32 (at decode, one pass over the cache:
-the bytes read are the work).
+The project's own XLA attentions are built here from two pieces,
+``scores`` (grouped queries against keys: scaled, soft-capped, float32) and
+``visible`` (causal attention's mask from positions: a window, packed
+documents' segments), in one of two forms (where none of what they add is
+needed, ``dispatch.py`` runs jax's own ``dot_product_attention``):
+
+- ``masked_attention(q, keys, values, seen, …)``: one softmax over the
+  [queries, slots] scores of ``q`` [batch, queries, heads, qk_dim] against
+  ``keys`` [batch, slots, kv_heads, qk_dim] and ``values`` [batch, slots,
+  kv_heads, v_dim], grouped-query heads, where ``seen`` [batch, queries,
+  slots] says which keys each query sees. The caller decides the mask: a
+  cache's causal order, a sliding window's ring and a left-padded row's
+  pads (``generation/cache.py``), a training row's or a scoring tree's
+  (``dispatch.reference_attention``), a query chunk's (the plan's stand-in
+  for cuDNN, ``podplan/cpu_attention.py``). It runs what the fused kernels
+  run on a layer's scores: a softmax scale, a soft cap, per-head sinks
+  (gpt-oss). Scores, softmax and the weighted sum accumulate in float32 (at
+  decode, one pass over the cache: the bytes read are the work).
+- ``tiled_attention``: the same causal attention in rematerialized tiles of
+  online softmax (``fold``), so that no [length, length] scores are kept:
+  flash attention's memory. ``parallel/context.py`` folds the same tiles
+  over the blocks a context axis passes round.
 
 **At decode, the bandwidth is the work.** Two choices keep libtpu's
 program at the cache's bandwidth (``bench/generation.py tpu``):
@@ -32,7 +42,7 @@ absorbed into the latent (``q_nope · W_uk`` beside ``q_rope``), the cached
 latent and rotary key as the keys, the latent as the values
 (``generation/cache.py``).
 
-Not for: choosing a layer's kernel (``dispatch.py``).
+Not for: choosing a layer's kernel (``dispatch.py``); the context axis's ring (``parallel/context.py``).
 """
 
 from __future__ import annotations
@@ -42,12 +52,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-_MASKED = -1e30  # finite: a query with nothing visible gives no NaN (its row is never read)
-NEGATIVE = -1e30  # a masked score in a tile: finite, so a block with nothing to see gives no NaN
+MASKED = -1e30  # a masked score: finite, so a query (or a tile) with nothing visible gives no NaN
 _MIN_ROWS = 2  # the query rows each kv head's product has at least (module docstring)
 
 
-def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array, *, scale: float,
+def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, seen: jax.Array, *, scale: float,
                      softcap: float = 0.0, sinks: jax.Array | None = None,
                      new: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
   """Attention of ``q`` over the visible keys → [batch, queries, heads, v_dim] in ``q``'s dtype.
@@ -56,7 +65,7 @@ def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: 
     q: [batch, queries, heads, qk_dim]; ``heads`` a multiple of the cache's ``kv_heads``.
     keys: [batch, slots, kv_heads, qk_dim].
     values: [batch, slots, kv_heads, v_dim].
-    visible: [batch, queries, slots] bool (or broadcastable to it).
+    seen: [batch, queries, slots] bool (or broadcastable to it): which keys each query sees.
     scale: the softmax scale.
     softcap: scores become ``softcap · tanh(scores / softcap)`` before the softmax (0: off).
     sinks: [heads] a logit per head that joins each softmax and is then dropped (None: none).
@@ -71,12 +80,12 @@ def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: 
   rows = groups * queries
   if rows < _MIN_ROWS:  # a matrix-vector product: padded to a matrix (module docstring)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, -(-_MIN_ROWS // queries) - groups), (0, 0)))
-  scores = _scores(qg, keys, scale, softcap)
-  scores = jnp.where(jnp.broadcast_to(visible, (batch, queries, keys.shape[1]))[:, None, None], scores, _MASKED)
-  parts = [scores]  # each part's scores [batch, kv_heads, groups, queries, its slots], one softmax over all
+  # each part's scores [batch, kv_heads, groups, queries, its slots], one softmax over all
+  seen = jnp.broadcast_to(seen, (batch, queries, keys.shape[1]))[:, None, None]
+  parts = [jnp.where(seen, scores(qg, keys, scale, softcap), MASKED)]
   if new is not None:
-    causal = jnp.arange(queries)[None, :] <= jnp.arange(queries)[:, None]
-    parts.append(jnp.where(causal, _scores(qg, new[0], scale, softcap), _MASKED))
+    order = jnp.arange(queries)[None]
+    parts.append(jnp.where(visible(order, order)[:, None, None], scores(qg, new[0], scale, softcap), MASKED))
   top = functools.reduce(jnp.maximum, [p.max(-1, keepdims=True) for p in parts])
   padded_groups = qg.shape[3]
   if sinks is not None:
@@ -93,25 +102,36 @@ def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, visible: 
   return out[:, :, :, :groups].reshape(batch, queries, heads, values.shape[-1]).astype(q.dtype)
 
 
-def _scores(qg: jax.Array, keys: jax.Array, scale: float, softcap: float) -> jax.Array:
-  scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, keys, preferred_element_type=jnp.float32) * scale
-  return softcap * jnp.tanh(scores / softcap) if softcap else scores
+def scores(qg: jax.Array, keys: jax.Array, scale: float, softcap: float = 0.0) -> jax.Array:
+  """Grouped queries ``qg`` [batch, queries, kv_heads, groups, qk_dim] against ``keys`` [batch, slots, kv_heads,
+  qk_dim] → [batch, kv_heads, groups, queries, slots] float32, scaled and (``softcap``) soft-capped."""
+  out = jnp.einsum("bqkgd,bskd->bkgqs", qg, keys, preferred_element_type=jnp.float32) * scale
+  return softcap * jnp.tanh(out / softcap) if softcap else out
+
+
+def visible(query_positions: jax.Array, key_positions: jax.Array, *, window: int = 0,
+            query_segments: jax.Array | None = None, key_segments: jax.Array | None = None) -> jax.Array:
+  """Causal attention's mask [batch, queries, keys]: a key is seen if its position is not after the query's,
+  fewer than ``window`` positions before it (0: any; HF's rule, the query's own key included) and, with
+  segments, in the query's segment (a packed document). Positions [batch or 1, n]. The tiles, the reference
+  (``dispatch.reference_attention``) and the plan's stand-in for cuDNN read their masks here; a cache's decode
+  step builds its own over slots (``generation/cache.py``)."""
+  seen = key_positions[:, None, :] <= query_positions[:, :, None]
+  if window:
+    seen &= query_positions[:, :, None] - key_positions[:, None, :] < window
+  if query_segments is not None:
+    seen &= key_segments[:, None, :] == query_segments[:, :, None]
+  return seen
 
 
 def fold_block(q, k, v, pos_q, pos_k, seg_q, seg_k, state, window: int = 0, softcap: float = 0.0):
-  """Folds one key/value block into the online softmax ``state`` = (max, sum, accumulator)."""
+  """Folds one key/value block into the online softmax ``state`` = (max, sum, accumulator); ``q`` grouped,
+  float32 and already scaled."""
   m, l, acc = state
-  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k.astype(jnp.float32))
-  if softcap:
-    scores = softcap * jnp.tanh(scores / softcap)
-  visible = pos_k[:, None, None, None, :] <= pos_q[:, None, None, :, None]
-  if window:
-    visible &= pos_q[:, None, None, :, None] - pos_k[:, None, None, None, :] < window
-  if seg_q is not None:
-    visible &= seg_k[:, None, None, None, :] == seg_q[:, None, None, :, None]
-  scores = jnp.where(visible, scores, NEGATIVE)
-  m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-  p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+  seen = visible(pos_q, pos_k, window=window, query_segments=seg_q, key_segments=seg_k)[:, None, None]
+  block_scores = jnp.where(seen, scores(q, k.astype(jnp.float32), 1.0, softcap), MASKED)
+  m_new = jnp.maximum(m, jnp.max(block_scores, axis=-1))
+  p = jnp.where(seen, jnp.exp(block_scores - m_new[..., None]), 0.0)
   correction = jnp.exp(m - m_new)
   l = l * correction + jnp.sum(p, axis=-1)
   acc = acc * jnp.moveaxis(correction, 3, 1)[..., None] + jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
@@ -151,3 +171,45 @@ def fold(q, k, v, pos_q, pos_k, seg_q, seg_k, state, block: int, window: int = 0
         tiles(acc, tq, 1))
   m, l, acc = jax.lax.map(one_query_tile, xs)
   return untile(m, 3), untile(l, 3), untile(acc, 1)
+
+
+def online_start(qg: jax.Array, v_dim: int, sinks: jax.Array | None = None) -> tuple[jax.Array, ...]:
+  """The online softmax's state before any key, for grouped queries ``qg`` [batch, length, kv_heads, groups, _]:
+  (max, sum) [batch, kv_heads, groups, length] and the accumulator [batch, length, kv_heads, groups, v_dim]. A
+  sink is a key every query sees whose value is zero: the softmax starts from it."""
+  batch, length, kv, groups = qg.shape[:4]
+  shape = (batch, kv, groups, length)
+  if sinks is None:
+    top, total = jnp.full(shape, MASKED, jnp.float32), 0.0
+  else:
+    top, total = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, groups, 1), shape), 1.0
+  return top, jnp.full(shape, total, jnp.float32), jnp.zeros((batch, length, kv, groups, v_dim), jnp.float32)
+
+
+def online_result(state: tuple[jax.Array, ...], dtype) -> jax.Array:
+  """The attention the folded ``state`` holds → [batch, length, heads, v_dim] in ``dtype``."""
+  _, total, acc = state
+  out = acc / jnp.moveaxis(jnp.maximum(total, 1e-30), 3, 1)[..., None]
+  batch, length, kv, groups, v_dim = out.shape
+  return out.reshape(batch, length, kv * groups, v_dim).astype(dtype)
+
+
+def grouped(q: jax.Array, kv_heads: int, scale: float) -> jax.Array:
+  """``q`` [batch, length, heads, dim] as float32 [batch, length, kv_heads, heads // kv_heads, dim], scaled."""
+  batch, length, heads, dim = q.shape
+  return q.astype(jnp.float32).reshape(batch, length, kv_heads, heads // kv_heads, dim) * scale
+
+
+def tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None,
+                    segment_ids: jax.Array | None, *, block: int = 1024, scale: float | None = None, window: int = 0,
+                    softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
+  """Causal attention of ``q`` [batch, length, heads, qk_dim] over ``k``, ``v`` [batch, length, kv_heads, _]
+  in rematerialized tiles of online softmax (``fold``): the memory of flash attention in plain XLA, for what no
+  fused kernel runs (``dispatch.py``). ``parallel/context.py`` folds the same tiles over a context axis."""
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  qg = grouped(q, k.shape[2], scale)
+  state = fold(qg, k, v, positions, positions, segment_ids, segment_ids, online_start(qg, v.shape[-1], sinks),
+               block, window=window, softcap=softcap)
+  return online_result(state, q.dtype)
