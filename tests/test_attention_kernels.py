@@ -210,6 +210,33 @@ def test_long_sequences_without_a_fused_kernel_run_in_tiles_as_the_reference_doe
                                                                    q, k, v, sinks))
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (8, 2)])
+def test_decode_queries_padded_for_the_matrix_unit_give_the_same_attention(monkeypatch, heads, kv_heads):
+  """One query per row over a cache: each kv head's rows are padded (2 at least, 8 on a TPU); the padded rows,
+  with sinks, a soft cap and the token's own key apart, change nothing."""
+  from distrib_train.kernels.attention import xla
+
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.normal(size=(3, 1, heads, 16)), jnp.float32)
+  keys, values = (jnp.asarray(rng.normal(size=(3, 40, kv_heads, 16)), jnp.float32) for _ in range(2))
+  new = tuple(jnp.asarray(rng.normal(size=(3, 1, kv_heads, 16)), jnp.float32) for _ in range(2))
+  seen = jnp.asarray(np.arange(40)[None, None, :] < np.array([40, 17, 3])[:, None, None])
+  sinks = jnp.asarray(rng.normal(size=(heads,)), jnp.float32)
+  run = lambda: xla.masked_attention(q, keys, values, seen, scale=0.25, softcap=5.0, sinks=sinks, new=new)
+  outs = {}
+  for least in (1, 2, 8):
+    monkeypatch.setattr(xla, "_min_rows", lambda least=least: least)
+    outs[least] = run()
+  each = lambda a: jnp.repeat(a, heads // kv_heads, 2)  # every query head's key or value
+  scores = 5.0 * jnp.tanh(jnp.einsum("bqhd,bshd->bhqs", q, jnp.concatenate([each(keys), each(new[0])], 1)) / 20.0)
+  scores = jnp.where(jnp.concatenate([seen, jnp.ones((3, 1, 1), bool)], -1)[:, None], scores, -jnp.inf)
+  sink = jnp.broadcast_to(sinks[None, :, None, None], scores.shape[:3] + (1,))
+  weights = jax.nn.softmax(jnp.concatenate([scores, sink], -1), -1)[..., :-1]
+  want = jnp.einsum("bhqs,bshd->bqhd", weights, jnp.concatenate([each(values), each(new[1])], 1))
+  for least, got in outs.items():
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"rows padded to {least}")
+
+
 def test_under_remat_an_mla_layer_keeps_its_latent_per_token_not_keys_and_values_per_head():
   """The backward pass recomputes MLA's keys and values from the latent it kept (kv_lora_rank + the rotary
   part: 16 + 8 per token here), never keeping them per head (4 heads × 24 and × 16)."""
