@@ -130,7 +130,7 @@ def _decode_step_bytes(preset: str, batch: int, context: int) -> dict:
   relayouts = [i for i in instructions if i.op == "copy" and i.operands
                and getattr(symbols.get(i.operands[0]), "op", None) == "parameter" and _dims(i.shape) in weight_shapes]
   hoisted = sum(_estimated_cycles(i) for i in relayouts)
-  hoisted_bytes = sum(2 * hlo.element_count(i.shape) * 2 for i in relayouts)  # bf16, read and written
+  hoisted_bytes = sum(2 * hlo.array_bytes(i.shape) for i in relayouts)  # read and written
   return {"preset": preset, "batch": batch, "context": context, "param_bytes": params, "cache_bytes": per_chip(cache),
           "bytes_accessed": float(cost.get("bytes accessed", float("nan"))), "flops": float(cost.get("flops", 0.0)),
           "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
@@ -156,7 +156,7 @@ def _read_floor(arrays) -> int:
         total = total + part.astype(jnp.float32).sum()
     return total
 
-  return hlo.estimated_cycles(jax.jit(read).lower(arrays).compile().as_text()) or 0
+  return hlo.estimated_cycles(jax.jit(read).lower(arrays).compile().as_text()) or float("nan")
 
 
 def _dims(shape: str) -> tuple[int, ...]:

@@ -484,4 +484,10 @@ def test_the_engine_compiles_its_decode_loop_for_tpu_with_no_copy_of_the_cache()
   carried = {i.shape.split(":")[0] for c in computations.values() if not c.is_entry for i in c.instructions
              if i.shape.split("{")[0] in chip_cache}
   assert carried == {f"{shape}{{4,3,2,1,0" for shape in chip_cache}, carried
+  from distrib_train.kernels.attention import xla
+  from distrib_train.sharding.axis_rules import activation_sharding
+
+  with activation_sharding(mesh, rules):  # a TPU's decode pads each kv head's query rows to its sublanes
+    assert xla._min_rows() == 8
+  assert xla._min_rows() == 2  # this host's CPU
   assert compiled.memory_analysis().temp_size_in_bytes < cache_lib.cache_bytes(config, rows, context) / 4 / 2

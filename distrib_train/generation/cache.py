@@ -52,7 +52,7 @@ from distrib_train.kernels.attention import dispatch as attention_kernels
 from distrib_train.recipes import attention, blocks
 from distrib_train.recipes.parts import Kind
 from distrib_train.recipes.decoder import segments
-from distrib_train.sharding.axis_rules import constrain
+from distrib_train.sharding.axis_rules import active_device, constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +213,7 @@ def _layers(model, cache: dict[str, Any], x: jax.Array, positions: jax.Array, ma
   each layer's writes land in place); ``unroll``: the scans unrolled (one program per layer, as a compiler's cost
   analysis counts a loop's body once)."""
   config = model.config
+  pin = not unroll and active_device().platform == "tpu"
   by_segment: dict[str, list[Entry]] = {}
   for entry in entries(config, max_len):
     by_segment.setdefault(entry.segment, []).append(entry)
@@ -231,7 +232,7 @@ def _layers(model, cache: dict[str, Any], x: jax.Array, positions: jax.Array, ma
       for i, entry in enumerate(seg_entries):
         one = params if period == 1 else {k: v[i] for k, v in params.items()}
         x, c = _layer(config, entry, x, one, caches[i], index, positions, step)
-        out.append(c if unroll else _in_argument_layout(c))
+        out.append(_in_argument_layout(c) if pin else c)
       return (x, tuple(out)), None
 
     periods = segment.count // period
@@ -241,10 +242,10 @@ def _layers(model, cache: dict[str, Any], x: jax.Array, positions: jax.Array, ma
 
 
 def _in_argument_layout(cached: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """The stacked cache as the layer scan carries it, pinned to an argument's default layout (heads before slots,
-  each row's and head's slots one matrix). Left free, libtpu lays the carry out for the one-slot write (rows
-  and the head dimension as the tile, slots outside it) and then copies each layer's slice into the products'
-  layout: 10 of the 7B's 20.9 ms a step (``bench/generation.py tpu``)."""
+  """The stacked cache as the layer scan carries it on a TPU, pinned to an argument's default layout (heads before
+  slots, each row's and head's slots one matrix). Left free, libtpu lays the carry out for the one-slot write
+  (rows and the head dimension as the tile, slots outside it) and then copies each layer's slice into the
+  products' layout: 10 of the 7B's 20.9 ms a step (``bench/generation.py tpu``)."""
   from jax.experimental.layout import Layout, with_layout_constraint
 
   return {k: with_layout_constraint(c, Layout(tuple(range(c.ndim)))) for k, c in cached.items()}

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from distrib_train.common.versions import gpu_capability
 from distrib_train.kernels import fp8
-from distrib_train.sharding.axis_rules import active_activation_sharding
+from distrib_train.sharding.axis_rules import active_device
 
 TILE = {"tpu": 128, "gpu": 128, "cpu": 64}  # rows per tile, at most
 SCOPE = "grouped_matmul"
@@ -133,10 +133,7 @@ def _target_device():
   """The device a Pallas kernel is lowered for: JAX's default device where one is set (Pallas reads that
   one), else the first of the mesh the model is traced for, else JAX's first."""
   device = jax.config.jax_default_device
-  if device is None:
-    active = active_activation_sharding()
-    device = active[0].devices.flat[0] if active else jax.devices()[0]
-  return device
+  return active_device() if device is None else device
 
 
 def _gpu_fp8_kernels(groups: int, tile: int):

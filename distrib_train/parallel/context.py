@@ -20,11 +20,10 @@ device's own tokens). Attention needs every earlier key of a sequence, so
 Scores are computed in rematerialized tiles of at most ``block`` × ``block``
 (1024 by default) query and key positions per head, one tile at a time
 (``kernels/attention/xla.fold``, which attention without a context axis
-runs too), so
-attention's memory grows linearly with the sequence, as with flash attention
-kernels; on TPU and GPU the tiles are XLA's (fused kernels such as splash or
-cuDNN would need a differentiable log-sum-exp per block, which neither
-exposes).
+runs too), so attention's memory grows linearly with the sequence, as with
+flash attention kernels; on TPU and GPU the tiles are XLA's (fused kernels
+such as splash or cuDNN would need a differentiable log-sum-exp per block,
+which neither exposes).
 
 The mask comes from the tokens' true positions and segment ids (a key is
 seen if it is in the query's segment and not after it), so packed documents
@@ -104,9 +103,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, se
               softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
   """Causal attention of ``q`` [batch, length, heads, dim] over ``k``, ``v`` [batch, length, kv_heads, dim]
   with the length split over the context axis (module docstring); grouped-query heads allowed. Scores are
-  computed in tiles of at most ``block`` queries × ``block`` keys (``kernels/attention/xla.fold``). ``window`` (keys a query sees,
-  its own included; 0: all), ``scale`` (default 1/√dim), ``softcap`` and per-head ``sinks`` [heads] as in
-  ``kernels/attention/dispatch.py``."""
+  computed in tiles of at most ``block`` queries × ``block`` keys (``kernels/attention/xla.fold``). ``window``
+  (keys a query sees, its own included; 0: all), ``scale`` (default 1/√dim), ``softcap`` and per-head ``sinks``
+  [heads] as in ``kernels/attention/dispatch.py``."""
   if implementation not in ("ring", "all_gather"):
     raise ValueError(f"context attention must be 'ring' or 'all_gather', got {implementation!r}.")
   mesh, rules = active_activation_sharding()

@@ -41,6 +41,8 @@ def chunked_attention(query, key, value, mask=None, *, scale=None, is_causal=Fal
   scale = 1.0 / math.sqrt(dim) if scale is None else scale
   size = chunk if length % chunk == 0 else length
   count = length // size
+  if window and not is_causal:
+    raise ValueError("chunked_attention: a window is causal attention's (is_causal=True)")
   if mask is not None:
     mask = jnp.broadcast_to(jnp.asarray(mask), (batch, 1, length, kv_length))[:, 0]
 

@@ -375,6 +375,13 @@ def active_activation_sharding() -> tuple[Any, AxisRules] | None:
   return _ACTIVATION_SHARDING.get()
 
 
+def active_device() -> Any:
+  """A device the program being traced runs on: the active mesh's first (a compile-only TPU or GPU mesh too),
+  else JAX's default device. Kernels read its platform to pick their form."""
+  active = _ACTIVATION_SHARDING.get()
+  return active[0].devices.flat[0] if active else jax.devices()[0]
+
+
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
   """Constrains an activation's sharding by logical axes; a no-op outside
   ``activation_sharding``. Rules that do not divide a dimension are skipped."""

@@ -61,7 +61,7 @@ from distrib_train.kernels.attention.splash import BLOCK as SPLASH_BLOCK
 from distrib_train.kernels.attention.splash import context_splash_attention, splash_attention
 from distrib_train.kernels.attention.xla import masked_attention, tiled_attention, visible
 from distrib_train.kernels.attention import work as attention_work
-from distrib_train.sharding.axis_rules import active_activation_sharding
+from distrib_train.sharding.axis_rules import active_activation_sharding, active_device
 
 REQUESTS = ("auto", "xla", "cudnn", "splash")
 TILE = 1024  # past this length, this module's own attention runs in tiles of this many queries and keys
@@ -92,8 +92,7 @@ class Attention:
 
 
 def _device():
-  active = active_activation_sharding()
-  return active[0].devices.flat[0] if active else jax.devices()[0]
+  return active_device()
 
 
 def _cudnn_runs(q: jax.Array, v_dim: int, masked: bool) -> bool:

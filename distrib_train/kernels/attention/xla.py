@@ -23,8 +23,9 @@ needed, ``dispatch.py`` runs jax's own ``dot_product_attention``):
   flash attention's memory. ``parallel/context.py`` folds the same tiles
   over the blocks a context axis passes round.
 
-**At decode, the bandwidth is the work.** Two choices keep libtpu's
-program at the cache's bandwidth (``bench/generation.py tpu``):
+**At decode, the bandwidth is the work.** Two choices bring libtpu's
+estimate of the step near its own for only reading the weights and the
+cache (``bench/generation.py tpu``):
 - each kv head's queries (its group × the queries) are padded to at least
   two rows, eight on a TPU. With one query per kv head (multi-head
   attention at decode: Llama 2's 7B), the scores are a matrix-vector
@@ -56,16 +57,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from distrib_train.sharding.axis_rules import active_activation_sharding
+from distrib_train.sharding.axis_rules import active_device
 
 MASKED = -1e30  # a masked score: finite, so a query (or a tile) with nothing visible gives no NaN
 
 
 def _min_rows() -> int:
   """The query rows each kv head's product has at least (module docstring): 8 on a TPU, 2 elsewhere."""
-  active = active_activation_sharding()
-  device = active[0].devices.flat[0] if active else jax.devices()[0]
-  return 8 if device.platform == "tpu" else 2
+  return 8 if active_device().platform == "tpu" else 2
 
 
 def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, seen: jax.Array, *, scale: float,
