@@ -91,13 +91,9 @@ class Attention:
   regather: bool = True
 
 
-def _device():
-  return active_device()
-
-
 def _cudnn_runs(q: jax.Array, v_dim: int, masked: bool) -> bool:
   """Whether jax's cuDNN flash attention takes these inputs on this device."""
-  capability = gpu_capability(_device())
+  capability = gpu_capability(active_device())
   hopper = capability >= (9, 0)
   limit = 256 if hopper else 128
   qk_dim = q.shape[-1]
@@ -156,7 +152,7 @@ def _context_choice(layer: Attention, q: jax.Array, size: int) -> tuple[str, str
   if layer.context == "ring":
     return "ring", ("model.context_attention: ring; its blocks run in XLA tiles (a fused kernel's blocks would"
                     " need a differentiable log-sum-exp to merge)")
-  platform = _device().platform
+  platform = active_device().platform
   if layer.requested not in ("auto", "splash") or (platform != "tpu" and layer.requested != "splash"):
     why = {"tpu": f"model.attention: {layer.requested}",
            "gpu": "jax's cuDNN attention has no bottom-right causal mask for a query chunk against the gathered"
@@ -198,7 +194,7 @@ def decide(layer: Attention, q: jax.Array, *, masked: bool = False, sinks: bool 
     return "xla", "shared-prefix rows: a prefix and its branches side by side, a mask beyond segment ids"
   if size > 1:
     return _context_choice(layer, q, size)
-  device = _device()
+  device = active_device()
   splash_fits = q.shape[1] % SPLASH_BLOCK == 0
   if layer.requested == "splash":
     return "splash", "model.attention: splash"
