@@ -4,7 +4,7 @@
 # a coordinator on 127.0.0.1, with checkpoints in $WORKDIR. Run it again and
 # it resumes from the last checkpoint (and, once done, stops at once).
 #
-#   bash launch/local.sh                       # creates .venv, installs, trains
+#   bash launch/local.sh                       # creates .venv, installs the lock, trains
 #   bash launch/local.sh --steps 500           # flags go to every process
 #   WORKDIR=/tmp/other NPROC=1 DEVICES=8 bash launch/local.sh
 #   bash launch/local.sh --dry-run             # print the commands, run nothing
@@ -51,8 +51,7 @@ fi
 
 start=$(date +%s)
 if (( DRY_RUN )); then
-  if [[ ! -x "$VENV/bin/python" ]]; then printf '%q ' python3 -m venv "$VENV"; echo; fi
-  printf '%q ' "$VENV/bin/pip" install -e "$ROOT"; echo
+  printf '%q ' python3 "$ROOT/requirements/lock.py" install base --venv "$VENV" --editable "$ROOT"; echo
   for ((i = 0; i < NPROC; i++)); do
     cmd=("$VENV/bin/python" -m distrib_train --config "$CONFIG" --mesh_config "$MESH_CONFIG"
          --workdir "$WORKDIR" --cpu_devices "$DEVICES" "$@")
@@ -63,14 +62,11 @@ if (( DRY_RUN )); then
   done
   exit 0
 fi
-if [[ ! -x "$VENV/bin/python" ]]; then
-  echo "Creating a virtualenv in $VENV"
-  python3 -m venv "$VENV"
-fi
-if ! "$VENV/bin/python" -c "import distrib_train, grain, tensorboardX" 2>/dev/null; then
-  echo "Installing distrib_train into $VENV"
-  "$VENV/bin/pip" install --quiet --upgrade pip
-  "$VENV/bin/pip" install --quiet -e "$ROOT"
+if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c "import distrib_train, grain, tensorboardX" 2>/dev/null; then
+  # The lock of tested versions for this Python (requirements/py<X.Y>/base.txt), installed exactly, then the
+  # checkout without dependencies. A lock that cannot be installed stops here in one line (lock: …).
+  echo "Installing distrib_train into $VENV (the lock of tested versions, requirements/)"
+  python3 "$ROOT/requirements/lock.py" install base --venv "$VENV" --editable "$ROOT" >/dev/null
 fi
 echo "Environment ready in $(( $(date +%s) - start )) s"
 if (( INSTALL_ONLY )); then exit 0; fi

@@ -55,8 +55,9 @@ TPU
   --reuse                  the TPU / queued resource exists already: skip creation
                            (give --queued or --slices for a queued resource)
 
-Install (default: copy this checkout to every worker and pip install it)
-  --pip-spec SPEC          instead, pip install SPEC on every worker, e.g.
+Install (default: copy this checkout to every worker and install it over the
+lock of tested versions, requirements/py<VERSION>/tpu.txt)
+  --pip-spec SPEC          instead, pip install SPEC (unlocked) on every worker, e.g.
                            'distrib_train[tpu] @ git+https://github.com/ORG/distrib_train@v0.1.0'
   --python VERSION         Python for the workers' virtualenv (default 3.11);
                            made with uv, which fetches it when the image lacks it
@@ -354,11 +355,11 @@ install() {
   if [[ -n $pip_spec ]]; then
     script="set -e; $make_venv; \"$REMOTE_VENV/bin/pip\" install --quiet --upgrade pip; \"$REMOTE_VENV/bin/pip\" install --quiet $(quote "$pip_spec")"
   else
-    run tar -czf "$tarball" --exclude=.git --exclude=.venv --exclude='.ci-venv*' --exclude=.pytest-xla-cache --exclude='.ci-install-*.log' --exclude=__pycache__ \
+    run tar -czf "$tarball" --exclude=.git --exclude=.venv --exclude='.ci-venv*' --exclude=.ci-tools --exclude=.ci-upgrade --exclude=.pytest-xla-cache --exclude='.ci-install-*.log' --exclude=__pycache__ \
       --exclude='*.egg-info' --exclude=.pytest_cache --exclude=./build --exclude=./dist --exclude=./tpu_logs \
       -C "$ROOT" . || return
     run gcloud compute tpus "${kind[@]}" scp "$tarball" "$name:distrib_train.tar.gz" "${location[@]}" "${targets[@]}" || return
-    script="set -e; rm -rf \"$REMOTE_SRC\"; mkdir -p \"$REMOTE_SRC\"; tar -xzf \"\$HOME/distrib_train.tar.gz\" -C \"$REMOTE_SRC\"; $make_venv; \"$REMOTE_VENV/bin/pip\" install --quiet --upgrade pip; \"$REMOTE_VENV/bin/pip\" install --quiet \"${REMOTE_SRC}[tpu]\""
+    script="set -e; rm -rf \"$REMOTE_SRC\"; mkdir -p \"$REMOTE_SRC\"; tar -xzf \"\$HOME/distrib_train.tar.gz\" -C \"$REMOTE_SRC\"; $make_venv; \"$REMOTE_VENV/bin/python\" \"$REMOTE_SRC/requirements/lock.py\" install tpu --venv \"$REMOTE_VENV\"; \"$REMOTE_VENV/bin/pip\" install --quiet --no-deps \"$REMOTE_SRC\""
   fi
   run gcloud compute tpus "${kind[@]}" ssh "$name" "${location[@]}" "${targets[@]}" --command="$script"
 }

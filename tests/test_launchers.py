@@ -113,7 +113,10 @@ def test_single_slice_dry_run_prints_the_exact_gcloud_commands(fake_cloud, tmp_p
   assert commands[3][:7] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v4", *where]
   assert commands[3][7] == "--worker=all"
   install = remote_script(commands[3])
-  assert 'install --quiet "$HOME/distrib_train[tpu]"' in install
+  # The lock of tested versions for the workers' Python, then the checkout without dependencies.
+  assert ('"$HOME/distrib_train-venv/bin/python" "$HOME/distrib_train/requirements/lock.py" install tpu --venv '
+          '"$HOME/distrib_train-venv"; "$HOME/distrib_train-venv/bin/pip" install --quiet --no-deps '
+          '"$HOME/distrib_train"') in install
   assert commands[4][:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v4", *where, "--worker=all"]
   train = remote_script(commands[4])
   trainer = shlex.split(train.split('"$HOME/distrib_train-venv/bin/distrib-train" ', 1)[1].split(" 2>&1")[0])
@@ -427,10 +430,14 @@ def test_slurm_job_with_a_flag_jaxlib_rejects_stops_before_srun(fake_srun):
 SMOKE_TEST = "distrib-train --help"
 
 
-def test_dockerfiles_install_the_extra_and_smoke_test_the_cli():
+def test_dockerfiles_install_the_locked_extra_and_smoke_test_the_cli():
   for accelerator, extra in (("gpu", "cuda12"), ("tpu", "tpu")):
     text = (ROOT / "docker" / f"Dockerfile.{accelerator}").read_text()
-    assert f"pip install --no-cache-dir '.[{extra}]'" in text
+    # Both base images run Python 3.12: the lock of that interpreter's set, then the project without deps.
+    lock = f"requirements/py3.12/{extra}.txt"
+    assert (ROOT / lock).is_file()
+    assert f"\nCOPY {lock} {lock}\nRUN pip install --no-cache-dir -r {lock}\n" in text
+    assert "\nRUN pip install --no-cache-dir --no-deps .\n" in text
     assert f"\nRUN {SMOKE_TEST}\n" in text
   assert "ARG BASE_IMAGE=nvidia/cuda:12." in (ROOT / "docker" / "Dockerfile.gpu").read_text()
 
@@ -475,7 +482,7 @@ def find_tool(name, *, apt_package=None, pip_package=None):
   pytest.fail(f"{name} is not installed: {hint}")
 
 
-SCRIPTS = ["launch/tpu_pod.sh", "launch/local.sh", "launch/quote.sh", *sorted(
+SCRIPTS = [".ci/run", ".ci/upgrade", "launch/tpu_pod.sh", "launch/local.sh", "launch/quote.sh", *sorted(
     str(p.relative_to(ROOT)) for p in (ROOT / "launch" / "gke").glob("*.sh")), "launch/slurm_gpu.sbatch"]
 
 
