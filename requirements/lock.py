@@ -379,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
       return 1 if bad else 0
     else:
       spec = read_spec(args.spec)
+      args.out, args.against = args.out.absolute(), args.against.absolute()  # uv runs in a temporary folder
       uv = args.uv or _uv_of_tools(args.against, ROOT / ".ci-tools")
       sources = shlex.split(args.sources) if args.sources is not None else pip_sources()
       held = []
