@@ -4,7 +4,7 @@ functions with TRL's signature, and reading a run's records.
 The formulas follow TRL's ``GRPOTrainer`` (``_compute_loss``, ``_generate_and_score_completions``) as its docs state
 them; nothing of distrib_train is used, so the tests compare two independent writings.
 
-Used by tests/test_grpo.py, tests/test_grpo_hf.py and tests/workers/grpo_worker.py.
+Used by tests/test_grpo.py, tests/test_grpo_hf.py, tests/test_generation_hf.py and tests/workers/grpo_worker.py.
 """
 
 import json
@@ -109,3 +109,38 @@ def hf_overrides(hf_dir, prompts):
           "grpo.reward_funcs=grpo_helpers:distinct_letters,grpo_helpers:echoes_target", "grpo.reward_weights=1.0,0.5",
           "grpo.format_pattern=.*", "optimizer.learning_rate=0.02", "optimizer.warmup_steps=0", "train.steps=2",
           "train.log_every=1", "train.checkpoint_every=1", "train.keep_checkpoints=3"]
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_chat_model(directory, prompts):
+  """``eval_helpers``' tiny Llama made a ChatML chat model, as a fine-tune saved by transformers leaves one: its
+  tokenizer's end token ``<|im_end|>`` (added, with ``<|im_start|>`` and the template), its
+  ``generation_config.json`` still transformers' default ``eos_token_id`` (``<|end_of_text|>``). ``<|im_end|>``'s
+  output row points along the mean final hidden state of the prompts in the file ``prompts``: at temperature 0.7
+  it is the likeliest token at most steps, so a completion ends within a few tokens where ``<|im_end|>`` stops
+  it, and runs on past it where it does not. Returns ``<|im_end|>``'s id."""
+  import torch
+  import transformers
+
+  import eval_helpers
+
+  eval_helpers.save_model("llama", directory)
+  tok = transformers.AutoTokenizer.from_pretrained(directory)
+  tok.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>"]})
+  tok.chat_template = CHATML
+  tok.save_pretrained(directory)
+  net = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+  states = []
+  with torch.no_grad():
+    for record in read_jsonl(prompts):
+      prompt = record["prompt"]
+      text = prompt if isinstance(prompt, str) else tok.apply_chat_template(prompt, tokenize=False,
+                                                                            add_generation_prompt=True)
+      states.append(net(torch.tensor([tok(text)["input_ids"]]), output_hidden_states=True).hidden_states[-1][0])
+    mean = torch.cat(states).mean(0)
+    net.lm_head.weight[tok.eos_token_id] = 2.0 * mean / mean.norm()
+  net.save_pretrained(directory)
+  return tok.eos_token_id

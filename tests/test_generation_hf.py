@@ -7,6 +7,10 @@ tensor 2 × data 2, or fsdp 2 × expert 4 for a mixture. Three prompts of
 mixed lengths decode together (left-padded into one bucket); each must give
 ``generate(do_sample=False)``'s 64 new tokens, token for token (up to an end
 id where one comes), and transformers' log-probabilities (1e-4).
+
+A chat model whose tokenizer ends with ``<|im_end|>`` while its generation config names another end id
+(``grpo_helpers.save_chat_model``) runs on past ``<|im_end|>`` as transformers' ``generate`` does, unless
+``--end_ids union`` asks for TRL's and vLLM's rule.
 """
 
 import os
@@ -163,3 +167,32 @@ def test_two_processes_give_transformers_greedy_tokens(tmp_path):
     want.append(out[0, len(prompt):].tolist())
   for r in results:
     assert r.result["greedy"] == want
+
+
+def test_generate_runs_past_the_tokenizers_end_token_unless_end_ids_union(tmp_path):
+  """By default (transformers' rule: the generation config's end ids) a sampled completion runs on past
+  ``<|im_end|>``; ``distrib-train generate --end_ids union`` stops the same sampled ids at their first end id of
+  the union (TRL's cut), ``finish_reason`` ``stop``."""
+  import json
+
+  import grpo_helpers
+  from test_generation import _cli
+
+  im_end = grpo_helpers.save_chat_model(tmp_path / "hf", grpo_helpers.write_prompts(tmp_path / "chat.jsonl"))
+  records = [{"prompt": r["prompt"]} if isinstance(r["prompt"], str) else {"messages": r["prompt"]}
+             for r in grpo_helpers.read_jsonl(tmp_path / "chat.jsonl")]
+  (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  configured = transformers.GenerationConfig.from_pretrained(tmp_path / "hf").eos_token_id
+  union = {im_end, *(configured if isinstance(configured, list) else [configured])}
+  settings = dict(max_new_tokens=12, temperature=0.7, n=2, seed=3)
+  default = generate_lib.generate(f"hf:{tmp_path / 'hf'}", records, **settings)
+  run = _cli("--init_from", f"hf:{tmp_path / 'hf'}", "--prompts", tmp_path / "prompts.jsonl", "--out",
+             tmp_path / "out.jsonl", "--end_ids", "union", "--cpu_devices", 8,
+             *[word for k, v in settings.items() for word in (f"--{k}", v)])
+  assert run.returncode == 0, run.stderr[-3000:]
+  stopped = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+  assert any(im_end in d["ids"][:-1] for d in default)  # transformers' rule: <|im_end|> is not an end
+  for d, u in zip(default, stopped, strict=True):
+    first_end = next((i for i, t in enumerate(d["ids"]) if t in union), None)
+    assert u["ids"] == d["ids"][:None if first_end is None else first_end + 1]
+    assert u["finish_reason"] == ("length" if first_end is None else "stop")

@@ -8,11 +8,17 @@ exported to Hugging Face (the policy at step 2, so the importance weights and th
 (``grpo_helpers.trl_loss``) on them must give the run's losses to 1e-4. Each loss type, both importance-sampling
 levels and beta 0 and 0.04 appear among the runs (dapo and dr_grpo on 8 devices, bnpo on one device, grpo in 2
 processes × 4 devices; token and sequence weights, beta 0 and 0.04 each twice).
+
+A chat model whose tokenizer ends with ``<|im_end|>`` while its ``generation_config.json`` names another end id
+(``grpo_helpers.save_chat_model``) stops its completions where TRL's rule does: at the first id of the union of
+both, through the CLI.
 """
 
 import importlib
 import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -145,3 +151,59 @@ def test_the_runs_loss_is_trls_formula_in_two_processes(model, tmp_path):
   assert all(r.result == {"status": "finished", "step": 2} for r in results)
   config = config_lib.load("grpo-tiny", grpo_helpers.hf_overrides(hf_dir, prompts) + settings)
   _check_against_trl(tmp_path / "run", hf_dir, config)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+  root = tmp_path_factory.mktemp("grpo_chat")
+  prompts = grpo_helpers.write_prompts(root / "prompts.jsonl")
+  grpo_helpers.save_chat_model(root / "hf", prompts)
+  return root / "hf", prompts
+
+
+def _end_ids(hf_dir):
+  """``(TRL's end ids, transformers' generate's)`` of a Hugging Face directory, as transformers reads them: the
+  union of the tokenizer's end token and the generation config's ids, and the generation config's alone."""
+  import transformers
+
+  configured = transformers.GenerationConfig.from_pretrained(hf_dir).eos_token_id
+  configured = sorted(configured if isinstance(configured, list) else [configured])
+  return sorted({transformers.AutoTokenizer.from_pretrained(hf_dir).eos_token_id, *configured}), configured
+
+
+def test_rollouts_end_at_trls_union_of_end_ids_and_generate_at_the_generation_configs(chat_model):
+  from distrib_train.training import generate_text, rollouts, run_model
+
+  hf_dir, prompts = chat_model
+  trl, configured = _end_ids(hf_dir)
+  assert len(trl) == len(configured) + 1  # the tokenizer's <|im_end|> is none of the generation config's
+  config = config_lib.load("grpo-tiny", grpo_helpers.hf_overrides(hf_dir, prompts))
+  assert rollouts.RolloutSource(config, None, None, None).end_ids == trl
+  found = run_model.source(f"hf:{hf_dir}")
+  assert generate_text.end_ids(found, generate_text.codec_for(found)) == configured
+
+
+def test_a_cli_run_ends_each_completion_at_its_first_end_id_as_trl_does(chat_model, tmp_path):
+  """``distrib-train`` on the chat model: every completion in ``rollouts.jsonl`` is TRL's — the sampled ids up to
+  and including the first of TRL's end ids, nothing after it — and so not truncated; its reward text is
+  transformers' decoding without special tokens, no ``<|im_end|>`` in it."""
+  import transformers
+
+  hf_dir, prompts = chat_model
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+  sets = [word for setting in grpo_helpers.hf_overrides(hf_dir, prompts) for word in ("--set", setting)]
+  proc = subprocess.run([sys.executable, "-m", "distrib_train", "--config", "grpo-tiny", "--workdir",
+                         str(tmp_path / "run"), "--cpu_devices", "8", *sets],
+                        capture_output=True, text=True, timeout=300, env=env)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  trl, _ = _end_ids(hf_dir)
+  tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  rows = grpo_helpers.read_jsonl(tmp_path / "run" / "rollouts.jsonl")
+  assert len(rows) == 16
+  for r in rows:
+    ids = r["completion_ids"]
+    first_end = next((i for i, t in enumerate(ids) if t in trl), None)  # TRL keeps ids[:first_end + 1]
+    assert first_end == len(ids) - 1 and len(ids) < 12 and not r["truncated"], r
+    assert r["completion"] == tok.decode(ids, skip_special_tokens=True) and "<|im_end|>" not in r["completion"]
+  assert tok.eos_token_id in {r["completion_ids"][-1] for r in rows}
+  assert max(r["length"] for r in rows) > 1  # some stop after a few tokens, not only at once

@@ -18,8 +18,11 @@ string; ``length``: ``max_new_tokens``).
 The tokenizer and chat template are the Hugging Face directory's (``hf:``,
 or the one a run started from), unless ``data.tokenizer`` names another
 (``--set data.tokenizer=hf:DIR``: a directory, or its ``tokenizer.json``);
-a run of its own tokenizer uses it. End ids: ``generation_config.json``'s
-``eos_token_id`` (else ``config.json``'s), a run's ``data.eos_token``.
+a run of its own tokenizer uses it. End ids (``--end_ids``): by default
+transformers' ``generate`` rule, ``generation_config.json``'s
+``eos_token_id`` (else ``config.json``'s) and a run's ``data.eos_token``;
+``union`` adds the tokenizer's own end token (``tokenizer_config.json``'s
+``eos_token``), as TRL's ``GRPOTrainer`` and vLLM stop and GRPO's rollouts do.
 
 A mistake prints one ``error:`` line and exits with status 2, before any
 model is read.
@@ -37,7 +40,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from distrib_train.training import run_model
-from distrib_train.training.generate_text import (Codec, end_ids, prompt_ids, read_prompts, truncate_at_stop,
+from distrib_train.training import generate_text
+from distrib_train.training.generate_text import (END_RULES, Codec, prompt_ids, read_prompts, truncate_at_stop,
                                                   codec_for)
 from distrib_train.training.run_model import fail
 
@@ -45,8 +49,8 @@ from distrib_train.training.run_model import fail
 def generate(init_from: str | None = None, prompts: Sequence[str | dict] = (), *, model: Any = None,
              step: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, min_p: float = 0.0, n: int = 1, seed: int = 0, stop: Sequence[str] = (),
-             mesh_config: str | None = None, dtype: str | None = None, overrides: dict | None = None,
-             batch_size: int = 64, on_text: Callable[[str], None] | None = None,
+             end_ids: str = "generation_config", mesh_config: str | None = None, dtype: str | None = None,
+             overrides: dict | None = None, batch_size: int = 64, on_text: Callable[[str], None] | None = None,
              log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
   """Completions of ``prompts`` (texts, or records with ``prompt`` or ``messages``), ``n`` each, as the records
   ``distrib-train generate`` writes (module docstring).
@@ -58,6 +62,8 @@ def generate(init_from: str | None = None, prompts: Sequence[str | dict] = (), *
     max_new_tokens, temperature, top_p, top_k, min_p, n, seed: as ``generation.sampling.Sampling`` and
       ``generation.engine.Generator.generate`` (temperature 0: greedy).
     stop: strings that end a completion (the text before the first one is kept).
+    end_ids: the rule of the ids that end a completion (``generate_text.END_RULES``): ``generation_config``
+      (transformers' ``generate``) or ``union`` (the tokenizer's end token too, as TRL and vLLM).
     mesh_config, dtype, overrides: as ``run_model.load``.
     batch_size: rows decoded together.
     on_text: called with each piece of the first completion's text as it is decoded (one prompt, n 1).
@@ -70,6 +76,8 @@ def generate(init_from: str | None = None, prompts: Sequence[str | dict] = (), *
   from distrib_train.generation.sampling import Sampling
 
   sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+  if end_ids not in END_RULES:
+    raise ValueError(f"end_ids={end_ids!r}: choose {' or '.join(END_RULES)}.")
   records = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
   # The tokenizer and the prompts first, from the source's files alone: a bad prompt is refused before any weight
   # is read.
@@ -80,7 +88,8 @@ def generate(init_from: str | None = None, prompts: Sequence[str | dict] = (), *
   stream = _Streamer(codec, on_text, stop) if on_text is not None and len(ids) == 1 and n == 1 else None
   generator = Generator(loaded.model, mesh=loaded.mesh, rules=loaded.rules, log=log)
   completions = generator.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, n=n, seed=seed,
-                                   eos_ids=end_ids(loaded, codec), batch_size=batch_size, on_token=stream)
+                                   eos_ids=generate_text.end_ids(loaded, codec, end_ids), batch_size=batch_size,
+                                   on_token=stream)
   out = []
   for c in completions:
     text, kept, stopped = truncate_at_stop(codec, c.ids, stop)
@@ -138,6 +147,10 @@ def main(argv: Sequence[str]) -> int:
   parser.add_argument("--n", type=int, default=1, help="samples per prompt")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--stop", action="append", default=[], help="a string that ends a completion (repeatable)")
+  parser.add_argument("--end_ids", choices=END_RULES, default="generation_config",
+                      help="the ids that end a completion: generation_config (transformers' generate:"
+                           " generation_config.json's eos_token_id, else config.json's) or union (also the"
+                           " tokenizer's eos_token, as TRL's GRPOTrainer, vLLM and GRPO's rollouts stop)")
   parser.add_argument("--batch_size", type=int, default=64, help="rows decoded together")
   run_model.add_flags(parser)
   args = parser.parse_args(list(argv))
@@ -163,8 +176,8 @@ def main(argv: Sequence[str]) -> int:
   try:
     records = generate(args.init_from, prompts, step=args.step, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                       n=args.n, seed=args.seed, stop=args.stop, mesh_config=args.mesh_config, dtype=args.dtype,
-                       overrides=overrides, batch_size=args.batch_size, on_text=on_text, log=say)
+                       n=args.n, seed=args.seed, stop=args.stop, end_ids=args.end_ids, mesh_config=args.mesh_config,
+                       dtype=args.dtype, overrides=overrides, batch_size=args.batch_size, on_text=on_text, log=say)
   except ValueError as e:  # ConfigError, CheckpointError and HfCheckpointError are ValueErrors
     fail(str(e))
   if args.prompt:

@@ -11,8 +11,14 @@
   ``data.bos_token`` before it, as its documents were); a ``messages``
   record through the chat template with the generation prompt, its ids
   with no special tokens added (the template writes them).
-- ``end_ids``: ``generation_config.json``'s ``eos_token_id`` (one or a list),
-  else ``config.json``'s; a run's ``data.eos_token``.
+- ``end_ids``: the ids that end a completion, by one of two rules
+  (``END_RULES``). ``generation_config`` (transformers' ``generate``):
+  ``generation_config.json``'s ``eos_token_id`` (one or a list), else
+  ``config.json``'s, and a run's ``data.eos_token``. ``union`` (TRL's
+  ``GRPOTrainer``, vLLM): those and the tokenizer's own end token
+  (``tokenizer_config.json``'s ``eos_token``), which a chat model saved by
+  transformers may name (``<|im_end|>``) while its generation config keeps
+  another.
 - ``truncate_at_stop``: a completion cut before its first stop string.
 
 Not for: reading documents for training (``data/``).
@@ -28,12 +34,15 @@ from typing import Any
 
 from distrib_train.common import extras
 
+END_RULES = ("generation_config", "union")  # end_ids's rules: transformers' generate's, TRL's GRPOTrainer's
+
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
   """A tokenizer for generation: ``encode(text, special)`` (``special``: the tokenizer's own BOS and such
   added), ``decode(ids)`` (special tokens left out), ``token_id(text)``, where its files are (``path``: the
-  ``tokenizer.json``'s, for the chat template), and a run's ``bos``."""
+  ``tokenizer.json``'s, for the chat template), a run's ``bos``, and the tokenizer's own end token's id
+  (``eos``: ``tokenizer_config.json``'s or ``special_tokens_map.json``'s ``eos_token``)."""
 
   spec: str
   encode: Callable[[str, bool], list[int]]
@@ -41,6 +50,7 @@ class Codec:
   token_id: Callable[[str], int | None]
   path: str = ""
   bos: int | None = None
+  eos: int | None = None
 
 
 def _bytes_codec() -> Codec:
@@ -56,8 +66,12 @@ def _hf_codec(spec: str, path: str) -> Codec:
     raise ValueError(f"data.tokenizer: {path!r} is not a Hugging Face tokenizer.json: {e}") from None
   tok.no_truncation()
   tok.no_padding()
+  from distrib_train.data.chat import special_tokens
+
+  eos = special_tokens(path).get("eos_token")  # the end token the tokenizer's files name, as transformers reads it
   return Codec(spec, lambda text, special: tok.encode(text, add_special_tokens=special).ids,
-               lambda ids: tok.decode(list(ids), skip_special_tokens=True), tok.token_to_id, path)
+               lambda ids: tok.decode(list(ids), skip_special_tokens=True), tok.token_to_id, path,
+               eos=tok.token_to_id(eos) if eos else None)
 
 
 def tokenizer_file(spec_path: str) -> str:
@@ -146,8 +160,16 @@ def _ids(value: Any) -> list[int]:
   return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
 
 
-def end_ids(loaded: Any, codec: Codec) -> list[int]:
-  """The ids that end a completion (module docstring)."""
+def end_ids(loaded: Any, codec: Codec, rule: str = "generation_config") -> list[int]:
+  """The ids that end a completion under ``rule``, one of ``END_RULES`` (module docstring): ``generation_config``
+  for ``distrib-train generate`` and evaluation, as transformers' ``generate``; ``union`` for GRPO's rollouts,
+  as TRL's ``GRPOTrainer``.
+
+  Raises:
+    ValueError: another rule.
+  """
+  if rule not in END_RULES:
+    raise ValueError(f"end ids {rule!r}: choose {' or '.join(END_RULES)}.")
   ids: list[int] = []
   if loaded.hf_dir:
     for name in ("generation_config.json", "config.json"):
@@ -161,6 +183,8 @@ def end_ids(loaded: Any, codec: Codec) -> list[int]:
   eos = loaded.config.data.eos_token
   if eos and codec.token_id(eos) is not None:
     ids.append(codec.token_id(eos))
+  if rule == "union" and codec.eos is not None:
+    ids.append(codec.eos)
   return sorted(set(ids))
 
 

@@ -129,7 +129,7 @@ class RolloutSource:
     loaded = types.SimpleNamespace(config=config, hf_dir=os.path.expanduser(init[3:]) if init.startswith("hf:")
                                    else None)
     self.codec = generate_text.codec_for(loaded)
-    self.end_ids = generate_text.end_ids(loaded, self.codec)
+    self.end_ids = generate_text.end_ids(loaded, self.codec, "union")  # TRL's: the tokenizer's end token too
     self.prompts_per_step = config.data.global_batch_size // self.settings.num_generations
     self.max_prompt = config.data.seq_len - self.settings.max_completion_length
     if self.settings.max_prompt_length:
