@@ -267,7 +267,7 @@ def _run_install(args: list[str], lock: pathlib.Path) -> None:
                     f"{reason(done.stderr)}; bash .ci/upgrade moves the lock to what the registry serves")
 
 
-def install(set_name: str, venv: pathlib.Path, lock_dir: pathlib.Path = HERE, editable: pathlib.Path | None = None,
+def install(set_name: str, venv: pathlib.Path, lock_dir: pathlib.Path = HERE, editable: str | None = None,
             target: pathlib.Path | None = None) -> pathlib.Path:
   """Makes (or reuses) `venv` and installs `set_name`'s lock for the venv's interpreter into it, exactly.
 
@@ -299,7 +299,12 @@ def install(set_name: str, venv: pathlib.Path, lock_dir: pathlib.Path = HERE, ed
                   str(lock)], lock)
     return lock
   _run_install([str(uv), "pip", "sync", "--quiet", *flags, str(lock)], lock)
-  if editable is not None:
+  if editable is not None and "[" in str(editable):
+    # Extras on top of the set (`.[eval]`): their packages at the versions of this interpreter's test set, which
+    # holds every extra the suite uses.
+    _run_install([str(uv), "pip", "install", "--quiet", *flags, "-c", str(lock.parent / "test.txt"), "-e",
+                  str(editable)], lock)
+  elif editable is not None:
     _run_install([str(uv), "pip", "install", "--quiet", "--no-deps", *flags, "-e", str(editable)], lock)
   (venv / MARKER).write_text(json.dumps({"lock": str(lock), "set": set_name, "python": version}) + "\n",
                              encoding="utf-8")
@@ -362,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
   i.add_argument("set")
   i.add_argument("--venv", type=pathlib.Path, required=True)
   i.add_argument("--lock-dir", type=pathlib.Path, default=pathlib.Path(os.environ.get("DT_LOCK_DIR", HERE)))
-  i.add_argument("--editable", type=pathlib.Path, help="the project to install, without dependencies")
+  i.add_argument("--editable", help="the project to install, without dependencies; with extras ('.[eval]'), "
+                 "theirs at the test set's versions")
   i.add_argument("--target", type=pathlib.Path, help="install into this folder beside --venv, no dependencies")
   c = sub.add_parser("check", help="this interpreter's distributions equal the lock its venv was built from")
   c.add_argument("--venv", type=pathlib.Path, default=pathlib.Path(sys.prefix))

@@ -14,7 +14,7 @@ block of another language marked ``<!-- run -->`` runs as Python too.
 
 Every command block (```bash, ```console: its ``$`` lines) runs too, unless
 marked the same way, in a virtualenv built as the README's set-up builds it
-(``launch/local.sh --install-only``: ``pip install -e .``, no extras), so a
+(``launch/local.sh --install-only``: the ``base`` lock, no extras), so a
 demo that needs a package the set-up does not install fails here. Each command
 runs as written with two changes: ``/tmp/`` becomes the test's own folder, and
 a training run gets ``--steps 2`` and the suite's compilation cache (it
