@@ -293,7 +293,9 @@ def install(set_name: str, venv: pathlib.Path, lock_dir: pathlib.Path = HERE, ed
   elif _version_of(uv) != pinned["uv"]:
     tools = [f"{name}=={pinned[name]}" for name in ("pip", "uv") if name in pinned]
     _run_install([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *tools], lock)
-  flags = ["--python", str(python), *uv_flags(sources)]
+  # Bytecode compiled at install, as pip does: this machine sets PYTHONDONTWRITEBYTECODE, so without it every
+  # process of the suite would compile jax, transformers and the rest from source on each import.
+  flags = ["--python", str(python), "--compile-bytecode", *uv_flags(sources)]
   if target is not None:
     _run_install([str(uv), "pip", "install", "--quiet", "--no-deps", "--target", str(target), *flags, "-r",
                   str(lock)], lock)
