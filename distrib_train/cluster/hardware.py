@@ -58,10 +58,6 @@ class DeviceKind:
   devices_per_host: int
   max_slice: int
 
-  @property
-  def usable_bytes(self) -> int:
-    return int(self.memory_bytes * self.usable_fraction)
-
 
 # GPU memory fraction the presets are tuned at: the trainer (cluster/gpu_environment.py), launch/slurm_gpu.sbatch
 # and the benchmarks set XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 unless it is set (jax's own default is 0.75).

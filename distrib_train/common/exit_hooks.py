@@ -60,11 +60,6 @@ class Closer:
     self._number, self._close, self._args = number, close, args
     self._done = threading.Event()
 
-  @property
-  def alive(self) -> bool:
-    """Whether the close has yet to run."""
-    return not self._done.is_set()
-
   def __call__(self) -> None:
     with _lock:
       if self._done.is_set():

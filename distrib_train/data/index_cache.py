@@ -71,12 +71,6 @@ def file_key(path: str, kind: str) -> dict:
           "ctime_ns": stat.st_ctime_ns, "edges": digest.hexdigest()}
 
 
-def index_path(path: str, kind: str, cache_dir: str = "") -> str:
-  """Where the index of ``path`` is kept: beside it where its directory is writable and no ``cache_dir`` is
-  given, else under ``cache_dir`` (or ``default_cache_dir()``)."""
-  return _places(path, kind, cache_dir)[0]
-
-
 def _places(path: str, kind: str, cache_dir: str) -> list[str]:
   """Where the index of ``path`` may be kept, in order: beside it (no ``cache_dir`` given, and its directory
   writable as far as ``os.access`` knows), then the cache directory."""

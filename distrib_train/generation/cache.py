@@ -119,14 +119,6 @@ def cache_shardings(config, batch: int, max_len: int, mesh, rules) -> dict[str, 
                       is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x))
 
 
-def init_cache(config, batch: int, max_len: int, dtype: Any = None, shardings: Any = None) -> dict[str, Any]:
-  """A zero cache for ``batch`` rows of up to ``max_len`` tokens (prompt and new tokens), in the model's compute
-  dtype unless ``dtype``; laid out by ``shardings`` (``cache_shardings``) where given."""
-  spec = cache_spec(config, batch, max_len, dtype)
-  zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
-  return jax.jit(zeros, out_shardings=shardings)() if shardings is not None else zeros()
-
-
 def values_per_token(config) -> int:
   """The values a layer keeps per token: keys and values of every kv head (GQA), or the latent and the shared
   rotary key (MLA: ``kv_lora_rank + qk_rope_head_dim``, DeepSeek-V3's 512 + 64)."""

@@ -54,10 +54,6 @@ class Objective:
   flops_scale: float = 1.0
   rollouts: bool = False
 
-  def weight_of(self, aux: Any) -> str | None:
-    """The aux count this objective's figures are weighed by, where ``aux`` (a mapping) holds it."""
-    return weight_in(aux, self.weight)
-
 
 def weight_in(aux: Any, weight: str | None = None) -> str | None:
   """``weight`` where the mapping ``aux`` holds it; with None (a loss given as code), ``pairs`` or else ``tokens``
