@@ -39,40 +39,9 @@ from distrib_train.data.config import REFERENCE_PENDING
 from distrib_train.data.pipeline import DataConfig
 from distrib_train.objectives.dpo import DpoConfig
 from distrib_train.objectives.grpo import GrpoConfig
+from distrib_train.training.optimizers import OptimizerConfig
 
 PRESETS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"  # distrib_train/configs
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  """Optimizer and learning-rate schedule (``optimizers.py``).
-
-  The schedule warms up linearly from 0 over ``warmup_steps``, then follows ``schedule`` (``constant``,
-  ``cosine``, ``linear`` or ``wsd``) down to ``learning_rate * min_lr_ratio`` at ``decay_steps`` (0: the run's
-  steps). ``wsd`` (warmup-stable-decay) holds the peak and decays over the last ``decay_fraction`` of the steps,
-  ``decay_shape`` ``linear`` or ``1-sqrt``. ``muon`` takes the ``muon_*`` fields (YAML ``muon: {ns_steps: …}``,
-  ``--set optimizer.muon.ns_steps=…``); ``muon_adam_lr`` 0: the AdamW part's peak is ``learning_rate``,
-  ``muon_consistent_rms`` 0: Keller Jordan's √max(1, out/in) scale rather than Moonlight's RMS match.
-  """
-
-  name: str = "adamw"
-  learning_rate: float = 3e-4
-  schedule: str = "cosine"
-  warmup_steps: int = 0
-  decay_steps: int = 0
-  min_lr_ratio: float = 0.1
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  weight_decay: float = 0.0
-  grad_clip_norm: float = 1.0  # 0: no clipping
-  decay_fraction: float = 0.2
-  decay_shape: str = "linear"
-  muon_ns_steps: int = 5
-  muon_beta: float = 0.95
-  muon_nesterov: bool = True
-  muon_consistent_rms: float = 0.2
-  muon_adam_lr: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,15 +1,13 @@
 """The non-finite guard: what a step with a NaN or Inf loss or gradients does.
 
-``train.nonfinite`` names the policy, and this module owns both halves of it:
-
-- on the devices, ``guard_updates(update, policy)`` wraps the optimizer so
-  that under ``skip`` a non-finite update leaves params and moments
-  unchanged (optax's ``apply_if_finite``; its count of skipped updates is an
-  optimizer-state leaf, checkpointed with it);
-- on the host, ``NonFiniteGuard.judge`` reads each finished step's loss and
-  gradient norm and decides: go on, skip (and log it), halt, or roll back to
-  the last checkpoint — with the limits of ``train.max_nonfinite`` on steps
-  skipped in a row and on rollbacks without a clean checkpoint between.
+``train.nonfinite`` names the policy. On the devices, the optimizer drops a
+non-finite update under ``skip`` (``optimizers.guard_updates``: optax's
+``apply_if_finite``, its count of skipped updates an optimizer-state leaf,
+checkpointed with it). On the host, this module's ``NonFiniteGuard.judge``
+reads each finished step's loss and gradient norm and decides: go on, skip
+(and log it), halt, or roll back to the last checkpoint — with the limits of
+``train.max_nonfinite`` on steps skipped in a row and on rollbacks without a
+clean checkpoint between.
 
 Decisions are ``Verdict`` values the loop acts on, not exceptions.
 
@@ -24,18 +22,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Literal
 
-import optax
-
 from distrib_train.training.config_checks import NONFINITE_POLICIES
-
-
-def guard_updates(update: optax.GradientTransformation, policy: str) -> optax.GradientTransformation:
-  """``update``, made to drop non-finite updates when ``policy`` is ``skip``."""
-  if policy != "skip":
-    return update
-  # The host-side guard decides when too many in a row must stop the run;
-  # optax's own limit (which lets a non-finite update through) is never reached.
-  return optax.apply_if_finite(update, max_consecutive_errors=2**30)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 ``build(config.optimizer, steps, nonfinite)`` returns an optax
 transformation:
 
-  record the gradient norm → [skip non-finite updates (``nonfinite.py``)]
+  record the gradient norm → [skip non-finite updates (``guard_updates``)]
   → clip by global norm → adamw / adam / sgd / muon with an injected
   (readable) learning rate
 
@@ -18,6 +18,7 @@ ordinary optimizer-state leaves: checkpointed with it, and read by
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -25,8 +26,38 @@ import jax.numpy as jnp
 import optax
 
 from distrib_train.training import muon
-from distrib_train.training.config import OptimizerConfig
-from distrib_train.training.nonfinite import guard_updates
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """Optimizer and learning-rate schedule (``build``; the run config's ``optimizer`` section).
+
+  The schedule warms up linearly from 0 over ``warmup_steps``, then follows ``schedule`` (``constant``,
+  ``cosine``, ``linear`` or ``wsd``) down to ``learning_rate * min_lr_ratio`` at ``decay_steps`` (0: the run's
+  steps). ``wsd`` (warmup-stable-decay) holds the peak and decays over the last ``decay_fraction`` of the steps,
+  ``decay_shape`` ``linear`` or ``1-sqrt``. ``muon`` takes the ``muon_*`` fields (YAML ``muon: {ns_steps: …}``,
+  ``--set optimizer.muon.ns_steps=…``); ``muon_adam_lr`` 0: the AdamW part's peak is ``learning_rate``,
+  ``muon_consistent_rms`` 0: Keller Jordan's √max(1, out/in) scale rather than Moonlight's RMS match.
+  """
+
+  name: str = "adamw"
+  learning_rate: float = 3e-4
+  schedule: str = "cosine"
+  warmup_steps: int = 0
+  decay_steps: int = 0
+  min_lr_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  grad_clip_norm: float = 1.0  # 0: no clipping
+  decay_fraction: float = 0.2
+  decay_shape: str = "linear"
+  muon_ns_steps: int = 5
+  muon_beta: float = 0.95
+  muon_nesterov: bool = True
+  muon_consistent_rms: float = 0.2
+  muon_adam_lr: float = 0.0
 
 
 class GradNormState(NamedTuple):
@@ -47,6 +78,15 @@ def record_grad_norm() -> optax.GradientTransformation:
     return updates, GradNormState(optax.tree.norm(updates).astype(jnp.float32))
 
   return optax.GradientTransformation(init, update)
+
+
+def guard_updates(update: optax.GradientTransformation, policy: str) -> optax.GradientTransformation:
+  """``update``, made to drop non-finite updates when ``policy`` (``train.nonfinite``) is ``skip``."""
+  if policy != "skip":
+    return update
+  # The host-side guard (``nonfinite.NonFiniteGuard``) decides when too many in a row must stop the run;
+  # optax's own limit (which lets a non-finite update through) is never reached.
+  return optax.apply_if_finite(update, max_consecutive_errors=2**30)
 
 
 def wsd_decay_start(config: OptimizerConfig, steps: int) -> int:
