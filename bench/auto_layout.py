@@ -37,7 +37,7 @@ def _exhaustive(config, kind, devices, target, say, log=None):
 
   from distrib_train.podplan import auto, search
   from distrib_train.podplan.estimate import plan_pod, step_spec
-  from distrib_train.training.layout_choice import Choice
+  from distrib_train.train.layout_choice import Choice
 
   names = auto.axes(config)
   base = auto.MeshConfig(names, (devices,) + (1,) * (len(names) - 1), source="exhaustive", devices=devices,
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from distrib_train.podplan import auto, tpu
   from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   tpu.use_cpu_for_jax()
   rows = []

@@ -47,7 +47,7 @@ def _requests(docs: int, kind: str):
   import numpy as np
   from lm_eval.api.instance import Instance
 
-  from distrib_train.training import demo_tasks
+  from distrib_train.evaluation import demo_tasks
 
   paragraphs = demo_tasks._paragraphs()
   rng = np.random.default_rng(0)
@@ -113,8 +113,8 @@ def main(argv=None) -> int:
   import eval_helpers
   from lm_eval.models.huggingface import HFLM
 
-  from distrib_train.training import eval_tasks
-  from distrib_train.training.harness import HarnessLM
+  from distrib_train.evaluation import tasks as eval_tasks
+  from distrib_train.evaluation.harness import HarnessLM
 
   logging.getLogger("lm_eval").setLevel(logging.ERROR)
   eval_tasks.offline()

@@ -90,7 +90,7 @@ def _decode_step_bytes(preset: str, batch: int, context: int) -> dict:
   from distrib_train.sharding.planner import MeshPlanner
   from distrib_train.sharding.topology import TpuTopology
   from distrib_train.train_state import TrainState
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   tpu.use_cpu_for_jax()
   model = config_lib.load(preset).model_recipe().config
@@ -239,7 +239,7 @@ def prefill_rows(args) -> list[dict]:
   from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
   from distrib_train.sharding.planner import MeshPlanner
   from distrib_train.train_state import TrainState
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   tpu.use_cpu_for_jax()
   config = config_lib.load(args.preset)
@@ -327,7 +327,7 @@ def cpu_rows(args) -> list[dict]:
   import torch
 
   from distrib_train.generation.engine import Generator
-  from distrib_train.training import run_model
+  from distrib_train.weights import load as run_model
 
   torch.set_num_threads(args.threads)
   directory = tempfile.mkdtemp(prefix="bench-generation-")
@@ -365,7 +365,7 @@ def gpu_rows(args) -> list[dict]:
   import numpy as np
 
   from distrib_train.generation.engine import Generator
-  from distrib_train.training import run_model
+  from distrib_train.weights import load as run_model
 
   directory = tempfile.mkdtemp(prefix="bench-generation-")
   _random_llama(directory, args.d_model, args.layers, dtype="bfloat16")

@@ -74,7 +74,8 @@ def sampler(root: pathlib.Path, completion: int, steps: int, repeats: int, devic
   from distrib_train.data.sources import arithmetic_records
   from distrib_train.generation.engine import Generator
   from distrib_train.generation.sampling import Sampling
-  from distrib_train.training import rollouts, run_model
+  from distrib_train.posttrain import rollouts
+  from distrib_train.weights import load as run_model
 
   loaded = run_model.load(f"ckpt:{workdir}", mesh_config="cpu-8")
   config = loaded.config
@@ -108,7 +109,7 @@ def vllm_row(hf_dir: str, completion: int, rows: int, n: int, repeats: int) -> N
     return
   from distrib_train.generation.engine import Generator
   from distrib_train.generation.sampling import Sampling
-  from distrib_train.training import run_model
+  from distrib_train.weights import load as run_model
 
   loaded = run_model.load(f"hf:{hf_dir}")
   prompts = [[1 + (7 * i + j) % 1000 for j in range(32)] for i in range(rows)]

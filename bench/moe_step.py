@@ -58,7 +58,7 @@ def _stepper(name: str, sets: list[str]):
   """The trainer's compiled step for ``name`` with ``sets``, its state and first batch: ``(run(n) → seconds)``."""
   import jax
 
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
   from trainer_loop import trainer_step
 
   step, state, batch = trainer_step(config_lib.load(name, config_lib.parse_overrides(sets)))

@@ -22,7 +22,7 @@ import muon as muon_bench  # bench/muon.py: the plan runner and the alternating 
 def flop_share(preset: str) -> float:
   """``flops_per_token`` with MTP depth 1 over without, less 1, for ``preset`` at its sequence length."""
   from distrib_train.recipes.family import family_of
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   counts = []
   for depth in (0, 1):

@@ -87,8 +87,8 @@ def time_steps(variants: dict[str, list[str]], rounds: int, block: int, preset: 
   from distrib_train import data
   from distrib_train.sharding.axis_rules import activation_sharding
   from distrib_train.sharding.mesh import MeshConfig, build_mesh, find_mesh_config
-  from distrib_train.training import config as config_lib
-  from distrib_train.training import job as job_lib
+  from distrib_train.config import run as config_lib
+  from distrib_train.config import job as job_lib
 
   runs = {}
   for name, overrides in variants.items():
@@ -125,8 +125,8 @@ def time_steps(variants: dict[str, list[str]], rounds: int, block: int, preset: 
 
 
 def _train(optimizer: str, lr: float, steps: int, eval_every: int, workdir: pathlib.Path) -> dict[int, float]:
-  from distrib_train.training import config as config_lib
-  from distrib_train.training.trainer import Trainer
+  from distrib_train.config import run as config_lib
+  from distrib_train.train.trainer import Trainer
 
   config = config_lib.load("tiny", [f"optimizer.name={optimizer}", f"optimizer.learning_rate={lr}",
                                     f"train.steps={steps}", f"train.eval_every={eval_every}", "train.eval_batches=4",

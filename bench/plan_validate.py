@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   import jax
 
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
   from distrib_train.cluster import hardware
   from distrib_train.podplan import estimate as podplan
   from distrib_train.sharding.axis_rules import activation_sharding

@@ -17,7 +17,7 @@ at a time with ``block_until_ready`` (``--window K``: K steps per sample),
 after ``--warmup`` steps, alternating (a) and (b) each round so that clock
 and thermal drift hit both; the figure is the median. Each row gives tokens/s,
 model TFLOP/s and MFU (PaLM's count, ``6·N + 12·L·heads·head_dim·S`` per
-token, over ``distrib_train.training.metrics.peak_flops`` of the device) and the
+token, over ``distrib_train.train.metrics.peak_flops`` of the device) and the
 ratio of the framework's tokens/s to the reference's.
 
 The reference runs with fixed settings per shape (``--ref_attention``,
@@ -97,7 +97,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import distrib_train as dt  # noqa: E402
-from distrib_train.training import metrics  # noqa: E402
+from distrib_train.train import metrics  # noqa: E402
 from bench import reference_step  # noqa: E402
 
 

@@ -7,7 +7,7 @@ Run from the repository root:
   python bench/trainer_loop.py --config tiny --cpu_devices 8 --steps 60 --set data.seq_len=256   # CPU
 
 Two processes, one after the other, on the same config:
-(a) bare: the trainer's job (``training/job.py``: model, optimizer, plan,
+(a) bare: the trainer's job (``config/job.py``: model, optimizer, plan,
 ``build_train_step_fn`` with donation, compiled ahead of time as the trainer
 compiles it), stepped ``--steps`` times back to back on one batch that
 stays on the device — the first batch the trainer's own loader gives, so
@@ -59,8 +59,8 @@ def trainer_step(config) -> tuple:
   from distrib_train.data.pipeline import DataLoader
   from distrib_train.sharding.axis_rules import activation_sharding
   from distrib_train.train_step import build_train_step_fn
-  from distrib_train.training import job as job_lib
-  from distrib_train.training.trainer import Trainer
+  from distrib_train.config import job as job_lib
+  from distrib_train.train.trainer import Trainer
 
   trainer = Trainer(config, tempfile.mkdtemp(prefix="bare-"))
   plan = trainer._plan()  # the trainer's own planning and checks
@@ -85,7 +85,7 @@ def bare(args: argparse.Namespace) -> dict:
   distributed.initialize(cpu_devices=args.cpu_devices)
   import jax
 
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   config = config_lib.load(args.config, config_lib.parse_overrides(_overrides(args)))
   step, state, batch = trainer_step(config)

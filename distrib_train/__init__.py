@@ -15,14 +15,19 @@ Public API:
   CheckpointError, check_restorable    a checkpoint that cannot be restored; the read-only check
   CheckpointWriteError                 a save that failed (full disk, read-only directory)
   generate                             completions from a run's model or a Hugging Face one (KV cache, sampling)
+  load_config, Config, ConfigError     the run config: a preset or YAML file with ``key=value`` overrides, checked
+  Trainer, RunResult                   a run: plan, init or restore, compile, the loop with its hooks
 
-The run's config and loop are ``distrib_train.training``; joining processes
-is ``distrib_train.cluster``; the ``plan`` command is
+The run's config is ``distrib_train.config``, its loop ``distrib_train.train``;
+joining processes is ``distrib_train.cluster``; the ``plan`` command is
 ``distrib_train.podplan``. ``ARCHITECTURE.md`` says what lives where.
 """
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
+import sys
 from typing import Any
 
 # Each public name and the module that defines it, imported on first use (PEP 562): ``import distrib_train``
@@ -42,15 +47,68 @@ _EXPORTS = {
     "EvalStep": "distrib_train.train_step", "LossFunction": "distrib_train.train_step",
     "TrainStep": "distrib_train.train_step", "build_eval_step_fn": "distrib_train.train_step",
     "build_train_step_fn": "distrib_train.train_step",
-    "generate": "distrib_train.training.generate",
+    "generate": "distrib_train.inference.generate",
+    "Config": "distrib_train.config.run", "ConfigError": "distrib_train.config.run",
+    "load_config": "distrib_train.config.run:load",
+    "RunResult": "distrib_train.train.trainer", "Trainer": "distrib_train.train.trainer",
 }
+
+# ``distrib_train.training`` held nine concepts; each now has its package (ARCHITECTURE.md). An import of an old
+# path fails with the new one named, rather than loading a second copy under the old name.
+MOVED = {
+    "config": "config.run", "config_values": "config.values", "config_checks": "config.checks", "job": "config.job",
+    "optimizers": "optim.chain", "muon": "optim.muon",
+    "init_from": "weights.init_from", "run_model": "weights.load", "export": "weights.export",
+    "generate": "inference.generate", "generate_text": "inference.text",
+    "harness": "evaluation.harness", "eval_tasks": "evaluation.tasks", "demo_tasks": "evaluation.demo_tasks",
+    "eval_hook": "evaluation.hook",
+    "rollouts": "posttrain.rollouts", "rollout_records": "posttrain.records", "rewards": "posttrain.rewards",
+    "reference_pass": "posttrain.reference_pass",
+    "trainer": "train.trainer", "loop": "train.loop", "hooks": "train.hooks", "window": "train.window",
+    "goodput": "train.goodput", "watchdog": "train.watchdog", "nonfinite": "train.nonfinite",
+    "checks": "train.checks", "compilation": "train.compilation", "metrics": "train.metrics",
+    "workdir_lock": "train.workdir_lock", "layout_choice": "train.layout_choice", "wsd": "train.wsd",
+    "evaluation": "train.eval_pass",
+}
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+  """Answers ``distrib_train.training`` with an empty package whose every module and name is refused with an
+  ImportError naming where it went."""
+
+  def find_spec(self, name, path=None, target=None):
+    if name == "distrib_train.training":
+      return importlib.machinery.ModuleSpec(name, self, is_package=True)
+    if name.startswith("distrib_train.training."):
+      raise ImportError(_moved(name.removeprefix("distrib_train.training.")), name=name)
+    return None
+
+  def exec_module(self, module):
+    def refuse(attribute):
+      if attribute.startswith("__"):
+        raise AttributeError(attribute)
+      raise ImportError(_moved(attribute), name=f"distrib_train.training.{attribute}")
+
+    module.__getattr__ = refuse
+
+
+def _moved(module: str) -> str:
+  if module in MOVED:
+    return f"distrib_train.training.{module} moved to distrib_train.{MOVED[module]} (ARCHITECTURE.md)"
+  where = "; ".join(f"{old} → distrib_train.{new}" for old, new in MOVED.items())
+  return f"distrib_train.training was split by concern (ARCHITECTURE.md): {where}"
+
+
+if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):
+  sys.meta_path.insert(0, _MovedFinder())
 
 
 def __getattr__(name: str) -> Any:
   if name in _SUBPACKAGES or (not name.startswith("_") and importlib.util.find_spec(f"distrib_train.{name}")):
-    return importlib.import_module(f"distrib_train.{name}")  # any subpackage or module: dt.sharding, dt.training
+    return importlib.import_module(f"distrib_train.{name}")  # any subpackage or module: dt.sharding, dt.train
   if name in _EXPORTS:
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    module, _, attribute = _EXPORTS[name].partition(":")
+    value = getattr(importlib.import_module(module), attribute or name)
     globals()[name] = value  # the next lookup finds it directly
     return value
   raise AttributeError(f"module 'distrib_train' has no attribute {name!r}")
@@ -67,6 +125,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CheckpointWriteError",
+    "Config",
+    "ConfigError",
     "EvalStep",
     "Hyperparams",
     "LossFunction",
@@ -75,8 +135,10 @@ __all__ = [
     "Plan",
     "PlanEntry",
     "RuleSkip",
+    "RunResult",
     "TrainState",
     "TrainStep",
+    "Trainer",
     "activation_sharding",
     "as_auto_mesh",
     "build_eval_step_fn",
@@ -86,6 +148,7 @@ __all__ = [
     "constrain",
     "data",
     "generate",
+    "load_config",
     "models",
     "parallel",
     "recipes",

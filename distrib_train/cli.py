@@ -101,7 +101,7 @@ def main(argv: Sequence[str]) -> None:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO; -v 0 brings it back
     logging.get_absl_handler().addFilter(_hide_orbax_errors)
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   try:
     if not _WORKDIR.value:
@@ -129,8 +129,8 @@ def main(argv: Sequence[str]) -> None:
     _fail(str(e))
   from distrib_train.checkpoint import CheckpointWriteError
   from distrib_train.data.jsonl import BadRecordError
-  from distrib_train.training.rewards import RewardError
-  from distrib_train.training.trainer import EXIT_HALTED, Trainer, TrainerSetupError
+  from distrib_train.posttrain.rewards import RewardError
+  from distrib_train.train.trainer import EXIT_HALTED, Trainer, TrainerSetupError
 
   layout_search = None
   if config.mesh_config == "auto":  # the trainer chooses the layout at start, with podplan's compile-based search
@@ -159,7 +159,7 @@ def main(argv: Sequence[str]) -> None:
       os._exit(128 + signum)
     sys.exit(128 + signum)
   except Exception as e:
-    from distrib_train.training.checks import out_of_memory_message
+    from distrib_train.train.checks import out_of_memory_message
 
     if (oom := out_of_memory_message(e, None)) is not None:  # one line with the levers, not the allocator's
       print(f"distrib-train: error: {oom}", file=sys.stderr, flush=True)
@@ -184,22 +184,22 @@ def main(argv: Sequence[str]) -> None:
 
 def run() -> None:
   """The ``distrib-train`` console script; ``distrib-train plan ...`` is ``plan_cli``, ``distrib-train export
-  ...`` is ``training/export.py``, ``distrib-train generate ...`` is ``training/generate.py``, ``distrib-train
-  eval ...`` is ``training/eval_tasks.py``."""
+  ...`` is ``weights/export.py``, ``distrib-train generate ...`` is ``inference/generate.py``, ``distrib-train
+  eval ...`` is ``evaluation/tasks.py``."""
   if len(sys.argv) > 1 and sys.argv[1] == "plan":
     from distrib_train.podplan import cli as plan_cli
 
     sys.exit(plan_cli.main(sys.argv[2:]))
   if len(sys.argv) > 1 and sys.argv[1] == "generate":
-    from distrib_train.training import generate
+    from distrib_train.inference import generate
 
     sys.exit(generate.main(sys.argv[2:]))
   if len(sys.argv) > 1 and sys.argv[1] == "eval":
-    from distrib_train.training import eval_tasks
+    from distrib_train.evaluation import tasks as eval_tasks
 
     sys.exit(eval_tasks.main(sys.argv[2:]))
   if len(sys.argv) > 1 and sys.argv[1] == "export":
-    from distrib_train.training import export
+    from distrib_train.weights import export
 
     sys.exit(export.main(sys.argv[2:]))
   app.run(main, flags_parser=_parse_flags)

@@ -73,7 +73,7 @@ STATE_FIELDS = (
     # The rest of the model: frozen weights cannot be rebuilt from code, so
     # they are saved and an abstract target restores to a runnable state;
     # a run that reads them from a named source (a LoRA base from hf:)
-    # saves that source instead (training/init_from.py).
+    # saves that source instead (weights/init_from.py).
     # They are laid out by their logical axes, as params are (a frozen base
     # replicated on every chip would not fit); never in the optimizer.
     StateField("model_without_params", "frozen", donated=False, checkpointed=True, layout="logical"),

@@ -66,7 +66,7 @@ metric_list:
 
 def write_tasks(directory: pathlib.Path, documents: int = 12) -> pathlib.Path:
   """The three local tasks (``TASKS``) in ``directory``: YAMLs and their JSONL data, ``documents`` each."""
-  from distrib_train.training import demo_tasks
+  from distrib_train.evaluation import demo_tasks
 
   directory.mkdir(parents=True, exist_ok=True)
   builders = {"local_choice": demo_tasks.choice, "local_perplexity": demo_tasks.perplexity,
@@ -87,7 +87,7 @@ def save_model(family: str, directory: pathlib.Path, context: int = CONTEXT, **c
   import tokenizers
   from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-  from distrib_train.training import demo_tasks
+  from distrib_train.evaluation import demo_tasks
 
   reference = test_hf._save(family, directory, vocab_size=512, max_position_embeddings=context, **changes)
   tok = tokenizers.Tokenizer(models.BPE())

@@ -96,7 +96,7 @@ def train_small_model(mesh, steps: int = 10) -> tuple[list[float], dict[str, np.
 def post_training_losses(overrides: list[str], mesh, steps: int = 3) -> list[dict[str, float]]:
   """A reference model's steps on ``mesh`` with the config ``tiny`` + ``overrides`` (SFT or DPO), each process
   feeding its rows from the config's ``DataLoader``: each step's loss and its other aux scalars."""
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   config = config_lib.load("tiny", ["model.dtype=float32", "model.attention=xla", "optimizer.name=adamw",
                                     "optimizer.learning_rate=1e-2", *overrides])
@@ -108,7 +108,7 @@ def config_steps(config, mesh, steps: int = 3) -> tuple[list[dict[str, float]], 
   process its rows): each step's aux scalars, and the last state."""
   from distrib_train import data
   from distrib_train.sharding.axis_rules import activation_sharding
-  from distrib_train.training import job as job_lib
+  from distrib_train.config import job as job_lib
 
   job = job_lib.job_spec(config)
   planner = dt.MeshPlanner(mesh, config.train.rules)

@@ -23,15 +23,22 @@ LAYERS = (
     ("objectives",),
     ("generation",),
     ("checkpoint", "data", "cluster"),
-    ("training",),
+    ("optim",),
+    ("config",),
+    ("weights",),
+    ("inference",),
+    ("evaluation",),
+    ("posttrain",),
+    ("train",),
     ("podplan",),
     ("cli", "__main__", "__init__"),
 )
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 # Upward imports kept on purpose, each with its reason (none today).
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
-# No module past this many lines (STYLE.md: one concept per module).
-MAX_MODULE_LINES = 400
+# No module past this many lines (STYLE.md: one concept per module): a signal of two concepts in one module,
+# met by splitting along a seam, never by rewrapping or joining statements.
+MAX_MODULE_LINES = 500
 
 
 def _unit(module: str) -> str:
@@ -82,7 +89,7 @@ def test_no_module_imports_a_higher_layer():
 def test_the_checker_sees_an_upward_import(tmp_path):
   # The checker itself: a common module importing the trainer is reported.
   module = tmp_path / "bad.py"
-  module.write_text("def f():\n  from distrib_train.training import trainer\n")
+  module.write_text("def f():\n  from distrib_train.train import trainer\n")
   (line, imported), = list(_imports(module, "distrib_train.common.bad"))
   assert RANK[_unit(imported)] > RANK[_unit("distrib_train.common.bad")] and line == 2
 

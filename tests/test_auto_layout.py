@@ -9,9 +9,9 @@ import pytest
 
 import mp_harness
 from distrib_train.podplan import auto
-from distrib_train.training import config as config_lib
-from distrib_train.training import layout_choice
-from distrib_train.training.trainer import Trainer, TrainerSetupError
+from distrib_train.config import run as config_lib
+from distrib_train.train import layout_choice
+from distrib_train.train.trainer import Trainer, TrainerSetupError
 
 _WORKERS = pathlib.Path(__file__).resolve().parent / "workers"
 

@@ -397,7 +397,7 @@ def _as_if_a_job_were_saving(held: list):
   in-progress orbax directory and an old step half deleted, as a running job
   would (it deletes the steps past ``train.keep_checkpoints`` as it saves)."""
   def damage(workdir):
-    from distrib_train.training.workdir_lock import WorkdirLock
+    from distrib_train.train.workdir_lock import WorkdirLock
 
     (workdir / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir()
     (_step(workdir) / "commit_success.txt").unlink()
@@ -583,7 +583,7 @@ def test_local_dry_run_anywhere_in_the_arguments_runs_nothing(tmp_path):
 
 
 def _config_file(tmp_path, text):
-  from distrib_train.training import config
+  from distrib_train.config import run as config
 
   path = tmp_path / "c.yaml"
   path.write_text(text)
@@ -599,7 +599,7 @@ def _mesh_file(tmp_path, text):
 
 
 def _overrides(*items):
-  from distrib_train.training import config
+  from distrib_train.config import run as config
 
   return lambda tmp_path: lambda: config.load("tiny", list(items))
 
@@ -661,7 +661,7 @@ def _restore_truncated(tmp_path):
 
 
 def _load(name):
-  from distrib_train.training import config
+  from distrib_train.config import run as config
 
   return config.load(name)
 
@@ -803,7 +803,7 @@ def test_the_catalogue_has_at_least_30_cases_in_every_category():
 ], ids=["apply", "new", "nested-apply", "name"])
 def test_yaml_with_python_tags_is_refused_and_never_run(tmp_path, payload):
   import distrib_train as dt
-  from distrib_train.training import config
+  from distrib_train.config import run as config
 
   path = tmp_path / "evil.yaml"
   path.write_text(fill(payload, tmp_path))

@@ -92,7 +92,7 @@ def test_end_to_end_files_metrics_profile_and_cache(tmp_path, xla_cache):
   assert "bytes/device" in (workdir / "plan.txt").read_text() and "bytes/device" not in log
   assert "0.00 GiB" not in log
   assert "Involuntary full rematerialization" not in log
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   saved = config_lib.load(str(workdir / "config.yaml"))
   assert saved.train.steps == 4 and saved.data.seq_len == 32

@@ -2,10 +2,10 @@
 
 import pytest
 
-from distrib_train.training import config as config_lib
-from distrib_train.training import metrics
-from distrib_train.training import optimizers
-from distrib_train.training.config import ConfigError
+from distrib_train.config import run as config_lib
+from distrib_train.train import metrics
+from distrib_train.optim import chain as optimizers
+from distrib_train.config.run import ConfigError
 
 
 def test_presets_load_and_name_real_models_and_meshes():
@@ -174,7 +174,7 @@ def test_reading_the_config_does_not_import_the_checkpoint_package():
   import ast
   import pathlib
 
-  from distrib_train.training import config_values
+  from distrib_train.config import values as config_values
 
   imported = set()
   for module in (config_lib, config_values):

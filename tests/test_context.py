@@ -111,8 +111,8 @@ def test_a_length_the_context_axis_does_not_split_is_refused(tmp_path):
   with pytest.raises(ValueError, match=r"sequence length 1004 does not split over the context axis: it must be a"
                                        r" multiple of 2 × context \(8\)"):
     context.zigzag(1004, 4)
-  from distrib_train.training import config as config_lib
-  from distrib_train.training.trainer import Trainer, TrainerSetupError
+  from distrib_train.config import run as config_lib
+  from distrib_train.train.trainer import Trainer, TrainerSetupError
 
   config = config_lib.load("tiny", ["mesh_config=cpu-8-context", "data.seq_len=100"])
   with pytest.raises(TrainerSetupError, match=r"data.seq_len 100 does not split over the context axis \(4\)"):

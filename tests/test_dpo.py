@@ -17,8 +17,8 @@ from distrib_train import data  # noqa: E402
 from distrib_train.data.chat import CHATML, ChatEncoder, ChatTemplate, Utf8Bytes  # noqa: E402
 from distrib_train.data.preference import encode_pair  # noqa: E402
 from distrib_train.objectives import dpo as objectives  # noqa: E402
-from distrib_train.training import config as config_lib  # noqa: E402
-from distrib_train.training import job as job_lib  # noqa: E402
+from distrib_train.config import run as config_lib  # noqa: E402
+from distrib_train.config import job as job_lib  # noqa: E402
 
 
 def _records(n=48, seed=0):
@@ -238,8 +238,8 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
   from flax import nnx
 
   from distrib_train.checkpoint import checks, hf
-  from distrib_train.training import export
-  from distrib_train.training.trainer import Trainer, TrainerSetupError
+  from distrib_train.weights import export
+  from distrib_train.train.trainer import Trainer, TrainerSetupError
 
   model_config = _config(prefs).model_recipe().config
   base_weights = nnx.state(model_config.build(1), nnx.Param)  # not the runs' own start (seed 0)
@@ -275,7 +275,7 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
   assert [m["step"] for m in read(tmp_path / "split") if "loss" in m][-1] == 5
   (tmp_path / "gone").rename(tmp_path / "base")
   # Another run from this one's checkpoint (ckpt:): its policy, and the reference read from the recorded base.
-  from distrib_train.training import init_from
+  from distrib_train.weights import init_from
 
   fresh = job_lib.job_spec(sets(4)).make_state()
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
@@ -315,7 +315,7 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
   with pytest.raises(ValueError, match=r"is a LoRA run's: its params are adapters .* export"):
     init_from.check(sets(4, f"dpo.reference=ckpt:{lora}"), abstract)
 
-  from distrib_train.training import reference_pass
+  from distrib_train.posttrain import reference_pass
 
   kept = reference_pass.path_for(sets(4, "dpo.precompute_reference=true"))
   assert kept.startswith(str(prefs.parent)) and not os.path.exists(kept)

@@ -200,7 +200,7 @@ def test_a_run_with_a_task_it_cannot_read_stops_before_writing(tmp_path):
 
 
 def test_demo_tasks_are_built_from_held_out_text():
-  from distrib_train.training import demo_tasks
+  from distrib_train.evaluation import demo_tasks
 
   choice = list(demo_tasks.choice()["test"])
   assert len(choice) >= 20 and all(len(d["choices"]) == 4 and 0 <= d["label"] < 4 for d in choice)

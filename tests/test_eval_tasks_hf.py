@@ -33,8 +33,8 @@ except ImportError:
               allow_module_level=True)
 
 import eval_helpers
-from distrib_train.training import eval_tasks
-from distrib_train.training.harness import HarnessLM
+from distrib_train.evaluation import tasks as eval_tasks
+from distrib_train.evaluation.harness import HarnessLM
 
 pytestmark = pytest.mark.compat
 

@@ -118,8 +118,8 @@ def test_no_eval_split_trains_checkpoints_and_says_so_once(tmp_path, xla_cache):
 def test_a_failing_evaluation_loses_no_trained_step(tmp_path, xla_cache):
   import jax
 
-  from distrib_train.training import config as config_lib
-  from distrib_train.training.trainer import Trainer
+  from distrib_train.config import run as config_lib
+  from distrib_train.train.trainer import Trainer
 
   if jax.device_count() != 8:
     pytest.skip("needs the 8 emulated devices of conftest")

@@ -12,7 +12,7 @@ import pipeline_helpers as ph
 from distrib_train.parallel import experts
 from distrib_train import recipes
 from distrib_train.kernels import fp8
-from distrib_train.training import config as config_lib
+from distrib_train.config import run as config_lib
 
 
 def test_quantize_dequantize_rounds_to_fp8_with_one_scale_per_tensor_and_saturates():

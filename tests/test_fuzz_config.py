@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import distrib_train as dt  # noqa: E402
-from distrib_train.training import config as config_lib  # noqa: E402
+from distrib_train.config import run as config_lib  # noqa: E402
 from distrib_train.sharding.mesh import MeshConfig, find_mesh_config  # noqa: E402
 
 # No example database: nothing is written into the checkout, and every run is fresh.

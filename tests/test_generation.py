@@ -156,7 +156,7 @@ def test_the_plan_reports_the_caches_bytes_per_device(capsys):
   512 + 64 latent values per token and layer, not the expanded heads' 2 × 128 × (128 + 64)."""
   from distrib_train.generation import cache as cache_lib
   from distrib_train.podplan import cli as plan_cli
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   assert plan_cli.main(["--config", "tiny", "--no_compile", "--kv_cache", "8x64"]) == 0
   line = capsys.readouterr().out.strip().splitlines()[-1]
@@ -249,7 +249,7 @@ def test_two_processes_give_one_process_completions(tmp_path):
                                       "  tensor: {ici: 2}\nrules: fsdp_tensor\n")
   results = mp_harness.run_workers(ROOT / "tests" / "workers" / "generation_worker.py", str(tmp_path / "hf"),
                                    str(tmp_path / "mesh.yaml"), timeout=300)
-  from distrib_train.training import run_model
+  from distrib_train.weights import load as run_model
 
   loaded = run_model.load(f"hf:{tmp_path / 'hf'}", mesh_config="cpu-8")
   generator = Generator(loaded.model, mesh=loaded.mesh, rules=loaded.rules)

@@ -2,7 +2,7 @@
 
 Each family's tiny model (``test_hf.FAMILIES``: random weights, saved by
 transformers, fp32) is read onto 8 emulated devices as ``distrib-train
-generate --init_from hf:`` reads it (``training/run_model.py``): fsdp 2 ×
+generate --init_from hf:`` reads it (``weights/load.py``): fsdp 2 ×
 tensor 2 × data 2, or fsdp 2 × expert 4 for a mixture. Three prompts of
 mixed lengths decode together (left-padded into one bucket); each must give
 ``generate(do_sample=False)``'s 64 new tokens, token for token (up to an end
@@ -29,8 +29,8 @@ except ImportError:
 
 import test_hf
 from distrib_train.generation import sampling as sampling_lib
-from distrib_train.training import generate as generate_lib
-from distrib_train.training import run_model
+from distrib_train.inference import generate as generate_lib
+from distrib_train.weights import load as run_model
 
 pytestmark = pytest.mark.compat
 

@@ -1,4 +1,4 @@
-"""Goodput accounting (``training/goodput.py``): time per phase, replayed steps, ``goodput.json`` across restarts.
+"""Goodput accounting (``train/goodput.py``): time per phase, replayed steps, ``goodput.json`` across restarts.
 
 The unit tests drive a ``PhaseClock`` on a fake clock; the last test kills a
 real run (the CLI) right after a known step and restarts it.
@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from distrib_train.training.goodput import CATEGORIES, Goodput, PhaseClock
+from distrib_train.train.goodput import CATEGORIES, Goodput, PhaseClock
 import xla_test_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ import pytest
 import grpo_helpers
 from distrib_train.common.yaml_loader import ConfigError
 from distrib_train.objectives import grpo
-from distrib_train.training import config as config_lib
-from distrib_train.training import rollouts
+from distrib_train.config import run as config_lib
+from distrib_train.posttrain import rollouts
 
 ROLLOUT_KEYS = {"step", "prompt_index", "prompt", "completion", "completion_ids", "rewards", "reward", "advantage",
                 "length", "truncated"}  # as docs/rl.md lists them
@@ -67,7 +67,7 @@ def _config(*overrides, steps=4):
 
 
 def _train(config, workdir):
-  from distrib_train.training.trainer import Trainer
+  from distrib_train.train.trainer import Trainer
 
   return Trainer(config, workdir).run()
 
@@ -116,7 +116,7 @@ def test_lora_samples_with_its_adapters_and_its_reference_is_them_off(tmp_path):
   """With LoRA the state holds no reference copy (beta > 0: the reference is the adapters off); the sampler reads
   the adapters as they train: its log-probabilities stay the trainer's after the adapters have moved."""
   from distrib_train.common.naming import path_str
-  from distrib_train.training import job as job_lib
+  from distrib_train.config import job as job_lib
 
   import jax
 

@@ -33,7 +33,7 @@ except ImportError:
 
 import eval_helpers
 import grpo_helpers
-from distrib_train.training import config as config_lib
+from distrib_train.config import run as config_lib
 
 pytestmark = pytest.mark.compat
 ONE_DEVICE = "devices: 1\naxes:\n  data: 1\nrules: fsdp_tensor\n"
@@ -64,7 +64,7 @@ def _logps(directory, rows, prompts, temperature):
 
 
 def _check_against_trl(workdir, hf_dir, config):
-  from distrib_train.training import export
+  from distrib_train.weights import export
 
   g = config.grpo
   rows = [r for r in grpo_helpers.read_jsonl(workdir / "rollouts.jsonl") if r["step"] == 1]
@@ -112,7 +112,7 @@ def _check_against_trl(workdir, hf_dir, config):
      "grpo.mask_truncated_completions=true", "grpo.epsilon_high=0.28"),
 ])
 def test_the_runs_loss_is_trls_formula_on_8_devices(model, settings, tmp_path):
-  from distrib_train.training.trainer import Trainer
+  from distrib_train.train.trainer import Trainer
 
   hf_dir, prompts = model
   if "grpo.beta=0.04" in settings:  # the reference read from its own directory, as dpo.reference reads one
@@ -172,7 +172,9 @@ def _end_ids(hf_dir):
 
 
 def test_rollouts_end_at_trls_union_of_end_ids_and_generate_at_the_generation_configs(chat_model):
-  from distrib_train.training import generate_text, rollouts, run_model
+  from distrib_train.inference import text as generate_text
+  from distrib_train.posttrain import rollouts
+  from distrib_train.weights import load as run_model
 
   hf_dir, prompts = chat_model
   trl, configured = _end_ids(hf_dir)

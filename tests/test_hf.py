@@ -278,8 +278,8 @@ def test_fine_tuning_starts_from_the_imported_weights_whose_eval_loss_is_transfo
   reference = model_cls(config_cls(**{**COMMON, "vocab_size": 256}, **extra)).eval()
   reference.save_pretrained(tmp_path / "hf")
   from distrib_train import data
-  from distrib_train.training import config as config_lib
-  from distrib_train.training.trainer import Trainer
+  from distrib_train.config import run as config_lib
+  from distrib_train.train.trainer import Trainer
 
   config = config_lib.load("tiny", [
       "data.seq_len=64", "data.global_batch_size=8", "data.packing=false", "train.steps=1", "train.eval_batches=2",
@@ -376,7 +376,7 @@ def test_the_cli_starts_each_family_from_transformers_weights_with_its_loss_and_
   emulated devices (the mixtures with an expert axis): the run's held-out loss is transformers' on the same
   batches (fp32 both sides), and ``distrib-train export`` writes a checkpoint transformers loads with the same
   logits and the same tensors."""
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   _save(family, tmp_path / "hf", dtype=torch.bfloat16, shard="60KB", vocab_size=256)
   assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
@@ -425,7 +425,7 @@ def test_gemma3_from_transformers_fine_tunes_with_transformers_gradient(tmp_path
   from tokenizers import decoders, models, pre_tokenizers, trainers
 
   from data_helpers import write_corpus
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   corpus = write_corpus(tmp_path)
   bpe = tokenizers.Tokenizer(models.BPE())
@@ -470,7 +470,7 @@ def test_sft_eval_loss_of_an_imported_model_is_transformers_loss_on_the_assistan
   from chat_helpers import LLAMA3, LLAMA3_MARKED, bpe_tokenizer, manual_conversations, texts_of, tokenizer_dir
 
   from distrib_train.data import splits
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   # A long system turn of one repeated token: its targets' losses differ from the answers', so a loss that also
   # read the prompts would differ from transformers' on the assistant tokens.
@@ -527,8 +527,8 @@ def test_lora_from_transformers_weights_exports_a_merged_model_and_a_peft_adapte
     pytest.skip("peft loads the adapter here: pip install peft")
   from distrib_train.checkpoint import checks
   from distrib_train.checkpoint.manager import CheckpointManager
-  from distrib_train.training import config as config_lib
-  from distrib_train.training import init_from
+  from distrib_train.config import run as config_lib
+  from distrib_train.weights import init_from
 
   _save("llama", tmp_path / "hf", vocab_size=256)
   overrides = ["data.seq_len=64", "data.global_batch_size=8", "data.packing=false", "train.steps=3",
@@ -611,8 +611,8 @@ def test_dpo_eval_loss_from_hf_checkpoints_is_the_formula_on_transformers_logpro
   from distrib_train.data import splits
   from distrib_train.data.chat import CHATML, ChatEncoder, ChatTemplate, Utf8Bytes
   from distrib_train.data.preference import encode_pair
-  from distrib_train.training import config as config_lib
-  from distrib_train.training.trainer import Trainer
+  from distrib_train.config import run as config_lib
+  from distrib_train.train.trainer import Trainer
 
   policy = _save("llama", tmp_path / "policy", vocab_size=256, max_position_embeddings=512)
   reference = _save("llama", tmp_path / "reference", vocab_size=256, max_position_embeddings=512)

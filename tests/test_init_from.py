@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from distrib_train.training import config as config_lib
-from distrib_train.training.checks import TrainerSetupError
-from distrib_train.training.trainer import Trainer
+from distrib_train.config import run as config_lib
+from distrib_train.train.checks import TrainerSetupError
+from distrib_train.train.trainer import Trainer
 
 
 def _config(cache, *overrides):

@@ -10,8 +10,8 @@ import pytest
 import distrib_train as dt
 from distrib_train.recipes import lora
 from distrib_train.recipes.llama import PRESETS
-from distrib_train.training import config as config_lib
-from distrib_train.training import job as job_lib
+from distrib_train.config import run as config_lib
+from distrib_train.config import job as job_lib
 from distrib_train.common.yaml_loader import ConfigError
 
 

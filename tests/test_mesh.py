@@ -172,8 +172,8 @@ def test_a_data_by_fsdp_mesh_config_trains_the_tiny_llama_with_tensor_as_size_1(
   import io
   import re
 
-  from distrib_train.training import config as config_lib
-  from distrib_train.training.trainer import Trainer
+  from distrib_train.config import run as config_lib
+  from distrib_train.train.trainer import Trainer
 
   mesh_file = tmp_path / "data-fsdp.yaml"
   mesh_file.write_text("devices: 8\naxes: {data: 2, fsdp: 4}\nrules: fsdp_tensor\n")

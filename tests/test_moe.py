@@ -148,8 +148,8 @@ def test_a_checkpoint_restores_across_expert_axis_sizes(tmp_path, xla_cache):
   import io
   import json
 
-  from distrib_train.training import config as config_lib
-  from distrib_train.training.trainer import Trainer
+  from distrib_train.config import run as config_lib
+  from distrib_train.train.trainer import Trainer
 
   def run(mesh, steps, workdir):
     config = config_lib.load("moe-tiny", [

@@ -11,7 +11,7 @@ import ckpt_helpers
 import distrib_train as dt
 import pipeline_helpers as ph
 from distrib_train.recipes import blocks, moe, routing
-from distrib_train.training import config as config_lib
+from distrib_train.config import run as config_lib
 
 RATE = 0.02
 BIAS = "layers/router_bias"

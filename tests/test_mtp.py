@@ -158,8 +158,9 @@ def test_settings_are_checked_and_other_objectives_refused():
 def test_drop_at_export_and_at_inference(tmp_path):
   from distrib_train.checkpoint import hf
   from distrib_train.checkpoint.manager import CheckpointManager
-  from distrib_train.training import config as config_lib
-  from distrib_train.training import export, job as job_lib, run_model
+  from distrib_train.config import run as config_lib
+  from distrib_train.weights import export, load as run_model
+  from distrib_train.config import job as job_lib
 
   config = config_lib.load("tiny", ["model.mtp_depth=1", "model.dtype=float32"])
   (tmp_path / "run").mkdir()
@@ -205,7 +206,7 @@ def test_deepseek_v3_mtp_layer_imports_and_exports_bit_for_bit(tmp_path):
   from safetensors.numpy import load_file, save_file
 
   from distrib_train.checkpoint import hf
-  from distrib_train.training import export, run_model
+  from distrib_train.weights import export, load as run_model
 
   torch.manual_seed(0)
   hf_config = transformers.DeepseekV3Config(
@@ -247,8 +248,9 @@ def test_deepseek_v3_mtp_layer_imports_and_exports_bit_for_bit(tmp_path):
   # A run from the checkpoint may drop its MTP module (model.mtp_depth=0) or, on a checkpoint without one, add a
   # fresh one (the rest read as ever).
   from distrib_train.sharding.planner import MeshPlanner
-  from distrib_train.training import config as config_lib
-  from distrib_train.training import init_from, job as job_lib
+  from distrib_train.config import run as config_lib
+  from distrib_train.weights import init_from
+  from distrib_train.config import job as job_lib
 
   without = tmp_path / "without"
   without.mkdir()

@@ -15,9 +15,9 @@ from jax.experimental import multihost_utils
 
 from distrib_train.common.naming import path_str
 from helpers import config_steps
-from distrib_train.training import config as config_lib
-from distrib_train.training import job as job_lib
-from distrib_train.training import muon, optimizers
+from distrib_train.config import run as config_lib
+from distrib_train.config import job as job_lib
+from distrib_train.optim import muon, chain as optimizers
 
 MUON = ["optimizer.name=muon", "optimizer.grad_clip_norm=0", "optimizer.weight_decay=0.01",
         "optimizer.warmup_steps=0", "optimizer.schedule=constant", "optimizer.learning_rate=0.02",

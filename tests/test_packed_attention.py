@@ -1,6 +1,6 @@
 """Packed rows for cuDNN (kernels/attention/cudnn.py), the rows the loader gives it (data/sequences.py,
 data.max_documents_per_row), the GPU environment the trainer sets (cluster/gpu_environment.py) and its
-memory refusals (training/checks.py).
+memory refusals (train/checks.py).
 
 The kernel itself runs on a Hopper GPU only: its values and gradients against XLA's are checked there by
 ``bench/gpu_attention.py``, and the program the CUDA compiler builds for it by
@@ -15,9 +15,9 @@ import pytest
 from distrib_train.cluster import gpu_environment, hardware
 from distrib_train.data import sequences
 from distrib_train.kernels.attention import cudnn as cudnn_attention
-from distrib_train.training import checks
-from distrib_train.training import config as config_lib
-from distrib_train.training import job as job_lib
+from distrib_train.train import checks
+from distrib_train.config import run as config_lib
+from distrib_train.config import job as job_lib
 
 
 def _runs(row):

@@ -247,8 +247,8 @@ def _trainer_losses(tmp_path, name, mesh_config, steps, cache, workdir=None):
   import io
   import json
 
-  from distrib_train.training import config as config_lib
-  from distrib_train.training.trainer import Trainer
+  from distrib_train.config import run as config_lib
+  from distrib_train.train.trainer import Trainer
 
   config = config_lib.load("tiny", [
       "data.seq_len=32", "data.global_batch_size=8", f"train.steps={steps}", "train.log_every=1",
@@ -283,7 +283,7 @@ def test_the_plan_reports_the_pipeline_and_recommend_sizes_the_stage_axis():
   from distrib_train.cluster import hardware
   from distrib_train.podplan import estimate, search
   from distrib_train.sharding.mesh import MeshConfig
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   config = config_lib.load("tiny", ["train.microbatches=4", "model.num_layers=4", "data.global_batch_size=32"])
   mesh_config = MeshConfig.from_dict({"devices": 8, "axes": {"data": 1, "stage": 2, "fsdp": 2, "tensor": 2},

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from distrib_train.training import config as config_lib
+from distrib_train.config import run as config_lib
 from distrib_train.podplan import collectives
 from distrib_train.cluster import hardware
 from distrib_train.podplan import hlo as hlo_module
@@ -204,7 +204,7 @@ def cache_env(xla_cache):
   same tiny step compiles once."""
   from jax.experimental.compilation_cache import compilation_cache
 
-  from distrib_train.training.compilation import setup_compilation_cache
+  from distrib_train.train.compilation import setup_compilation_cache
 
   names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
            "jax_persistent_cache_min_entry_size_bytes")

@@ -14,8 +14,8 @@ import pytest
 
 import cuda_plugin
 from distrib_train.cluster import hardware
-from distrib_train.training import checks
-from distrib_train.training import config as config_lib
+from distrib_train.train import checks
+from distrib_train.config import run as config_lib
 from xla_test_flags import FAST_COMPILE
 
 ROOT = cuda_plugin.ROOT
@@ -158,7 +158,7 @@ import json, re
 from distrib_train.cluster import hardware
 from distrib_train.podplan import estimate, gpu
 from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
-from distrib_train.training import config as config_lib
+from distrib_train.config import run as config_lib
 
 config = config_lib.load("tiny", {"model.dtype": "bfloat16", "model.attention": ATTENTION, "data.source": "synthetic",
                                    "data.seq_len": 320, "data.global_batch_size": 4, "mesh_config": "gpu-1",
@@ -220,7 +220,7 @@ def test_every_shipped_gpu_preset_fits_its_gpus_as_the_trainer_checks_it(preset,
   XLA's CUDA compiler for the GPUs of its mesh config (real cuDNN attention calls, no GPU needed), and the step
   fits the share of the card the trainer gives JAX (``XLA_PYTHON_CLIENT_MEM_FRACTION``,
   ``cluster/gpu_environment.py``) with the trainer's own allowance for cuDNN's workspace and autotuning
-  (``training/checks.check_step_fits``)."""
+  (``train/checks.check_step_fits``)."""
   # cuBLAS's GEMMs rather than Triton's: on an H100 the 1b compiled to 54.19 GiB of temporaries, here 52.03 with
   # cuBLAS and 48.48 with Triton; and the 7b compiles in 40 s instead of 250 (bench/RESULTS.md).
   out = _plan("--config", preset, "--json", str(tmp_path / "plan.json"),

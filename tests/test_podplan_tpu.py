@@ -21,7 +21,7 @@ from distrib_train.podplan import hlo as hlo_module
 from distrib_train.podplan import tpu
 from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
 from distrib_train.sharding.topology import TpuTopology
-from distrib_train.training import config as config_lib
+from distrib_train.config import run as config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

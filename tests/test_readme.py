@@ -153,7 +153,7 @@ def test_python_block_runs(name, line, code, tmp_path):
 
 
 def test_the_trainer_example_is_among_the_blocks_run():
-  assert any("trainer.Trainer(" in code for name, _, code in _RUN_BLOCKS if name == "README.md")
+  assert any("dt.Trainer(" in code for name, _, code in _RUN_BLOCKS if name == "README.md")
 
 
 # --- command blocks, in the set-up's own virtualenv ---------------------------------------------------------
@@ -445,7 +445,7 @@ def _valid_keys():
   import dataclasses
 
   from distrib_train import recipes
-  from distrib_train.training import config
+  from distrib_train.config import run as config
 
   fields = set()
   for name in ("llama", "moe", "mlp"):
@@ -468,7 +468,7 @@ def test_config_keys_are_found():
 
 def test_config_block_is_the_tiny_preset():
   from distrib_train import recipes
-  from distrib_train.training import config
+  from distrib_train.config import run as config
 
   [(_, _, code, _)] = [b for b in _blocks(_TEXTS["README.md"]) if b[1] == "yaml" and "the tiny preset" in b[2]]
   shown = yaml.safe_load(code)

@@ -1,7 +1,7 @@
 """GRPO's rewards: the built-in reward functions, ``module:function`` ones, scoring and its one-line errors, the
 weighted sum, and TRL's group advantages against numbers worked out here by hand.
 
-No jax: ``distrib_train.training.rewards`` is plain Python and numpy.
+No jax: ``distrib_train.posttrain.rewards`` is plain Python and numpy.
 """
 
 import math
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from distrib_train.common.extras import MissingPackageError
-from distrib_train.training import rewards
-from distrib_train.training.rewards import RewardError, advantages, combine, resolve, score
+from distrib_train.posttrain import rewards
+from distrib_train.posttrain.rewards import RewardError, advantages, combine, resolve, score
 
 PATTERN = r"<think>.*?</think>\s*<answer>.*?</answer>"
 USER_MODULE = "dt_test_user_rewards"

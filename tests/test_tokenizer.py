@@ -17,9 +17,9 @@ from distrib_train.data import record_shards
 from distrib_train.data import sources
 from distrib_train.data import splits
 from distrib_train.data import tokenizer as tokenizer_lib
-from distrib_train.training import config as config_lib
-from distrib_train.training.checks import TrainerSetupError
-from distrib_train.training.trainer import Trainer
+from distrib_train.config import run as config_lib
+from distrib_train.train.checks import TrainerSetupError
+from distrib_train.train.trainer import Trainer
 
 CACHE = ""
 

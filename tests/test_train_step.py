@@ -310,8 +310,8 @@ def test_a_step_built_with_the_plans_rules_lays_out_activations_wherever_it_is_t
   traced outside any ``activation_sharding`` it holds the constraints a step traced inside one holds; a step
   without the rules, traced outside, holds none. Likewise for the eval step."""
   from distrib_train.sharding.axis_rules import activation_sharding
-  from distrib_train.training import config as config_lib
-  from distrib_train.training import job as job_lib
+  from distrib_train.config import run as config_lib
+  from distrib_train.config import job as job_lib
 
   config = config_lib.load("tiny", ["train.compilation_cache_dir="])
   job = job_lib.job_spec(config)

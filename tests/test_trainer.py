@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from distrib_train.training import config as config_lib
+from distrib_train.config import run as config_lib
 from distrib_train.data.pipeline import DataLoader
-from distrib_train.training.trainer import Trainer
+from distrib_train.train.trainer import Trainer
 
 BAD_STEP = 5
 
@@ -128,7 +128,7 @@ def _too_large_ids(text):
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused_before_the_workdir_is_made(tmp_path):
-  from distrib_train.training.trainer import TrainerSetupError
+  from distrib_train.train.trainer import TrainerSetupError
 
   config = _with_tokenizer(small_config(), _too_large_ids)
   with pytest.raises(TrainerSetupError, match=r"train data holds token id 30\d \(document \d+\), outside the"
@@ -141,7 +141,7 @@ def test_the_first_batch_is_checked_against_the_vocabulary(tmp_path, monkeypatch
   """Ids the pipeline's sample of documents missed are caught before the
   first step, naming the largest id and the vocabulary size."""
   from distrib_train.data import splits
-  from distrib_train.training.trainer import TrainerSetupError
+  from distrib_train.train.trainer import TrainerSetupError
 
   monkeypatch.setattr(splits, "_check_token_ids", lambda *args: None)
   config = _with_tokenizer(small_config(), _too_large_ids)

@@ -1,4 +1,4 @@
-"""The hang watchdog (``training/watchdog.py``): limits per phase, the one line, and a stopped process in a real job.
+"""The hang watchdog (``train/watchdog.py``): limits per phase, the one line, and a stopped process in a real job.
 
 The unit tests drive a ``Watchdog`` by hand (``tick()``) on a fake clock, with
 a fake exit. The job test runs the real CLI in 2 processes, SIGSTOPs one
@@ -17,10 +17,10 @@ import time
 import pytest
 
 import kill_harness
-from distrib_train.training import config as config_lib
-from distrib_train.training.config import ConfigError
-from distrib_train.training.goodput import PhaseClock
-from distrib_train.training.watchdog import EXIT_HUNG, Limits, Watchdog
+from distrib_train.config import run as config_lib
+from distrib_train.config.run import ConfigError
+from distrib_train.train.goodput import PhaseClock
+from distrib_train.train.watchdog import EXIT_HUNG, Limits, Watchdog
 
 HANG_TIMEOUT_S = 20
 MARGIN_S = 75  # a busy 2-core machine: stacks, files and the exit of a process holding 4 CPU devices

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from distrib_train.common.yaml_loader import ConfigError
-from distrib_train.training import config as config_lib
-from distrib_train.training import optimizers
-from distrib_train.training.trainer import Trainer
+from distrib_train.config import run as config_lib
+from distrib_train.optim import chain as optimizers
+from distrib_train.train.trainer import Trainer
 
 
 def test_wsd_holds_the_peak_then_decays_linearly_or_as_one_minus_sqrt():

@@ -4,7 +4,7 @@
 its own signal handlers in a single process); ``Terminated`` is what a signal
 outside the step loop raises. ``distributed`` re-exports both.
 
-Not for: starting JAX (``distributed.py``), the loop's save-and-stop (``training/loop.py``).
+Not for: starting JAX (``distributed.py``), the loop's save-and-stop (``train/loop.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Installed versions as numbers: ``jax_version() >= (0, 11)``; a GPU's compute capability: ``gpu_capability(device)``.
 
 Behaviour that differs between jax releases (the persistent cache's CPU
-deadlock on jax 0.10, ``training/compilation.py``) is chosen by comparing
+deadlock on jax 0.10, ``train/compilation.py``) is chosen by comparing
 tuples of ints, parsed here once.
 
 Not for: pinning or checking requirements (``pyproject.toml``).

@@ -1,6 +1,6 @@
 """Reading YAML that people wrote: safely, and within bounds.
 
-Both the run config (``training/config.py``) and the mesh configs
+Both the run config (``config/run.py``) and the mesh configs
 (``sharding/mesh.py``) read YAML through ``safe_load_yaml``: a SafeLoader (no
 Python tags, so no code runs), no key given twice, nesting and alias
 expansion bounded, and one ``ConfigError`` line naming the file otherwise.

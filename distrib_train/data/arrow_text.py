@@ -30,7 +30,7 @@ _TEXT_TYPES = ("string", "large_string")
 # ``data.text_field`` for conversation records (``data.loss_on`` set): a document is the whole record, as
 # JSON text, its conversation columns (``RECORD_COLUMNS``) read.
 RECORD = "*"
-PROMPTS = "**"  # a prompt record (RL's prompts: ``training/rollouts.py``): every column, ``prompt`` among them
+PROMPTS = "**"  # a prompt record (RL's prompts: ``posttrain/rollouts.py``): every column, ``prompt`` among them
 RECORDS = (RECORD, PROMPTS)
 RECORD_COLUMNS = ("messages", "prompt", "completion", "chosen", "rejected")
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 Tokenizer = Callable[[str], Sequence[int]]
 
 
-# ``DataConfig.reference_logps`` before the precomputation pass names its file (``training/reference_pass.py``).
+# ``DataConfig.reference_logps`` before the precomputation pass names its file (``posttrain/reference_pass.py``).
 REFERENCE_PENDING = "<the precomputed reference's file, named by its pass>"
 
 
@@ -84,12 +84,12 @@ class DataConfig:
       prompt with the chosen completion, then with the rejected one — packed
       whole into one row as two segments, their completions scored.
     reference_logps: set from ``dpo.precompute_reference``, not a config key:
-      the file of the pairs' reference figures (``training/reference_pass.py``),
+      the file of the pairs' reference figures (``posttrain/reference_pass.py``),
       put on the batch as ``reference_logps`` (``REFERENCE_PENDING`` until the
       pass has named it: the batch's schema has the field, no loader reads).
     prompts: set from ``train.objective: grpo``, not a config key: the records
       are prompts (``{"prompt": text | messages, …}``) the policy completes
-      (``training/rollouts.py``), every column kept for the reward functions.
+      (``posttrain/rollouts.py``), every column kept for the reward functions.
   """
 
   source: str = "pydoc"

@@ -92,7 +92,7 @@ def _json_text(raw: bytes, field: str) -> str:
     raise _Malformed(f"is not UTF-8 text (byte {e.start})") from None
   except json.JSONDecodeError as e:
     raise _Malformed(f"is not JSON: {e.msg}") from None
-  if field == "**":  # a prompt record (RL's prompts): the whole object, read by training/rollouts.py
+  if field == "**":  # a prompt record (RL's prompts): the whole object, read by posttrain/rollouts.py
     if not isinstance(record, dict) or "prompt" not in record:
       raise _Malformed("is not a prompt record: an object with 'prompt' (text or messages) and any other columns")
     return raw.decode("utf-8")

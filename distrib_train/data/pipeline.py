@@ -223,7 +223,7 @@ class DataLoader:
     return self
 
   def next_batch(self, state: Any = None) -> dict[str, jax.Array]:
-    """The next batch, as ``next(loader)``: a training loop's batch source (``training/loop.py``), which may read
+    """The next batch, as ``next(loader)``: a training loop's batch source (``train/loop.py``), which may read
     the train state; a loader does not."""
     del state
     return next(self)

@@ -24,7 +24,7 @@ the row (``truncate``); a half cut before its completion is then not
 scored, and the objective leaves that pair out (``objectives/dpo.py``).
 
 With a precomputed reference (``data.reference_logps``, set by
-``dpo.precompute_reference``; ``training/reference_pass.py``) the tokens are
+``dpo.precompute_reference``; ``posttrain/reference_pass.py``) the tokens are
 ``PAIR_TOKENS``: each sequence's reference sum rides on its first scored
 token (``ref``), read from the kept file by the record's hash.
 
@@ -45,7 +45,7 @@ from distrib_train.data.chat import ChatEncoder, ConversationTokenizer, _check_m
 from distrib_train.data.config import REFERENCE_PENDING
 
 REJECTED = 2  # the loss code's bit that marks the rejected half
-# With a precomputed reference (``training/reference_pass.py``): each sequence's summed reference log-probability
+# With a precomputed reference (``posttrain/reference_pass.py``): each sequence's summed reference log-probability
 # on its first scored token, 0 elsewhere.
 PAIR_TOKENS = np.dtype([("ids", np.int32), ("loss", np.int32), ("ref", np.float32)])
 
@@ -134,7 +134,7 @@ class PairTokenizer(ConversationTokenizer):
     if self._reference is None:
       if self._reference_file == REFERENCE_PENDING:
         raise ValueError("dpo.precompute_reference: the reference's pass has not run yet"
-                         " (training/reference_pass.ensure names its file in data.reference_logps).")
+                         " (posttrain/reference_pass.ensure names its file in data.reference_logps).")
       hashes, chosen, rejected = read_reference(self._reference_file)
       self._reference = dict(zip(hashes.tolist(), zip(chosen.tolist(), rejected.tolist())))
     found = self._reference.get(record_hash(doc))

@@ -24,7 +24,7 @@ and sample. Each batch:
 Each program is compiled once per (rows, bucket, cache length, sampling)
 and kept; ``compiles`` counts them, and each new one is logged.
 
-Not for: text, prompts from files or the command line (``training/generate.py``).
+Not for: text, prompts from files or the command line (``inference/generate.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ MIN_BUCKET = 16
 class Completion:
   """One sample's new tokens: ``index`` (its prompt's), ``sample`` (0 … n − 1), ``ids`` (an end id included,
   where one stopped it), ``logprobs`` (the model's, one per id) and ``finish_reason`` (``stop``: an end id, or
-  a stop string in ``training/generate.py``; ``length``: ``max_new_tokens``)."""
+  a stop string in ``inference/generate.py``; ``length``: ``max_new_tokens``)."""
 
   index: int
   sample: int

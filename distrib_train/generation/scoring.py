@@ -35,7 +35,7 @@ rules as in training; the figures inside a trunk or branch come from the
 chunked head (``kernels/cross_entropy.chunked_scores``: no float32 [rows,
 length, vocab] array), the ones read at its end from the logits there.
 
-Not for: requests as text (``training/harness.py``), sampling (``engine.py``).
+Not for: requests as text (``evaluation/harness.py``), sampling (``engine.py``).
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@
   with ``data.loss_on``.
 - ``dpo``: DPO / SimPO / ORPO on preference pairs (``dpo.py``).
 - ``grpo``: GRPO and its variants on the policy's own completions (``grpo.py``; the rollouts in
-  ``training/rollouts.py``).
+  ``posttrain/rollouts.py``).
 
 The record is what the job, the trainer, the loop and evaluation read of an objective: the model it trains
 (``model_fn``, ``is_param``), its loss, the batch fields and their logical axes, the aux count its figures are
 weighed by, the aux entries that are counts (not figures to average), whether evaluation reports a perplexity,
 and the step's FLOPs over the family's training count.
 
-Not for: the model (``recipes/``), the batches (``data/``, ``training/rollouts.py``).
+Not for: the model (``recipes/``), the batches (``data/``, ``posttrain/rollouts.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Objective:
       or ``tokens`` where the aux has it (a loss given as code), else equal weights.
     perplexity: evaluation reports ``exp`` of the mean cross-entropy.
     flops_scale: the step's FLOPs over the family's training count (DPO's reference forward: 4/3).
-    rollouts: its batches are the policy's own completions (``training/rollouts.py``), not the data loader's.
+    rollouts: its batches are the policy's own completions (``posttrain/rollouts.py``), not the data loader's.
   """
 
   name: str

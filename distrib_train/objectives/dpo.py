@@ -63,7 +63,7 @@ class DpoConfig:
     simpo_gamma: SimPO's target margin γ.
     orpo_lambda: ORPO's weight λ of the odds-ratio term.
     precompute_reference: ``sigmoid``'s reference figures from one pass over the data before training, kept
-      beside it (``training/reference_pass.py``) and read with the batch: no reference in memory or in the
+      beside it (``posttrain/reference_pass.py``) and read with the batch: no reference in memory or in the
       step.
   """
 

@@ -1,6 +1,6 @@
 """``train.objective: grpo``: GRPO and its variants (Dr. GRPO, DAPO, BNPO, GSPO) on the policy's own completions.
 
-A batch row holds one prompt and one of its ``num_generations`` completions (``training/rollouts.py`` samples
+A batch row holds one prompt and one of its ``num_generations`` completions (``posttrain/rollouts.py`` samples
 them with the policy and scores them with the reward functions): ``weights`` is 1 on the completion's targets
 (0 on the prompt, the padding, and a truncated completion's with ``mask_truncated_completions``),
 ``advantages`` the row's advantage on every position, ``sampler_logps`` the sampler's log-probability of each
@@ -22,7 +22,7 @@ aux: ``loss``, the counts (``tokens``, ``sequences``, and ``batches`` for bnpo),
 ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``entropy``, ``kl`` (beta > 0), and the gap between the
 sampler's log-probabilities and the policy's at generation time, ``sampler_gap/mean`` and ``sampler_gap/max``.
 
-Not for: sampling, rewards and advantages (``training/rollouts.py``, ``training/rewards.py``).
+Not for: sampling, rewards and advantages (``posttrain/rollouts.py``, ``posttrain/rewards.py``).
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def main(argv: Sequence[str]) -> int:
     _positive(args)
   except _UsageError as e:
     _fail(str(e))
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
   from distrib_train.cluster import hardware
   from distrib_train.podplan import estimate as podplan
   from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
@@ -286,8 +286,8 @@ def _recommend(args, config, mesh_config, kind, devices, granules, matches, note
   from distrib_train.podplan import search as mesh_search
   from distrib_train.podplan import estimate as podplan
   from distrib_train.podplan import report as podplan_report
-  from distrib_train.training import config as config_lib
-  from distrib_train.training.layout_choice import Choice
+  from distrib_train.config import run as config_lib
+  from distrib_train.train.layout_choice import Choice
 
   if not matches:
     notes.append(f"{mesh_config.source} is for {mesh_config.devices} devices: its axes and rules are used, not its"

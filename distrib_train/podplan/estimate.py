@@ -31,8 +31,8 @@ reduce-scatters), and cannot compile cuDNN attention (``cpu_attention.py``
 stands in with the same memory profile). Planning on the real machine's
 devices (``distrib-train plan --native``) gives that compiler's figures.
 
-Not for: running the step (``training/trainer.py``), building the job
-(``training/job.py``), reading HLO (``hlo.py``) or choosing among meshes
+Not for: running the step (``train/trainer.py``), building the job
+(``config/job.py``), reading HLO (``hlo.py``) or choosing among meshes
 (``search.py``).
 """
 
@@ -63,8 +63,8 @@ from distrib_train.podplan.memory import CPU_BF16_TEMPORARIES, Memory, memory_of
 from distrib_train.podplan.timing import DEFAULT_EFFICIENCY, StepTime, step_time, xla_flops  # noqa: F401
 from distrib_train.sharding.axis_rules import AxisRules
 from distrib_train.microbatches import STAGE_AXIS, bubble_fraction
-from distrib_train.training.config import Config
-from distrib_train.training.job import JobSpec, job_spec, plan_job, rules_for, step_options  # noqa: F401
+from distrib_train.config.run import Config
+from distrib_train.config.job import JobSpec, job_spec, plan_job, rules_for, step_options  # noqa: F401
 from distrib_train.sharding.mesh import MeshConfig
 from distrib_train.sharding.plan import Plan
 from distrib_train.sharding.planner import MeshPlanner
@@ -77,7 +77,7 @@ from distrib_train.train_step import build_train_step_fn
 
 @dataclasses.dataclass
 class StepSpec(JobSpec):
-  """The job the trainer would build for a config (``training/job.py``), and
+  """The job the trainer would build for a config (``config/job.py``), and
   what planning it on this platform stands in for (``notes``)."""
 
   notes: list[str] = dataclasses.field(default_factory=list)

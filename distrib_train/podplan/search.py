@@ -26,7 +26,7 @@ import jax
 from distrib_train.cluster import hardware
 from distrib_train.microbatches import STAGE_AXIS, Pipelining, bubble_fraction
 from distrib_train.sharding.axis_rules import AxisRules
-from distrib_train.training.config import Config
+from distrib_train.config.run import Config
 from distrib_train.sharding.mesh import MeshConfig
 from distrib_train.podplan.estimate import DEFAULT_EFFICIENCY, Layout, PodPlan, StepSpec, plan_pod, step_spec
 from distrib_train.sharding.topology import TpuTopology

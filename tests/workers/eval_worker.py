@@ -13,8 +13,8 @@ mp_harness.worker_init()
 
 import eval_helpers  # noqa: E402
 
-from distrib_train.training import eval_tasks  # noqa: E402
-from distrib_train.training.harness import HarnessLM  # noqa: E402
+from distrib_train.evaluation import tasks as eval_tasks  # noqa: E402
+from distrib_train.evaluation.harness import HarnessLM  # noqa: E402
 
 eval_tasks.offline()
 lm = HarnessLM.load(f"hf:{sys.argv[1]}", mesh_config=sys.argv[3], batch_size=4)

@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 
 from distrib_train.generation.engine import Generator  # noqa: E402
 from distrib_train.generation.sampling import Sampling  # noqa: E402
-from distrib_train.training import run_model  # noqa: E402
+from distrib_train.weights import load as run_model  # noqa: E402
 
 SETTINGS = {"greedy": {}, "sampled": dict(sampling=Sampling(temperature=1.0, top_p=0.9), n=2, seed=5)}
 

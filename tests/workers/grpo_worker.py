@@ -11,8 +11,8 @@ import mp_harness
 
 mp_harness.worker_init()
 
-from distrib_train.training import config as config_lib  # noqa: E402
-from distrib_train.training.trainer import Trainer  # noqa: E402
+from distrib_train.config import run as config_lib  # noqa: E402
+from distrib_train.train.trainer import Trainer  # noqa: E402
 
 import grpo_helpers  # noqa: E402
 

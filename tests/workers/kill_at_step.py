@@ -20,7 +20,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from distrib_train import cli
-from distrib_train.training import trainer
+from distrib_train.train import trainer
 
 KILL_AT_STEP = int(os.environ["DT_KILL_AT_STEP"])
 _add_hooks = trainer.Trainer._add_hooks

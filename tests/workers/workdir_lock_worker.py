@@ -9,7 +9,7 @@ import mp_harness
 
 mp_harness.worker_init()
 
-from distrib_train.training import workdir_lock  # noqa: E402
+from distrib_train.train import workdir_lock  # noqa: E402
 
 workdir = sys.argv[1]
 outcomes = []

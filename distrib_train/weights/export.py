@@ -51,8 +51,8 @@ def export(workdir: str | os.PathLike, out: str, step: int | None = None, adapte
   import jax
 
   from distrib_train.checkpoint import hf
-  from distrib_train.training import config as config_lib
-  from distrib_train.training import run_model
+  from distrib_train.config import run as config_lib
+  from distrib_train.weights import load as run_model
 
   workdir = pathlib.Path(workdir)
   if not (workdir / "config.yaml").exists():

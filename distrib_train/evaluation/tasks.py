@@ -40,8 +40,8 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from distrib_train.training import run_model
-from distrib_train.training.run_model import fail
+from distrib_train.weights import load as run_model
+from distrib_train.weights.load import fail
 
 DEMO_TASKS = pathlib.Path(__file__).resolve().parent.parent / "configs" / "eval_tasks"
 _LOCAL_BUILDERS = ("json", "csv", "parquet", "arrow", "text", "pandas")
@@ -198,7 +198,7 @@ def main(argv: Sequence[str]) -> int:
   offline()
   tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
   try:
-    from distrib_train.training import config as config_lib
+    from distrib_train.config import run as config_lib
 
     if args.log_samples and not args.output_path:
       raise ValueError("--log_samples needs --output_path (where lm-eval writes the samples).")
@@ -210,14 +210,14 @@ def main(argv: Sequence[str]) -> int:
     found = run_model.source(args.init_from, dtype=args.dtype, overrides=overrides)
     manager = task_manager(args.include_path)
     resolve(manager, tasks, args.include_path)  # before any weight is read
-    from distrib_train.training.generate_text import codec_for
+    from distrib_train.inference.text import codec_for
 
     codec_for(found)
   except ValueError as e:  # ConfigError and MissingPackageError are ValueErrors
     fail(str(e))
   first, say = run_model.start(args)
   try:
-    from distrib_train.training.harness import HarnessLM
+    from distrib_train.evaluation.harness import HarnessLM
 
     lm = HarnessLM(run_model.load(found, step=args.step, mesh_config=args.mesh_config), batch_size=args.batch_size,
                    max_length=args.max_length, log=say)

@@ -33,10 +33,10 @@ from distrib_train.sharding.mesh import MeshConfig
 from distrib_train.sharding.plan import Plan, logical_annotations_only
 from distrib_train.sharding.planner import MeshPlanner
 from distrib_train.train_state import TrainState
-from distrib_train.training import optimizers
+from distrib_train.optim import chain as optimizers
 from distrib_train.common.yaml_loader import ConfigError
 from distrib_train.data.config import DataConfig
-from distrib_train.training.config import Config
+from distrib_train.config.run import Config
 
 
 @dataclasses.dataclass

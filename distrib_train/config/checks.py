@@ -22,7 +22,7 @@ NONFINITE_POLICIES = ("skip", "halt", "rollback")
 
 def check_config(config: Any, training: bool = True) -> None:
   """Checks across a built ``Config``'s fields and sections (``training``: also those of its data against its
-  model; False for a config that only loads a model for use, ``training/run_model.py``).
+  model; False for a config that only loads a model for use, ``weights/load.py``).
 
   Raises:
     ConfigError: a value out of range or a combination that cannot run (named by its key).

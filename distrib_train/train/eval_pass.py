@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from distrib_train import objectives
-from distrib_train.training.checks import local_value
-from distrib_train.training.loop import aux_scalars
+from distrib_train.train.checks import local_value
+from distrib_train.train.loop import aux_scalars
 
 
 def missing_eval_split(data_config: Any, shardings: Any, vocab_size: int | None, eval_every: int) -> str | None:

@@ -30,7 +30,7 @@ _DOCUMENTS = 40
 @functools.cache
 def _paragraphs() -> tuple[str, ...]:
   from distrib_train.data import splits
-  from distrib_train.training import config as config_lib
+  from distrib_train.config import run as config_lib
 
   data = config_lib.load("tiny", {}, training=False).data
   docs, indices, _ = splits.split_documents(data, "eval", 1, None)

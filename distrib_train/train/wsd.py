@@ -24,8 +24,8 @@ import numpy as np
 
 from distrib_train.checkpoint.checks import CheckpointError, read_meta, step_dirs
 from distrib_train.cluster import distributed
-from distrib_train.training.config import Config
-from distrib_train.training.optimizers import OptimizerConfig, wsd_decay_start
+from distrib_train.config.run import Config
+from distrib_train.optim.chain import OptimizerConfig, wsd_decay_start
 
 
 def stable_step(config: Config) -> int | None:

@@ -64,7 +64,7 @@ from typing import Any, TextIO
 import jax
 
 from distrib_train.common.exit_hooks import close_at_exit
-from distrib_train.training.goodput import PhaseClock
+from distrib_train.train.goodput import PhaseClock
 
 EXIT_HUNG = 4  # the process exit code of a run ended by the watchdog
 _CHECKPOINT_PHASES = ("startup", "init", "restore", "checkpoint")

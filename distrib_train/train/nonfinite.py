@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Literal
 
-from distrib_train.training.config_checks import NONFINITE_POLICIES
+from distrib_train.config.checks import NONFINITE_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,12 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from distrib_train.objectives import COUNTS
-from distrib_train.training import optimizers
-from distrib_train.training.checks import check_token_ids, local_value
-from distrib_train.training.goodput import PhaseClock
-from distrib_train.training.hooks import Hooks
-from distrib_train.training.nonfinite import OK, NonFiniteGuard, Verdict
-from distrib_train.training.window import MetricsWindow
+from distrib_train.optim import chain as optimizers
+from distrib_train.train.checks import check_token_ids, local_value
+from distrib_train.train.goodput import PhaseClock
+from distrib_train.train.hooks import Hooks
+from distrib_train.train.nonfinite import OK, NonFiniteGuard, Verdict
+from distrib_train.train.window import MetricsWindow
 
 
 @dataclasses.dataclass

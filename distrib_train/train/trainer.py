@@ -38,31 +38,34 @@ from typing import Any
 import jax
 
 from distrib_train.cluster import distributed
-from distrib_train.training import metrics as metrics_lib
-from distrib_train.training import job as job_lib
-from distrib_train.training import window as window_lib
+from distrib_train.train import metrics as metrics_lib
+from distrib_train.config import job as job_lib
+from distrib_train.train import window as window_lib
 from distrib_train.checkpoint.checks import check_restorable, read_meta
 from distrib_train.checkpoint.faults import finish_event_loops_before_closing
 from distrib_train.checkpoint.manager import CheckpointManager
 from distrib_train.checkpoint.tiers import CheckpointTiers, local_tier
-from distrib_train.training.checks import (TrainerSetupError, check_batch_is_split, check_every_axis_is_used,
+from distrib_train.train.checks import (TrainerSetupError, check_batch_is_split, check_every_axis_is_used,
                                            check_context, check_fp8, check_microbatches, check_same_tokenizer,
                                            check_path_components, check_step_fits, check_workdir,
                                            tokenizer_fingerprint)
-from distrib_train.training.compilation import (CacheEvents, cache_unsafe_reason, memory_line,
+from distrib_train.train.compilation import (CacheEvents, cache_unsafe_reason, memory_line,
                                                 setup_compilation_cache)
-from distrib_train.training.config import Config
-from distrib_train.training import eval_hook, evaluation, init_from, layout_choice, reference_pass, rollouts, wsd
-from distrib_train.training.goodput import Goodput, PhaseClock
-from distrib_train.training.hooks import Profiler
-from distrib_train.training.loop import RunResult, TrainLoop, aux_scalars
-from distrib_train.training.nonfinite import NonFiniteGuard
+from distrib_train.config.run import Config
+from distrib_train.evaluation import hook as eval_hook
+from distrib_train.train import eval_pass as evaluation, layout_choice, wsd
+from distrib_train.weights import init_from
+from distrib_train.posttrain import reference_pass, rollouts
+from distrib_train.train.goodput import Goodput, PhaseClock
+from distrib_train.train.hooks import Profiler
+from distrib_train.train.loop import RunResult, TrainLoop, aux_scalars
+from distrib_train.train.nonfinite import NonFiniteGuard
 from distrib_train.sharding.mesh import MeshConfig, build_mesh, find_mesh_config
 from distrib_train.sharding.planner import MeshPlanner
 from distrib_train.train_state import TrainState
 from distrib_train.train_step import build_eval_step_fn, build_train_step_fn
-from distrib_train.training.watchdog import Limits, Watchdog
-from distrib_train.training.workdir_lock import acquire_for_job, check_free_for_job
+from distrib_train.train.watchdog import Limits, Watchdog
+from distrib_train.train.workdir_lock import acquire_for_job, check_free_for_job
 
 # Importable from here as before: the run's result, the start-up error, the path check.
 __all__ = ["EXIT_HALTED", "RunResult", "Trainer", "TrainerSetupError", "aux_scalars", "check_path_components"]

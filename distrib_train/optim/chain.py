@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from distrib_train.training import muon
+from distrib_train.optim import muon
 
 
 @dataclasses.dataclass(frozen=True)

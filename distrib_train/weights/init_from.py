@@ -50,7 +50,7 @@ from distrib_train.checkpoint.tree import fill_fields, flatten_fields
 from distrib_train.checkpoint.hf_common import fingerprint
 from distrib_train.recipes import mtp
 from distrib_train.train_state import TrainState
-from distrib_train.training.config import Config
+from distrib_train.config.run import Config
 
 
 def _checkpoint(path: str) -> tuple[pathlib.Path, int]:

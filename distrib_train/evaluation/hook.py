@@ -31,7 +31,7 @@ def check(config: Any) -> None:
   t = config.train
   if not t.eval_tasks:
     return
-  from distrib_train.training import eval_tasks
+  from distrib_train.evaluation import tasks as eval_tasks
 
   eval_tasks.offline()
   os.environ.setdefault("TQDM_DISABLE", "1")  # lm-eval's progress bars, in the run's log
@@ -48,13 +48,13 @@ def register(loop: Any, config: Any, plan: Any, rules: Any, writer: Any, phases:
 
   def score(loop: Any) -> None:
     from distrib_train.objectives import dpo as objectives
-    from distrib_train.training import eval_tasks
+    from distrib_train.evaluation import tasks as eval_tasks
 
     with phases.phase("eval_tasks"):
       model = objectives.policy_of(loop.state.model)
       if "lm" not in scorer:
-        from distrib_train.training.harness import HarnessLM
-        from distrib_train.training.run_model import RunModel
+        from distrib_train.evaluation.harness import HarnessLM
+        from distrib_train.weights.load import RunModel
 
         source = t.init_from[3:] if t.init_from.startswith("hf:") else None
         scorer["lm"] = HarnessLM(RunModel(config, loop.state, plan, rules, "live", loop.step, source))

@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 
-from distrib_train.training.config import Config, ConfigError
+from distrib_train.config.run import Config, ConfigError
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -110,8 +110,8 @@ def source(init_from: str, *, dtype: str | None = None, overrides: Mapping[str, 
 
 def _config(init_from: str, dtype: str | None, overrides: Mapping[str, Any]) -> tuple[Config, str | None, str]:
   """``(config, hf_dir, checkpoints directory)`` of the source."""
-  from distrib_train.training import config as config_lib
-  from distrib_train.training import init_from as init_lib
+  from distrib_train.config import run as config_lib
+  from distrib_train.weights import init_from as init_lib
 
   kind, sep, path = init_from.partition(":")
   if not sep or kind not in ("hf", "ckpt") or not path:
@@ -169,8 +169,8 @@ def load(init_from: str | Source, *, step: int | None = None, mesh_config: str |
   from distrib_train.sharding.mesh import MeshConfig, build_mesh
   from distrib_train.sharding.planner import MeshPlanner
   from distrib_train.train_state import TrainState
-  from distrib_train.training import init_from as init_lib
-  from distrib_train.training.job import model_parts, rules_for
+  from distrib_train.weights import init_from as init_lib
+  from distrib_train.config.job import model_parts, rules_for
 
   found = init_from if isinstance(init_from, Source) else source(init_from, dtype=dtype, overrides=overrides)
   init_from, config, hf_dir, directory = found.init_from, found.config, found.hf_dir, found.checkpoints

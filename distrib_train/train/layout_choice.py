@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from distrib_train.sharding.mesh import MeshConfig
-from distrib_train.training.config import Config
+from distrib_train.config.run import Config
 
 AUTO = "auto"
 FILE_NAME = "auto_layout.json"

@@ -39,8 +39,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from distrib_train.training import rewards as rewards_lib
-from distrib_train.training import rollout_records as records
+from distrib_train.posttrain import rewards as rewards_lib
+from distrib_train.posttrain import records as records
 
 POSITION_VERSION = 1
 NO_EVAL = "train.objective=grpo trains on its own completions, with no held-out loss (train.eval_tasks scores tasks)."
@@ -120,7 +120,7 @@ class RolloutSource:
   ``workdir`` are read when a batch is made."""
 
   def __init__(self, config: Any, plan: Any, rules: Any, run: Any):
-    from distrib_train.training import generate_text
+    from distrib_train.inference import text as generate_text
 
     self.config, self.settings, self.plan, self.rules, self.run = config, config.grpo, plan, rules, run
     self.funcs = check(config)

@@ -129,7 +129,7 @@ def _pass(config: Any, job: Any, plan: Any, rules: Any, load: Any,
   state = plan.init(job.make_state)
   source = config.dpo.reference or config.train.init_from
   if source.startswith("ckpt:"):  # a run's model (a DPO run's policy), as the live reference reads it
-    from distrib_train.training import init_from
+    from distrib_train.weights import init_from
 
     state = init_from.read_run_weights(source[5:], plan.abstract_train_state, state)
   elif source:  # the reference's weights: dpo.reference, else the starting model's

@@ -67,7 +67,7 @@ class HarnessLM(TemplateLM):
     super().__init__()
     from distrib_train.generation.engine import Generator
     from distrib_train.generation.scoring import Scorer
-    from distrib_train.training.generate_text import codec_for, end_ids as ends_of
+    from distrib_train.inference.text import codec_for, end_ids as ends_of
 
     if loaded is not None:
       model, mesh, rules = loaded.model, loaded.mesh, loaded.rules
@@ -97,7 +97,7 @@ class HarnessLM(TemplateLM):
            dtype: str | None = None, overrides: dict | None = None, batch_size: int = 8,
            max_length: int | None = None, log: Any = None) -> HarnessLM:
     """The model ``init_from`` names (``hf:<dir>`` or ``ckpt:<run>``), loaded as ``run_model.load`` reads it."""
-    from distrib_train.training import run_model
+    from distrib_train.weights import load as run_model
 
     loaded = run_model.load(init_from, step=step, mesh_config=mesh_config, dtype=dtype, overrides=overrides or {})
     return cls(loaded, batch_size=batch_size, max_length=max_length, log=log)

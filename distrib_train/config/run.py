@@ -32,14 +32,14 @@ from typing import Any
 import yaml
 
 from distrib_train.common.yaml_loader import ConfigError, safe_load_yaml
-from distrib_train.training.config_checks import check_config
-from distrib_train.training.config_values import check_model_value, closest_keys, coerce, model_field_types
+from distrib_train.config.checks import check_config
+from distrib_train.config.values import check_model_value, closest_keys, coerce, model_field_types
 
 from distrib_train.data.config import REFERENCE_PENDING
 from distrib_train.data.pipeline import DataConfig
 from distrib_train.objectives.dpo import DpoConfig
 from distrib_train.objectives.grpo import GrpoConfig
-from distrib_train.training.optimizers import OptimizerConfig
+from distrib_train.optim.chain import OptimizerConfig
 
 PRESETS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"  # distrib_train/configs
 
@@ -213,7 +213,7 @@ class Config:
 
   def data_config(self) -> DataConfig:
     """This config's ``distrib_train.data.DataConfig`` (the ``data`` section); the trainer's own, rows capped
-    for cuDNN's packed attention where it runs, is ``training/job.data_config``); ``dpo``'s reads preference
+    for cuDNN's packed attention where it runs, is ``config/job.data_config``); ``dpo``'s reads preference
     pairs, their completions scored; ``grpo``'s prompt records, a completion to a row."""
     objective, records = self.train.objective, dict(loss_on=self.data.loss_on or "completion")
     if objective == "grpo":
@@ -359,7 +359,7 @@ def load(config: str | None = None, overrides: Sequence[str] | Mapping[str, Any]
   Args:
     config: a preset name (see ``preset_names()``) or a YAML path.
     overrides: ``key=value`` strings (``--set``) or a mapping.
-    training: check its data against its model too (False: a model loaded for use, ``training/run_model.py``).
+    training: check its data against its model too (False: a model loaded for use, ``weights/load.py``).
   """
   raw = read_yaml(config_path(config)) if config else {}
   where = f"config {config!r}" if config else "config"

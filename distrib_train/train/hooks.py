@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import jax
 
-from distrib_train.training.nonfinite import Verdict
-from distrib_train.training.window import MetricsWindow
+from distrib_train.train.nonfinite import Verdict
+from distrib_train.train.window import MetricsWindow
 
 
 class LoopView(Protocol):

@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from distrib_train.training.hooks import Hooks, LoopView
+from distrib_train.train.hooks import Hooks, LoopView
 
 CATEGORIES = ("productive", "compile", "checkpoint", "data_wait", "restore", "replayed", "eval", "eval_tasks",
               "generation", "layout_search", "other")

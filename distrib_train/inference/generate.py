@@ -4,7 +4,7 @@
   distrib-train generate --init_from ckpt:/tmp/distrib_train_demo --prompt "The Python"   # streamed
   distrib-train generate --init_from ckpt:runs/sft --prompts q.jsonl --out a.jsonl --temperature 0.7 --n 4
 
-The model loads onto the mesh as ``training/run_model.py`` reads it, and
+The model loads onto the mesh as ``weights/load.py`` reads it, and
 ``generation/engine.py`` samples. Prompts: each line of ``--prompts`` is a
 JSON record with ``prompt`` (text, encoded as the tokenizer encodes text by
 default: transformers' ``tokenizer(prompt)``, a BOS where the tokenizer
@@ -39,11 +39,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from distrib_train.training import run_model
-from distrib_train.training import generate_text
-from distrib_train.training.generate_text import (END_RULES, Codec, prompt_ids, read_prompts, truncate_at_stop,
+from distrib_train.weights import load as run_model
+from distrib_train.inference import text as generate_text
+from distrib_train.inference.text import (END_RULES, Codec, prompt_ids, read_prompts, truncate_at_stop,
                                                   codec_for)
-from distrib_train.training.run_model import fail
+from distrib_train.weights.load import fail
 
 
 def generate(init_from: str | None = None, prompts: Sequence[str | dict] = (), *, model: Any = None,
@@ -163,7 +163,7 @@ def main(argv: Sequence[str]) -> int:
       raise ValueError(f"--out {args.out!r} is a directory; name a .jsonl file.")
     prompts = read_prompts(args.prompts) if args.prompts else [args.prompt]
     from distrib_train.generation.sampling import Sampling
-    from distrib_train.training import config as config_lib
+    from distrib_train.config import run as config_lib
 
     Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     if args.max_new_tokens < 1 or args.n < 1 or args.batch_size < 1:

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from distrib_train.training import metrics as metrics_lib
+from distrib_train.train import metrics as metrics_lib
 
 
 @dataclasses.dataclass
