@@ -46,6 +46,7 @@ from flax import nnx
 
 from distrib_train.recipes import decoder, lora
 from distrib_train.kernels.cross_entropy import chunked_logprobs
+from distrib_train.objectives.record import Objective
 
 ROLES = ("policy", "reference")  # a ``Preference`` model's two halves
 DPO_LOSSES = ("sigmoid", "simpo", "orpo")
@@ -135,8 +136,6 @@ def objective(model_config: Any, is_param: Any, settings: DpoConfig, input_axes:
   """``train.objective: dpo``'s record (``objectives.Objective``): the policy (and its reference where that is a
   frozen copy), the loss, the figures weighed by pairs, a third more FLOPs for a live reference's forward, and the
   precomputed reference's figures as a batch field."""
-  from distrib_train.objectives import Objective
-
   model_fn, is_param = preference_model(model_config, is_param, settings)
   extra = {"reference_logps": "float32"} if settings.precompute_reference else {}
   axes = {**input_axes, **{name: input_axes["tokens"] for name in extra}}

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from distrib_train.kernels.cross_entropy import chunked_logprobs_and_entropy
 from distrib_train.objectives import dpo
+from distrib_train.objectives.record import Objective
 from distrib_train.recipes import decoder, lora
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
@@ -133,8 +134,6 @@ class GrpoConfig:
 def objective(model_config: Any, is_param: Any, settings: GrpoConfig, input_axes: Mapping[str, Any]) -> Any:
   """``train.objective: grpo``'s record (``objectives.Objective``): the policy (and its frozen reference where
   beta > 0 and no adapters can be turned off), the loss, the rollout fields, the loss type's weight."""
-  from distrib_train.objectives import Objective
-
   model_fn, is_param = dpo.preference_model(model_config, is_param, settings)
   extra = {"advantages": "float32", "sampler_logps": "float32"}
   if settings.num_iterations > 1:
