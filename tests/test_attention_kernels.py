@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import distrib_train as dt
 import pipeline_helpers as ph
-from distrib_train.parallel import context
+from distrib_train.kernels.attention import ring
+from distrib_train.sharding import context
 from distrib_train.kernels.attention import dispatch as attention_kernels
 from distrib_train.kernels.attention.splash import splash_attention
 from distrib_train.sharding.axis_rules import activation_sharding
@@ -85,7 +86,7 @@ def test_the_context_tiles_run_windows_sinks_and_soft_caps_as_the_reference_does
   positions = jnp.broadcast_to(jnp.arange(64), (4, 64))
   want = _value_and_grads(_reference(WINDOW, 3.0, True, segments), q, k, v, sinks)
   mesh = ph.mesh_of({"context": 4, "fsdp": 2})
-  run = lambda q, k, v, sinks: context.attention(q, k, v, positions, segments, implementation, block=16,
+  run = lambda q, k, v, sinks: ring.attention(q, k, v, positions, segments, implementation, block=16,
                                                  window=WINDOW, softcap=3.0, sinks=sinks)
   with activation_sharding(mesh, dt.AxisRules("fsdp_tensor")):
     got = _value_and_grads(run, q, k, v, sinks)

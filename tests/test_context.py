@@ -8,7 +8,8 @@ import pytest
 
 import mp_harness
 import pipeline_helpers as ph
-from distrib_train.parallel import context
+from distrib_train.kernels.attention import ring
+from distrib_train.sharding import context
 
 _WORKERS = pathlib.Path(__file__).resolve().parent / "workers"
 RTOL = 1e-4
@@ -91,7 +92,7 @@ def test_tiled_scores_give_the_attention_and_gradients_of_one_block(implementati
 
   def tiled(q, k, v):
     with activation_sharding(mesh, AxisRules(FSDP_TENSOR_RULES)):
-      out = context.attention(take(q), take(k), take(v), take(positions), take(segments), implementation, block=16)
+      out = ring.attention(take(q), take(k), take(v), take(positions), take(segments), implementation, block=16)
     return jnp.sum(jnp.sin(out) * (take(segments) > 0)[..., None, None])
 
   want, want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(q, k, v)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from distrib_train.parallel import context
+from distrib_train.sharding import context
 
 
 def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array,

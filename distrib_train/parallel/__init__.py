@@ -10,12 +10,13 @@
   call ``dispatch``: tokens to the devices holding their experts by
   ragged all-to-all, their grouped matmuls, and back.
   Their grouped matmuls are kernels (``kernels/grouped.py``).
-- ``context.py``: the ``context`` mesh axis. Sequences split over it in a
-  load-balanced (zigzag) order; attention as ring attention (key/value
-  blocks passed round by ``ppermute``, online softmax) or all-gather.
+
+The ``context`` mesh axis needs no schedule of its own: its token order is
+``sharding/context.py``'s, attention over it a kernel
+(``kernels/attention/ring.py``: ring or all-gather).
 
 Modules here may import ``common``, ``models``, the core, ``sharding`` and
-``kernels`` (their layer); recipes (reference models) import them, never the
+``kernels`` (the layers below); recipes (reference models) import them, never the
 other way round.
 """
 

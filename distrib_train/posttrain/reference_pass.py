@@ -207,7 +207,7 @@ def _sums(state: Any, tokens: Any, targets: Any, segment_ids: Any, positions: An
   import jax
   import jax.numpy as jnp
 
-  from distrib_train.parallel import context
+  from distrib_train.sharding import context
   from distrib_train.recipes import lora
   from distrib_train.objectives import dpo as objectives
 

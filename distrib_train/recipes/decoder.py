@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import distrib_train.microbatches as microbatching
-from distrib_train.parallel import context
+from distrib_train.sharding import context
 from distrib_train.parallel.experts import EXPERT_OUTPUT
 from distrib_train.parallel.pipeline import layer_stack
 from distrib_train.kernels.attention import splash as attention_lib
@@ -292,7 +292,7 @@ class Decoder(nnx.Module):
 def forward(model: Decoder, tokens: jax.Array, *, dropout_rng: jax.Array | None = None,
             **per_token: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array | None]]:
   """What every objective runs before its loss: the batch in the context axis's load-balanced order
-  (``parallel/context.py``; a loss that sums over tokens is the same), positions filled in where None, the forward
+  (``sharding/context.py``; a loss that sums over tokens is the same), positions filled in where None, the forward
   pass, and the router bias moved by the step's loads (``router_bias_update_rate``).
 
   Returns:

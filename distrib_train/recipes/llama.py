@@ -104,7 +104,7 @@ class LlamaConfig:
   rope_truncate: bool = True  # yarn scaling only
   rope_mscale: float = 0.0  # yarn scaling only (DeepSeek)
   rope_mscale_all_dim: float = 0.0  # yarn scaling only (DeepSeek: also scales MLA's softmax)
-  context_attention: str = "ring"  # with a context mesh axis: "ring" or "all_gather" (parallel/context.py)
+  context_attention: str = "ring"  # with a context mesh axis: "ring" or "all_gather" (kernels/attention/ring.py)
   fp8: str = "none"  # "none", "current" or "delayed": the projections' operands rounded to FP8 (kernels/fp8.py)
   fp8_amax_history: int = 16  # steps of amax each delayed scale is taken from (fp8 "delayed" only)
   fp8_min_dim: int = 2048  # a matmul whose weight is smaller along its contraction or output stays bf16 (fp8.active)

@@ -127,7 +127,7 @@ def check_microbatches(plan, global_batch_size: int, microbatches: int, pipeline
 
 def check_context(plan, seq_len: int) -> None:
   """Refuses a sequence length the context axis cannot split into its load-balanced chunks
-  (``parallel/context.py``: 2 × context chunks)."""
+  (``sharding/context.py``: 2 × context chunks)."""
   size = int(dict(plan.mesh.shape).get("context", 1))
   if size > 1 and seq_len % (2 * size):
     raise ValueError(f"data.seq_len {seq_len} does not split over the context axis ({size}): it must be a multiple"

@@ -10,7 +10,7 @@ soft cap on the scores, per-head sinks (gpt-oss: a logit per head that
 joins each softmax and is then dropped). ``choose`` says which kernel runs:
 
 - ``ring`` / ``all_gather``: the sequence is split over a ``context`` mesh
-  axis (``parallel/context.py``, XLA tiles);
+  axis (``ring.py``, XLA tiles);
 - ``all_gather_splash``: the same split, ``model.context_attention:
   all_gather`` on TPU (or ``model.attention: splash``, in interpret mode
   off a TPU): the whole sequence's keys gathered, splash per query shard
@@ -40,7 +40,7 @@ asked for that cannot run the layer is refused with the reason. Inside
 ``recorded()`` each choice is kept with its reason, for the plan's report.
 
 Not for: the kernels themselves (``splash.py``, ``cudnn.py``, ``xla.py``,
-``parallel/context.py``).
+``ring.py``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from distrib_train.common.versions import gpu_capability
-from distrib_train.parallel import context
+from distrib_train.kernels.attention import ring
+from distrib_train.sharding import context
 from distrib_train.kernels.attention import cudnn as cudnn_attention
 from distrib_train.kernels.attention.splash import BLOCK as SPLASH_BLOCK
 from distrib_train.kernels.attention.splash import context_splash_attention, splash_attention
@@ -248,7 +249,7 @@ def _run(kernel, q, k, v, layer, positions, segment_ids, sinks):
     return context_splash_attention(q, k, v, segment_ids, window=layer.window, scale=scale, softcap=layer.softcap,
                                     sinks=sinks, regather=layer.regather)
   if kernel in ("ring", "all_gather"):
-    return context.attention(q, k, v, positions, segment_ids, kernel, window=layer.window, scale=scale,
+    return ring.attention(q, k, v, positions, segment_ids, kernel, window=layer.window, scale=scale,
                              softcap=layer.softcap, sinks=sinks)
   if kernel == "splash":
     return splash_attention(q, k, v, segment_ids, window=layer.window, scale=scale, softcap=layer.softcap,

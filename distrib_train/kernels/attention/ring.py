@@ -1,4 +1,4 @@
-"""Context parallelism: sequences split over the ``context`` mesh axis, attention as ring or all-gather.
+"""Attention over the ``context`` mesh axis: ring or all-gather, over XLA's tiles.
 
 With a ``context`` axis of size ``C`` > 1 the shipped rules split the
 ``length`` of every activation over it (inputs, norms, MLP and loss run on a
@@ -29,54 +29,17 @@ The mask comes from the tokens' true positions and segment ids (a key is
 seen if it is in the query's segment and not after it), so packed documents
 stay apart across chunks and RoPE uses the true positions.
 
-Causal masks are load-balanced: ``reorder`` puts each sequence in zigzag
-order before the model — the sequence cut into ``2C`` chunks, device ``i``
-holding chunks ``i`` and ``2C − 1 − i`` — so every device has as many early
-as late tokens and none idles in the ring. The loss is a sum over tokens, so
-it is computed in that order without undoing it.
+The order of the tokens (load-balanced causal masks) is ``sharding/context.py``'s.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from distrib_train.kernels.attention import xla
 from distrib_train.sharding.axis_rules import active_activation_sharding
-
-CONTEXT_AXIS = "context"
-
-
-def context_size() -> int:
-  """The active mesh's context axis size (1 outside ``activation_sharding`` or without the axis)."""
-  active = active_activation_sharding()
-  return 1 if active is None else int(dict(active[0].shape).get(CONTEXT_AXIS, 1))
-
-
-def zigzag(length: int, size: int) -> np.ndarray:
-  """The load-balanced order of ``length`` positions over ``size`` devices (module docstring)."""
-  if length % (2 * size):
-    raise ValueError(f"The sequence length {length} does not split over the context axis: it must be a multiple of"
-                     f" 2 × context ({2 * size}) for the load-balanced causal split; change data.seq_len or the"
-                     " context axis size.")
-  chunks = np.arange(length).reshape(2 * size, length // (2 * size))
-  return np.concatenate([np.concatenate([chunks[i], chunks[2 * size - 1 - i]]) for i in range(size)])
-
-
-def reorder(tokens: jax.Array, **per_token: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array | None]]:
-  """``tokens`` [batch, length] and the other per-token arrays in zigzag order on a context mesh (as they are
-  without one); ``positions`` is filled in first when None, so the model sees the true positions."""
-  size = context_size()
-  if size == 1:
-    return tokens, per_token
-  order = zigzag(tokens.shape[1], size)
-  if per_token.get("positions") is None:
-    per_token["positions"] = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  take = lambda a: None if a is None else jnp.take(a, order, axis=1)
-  return take(tokens), {k: take(v) for k, v in per_token.items()}
-
+from distrib_train.sharding.context import CONTEXT_AXIS
 
 def _local(q, k, v, pos, seg, sinks, *, size: int, implementation: str, block: int, scale: float, window: int,
            softcap: float):

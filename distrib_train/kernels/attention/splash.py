@@ -20,7 +20,7 @@ tests on CPU (slow: for small shapes only).
 With a ``context`` mesh axis, ``context_splash_attention`` runs the same
 kernel for all-gather context parallelism: each device gathers the whole
 sequence's keys and values (small with grouped-query heads) and attends its
-own load-balanced query chunks (``parallel/context.zigzag``: chunks ``i`` and
+own load-balanced query chunks (``sharding/context.zigzag``: chunks ``i`` and
 ``2C − 1 − i``) in one kernel call. The mask is one precomputed mask over the
 whole sequence, queries in zigzag order and keys in true order, whose block
 info splash splits by query shard (``q_seq_shards``): every device skips the
@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distrib_train.kernels.attention.work import flops_scope, fused_backward_scope, note
-from distrib_train.parallel import context
+from distrib_train.sharding import context
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
 

@@ -20,7 +20,7 @@ needed, ``dispatch.py`` runs jax's own ``dot_product_attention``):
   decode, one pass over the cache: the bytes read are the work).
 - ``tiled_attention``: the same causal attention in rematerialized tiles of
   online softmax (``fold``), so that no [length, length] scores are kept:
-  flash attention's memory. ``parallel/context.py`` folds the same tiles
+  flash attention's memory. ``ring.py`` folds the same tiles
   over the blocks a context axis passes round.
 
 **At decode, the bandwidth is the work.** Two choices bring libtpu's
@@ -47,7 +47,7 @@ absorbed into the latent (``q_nope · W_uk`` beside ``q_rope``), the cached
 latent and rotary key as the keys, the latent as the values
 (``generation/cache.py``).
 
-Not for: choosing a layer's kernel (``dispatch.py``); the context axis's ring (``parallel/context.py``).
+Not for: choosing a layer's kernel (``dispatch.py``); the context axis's ring (``ring.py``).
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
                     softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
   """Causal attention of ``q`` [batch, length, heads, qk_dim] over ``k``, ``v`` [batch, length, kv_heads, _]
   in rematerialized tiles of online softmax (``fold``): the memory of flash attention in plain XLA, for what no
-  fused kernel runs (``dispatch.py``). ``parallel/context.py`` folds the same tiles over a context axis."""
+  fused kernel runs (``dispatch.py``). ``ring.py`` folds the same tiles over a context axis."""
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
   scale = q.shape[-1] ** -0.5 if scale is None else scale
