@@ -214,6 +214,17 @@ class DataLoader:
     ahead included, in this process and its lane workers (not in a finite pass's grain workers)."""
     return self._long() if self._lanes is None else self._lanes.long_conversations()
 
+  def counts(self) -> dict[str, int]:
+    """``data/skipped_documents`` and, for conversations, ``data/long_conversations`` (``BatchSource``)."""
+    counts = {"skipped_documents": self.skipped_documents}
+    if self.config.conversations:
+      counts["long_conversations"] = self.long_conversations
+    return counts
+
+  def take_figures(self) -> dict[str, float]:
+    """None: the loader's counts are all it logs (``BatchSource``)."""
+    return {}
+
   @property
   def endless(self) -> bool:
     """Whether this loader repeats forever and reads lanes (training); a finite pass reads grain shards."""

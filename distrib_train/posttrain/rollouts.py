@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from distrib_train.posttrain import rewards as rewards_lib
+from distrib_train.data.batch_source import RunContext
 from distrib_train.posttrain import records as records
 
 POSITION_VERSION = 1
@@ -116,10 +117,10 @@ def _permutation(count: int, seed: int, epoch: int) -> np.ndarray:
 
 
 class RolloutSource:
-  """The batches of a ``grpo`` run (module docstring). ``run`` is the trainer: its ``writer``, ``phases`` and
-  ``workdir`` are read when a batch is made."""
+  """The batches of a ``grpo`` run (module docstring): a ``BatchSource``. ``run`` is what it asks of the run
+  (``RunContext``: the workdir, the log, the phase clock, the steps the checkpoint tiers hold)."""
 
-  def __init__(self, config: Any, plan: Any, rules: Any, run: Any):
+  def __init__(self, config: Any, plan: Any, rules: Any, run: RunContext):
     from distrib_train.inference import text as generate_text
 
     self.config, self.settings, self.plan, self.rules, self.run = config, config.grpo, plan, rules, run
@@ -152,7 +153,7 @@ class RolloutSource:
     elif step < self._furthest:  # a rollback (the non-finite guard): sample anew, not the batch that failed
       self._replays += 1
       self._kept = None
-      self.run.writer.log(f"Rollouts from step {step} are sampled anew after the rollback (replay {self._replays}).")
+      self.run.log(f"Rollouts from step {step} are sampled anew after the rollback (replay {self._replays}).")
     self._furthest = max(step, self._furthest or 0)
     first = step - step % self.settings.num_iterations
     if self._kept is None or self._kept[0] != first:
@@ -160,10 +161,14 @@ class RolloutSource:
         host = records.read(self.run.workdir, first, self.settings.num_iterations)
       else:
         jax.block_until_ready(state.params)  # the step before, dispatched: its time is not the sampler's
-        with self.run.phases.phase("generate"):
+        with self.run.phase("generate"):
           host = self._roll_out(state, step)
       self._kept = (first, self._place(host))
     return self._kept[1]
+
+  def counts(self) -> dict[str, int]:
+    """``data/skipped_documents``: malformed prompt records skipped (``BatchSource``)."""
+    return {"skipped_documents": self.skipped_documents}
 
   def take_figures(self) -> dict[str, float]:
     """The figures of the rollouts made since the last call (``rollout/…``), once; the loop's window logs them."""
@@ -266,7 +271,7 @@ class RolloutSource:
 
     model = policy_of(state.model)
     if self._generator is None:
-      self._generator = Generator(model, mesh=self.plan.mesh, rules=self.rules, log=self.run.writer.log)
+      self._generator = Generator(model, mesh=self.plan.mesh, rules=self.rules, log=self.run.log)
     else:  # the same layout: the compiled programs stay
       self._generator.state = nnx.split(model)[1]
     return self._generator
@@ -365,9 +370,7 @@ class RolloutSource:
 
   def _oldest_checkpoint(self) -> int:
     """The oldest step either checkpoint tier may restore (0 where none is saved yet): its batch stays."""
-    tiers = getattr(self.run, "tiers", None)
-    persistent, local = getattr(tiers, "persistent", None), getattr(tiers, "local", None)
-    steps = (persistent.all_steps() if persistent is not None else []) + (local.steps() if local is not None else [])
+    steps = self.run.checkpoint_steps()
     return min(steps) if steps else 0
 
   def _record(self, step, indices, rendered, rows, texts, values, reward, advantages, zero_std, generated,

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distrib_train.data.batch_source import BatchSource
 from distrib_train.objectives import COUNTS
 from distrib_train.optim import chain as optimizers
 from distrib_train.train.checks import check_token_ids, local_value
@@ -104,8 +105,8 @@ class TrainLoop:
   Args:
     state: the initial or restored train state.
     train_step: ``train_step(state, **batch) -> (state, aux)``.
-    source: the training batches: ``source.next_batch(state)``, and its position saved with each checkpoint (a
-      ``DataLoader``; ``rollouts.RolloutSource``).
+    source: the training batches (``data/batch_source.BatchSource``: a ``DataLoader``, or
+      ``rollouts.RolloutSource``); its position is saved with each checkpoint.
     ckpt: the run's ``CheckpointManager`` (preemption saves and rollbacks).
     abstract_train_state: what a rollback restores onto.
     writer: the run's ``MetricWriter``.
@@ -119,7 +120,7 @@ class TrainLoop:
       ``data``, ``step``, ``checkpoint`` and ``restore`` on it.
   """
 
-  def __init__(self, *, state: Any, train_step: Callable[..., Any], source: Any, ckpt: Any,
+  def __init__(self, *, state: Any, train_step: Callable[..., Any], source: BatchSource, ckpt: Any,
                abstract_train_state: Any, writer: Any, guard: NonFiniteGuard, preemption: Any, last_step: int,
                vocab_size: int | None, started: float, phases: PhaseClock | None = None):
     self.state = state
@@ -175,12 +176,10 @@ class TrainLoop:
     wait_start = time.perf_counter()
     self.phases.enter("data", self.step)
     batch = self.source.next_batch(self.state)
-    self.window.note(getattr(self.source, "take_figures", dict)())  # a source's own figures (rollouts)
+    self.window.note(self.source.take_figures())  # a source's own figures (rollouts)
     self.phases.enter("step")
     self.window.data_wait_s += time.perf_counter() - wait_start
-    self.window.skipped_documents = getattr(self.source, "skipped_documents", None)
-    if getattr(getattr(self.source, "config", None), "conversations", False):
-      self.window.long_conversations = self.source.long_conversations
+    self.window.counts = dict(self.source.counts())
     if not self.steps_this_run:
       check_token_ids(batch, self.vocab_size)
     self.state, aux = self.train_step(self.state, **batch)

@@ -67,6 +67,16 @@ from distrib_train.train_step import build_eval_step_fn, build_train_step_fn
 from distrib_train.train.watchdog import Limits, Watchdog
 from distrib_train.train.workdir_lock import acquire_for_job, check_free_for_job
 
+@dataclasses.dataclass(frozen=True)
+class SourceRun:
+  """This run as its batch source sees it (``data/batch_source.RunContext``)."""
+
+  workdir: pathlib.Path
+  log: Callable[[str], None]
+  phase: Callable[[str], Any]
+  checkpoint_steps: Callable[[], list[int]]
+
+
 # Importable from here as before: the run's result, the start-up error, the path check.
 __all__ = ["EXIT_HALTED", "RunResult", "Trainer", "TrainerSetupError", "aux_scalars", "check_path_components"]
 
@@ -122,6 +132,7 @@ class Trainer:
     self._layout_search, self._model_args = layout_search, dict(model_fn=model_fn, loss_fn=loss_fn,
                                                                 input_axes=input_axes)
     self.mesh_config = self.layout = None
+    self.tiers: CheckpointTiers | None = None  # the checkpoint tiers, once a run sets them up
     try:
       if config.mesh_config != layout_choice.AUTO:
         self.mesh_config = MeshConfig.from_yaml(find_mesh_config(config.mesh_config))
@@ -258,7 +269,9 @@ class Trainer:
         kept = reference_pass.ensure(self.config, self.job, plan, self.rules, init_from.load, self.data_config)
         self.data_config = dataclasses.replace(self.data_config, reference_logps=kept)
       if self.parts.objective.rollouts:  # the policy's own completions (train.objective: grpo), no held-out loss
-        loader, no_eval = rollouts.RolloutSource(self.config, plan, self.rules, self), rollouts.NO_EVAL
+        run = SourceRun(self.workdir, lambda line: self.writer.log(line), lambda name: self.phases.phase(name),
+                        self._checkpoint_steps)  # read when the source asks: the writer and tiers come later
+        loader, no_eval = rollouts.RolloutSource(self.config, plan, self.rules, run), rollouts.NO_EVAL
       else:
         loader = DataLoader(self.data_config, plan.input_kwarg_shardings, vocab_size=self.vocab_size)
         no_eval = evaluation.missing_eval_split(self.data_config, plan.input_kwarg_shardings, self.vocab_size,
@@ -331,6 +344,12 @@ class Trainer:
     elif t.microbatches > 1:
       writer.log(f"Gradient accumulation: {t.microbatches} microbatches of"
                  f" {self.config.data.global_batch_size // t.microbatches} rows per step.")
+
+  def _checkpoint_steps(self) -> list[int]:
+    """The steps either checkpoint tier may restore now (none before the tiers are set up)."""
+    if self.tiers is None:
+      return []
+    return self.tiers.persistent.all_steps() + (self.tiers.local.steps() if self.tiers.local is not None else [])
 
   def _init_or_restore(self, plan, loader) -> TrainState:
     """The newest state either checkpoint tier holds (``checkpoint/tiers.py``), else a new one."""

@@ -35,11 +35,9 @@ class MetricsWindow:
     grad_norms: their gradient norms.
     aux: their aux scalars, by name (first seen first).
     last: the last judged step's figures (``learning_rate``, ``skipped``, …).
-    skipped_documents: the loader's malformed documents skipped this run
-      (``data/skipped_documents``), as of the last batch; None: a loader
-      that does not count them.
-    long_conversations: the conversations longer than a row it has cut or
-      left out (``data/long_conversations``); None: no conversations.
+    counts: the batch source's running counts as of the last batch
+      (``BatchSource.counts``: malformed documents skipped, conversations
+      longer than a row), logged as ``data/<name>``.
   """
 
   start: float = dataclasses.field(default_factory=time.perf_counter)
@@ -49,8 +47,7 @@ class MetricsWindow:
   grad_norms: list[float] = dataclasses.field(default_factory=list)
   aux: dict[str, list[float]] = dataclasses.field(default_factory=dict)
   last: dict[str, float] = dataclasses.field(default_factory=dict)
-  skipped_documents: int | None = None
-  long_conversations: int | None = None
+  counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def add(self, loss: float, grad_norm: float, aux: Mapping[str, float]) -> None:
     """One finite step's figures."""
@@ -99,10 +96,7 @@ def figures(window: MetricsWindow, *, tokens_per_step: int, num_devices: int, pe
     out["skipped"] = int(window.last["skipped"])
   out.update(step_time_ms=step_time * 1e3, tokens_per_s=tokens_per_s, tokens_per_s_per_device=tokens_per_s / num_devices,
              data_wait_ms=window.data_wait_s / steps * 1e3)
-  if window.skipped_documents is not None:
-    out["data/skipped_documents"] = int(window.skipped_documents)
-  if window.long_conversations is not None:
-    out["data/long_conversations"] = int(window.long_conversations)
+  out.update({f"data/{name}": int(count) for name, count in window.counts.items()})
   if peak_flops and flops_per_token:
     out["mfu"] = flops_per_token * tokens_per_s / (peak_flops * num_devices)
   memory = metrics_lib.memory_in_use(jax.local_devices()[0])
