@@ -8,21 +8,27 @@ the layer table below, which is the one ARCHITECTURE.md draws.
 import ast
 import pathlib
 
-import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "distrib_train"
 
-# Low to high; a module may import its own layer and the layers below it.
+# Low to high: a unit (a subpackage or a module at the top of the package) imports only the units before it.
 LAYERS = (
     ("common",),
     ("models",),
-    ("train_state", "train_step", "step_core", "step_inputs", "microbatches"),
+    ("train_state",),
+    ("microbatches",),
+    ("step_inputs",),
+    ("step_core",),
+    ("train_step",),
     ("sharding",),
-    ("kernels", "parallel"),
+    ("kernels",),
+    ("parallel",),
     ("recipes",),
     ("objectives",),
     ("generation",),
-    ("checkpoint", "data", "cluster"),
+    ("cluster",),
+    ("data",),
+    ("checkpoint",),
     ("optim",),
     ("config",),
     ("weights",),
@@ -33,6 +39,30 @@ LAYERS = (
     ("podplan",),
     ("cli", "__main__", "__init__"),
 )
+# Inside each package, low to high: a module imports only the modules and subpackages of its package listed
+# before it (``__init__`` is the package's own module). A new module gets its place here.
+PACKAGE_ORDER = {
+    "checkpoint": ('retention', 'tree', 'hf_common', 'checks', 'hf', 'data_state', 'faults', 'local', 'peft_adapter', 'manager', '__init__', 'tiers'),
+    "cluster": ('hardware', '__init__', 'preemption', 'xla_flags_check', 'gpu_environment', 'distributed'),
+    "common": ('text', '__init__', 'exit_hooks', 'versions', 'extras', 'auto_mesh', 'naming', 'yaml_loader'),
+    "config": ('__init__', 'values', 'checks', 'run', 'job'),
+    "data": ('batch_source', 'index_cache', 'block_order', 'tokenizer', 'frames', 'lanes', 'sequences', '__init__', 'arrow_text', 'jsonl', 'config', 'chat', 'endless', 'compressed', 'finite', 'preference', 'text_files', 'convert_workers', 'record_shards', '__main__', 'sources', 'splits', 'lane_process', 'pipeline'),
+    "evaluation": ('harness', '__init__', 'demo_tasks', 'tasks', 'hook'),
+    "generation": ('cache', 'sampling', '__init__', 'engine', 'scoring'),
+    "inference": ('__init__', 'text', 'generate'),
+    "kernels": ('fp8', '__init__', 'cross_entropy', 'gmm_triton', 'attention', 'grouped'),
+    "kernels.attention": ('xla', 'cudnn', 'work', '__init__', 'ring', 'splash', 'dispatch'),
+    "models": ('penzai_model', 'pytree', 'linen_model', 'nnx_model', '__init__'),
+    "objectives": ('record', 'dpo', 'grpo', '__init__'),
+    "optim": ('__init__', 'muon', 'chain'),
+    "parallel": ('pipeline', 'experts', '__init__'),
+    "podplan": ('memory', 'hlo', '__init__', 'gpu', 'layout', 'timing', 'cpu_attention', 'tpu', 'replica_groups', 'collectives', 'report', 'estimate', 'timed', 'search', 'auto', 'cli'),
+    "posttrain": ('reference_pass', '__init__', 'rewards', 'records', 'rollouts'),
+    "recipes": ('mlp', 'routing', 'lora', 'family', 'rope', 'parts', 'attention', 'blocks', 'mtp', 'decoder', 'llama', 'moe', 'hf_shape', '__init__', 'hf_tables'),
+    "sharding": ('axis_rules', 'topology', 'context', 'plan', 'mesh', 'planner', '__init__'),
+    "train": ('checks', 'nonfinite', 'layout_choice', 'compilation', 'wsd', '__init__', 'workdir_lock', 'metrics', 'window', 'hooks', 'goodput', 'loop', 'watchdog', 'eval_pass', 'trainer'),
+    "weights": ('__init__', 'init_from', 'load', 'export'),
+}
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 # Upward imports kept on purpose, each with its reason (none today).
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
@@ -84,6 +114,93 @@ def test_no_module_imports_a_higher_layer():
       if target != "__init__" and RANK[target] > RANK[source] and (name, imported) not in ALLOWED_UPWARD:
         upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} ({source}) imports {imported} ({target})")
   assert not upward, "lower layers import higher ones:\n" + "\n".join(upward)
+
+
+def _children(package: str) -> set[str]:
+  """The modules and subpackages directly in ``distrib_train.<package>``, ``__init__`` among them."""
+  folder = PACKAGE.joinpath(*package.split("."))
+  return {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()}
+
+
+def _sibling_edge(source: str, source_is_init: bool, target: str) -> tuple[str, str, str] | None:
+  """For an import of ``target`` by ``source`` inside one package: (that package, the importing child, the
+  imported child); None across top-level units (the layer table's) or within one module."""
+  modules = dict(_modules())
+  src = source.split(".") + (["__init__"] if source_is_init else [])
+  dst = target.split(".") + (["__init__"] if target in modules and modules[target].name == "__init__.py" else [])
+  common = 0
+  while common < min(len(src), len(dst)) and src[common] == dst[common]:
+    common += 1
+  if common < 2 or common >= min(len(src), len(dst)):
+    return None
+  return ".".join(src[1:common]), src[common], dst[common]
+
+
+def test_every_package_orders_its_modules():
+  packages = {name.removeprefix("distrib_train.") for name, path in _modules() if path.name == "__init__.py"}
+  packages.discard("distrib_train")
+  assert packages == set(PACKAGE_ORDER), f"packages without an order: {packages - set(PACKAGE_ORDER)}"
+  for package, order in PACKAGE_ORDER.items():
+    assert len(set(order)) == len(order) and set(order) == _children(package), (
+        f"{package}: PACKAGE_ORDER lists {sorted(set(order) ^ _children(package))} wrongly")
+
+
+def test_no_module_imports_a_later_sibling():
+  # Every import, at the top or inside a function, between two modules of one package: the imported one comes
+  # first in the package's order. A package's __init__ re-exporting its own modules is above them.
+  later = []
+  modules = dict(_modules())
+  graph = _import_graph()
+  for name, targets in graph.items():
+    for target in targets:
+      edge = _sibling_edge(name, modules[name].name == "__init__.py", target)
+      if edge is None:
+        continue
+      package, child, imported = edge
+      order = PACKAGE_ORDER[package]
+      if order.index(imported) > order.index(child):
+        later.append(f"{package}: {child} imports {imported}, listed after it")
+  assert not later, "modules import later siblings (move one, or split the concept they share):\n" + "\n".join(
+      sorted(later))
+
+
+def test_the_sibling_checker_sees_a_later_sibling():
+  assert _sibling_edge("distrib_train.train.loop", False, "distrib_train.train.trainer") == ("train", "loop",
+                                                                                                "trainer")
+  assert _sibling_edge("distrib_train.kernels.attention.dispatch", False, "distrib_train.kernels.fp8") == (
+      "kernels", "attention", "fp8")
+  assert _sibling_edge("distrib_train.objectives.dpo", False, "distrib_train.objectives") == (
+      "objectives", "dpo", "__init__")
+  assert _sibling_edge("distrib_train.train.loop", False, "distrib_train.config.run") is None
+  order = PACKAGE_ORDER["train"]
+  assert order.index("trainer") > order.index("loop")
+
+
+# The names a batch source, the run it may ask things of, and the trainer go by where they are used.
+_CONTRACT_NAMES = ("source", "loader", "run", "trainer")
+
+
+def _duck_typed(tree: ast.AST) -> list[tuple[int, str]]:
+  """``getattr`` / ``hasattr`` on a batch source or a run: (line, the call)."""
+  found = []
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+        and node.args and ast.unparse(node.args[0]).split(".")[-1] in _CONTRACT_NAMES):
+      found.append((node.lineno, ast.unparse(node)))
+  return found
+
+
+def test_no_getattr_on_a_batch_source_or_run():
+  # The loop, its batch sources and the run meet through data/batch_source.py's Protocols (BatchSource,
+  # RunContext): a getattr there is a contract the layer test and a reader cannot see.
+  offenders = [f"{path.relative_to(PACKAGE.parent)}:{line}: {call}" for _, path in _modules()
+               for line, call in _duck_typed(ast.parse(path.read_text()))]
+  assert not offenders, "duck-typed seams (add the method to the Protocol instead):\n" + "\n".join(offenders)
+
+
+def test_the_duck_typing_finder_sees_a_getattr():
+  tree = ast.parse("def f(self):\n  return getattr(self.source, 'take_figures', dict)(), getattr(x, 'y', 0)\n")
+  assert [line for line, _ in _duck_typed(tree)] == [2]
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):
