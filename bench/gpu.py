@@ -208,7 +208,7 @@ def main(argv=None) -> int:
   results = headline()
   device = "8 emulated CPU devices (--smoke)" if smoke else _device()
   print(f"\nOn {device}, {time.perf_counter() - start:.0f} s in all:\n")
-  print(f"| row | here | bench/RESULTS.md | measured there on | here / there |")
+  print("| row | here | bench/RESULTS.md | measured there on | here / there |")
   print("| --- | --- | --- | --- | --- |")
   for key, (figure, value) in sorted(got.items(), key=lambda item: [*ROWS, "auto-7b"].index(item[0])):
     there, where = results.get(key, ("—", "—"))

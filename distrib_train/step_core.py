@@ -104,7 +104,6 @@ def _updated_params_and_states(
 
 
 def _train(params, model_leaves, opt_state, loss_fn_state, local_state, root_rng, step, inputs, statics):
-  loss_fn = statics.loss_fn
   # States made by TrainState.create may have no key; the loss gets None then.
   step_rng = None if root_rng is None else jax.random.fold_in(root_rng, step)
   model_without_params = jax.tree_util.tree_unflatten(statics.model_treedef, model_leaves)

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 
 import data_helpers
-import distrib_train as dt
 from distrib_train import data
 from distrib_train.data import block_order
 from distrib_train.data import compressed

@@ -1,6 +1,5 @@
 """Conversations through the model's chat template: ids and assistant masks equal transformers'."""
 
-import numpy as np
 import pytest
 
 tokenizers = pytest.importorskip("tokenizers")

@@ -10,7 +10,6 @@ import os
 import pathlib
 
 import numpy as np
-import pytest
 
 import mp_harness
 from test_cli import SMALL, cli, train_losses

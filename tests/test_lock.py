@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -37,7 +36,7 @@ def _uv():
 def wheel(folder, name, version, requires=(), extras=()):
   """A minimal pure-Python wheel of `name` `version` with `requires` (Requires-Dist lines) in `folder`."""
   dist = f"{name.replace('-', '_')}-{version}"
-  metadata = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+  metadata = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
   metadata += [f"Provides-Extra: {extra}" for extra in extras] + [f"Requires-Dist: {r}" for r in requires]
   files = {f"{dist}.dist-info/METADATA": "\n".join(metadata) + "\n",
            f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",

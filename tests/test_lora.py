@@ -4,7 +4,6 @@ a sharded run where only the adapters train (the base frozen, laid out by its ax
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import distrib_train as dt

@@ -467,7 +467,7 @@ def test_threads_making_a_files_first_reads_together_open_one_descriptor(tmp_pat
     assert _descriptors_on(path) == 0
     barrier = threading.Barrier(8)
 
-    def read(i):
+    def read(i, reader=reader):
       barrier.wait()
       return reader[i]
 

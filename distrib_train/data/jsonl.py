@@ -122,7 +122,8 @@ def json_document(raw: bytes, path: str, number: int | Callable[[], int], field:
   try:
     return _json_text(raw, field)
   except _Malformed as e:
-    bad_records.bad(path, lambda: f"Data file {path!r} line {number() if callable(number) else number} {e}")
+    what = str(e)  # (``e`` is unbound once the except clause ends)
+    bad_records.bad(path, lambda: f"Data file {path!r} line {number() if callable(number) else number} {what}")
     return None
 
 
@@ -293,7 +294,8 @@ class JsonlFile:
     try:
       return _json_text(self._line(index), self.field)
     except _Malformed as e:
-      self.bad_records.bad(self.path, lambda: f"Data file {self.path!r} line {self.line_number(index)} {e}")
+      what = str(e)  # (``e`` is unbound once the except clause ends)
+      self.bad_records.bad(self.path, lambda: f"Data file {self.path!r} line {self.line_number(index)} {what}")
       return None
 
 

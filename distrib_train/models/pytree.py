@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distrib_train.common.naming import key_name, path_str
+from distrib_train.common.naming import path_str
 
 IsParam = Callable[[str, Any], bool]
 

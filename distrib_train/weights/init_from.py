@@ -41,7 +41,6 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 
 from distrib_train.checkpoint import hf
 from distrib_train.checkpoint.checks import (FROZEN_FIELDS, MODEL_FIELDS, SAVED_FIELDS, CheckpointError, step_dirs,
