@@ -40,8 +40,9 @@ def _exhaustive(config, kind, devices, target, say, log=None):
   from distrib_train.train.layout_choice import Choice
 
   names = auto.axes(config)
-  base = auto.MeshConfig(names, (devices,) + (1,) * (len(names) - 1), source="exhaustive", devices=devices,
-                         topology=target)
+  base = auto.MeshConfig(
+    names, (devices,) + (1,) * (len(names) - 1), source="exhaustive", devices=devices, topology=target
+  )
   meshes = search.candidate_meshes(base, devices, target.num_slices)
   space = auto.settings_space(config, kind)
   best, compiled, refused, skipped = None, 0, 0, 0
@@ -66,8 +67,7 @@ def _exhaustive(config, kind, devices, target, say, log=None):
       finally:
         jax.clear_caches()
       step = pod.time.step_s if pod.compiled and pod.memory.fits else None
-      say(f"  {compiled}: {pod.layout.describe()} {settings}: "
-          + (f"{step * 1e3:.3g} ms" if step else "does not fit"))
+      say(f"  {compiled}: {pod.layout.describe()} {settings}: " + (f"{step * 1e3:.3g} ms" if step else "does not fit"))
       if step:
         fitted.append(settings)
       if log:
@@ -75,8 +75,15 @@ def _exhaustive(config, kind, devices, target, say, log=None):
         log.flush()
       if step and (best is None or step < best[0]):
         best = (step, pod.layout.describe(), settings)
-  return {"meshes": len(meshes), "settings": len(space), "space": len(meshes) * len(space),
-          "refused_uncompiled": refused, "skipped_outrun": skipped, "compiled": compiled, "best": best}
+  return {
+    "meshes": len(meshes),
+    "settings": len(space),
+    "space": len(meshes) * len(space),
+    "refused_uncompiled": refused,
+    "skipped_outrun": skipped,
+    "compiled": compiled,
+    "best": best,
+  }
 
 
 def main(argv=None) -> int:
@@ -99,12 +106,22 @@ def main(argv=None) -> int:
     kind, devices = tpu.kind_of(topology), topology.devices
     say = lambda line: print(line, file=sys.stderr, flush=True)
     start = time.perf_counter()
-    found = auto.search_space(config, kind, devices, granules=topology.num_slices, max_compiles=args.max_compiles,
-                              target=topology, say=say)
+    found = auto.search_space(
+      config, kind, devices, granules=topology.num_slices, max_compiles=args.max_compiles, target=topology, say=say
+    )
     pod, settings = found.finalists[0]
-    row = {"preset": preset, "topology": str(topology), "search": {
-        "seconds": round(time.perf_counter() - start, 1), "compiled": found.compiled, "meshes": found.meshes.candidates,
-        "settings": found.settings, "chosen": [pod.layout.describe(), settings], "step_s": pod.time.step_s}}
+    row = {
+      "preset": preset,
+      "topology": str(topology),
+      "search": {
+        "seconds": round(time.perf_counter() - start, 1),
+        "compiled": found.compiled,
+        "meshes": found.meshes.candidates,
+        "settings": found.settings,
+        "chosen": [pod.layout.describe(), settings],
+        "step_s": pod.time.step_s,
+      },
+    }
     say(f"search: {json.dumps(row['search'])}")
     if not args.no_exhaustive:
       start = time.perf_counter()

@@ -55,17 +55,23 @@ def main():
   # Random values: constant arrays would compress to nothing on disk.
   keys = jax.random.split(jax.random.key(1), n)
   make = lambda: dt.TrainState.initial_state(
-      {f"w{i}": jax.random.normal(keys[i], (4096, 4096)) for i in range(n)}, optax.adam(1e-3), jax.random.key(0))
+    {f"w{i}": jax.random.normal(keys[i], (4096, 4096)) for i in range(n)}, optax.adam(1e-3), jax.random.key(0)
+  )
   planner = dt.MeshPlanner(mesh, dt.AxisRules("fsdp_tensor", param_axes=[(r"w\d+", ("embed", "mlp"))]))
   state, plan = planner.init(make)
   # Adam's moments start at zero; give them random values too.
-  state = state.replace(opt_state=jax.tree_util.tree_map(
-      lambda x: x + jax.random.normal(jax.random.key(2), x.shape, x.dtype) if x.ndim else x, state.opt_state))
+  state = state.replace(
+    opt_state=jax.tree_util.tree_map(
+      lambda x: x + jax.random.normal(jax.random.key(2), x.shape, x.dtype) if x.ndim else x, state.opt_state
+    )
+  )
   jax.block_until_ready(state)
   nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves((state.params, state.opt_state)))
   mb = nbytes / 1e6
-  print(f"train state: {n} params of 4096×4096 float32 + Adam = {nbytes / 2**30:.2f} GiB on {mesh.size} devices "
-        f"(fsdp 8); directory {args.dir}")
+  print(
+    f"train state: {n} params of 4096×4096 float32 + Adam = {nbytes / 2**30:.2f} GiB on {mesh.size} devices "
+    f"(fsdp 8); directory {args.dir}"
+  )
 
   rows = []
   for repeat in range(args.repeats):
@@ -117,14 +123,24 @@ def main():
         pass
     raw_read = time.perf_counter() - start
     checkpoints.close()
-    row = dict(save_first=bool(repeat % 2), blocking=blocking, whole=whole, save_mbs=mb / whole, raw_write_mbs=mb / raw_write,
-               restore_mbs=mb / restore, raw_read_mbs=mb / raw_read, dropped=dropped)
+    row = dict(
+      save_first=bool(repeat % 2),
+      blocking=blocking,
+      whole=whole,
+      save_mbs=mb / whole,
+      raw_write_mbs=mb / raw_write,
+      restore_mbs=mb / restore,
+      raw_read_mbs=mb / raw_read,
+      dropped=dropped,
+    )
     rows.append(row)
-    print(f"repeat {repeat}: save blocking {blocking:.2f} s of {whole:.2f} s ({blocking / whole:.0%}); "
-          f"save {row['save_mbs']:.0f} MB/s vs raw write {row['raw_write_mbs']:.0f} MB/s "
-          f"({row['save_mbs'] / row['raw_write_mbs']:.0%}); restore {row['restore_mbs']:.0f} MB/s vs raw read "
-          f"{row['raw_read_mbs']:.0f} MB/s ({row['restore_mbs'] / row['raw_read_mbs']:.0%}); "
-          f"page cache dropped: {dropped}")
+    print(
+      f"repeat {repeat}: save blocking {blocking:.2f} s of {whole:.2f} s ({blocking / whole:.0%}); "
+      f"save {row['save_mbs']:.0f} MB/s vs raw write {row['raw_write_mbs']:.0f} MB/s "
+      f"({row['save_mbs'] / row['raw_write_mbs']:.0%}); restore {row['restore_mbs']:.0f} MB/s vs raw read "
+      f"{row['raw_read_mbs']:.0f} MB/s ({row['restore_mbs'] / row['raw_read_mbs']:.0%}); "
+      f"page cache dropped: {dropped}"
+    )
 
   med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k not in ("dropped", "save_first")}
   write_ratio = statistics.median(r["save_mbs"] / r["raw_write_mbs"] for r in rows)
@@ -136,12 +152,16 @@ def main():
     saves = [r["save_mbs"] for r in rows if r["save_first"] == first]
     raws = [r["raw_write_mbs"] for r in rows if r["save_first"] != first]
     if saves and raws:
-      print(f"writes that ran {position}: save median {statistics.median(saves):.0f} MB/s, raw median"
-            f" {statistics.median(raws):.0f} MB/s, ratio {statistics.median(saves) / statistics.median(raws):.0%}")
-  print(f"median of {len(rows)}: save blocking {med['blocking']:.2f} s of {med['whole']:.2f} s, ratio {block_ratio:.0%}"
-        f" (target ≤ 20 %); save {med['save_mbs']:.0f} MB/s, raw write {med['raw_write_mbs']:.0f} MB/s, ratio"
-        f" {write_ratio:.0%} (target ≥ 50 %); restore {med['restore_mbs']:.0f} MB/s, raw read"
-        f" {med['raw_read_mbs']:.0f} MB/s, ratio {read_ratio:.0%} (target ≥ 50 %)")
+      print(
+        f"writes that ran {position}: save median {statistics.median(saves):.0f} MB/s, raw median"
+        f" {statistics.median(raws):.0f} MB/s, ratio {statistics.median(saves) / statistics.median(raws):.0%}"
+      )
+  print(
+    f"median of {len(rows)}: save blocking {med['blocking']:.2f} s of {med['whole']:.2f} s, ratio {block_ratio:.0%}"
+    f" (target ≤ 20 %); save {med['save_mbs']:.0f} MB/s, raw write {med['raw_write_mbs']:.0f} MB/s, ratio"
+    f" {write_ratio:.0%} (target ≥ 50 %); restore {med['restore_mbs']:.0f} MB/s, raw read"
+    f" {med['raw_read_mbs']:.0f} MB/s, ratio {read_ratio:.0%} (target ≥ 50 %)"
+  )
   shutil.rmtree(args.dir, ignore_errors=True)
 
 

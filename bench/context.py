@@ -40,8 +40,9 @@ def measure(cfg: llama.LlamaConfig, axes: dict, batch: int, length: int, steps: 
   mesh, rules, plan, state, step, placed = sharded_step(cfg, axes, batch, length)
   inputs = placed
   with dt.activation_sharding(mesh, rules):
-    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=plan.input_kwarg_shardings[k])
-                for k, v in inputs.items()}
+    abstract = {
+      k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=plan.input_kwarg_shardings[k]) for k, v in inputs.items()
+    }
     temporaries = step.compile(plan.abstract_train_state, **abstract).memory_analysis().temp_size_in_bytes
     times = []
     for _ in range(steps):
@@ -59,8 +60,10 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=3)
   args = parser.parse_args()
   base = dataclasses.replace(llama.PRESETS["tiny"], max_seq_len=max(args.lengths))
-  print(f"tiny Llama ({base.num_params():,} params), global batch {args.batch}; 8 emulated CPU devices on"
-        f" {os.cpu_count()} cores; median of {args.steps} steps after the compile")
+  print(
+    f"tiny Llama ({base.num_params():,} params), global batch {args.batch}; 8 emulated CPU devices on"
+    f" {os.cpu_count()} cores; median of {args.steps} steps after the compile"
+  )
   print(f"{'length':>7} {'layout':<26} {'step ms':>9} {'vs fsdp 8':>10} {'temporaries MiB':>16}")
   for length in args.lengths:
     plain, plain_temps = measure(base, {"fsdp": 8}, args.batch, length, args.steps)
@@ -68,8 +71,10 @@ def main() -> None:
     for implementation in ("ring", "all_gather"):
       cfg = dataclasses.replace(base, context_attention=implementation)
       t, temps = measure(cfg, {"context": 4, "fsdp": 2}, args.batch, length, args.steps)
-      print(f"{length:>7} {f'context 4 × fsdp 2, {implementation}':<26} {t * 1e3:>9.1f} {t / plain:>10.2f}"
-            f" {temps / 2**20:>16.1f}")
+      print(
+        f"{length:>7} {f'context 4 × fsdp 2, {implementation}':<26} {t * 1e3:>9.1f} {t / plain:>10.2f}"
+        f" {temps / 2**20:>16.1f}"
+      )
 
 
 if __name__ == "__main__":

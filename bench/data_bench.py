@@ -100,9 +100,13 @@ def write_corpus(directory: str, size: int, formats, tokenizers) -> tuple[dict[s
         prefix = os.path.join(directory, f"tokens-{len(made)}", "corpus")
         shards = max(1, size // (256 << 20))
         workers = (os.cpu_count() or 1) if size >= 64 << 20 else 0  # a worker takes ~0.3 s to start
-        made[key] = [p for p in record_shards.convert(made["jsonl"], prefix, num_shards=shards,
-                                                      tokenizer=tokenizer_lib.load(spec), workers=workers)
-                     if p.endswith(".array_record")]
+        made[key] = [
+          p
+          for p in record_shards.convert(
+            made["jsonl"], prefix, num_shards=shards, tokenizer=tokenizer_lib.load(spec), workers=workers
+          )
+          if p.endswith(".array_record")
+        ]
         print(f"  converted ({spec}) in {time.perf_counter() - started:.1f} s", flush=True)
         json.dump(made, open(done, "w"))
   return made, made["count"]
@@ -123,14 +127,25 @@ def time_convert(directory: str, made: dict, tokenizers, worker_counts, shards: 
       output = os.path.join(directory, "convert-timed")
       shutil.rmtree(output, ignore_errors=True)
       started = time.perf_counter()
-      record_shards.convert(made["jsonl"], os.path.join(output, "c"), num_shards=shards, tokenizer=tokenizer,
-                            workers=workers)
+      record_shards.convert(
+        made["jsonl"], os.path.join(output, "c"), num_shards=shards, tokenizer=tokenizer, workers=workers
+      )
       seconds = time.perf_counter() - started
       shutil.rmtree(output, ignore_errors=True)
-      rows.append({"tokenizer": "text" if spec is None else spec.split(":")[0], "workers": workers,
-                   "shards": shards, "seconds": seconds, "mb_per_s": text_bytes / seconds / 1e6})
-      print(f"  convert {rows[-1]['tokenizer']:<5} --workers {workers} --shards {shards}: {seconds:6.2f} s"
-            f" {rows[-1]['mb_per_s']:7.1f} MB/s of text", flush=True)
+      rows.append(
+        {
+          "tokenizer": "text" if spec is None else spec.split(":")[0],
+          "workers": workers,
+          "shards": shards,
+          "seconds": seconds,
+          "mb_per_s": text_bytes / seconds / 1e6,
+        }
+      )
+      print(
+        f"  convert {rows[-1]['tokenizer']:<5} --workers {workers} --shards {shards}: {seconds:6.2f} s"
+        f" {rows[-1]['mb_per_s']:7.1f} MB/s of text",
+        flush=True,
+      )
   return rows
 
 
@@ -197,11 +212,19 @@ def measure(paths, count: int, tokenizer: str, args, cache_dir: str) -> dict:
   from distrib_train import data
 
   mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-  shardings = {k: NamedSharding(mesh, P("data", None)) for k in ("tokens", "targets", "segment_ids", "positions",
-                                                                   "weights")}
-  config = data.DataConfig(source="text", paths=tuple(paths), tokenizer=tokenizer, seq_len=args.seq_len,
-                           global_batch_size=args.batch, eval_fraction=0.0, index_cache_dir=cache_dir,
-                           num_workers=args.num_workers)
+  shardings = {
+    k: NamedSharding(mesh, P("data", None)) for k in ("tokens", "targets", "segment_ids", "positions", "weights")
+  }
+  config = data.DataConfig(
+    source="text",
+    paths=tuple(paths),
+    tokenizer=tokenizer,
+    seq_len=args.seq_len,
+    global_batch_size=args.batch,
+    eval_fraction=0.0,
+    index_cache_dir=cache_dir,
+    num_workers=args.num_workers,
+  )
   shutil.rmtree(cache_dir, ignore_errors=True)
   try:  # the formats another reader of this checkout may not know yet: are all their documents found?
     found = len(data.Documents(config)) if paths[0].endswith((".zst", ".gz", "_dataset")) else count
@@ -227,11 +250,15 @@ def measure(paths, count: int, tokenizer: str, args, cache_dir: str) -> dict:
   cpu = time.process_time() - cpu
   after = children_cpu_s()
   loader.close()
-  return {"first_open_s": opens[0], "second_open_s": opens[1], "tokens_per_s": rate,
-          "main_cpu_ms_per_batch": 1e3 * cpu / max(1, batches),
-          "workers_cpu_s_per_m_tokens": (after - workers_cpu) / tokens * 1e6
-                                        if args.num_workers and after is not None and workers_cpu is not None
-                                        else None}
+  return {
+    "first_open_s": opens[0],
+    "second_open_s": opens[1],
+    "tokens_per_s": rate,
+    "main_cpu_ms_per_batch": 1e3 * cpu / max(1, batches),
+    "workers_cpu_s_per_m_tokens": (after - workers_cpu) / tokens * 1e6
+    if args.num_workers and after is not None and workers_cpu is not None
+    else None,
+  }
 
 
 def _figure(value: float | None) -> str:
@@ -258,15 +285,18 @@ def main(argv=None) -> dict:
     parser.error(f"unknown formats {unknown}; known: {', '.join(FORMATS)}")
   tokenizers = ["bytes"] + ([args.tokenizer] if args.tokenizer else [])
   rows, converts = [], []
-  print(f"{'size':>7} {'format':<13} {'tokenizer':<10} {'1st open s':>10} {'2nd open s':>10} {'M tokens/s':>10}"
-        f"  {'CPU ms/batch':>12} {'workers CPU-s/M tokens':>22}")
+  print(
+    f"{'size':>7} {'format':<13} {'tokenizer':<10} {'1st open s':>10} {'2nd open s':>10} {'M tokens/s':>10}"
+    f"  {'CPU ms/batch':>12} {'workers CPU-s/M tokens':>22}"
+  )
   for size_text in args.sizes.split(","):
     directory = os.path.join(args.dir, size_text)
     made, count = write_corpus(directory, parse_size(size_text), formats, tokenizers)
     if args.convert_workers:
       counts = [int(w) for w in args.convert_workers.split(",")]
-      converts += [{"size": size_text, **row} for row in time_convert(directory, made, tokenizers, counts,
-                                                                        args.convert_shards)]
+      converts += [
+        {"size": size_text, **row} for row in time_convert(directory, made, tokenizers, counts, args.convert_shards)
+      ]
     for fmt in formats:
       for spec in tokenizers:
         paths = made[f"array_record/{spec}"] if fmt == "array_record" else made[fmt]
@@ -277,9 +307,12 @@ def main(argv=None) -> dict:
         if "skipped" in found:
           print(f"{size_text:>7} {fmt:<13} {name:<10} skipped: {found['skipped']}", flush=True)
         else:
-          print(f"{size_text:>7} {fmt:<13} {name:<10} {found['first_open_s']:>10.2f} {found['second_open_s']:>10.2f}"
-                f" {found['tokens_per_s'] / 1e6:>10.3f}  {found['main_cpu_ms_per_batch']:>12.1f}"
-                f" {_figure(found['workers_cpu_s_per_m_tokens']):>22}", flush=True)
+          print(
+            f"{size_text:>7} {fmt:<13} {name:<10} {found['first_open_s']:>10.2f} {found['second_open_s']:>10.2f}"
+            f" {found['tokens_per_s'] / 1e6:>10.3f}  {found['main_cpu_ms_per_batch']:>12.1f}"
+            f" {_figure(found['workers_cpu_s_per_m_tokens']):>22}",
+            flush=True,
+          )
   result = {"seq_len": args.seq_len, "batch": args.batch, "cpus": os.cpu_count(), "rows": rows, "convert": converts}
   if args.json:
     with open(args.json, "w") as f:

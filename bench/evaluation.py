@@ -52,21 +52,24 @@ def _requests(docs: int, kind: str):
   paragraphs = demo_tasks._paragraphs()
   rng = np.random.default_rng(0)
   out = []
-  shots = "".join(f"{p[:80]}\nAnswer: {'ABCD'[n % 4]}\n\n" for n, p in enumerate(paragraphs[-5:])) \
-      if kind == "letters_5shot" else ""
+  shots = (
+    "".join(f"{p[:80]}\nAnswer: {'ABCD'[n % 4]}\n\n" for n, p in enumerate(paragraphs[-5:]))
+    if kind == "letters_5shot"
+    else ""
+  )
   for i in range(docs):
     text = paragraphs[i % len(paragraphs)]
     cut = text.rfind(" ", 0, int(rng.integers(20, min(400 if not shots else 200, len(text) - 20))))
     for k in range(4):
       if kind.startswith("letters"):
-        out.append(Instance("loglikelihood", {}, (f"{shots}{text[:max(cut, 10)]}\nAnswer:", " " + "ABCD"[k]),
-                            idx=k))
+        out.append(Instance("loglikelihood", {}, (f"{shots}{text[: max(cut, 10)]}\nAnswer:", " " + "ABCD"[k]), idx=k))
         continue
       source = paragraphs[(i + 5 * k) % len(paragraphs)].split()
       words = int(rng.integers(1, 9))
       start = int(rng.integers(0, max(1, len(source) - words)))
-      out.append(Instance("loglikelihood", {}, (text[:max(cut, 10)], " " + " ".join(source[start:start + words])),
-                          idx=k))
+      out.append(
+        Instance("loglikelihood", {}, (text[: max(cut, 10)], " " + " ".join(source[start : start + words])), idx=k)
+      )
   return out
 
 
@@ -85,18 +88,34 @@ def main(argv=None) -> int:
   parser.add_argument("--d_model", type=int, default=512)
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--docs", type=int, default=64)
-  parser.add_argument("--rows", type=int, default=8,
-                      help="ours: packed rows per forward call (distrib-train eval's --batch_size, its default)")
-  parser.add_argument("--batch_size", type=int, default=8,
-                      help="lm-eval's hf model: requests per forward call (8: faster than 32 on this CPU for short requests)")
+  parser.add_argument(
+    "--rows",
+    type=int,
+    default=8,
+    help="ours: packed rows per forward call (distrib-train eval's --batch_size, its default)",
+  )
+  parser.add_argument(
+    "--batch_size",
+    type=int,
+    default=8,
+    help="lm-eval's hf model: requests per forward call (8: faster than 32 on this CPU for short requests)",
+  )
   parser.add_argument("--threads", type=int, default=os.cpu_count())
-  parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                      help="cuda: both on the GPU (ours on jax's default backend, the hf model on cuda)")
+  parser.add_argument(
+    "--device",
+    choices=("cpu", "cuda"),
+    default="cpu",
+    help="cuda: both on the GPU (ours on jax's default backend, the hf model on cuda)",
+  )
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--kinds", default="words,letters,letters_5shot",
-                      help="which requests (words, letters, letters_5shot)")
-  parser.add_argument("--no_share", action="store_true",
-                      help="ours with no trees: each distinct sequence its own segment (one read for several last ids still)")
+  parser.add_argument(
+    "--kinds", default="words,letters,letters_5shot", help="which requests (words, letters, letters_5shot)"
+  )
+  parser.add_argument(
+    "--no_share",
+    action="store_true",
+    help="ours with no trees: each distinct sequence its own segment (one read for several last ids still)",
+  )
   parser.add_argument("--smoke", action="store_true", help="a small, quick run")
   parser.add_argument("--json", help="write the row here")
   args = parser.parse_args(argv)
@@ -120,9 +139,17 @@ def main(argv=None) -> int:
   eval_tasks.offline()
   torch.set_num_threads(args.threads)
   directory = pathlib.Path(tempfile.mkdtemp(prefix="bench-evaluation-"))
-  eval_helpers.save_model("llama", directory, context=512, hidden_size=args.d_model, num_hidden_layers=args.layers,
-                          num_attention_heads=8, num_key_value_heads=2, head_dim=args.d_model // 8,
-                          intermediate_size=4 * args.d_model)
+  eval_helpers.save_model(
+    "llama",
+    directory,
+    context=512,
+    hidden_size=args.d_model,
+    num_hidden_layers=args.layers,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=args.d_model // 8,
+    intermediate_size=4 * args.d_model,
+  )
   ours_lm = HarnessLM.load(f"hf:{directory}", batch_size=args.rows)
   ours_lm.share_contexts = not args.no_share
   theirs_lm = HFLM(pretrained=str(directory), dtype="float32", device=args.device, batch_size=args.batch_size)
@@ -131,20 +158,34 @@ def main(argv=None) -> int:
     requests = _requests(args.docs, kind)
     ours_s, ours = _time(lambda: ours_lm.loglikelihood(requests, disable_tqdm=True), args.repeats)
     theirs_s, theirs = _time(lambda: theirs_lm.loglikelihood(requests, disable_tqdm=True), args.repeats)
-    same = bool(np.allclose([a for a, _ in ours], [a for a, _ in theirs], rtol=1e-4, atol=1e-4)) and \
-        [g for _, g in ours] == [g for _, g in theirs]
+    same = bool(np.allclose([a for a, _ in ours], [a for a, _ in theirs], rtol=1e-4, atol=1e-4)) and [
+      g for _, g in ours
+    ] == [g for _, g in theirs]
     tokens = [len(c) + len(x) for c, x in (theirs_lm._encode_pair(*r.args) for r in requests)]
-    row = {"kind": kind, "d_model": args.d_model, "layers": args.layers, "requests": len(requests),
-           "threads": args.threads, "tokens_min": min(tokens), "tokens_max": max(tokens),
-           "tokens_mean": float(np.mean(tokens)), "ours_requests_per_s": len(requests) / ours_s,
-           "hf_requests_per_s": len(requests) / theirs_s, "ratio": theirs_s / ours_s, "same_answers": same,
-           "layout": str(ours_lm.scorer.layout)}
+    row = {
+      "kind": kind,
+      "d_model": args.d_model,
+      "layers": args.layers,
+      "requests": len(requests),
+      "threads": args.threads,
+      "tokens_min": min(tokens),
+      "tokens_max": max(tokens),
+      "tokens_mean": float(np.mean(tokens)),
+      "ours_requests_per_s": len(requests) / ours_s,
+      "hf_requests_per_s": len(requests) / theirs_s,
+      "ratio": theirs_s / ours_s,
+      "same_answers": same,
+      "layout": str(ours_lm.scorer.layout),
+    }
     rows.append(row)
-    print(f"{args.device.upper()}, {args.threads} threads, d {args.d_model} × {args.layers} layers, {len(requests)} log-likelihood"
-          f" requests ({kind}) of {row['tokens_min']}-{row['tokens_max']} tokens (mean {row['tokens_mean']:.0f}):"
-          f" distrib_train {row['ours_requests_per_s']:,.1f} requests/s ({row['layout']}),"
-          f" lm-eval's hf model {row['hf_requests_per_s']:,.1f} requests/s (batch {args.batch_size}):"
-          f" {row['ratio']:.2f} ×; the same answers: {same}", flush=True)
+    print(
+      f"{args.device.upper()}, {args.threads} threads, d {args.d_model} × {args.layers} layers, {len(requests)} log-likelihood"
+      f" requests ({kind}) of {row['tokens_min']}-{row['tokens_max']} tokens (mean {row['tokens_mean']:.0f}):"
+      f" distrib_train {row['ours_requests_per_s']:,.1f} requests/s ({row['layout']}),"
+      f" lm-eval's hf model {row['hf_requests_per_s']:,.1f} requests/s (batch {args.batch_size}):"
+      f" {row['ratio']:.2f} ×; the same answers: {same}",
+      flush=True,
+    )
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
   return 0 if all(row["same_answers"] for row in rows) else 1

@@ -65,8 +65,7 @@ SHAPES_1B = "2048x2048,2048x5632,5632x2048"  # K x N: q/k/v/o, gate/up, down
 def _q(a, dtype):
   """``a`` scaled to ``dtype``'s range and cast: an FP8 operand (its scale returned too)."""
   scale = float(jnp.finfo(dtype).max) / jnp.maximum(jnp.max(jnp.abs(a.astype(F32))), 1e-30)
-  return jnp.clip(a.astype(F32) * scale, -float(jnp.finfo(dtype).max), float(jnp.finfo(dtype).max)).astype(dtype), \
-      scale
+  return jnp.clip(a.astype(F32) * scale, -float(jnp.finfo(dtype).max), float(jnp.finfo(dtype).max)).astype(dtype), scale
 
 
 def _scaled(product, sa, sb):
@@ -92,25 +91,33 @@ def products(tokens: int, k: int, n: int, iters: int) -> list[dict]:
   """The rows of one shape: each variant's three products, then the whole matmul forward + backward."""
   keys = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(keys[0], (tokens, k), BF16)
-  w = (jax.random.normal(keys[1], (k, n), F32) * 0.02)
+  w = jax.random.normal(keys[1], (k, n), F32) * 0.02
   g = (jax.random.normal(keys[2], (tokens, n), BF16) * 1e-3).astype(BF16)
   (qx, sx), (qw, sw), (qg, sg), (qg4, sg4) = _q(x, E4M3), _q(w, E4M3), _q(g, E5M2), _q(g, E4M3)
   qx_t, qw_t, qg_t = (jax.block_until_ready(jnp.asarray(a.T)) for a in (qx, qw, qg))  # materialized: row-major
   # bf16 results, divided by the scales in float32, as kernels/fp8.py writes them (bench/NOTES.md lever 20)
-  ein = lambda spec: jax.jit(lambda a, b, sa, sb: _scaled(jnp.einsum(spec, a, b, preferred_element_type=BF16), sa,
-                                                            sb))
+  ein = lambda spec: jax.jit(lambda a, b, sa, sb: _scaled(jnp.einsum(spec, a, b, preferred_element_type=BF16), sa, sb))
   bf = lambda spec: jax.jit(lambda a, b: jnp.einsum(spec, a, b))
   wb = w.astype(BF16)
   calls = {  # variant → its (function, operands) for y, dx, dw
-      "bf16 product": ((bf("tk,kn->tn"), (x, wb)), (bf("tn,kn->tk"), (g, wb)), (bf("tk,tn->kn"), (x, g))),
-      # The layouts of the 1b's FP8 step (XLA's CUDA compiler, bench/NOTES.md lever 15): the weight cast to
-      # e4m3 contraction-minor for the forward product ([N, K] row-major) and that buffer read again by dx.
-      "fp8 as built": ((ein("tk,nk->tn"), (qx, qw_t, sx, sw)), (ein("tn,nk->tk"), (qg, qw_t, sg, sw)),
-                       (ein("tk,tn->kn"), (qx, qg, sx, sg))),
-      "fp8 K-major": ((ein("tk,nk->tn"), (qx, qw_t, sx, sw)), (ein("tn,kn->tk"), (qg, qw, sg, sw)),
-                      (ein("kt,nt->kn"), (qx_t, qg_t, sx, sg))),
-      "fp8 e4m3 grads": ((ein("tk,nk->tn"), (qx, qw_t, sx, sw)), (ein("tn,nk->tk"), (qg4, qw_t, sg4, sw)),
-                         (ein("tk,tn->kn"), (qx, qg4, sx, sg4))),
+    "bf16 product": ((bf("tk,kn->tn"), (x, wb)), (bf("tn,kn->tk"), (g, wb)), (bf("tk,tn->kn"), (x, g))),
+    # The layouts of the 1b's FP8 step (XLA's CUDA compiler, bench/NOTES.md lever 15): the weight cast to
+    # e4m3 contraction-minor for the forward product ([N, K] row-major) and that buffer read again by dx.
+    "fp8 as built": (
+      (ein("tk,nk->tn"), (qx, qw_t, sx, sw)),
+      (ein("tn,nk->tk"), (qg, qw_t, sg, sw)),
+      (ein("tk,tn->kn"), (qx, qg, sx, sg)),
+    ),
+    "fp8 K-major": (
+      (ein("tk,nk->tn"), (qx, qw_t, sx, sw)),
+      (ein("tn,kn->tk"), (qg, qw, sg, sw)),
+      (ein("kt,nt->kn"), (qx_t, qg_t, sx, sg)),
+    ),
+    "fp8 e4m3 grads": (
+      (ein("tk,nk->tn"), (qx, qw_t, sx, sw)),
+      (ein("tn,nk->tk"), (qg4, qw_t, sg4, sw)),
+      (ein("tk,tn->kn"), (qx, qg4, sx, sg4)),
+    ),
   }
   flop = 2.0 * tokens * k * n
   reference = [fn(*a).astype(F32) for fn, a in calls["bf16 product"]]
@@ -118,21 +125,36 @@ def products(tokens: int, k: int, n: int, iters: int) -> list[dict]:
   for name, triple in calls.items():
     seconds = [timed(fn, *a, iters=iters) for fn, a in triple]
     # The same products in every variant: each one's error against bf16's (FP8 rounding only).
-    error = [float(jnp.linalg.norm(fn(*a).astype(F32) - ref) / jnp.linalg.norm(ref))
-             for (fn, a), ref in zip(triple, reference)]
-    rows.append({"shape": f"{tokens}x{k}x{n}", "variant": name, "ms": [t * 1e3 for t in seconds],
-                 "tflops": [flop / t / 1e12 for t in seconds], "error": error})
+    error = [
+      float(jnp.linalg.norm(fn(*a).astype(F32) - ref) / jnp.linalg.norm(ref)) for (fn, a), ref in zip(triple, reference)
+    ]
+    rows.append(
+      {
+        "shape": f"{tokens}x{k}x{n}",
+        "variant": name,
+        "ms": [t * 1e3 for t in seconds],
+        "tflops": [flop / t / 1e12 for t in seconds],
+        "error": error,
+      }
+    )
 
   def whole(mode):
     def loss(x, w, g):  # its value needs y: the forward product stays in the program
       with fp8.active(mode):
         return jnp.sum(fp8.einsum("tk,kn->tn", x, w).astype(F32) * g.astype(F32))
+
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
   for mode in ("none", "current"):
     s = timed(whole(mode), x, w, g, iters=iters)
-    rows.append({"shape": f"{tokens}x{k}x{n}", "variant": f"matmul fwd+bwd {mode}", "ms": [s * 1e3],
-                 "tflops": [3 * flop / s / 1e12]})
+    rows.append(
+      {
+        "shape": f"{tokens}x{k}x{n}",
+        "variant": f"matmul fwd+bwd {mode}",
+        "ms": [s * 1e3],
+        "tflops": [3 * flop / s / 1e12],
+      }
+    )
   return rows
 
 
@@ -150,9 +172,12 @@ def main(argv=None) -> list[dict]:
     k, n = (int(v) for v in shape.split("x"))
     for row in products(args.tokens, k, n, args.iters):
       rows.append(row)
-      print(f"{row['shape']:<18} {row['variant']:<22} {', '.join(f'{m:.3f}' for m in row['ms']):<26} "
-            f"{', '.join(f'{t:.0f}' for t in row['tflops']):<20} "
-            f"{', '.join(f'{e:.1e}' for e in row.get('error', []))}", flush=True)
+      print(
+        f"{row['shape']:<18} {row['variant']:<22} {', '.join(f'{m:.3f}' for m in row['ms']):<26} "
+        f"{', '.join(f'{t:.0f}' for t in row['tflops']):<20} "
+        f"{', '.join(f'{e:.1e}' for e in row.get('error', []))}",
+        flush=True,
+      )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=1)

@@ -111,15 +111,17 @@ def _decode_step_bytes(preset: str, batch: int, context: int) -> dict:
       # unrolled: libtpu's cost analysis counts a loop's body once, not once per layer
       return cache_lib.decode(state.model, cache, tokens, t, pads, max_len=context, unroll=True)
 
-  compiled = jax.jit(step, donate_argnums=(1,), out_shardings=(None, shardings)).lower(
-      state, cache, rows, index, rows).compile()
+  compiled = (
+    jax.jit(step, donate_argnums=(1,), out_shardings=(None, shardings)).lower(state, cache, rows, index, rows).compile()
+  )
   if os.environ.get("DT_BENCH_HLO"):  # the compiled program's text, to see where its bytes go
     with open(f"{os.environ['DT_BENCH_HLO']}.{preset}.hlo", "w") as f:
       f.write(compiled.as_text())
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  per_chip = lambda tree: sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
-                              for x in jax.tree.leaves(tree))
+  per_chip = lambda tree: sum(
+    int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+  )
   params = per_chip(state.params) + per_chip(state.model_without_params)
   weight_shapes = {tuple(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(state.params)}
   computations, _ = hlo.parse_module(compiled.as_text())
@@ -127,17 +129,31 @@ def _decode_step_bytes(preset: str, batch: int, context: int) -> dict:
   # a weight laid out anew for its product (a copy of a parameter): loop-invariant in the engine's decode loop, which
   # the compiler hoists out of its ``while``: once a call, not once a step
   symbols = {i.name: i for i in instructions}
-  relayouts = [i for i in instructions if i.op == "copy" and i.operands
-               and getattr(symbols.get(i.operands[0]), "op", None) == "parameter" and _dims(i.shape) in weight_shapes]
+  relayouts = [
+    i
+    for i in instructions
+    if i.op == "copy"
+    and i.operands
+    and getattr(symbols.get(i.operands[0]), "op", None) == "parameter"
+    and _dims(i.shape) in weight_shapes
+  ]
   hoisted = sum(_estimated_cycles(i) for i in relayouts)
   hoisted_bytes = sum(2 * hlo.array_bytes(i.shape) for i in relayouts)  # read and written
-  return {"preset": preset, "batch": batch, "context": context, "param_bytes": params, "cache_bytes": per_chip(cache),
-          "bytes_accessed": float(cost.get("bytes accessed", float("nan"))), "flops": float(cost.get("flops", 0.0)),
-          "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-          "estimated_cycles": sum(_estimated_cycles(i) for i in instructions), "hoisted_cycles": hoisted,
-          "hoisted_bytes": hoisted_bytes,
-          "read_cycles": _read_floor((state.params, state.model_without_params, cache)),
-          **_engine_decode(preset, state.model, mesh, rules, batch, context)}
+  return {
+    "preset": preset,
+    "batch": batch,
+    "context": context,
+    "param_bytes": params,
+    "cache_bytes": per_chip(cache),
+    "bytes_accessed": float(cost.get("bytes accessed", float("nan"))),
+    "flops": float(cost.get("flops", 0.0)),
+    "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+    "estimated_cycles": sum(_estimated_cycles(i) for i in instructions),
+    "hoisted_cycles": hoisted,
+    "hoisted_bytes": hoisted_bytes,
+    "read_cycles": _read_floor((state.params, state.model_without_params, cache)),
+    **_engine_decode(preset, state.model, mesh, rules, batch, context),
+  }
 
 
 def _read_floor(arrays) -> int:
@@ -152,7 +168,7 @@ def _read_floor(arrays) -> int:
   def read(tree):
     total = jnp.zeros((), jnp.float32)
     for x in jax.tree.leaves(tree):
-      for part in ([x[i] for i in range(x.shape[0])] if x.ndim >= 3 else [x]):
+      for part in [x[i] for i in range(x.shape[0])] if x.ndim >= 3 else [x]:
         total = total + part.astype(jnp.float32).sum()
     return total
 
@@ -188,8 +204,11 @@ def _engine_decode(preset: str, model, mesh, rules, batch: int, context: int) ->
   times = hlo.multiplicities(computations)  # the step loop's trips are dynamic: counted once, so one step
   own = {name: sum(_estimated_cycles(i) for i in c.instructions) for name, c in computations.items()}
   entry = next(name for name, c in computations.items() if c.is_entry)
-  return {"engine_step_cycles": sum(times[name] * own[name] for name in computations if name != entry),
-          "engine_call_cycles": own[entry], "engine_temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+  return {
+    "engine_step_cycles": sum(times[name] * own[name] for name in computations if name != entry),
+    "engine_call_cycles": own[entry],
+    "engine_temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+  }
 
 
 def tpu_rows(args) -> list[dict]:
@@ -211,18 +230,21 @@ def tpu_rows(args) -> list[dict]:
     r["read_of_roofline"] = r["roofline_ms"] / r["read_ms"]
     r["step_of_read"], r["engine_of_read"] = r["read_ms"] / r["step_ms"], r["read_ms"] / r["engine_step_ms"]
     rows.append(r)
-    print(f"{preset:14s} batch {batch:3d} × {args.context}: params {r['param_bytes'] / 2**30:.2f} GiB + cache"
-          f" {r['cache_bytes'] / 2**30:.2f} GiB per chip → roofline {r['roofline_ms']:.2f} ms. libtpu: bytes"
-          f" accessed {r['bytes_accessed'] / 2**30:.2f} GiB ({r['estimate_ms']:.2f} ms, {r['of_roofline']:.3f} ×), less the"
-          f" weights' relayout the loop hoists {(r['bytes_accessed'] - r['hoisted_bytes']) / 2**30:.2f} GiB"
-          f" ({r['step_bytes_of_roofline']:.3f} ×);"
-          f" its fusions' estimated cycles {r['cycles_ms']:.2f} ms ({r['cycles_of_roofline']:.3f} ×), less the"
-          f" weights' relayout the loop hoists {r['step_ms']:.2f} ms ({r['step_of_roofline']:.3f} ×); target ≥ 0.8;"
-          f" temp {r['temp_bytes'] / 2**30:.2f} GiB. The engine's decode loop: {r['engine_step_ms']:.2f} ms a step"
-          f" ({r['engine_of_roofline']:.3f} ×), {r['engine_call_cycles'] / V5E_CLOCK * 1e3:.2f} ms once a call, temp"
-          f" {r['engine_temp_bytes'] / 2**30:.2f} GiB. Only reading the same bytes, by libtpu's cycles:"
-          f" {r['read_ms']:.2f} ms ({r['read_of_roofline']:.3f} × the roofline); the step at {r['step_of_read']:.3f} ×"
-          f" that, the engine's at {r['engine_of_read']:.3f} ×", flush=True)
+    print(
+      f"{preset:14s} batch {batch:3d} × {args.context}: params {r['param_bytes'] / 2**30:.2f} GiB + cache"
+      f" {r['cache_bytes'] / 2**30:.2f} GiB per chip → roofline {r['roofline_ms']:.2f} ms. libtpu: bytes"
+      f" accessed {r['bytes_accessed'] / 2**30:.2f} GiB ({r['estimate_ms']:.2f} ms, {r['of_roofline']:.3f} ×), less the"
+      f" weights' relayout the loop hoists {(r['bytes_accessed'] - r['hoisted_bytes']) / 2**30:.2f} GiB"
+      f" ({r['step_bytes_of_roofline']:.3f} ×);"
+      f" its fusions' estimated cycles {r['cycles_ms']:.2f} ms ({r['cycles_of_roofline']:.3f} ×), less the"
+      f" weights' relayout the loop hoists {r['step_ms']:.2f} ms ({r['step_of_roofline']:.3f} ×); target ≥ 0.8;"
+      f" temp {r['temp_bytes'] / 2**30:.2f} GiB. The engine's decode loop: {r['engine_step_ms']:.2f} ms a step"
+      f" ({r['engine_of_roofline']:.3f} ×), {r['engine_call_cycles'] / V5E_CLOCK * 1e3:.2f} ms once a call, temp"
+      f" {r['engine_temp_bytes'] / 2**30:.2f} GiB. Only reading the same bytes, by libtpu's cycles:"
+      f" {r['read_ms']:.2f} ms ({r['read_of_roofline']:.3f} × the roofline); the step at {r['step_of_read']:.3f} ×"
+      f" that, the engine's at {r['engine_of_read']:.3f} ×",
+      flush=True,
+    )
   return rows
 
 
@@ -273,28 +295,39 @@ def prefill_rows(args) -> list[dict]:
     with activation_sharding(mesh, rules):
       return cache_lib.prefill(state.model, cache, tokens, pads, max_len=length)
 
-  compiled = jax.jit(prefill, donate_argnums=(1,), out_shardings=(None, shardings)).lower(
-      state, cache, tokens, pads).compile()
+  compiled = (
+    jax.jit(prefill, donate_argnums=(1,), out_shardings=(None, shardings)).lower(state, cache, tokens, pads).compile()
+  )
   prefill_s = (hlo.estimated_cycles(compiled.as_text()) or 0) / clock or float("nan")
   # the forward's third of the step's count, less the head at every position but each row's last (prefill's logits)
   head = 2 * model.vocab_size * model.d_model * (length - 1) * batch
   prefill_flops = (model.flops_per_token(length) / 3 * batch * length - head) / topology.devices
   peak = kind.peak_flops
-  row = {"preset": args.preset, "topology": topology.name, "batch": batch, "length": length,
-         "train_step_s": step_s, "train_mfu": train_flops / step_s / peak, "prefill_s": prefill_s,
-         "prefill_mfu": prefill_flops / prefill_s / peak,
-         # the programs' own matmul FLOPs (a remat's recomputed forward included): the share of peak they run at
-         "train_hfu": pod.time.matmul_flops_per_device / step_s / peak,
-         "prefill_hfu": sum(hlo.flops(compiled.as_text()).values()) / prefill_s / peak,
-         "prefill_temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+  row = {
+    "preset": args.preset,
+    "topology": topology.name,
+    "batch": batch,
+    "length": length,
+    "train_step_s": step_s,
+    "train_mfu": train_flops / step_s / peak,
+    "prefill_s": prefill_s,
+    "prefill_mfu": prefill_flops / prefill_s / peak,
+    # the programs' own matmul FLOPs (a remat's recomputed forward included): the share of peak they run at
+    "train_hfu": pod.time.matmul_flops_per_device / step_s / peak,
+    "prefill_hfu": sum(hlo.flops(compiled.as_text()).values()) / prefill_s / peak,
+    "prefill_temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+  }
   row["ratio"] = row["prefill_mfu"] / row["train_mfu"]
   row["hfu_ratio"] = row["prefill_hfu"] / row["train_hfu"]
-  print(f"{args.preset} on {topology.name} ({topology.devices} chips), {batch} × {length} tokens, by libtpu's"
-        f" cycle estimate at {clock / 1e9:.2f} GHz: the training step {step_s * 1e3:.1f} ms, MFU"
-        f" {row['train_mfu']:.3f}; the prefill {prefill_s * 1e3:.1f} ms, MFU {row['prefill_mfu']:.3f}:"
-        f" {row['ratio']:.3f} × the step's (target 0.9-1.1 or above); of the programs' own matmul FLOPs (the"
-        f" step's remat included) {row['train_hfu']:.3f} and {row['prefill_hfu']:.3f}: {row['hfu_ratio']:.3f} ×;"
-        f" prefill temp {row['prefill_temp_bytes'] / 2**30:.2f} GiB", flush=True)
+  print(
+    f"{args.preset} on {topology.name} ({topology.devices} chips), {batch} × {length} tokens, by libtpu's"
+    f" cycle estimate at {clock / 1e9:.2f} GHz: the training step {step_s * 1e3:.1f} ms, MFU"
+    f" {row['train_mfu']:.3f}; the prefill {prefill_s * 1e3:.1f} ms, MFU {row['prefill_mfu']:.3f}:"
+    f" {row['ratio']:.3f} × the step's (target 0.9-1.1 or above); of the programs' own matmul FLOPs (the"
+    f" step's remat included) {row['train_hfu']:.3f} and {row['prefill_hfu']:.3f}: {row['hfu_ratio']:.3f} ×;"
+    f" prefill temp {row['prefill_temp_bytes'] / 2**30:.2f} GiB",
+    flush=True,
+  )
   return [row]
 
 
@@ -303,10 +336,18 @@ def _random_llama(directory: str, d_model: int, layers: int, dtype: str = "float
   import transformers
 
   torch.manual_seed(0)
-  config = transformers.LlamaConfig(vocab_size=1024, hidden_size=d_model, intermediate_size=d_model * 3,
-                                    num_hidden_layers=layers, num_attention_heads=d_model // 64,
-                                    num_key_value_heads=max(1, d_model // 256), max_position_embeddings=4096,
-                                    bos_token_id=1, eos_token_id=2, dtype=dtype)
+  config = transformers.LlamaConfig(
+    vocab_size=1024,
+    hidden_size=d_model,
+    intermediate_size=d_model * 3,
+    num_hidden_layers=layers,
+    num_attention_heads=d_model // 64,
+    num_key_value_heads=max(1, d_model // 256),
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+    dtype=dtype,
+  )
   model = transformers.LlamaForCausalLM(config).eval()
   model.save_pretrained(directory)
   return model
@@ -344,20 +385,38 @@ def cpu_rows(args) -> list[dict]:
   def theirs():
     with torch.no_grad():
       mask = torch.ones(args.batch, args.prompt, dtype=torch.long)
-      out = reference.generate(torch.tensor(prompts), attention_mask=mask, do_sample=False, max_new_tokens=args.new,
-                               min_new_tokens=args.new, eos_token_id=None, pad_token_id=0)
-    ours_out["theirs"] = out[:, args.prompt:].tolist()
+      out = reference.generate(
+        torch.tensor(prompts),
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=args.new,
+        min_new_tokens=args.new,
+        eos_token_id=None,
+        pad_token_id=0,
+      )
+    ours_out["theirs"] = out[:, args.prompt :].tolist()
 
   tokens = args.batch * args.new
   ours_s, theirs_s = _median_seconds(ours, args.repeats), _median_seconds(theirs, args.repeats)
   same = ours_out["ids"] == ours_out["theirs"]
-  row = {"batch": args.batch, "prompt": args.prompt, "new": args.new, "d_model": args.d_model, "layers": args.layers,
-         "threads": args.threads, "ours_tokens_per_s": tokens / ours_s, "transformers_tokens_per_s": tokens / theirs_s,
-         "ratio": theirs_s / ours_s, "same_tokens": same}
-  print(f"CPU, {args.threads} threads, d {args.d_model} × {args.layers} layers, batch {args.batch}, prompt"
-        f" {args.prompt}, {args.new} new: distrib_train {row['ours_tokens_per_s']:,.0f} tokens/s, transformers"
-        f" {row['transformers_tokens_per_s']:,.0f} tokens/s: {row['ratio']:.2f} ×; the same tokens: {same}",
-        flush=True)
+  row = {
+    "batch": args.batch,
+    "prompt": args.prompt,
+    "new": args.new,
+    "d_model": args.d_model,
+    "layers": args.layers,
+    "threads": args.threads,
+    "ours_tokens_per_s": tokens / ours_s,
+    "transformers_tokens_per_s": tokens / theirs_s,
+    "ratio": theirs_s / ours_s,
+    "same_tokens": same,
+  }
+  print(
+    f"CPU, {args.threads} threads, d {args.d_model} × {args.layers} layers, batch {args.batch}, prompt"
+    f" {args.prompt}, {args.new} new: distrib_train {row['ours_tokens_per_s']:,.0f} tokens/s, transformers"
+    f" {row['transformers_tokens_per_s']:,.0f} tokens/s: {row['ratio']:.2f} ×; the same tokens: {same}",
+    flush=True,
+  )
   return [row]
 
 
@@ -400,8 +459,12 @@ def main(argv=None) -> int:
   parser.add_argument("--new", type=int, default=128)
   parser.add_argument("--d_model", type=int, default=None, help="cpu / gpu: the random Llama's width (512 / 4096)")
   parser.add_argument("--layers", type=int, default=None, help="(4 / 8)")
-  parser.add_argument("--threads", type=int, default=os.cpu_count(),
-                      help="cpu: torch's threads (default: every core, which XLA's CPU client uses)")
+  parser.add_argument(
+    "--threads",
+    type=int,
+    default=os.cpu_count(),
+    help="cpu: torch's threads (default: every core, which XLA's CPU client uses)",
+  )
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--smoke", action="store_true", help="a small, quick run")
   parser.add_argument("--json", help="write the rows here")

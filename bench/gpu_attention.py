@@ -42,7 +42,7 @@ def segments(rng: np.random.Generator, batch: int, length: int, documents: int) 
     cuts = np.sort(rng.choice(np.arange(1, used), documents - 1, replace=False))
     bounds = [0, *cuts, used]
     for doc in range(documents):
-      out[row, bounds[doc]:bounds[doc + 1]] = doc + 1
+      out[row, bounds[doc] : bounds[doc + 1]] = doc + 1
   return out
 
 
@@ -75,8 +75,10 @@ def main() -> None:
   rng = np.random.default_rng(0)
   b, n, kv, h, length = args.batch, args.heads, args.kv_heads, args.head_dim, args.length
   ids = jnp.asarray(segments(rng, b, length, args.documents))
-  q, k, v, cot = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in
-                  ((b, length, n, h), (b, length, kv, h), (b, length, kv, h), (b, length, n, h)))
+  q, k, v, cot = (
+    jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    for s in ((b, length, n, h), (b, length, kv, h), (b, length, kv, h), (b, length, n, h))
+  )
   ms = [int(x) for x in args.max_segments.split(",")]
 
   # Every array is an argument of the jitted functions: closed over, XLA would fold them as constants.
@@ -89,12 +91,14 @@ def main() -> None:
         q, k, v = (x.astype(dtype) for x in (q, k, v))
       mask = cudnn_attention.segment_mask(ids) if masked else None
       return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+
     return attend
 
   def value_and_grads(fn):
     def run(q, k, v, cot, ids):
       out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, ids), q, k, v)
       return (out, *vjp(cot.astype(out.dtype)))
+
     return jax.jit(run)
 
   inputs = (q, k, v, cot, ids)
@@ -103,15 +107,20 @@ def main() -> None:
   names = ("output", "dq", "dk", "dv")
   errors = {name: rel(x, r) for name, x, r in zip(names, got, reference)}
   finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in got)
-  print(f"packed (max_segments {ms[0]}) vs XLA float32 with the segment mask, B {b} × {length} × {n} heads"
-        f" ({kv} kv) × {h}, {args.documents} documents a row:")
+  print(
+    f"packed (max_segments {ms[0]}) vs XLA float32 with the segment mask, B {b} × {length} × {n} heads"
+    f" ({kv} kv) × {h}, {args.documents} documents a row:"
+  )
   print("  " + "  ".join(f"{name} {e:.2e}" for name, e in errors.items()) + f"  finite {finite}")
   ok = finite and all(e < 2e-2 for e in errors.values())
   print("  PASS" if ok else "  FAIL: above bf16 tolerance (2e-2)")
 
   rows = [(f"cuDNN packed, max_segments {m}", packed(m)) for m in ms]
-  rows += [("cuDNN, dense segment mask", dense("cudnn")), ("cuDNN causal, no segments", dense("cudnn", False)),
-           ("XLA, dense segment mask", dense("xla"))]
+  rows += [
+    ("cuDNN, dense segment mask", dense("cudnn")),
+    ("cuDNN causal, no segments", dense("cudnn", False)),
+    ("XLA, dense segment mask", dense("xla")),
+  ]
   print(f"forward + backward, median of {args.iters}:")
   for name, fn in rows:
     try:

@@ -39,8 +39,17 @@ sys.path[:0] = [str(ROOT)]
 
 def _run(workdir: pathlib.Path, devices: int, *settings: str) -> float:
   started = time.perf_counter()
-  command = [sys.executable, "-m", "distrib_train", "--config", "grpo-tiny", "--workdir", str(workdir),
-             "--cpu_devices", str(devices)] + [a for s in settings for a in ("--set", s)]
+  command = [
+    sys.executable,
+    "-m",
+    "distrib_train",
+    "--config",
+    "grpo-tiny",
+    "--workdir",
+    str(workdir),
+    "--cpu_devices",
+    str(devices),
+  ] + [a for s in settings for a in ("--set", s)]
   subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   return time.perf_counter() - started
 
@@ -55,20 +64,35 @@ def learning(root: pathlib.Path, steps: int, every: int, devices: int) -> None:
   print(f"{'step':>6} {'reward':>8} {'accuracy':>9} {'format':>7} {'entropy':>8} {'zero spread':>12}")
   for r in _records(root / "learn" / "metrics.jsonl"):
     if "rollout/reward/mean" in r:
-      print(f"{r['step']:>6} {r['rollout/reward/mean']:>8.3f} {r['rollout/rewards/accuracy/mean']:>9.3f}"
-            f" {r['rollout/rewards/format/mean']:>7.3f} {r['entropy']:>8.3f} {r['rollout/frac_reward_zero_std']:>12.2f}")
+      print(
+        f"{r['step']:>6} {r['rollout/reward/mean']:>8.3f} {r['rollout/rewards/accuracy/mean']:>9.3f}"
+        f" {r['rollout/rewards/format/mean']:>7.3f} {r['entropy']:>8.3f} {r['rollout/frac_reward_zero_std']:>12.2f}"
+      )
   goodput = json.loads((root / "learn" / "goodput.json").read_text())["runs"][-1]["seconds"]
   generation, training = goodput["generation"], goodput["productive"]
-  print(f"a step's time: generation {generation / steps * 1e3:.1f} ms ({generation / (generation + training):.0%}),"
-        f" training {training / steps * 1e3:.1f} ms ({training / (generation + training):.0%})")
+  print(
+    f"a step's time: generation {generation / steps * 1e3:.1f} ms ({generation / (generation + training):.0%}),"
+    f" training {training / steps * 1e3:.1f} ms ({training / (generation + training):.0%})"
+  )
 
 
 def sampler(root: pathlib.Path, completion: int, steps: int, repeats: int, devices: int) -> None:
   workdir = root / "sampler"
-  _run(workdir, devices, f"train.steps={steps}", "train.log_every=1", f"grpo.max_completion_length={completion}",
-       "data.seq_len=64", "grpo.format_pattern=.*", f"train.checkpoint_every={steps}")
-  rates = [r["rollout/generation_tokens_per_s"] for r in _records(workdir / "metrics.jsonl")
-           if "rollout/generation_tokens_per_s" in r][1:]  # the first compiled the sampler
+  _run(
+    workdir,
+    devices,
+    f"train.steps={steps}",
+    "train.log_every=1",
+    f"grpo.max_completion_length={completion}",
+    "data.seq_len=64",
+    "grpo.format_pattern=.*",
+    f"train.checkpoint_every={steps}",
+  )
+  rates = [
+    r["rollout/generation_tokens_per_s"]
+    for r in _records(workdir / "metrics.jsonl")
+    if "rollout/generation_tokens_per_s" in r
+  ][1:]  # the first compiled the sampler
   colocated = statistics.median(rates)
 
   from distrib_train.data.sources import arithmetic_records
@@ -82,22 +106,31 @@ def sampler(root: pathlib.Path, completion: int, steps: int, repeats: int, devic
   g = config.grpo
   records = [json.loads(text) for text in arithmetic_records()]
   per_step = config.data.global_batch_size // g.num_generations
-  prompts = [list(records[i]["prompt"].encode()) for i in rollouts.prompt_order(len(records), per_step,
-                                                                                config.data.seed, 0)]
+  prompts = [
+    list(records[i]["prompt"].encode()) for i in rollouts.prompt_order(len(records), per_step, config.data.seed, 0)
+  ]
   generator = Generator(loaded.model, mesh=loaded.mesh, rules=loaded.rules)
   sampling = Sampling(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p, scaled_logprobs=True)
   times, tokens = [], 0
   for i in range(repeats + 1):
     started = time.perf_counter()
-    out = generator.generate(prompts, max_new_tokens=completion, sampling=sampling, n=g.num_generations, seed=i,
-                             batch_size=config.data.global_batch_size)
+    out = generator.generate(
+      prompts,
+      max_new_tokens=completion,
+      sampling=sampling,
+      n=g.num_generations,
+      seed=i,
+      batch_size=config.data.global_batch_size,
+    )
     tokens = sum(len(c.ids) for c in out)
     if i:
       times.append(time.perf_counter() - started)
   alone = tokens / statistics.median(times)
-  print(f"sampler, {len(prompts)} prompts × {g.num_generations} completions of {completion} tokens on {devices}"
-        f" devices: colocated in the run {colocated:,.0f} tokens/s (median of {len(rates)} rollouts), alone"
-        f" {alone:,.0f} tokens/s (median of {repeats}); colocated / alone {colocated / alone:.2f}")
+  print(
+    f"sampler, {len(prompts)} prompts × {g.num_generations} completions of {completion} tokens on {devices}"
+    f" devices: colocated in the run {colocated:,.0f} tokens/s (median of {len(rates)} rollouts), alone"
+    f" {alone:,.0f} tokens/s (median of {repeats}); colocated / alone {colocated / alone:.2f}"
+  )
 
 
 def vllm_row(hf_dir: str, completion: int, rows: int, n: int, repeats: int) -> None:
@@ -117,8 +150,9 @@ def vllm_row(hf_dir: str, completion: int, rows: int, n: int, repeats: int) -> N
   ours = []
   for i in range(repeats + 1):
     started = time.perf_counter()
-    out = generator.generate(prompts, max_new_tokens=completion, sampling=Sampling(temperature=1.0), n=n, seed=i,
-                             batch_size=rows * n)
+    out = generator.generate(
+      prompts, max_new_tokens=completion, sampling=Sampling(temperature=1.0), n=n, seed=i, batch_size=rows * n
+    )
     if i:
       ours.append(sum(len(c.ids) for c in out) / (time.perf_counter() - started))
   llm = vllm.LLM(model=hf_dir, dtype=loaded.config.model_recipe().config.dtype)
@@ -129,8 +163,10 @@ def vllm_row(hf_dir: str, completion: int, rows: int, n: int, repeats: int) -> N
     out = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     if i:
       theirs.append(sum(len(c.token_ids) for o in out for c in o.outputs) / (time.perf_counter() - started))
-  print(f"GPU, {rows} prompts × {n} of {completion} tokens: ours {statistics.median(ours):,.0f} tokens/s, vLLM"
-        f" {statistics.median(theirs):,.0f}; ours / vLLM {statistics.median(ours) / statistics.median(theirs):.2f}")
+  print(
+    f"GPU, {rows} prompts × {n} of {completion} tokens: ours {statistics.median(ours):,.0f} tokens/s, vLLM"
+    f" {statistics.median(theirs):,.0f}; ours / vLLM {statistics.median(ours) / statistics.median(theirs):.2f}"
+  )
 
 
 def main() -> None:

@@ -41,16 +41,27 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _sets(args: argparse.Namespace, moe: bool, mesh: str) -> list[str]:
-  model = [f"model.d_model={args.d_model}", f"model.num_layers={args.layers}", f"model.num_heads={args.heads}",
-           f"model.num_kv_heads={args.kv_heads or args.heads}",
-           f"model.head_dim={args.head_dim or args.d_model // args.heads}", f"model.max_seq_len={args.seq_len}",
-           f"model.dtype={args.dtype}", f"model.vocab_size={args.vocab}", f"model.fp8={args.fp8}"]
+  model = [
+    f"model.d_model={args.d_model}",
+    f"model.num_layers={args.layers}",
+    f"model.num_heads={args.heads}",
+    f"model.num_kv_heads={args.kv_heads or args.heads}",
+    f"model.head_dim={args.head_dim or args.d_model // args.heads}",
+    f"model.max_seq_len={args.seq_len}",
+    f"model.dtype={args.dtype}",
+    f"model.vocab_size={args.vocab}",
+    f"model.fp8={args.fp8}",
+  ]
   if moe:
     model += [f"model.expert_mlp_dim={args.expert_mlp_dim}", "model.num_experts=8", "model.experts_per_token=2"]
   else:
     model.append(f"model.mlp_dim={2 * args.expert_mlp_dim}")
-  data = ["data.source=synthetic", f"data.seq_len={args.seq_len}", f"data.global_batch_size={args.batch}",
-          "data.num_workers=0"]
+  data = [
+    "data.source=synthetic",
+    f"data.seq_len={args.seq_len}",
+    f"data.global_batch_size={args.batch}",
+    "data.num_workers=0",
+  ]
   return model + data + ([f"mesh_config={mesh}"] if mesh else [])
 
 
@@ -92,8 +103,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--steps", type=int, default=5, help="steps per round")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--json", help="write the figures here")
-  parser.add_argument("--profile", default="", help="then trace 2 steps of each model under this folder and print"
-                      " its device time by kernel and category (bench/profile_step.py's summary)")
+  parser.add_argument(
+    "--profile",
+    default="",
+    help="then trace 2 steps of each model under this folder and print"
+    " its device time by kernel and category (bench/profile_step.py's summary)",
+  )
   args = parser.parse_args(argv)
   from distrib_train.cluster import distributed
 
@@ -109,17 +124,24 @@ def main(argv: list[str] | None = None) -> None:
     for label, run in steppers.items():
       times[label].append(run(args.steps))
   tokens = args.batch * args.seq_len
-  out = {label: {"step_ms": 1000 * statistics.median(t), "tokens_per_s": tokens / statistics.median(t)}
-         for label, t in times.items()}
-  print(f"d_model {args.d_model}, {args.layers} layers, 8 experts top 2 × {args.expert_mlp_dim} against a dense MLP"
-        f" of {2 * args.expert_mlp_dim}; batch {args.batch} × {args.seq_len}, {args.dtype}, fp8 {args.fp8}")
+  out = {
+    label: {"step_ms": 1000 * statistics.median(t), "tokens_per_s": tokens / statistics.median(t)}
+    for label, t in times.items()
+  }
+  print(
+    f"d_model {args.d_model}, {args.layers} layers, 8 experts top 2 × {args.expert_mlp_dim} against a dense MLP"
+    f" of {2 * args.expert_mlp_dim}; batch {args.batch} × {args.seq_len}, {args.dtype}, fp8 {args.fp8}"
+  )
   for label, figures in out.items():
     ratio = figures["tokens_per_s"] / out["dense"]["tokens_per_s"]
-    print(f"  {label:<24} {figures['step_ms']:9.1f} ms/step {figures['tokens_per_s']:>11,.0f} tokens/s"
-          f"  {ratio:.3f} × dense")
+    print(
+      f"  {label:<24} {figures['step_ms']:9.1f} ms/step {figures['tokens_per_s']:>11,.0f} tokens/s  {ratio:.3f} × dense"
+    )
   if args.profile:
-    out["profiles"] = {label: _profile(run, pathlib.Path(args.profile) / f"model{i}", label)
-                       for i, (label, run) in enumerate(steppers.items())}
+    out["profiles"] = {
+      label: _profile(run, pathlib.Path(args.profile) / f"model{i}", label)
+      for i, (label, run) in enumerate(steppers.items())
+    }
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "results": out}, indent=1))
 

@@ -52,8 +52,11 @@ def main(argv=None) -> int:
     medians = muon_bench.time_steps({"0": ["model.mtp_depth=0"], "1": ["model.mtp_depth=1"]}, args.rounds, args.block)
     rows.append(("tiny", "CPU, 8 devices", medians["0"], medians["1"], flop_share("tiny")))
   for preset, where, base, mtp, share in rows:
-    print(f"| {preset} | {where} | {base * 1e3:.1f} ms | {mtp * 1e3:.1f} ms | {mtp / base:.3f} | {1 + share:.3f} |"
-          f" {'yes' if mtp / base <= 1 + share else 'no'} |", flush=True)
+    print(
+      f"| {preset} | {where} | {base * 1e3:.1f} ms | {mtp * 1e3:.1f} ms | {mtp / base:.3f} | {1 + share:.3f} |"
+      f" {'yes' if mtp / base <= 1 + share else 'no'} |",
+      flush=True,
+    )
   return 0
 
 

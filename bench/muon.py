@@ -42,8 +42,18 @@ def _plan(preset: str, optimizer: str, extra: list[str]) -> dict:
   """``distrib-train plan --json`` of ``preset`` with ``optimizer`` and ``extra`` flags, in a fresh process."""
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "plan.json")
-    command = [sys.executable, "-m", "distrib_train", "plan", "--config", preset, "--json", out,
-               f"--set=optimizer.name={optimizer}", *extra]
+    command = [
+      sys.executable,
+      "-m",
+      "distrib_train",
+      "plan",
+      "--config",
+      preset,
+      "--json",
+      out,
+      f"--set=optimizer.name={optimizer}",
+      *extra,
+    ]
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR="")
     env.pop("XLA_FLAGS", None)
     plugin = os.environ.get("DISTRIB_TRAIN_CUDA_PLUGIN")
@@ -67,9 +77,12 @@ def plan(presets: list[str], extra: list[str]) -> None:
       base = step if base is None else base
       wire = p.get("wire_bytes", {})
       total = sum(wire.get(k, 0.0) for k in ("ici", "dcn"))
-      print(f"| {preset} ({p['topology']['name'] if p.get('topology') else p['devices']}) | {optimizer} |"
-            f" {step * 1e3:.1f} ms | {total / 1e9:.2f} ({p.get('optimizer_wire_bytes', 0.0) / 1e9:.2f}) |"
-            f" {p['memory']['total'] / GiB:.2f} | {step / base:.3f} |", flush=True)
+      print(
+        f"| {preset} ({p['topology']['name'] if p.get('topology') else p['devices']}) | {optimizer} |"
+        f" {step * 1e3:.1f} ms | {total / 1e9:.2f} ({p.get('optimizer_wire_bytes', 0.0) / 1e9:.2f}) |"
+        f" {p['memory']['total'] / GiB:.2f} | {step / base:.3f} |",
+        flush=True,
+      )
 
 
 def cpu_step(rounds: int, block: int) -> None:
@@ -98,10 +111,13 @@ def time_steps(variants: dict[str, list[str]], rounds: int, block: int, preset: 
     job = job_lib.job_spec(config)
     planner = dt.MeshPlanner(mesh, job_lib.rules_for(config, mesh_config))
     plan_ = job_lib.plan_job(job, planner)
-    step = dt.build_train_step_fn(job.loss_fn, donate_params_and_state=True,
-                                  train_state_shardings=plan_.train_state_shardings,
-                                  input_kwarg_shardings=plan_.input_kwarg_shardings,
-                                  **job_lib.step_options(job, plan_, planner.rules))
+    step = dt.build_train_step_fn(
+      job.loss_fn,
+      donate_params_and_state=True,
+      train_state_shardings=plan_.train_state_shardings,
+      input_kwarg_shardings=plan_.input_kwarg_shardings,
+      **job_lib.step_options(job, plan_, planner.rules),
+    )
     loader = data.DataLoader(config.data_config(), plan_.input_kwarg_shardings)
     batch = next(loader)
     loader.close()
@@ -128,9 +144,18 @@ def _train(optimizer: str, lr: float, steps: int, eval_every: int, workdir: path
   from distrib_train.config import run as config_lib
   from distrib_train.train.trainer import Trainer
 
-  config = config_lib.load("tiny", [f"optimizer.name={optimizer}", f"optimizer.learning_rate={lr}",
-                                    f"train.steps={steps}", f"train.eval_every={eval_every}", "train.eval_batches=4",
-                                    "train.checkpoint_every=0", f"train.log_every={eval_every}"])
+  config = config_lib.load(
+    "tiny",
+    [
+      f"optimizer.name={optimizer}",
+      f"optimizer.learning_rate={lr}",
+      f"train.steps={steps}",
+      f"train.eval_every={eval_every}",
+      "train.eval_batches=4",
+      "train.checkpoint_every=0",
+      f"train.log_every={eval_every}",
+    ],
+  )
   Trainer(config, workdir, console=io.StringIO()).run()
   lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   return {m["step"]: m["eval/loss"] for m in lines if "eval/loss" in m}
@@ -144,8 +169,10 @@ def quality(adamw_lrs: list[float], muon_lrs: list[float], steps: int, eval_ever
         curve = _train(optimizer, lr, steps, eval_every, pathlib.Path(tmp) / f"{optimizer}-{lr}")
         curves[optimizer, lr] = curve
         print(f"{optimizer} lr {lr:g}: " + ", ".join(f"{s}: {v:.4f}" for s, v in sorted(curve.items())), flush=True)
-  best = {name: min(((lr, c) for (o, lr), c in curves.items() if o == name), key=lambda x: x[1][steps])
-          for name in ("adamw", "muon")}
+  best = {
+    name: min(((lr, c) for (o, lr), c in curves.items() if o == name), key=lambda x: x[1][steps])
+    for name in ("adamw", "muon")
+  }
   (a_lr, a_curve), (m_lr, m_curve) = best["adamw"], best["muon"]
   target = a_curve[steps]
   reached = next((s for s, v in sorted(m_curve.items()) if v <= target), None)
@@ -172,8 +199,9 @@ def main(argv=None) -> int:
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before jax: cpu-8's devices
   import jax
 
-  print(f"muon bench: {os.cpu_count()} CPU cores, python {platform.python_version()}, jax {jax.__version__}",
-        flush=True)
+  print(
+    f"muon bench: {os.cpu_count()} CPU cores, python {platform.python_version()}, jax {jax.__version__}", flush=True
+  )
   if args.plan is not None:
     plan(args.plan or ["llama-7b-tpu", "llama-1b-gpu"], [f"--set={s}" for s in args.set])
   if args.cpu_step:

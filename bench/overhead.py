@@ -47,8 +47,9 @@ def _parse_args():
 
 ARGS = _parse_args()
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
+).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -64,14 +65,20 @@ class FrameworkStep:
 
   def __init__(self, recipe, planner, make_state, batch_shapes, tokens, targets, aot):
     self.name = "framework (AOT)" if aot else "framework (jit)"
-    self.state, self.plan = planner.init(make_state, loss_fn=recipe.loss_fn, inputs=batch_shapes,
-                                         input_axes=recipe.input_axes)
-    self.batch = {"tokens": jax.device_put(tokens, self.plan.input_kwarg_shardings["tokens"]),
-                  "targets": jax.device_put(targets, self.plan.input_kwarg_shardings["targets"])}
-    self.step_fn = dt.build_train_step_fn(recipe.loss_fn, donate_params_and_state=True,
-                                          train_state_shardings=self.plan.train_state_shardings,
-                                          input_kwarg_shardings=self.plan.input_kwarg_shardings,
-                                          aux_output_shardings=self.plan.aux_output_shardings)
+    self.state, self.plan = planner.init(
+      make_state, loss_fn=recipe.loss_fn, inputs=batch_shapes, input_axes=recipe.input_axes
+    )
+    self.batch = {
+      "tokens": jax.device_put(tokens, self.plan.input_kwarg_shardings["tokens"]),
+      "targets": jax.device_put(targets, self.plan.input_kwarg_shardings["targets"]),
+    }
+    self.step_fn = dt.build_train_step_fn(
+      recipe.loss_fn,
+      donate_params_and_state=True,
+      train_state_shardings=self.plan.train_state_shardings,
+      input_kwarg_shardings=self.plan.input_kwarg_shardings,
+      aux_output_shardings=self.plan.aux_output_shardings,
+    )
     if aot:
       self.step_fn.compile(self.state, **self.batch)
     self.aux = None
@@ -96,8 +103,9 @@ class RawStep:
       step_rng = jax.random.fold_in(root_rng, step)
 
       def loss_of(current):
-        loss, _, aux = loss_fn(model=nnx.merge(graphdef, current, rest), state=None, rng=step_rng, tokens=tokens,
-                               targets=targets)
+        loss, _, aux = loss_fn(
+          model=nnx.merge(graphdef, current, rest), state=None, rng=step_rng, tokens=tokens, targets=targets
+        )
         return loss, aux
 
       grads, aux = jax.grad(loss_of, has_aux=True)(params)
@@ -107,9 +115,11 @@ class RawStep:
     shardings = framework.plan.train_state_shardings
     inputs = framework.plan.input_kwarg_shardings
     self._jitted = jax.jit(
-        raw_step, donate_argnums=(0, 1),
-        in_shardings=(shardings.params, shardings.opt_state, None, None, inputs["tokens"], inputs["targets"]),
-        out_shardings=(shardings.params, shardings.opt_state, framework.plan.aux_output_shardings))
+      raw_step,
+      donate_argnums=(0, 1),
+      in_shardings=(shardings.params, shardings.opt_state, None, None, inputs["tokens"], inputs["targets"]),
+      out_shardings=(shardings.params, shardings.opt_state, framework.plan.aux_output_shardings),
+    )
     # Start from the framework's initial values (copies: the framework donates its own).
     self.params = jax.tree_util.tree_map(jnp.copy, framework.state.params)
     self.opt_state = jax.tree_util.tree_map(jnp.copy, framework.state.opt_state)
@@ -118,8 +128,9 @@ class RawStep:
     self.aux = None
 
   def step(self):
-    self.params, self.opt_state, self.aux = self._jitted(self.params, self.opt_state, self.root_rng,
-                                                         self.step_count, self.tokens, self.targets)
+    self.params, self.opt_state, self.aux = self._jitted(
+      self.params, self.opt_state, self.root_rng, self.step_count, self.tokens, self.targets
+    )
     self.step_count += 1
 
   def block(self):
@@ -135,8 +146,10 @@ def main():
   rng = np.random.default_rng(0)
   data = rng.integers(0, recipe.config.vocab_size, (ARGS.batch, ARGS.seq_len + 1), dtype=np.int32)
   tokens, targets = data[:, :-1], data[:, 1:]
-  shapes = {"tokens": jax.ShapeDtypeStruct(tokens.shape, jnp.int32),
-            "targets": jax.ShapeDtypeStruct(targets.shape, jnp.int32)}
+  shapes = {
+    "tokens": jax.ShapeDtypeStruct(tokens.shape, jnp.int32),
+    "targets": jax.ShapeDtypeStruct(targets.shape, jnp.int32),
+  }
   framework_jit = FrameworkStep(recipe, planner, make_state, shapes, tokens, targets, aot=False)
   framework_aot = FrameworkStep(recipe, planner, make_state, shapes, tokens, targets, aot=True)
   raw = RawStep(recipe, optimizer, framework_jit)
@@ -148,16 +161,19 @@ def main():
       variant.step()
       variant.block()
     losses[variant.name] = float(variant.aux["loss"])
-  print(f"{jax.device_count()} CPU device(s) ({'emulated, ' if jax.device_count() > 1 else ''}data axis), "
-        f"{os.cpu_count()} cores; tiny Llama {recipe.config.num_params():,} params, batch {ARGS.batch} × "
-        f"{ARGS.seq_len}; jax {jax.__version__}; loss after 3 steps: "
-        + ", ".join(f"{name} {loss:.4f}" for name, loss in losses.items()), flush=True)
+  print(
+    f"{jax.device_count()} CPU device(s) ({'emulated, ' if jax.device_count() > 1 else ''}data axis), "
+    f"{os.cpu_count()} cores; tiny Llama {recipe.config.num_params():,} params, batch {ARGS.batch} × "
+    f"{ARGS.seq_len}; jax {jax.__version__}; loss after 3 steps: "
+    + ", ".join(f"{name} {loss:.4f}" for name, loss in losses.items()),
+    flush=True,
+  )
 
   for window in (int(w) for w in ARGS.windows.split(",")):
     seconds = {variant.name: [] for variant in variants}
     dispatch = {variant.name: [] for variant in variants}  # until the call returns, before the result is ready
     for i in range(ARGS.rounds):
-      for variant in variants[i % 3:] + variants[:i % 3]:
+      for variant in variants[i % 3 :] + variants[: i % 3]:
         start = time.perf_counter()
         for _ in range(window):
           variant.step()
@@ -178,11 +194,15 @@ def main():
         quartiles = statistics.quantiles(paired, n=4)
         # Load only ever adds time: the fastest decile is the least disturbed.
         fast = statistics.quantiles(seconds[name], n=10)[0] / statistics.quantiles(seconds[raw.name], n=10)[0]
-        ratio = (f"  ratio {statistics.median(paired):.3f} (paired median; quartiles {quartiles[0]:.3f}–"
-                 f"{quartiles[2]:.3f}; of medians {median[name] / median[raw.name]:.3f}; of fastest deciles"
-                 f" {fast:.3f}; target ≤ 1.02)")
-      print(f"  {name:<16} {median[name] * 1e3:8.3f} ms  call {statistics.median(dispatch[name]) * 1e6:6.0f} µs"
-            f"{ratio}", flush=True)
+        ratio = (
+          f"  ratio {statistics.median(paired):.3f} (paired median; quartiles {quartiles[0]:.3f}–"
+          f"{quartiles[2]:.3f}; of medians {median[name] / median[raw.name]:.3f}; of fastest deciles"
+          f" {fast:.3f}; target ≤ 1.02)"
+        )
+      print(
+        f"  {name:<16} {median[name] * 1e3:8.3f} ms  call {statistics.median(dispatch[name]) * 1e6:6.0f} µs{ratio}",
+        flush=True,
+      )
 
 
 if __name__ == "__main__":

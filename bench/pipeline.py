@@ -59,20 +59,27 @@ def sharded_step(cfg: llama.LlamaConfig, axes: dict, batch: int, length: int, **
   make = lambda: dt.TrainState.initial_state(cfg.build(0), optax.adam(1e-3), jax.random.key(0))
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, length)).astype(np.int32)
   inputs = {"tokens": tokens, "targets": np.roll(tokens, -1, 1)}
-  plan = dt.MeshPlanner(mesh, rules).plan(jax.eval_shape(make), loss_fn=llama.loss_fn, inputs=inputs,
-                                          input_axes=llama.INPUT_AXES)
-  step = dt.build_train_step_fn(llama.loss_fn, donate_params_and_state=True,
-                                train_state_shardings=plan.train_state_shardings,
-                                input_kwarg_shardings=plan.input_kwarg_shardings,
-                                aux_output_shardings=plan.aux_output_shardings, **options)
+  plan = dt.MeshPlanner(mesh, rules).plan(
+    jax.eval_shape(make), loss_fn=llama.loss_fn, inputs=inputs, input_axes=llama.INPUT_AXES
+  )
+  step = dt.build_train_step_fn(
+    llama.loss_fn,
+    donate_params_and_state=True,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    aux_output_shardings=plan.aux_output_shardings,
+    **options,
+  )
   placed = {k: jax.device_put(v, plan.input_kwarg_shardings[k]) for k, v in inputs.items()}
   return mesh, rules, plan, plan.init(make), step, placed
 
 
-def step_time(cfg: llama.LlamaConfig, axes: dict, batch: int, length: int, microbatches: int, repeats: int,
-              steps: int) -> float:
-  mesh, rules, _, state, step, placed = sharded_step(cfg, axes, batch, length, microbatches=microbatches,
-                                                     pipeline_repeats=repeats, microbatch_weight="tokens")
+def step_time(
+  cfg: llama.LlamaConfig, axes: dict, batch: int, length: int, microbatches: int, repeats: int, steps: int
+) -> float:
+  mesh, rules, _, state, step, placed = sharded_step(
+    cfg, axes, batch, length, microbatches=microbatches, pipeline_repeats=repeats, microbatch_weight="tokens"
+  )
   times = []
   with dt.activation_sharding(mesh, rules):
     for i in range(steps + 1):
@@ -100,11 +107,20 @@ def main() -> None:
   parser.add_argument("--length", type=int, default=128)
   parser.add_argument("--steps", type=int, default=5)
   args = parser.parse_args()
-  cfg = dataclasses.replace(llama.PRESETS["tiny"], num_layers=args.layers, d_model=args.d_model,
-                            num_heads=8, num_kv_heads=4, head_dim=args.d_model // 8, mlp_dim=3 * args.d_model,
-                            max_seq_len=args.length)
-  print(f"model: {cfg.num_params():,} params, {args.layers} layers, d_model {args.d_model}; global batch"
-        f" {args.batch} × {args.length}; {jax.device_count()} emulated CPU devices on {os.cpu_count()} cores")
+  cfg = dataclasses.replace(
+    llama.PRESETS["tiny"],
+    num_layers=args.layers,
+    d_model=args.d_model,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=args.d_model // 8,
+    mlp_dim=3 * args.d_model,
+    max_seq_len=args.length,
+  )
+  print(
+    f"model: {cfg.num_params():,} params, {args.layers} layers, d_model {args.d_model}; global batch"
+    f" {args.batch} × {args.length}; {jax.device_count()} emulated CPU devices on {os.cpu_count()} cores"
+  )
   print(f"{'mesh':<22} {'schedule':<12} {'M':>3} {'step ms':>9} {'vs plain':>9} {'bubble (formula)':>17}")
   plain = step_time(cfg, {"fsdp": 8}, args.batch, args.length, 1, 1, args.steps)
   print(f"{'fsdp 8':<22} {'-':<12} {1:>3} {plain * 1e3:>9.1f} {1.0:>9.2f} {'-':>17}")
@@ -122,11 +138,15 @@ def main() -> None:
         t = step_time(cfg, axes, args.batch, args.length, m, repeats, args.steps)
         rows.append((m, t))
         name = "gpipe" if repeats == 1 else f"circular R{repeats}"
-        print(f"{f'stage {stages} × fsdp {8 // stages}':<22} {name:<12} {m:>3} {t * 1e3:>9.1f} {t / plain:>9.2f}"
-              f" {bubble_fraction(stages, m, repeats):>17.1%}")
+        print(
+          f"{f'stage {stages} × fsdp {8 // stages}':<22} {name:<12} {m:>3} {t * 1e3:>9.1f} {t / plain:>9.2f}"
+          f" {bubble_fraction(stages, m, repeats):>17.1%}"
+        )
       if repeats > 1:
-        print("  (no fit for the circular schedule: each of its iterations also re-picks the stage's weights and"
-              " re-runs its forward for the backward pass, a per-iteration cost the two-term model lacks)")
+        print(
+          "  (no fit for the circular schedule: each of its iterations also re-picks the stage's weights and"
+          " re-runs its forward for the backward pass, a per-iteration cost the two-term model lacks)"
+        )
         continue
       if len(rows) < 3:
         continue

@@ -43,15 +43,28 @@ def main(argv=None) -> list[dict]:
   args = parser.parse_args(argv)
   import jax
 
-  print(f"plan_bench: {args.config} on {args.mesh_config}{' --recommend' if args.recommend else ''}"
-        f"{' --emulate' if args.emulate else ''};"
-        f" {os.cpu_count()} CPU cores, python {platform.python_version()}, jax {jax.__version__}", flush=True)
+  print(
+    f"plan_bench: {args.config} on {args.mesh_config}{' --recommend' if args.recommend else ''}"
+    f"{' --emulate' if args.emulate else ''};"
+    f" {os.cpu_count()} CPU cores, python {platform.python_version()}, jax {jax.__version__}",
+    flush=True,
+  )
   rows = []
   for repeat in range(args.repeats):
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, "plan.json")
-      command = [sys.executable, "-m", "distrib_train", "plan", "--config", args.config, "--mesh_config",
-                 args.mesh_config, "--json", out]
+      command = [
+        sys.executable,
+        "-m",
+        "distrib_train",
+        "plan",
+        "--config",
+        args.config,
+        "--mesh_config",
+        args.mesh_config,
+        "--json",
+        out,
+      ]
       for flag in ("devices", "device_kind"):
         if getattr(args, flag):
           command += [f"--{flag}", str(getattr(args, flag))]
@@ -75,15 +88,25 @@ def main(argv=None) -> list[dict]:
     if args.recommend:
       row.update(candidates=data["candidates"], compiled=data["compiled"])
     else:
-      row.update({k: round(v, 1) for k, v in data["timings"].items()}, devices=data["devices"],
-                 total_gib=data["memory"]["total"] / 2**30, fits=data["memory"]["fits"])
+      row.update(
+        {k: round(v, 1) for k, v in data["timings"].items()},
+        devices=data["devices"],
+        total_gib=data["memory"]["total"] / 2**30,
+        fits=data["memory"]["fits"],
+      )
     rows.append(row)
     phases = ", ".join(f"{k} {v}" for k, v in row.items() if k.endswith("_s") and k != "wall_s")
-    print(f"repeat {repeat}: {wall:.1f} s wall ({phases or f'{len(plans)} ranked'}); target < {TARGET_S:.0f} s:"
-          f" {'met' if row['within_target'] else 'NOT met'}", flush=True)
+    print(
+      f"repeat {repeat}: {wall:.1f} s wall ({phases or f'{len(plans)} ranked'}); target < {TARGET_S:.0f} s:"
+      f" {'met' if row['within_target'] else 'NOT met'}",
+      flush=True,
+    )
     if not args.recommend:
-      print(f"  {data['devices']} × {data['device_kind']}: {row['total_gib']:.2f} GiB per device,"
-            f" fits {row['fits']}, step {data['time']['step_s']:.3g} s, MFU {data['time']['mfu']:.1%}", flush=True)
+      print(
+        f"  {data['devices']} × {data['device_kind']}: {row['total_gib']:.2f} GiB per device,"
+        f" fits {row['fits']}, step {data['time']['step_s']:.3g} s, MFU {data['time']['mfu']:.1%}",
+        flush=True,
+      )
   return rows
 
 

@@ -65,21 +65,44 @@ def _cpu_prediction(args, devices: int, kind: str) -> dict:
   """``distrib-train plan`` for the same job in a CPU-only subprocess."""
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "plan.json")
-    command = [sys.executable, "-m", "distrib_train", "plan", "--config", args.config, "--mesh_config",
-               args.mesh_config, "--devices", str(devices), "--device_kind", kind, "--json", out]
+    command = [
+      sys.executable,
+      "-m",
+      "distrib_train",
+      "plan",
+      "--config",
+      args.config,
+      "--mesh_config",
+      args.mesh_config,
+      "--devices",
+      str(devices),
+      "--device_kind",
+      kind,
+      "--json",
+      out,
+    ]
     for item in args.set:
       command += ["--set", item]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([_REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS="",
+      CUDA_VISIBLE_DEVICES="",
+      PYTHONPATH=os.pathsep.join([_REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
+    )
     start = time.perf_counter()
     done = subprocess.run(command, cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
       return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
     with open(out, encoding="utf-8") as f:
       data = json.load(f)
-    return {"total": data["memory"]["total"], "temporaries": data["memory"]["temporaries"],
-            "compiled_temporaries": data["memory"]["compiled_temporaries"],
-            "seconds": time.perf_counter() - start, "notes": data["notes"]}
+    return {
+      "total": data["memory"]["total"],
+      "temporaries": data["memory"]["temporaries"],
+      "compiled_temporaries": data["memory"]["compiled_temporaries"],
+      "seconds": time.perf_counter() - start,
+      "notes": data["notes"],
+    }
 
 
 def _random_batch(spec, plan, vocab: int, seed: int = 0) -> dict:
@@ -117,18 +140,27 @@ def main(argv=None) -> dict:
   mesh_config = MeshConfig.from_yaml(find_mesh_config(config.mesh_config))
   device = jax.devices()[0]
   devices = len(jax.devices())
-  kind = hardware.device_kind(args.device_kind) if args.device_kind else (
-      hardware.guess_device_kind(device.device_kind) or hardware.DEVICE_KINDS["h100"])
-  print(f"plan_validate: {args.config} on {devices} × {device.device_kind} ({device.platform}); jax {jax.__version__};"
-        f" verdict figures: {kind.name}", flush=True)
+  kind = (
+    hardware.device_kind(args.device_kind)
+    if args.device_kind
+    else (hardware.guess_device_kind(device.device_kind) or hardware.DEVICE_KINDS["h100"])
+  )
+  print(
+    f"plan_validate: {args.config} on {devices} × {device.device_kind} ({device.platform}); jax {jax.__version__};"
+    f" verdict figures: {kind.name}",
+    flush=True,
+  )
 
   # 1. The plan path on this backend: abstract inputs, nothing allocated.
   spec = podplan.step_spec(config, device.platform)
   pod = podplan.plan_pod(config, mesh_config, kind, devices, config_name=args.config, spec=spec)
   predicted = pod.memory
-  print(f"predicted, native:  {_gib(predicted.total)} = state {_gib(predicted.state)} + batch {_gib(predicted.inputs)}"
-        f" + temporaries {_gib(predicted.temporaries)} + undonated outputs {_gib(predicted.outputs_not_donated)}"
-        f" (compiled in {pod.timings['compile_s']:.1f} s)", flush=True)
+  print(
+    f"predicted, native:  {_gib(predicted.total)} = state {_gib(predicted.state)} + batch {_gib(predicted.inputs)}"
+    f" + temporaries {_gib(predicted.temporaries)} + undonated outputs {_gib(predicted.outputs_not_donated)}"
+    f" (compiled in {pod.timings['compile_s']:.1f} s)",
+    flush=True,
+  )
   jax.clear_caches()
 
   # 2. What a laptop would have predicted.
@@ -138,9 +170,12 @@ def main(argv=None) -> dict:
     if "error" in cpu:
       print(f"predicted, CPU emulation: failed: {cpu['error']}", flush=True)
     else:
-      print(f"predicted, CPU emulation: {_gib(cpu['total'])} (temporaries {_gib(cpu['temporaries'])}, CPU-compiled"
-            f" {_gib(cpu['compiled_temporaries'])};"
-            f" {cpu['seconds']:.0f} s)", flush=True)
+      print(
+        f"predicted, CPU emulation: {_gib(cpu['total'])} (temporaries {_gib(cpu['temporaries'])}, CPU-compiled"
+        f" {_gib(cpu['compiled_temporaries'])};"
+        f" {cpu['seconds']:.0f} s)",
+        flush=True,
+      )
 
   # 3. The trainer's way: sharded init, then the step compiled ahead of time.
   plan = pod.plan
@@ -152,12 +187,16 @@ def main(argv=None) -> dict:
   init_s = time.perf_counter() - start
   stats = device.memory_stats() or {}
   after_init = stats.get("bytes_in_use")
-  step = build_train_step_fn(spec.loss_fn, donate_params_and_state=True,
-                             train_state_shardings=plan.train_state_shardings,
-                             input_kwarg_shardings=plan.input_kwarg_shardings,
-                             aux_output_shardings=plan.aux_output_shardings)
-  abstract_inputs = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.input_kwarg_shardings[n])
-                     for n, x in spec.inputs.items()}
+  step = build_train_step_fn(
+    spec.loss_fn,
+    donate_params_and_state=True,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    aux_output_shardings=plan.aux_output_shardings,
+  )
+  abstract_inputs = {
+    n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.input_kwarg_shardings[n]) for n, x in spec.inputs.items()
+  }
   start = time.perf_counter()
   with activation_sharding(plan.mesh, rules):
     compiled = step.compile(plan.abstract_train_state.replace(step=0), **abstract_inputs)
@@ -165,13 +204,19 @@ def main(argv=None) -> dict:
   analysis = compiled.memory_analysis()
   real_compile = None
   if analysis is not None:
-    real_compile = (analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
-                    + max(0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
-                    + getattr(analysis, "generated_code_size_in_bytes", 0))
-  print(f"real compile:       {_gib(real_compile)} (memory_analysis: arguments"
-        f" {_gib(getattr(analysis, 'argument_size_in_bytes', None))}, temporaries"
-        f" {_gib(getattr(analysis, 'temp_size_in_bytes', None))}; init {init_s:.1f} s, compile {compile_s:.1f} s);"
-        f" in use after init {_gib(after_init)}", flush=True)
+    real_compile = (
+      analysis.argument_size_in_bytes
+      + analysis.temp_size_in_bytes
+      + max(0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+      + getattr(analysis, "generated_code_size_in_bytes", 0)
+    )
+  print(
+    f"real compile:       {_gib(real_compile)} (memory_analysis: arguments"
+    f" {_gib(getattr(analysis, 'argument_size_in_bytes', None))}, temporaries"
+    f" {_gib(getattr(analysis, 'temp_size_in_bytes', None))}; init {init_s:.1f} s, compile {compile_s:.1f} s);"
+    f" in use after init {_gib(after_init)}",
+    flush=True,
+  )
 
   # 4. Real steps, then the allocator's peak.
   vocab = spec.family.vocab_size or 256
@@ -184,12 +229,18 @@ def main(argv=None) -> dict:
   seconds = (time.perf_counter() - start) / max(1, args.steps)
   stats = device.memory_stats() or {}
   peak = stats.get("peak_bytes_in_use")
-  print(f"real peak:          {_gib(peak)} after {args.steps} steps (losses {', '.join(f'{x:.3f}' for x in losses)};"
-        f" {seconds:.2f} s/step incl. the first); bytes_limit {_gib(stats.get('bytes_limit'))}", flush=True)
+  print(
+    f"real peak:          {_gib(peak)} after {args.steps} steps (losses {', '.join(f'{x:.3f}' for x in losses)};"
+    f" {seconds:.2f} s/step incl. the first); bytes_limit {_gib(stats.get('bytes_limit'))}",
+    flush=True,
+  )
 
   ratios = {}
-  for name, value in (("predicted_native", predicted.total), ("real_compile", real_compile),
-                      ("predicted_cpu", None if not cpu or "error" in cpu else cpu["total"])):
+  for name, value in (
+    ("predicted_native", predicted.total),
+    ("real_compile", real_compile),
+    ("predicted_cpu", None if not cpu or "error" in cpu else cpu["total"]),
+  ):
     if value is not None and peak:
       ratios[name] = value / peak
   if ratios:
@@ -200,13 +251,27 @@ def main(argv=None) -> dict:
   if within is not None:
     print(f"native prediction within {args.tolerance:.0%} of the real peak: {'yes' if within else 'NO'}")
   result = {
-      "config": args.config, "mesh_config": args.mesh_config, "device": device.device_kind,
-      "platform": device.platform, "devices": devices, "jax": jax.__version__,
-      "predicted_native": predicted.total, "predicted_native_parts": {
-          "state": predicted.state, "batch": predicted.inputs, "temporaries": predicted.temporaries,
-          "outputs_not_donated": predicted.outputs_not_donated},
-      "predicted_cpu": cpu, "real_compile": real_compile, "state_after_init": after_init, "real_peak": peak,
-      "bytes_limit": stats.get("bytes_limit"), "ratios": ratios, "within_tolerance": within, "losses": losses,
+    "config": args.config,
+    "mesh_config": args.mesh_config,
+    "device": device.device_kind,
+    "platform": device.platform,
+    "devices": devices,
+    "jax": jax.__version__,
+    "predicted_native": predicted.total,
+    "predicted_native_parts": {
+      "state": predicted.state,
+      "batch": predicted.inputs,
+      "temporaries": predicted.temporaries,
+      "outputs_not_donated": predicted.outputs_not_donated,
+    },
+    "predicted_cpu": cpu,
+    "real_compile": real_compile,
+    "state_after_init": after_init,
+    "real_peak": peak,
+    "bytes_limit": stats.get("bytes_limit"),
+    "ratios": ratios,
+    "within_tolerance": within,
+    "losses": losses,
   }
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:

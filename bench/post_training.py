@@ -63,9 +63,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.error("--steps must be at least 3 × --log_every (one warm-up window, two timed).")
 
   def run(sets: list[str]) -> dict:
-    return trainer_loop.trainer_run(argparse.Namespace(
-        config=args.config, set=[*(args.set or []), *sets], text=None, tokenizer=None, steps=args.steps,
-        log_every=args.log_every, cpu_devices=args.cpu_devices, timeout=args.timeout))
+    return trainer_loop.trainer_run(
+      argparse.Namespace(
+        config=args.config,
+        set=[*(args.set or []), *sets],
+        text=None,
+        tokenizer=None,
+        steps=args.steps,
+        log_every=args.log_every,
+        cpu_devices=args.cpu_devices,
+        timeout=args.timeout,
+      )
+    )
 
   if args.dpo:
     return _dpo(args, run)
@@ -75,8 +84,10 @@ def main(argv: list[str] | None = None) -> None:
   sft_ms = (sft_before["step_ms"] + sft_after["step_ms"]) / 2
   spread = abs(sft_before["step_ms"] - sft_after["step_ms"]) / sft_ms
   print(f"{args.config} {' '.join(args.set or [])}".strip())
-  print(f"  SFT          {sft_ms:9.2f} ms/step  (two runs, {spread:.1%} apart)  data wait"
-        f" {(sft_before['data_wait_ms'] + sft_after['data_wait_ms']) / 2:.2f} ms")
+  print(
+    f"  SFT          {sft_ms:9.2f} ms/step  (two runs, {spread:.1%} apart)  data wait"
+    f" {(sft_before['data_wait_ms'] + sft_after['data_wait_ms']) / 2:.2f} ms"
+  )
   print(f"  pretraining  {pretraining['step_ms']:9.2f} ms/step  data wait {pretraining['data_wait_ms']:.2f} ms")
   print(f"  SFT step speed / pretraining step speed: {pretraining['step_ms'] / sft_ms:.3f}")
   if args.lora:
@@ -94,23 +105,46 @@ def _dpo(args: argparse.Namespace, run) -> None:
   pairs = [json.loads(r) for r in sources.pydoc_pairs(sources._pydoc_documents(sources.CONVERSATION_BYTES // 2))]
   folder = pathlib.Path(tempfile.mkdtemp(prefix="dpo-bench-"))
   (folder / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
-  (folder / "sft.jsonl").write_text("".join(json.dumps({"prompt": p["prompt"], "completion": p[k]}) + "\n"
-                                            for p in pairs for k in ("chosen", "rejected")))
+  (folder / "sft.jsonl").write_text(
+    "".join(
+      json.dumps({"prompt": p["prompt"], "completion": p[k]}) + "\n" for p in pairs for k in ("chosen", "rejected")
+    )
+  )
   common = ["data.source=text", "data.text_field=*", "train.eval_every=0", "train.checkpoint_every=0"]
   sft = run([*common, f"data.paths={folder / 'sft.jsonl'}", "data.loss_on=completion"])
   dpo = run([*common, f"data.paths={folder / 'pairs.jsonl'}", "train.objective=dpo", "data.loss_on="])
-  kept = run([*common, f"data.paths={folder / 'pairs.jsonl'}", "train.objective=dpo", "data.loss_on=",
-              "dpo.precompute_reference=true"])
-  lora = run([*common, f"data.paths={folder / 'pairs.jsonl'}", "train.objective=dpo", "data.loss_on=",
-              f"model.lora.rank={args.lora or 8}"])
+  kept = run(
+    [
+      *common,
+      f"data.paths={folder / 'pairs.jsonl'}",
+      "train.objective=dpo",
+      "data.loss_on=",
+      "dpo.precompute_reference=true",
+    ]
+  )
+  lora = run(
+    [
+      *common,
+      f"data.paths={folder / 'pairs.jsonl'}",
+      "train.objective=dpo",
+      "data.loss_on=",
+      f"model.lora.rank={args.lora or 8}",
+    ]
+  )
   print(f"{args.config} {' '.join(args.set or [])} ({len(pairs)} pairs)".strip())
   print(f"  SFT on the pairs' sequences {sft['step_ms']:9.2f} ms/step")
-  print(f"  DPO, live reference         {dpo['step_ms']:9.2f} ms/step  DPO / SFT step time:"
-        f" {dpo['step_ms'] / sft['step_ms']:.3f}")
-  print(f"  DPO, precomputed reference  {kept['step_ms']:9.2f} ms/step  DPO / SFT step time:"
-        f" {kept['step_ms'] / sft['step_ms']:.3f}")
-  print(f"  DPO, LoRA rank {args.lora or 8:<3}          {lora['step_ms']:9.2f} ms/step  DPO / SFT step time:"
-        f" {lora['step_ms'] / sft['step_ms']:.3f}")
+  print(
+    f"  DPO, live reference         {dpo['step_ms']:9.2f} ms/step  DPO / SFT step time:"
+    f" {dpo['step_ms'] / sft['step_ms']:.3f}"
+  )
+  print(
+    f"  DPO, precomputed reference  {kept['step_ms']:9.2f} ms/step  DPO / SFT step time:"
+    f" {kept['step_ms'] / sft['step_ms']:.3f}"
+  )
+  print(
+    f"  DPO, LoRA rank {args.lora or 8:<3}          {lora['step_ms']:9.2f} ms/step  DPO / SFT step time:"
+    f" {lora['step_ms'] / sft['step_ms']:.3f}"
+  )
 
 
 if __name__ == "__main__":

@@ -44,12 +44,12 @@ from bench import train_throughput as tt  # noqa: E402
 # Kernel-name patterns, first match wins. cuBLAS/cuBLASLt (nvjet, sm90_xmma,
 # cutlass), Triton GEMM fusions, cuDNN flash attention, copies.
 _CATEGORIES = (
-    ("attention", re.compile(r"fmha|flash|cudnn|attention|sdpa", re.I)),
-    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|dot|matmul|convolution", re.I)),
-    ("copy/transpose", re.compile(r"memcpy|memset|copy|transpose|dynamic.update.slice|dynamic.slice", re.I)),
-    ("scatter/gather", re.compile(r"scatter|gather", re.I)),
-    ("reduction fusion", re.compile(r"reduce", re.I)),
-    ("elementwise fusion", re.compile(r"fusion|loop|convert|add|multiply", re.I)),
+  ("attention", re.compile(r"fmha|flash|cudnn|attention|sdpa", re.I)),
+  ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|dot|matmul|convolution", re.I)),
+  ("copy/transpose", re.compile(r"memcpy|memset|copy|transpose|dynamic.update.slice|dynamic.slice", re.I)),
+  ("scatter/gather", re.compile(r"scatter|gather", re.I)),
+  ("reduction fusion", re.compile(r"reduce", re.I)),
+  ("elementwise fusion", re.compile(r"fusion|loop|convert|add|multiply", re.I)),
 )
 
 
@@ -91,13 +91,19 @@ def summarise(trace_path: str, steps: int, wall_s: float, top: int = 25) -> dict
     events = json.load(f)
   events = events["traceEvents"] if isinstance(events, dict) else events
   pids = _device_pids(events)
-  thread_names = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in events
-                  if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  thread_names = {
+    (e["pid"], e.get("tid")): str(e.get("args", {}).get("name", ""))
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "thread_name"
+  }
   if pids:
     ops = [e for e in events if e.get("ph") == "X" and e.get("pid") in pids and e.get("dur")]
   else:  # the CPU backend runs its ops on host threads: XLA's compute pool
-    ops = [e for e in events if e.get("ph") == "X" and e.get("dur")
-           and "XLAEigen" in thread_names.get((e["pid"], e.get("tid")), "")]
+    ops = [
+      e
+      for e in events
+      if e.get("ph") == "X" and e.get("dur") and "XLAEigen" in thread_names.get((e["pid"], e.get("tid")), "")
+    ]
   # A device has several lines (streams, "XLA Ops", "XLA Modules"): keep the kernel-level ones, i.e. drop
   # the module-level and op-level summaries when kernel lines exist.
   by_thread = collections.defaultdict(list)
@@ -121,14 +127,25 @@ def summarise(trace_path: str, steps: int, wall_s: float, top: int = 25) -> dict
     per_cat[category(f"{name} {hlo_of.get(name, '')}")] += us
   busy = _busy_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
   return {
-      "trace": trace_path, "device_lines": sorted(chosen), "kernels": len(kernels),
-      "step_ms_wall": wall_s / steps * 1e3, "busy_ms_per_step": busy / steps / 1e3,
-      "kernel_ms_per_step": total / steps / 1e3,
-      "categories": {k: {"ms_per_step": v / steps / 1e3, "share": v / total if total else 0.0}
-                     for k, v in per_cat.most_common()},
-      "top": [{"name": n, "hlo": hlo_of.get(n, ""), "calls_per_step": per_name_count[n] / steps,
-               "ms_per_step": us / steps / 1e3, "share": us / total if total else 0.0}
-              for n, us in per_name.most_common(top)],
+    "trace": trace_path,
+    "device_lines": sorted(chosen),
+    "kernels": len(kernels),
+    "step_ms_wall": wall_s / steps * 1e3,
+    "busy_ms_per_step": busy / steps / 1e3,
+    "kernel_ms_per_step": total / steps / 1e3,
+    "categories": {
+      k: {"ms_per_step": v / steps / 1e3, "share": v / total if total else 0.0} for k, v in per_cat.most_common()
+    },
+    "top": [
+      {
+        "name": n,
+        "hlo": hlo_of.get(n, ""),
+        "calls_per_step": per_name_count[n] / steps,
+        "ms_per_step": us / steps / 1e3,
+        "share": us / total if total else 0.0,
+      }
+      for n, us in per_name.most_common(top)
+    ],
   }
 
 
@@ -140,8 +157,7 @@ def trace(run_steps, out: str, steps: int, top: int = 25) -> dict[str, Any]:
     start = time.perf_counter()
     run_steps()
     wall = time.perf_counter() - start
-  traces = sorted(glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"), recursive=True),
-                  key=os.path.getmtime)
+  traces = sorted(glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"), recursive=True), key=os.path.getmtime)
   if not traces:
     raise SystemExit(f"no perfetto_trace.json.gz under {out}")
   return summarise(traces[-1], steps, wall, top)
@@ -149,15 +165,19 @@ def trace(run_steps, out: str, steps: int, top: int = 25) -> dict[str, Any]:
 
 def print_summary(summary: dict[str, Any]) -> None:
   print(f"trace {summary['trace']}  ({summary['kernels']} device ops on {', '.join(summary['device_lines'])})")
-  print(f"step {summary['step_ms_wall']:.1f} ms wall (traced); device busy {summary['busy_ms_per_step']:.1f} ms;"
-        f" kernel time {summary['kernel_ms_per_step']:.1f} ms")
+  print(
+    f"step {summary['step_ms_wall']:.1f} ms wall (traced); device busy {summary['busy_ms_per_step']:.1f} ms;"
+    f" kernel time {summary['kernel_ms_per_step']:.1f} ms"
+  )
   print(f"{'category':<20} {'ms/step':>8} {'share':>6}")
   for name, row in summary["categories"].items():
     print(f"{name:<20} {row['ms_per_step']:8.2f} {row['share']:6.1%}")
   print(f"{'ms/step':>8} {'share':>6} {'calls':>5}  kernel  [hlo]")
   for row in summary["top"]:
-    print(f"{row['ms_per_step']:8.2f} {row['share']:6.1%} {row['calls_per_step']:5.0f}  {row['name'][:90]}"
-          f"  [{str(row['hlo'])[:60]}]")
+    print(
+      f"{row['ms_per_step']:8.2f} {row['share']:6.1%} {row['calls_per_step']:5.0f}  {row['name'][:90]}"
+      f"  [{str(row['hlo'])[:60]}]"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,27 +193,33 @@ def main(argv: list[str] | None = None) -> None:
   shape = tt.SHAPES[args.shape]
   on_gpu = jax.devices()[0].platform == "gpu"
   preset = tt.dt.recipes.llama.PRESETS[shape.preset]
-  base = tt.Setting(remat=preset.remat, scan=True, attention="cudnn" if on_gpu else "xla",
-                    loss_chunk=preset.loss_chunk_size, batch=shape.batch)
+  base = tt.Setting(
+    remat=preset.remat,
+    scan=True,
+    attention="cudnn" if on_gpu else "xla",
+    loss_chunk=preset.loss_chunk_size,
+    batch=shape.batch,
+  )
   setting = tt.parse_setting(args.settings, base)
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, preset.vocab_size, (setting.batch, shape.seq_len), dtype=np.int32)
   targets = rng.integers(0, preset.vocab_size, (setting.batch, shape.seq_len), dtype=np.int32)
   mesh = tt.dt.build_mesh(tt.dt.MeshConfig(("data", "fsdp", "tensor"), (-1, 1, 1)))
   run = tt.FrameworkRun(shape, setting, mesh, tokens, targets)
-  print(f"{args.shape} {setting.label()}: compiled in {run.compile_s:.1f} s, temporaries {run.temp_gib} GiB",
-        flush=True)
+  print(
+    f"{args.shape} {setting.label()}: compiled in {run.compile_s:.1f} s, temporaries {run.temp_gib} GiB", flush=True
+  )
   for _ in range(args.warmup):
     run.step()
   run.block()
+
   def steps() -> None:
     for _ in range(args.steps):
       run.step()
     run.block()
 
   summary = trace(steps, args.out, args.steps, args.top)
-  summary.update(shape=args.shape, setting=setting.label(), device=jax.devices()[0].device_kind,
-                 jax=jax.__version__)
+  summary.update(shape=args.shape, setting=setting.label(), device=jax.devices()[0].device_kind, jax=jax.__version__)
   print_summary(summary)
   if args.json:
     with open(args.json, "w") as f:

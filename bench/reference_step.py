@@ -78,15 +78,15 @@ def _layer_shapes(config: ReferenceConfig) -> dict[str, tuple[tuple[int, ...], i
   """Each layer param's shape and the fan-in its initial scale divides by (None: ones)."""
   d, h, kv, hd, f = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim, config.mlp_dim
   return {
-      "attn_norm": ((d,), None),
-      "wq": ((d, h, hd), d),
-      "wk": ((d, kv, hd), d),
-      "wv": ((d, kv, hd), d),
-      "wo": ((h, hd, d), h * hd),
-      "mlp_norm": ((d,), None),
-      "w_gate": ((d, f), d),
-      "w_up": ((d, f), d),
-      "w_down": ((f, d), f),
+    "attn_norm": ((d,), None),
+    "wq": ((d, h, hd), d),
+    "wk": ((d, kv, hd), d),
+    "wv": ((d, kv, hd), d),
+    "wo": ((h, hd, d), h * hd),
+    "mlp_norm": ((d,), None),
+    "w_gate": ((d, f), d),
+    "w_up": ((d, f), d),
+    "w_down": ((f, d), f),
   }
 
 
@@ -110,10 +110,10 @@ def init_params(config: ReferenceConfig, key: jax.Array) -> Params:
     stacked[name] = jnp.ones(full, dtype) if fan_in is None else normal(full, fan_in)
   layers = stacked if config.scan_layers else unstack_layers(stacked)
   return {
-      "embed": normal((config.vocab_size, config.d_model), 1),
-      "layers": layers,
-      "final_norm": jnp.ones((config.d_model,), dtype),
-      "head": normal((config.d_model, config.vocab_size), config.d_model),
+    "embed": normal((config.vocab_size, config.d_model), 1),
+    "layers": layers,
+    "final_norm": jnp.ones((config.d_model,), dtype),
+    "head": normal((config.d_model, config.vocab_size), config.d_model),
   }
 
 

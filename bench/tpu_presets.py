@@ -62,29 +62,38 @@ def main(argv=None) -> int:
   import jax
 
   extra = [f"--set={item}" for item in args.set]
-  print(f"tpu_presets: {os.cpu_count()} CPU cores, python {platform.python_version()}, jax {jax.__version__}",
-        flush=True)
-  header = ("| preset | mesh config | topology | chips | libtpu GiB/chip (temporaries) | CPU-emulated GiB/chip"
-            " | libtpu / emulated | fits | libtpu compile / wall | emulated wall | libtpu step, MFU |")
+  print(
+    f"tpu_presets: {os.cpu_count()} CPU cores, python {platform.python_version()}, jax {jax.__version__}", flush=True
+  )
+  header = (
+    "| preset | mesh config | topology | chips | libtpu GiB/chip (temporaries) | CPU-emulated GiB/chip"
+    " | libtpu / emulated | fits | libtpu compile / wall | emulated wall | libtpu step, MFU |"
+  )
   rows, misfits = [header, "|" + "---|" * (header.count("|") - 1)], []
   for preset in args.presets or _presets():
     tpu, tpu_wall = _plan(preset, False, extra)
     emulated, emulated_wall = (None, None) if args.no_emulate else _plan(preset, True, extra)
     memory = tpu["memory"]
     total = memory["total"] / GiB
-    row = [preset, tpu["mesh_config"], tpu["topology"]["name"] + (f" × {tpu['topology']['slices']}"
-                                                                  if tpu["topology"]["slices"] > 1 else ""),
-           str(tpu["devices"]), f"{total:.2f} ({memory['temporaries'] / GiB:.2f})"]
+    row = [
+      preset,
+      tpu["mesh_config"],
+      tpu["topology"]["name"] + (f" × {tpu['topology']['slices']}" if tpu["topology"]["slices"] > 1 else ""),
+      str(tpu["devices"]),
+      f"{total:.2f} ({memory['temporaries'] / GiB:.2f})",
+    ]
     if emulated is not None:
       other = emulated["memory"]["total"] / GiB
       row += [f"{other:.2f}", f"{total / other:.2f}"]
     else:
       row += ["-", "-"]
     compile_s = tpu["timings"].get("compile_s")  # absent where libtpu refused the step for memory
-    row += ["yes" if memory["fits"] else f"NO ({memory['usable'] / GiB:.2f} usable)",
-            f"{'refused' if compile_s is None else f'{compile_s:.0f} s'} / {tpu_wall:.0f} s",
-            "-" if emulated_wall is None else f"{emulated_wall:.0f} s",
-            f"{tpu['time']['step_s']:.3g} s, {tpu['time']['mfu']:.1%}" if tpu.get("time") else "-"]
+    row += [
+      "yes" if memory["fits"] else f"NO ({memory['usable'] / GiB:.2f} usable)",
+      f"{'refused' if compile_s is None else f'{compile_s:.0f} s'} / {tpu_wall:.0f} s",
+      "-" if emulated_wall is None else f"{emulated_wall:.0f} s",
+      f"{tpu['time']['step_s']:.3g} s, {tpu['time']['mfu']:.1%}" if tpu.get("time") else "-",
+    ]
     rows.append("| " + " | ".join(row) + " |")
     print(rows[-1], flush=True)
     if not memory["fits"]:

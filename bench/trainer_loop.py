@@ -66,11 +66,14 @@ def trainer_step(config) -> tuple:
   loader = DataLoader(trainer.data_config, plan.input_kwarg_shardings, vocab_size=trainer.vocab_size)
   batch = next(loader)
   loader.close()
-  step = build_train_step_fn(trainer.loss_fn, donate_params_and_state=True,
-                             train_state_shardings=plan.train_state_shardings,
-                             input_kwarg_shardings=plan.input_kwarg_shardings,
-                             aux_output_shardings=plan.aux_output_shardings,
-                             **job_lib.step_options(trainer.job, plan, trainer.rules))
+  step = build_train_step_fn(
+    trainer.loss_fn,
+    donate_params_and_state=True,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    aux_output_shardings=plan.aux_output_shardings,
+    **job_lib.step_options(trainer.job, plan, trainer.rules),
+  )
   state = plan.init(trainer.job.make_state)
   with activation_sharding(plan.mesh, trainer.rules):
     step.compile(plan.abstract_train_state.replace(step=0), **trainer.job.inputs)  # the step object keeps it
@@ -107,9 +110,23 @@ def trainer_run(args: argparse.Namespace) -> dict:
   The run is stopped once its last step's metrics are written: its closing checkpoint is not timed.
   """
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="trainer-loop-"))
-  command = [sys.executable, "-m", "distrib_train", "--config", args.config, "--workdir", str(workdir),
-             "--steps", str(args.steps), "--set", f"train.log_every={args.log_every}", "--set", "data.eval_fraction=0",
-             "--set", "train.eval_every=0"]
+  command = [
+    sys.executable,
+    "-m",
+    "distrib_train",
+    "--config",
+    args.config,
+    "--workdir",
+    str(workdir),
+    "--steps",
+    str(args.steps),
+    "--set",
+    f"train.log_every={args.log_every}",
+    "--set",
+    "data.eval_fraction=0",
+    "--set",
+    "train.eval_every=0",
+  ]
   if args.cpu_devices:
     command += ["--cpu_devices", str(args.cpu_devices)]
   for item in _overrides(args):
@@ -153,8 +170,11 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--tokenizer", help="data.tokenizer, e.g. hf:tokenizer.json")
   parser.add_argument("--cpu_devices", type=int, help="emulated CPU devices (as the trainer's flag)")
   parser.add_argument("--timeout", type=float, default=1800)
-  parser.add_argument("--bracket", action="store_true", help="time the bare step before and after the trainer"
-                      " (their mean; their spread is the host's drift)")
+  parser.add_argument(
+    "--bracket",
+    action="store_true",
+    help="time the bare step before and after the trainer (their mean; their spread is the host's drift)",
+  )
   parser.add_argument("--json", help="write the figures here")
   parser.add_argument("--role", choices=("both", "bare"), default="both", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -176,14 +196,23 @@ def main(argv: list[str] | None = None) -> None:
   after = bare_run() if args.bracket else before  # drift of the host between the runs shows as their spread
   base = {key: (before[key] + after[key]) / 2 for key in before}
   base["spread"] = abs(before["tokens_per_s"] - after["tokens_per_s"]) / base["tokens_per_s"]
-  out = {"config": args.config, "sets": _overrides(args), "bare": base, "trainer": loop,
-         "ratio": loop["tokens_per_s"] / base["tokens_per_s"],
-         "data_wait_share": loop["data_wait_ms"] / loop["step_ms"] if loop["step_ms"] else 0.0}
+  out = {
+    "config": args.config,
+    "sets": _overrides(args),
+    "bare": base,
+    "trainer": loop,
+    "ratio": loop["tokens_per_s"] / base["tokens_per_s"],
+    "data_wait_share": loop["data_wait_ms"] / loop["step_ms"] if loop["step_ms"] else 0.0,
+  }
   print(f"{args.config} {' '.join(out['sets'])}".strip())
-  print(f"  bare step   {base['tokens_per_s']:>12,.0f} tokens/s  {base['step_ms']:8.2f} ms/step"
-        + (f"  (before and after the trainer, {base['spread']:.1%} apart)" if args.bracket else ""))
-  print(f"  trainer     {loop['tokens_per_s']:>12,.0f} tokens/s  {loop['step_ms']:8.2f} ms/step"
-        f"  data wait {loop['data_wait_ms']:.2f} ms ({out['data_wait_share']:.1%})")
+  print(
+    f"  bare step   {base['tokens_per_s']:>12,.0f} tokens/s  {base['step_ms']:8.2f} ms/step"
+    + (f"  (before and after the trainer, {base['spread']:.1%} apart)" if args.bracket else "")
+  )
+  print(
+    f"  trainer     {loop['tokens_per_s']:>12,.0f} tokens/s  {loop['step_ms']:8.2f} ms/step"
+    f"  data wait {loop['data_wait_ms']:.2f} ms ({out['data_wait_share']:.1%})"
+  )
   print(f"  trainer / bare step: {out['ratio']:.3f}")
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(out, indent=1))

@@ -35,25 +35,35 @@ from collections.abc import Sequence
 from absl import app, flags, logging
 
 _CONFIG = flags.DEFINE_string("config", None, "Experiment preset name or YAML path (default: the built-in defaults).")
-_MESH = flags.DEFINE_string("mesh_config", None, "Mesh config: a name in mesh_configs/, a YAML path, or auto (the"
-                            " trainer chooses the layout for the devices it has).")
+_MESH = flags.DEFINE_string(
+  "mesh_config",
+  None,
+  "Mesh config: a name in mesh_configs/, a YAML path, or auto (the trainer chooses the layout for the devices it has).",
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: config, metrics, checkpoints (resumed from).")
 _SET = flags.DEFINE_multi_string("set", [], "Override a config key: --set train.steps=100 (repeatable).")
 _STEPS = flags.DEFINE_integer("steps", None, "Total train steps (same as --set train.steps=N).")
 _INIT_FROM = flags.DEFINE_string(
-    "init_from", None, "Start a new run from these weights with a fresh optimizer: hf:<Hugging Face dir> or"
-    " ckpt:<workdir or checkpoint step dir> (same as --set train.init_from=...).")
+  "init_from",
+  None,
+  "Start a new run from these weights with a fresh optimizer: hf:<Hugging Face dir> or"
+  " ckpt:<workdir or checkpoint step dir> (same as --set train.init_from=...).",
+)
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None, "Run on CPU, emulating this many devices per process.")
 _PROFILE = flags.DEFINE_string("profile_steps", None, "Trace steps A:B with the jax profiler into workdir/profile.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process jobs).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in the job.")
 _LOCAL_DEVICE_IDS = flags.DEFINE_string(
-    "local_device_ids", None, "GPUs this process uses: 'all' (one process per node) or ids '0,1'; default: JAX's"
-    " choice (SLURM: one process per GPU).")
+  "local_device_ids",
+  None,
+  "GPUs this process uses: 'all' (one process per node) or ids '0,1'; default: JAX's"
+  " choice (SLURM: one process per GPU).",
+)
 _INIT_TIMEOUT = flags.DEFINE_integer("initialization_timeout", 300, "Seconds to wait for every process to join.")
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
-    "heartbeat_timeout", 100, "Seconds without a heartbeat before a process counts as dead and the job stops.")
+  "heartbeat_timeout", 100, "Seconds without a heartbeat before a process counts as dead and the job stops."
+)
 
 
 class UsageError(Exception):
@@ -121,10 +131,15 @@ def main(argv: Sequence[str]) -> None:
   from distrib_train.cluster import distributed
 
   try:
-    distributed.initialize(coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
-                           process_id=_PROCESS_ID.value, local_device_ids=_LOCAL_DEVICE_IDS.value,
-                           cpu_devices=_CPU_DEVICES.value, initialization_timeout=_INIT_TIMEOUT.value,
-                           heartbeat_timeout=_HEARTBEAT_TIMEOUT.value)
+    distributed.initialize(
+      coordinator_address=_COORDINATOR.value,
+      num_processes=_NUM_PROCESSES.value,
+      process_id=_PROCESS_ID.value,
+      local_device_ids=_LOCAL_DEVICE_IDS.value,
+      cpu_devices=_CPU_DEVICES.value,
+      initialization_timeout=_INIT_TIMEOUT.value,
+      heartbeat_timeout=_HEARTBEAT_TIMEOUT.value,
+    )
   except ValueError as e:
     _fail(str(e))
   from distrib_train.checkpoint import CheckpointWriteError
@@ -153,8 +168,12 @@ def main(argv: Sequence[str]) -> None:
     sys.exit(1)
   except (distributed.Terminated, KeyboardInterrupt) as e:  # a signal outside the step loop, or a second one
     signum = e.signum if isinstance(e, distributed.Terminated) else 2
-    print(f"distrib-train: stopped by {signal.Signals(signum).name} before a step boundary; the checkpoints"
-          " committed before it are kept.", file=sys.stderr, flush=True)
+    print(
+      f"distrib-train: stopped by {signal.Signals(signum).name} before a step boundary; the checkpoints"
+      " committed before it are kept.",
+      file=sys.stderr,
+      flush=True,
+    )
     if distributed.is_multiprocess():
       os._exit(128 + signum)
     sys.exit(128 + signum)
@@ -174,9 +193,13 @@ def main(argv: Sequence[str]) -> None:
     # a collective or barrier. Say so and leave at once.
     import jax
 
-    print(f"distrib-train: error: process {jax.process_index()} of {jax.process_count()} stopped:"
-          f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} — if another process died, its log"
-          " has the cause.", file=sys.stderr, flush=True)
+    print(
+      f"distrib-train: error: process {jax.process_index()} of {jax.process_count()} stopped:"
+      f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} — if another process died, its log"
+      " has the cause.",
+      file=sys.stderr,
+      flush=True,
+    )
     os._exit(1)
   if result.status == "halted":
     sys.exit(EXIT_HALTED)

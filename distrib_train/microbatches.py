@@ -52,8 +52,10 @@ def check_batch(inputs: dict[str, Any], n: int) -> None:
     for leaf in jax.tree_util.tree_leaves(value):
       shape = getattr(leaf, "shape", ())
       if not shape or shape[0] % n:
-        raise ValueError(f"Input {name!r} has shape {tuple(shape)}: its batch (first) dimension does not split"
-                         f" into {n} microbatches (train.microbatches); make the global batch a multiple of {n}.")
+        raise ValueError(
+          f"Input {name!r} has shape {tuple(shape)}: its batch (first) dimension does not split"
+          f" into {n} microbatches (train.microbatches); make the global batch a multiple of {n}."
+        )
 
 
 def stages_of(mesh: Any) -> int:
@@ -87,8 +89,10 @@ class Pipelining:
     if m < 1 or r < 1:
       raise ValueError(f"train.microbatches ({m}) and train.pipeline_repeats ({r}) must be at least 1.")
     if r > 1 and m < s:
-      raise ValueError(f"The circular pipeline (train.pipeline_repeats {r}) needs at least as many microbatches"
-                       f" as stages: train.microbatches is {m}, the stage axis has {s}; raise it to {s} or more.")
+      raise ValueError(
+        f"The circular pipeline (train.pipeline_repeats {r}) needs at least as many microbatches"
+        f" as stages: train.microbatches is {m}, the stage axis has {s}; raise it to {s} or more."
+      )
     if batch is not None and batch % m:
       raise ValueError(f"The global batch ({batch}) does not split into train.microbatches ({m}) microbatches.")
 
@@ -124,8 +128,7 @@ def active_pipelining() -> PipelineUse | None:
   return _ACTIVE.get()
 
 
-_LAST: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("distrib_train_last_microbatch",
-                                                                         default=None)
+_LAST: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("distrib_train_last_microbatch", default=None)
 
 
 def last_microbatch() -> bool | jax.Array:
@@ -139,27 +142,38 @@ def check_used(use: PipelineUse, model: Any) -> None:
   """Raises ValueError when the traced model ran no layer stack under the pipeline."""
   if not use.used:
     raise ValueError(
-        f"The mesh has a stage axis of size {use.request.stages}, but the model ({type(model).__name__}) never"
-        " ran its repeated layers through distrib_train.parallel.layer_stack, so nothing can be split into"
-        " stages. Run the layer stack through layer_stack (layer params stacked on a leading dimension and a"
-        " block function; see distrib_train/parallel/pipeline.py) or drop the stage axis from the mesh config.")
+      f"The mesh has a stage axis of size {use.request.stages}, but the model ({type(model).__name__}) never"
+      " ran its repeated layers through distrib_train.parallel.layer_stack, so nothing can be split into"
+      " stages. Run the layer stack through layer_stack (layer params stacked on a leading dimension and a"
+      " block function; see distrib_train/parallel/pipeline.py) or drop the stage axis from the mesh config."
+    )
 
 
 def _weight_of(aux: Any, key: str | None) -> jax.Array:
   if key is None:
     return jnp.ones((), jnp.float32)
   if not isinstance(aux, dict) or key not in aux:
-    raise ValueError(f"microbatch_weight is {key!r}, but the loss function's aux has no such key"
-                     f" (its keys: {sorted(aux) if isinstance(aux, dict) else type(aux).__name__}).")
+    raise ValueError(
+      f"microbatch_weight is {key!r}, but the loss function's aux has no such key"
+      f" (its keys: {sorted(aux) if isinstance(aux, dict) else type(aux).__name__})."
+    )
   weight = jnp.asarray(aux[key])
   if weight.shape != ():
     raise ValueError(f"microbatch_weight {key!r} must name a scalar in aux; it has shape {weight.shape}.")
   return weight.astype(jnp.float32)
 
 
-def accumulate(grad_fn: Callable[..., Any], params: Any, loss_fn_state: Any, local_state: Any,
-               rng: jax.Array | None, inputs: dict[str, Any], n: int, weight_key: str | None,
-               input_shardings: dict[str, Any] | None = None) -> tuple[Any, Any, Any, Any]:
+def accumulate(
+  grad_fn: Callable[..., Any],
+  params: Any,
+  loss_fn_state: Any,
+  local_state: Any,
+  rng: jax.Array | None,
+  inputs: dict[str, Any],
+  n: int,
+  weight_key: str | None,
+  input_shardings: dict[str, Any] | None = None,
+) -> tuple[Any, Any, Any, Any]:
   """Gradients accumulated over ``n`` microbatches of ``inputs`` with a ``lax.scan``.
 
   ``grad_fn(params, loss_fn_state, local_state, rng, inputs) -> (grads, (loss_fn_state, local_state,
@@ -179,13 +193,14 @@ def accumulate(grad_fn: Callable[..., Any], params: Any, loss_fn_state: Any, loc
       parts = jax.lax.with_sharding_constraint(parts, jax.sharding.NamedSharding(sharding.mesh, spec))
     return parts
 
-  micro = {name: jax.tree_util.tree_map(lambda leaf, name=name: place(name, leaf), value)
-           for name, value in inputs.items()}
+  micro = {
+    name: jax.tree_util.tree_map(lambda leaf, name=name: place(name, leaf), value) for name, value in inputs.items()
+  }
   first = jax.tree_util.tree_map(lambda a: a[0], micro)
   aux_shape = jax.eval_shape(lambda: grad_fn(params, loss_fn_state, local_state, rng, first)[1][2])
-  zeros = lambda tree: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, jnp.float32
-                                                                   if jnp.issubdtype(a.dtype, jnp.floating)
-                                                                   else a.dtype), tree)
+  zeros = lambda tree: jax.tree_util.tree_map(
+    lambda a: jnp.zeros(a.shape, jnp.float32 if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype), tree
+  )
 
   def body(carry, xs):
     grad_sum, aux_sum, weight_sum, lfs, ls = carry
@@ -199,8 +214,8 @@ def accumulate(grad_fn: Callable[..., Any], params: Any, loss_fn_state: Any, loc
     w = _weight_of(aux, weight_key)
     grad_sum = jax.tree_util.tree_map(lambda s, g: s + w * g.astype(jnp.float32), grad_sum, grads)
     aux_sum = jax.tree_util.tree_map(
-        lambda s, a: s + w * a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else s + a,
-        aux_sum, aux)
+      lambda s, a: s + w * a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else s + a, aux_sum, aux
+    )
     return (grad_sum, aux_sum, weight_sum + w, lfs, ls), None
 
   carry = (zeros(params), zeros(aux_shape), jnp.zeros((), jnp.float32), loss_fn_state, local_state)

@@ -36,7 +36,7 @@ class LossFunction(Protocol):
   """What ``build_train_step_fn`` expects of a loss function."""
 
   def __call__(
-      self, *, model: ModelPyTree, state: LossStatePyTree, rng: PRNGKeyArray, **inputs: Any
+    self, *, model: ModelPyTree, state: LossStatePyTree, rng: PRNGKeyArray, **inputs: Any
   ) -> tuple[jax.Array, LossStatePyTree, AuxOutPyTree]:
     """Returns ``(scalar loss, new state like ``state``, aux outputs)``."""
 
@@ -88,15 +88,15 @@ _DONATED = state_fields(donated=True)
 
 
 def _updated_params_and_states(
-    params: Any,
-    model_leaves: list[Any],
-    opt_state: Any,
-    loss_fn_state: Any,
-    local_state: Any,
-    root_rng: PRNGKeyArray | None,
-    step: int | jax.Array,
-    inputs: dict[str, Any],
-    statics: _StepStatics,
+  params: Any,
+  model_leaves: list[Any],
+  opt_state: Any,
+  loss_fn_state: Any,
+  local_state: Any,
+  root_rng: PRNGKeyArray | None,
+  step: int | jax.Array,
+  inputs: dict[str, Any],
+  statics: _StepStatics,
 ) -> tuple[Any, Any, Any, Any, AuxOutPyTree, Any]:
   """One step as a pure function of the arrays it reads (``_StepArrays``), traced in its activation layout."""
   with _activations(statics):
@@ -113,8 +113,8 @@ def _train(params, model_leaves, opt_state, loss_fn_state, local_state, root_rng
     out = _call_loss(statics, model, loss_fn_state, rng, inputs)
     if not isinstance(out, tuple) or len(out) != 3:
       raise TypeError(
-          f"The loss function must return (loss, new_state, aux); it returned a"
-          f" {type(out).__name__}{f' of length {len(out)}' if isinstance(out, tuple) else ''}."
+        f"The loss function must return (loss, new_state, aux); it returned a"
+        f" {type(out).__name__}{f' of length {len(out)}' if isinstance(out, tuple) else ''}."
       )
     loss, new_state, aux = out
     if getattr(loss, "shape", None) != ():
@@ -129,8 +129,16 @@ def _train(params, model_leaves, opt_state, loss_fn_state, local_state, root_rng
     grad_fn = _overwriting_with_gradient(loss_and_outputs, overwritten)
   if statics.microbatches > 1 and statics.pipelining is None:
     grads, new_loss_fn_state, new_local_state, aux = microbatching.accumulate(
-        grad_fn, params, loss_fn_state, local_state, step_rng, inputs, statics.microbatches,
-        statics.microbatch_weight, dict(statics.input_shardings))
+      grad_fn,
+      params,
+      loss_fn_state,
+      local_state,
+      step_rng,
+      inputs,
+      statics.microbatches,
+      statics.microbatch_weight,
+      dict(statics.input_shardings),
+    )
   else:
     grads, (new_loss_fn_state, new_local_state, aux) = grad_fn(params, loss_fn_state, local_state, step_rng, inputs)
   new_params, new_opt_state = apply_optimizer(statics.optimizer_def, grads, opt_state, params)
@@ -155,11 +163,13 @@ def _overwriting_with_gradient(loss_and_outputs: Callable[..., Any], marks: tupl
   def grad_fn(current_params, loss_fn_state, local_state, rng, inputs):
     marked = [leaf for leaf, m in zip(jax.tree_util.tree_leaves(local_state), marks) if m]
     (grads, written), (new_loss_fn_state, new_local_state, aux) = both(
-        current_params, marked, loss_fn_state, local_state, rng, inputs)
+      current_params, marked, loss_fn_state, local_state, rng, inputs
+    )
     leaves, treedef = jax.tree_util.tree_flatten(new_local_state)
     written = iter(written)
-    new_local_state = treedef.unflatten([next(written).astype(leaf.dtype) if m else leaf
-                                         for leaf, m in zip(leaves, marks)])
+    new_local_state = treedef.unflatten(
+      [next(written).astype(leaf.dtype) if m else leaf for leaf, m in zip(leaves, marks)]
+    )
     return grads, (new_loss_fn_state, new_local_state, aux)
 
   return grad_fn
@@ -176,15 +186,15 @@ def _call_loss(statics: _StepStatics, model: Any, loss_fn_state: Any, rng: Any, 
 
 
 def _eval_outputs(
-    params: Any,
-    model_leaves: list[Any],
-    opt_state: Any,
-    loss_fn_state: Any,
-    local_state: Any,
-    root_rng: PRNGKeyArray | None,
-    step: int | jax.Array,
-    inputs: dict[str, Any],
-    statics: _StepStatics,
+  params: Any,
+  model_leaves: list[Any],
+  opt_state: Any,
+  loss_fn_state: Any,
+  local_state: Any,
+  root_rng: PRNGKeyArray | None,
+  step: int | jax.Array,
+  inputs: dict[str, Any],
+  statics: _StepStatics,
 ) -> AuxOutPyTree:
   """The loss function's aux on the current state: no gradient, no update.
 

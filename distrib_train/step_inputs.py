@@ -35,17 +35,24 @@ def check_loss_fn_accepts(loss_fn: Any, input_names: Iterable[str]) -> None:
   passed = ["model", "state", "rng", *sorted(set(input_names) - {"model", "state", "rng"})]
   takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
   missing = [] if takes_any else [name for name in passed if name not in keywords]
-  needed = [p.name for p in parameters if p.default is p.empty and p.name not in passed
-            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)]
+  needed = [
+    p.name
+    for p in parameters
+    if p.default is p.empty
+    and p.name not in passed
+    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)
+  ]
   if not missing and not needed:
     return
   function = loss_fn.func if isinstance(loss_fn, functools.partial) else loss_fn
   name = getattr(function, "__qualname__", None) or type(function).__name__
   problems = ([f"does not accept {', '.join(missing)}"] if missing else []) + (
-      [f"needs {', '.join(needed)}, which the step does not pass"] if needed else [])
+    [f"needs {', '.join(needed)}, which the step does not pass"] if needed else []
+  )
   raise ValueError(
-      f"The loss function {name} {' and '.join(problems)}; it is called as loss_fn({', '.join(f'{n}=' for n in passed)})"
-      " - add those keyword parameters, or **kwargs to take any batch key.")
+    f"The loss function {name} {' and '.join(problems)}; it is called as loss_fn({', '.join(f'{n}=' for n in passed)})"
+    " - add those keyword parameters, or **kwargs to take any batch key."
+  )
 
 
 def on_auto_mesh(x: Any, planned: Any = None) -> Any:

@@ -67,36 +67,41 @@ class StateField:
 # from here; a field a subclass adds (an EMA, say) is replicated, and only
 # these fields are saved.
 STATE_FIELDS = (
-    StateField("step", "counter", donated=False, checkpointed=True, layout="replicated"),
-    StateField("root_rng", "rng", donated=False, checkpointed=True, layout="replicated"),
-    StateField("params", "trainable", donated=True, checkpointed=True, layout="logical"),
-    # The rest of the model: frozen weights cannot be rebuilt from code, so
-    # they are saved and an abstract target restores to a runnable state;
-    # a run that reads them from a named source (a LoRA base from hf:)
-    # saves that source instead (weights/init_from.py).
-    # They are laid out by their logical axes, as params are (a frozen base
-    # replicated on every chip would not fit); never in the optimizer.
-    StateField("model_without_params", "frozen", donated=False, checkpointed=True, layout="logical"),
-    StateField("opt_state", "optimizer", donated=True, checkpointed=True, layout="mirrors_params"),
-    StateField("loss_fn_state", "loss_state", donated=True, checkpointed=True, layout="replicated"),
-    StateField("local_state", "model_state", donated=True, checkpointed=True, layout="logical"),
+  StateField("step", "counter", donated=False, checkpointed=True, layout="replicated"),
+  StateField("root_rng", "rng", donated=False, checkpointed=True, layout="replicated"),
+  StateField("params", "trainable", donated=True, checkpointed=True, layout="logical"),
+  # The rest of the model: frozen weights cannot be rebuilt from code, so
+  # they are saved and an abstract target restores to a runnable state;
+  # a run that reads them from a named source (a LoRA base from hf:)
+  # saves that source instead (weights/init_from.py).
+  # They are laid out by their logical axes, as params are (a frozen base
+  # replicated on every chip would not fit); never in the optimizer.
+  StateField("model_without_params", "frozen", donated=False, checkpointed=True, layout="logical"),
+  StateField("opt_state", "optimizer", donated=True, checkpointed=True, layout="mirrors_params"),
+  StateField("loss_fn_state", "loss_state", donated=True, checkpointed=True, layout="replicated"),
+  StateField("local_state", "model_state", donated=True, checkpointed=True, layout="logical"),
 )
 _FIELDS_BY_NAME = {f.name: f for f in STATE_FIELDS}
 
 
-def state_fields(*, donated: bool | None = None, checkpointed: bool | None = None,
-                 roles: tuple[str, ...] | None = None) -> tuple[str, ...]:
+def state_fields(
+  *, donated: bool | None = None, checkpointed: bool | None = None, roles: tuple[str, ...] | None = None
+) -> tuple[str, ...]:
   """The names of ``STATE_FIELDS`` that match every given filter, in the table's order."""
-  return tuple(f.name for f in STATE_FIELDS
-               if (donated is None or f.donated == donated)
-               and (checkpointed is None or f.checkpointed == checkpointed)
-               and (roles is None or f.role in roles))
+  return tuple(
+    f.name
+    for f in STATE_FIELDS
+    if (donated is None or f.donated == donated)
+    and (checkpointed is None or f.checkpointed == checkpointed)
+    and (roles is None or f.role in roles)
+  )
 
 
 def state_field(name: str) -> StateField:
   """The table's row for ``name``; a field only a subclass has is replicated, not donated and not saved."""
-  return _FIELDS_BY_NAME.get(name) or StateField(name, "loss_state", donated=False, checkpointed=False,
-                                                 layout="replicated")
+  return _FIELDS_BY_NAME.get(name) or StateField(
+    name, "loss_state", donated=False, checkpointed=False, layout="replicated"
+  )
 
 
 class Hyperparams(Mapping):
@@ -114,9 +119,9 @@ class Hyperparams(Mapping):
     if name not in self._found:
       known = ", ".join(map(repr, self._found)) or "none"
       raise KeyError(
-          f"No injected hyperparameter {name!r} in the optimizer state;"
-          f" injected: {known}. Wrap the optimizer in optax.inject_hyperparams"
-          " to expose one."
+        f"No injected hyperparameter {name!r} in the optimizer state;"
+        f" injected: {known}. Wrap the optimizer in optax.inject_hyperparams"
+        " to expose one."
       )
     places = self._found[name]
     if len(places) > 1:
@@ -192,8 +197,9 @@ def optimized_part(tree: Any) -> Any:
   return tree
 
 
-def apply_optimizer(optimizer_def: optax.GradientTransformation, grads: Any, opt_state: Any,
-                    params: Any) -> tuple[Any, Any]:
+def apply_optimizer(
+  optimizer_def: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any
+) -> tuple[Any, Any]:
   """One optimizer update: ``(new_params, new_opt_state)``.
 
   An ``OVERWRITE_WITH_GRADIENT`` collection in ``params`` takes its value
@@ -268,13 +274,13 @@ class TrainState(struct.PyTreeNode, kw_only=True):
 
   @classmethod
   def initial_state(
-      cls,
-      model: ModelPyTree,
-      optimizer_def: optax.GradientTransformation,
-      root_rng: PRNGKeyArray,
-      loss_fn_state: LossStatePyTree = None,
-      *,
-      is_param: IsParam | None = None,
+    cls,
+    model: ModelPyTree,
+    optimizer_def: optax.GradientTransformation,
+    root_rng: PRNGKeyArray,
+    loss_fn_state: LossStatePyTree = None,
+    *,
+    is_param: IsParam | None = None,
   ) -> TrainState:
     """Constructs the initial training state (step 0).
 
@@ -293,24 +299,24 @@ class TrainState(struct.PyTreeNode, kw_only=True):
     """
     params, model_without_params, local_state = models.split_model(model, is_param)
     return cls(
-        step=0,
-        root_rng=root_rng,
-        params=params,
-        model_without_params=model_without_params,
-        opt_state=optimizer_def.init(optimized_part(params)),
-        loss_fn_state=loss_fn_state,
-        optimizer_def=optimizer_def,
-        local_state=local_state,
+      step=0,
+      root_rng=root_rng,
+      params=params,
+      model_without_params=model_without_params,
+      opt_state=optimizer_def.init(optimized_part(params)),
+      loss_fn_state=loss_fn_state,
+      optimizer_def=optimizer_def,
+      local_state=local_state,
     )
 
   @classmethod
   def create(
-      cls,
-      *,
-      apply_fn: Callable[..., Any] | None,
-      params: Any,
-      tx: optax.GradientTransformation,
-      **kwargs: Any,
+    cls,
+    *,
+    apply_fn: Callable[..., Any] | None,
+    params: Any,
+    tx: optax.GradientTransformation,
+    **kwargs: Any,
   ) -> TrainState:
     """flax-style constructor: step 0 and ``opt_state = tx.init(params)``.
 
@@ -326,8 +332,9 @@ class TrainState(struct.PyTreeNode, kw_only=True):
     unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__))
     if unknown:
       raise TypeError(f"{cls.__name__}.create got unknown field(s) {', '.join(unknown)}.")
-    return cls(step=0, params=params, opt_state=tx.init(optimized_part(params)), optimizer_def=tx, apply_fn=apply_fn,
-               **kwargs)
+    return cls(
+      step=0, params=params, opt_state=tx.init(optimized_part(params)), optimizer_def=tx, apply_fn=apply_fn, **kwargs
+    )
 
   @property
   def tx(self) -> optax.GradientTransformation:

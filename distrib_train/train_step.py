@@ -21,8 +21,15 @@ from jax.sharding import NamedSharding
 
 import distrib_train.microbatches as microbatching
 from distrib_train.common.auto_mesh import as_auto_mesh
-from distrib_train.step_core import (_DONATED, AuxOutPyTree, LossFunction, _eval_outputs, _StepArrays, _StepStatics,
-                                     _updated_params_and_states)
+from distrib_train.step_core import (
+  _DONATED,
+  AuxOutPyTree,
+  LossFunction,
+  _eval_outputs,
+  _StepArrays,
+  _StepStatics,
+  _updated_params_and_states,
+)
 from distrib_train.step_inputs import check_loss_fn_accepts, distinct_buffers, on_auto_mesh
 from distrib_train.train_state import TrainState
 
@@ -37,17 +44,30 @@ class _JittedCore:
   name.
   """
 
-  def __init__(self, core: Any, loss_fn: LossFunction, *, jit: bool, donate: bool,
-               train_state_shardings: TrainState | None, input_kwarg_shardings: dict[str, Any] | None,
-               out_shardings: Any, microbatches: int = 1, microbatch_weight: str | None = None,
-               pipeline_repeats: int = 1, accumulate: bool = True, activation_rules: Any = None):
+  def __init__(
+    self,
+    core: Any,
+    loss_fn: LossFunction,
+    *,
+    jit: bool,
+    donate: bool,
+    train_state_shardings: TrainState | None,
+    input_kwarg_shardings: dict[str, Any] | None,
+    out_shardings: Any,
+    microbatches: int = 1,
+    microbatch_weight: str | None = None,
+    pipeline_repeats: int = 1,
+    accumulate: bool = True,
+    activation_rules: Any = None,
+  ):
     self.loss_fn = loss_fn
     self.input_kwarg_shardings = input_kwarg_shardings
     self.donate = donate
     # The mesh of the planned shardings, entered when the caller's context
     # mesh has Explicit axes (jax.set_mesh(jax.make_mesh(...))).
-    self._mesh = next((s.mesh for s in jax.tree_util.tree_leaves(train_state_shardings)
-                       if isinstance(s, NamedSharding)), None)
+    self._mesh = next(
+      (s.mesh for s in jax.tree_util.tree_leaves(train_state_shardings) if isinstance(s, NamedSharding)), None
+    )
     if not isinstance(microbatches, int) or microbatches < 1:
       raise ValueError(f"microbatches must be a positive int, got {microbatches!r}.")
     if not isinstance(pipeline_repeats, int) or pipeline_repeats < 1:
@@ -58,36 +78,44 @@ class _JittedCore:
       pipelining = microbatching.Pipelining(self._mesh, microbatches, pipeline_repeats)
       pipelining.check()
     elif pipeline_repeats > 1:
-      raise ValueError(f"pipeline_repeats is {pipeline_repeats}, but the step's mesh has no stage axis"
-                       " (give train_state_shardings planned on a mesh with a stage axis of size > 1).")
+      raise ValueError(
+        f"pipeline_repeats is {pipeline_repeats}, but the step's mesh has no stage axis"
+        " (give train_state_shardings planned on a mesh with a stage axis of size > 1)."
+      )
     self.pipelining = pipelining
     if activation_rules is not None and self._mesh is None:
-      raise ValueError("activation_rules lays the activations out on the shardings' mesh: give"
-                       " train_state_shardings too.")
+      raise ValueError(
+        "activation_rules lays the activations out on the shardings' mesh: give train_state_shardings too."
+      )
     self._options = dict(
-        activation=None if activation_rules is None else (self._mesh, activation_rules),
-        microbatches=microbatches if accumulate or pipelining is not None else 1,
-        microbatch_weight=microbatch_weight, pipelining=pipelining,
-        input_shardings=tuple((name, sharding) for name, sharding in (input_kwarg_shardings or {}).items()
-                              if isinstance(sharding, NamedSharding)))
+      activation=None if activation_rules is None else (self._mesh, activation_rules),
+      microbatches=microbatches if accumulate or pipelining is not None else 1,
+      microbatch_weight=microbatch_weight,
+      pipelining=pipelining,
+      input_shardings=tuple(
+        (name, sharding)
+        for name, sharding in (input_kwarg_shardings or {}).items()
+        if isinstance(sharding, NamedSharding)
+      ),
+    )
     if jit:
       ts = train_state_shardings
       in_shardings = _StepArrays(
-          params=None if ts is None else ts.params,
-          model_leaves=None if ts is None else list(jax.tree_util.tree_leaves(ts.model_without_params)),
-          opt_state=None if ts is None else ts.opt_state,
-          loss_fn_state=None if ts is None else ts.loss_fn_state,
-          local_state=None if ts is None else ts.local_state,
-          root_rng=None,  # penzai ignores its sharding, and so do we.
-          step=None,
-          inputs=None if input_kwarg_shardings is None else dict(input_kwarg_shardings),
+        params=None if ts is None else ts.params,
+        model_leaves=None if ts is None else list(jax.tree_util.tree_leaves(ts.model_without_params)),
+        opt_state=None if ts is None else ts.opt_state,
+        loss_fn_state=None if ts is None else ts.loss_fn_state,
+        local_state=None if ts is None else ts.local_state,
+        root_rng=None,  # penzai ignores its sharding, and so do we.
+        step=None,
+        inputs=None if input_kwarg_shardings is None else dict(input_kwarg_shardings),
       )
       core = jax.jit(
-          core,
-          static_argnames=("statics",),
-          donate_argnames=_DONATED if donate else (),
-          in_shardings=tuple(in_shardings),
-          out_shardings=out_shardings,
+        core,
+        static_argnames=("statics",),
+        donate_argnames=_DONATED if donate else (),
+        in_shardings=tuple(in_shardings),
+        out_shardings=out_shardings,
       )
     self._core = core
     self._compiled = None
@@ -100,10 +128,10 @@ class _JittedCore:
       missing = sorted(set(self.input_kwarg_shardings) - set(inputs))
       extra = sorted(set(inputs) - set(self.input_kwarg_shardings))
       raise ValueError(
-          "The step's inputs differ from input_kwarg_shardings:"
-          + (f" missing {', '.join(missing)};" if missing else "")
-          + (f" not in the shardings {', '.join(extra)};" if extra else "")
-          + " give a sharding for every input and pass every input."
+        "The step's inputs differ from input_kwarg_shardings:"
+        + (f" missing {', '.join(missing)};" if missing else "")
+        + (f" not in the shardings {', '.join(extra)};" if extra else "")
+        + " give a sharding for every input and pass every input."
       )
     if self._checked_inputs != set(inputs):  # once per set of input names, before the first trace
       check_loss_fn_accepts(self.loss_fn, inputs)
@@ -111,20 +139,22 @@ class _JittedCore:
     if self.input_kwarg_shardings is None:
       inputs = jax.tree_util.tree_map(on_auto_mesh, dict(inputs))
     else:
-      inputs = {name: jax.tree_util.tree_map(on_auto_mesh, value, self.input_kwarg_shardings[name])
-                if isinstance(self.input_kwarg_shardings[name], NamedSharding) and isinstance(value, jax.Array)
-                else jax.tree_util.tree_map(on_auto_mesh, value)
-                for name, value in inputs.items()}
+      inputs = {
+        name: jax.tree_util.tree_map(on_auto_mesh, value, self.input_kwarg_shardings[name])
+        if isinstance(self.input_kwarg_shardings[name], NamedSharding) and isinstance(value, jax.Array)
+        else jax.tree_util.tree_map(on_auto_mesh, value)
+        for name, value in inputs.items()
+      }
     model_leaves, model_treedef = jax.tree_util.tree_flatten(train_state.model_without_params)
     donated = tuple(getattr(train_state, name) for name in _DONATED)
     if self.donate:
       donated = distinct_buffers(donated)
     arrays = _StepArrays(
-        model_leaves=model_leaves,
-        root_rng=train_state.root_rng,
-        step=train_state.step,
-        inputs=dict(inputs),
-        **dict(zip(_DONATED, donated)),
+      model_leaves=model_leaves,
+      root_rng=train_state.root_rng,
+      step=train_state.step,
+      inputs=dict(inputs),
+      **dict(zip(_DONATED, donated)),
     )
     return arrays, _StepStatics(model_treedef, train_state.optimizer_def, self.loss_fn, **self._options)
 
@@ -149,8 +179,9 @@ class _JittedCore:
       arrays, statics = self._arguments(train_state, inputs)
       return self._core.lower(*arrays, statics)
 
-  def compile(self, train_state: TrainState, compiler_options: Mapping[str, Any] | None,
-              inputs: Mapping[str, Any]) -> jax.stages.Compiled:
+  def compile(
+    self, train_state: TrainState, compiler_options: Mapping[str, Any] | None, inputs: Mapping[str, Any]
+  ) -> jax.stages.Compiled:
     lowered = self.lower(train_state, inputs)
     self._compiled = lowered.compile(dict(compiler_options)) if compiler_options else lowered.compile()
     return self._compiled
@@ -163,22 +194,41 @@ class TrainStep:
   (abstract ``jax.ShapeDtypeStruct`` leaves are fine there).
   """
 
-  def __init__(self, loss_fn, jit, donate, train_state_shardings, input_kwarg_shardings, aux_output_shardings,
-               microbatches=1, microbatch_weight=None, pipeline_repeats=1, activation_rules=None):
+  def __init__(
+    self,
+    loss_fn,
+    jit,
+    donate,
+    train_state_shardings,
+    input_kwarg_shardings,
+    aux_output_shardings,
+    microbatches=1,
+    microbatch_weight=None,
+    pipeline_repeats=1,
+    activation_rules=None,
+  ):
     ts = train_state_shardings
     out_shardings = (
-        None if ts is None else ts.params,
-        None if ts is None else ts.opt_state,
-        None if ts is None else ts.loss_fn_state,
-        None if ts is None else ts.local_state,
-        aux_output_shardings,
-        None,  # step + 1: where the step counter's arguments put it
+      None if ts is None else ts.params,
+      None if ts is None else ts.opt_state,
+      None if ts is None else ts.loss_fn_state,
+      None if ts is None else ts.local_state,
+      aux_output_shardings,
+      None,  # step + 1: where the step counter's arguments put it
     )
-    self._core = _JittedCore(_updated_params_and_states, loss_fn, jit=jit, donate=donate,
-                             train_state_shardings=train_state_shardings,
-                             input_kwarg_shardings=input_kwarg_shardings, out_shardings=out_shardings,
-                             microbatches=microbatches, microbatch_weight=microbatch_weight,
-                             pipeline_repeats=pipeline_repeats, activation_rules=activation_rules)
+    self._core = _JittedCore(
+      _updated_params_and_states,
+      loss_fn,
+      jit=jit,
+      donate=donate,
+      train_state_shardings=train_state_shardings,
+      input_kwarg_shardings=input_kwarg_shardings,
+      out_shardings=out_shardings,
+      microbatches=microbatches,
+      microbatch_weight=microbatch_weight,
+      pipeline_repeats=pipeline_repeats,
+      activation_rules=activation_rules,
+    )
     self.microbatches = microbatches
 
   @property
@@ -204,11 +254,11 @@ class TrainStep:
     # takes the step's own output.
     step = train_state.step
     new_state = train_state.replace(
-        step=step + 1 if isinstance(step, int) else next_step,
-        params=params,
-        opt_state=opt_state,
-        loss_fn_state=loss_fn_state,
-        local_state=local_state,
+      step=step + 1 if isinstance(step, int) else next_step,
+      params=params,
+      opt_state=opt_state,
+      loss_fn_state=loss_fn_state,
+      local_state=local_state,
     )
     return new_state, aux
 
@@ -216,8 +266,9 @@ class TrainStep:
     """Lowers the jitted step for these (possibly abstract) arguments."""
     return self._core.lower(train_state, inputs)
 
-  def compile(self, train_state: TrainState, *, compiler_options: Mapping[str, Any] | None = None,
-              **inputs: Any) -> jax.stages.Compiled:
+  def compile(
+    self, train_state: TrainState, *, compiler_options: Mapping[str, Any] | None = None, **inputs: Any
+  ) -> jax.stages.Compiled:
     """Compiles ahead of time for these (possibly abstract) arguments.
 
     Later calls run the compiled executable directly (no tracing); they must
@@ -234,17 +285,17 @@ class TrainStep:
 
 
 def build_train_step_fn(
-    loss_fn: LossFunction,
-    jit: bool = True,
-    donate_params_and_state: bool = False,
-    train_state_shardings: TrainState | None = None,
-    input_kwarg_shardings: dict[str, Any] | None = None,
-    aux_output_shardings: AuxOutPyTree | None = None,
-    *,
-    microbatches: int = 1,
-    microbatch_weight: str | None = None,
-    pipeline_repeats: int = 1,
-    activation_rules: Any = None,
+  loss_fn: LossFunction,
+  jit: bool = True,
+  donate_params_and_state: bool = False,
+  train_state_shardings: TrainState | None = None,
+  input_kwarg_shardings: dict[str, Any] | None = None,
+  aux_output_shardings: AuxOutPyTree | None = None,
+  *,
+  microbatches: int = 1,
+  microbatch_weight: str | None = None,
+  pipeline_repeats: int = 1,
+  activation_rules: Any = None,
 ) -> TrainStep:
   """Builds a train step function, with penzai's signature and semantics.
 
@@ -293,9 +344,16 @@ def build_train_step_fn(
   if donate_params_and_state and not jit:
     raise ValueError("Cannot donate params and state unless jit=True; pass jit=True or donate_params_and_state=False.")
   return TrainStep(
-      loss_fn, jit, donate_params_and_state, train_state_shardings, input_kwarg_shardings, aux_output_shardings,
-      microbatches=microbatches, microbatch_weight=microbatch_weight, pipeline_repeats=pipeline_repeats,
-      activation_rules=activation_rules,
+    loss_fn,
+    jit,
+    donate_params_and_state,
+    train_state_shardings,
+    input_kwarg_shardings,
+    aux_output_shardings,
+    microbatches=microbatches,
+    microbatch_weight=microbatch_weight,
+    pipeline_repeats=pipeline_repeats,
+    activation_rules=activation_rules,
   )
 
 
@@ -306,14 +364,31 @@ class EvalStep:
   donated or updated. ``lower`` and ``compile`` work as on ``TrainStep``.
   """
 
-  def __init__(self, loss_fn, jit, train_state_shardings, input_kwarg_shardings, aux_output_shardings,
-               microbatches=1, pipeline_repeats=1, activation_rules=None):
+  def __init__(
+    self,
+    loss_fn,
+    jit,
+    train_state_shardings,
+    input_kwarg_shardings,
+    aux_output_shardings,
+    microbatches=1,
+    pipeline_repeats=1,
+    activation_rules=None,
+  ):
     # Microbatches matter to eval only as a pipeline's; without one the whole batch runs at once.
-    self._core = _JittedCore(_eval_outputs, loss_fn, jit=jit, donate=False,
-                             train_state_shardings=train_state_shardings,
-                             input_kwarg_shardings=input_kwarg_shardings, out_shardings=aux_output_shardings,
-                             microbatches=microbatches, pipeline_repeats=pipeline_repeats, accumulate=False,
-                             activation_rules=activation_rules)
+    self._core = _JittedCore(
+      _eval_outputs,
+      loss_fn,
+      jit=jit,
+      donate=False,
+      train_state_shardings=train_state_shardings,
+      input_kwarg_shardings=input_kwarg_shardings,
+      out_shardings=aux_output_shardings,
+      microbatches=microbatches,
+      pipeline_repeats=pipeline_repeats,
+      accumulate=False,
+      activation_rules=activation_rules,
+    )
 
   @property
   def loss_fn(self) -> LossFunction:
@@ -330,22 +405,23 @@ class EvalStep:
     """Lowers the jitted eval step for these (possibly abstract) arguments."""
     return self._core.lower(train_state, inputs)
 
-  def compile(self, train_state: TrainState, *, compiler_options: Mapping[str, Any] | None = None,
-              **inputs: Any) -> jax.stages.Compiled:
+  def compile(
+    self, train_state: TrainState, *, compiler_options: Mapping[str, Any] | None = None, **inputs: Any
+  ) -> jax.stages.Compiled:
     """Compiles ahead of time, as ``TrainStep.compile`` does."""
     return self._core.compile(train_state, compiler_options, inputs)
 
 
 def build_eval_step_fn(
-    loss_fn: LossFunction,
-    jit: bool = True,
-    train_state_shardings: TrainState | None = None,
-    input_kwarg_shardings: dict[str, Any] | None = None,
-    aux_output_shardings: AuxOutPyTree | None = None,
-    *,
-    microbatches: int = 1,
-    pipeline_repeats: int = 1,
-    activation_rules: Any = None,
+  loss_fn: LossFunction,
+  jit: bool = True,
+  train_state_shardings: TrainState | None = None,
+  input_kwarg_shardings: dict[str, Any] | None = None,
+  aux_output_shardings: AuxOutPyTree | None = None,
+  *,
+  microbatches: int = 1,
+  pipeline_repeats: int = 1,
+  activation_rules: Any = None,
 ) -> EvalStep:
   """Builds an eval step: the loss function's aux, with nothing updated.
 
@@ -359,5 +435,13 @@ def build_eval_step_fn(
   Returns:
     ``eval_step(train_state, **inputs) -> aux``.
   """
-  return EvalStep(loss_fn, jit, train_state_shardings, input_kwarg_shardings, aux_output_shardings,
-                  microbatches=microbatches, pipeline_repeats=pipeline_repeats, activation_rules=activation_rules)
+  return EvalStep(
+    loss_fn,
+    jit,
+    train_state_shardings,
+    input_kwarg_shardings,
+    aux_output_shardings,
+    microbatches=microbatches,
+    pipeline_repeats=pipeline_repeats,
+    activation_rules=activation_rules,
+  )

@@ -46,9 +46,9 @@ def loss_fn(*, model, state, rng, images, labels):
 
 def make_state():
   return dt.TrainState.initial_state(
-      model=Classifier(nnx.Rngs(params=0, dropout=1)),
-      optimizer_def=optax.adamw(1e-3),
-      root_rng=jax.random.key(42),
+    model=Classifier(nnx.Rngs(params=0, dropout=1)),
+    optimizer_def=optax.adamw(1e-3),
+    root_rng=jax.random.key(42),
   )
 
 
@@ -60,9 +60,11 @@ def main():
   # logical annotations are not applied eagerly while it does.
   state, plan = planner.init(make_state, loss_fn=loss_fn, inputs=batch)
   print(plan.report())
-  shardings = dict(train_state_shardings=plan.train_state_shardings,
-                   input_kwarg_shardings=plan.input_kwarg_shardings,
-                   aux_output_shardings=plan.aux_output_shardings)
+  shardings = dict(
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    aux_output_shardings=plan.aux_output_shardings,
+  )
   train_step = dt.build_train_step_fn(loss_fn, donate_params_and_state=True, **shardings)
   eval_step = dt.build_eval_step_fn(loss_fn, **shardings)  # model.eval(): running stats, no dropout
 
@@ -78,11 +80,15 @@ def main():
     state, aux = train_step(state, **batch_of(128))
     if step % 10 == 9:
       evaluation = eval_step(state, **held_out)
-      print(f"step {step + 1:2d}  train loss {float(aux['loss']):.4f}  eval accuracy {float(evaluation['accuracy']):.3f}")
+      print(
+        f"step {step + 1:2d}  train loss {float(aux['loss']):.4f}  eval accuracy {float(evaluation['accuracy']):.3f}"
+      )
   mean = jax.tree_util.tree_leaves(state.local_state["norm"]["mean"])[0]
   kernel = jax.tree_util.tree_leaves(state.params["hidden"]["kernel"])[0]
-  print(f"hidden/kernel {kernel.shape} split over {tuple(kernel.sharding.spec)}; "
-        f"BatchNorm running mean (local state) starts {', '.join(f'{v:.3f}' for v in np.asarray(mean)[:3])}")
+  print(
+    f"hidden/kernel {kernel.shape} split over {tuple(kernel.sharding.spec)}; "
+    f"BatchNorm running mean (local state) starts {', '.join(f'{v:.3f}' for v in np.asarray(mean)[:3])}"
+  )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ def init_model(key):
   """A 3-layer MLP as a plain pytree: a list of {"w", "b"} dicts."""
   sizes = [32, 128, 128, 10]
   keys = jax.random.split(key, len(sizes) - 1)
-  return [{"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
-          for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+  return [
+    {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)} for k, a, b in zip(keys, sizes[:-1], sizes[1:])
+  ]
 
 
 def loss_fn(*, model, state, rng, images, labels):
@@ -46,10 +47,10 @@ def loss_fn(*, model, state, rng, images, labels):
 
 def make_state():
   return dt.TrainState.initial_state(
-      model=init_model(jax.random.key(0)),
-      optimizer_def=optax.adamw(3e-3),
-      root_rng=jax.random.key(42),
-      loss_fn_state=jnp.int32(0),
+    model=init_model(jax.random.key(0)),
+    optimizer_def=optax.adamw(3e-3),
+    root_rng=jax.random.key(42),
+    loss_fn_state=jnp.int32(0),
   )
 
 
@@ -65,11 +66,11 @@ def main():
   print(plan.report())
 
   train_step = dt.build_train_step_fn(
-      loss_fn,
-      donate_params_and_state=True,
-      train_state_shardings=plan.train_state_shardings,
-      input_kwarg_shardings=plan.input_kwarg_shardings,
-      aux_output_shardings=plan.aux_output_shardings,
+    loss_fn,
+    donate_params_and_state=True,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    aux_output_shardings=plan.aux_output_shardings,
   )
   rng = np.random.default_rng(0)
   centers = rng.normal(size=(10, 32)).astype(np.float32)

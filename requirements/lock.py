@@ -68,19 +68,30 @@ class Spec:
     out = []
     for name, body in self.raw_sets.items():
       extra = body.get("python", {}).get(python, {})
-      out.append(Set(name=name, project=body.get("project", True),
-                     project_extras=tuple(body.get("project_extras", ())),
-                     requirements=tuple(body.get("requirements", ())) + tuple(extra.get("requirements", ())),
-                     constrained_by=tuple(body.get("constrained_by", ())), no_deps=body.get("no_deps", False),
-                     pin_to_hold=body.get("pin_to_hold", False)))
+      out.append(
+        Set(
+          name=name,
+          project=body.get("project", True),
+          project_extras=tuple(body.get("project_extras", ())),
+          requirements=tuple(body.get("requirements", ())) + tuple(extra.get("requirements", ())),
+          constrained_by=tuple(body.get("constrained_by", ())),
+          no_deps=body.get("no_deps", False),
+          pin_to_hold=body.get("pin_to_hold", False),
+        )
+      )
     return out
 
 
 def read_spec(path: pathlib.Path) -> Spec:
   with open(path, "rb") as f:
     raw = tomllib.load(f)
-  return Spec(pythons=tuple(raw["pythons"]), platform=raw["platform"], hold=raw["hold"],
-              tools=tuple(raw.get("tools", ())), raw_sets=raw["sets"])
+  return Spec(
+    pythons=tuple(raw["pythons"]),
+    platform=raw["platform"],
+    hold=raw["hold"],
+    tools=tuple(raw.get("tools", ())),
+    raw_sets=raw["sets"],
+  )
 
 
 def pins(lock: pathlib.Path) -> dict[str, str]:
@@ -136,8 +147,17 @@ def uv_flags(sources: list[str]) -> list[str]:
 # --- resolve ----------------------------------------------------------------------------------------------------
 
 
-def _compile(uv: str, spec: Spec, python: str, chosen: Set, constraints: list[str], out: pathlib.Path,
-             sources: list[str], project: pathlib.Path, work: pathlib.Path) -> tuple[bool, str]:
+def _compile(
+  uv: str,
+  spec: Spec,
+  python: str,
+  chosen: Set,
+  constraints: list[str],
+  out: pathlib.Path,
+  sources: list[str],
+  project: pathlib.Path,
+  work: pathlib.Path,
+) -> tuple[bool, str]:
   """`uv pip compile` of one set into `out`; (ok, uv's reason when not)."""
   inputs = work / f"{chosen.name}.in"
   lines = list(chosen.requirements)
@@ -147,9 +167,26 @@ def _compile(uv: str, spec: Spec, python: str, chosen: Set, constraints: list[st
   constraint_file = work / f"{chosen.name}.constraints.txt"
   constraint_file.write_text("\n".join(constraints) + "\n", encoding="utf-8")
   # --python: builds run on this interpreter; uv's own search for one of `python` is slow behind pyenv's shims.
-  args = [uv, "pip", "compile", "--quiet", "--upgrade", "--no-header", "--no-annotate", "--python", sys.executable,
-          "--python-version", python,
-          "--python-platform", spec.platform, *uv_flags(sources), "-c", str(constraint_file), "-o", str(out)]
+  args = [
+    uv,
+    "pip",
+    "compile",
+    "--quiet",
+    "--upgrade",
+    "--no-header",
+    "--no-annotate",
+    "--python",
+    sys.executable,
+    "--python-version",
+    python,
+    "--python-platform",
+    spec.platform,
+    *uv_flags(sources),
+    "-c",
+    str(constraint_file),
+    "-o",
+    str(out),
+  ]
   if chosen.no_deps:
     args.append("--no-deps")
   if chosen.project:
@@ -175,12 +212,15 @@ def reason(stderr: str) -> str:
 
 
 def _header(name: str, python: str, spec: Spec) -> str:
-  return (f"# The {name} set for Python {python} on {spec.platform}, resolved by requirements/lock.py with uv.\n"
-          "# Generated: never edit by hand; `bash .ci/upgrade` moves it (requirements/README.md).\n")
+  return (
+    f"# The {name} set for Python {python} on {spec.platform}, resolved by requirements/lock.py with uv.\n"
+    "# Generated: never edit by hand; `bash .ci/upgrade` moves it (requirements/README.md).\n"
+  )
 
 
-def resolve_python(uv: str, spec: Spec, python: str, out_dir: pathlib.Path, sources: list[str],
-                   project: pathlib.Path, log=print) -> str | None:
+def resolve_python(
+  uv: str, spec: Spec, python: str, out_dir: pathlib.Path, sources: list[str], project: pathlib.Path, log=print
+) -> str | None:
   """Locks every set of `python` into `out_dir`; returns the hold-back line, or None when nothing was held."""
   out_dir.mkdir(parents=True, exist_ok=True)
   sets = spec.sets(python)
@@ -200,8 +240,7 @@ def resolve_python(uv: str, spec: Spec, python: str, out_dir: pathlib.Path, sour
       failure = _resolve_all(uv, spec, python, sets, version, out_dir, sources, project, work)
       if failure is None:
         if held:
-          return (f"{spec.hold} held at {version} on Python {python} ({newest} is served): "
-                  + "; ".join(held))
+          return f"{spec.hold} held at {version} on Python {python} ({newest} is served): " + "; ".join(held)
         return None
       held.append(f"{spec.hold} {version}: {failure}")
       log(f"lock: Python {python}: {spec.hold} {version} does not lock every set ({failure}); trying older")
@@ -211,8 +250,15 @@ def resolve_python(uv: str, spec: Spec, python: str, out_dir: pathlib.Path, sour
 
 def _probe(spec: Spec, sets: list[Set]) -> Set:
   """The held package alone (with the project's own range, where a set has the project): its newest release."""
-  return Set(name="probe", project=any(s.project for s in sets), project_extras=(), requirements=(spec.hold,),
-             constrained_by=(), no_deps=False, pin_to_hold=False)
+  return Set(
+    name="probe",
+    project=any(s.project for s in sets),
+    project_extras=(),
+    requirements=(spec.hold,),
+    constrained_by=(),
+    no_deps=False,
+    pin_to_hold=False,
+  )
 
 
 def _resolve_all(uv, spec, python, sets, version, out_dir, sources, project, work) -> str | None:
@@ -256,19 +302,28 @@ def lock_for(set_name: str, python_version: str, lock_dir: pathlib.Path) -> path
   if set_name not in names:
     raise LockError(f"no set named '{set_name}' in {lock_dir} (sets: {', '.join(names) or 'none'})")
   have = sorted(p.name[2:] for p in lock_dir.glob("py*") if (p / f"{set_name}.txt").is_file())
-  raise LockError(f"no lock for Python {python_version} in {lock_dir} (locked: {', '.join(have)}): use one of "
-                  f"those interpreters, or add {python_version} to requirements/sets.toml and run bash .ci/upgrade")
+  raise LockError(
+    f"no lock for Python {python_version} in {lock_dir} (locked: {', '.join(have)}): use one of "
+    f"those interpreters, or add {python_version} to requirements/sets.toml and run bash .ci/upgrade"
+  )
 
 
 def _run_install(args: list[str], lock: pathlib.Path) -> None:
   done = subprocess.run(args, capture_output=True, text=True, check=False)
   if done.returncode:
-    raise LockError(f"{lock.relative_to(ROOT) if lock.is_relative_to(ROOT) else lock} cannot be installed: "
-                    f"{reason(done.stderr)}; bash .ci/upgrade moves the lock to what the registry serves")
+    raise LockError(
+      f"{lock.relative_to(ROOT) if lock.is_relative_to(ROOT) else lock} cannot be installed: "
+      f"{reason(done.stderr)}; bash .ci/upgrade moves the lock to what the registry serves"
+    )
 
 
-def install(set_name: str, venv: pathlib.Path, lock_dir: pathlib.Path = HERE, editable: str | None = None,
-            target: pathlib.Path | None = None) -> pathlib.Path:
+def install(
+  set_name: str,
+  venv: pathlib.Path,
+  lock_dir: pathlib.Path = HERE,
+  editable: str | None = None,
+  target: pathlib.Path | None = None,
+) -> pathlib.Path:
   """Makes (or reuses) `venv` and installs `set_name`'s lock for the venv's interpreter into it, exactly.
 
   A new venv is made with the interpreter running this file. With `target`, the lock goes into that folder
@@ -277,8 +332,12 @@ def install(set_name: str, venv: pathlib.Path, lock_dir: pathlib.Path = HERE, ed
   python = venv / "bin" / "python"
   # The lock is chosen, or refused, before anything is written.
   interpreter = python if python.exists() else pathlib.Path(sys.executable)
-  version = subprocess.run([str(interpreter), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+  version = subprocess.run(
+    [str(interpreter), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.strip()
   lock = lock_for(set_name, version, lock_dir)
   if not python.exists():
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -297,19 +356,22 @@ def install(set_name: str, venv: pathlib.Path, lock_dir: pathlib.Path = HERE, ed
   # process of the suite would compile jax, transformers and the rest from source on each import.
   flags = ["--python", str(python), "--compile-bytecode", *uv_flags(sources)]
   if target is not None:
-    _run_install([str(uv), "pip", "install", "--quiet", "--no-deps", "--target", str(target), *flags, "-r",
-                  str(lock)], lock)
+    _run_install(
+      [str(uv), "pip", "install", "--quiet", "--no-deps", "--target", str(target), *flags, "-r", str(lock)], lock
+    )
     return lock
   _run_install([str(uv), "pip", "sync", "--quiet", *flags, str(lock)], lock)
   if editable is not None and "[" in str(editable):
     # Extras on top of the set (`.[eval]`): their packages at the versions of this interpreter's test set, which
     # holds every extra the suite uses.
-    _run_install([str(uv), "pip", "install", "--quiet", *flags, "-c", str(lock.parent / "test.txt"), "-e",
-                  str(editable)], lock)
+    _run_install(
+      [str(uv), "pip", "install", "--quiet", *flags, "-c", str(lock.parent / "test.txt"), "-e", str(editable)], lock
+    )
   elif editable is not None:
     _run_install([str(uv), "pip", "install", "--quiet", "--no-deps", *flags, "-e", str(editable)], lock)
-  (venv / MARKER).write_text(json.dumps({"lock": str(lock), "set": set_name, "python": version}) + "\n",
-                             encoding="utf-8")
+  (venv / MARKER).write_text(
+    json.dumps({"lock": str(lock), "set": set_name, "python": version}) + "\n", encoding="utf-8"
+  )
   return lock
 
 
@@ -332,8 +394,11 @@ def installed() -> dict[str, str]:
 def mismatches(lock: pathlib.Path, have: dict[str, str], ignore: tuple[str, ...] = ("distrib-train",)) -> list[str]:
   """Lines naming each pinned package whose installed version differs, and each unpinned one installed."""
   want = pins(lock)
-  out = [f"{name}: lock {version}, installed {have.get(name, '(none)')}" for name, version in sorted(want.items())
-         if have.get(name) != version]
+  out = [
+    f"{name}: lock {version}, installed {have.get(name, '(none)')}"
+    for name, version in sorted(want.items())
+    if have.get(name) != version
+  ]
   out += [f"{name}: installed {have[name]}, not in the lock" for name in sorted(set(have) - set(want) - set(ignore))]
   return out
 
@@ -363,14 +428,17 @@ def main(argv: list[str] | None = None) -> int:
   r.add_argument("--project", type=pathlib.Path, default=ROOT)
   r.add_argument("--against", type=pathlib.Path, default=HERE, help="the locks to compare with")
   r.add_argument("--uv", help="the uv to run (default: a pinned one in .ci-tools/)")
-  r.add_argument("--sources", help="uv's source flags instead of pip's configuration, e.g. '--no-index "
-                 "--find-links DIR'")
+  r.add_argument(
+    "--sources", help="uv's source flags instead of pip's configuration, e.g. '--no-index --find-links DIR'"
+  )
   i = sub.add_parser("install", help="make a virtualenv from one lock of this interpreter")
   i.add_argument("set")
   i.add_argument("--venv", type=pathlib.Path, required=True)
   i.add_argument("--lock-dir", type=pathlib.Path, default=pathlib.Path(os.environ.get("DT_LOCK_DIR", HERE)))
-  i.add_argument("--editable", help="the project to install, without dependencies; with extras ('.[eval]'), "
-                 "theirs at the test set's versions")
+  i.add_argument(
+    "--editable",
+    help="the project to install, without dependencies; with extras ('.[eval]'), theirs at the test set's versions",
+  )
   i.add_argument("--target", type=pathlib.Path, help="install into this folder beside --venv, no dependencies")
   c = sub.add_parser("check", help="this interpreter's distributions equal the lock its venv was built from")
   c.add_argument("--venv", type=pathlib.Path, default=pathlib.Path(sys.prefix))
@@ -396,8 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         if line:
           held.append(line)
       moved = compare(args.against, args.out)
-      report = ["held back:", *(f"  {line}" for line in held or ["nothing"]), "moved:",
-                *(f"  {line}" for line in moved or ["nothing"])]
+      report = [
+        "held back:",
+        *(f"  {line}" for line in held or ["nothing"]),
+        "moved:",
+        *(f"  {line}" for line in moved or ["nothing"]),
+      ]
       (args.out / "REPORT").write_text("\n".join(report) + "\n", encoding="utf-8")
       (args.out / "MOVED").write_text("".join(f"{line}\n" for line in moved), encoding="utf-8")
       for line in held:

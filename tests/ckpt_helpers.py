@@ -41,10 +41,13 @@ def planned(mesh, width=64, depth=2):
   planner = dt.MeshPlanner(mesh, "fsdp_tensor")
   make = lambda: make_state(width, depth)
   plan = planner.plan(jax.eval_shape(make), loss_fn=loss_fn, inputs=batch(0, width))
-  step_fn = dt.build_train_step_fn(loss_fn, donate_params_and_state=True,
-                                   train_state_shardings=plan.train_state_shardings,
-                                   input_kwarg_shardings=plan.input_kwarg_shardings,
-                                   aux_output_shardings=plan.aux_output_shardings)
+  step_fn = dt.build_train_step_fn(
+    loss_fn,
+    donate_params_and_state=True,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    aux_output_shardings=plan.aux_output_shardings,
+  )
   return plan, make, step_fn
 
 

@@ -87,17 +87,29 @@ def once_per_run(tmp_path_factory):
 # data resume, several processes, Hugging Face against transformers, chat templates and conversations, and the
 # trainer CLI end to end.
 COMPAT_FILES = {
-    "test_train_state.py", "test_train_step.py", "test_penzai.py", "test_planner.py", "test_axis_rules.py",
-    "test_mesh.py", "test_checkpoint.py", "test_hf.py", "test_multiprocess.py", "test_data_resume.py",
-    "test_config.py", "test_architecture.py", "test_versions.py", "test_chat.py", "test_sft.py",
-    "test_state_fields.py",
+  "test_train_state.py",
+  "test_train_step.py",
+  "test_penzai.py",
+  "test_planner.py",
+  "test_axis_rules.py",
+  "test_mesh.py",
+  "test_checkpoint.py",
+  "test_hf.py",
+  "test_multiprocess.py",
+  "test_data_resume.py",
+  "test_config.py",
+  "test_architecture.py",
+  "test_versions.py",
+  "test_chat.py",
+  "test_sft.py",
+  "test_state_fields.py",
 }
 COMPAT_TESTS = {
-    "test_cli.py::test_end_to_end_files_metrics_profile_and_cache",
-    "test_cli.py::test_resume_matches_a_straight_run",
-    "test_trainer.py::test_rollback_restores_the_last_checkpoint_and_moves_past_the_batch",
-    "test_mtp.py::test_deepseek_v3_mtp_layer_imports_and_exports_bit_for_bit",
-    "test_lock.py::test_this_environment_holds_exactly_its_lock",
+  "test_cli.py::test_end_to_end_files_metrics_profile_and_cache",
+  "test_cli.py::test_resume_matches_a_straight_run",
+  "test_trainer.py::test_rollback_restores_the_last_checkpoint_and_moves_past_the_batch",
+  "test_mtp.py::test_deepseek_v3_mtp_layer_imports_and_exports_bit_for_bit",
+  "test_lock.py::test_this_environment_holds_exactly_its_lock",
 }
 
 
@@ -105,13 +117,30 @@ COMPAT_TESTS = {
 # that two xdist workers end on short tests instead of one waiting for the other's last libtpu compile. Only the
 # order depends on these figures; a new file runs after them.
 FILE_SECONDS = {
-    "test_fp8.py": 463, "test_kill_matrix.py": 370, "test_podplan_tpu.py": 366, "test_context.py": 248,
-    "test_podplan_gpu.py": 200,
-    "test_local_checkpoints.py": 180, "test_moe.py": 145, "test_elastic_resume.py": 144, "test_pipeline.py": 143,
-    "test_trainer.py": 128, "test_cli.py": 128, "test_bad_inputs.py": 107, "test_models.py": 91,
-    "test_slurm.py": 74, "test_faults.py": 63, "test_launchers.py": 60, "test_disk_full.py": 54,
-    "test_watchdog.py": 45, "test_tokenizer.py": 41, "test_init_from.py": 36, "test_readme.py": 34,
-    "test_checkpoint.py": 32, "test_train_step.py": 28, "test_auto_layout.py": 45,
+  "test_fp8.py": 463,
+  "test_kill_matrix.py": 370,
+  "test_podplan_tpu.py": 366,
+  "test_context.py": 248,
+  "test_podplan_gpu.py": 200,
+  "test_local_checkpoints.py": 180,
+  "test_moe.py": 145,
+  "test_elastic_resume.py": 144,
+  "test_pipeline.py": 143,
+  "test_trainer.py": 128,
+  "test_cli.py": 128,
+  "test_bad_inputs.py": 107,
+  "test_models.py": 91,
+  "test_slurm.py": 74,
+  "test_faults.py": 63,
+  "test_launchers.py": 60,
+  "test_disk_full.py": 54,
+  "test_watchdog.py": 45,
+  "test_tokenizer.py": 41,
+  "test_init_from.py": 36,
+  "test_readme.py": 34,
+  "test_checkpoint.py": 32,
+  "test_train_step.py": 28,
+  "test_auto_layout.py": 45,
 }
 
 
@@ -136,5 +165,6 @@ def pytest_runtest_logreport(report):
 
 def pytest_terminal_summary(terminalreporter):
   if _CALL_SECONDS and not os.environ.get("PYTEST_XDIST_WORKER"):
-    terminalreporter.write_line(f"serial test time: {sum(_CALL_SECONDS):.0f} s in the call phases of"
-                                f" {len(_CALL_SECONDS)} tests")
+    terminalreporter.write_line(
+      f"serial test time: {sum(_CALL_SECONDS):.0f} s in the call phases of {len(_CALL_SECONDS)} tests"
+    )

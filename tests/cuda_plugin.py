@@ -26,8 +26,9 @@ def require(module_level: bool = False) -> None:
   if not (PLUGIN / "jax_plugins" / "xla_cuda12").is_dir():
     if os.environ.get("CI"):
       pytest.fail(f"JAX's CUDA plugin is not in {PLUGIN}; .ci/run installs it there", pytrace=False)
-    pytest.skip(f"JAX's CUDA plugin is not in {PLUGIN} (set DISTRIB_TRAIN_CUDA_PLUGIN)",
-                allow_module_level=module_level)
+    pytest.skip(
+      f"JAX's CUDA plugin is not in {PLUGIN} (set DISTRIB_TRAIN_CUDA_PLUGIN)", allow_module_level=module_level
+    )
 
 
 def environment(xla_flags: str | None = None) -> dict[str, str]:
@@ -42,7 +43,8 @@ def environment(xla_flags: str | None = None) -> dict[str, str]:
 
 def run_program(source: str, xla_flags: str | None = None) -> dict:
   """Runs ``source`` with the plugin and returns the JSON its last printed line holds (asserting it ran)."""
-  run = subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=environment(xla_flags), capture_output=True,
-                       text=True, timeout=600)
+  run = subprocess.run(
+    [sys.executable, "-c", source], cwd=ROOT, env=environment(xla_flags), capture_output=True, text=True, timeout=600
+  )
   assert run.returncode == 0, run.stderr[-3000:]
   return json.loads(run.stdout.strip().splitlines()[-1])

@@ -21,10 +21,32 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FAST = ["--config", "tiny", "--cpu_devices", "8", "--steps", "2", "--set", "data.seq_len=32",
-        "--set", "data.global_batch_size=8", "--set", "data.source=synthetic", "--set", "data.synthetic_documents=64",
-        "--set", "train.eval_every=0", "--set", "train.eval_batches=1", "--set", "train.log_every=1",
-        "--set", "optimizer.warmup_steps=0", "--set", "optimizer.decay_steps=10"]
+FAST = [
+  "--config",
+  "tiny",
+  "--cpu_devices",
+  "8",
+  "--steps",
+  "2",
+  "--set",
+  "data.seq_len=32",
+  "--set",
+  "data.global_batch_size=8",
+  "--set",
+  "data.source=synthetic",
+  "--set",
+  "data.synthetic_documents=64",
+  "--set",
+  "train.eval_every=0",
+  "--set",
+  "train.eval_batches=1",
+  "--set",
+  "train.log_every=1",
+  "--set",
+  "optimizer.warmup_steps=0",
+  "--set",
+  "optimizer.decay_steps=10",
+]
 
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -33,18 +55,32 @@ from test_bad_inputs import _remove_all, _step, _truncate_arrays  # noqa: E402  
 
 # The cases of test_bad_inputs.CHECKPOINT_CASES whose refusal comes from a failed read of orbax or tensorstore.
 CASES = {
-    "ocdbt-index-deleted": _remove_all("state/d/*"),
-    "array-file-deleted": _remove_all("state/ocdbt.process_*/d/*"),
-    "truncated-arrays": _truncate_arrays,
-    "garbage-array-metadata": lambda workdir: (_step(workdir) / "state" / "_METADATA").write_text("garbage{"),
+  "ocdbt-index-deleted": _remove_all("state/d/*"),
+  "array-file-deleted": _remove_all("state/ocdbt.process_*/d/*"),
+  "truncated-arrays": _truncate_arrays,
+  "garbage-array-metadata": lambda workdir: (_step(workdir) / "state" / "_METADATA").write_text("garbage{"),
 }
 
 
 def _run(workdir, cache):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "distrib_train", "--workdir", str(workdir), *FAST,
-                         "--set", f"train.compilation_cache_dir={cache}"],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  return subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "distrib_train",
+      "--workdir",
+      str(workdir),
+      *FAST,
+      "--set",
+      f"train.compilation_cache_dir={cache}",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
 
 
 def _one(base, name, index, cache):

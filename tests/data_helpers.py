@@ -63,4 +63,5 @@ def first_local_rows(array):
       seen.add(key)
       rows.append(jax.device_get(shard.data))
   import numpy as np
+
   return np.concatenate(rows)

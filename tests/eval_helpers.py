@@ -11,11 +11,13 @@ import pathlib
 CONTEXT = 64  # the model's max_position_embeddings: lm-eval's max_length, so long texts roll over windows
 TASKS = ("local_choice", "local_perplexity", "local_completion")
 # A Llama 3 style template (its headers plain text here: the BPE knows no such tokens).
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<{{ message['role'] }}>\n{{ message['content'] | trim }}"
-                 "{% if not loop.last or add_generation_prompt %}\n{% endif %}{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>\n{% endif %}")
+CHAT_TEMPLATE = (
+  "{{ bos_token }}{% for message in messages %}<{{ message['role'] }}>\n{{ message['content'] | trim }}"
+  "{% if not loop.last or add_generation_prompt %}\n{% endif %}{% endfor %}"
+  "{% if add_generation_prompt %}<assistant>\n{% endif %}"
+)
 _YAML = {
-    "local_choice": """task: local_choice
+  "local_choice": """task: local_choice
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -30,7 +32,7 @@ metric_list:
   - metric: acc
   - metric: acc_norm
 """,
-    "local_perplexity": """task: local_perplexity
+  "local_perplexity": """task: local_perplexity
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -44,7 +46,7 @@ metric_list:
   - metric: byte_perplexity
   - metric: bits_per_byte
 """,
-    "local_completion": """task: local_completion
+  "local_completion": """task: local_completion
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -69,8 +71,11 @@ def write_tasks(directory: pathlib.Path, documents: int = 12) -> pathlib.Path:
   from distrib_train.evaluation import demo_tasks
 
   directory.mkdir(parents=True, exist_ok=True)
-  builders = {"local_choice": demo_tasks.choice, "local_perplexity": demo_tasks.perplexity,
-              "local_completion": demo_tasks.completion}
+  builders = {
+    "local_choice": demo_tasks.choice,
+    "local_perplexity": demo_tasks.perplexity,
+    "local_completion": demo_tasks.completion,
+  }
   for name, build in builders.items():
     records = list(build()["test"])[:documents]
     data = directory / f"{name}.jsonl"
@@ -93,15 +98,25 @@ def save_model(family: str, directory: pathlib.Path, context: int = CONTEXT, **c
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  tok.train_from_iterator(list(demo_tasks._paragraphs()) * 2, trainers.BpeTrainer(
-      vocab_size=470, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok.train_from_iterator(
+    list(demo_tasks._paragraphs()) * 2,
+    trainers.BpeTrainer(vocab_size=470, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+  )
   bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
   tok.add_special_tokens([bos, eos])
   tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
   tok.save(str(directory / "tokenizer.json"))
-  (directory / "tokenizer_config.json").write_text(json.dumps({
-      "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
-      "model_max_length": context, "chat_template": CHAT_TEMPLATE}))
+  (directory / "tokenizer_config.json").write_text(
+    json.dumps(
+      {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "model_max_length": context,
+        "chat_template": CHAT_TEMPLATE,
+      }
+    )
+  )
   eos_id = tok.token_to_id(eos)
   for name in ("config.json", "generation_config.json"):
     path = directory / name

@@ -22,15 +22,16 @@ def trl_advantages(rewards, num_generations, scale_rewards):
   spread_of_all = statistics.stdev(rewards)
   out = []
   for first in range(0, len(rewards), num_generations):
-    group = rewards[first:first + num_generations]
+    group = rewards[first : first + num_generations]
     centre = statistics.fmean(group)
     scale = {"group": statistics.stdev(group) + 1e-4, "batch": spread_of_all + 1e-4, "none": 1.0}[scale_rewards]
     out += [(r - centre) / scale for r in group]
   return np.asarray(out)
 
 
-def trl_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type, level, beta, epsilon, epsilon_high,
-             max_completion_length):
+def trl_loss(
+  logps, old_logps, ref_logps, advantages, mask, *, loss_type, level, beta, epsilon, epsilon_high, max_completion_length
+):
   """TRL's GRPO loss of one batch: per-token ``logps`` [N, T] (the policy's, logits over the temperature),
   ``old_logps`` (the policy's at generation), ``ref_logps`` (the reference's, read when beta > 0), the row
   ``advantages`` [N] and the completion ``mask`` [N, T]."""
@@ -56,6 +57,7 @@ def trl_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type, level,
 
 # --- reward functions, with TRL's signature --------------------------------------------------------------------
 
+
 def distinct_letters(prompts, completions, completion_ids, **columns):
   """A tenth of the distinct characters of each completion: a reward with a spread in every group."""
   return [len(set(c if isinstance(c, str) else c[0]["content"])) / 10 for c in completions]
@@ -77,24 +79,34 @@ def fails_on_seven(prompts, completions, completion_ids, **columns):
 
 # --- a run's records -------------------------------------------------------------------------------------------
 
+
 def read_jsonl(path):
   return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
 
 
 def losses(workdir):
   """Every logged training loss of a run, by step (``train.log_every: 1``)."""
-  return {r["step"]: r["loss"] for r in read_jsonl(pathlib.Path(workdir) / "metrics.jsonl")
-          if "loss" in r and "step_time_ms" in r}
+  return {
+    r["step"]: r["loss"]
+    for r in read_jsonl(pathlib.Path(workdir) / "metrics.jsonl")
+    if "loss" in r and "step_time_ms" in r
+  }
 
 
 # --- a run on a Hugging Face directory ---------------------------------------------------------------------
+
 
 def write_prompts(path, count=8):
   """Prompt records for a tiny BPE model: text prompts and, every other one, a chat's messages; most with a
   ``target`` column (None where absent)."""
   question = lambda i: f"Question {i}: why " + "so " * (i % 3)
-  records = [{"prompt": question(i) if i % 2 else [{"role": "user", "content": question(i)}],
-              **({"target": "e"} if i % 4 else {})} for i in range(count)]
+  records = [
+    {
+      "prompt": question(i) if i % 2 else [{"role": "user", "content": question(i)}],
+      **({"target": "e"} if i % 4 else {}),
+    }
+    for i in range(count)
+  ]
   pathlib.Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
   return path
 
@@ -103,16 +115,34 @@ def hf_overrides(hf_dir, prompts):
   """A GRPO run of ``grpo-tiny``'s shape on the Hugging Face model in ``hf_dir`` (fp32, XLA attention) over the
   prompts file: 4 prompts × 4 completions of up to 12 tokens a batch, 2 steps on each batch, a checkpoint each step,
   the two reward functions above."""
-  return [f"train.init_from=hf:{hf_dir}", "model.dtype=float32", "model.attention=xla", "data.source=text",
-          f"data.paths={prompts}", "data.seq_len=48", "data.global_batch_size=16", "grpo.num_generations=4",
-          "grpo.max_completion_length=12", "grpo.temperature=0.7", "grpo.num_iterations=2",
-          "grpo.reward_funcs=grpo_helpers:distinct_letters,grpo_helpers:echoes_target", "grpo.reward_weights=1.0,0.5",
-          "grpo.format_pattern=.*", "optimizer.learning_rate=0.02", "optimizer.warmup_steps=0", "train.steps=2",
-          "train.log_every=1", "train.checkpoint_every=1", "train.keep_checkpoints=3"]
+  return [
+    f"train.init_from=hf:{hf_dir}",
+    "model.dtype=float32",
+    "model.attention=xla",
+    "data.source=text",
+    f"data.paths={prompts}",
+    "data.seq_len=48",
+    "data.global_batch_size=16",
+    "grpo.num_generations=4",
+    "grpo.max_completion_length=12",
+    "grpo.temperature=0.7",
+    "grpo.num_iterations=2",
+    "grpo.reward_funcs=grpo_helpers:distinct_letters,grpo_helpers:echoes_target",
+    "grpo.reward_weights=1.0,0.5",
+    "grpo.format_pattern=.*",
+    "optimizer.learning_rate=0.02",
+    "optimizer.warmup_steps=0",
+    "train.steps=2",
+    "train.log_every=1",
+    "train.checkpoint_every=1",
+    "train.keep_checkpoints=3",
+  ]
 
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def save_chat_model(directory, prompts):
@@ -137,8 +167,11 @@ def save_chat_model(directory, prompts):
   with torch.no_grad():
     for record in read_jsonl(prompts):
       prompt = record["prompt"]
-      text = prompt if isinstance(prompt, str) else tok.apply_chat_template(prompt, tokenize=False,
-                                                                            add_generation_prompt=True)
+      text = (
+        prompt
+        if isinstance(prompt, str)
+        else tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+      )
       states.append(net(torch.tensor([tok(text)["input_ids"]]), output_hidden_states=True).hidden_states[-1][0])
     mean = torch.cat(states).mean(0)
     net.lm_head.weight[tok.eos_token_id] = 2.0 * mean / mean.norm()

@@ -21,8 +21,8 @@ MLP_PARAM_AXES = ((r"\d+/w", ("embed", "mlp")), (r"\d+/b", ("mlp",)))
 def init_mlp(key: jax.Array, sizes: list[int]) -> list[dict[str, jax.Array]]:
   keys = jax.random.split(key, len(sizes) - 1)
   return [
-      {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros((b,))}
-      for k, a, b in zip(keys, sizes[:-1], sizes[1:])
+    {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros((b,))}
+    for k, a, b in zip(keys, sizes[:-1], sizes[1:])
   ]
 
 
@@ -56,7 +56,7 @@ def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
 
 def make_state() -> dt.TrainState:
   return dt.TrainState.initial_state(
-      init_mlp(jax.random.key(0), SIZES), optax.adam(1e-2), jax.random.key(42), loss_fn_state=jnp.int32(0)
+    init_mlp(jax.random.key(0), SIZES), optax.adam(1e-2), jax.random.key(42), loss_fn_state=jnp.int32(0)
   )
 
 
@@ -74,19 +74,19 @@ def train_small_model(mesh, steps: int = 10) -> tuple[list[float], dict[str, np.
   example = {"inputs": jax.ShapeDtypeStruct(x.shape, x.dtype), "targets": jax.ShapeDtypeStruct(y.shape, y.dtype)}
   state, plan = planner.init(make_state, inputs=example, loss_fn=classification_loss)
   step_fn = dt.build_train_step_fn(
-      classification_loss,
-      donate_params_and_state=True,
-      train_state_shardings=plan.train_state_shardings,
-      input_kwarg_shardings=plan.input_kwarg_shardings,
-      aux_output_shardings=plan.aux_output_shardings,
+    classification_loss,
+    donate_params_and_state=True,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    aux_output_shardings=plan.aux_output_shardings,
   )
   losses = []
   for i in range(steps):
     x, y = batch(i)
     state, aux = step_fn(
-        state,
-        inputs=to_global(x, plan.input_kwarg_shardings["inputs"]),
-        targets=to_global(y, plan.input_kwarg_shardings["targets"]),
+      state,
+      inputs=to_global(x, plan.input_kwarg_shardings["inputs"]),
+      targets=to_global(y, plan.input_kwarg_shardings["targets"]),
     )
     losses.append(float(aux["loss"]))
   params = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in state.params.items()}
@@ -98,8 +98,10 @@ def post_training_losses(overrides: list[str], mesh, steps: int = 3) -> list[dic
   feeding its rows from the config's ``DataLoader``: each step's loss and its other aux scalars."""
   from distrib_train.config import run as config_lib
 
-  config = config_lib.load("tiny", ["model.dtype=float32", "model.attention=xla", "optimizer.name=adamw",
-                                    "optimizer.learning_rate=1e-2", *overrides])
+  config = config_lib.load(
+    "tiny",
+    ["model.dtype=float32", "model.attention=xla", "optimizer.name=adamw", "optimizer.learning_rate=1e-2", *overrides],
+  )
   return config_steps(config, mesh, steps)[0]
 
 
@@ -113,12 +115,17 @@ def config_steps(config, mesh, steps: int = 3) -> tuple[list[dict[str, float]], 
   job = job_lib.job_spec(config)
   planner = dt.MeshPlanner(mesh, config.train.rules)
   plan = job_lib.plan_job(job, planner)
-  step = dt.build_train_step_fn(job.loss_fn, train_state_shardings=plan.train_state_shardings,
-                                input_kwarg_shardings=plan.input_kwarg_shardings,
-                                **job_lib.step_options(job, plan, planner.rules))
+  step = dt.build_train_step_fn(
+    job.loss_fn,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    **job_lib.step_options(job, plan, planner.rules),
+  )
   state, out = plan.init(job.make_state), []
-  with data.DataLoader(config.data_config(), plan.input_kwarg_shardings) as loader, \
-      activation_sharding(mesh, planner.rules):
+  with (
+    data.DataLoader(config.data_config(), plan.input_kwarg_shardings) as loader,
+    activation_sharding(mesh, planner.rules),
+  ):
     for _ in range(steps):
       state, aux = step(state, **next(loader))
       out.append({k: float(np.asarray(v.addressable_data(0))) for k, v in aux.items() if np.ndim(v) == 0})

@@ -60,10 +60,27 @@ class Job:
     self._texts = [""] * num_processes
     for i, path in enumerate(self.log_paths):
       with open(path, "w") as log:
-        self.procs.append(subprocess.Popen(
-            [sys.executable, "-m", "distrib_train", *args, "--coordinator_address", f"127.0.0.1:{port}",
-             "--num_processes", str(num_processes), "--process_id", str(i)],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        self.procs.append(
+          subprocess.Popen(
+            [
+              sys.executable,
+              "-m",
+              "distrib_train",
+              *args,
+              "--coordinator_address",
+              f"127.0.0.1:{port}",
+              "--num_processes",
+              str(num_processes),
+              "--process_id",
+              str(i),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+          )
+        )
 
   def text(self, i: int = 0) -> str:
     """Process ``i``'s log so far (complete lines only)."""
@@ -230,8 +247,10 @@ def open_local_save(log: str) -> int | None:
 
 def local_steps(local_dir: pathlib.Path, num_processes: int = 2) -> list[int]:
   """The local-tier steps every process holds committed (a manifest in the step directory)."""
-  held = [{int(p.parent.name) for p in (local_dir / f"process_{i}").glob("*/manifest.json") if p.parent.name.isdigit()}
-          for i in range(num_processes)]
+  held = [
+    {int(p.parent.name) for p in (local_dir / f"process_{i}").glob("*/manifest.json") if p.parent.name.isdigit()}
+    for i in range(num_processes)
+  ]
   return sorted(set.intersection(*held)) if held else []
 
 

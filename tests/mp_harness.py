@@ -70,12 +70,12 @@ def _tail(text: str, lines: int = 40) -> str:
 
 
 def run_workers(
-    script: str | os.PathLike,
-    *args: str,
-    num_processes: int = 2,
-    devices_per_process: int = 4,
-    timeout: float = 180.0,
-    env: dict[str, str] | None = None,
+  script: str | os.PathLike,
+  *args: str,
+  num_processes: int = 2,
+  devices_per_process: int = 4,
+  timeout: float = 180.0,
+  env: dict[str, str] | None = None,
 ) -> list[WorkerResult]:
   """Runs ``script`` in ``num_processes`` coordinated JAX processes.
 
@@ -90,24 +90,24 @@ def run_workers(
     proc_env = dict(os.environ)
     proc_env.update(env or {})
     proc_env.update(
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=xla_test_flags.with_device_count(devices_per_process),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(_TESTS_DIR), proc_env.get("PYTHONPATH", "")])),
-        DT_TEST_COORDINATOR=f"127.0.0.1:{port}",
-        DT_TEST_NUM_PROCESSES=str(num_processes),
-        DT_TEST_PROCESS_ID=str(i),
-        DT_TEST_RESULT=str(workdir / f"result_{i}.json"),
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS=xla_test_flags.with_device_count(devices_per_process),
+      PYTHONPATH=os.pathsep.join(filter(None, [str(_TESTS_DIR), proc_env.get("PYTHONPATH", "")])),
+      DT_TEST_COORDINATOR=f"127.0.0.1:{port}",
+      DT_TEST_NUM_PROCESSES=str(num_processes),
+      DT_TEST_PROCESS_ID=str(i),
+      DT_TEST_RESULT=str(workdir / f"result_{i}.json"),
     )
     log = open(workdir / f"output_{i}.log", "w+")
     logs.append(log)
     procs.append(
-        subprocess.Popen(
-            [sys.executable, str(script), *args],
-            env=proc_env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+      subprocess.Popen(
+        [sys.executable, str(script), *args],
+        env=proc_env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+      )
     )
 
   deadline = time.monotonic() + timeout
@@ -141,9 +141,7 @@ def run_workers(
     results.append(WorkerResult(i, p.returncode, output, result))
 
   if failure:
-    details = "\n".join(
-        f"--- process {r.process_id} (exit {r.returncode}) ---\n{_tail(r.output)}" for r in results
-    )
+    details = "\n".join(f"--- process {r.process_id} (exit {r.returncode}) ---\n{_tail(r.output)}" for r in results)
     raise AssertionError(f"Multi-process run of {pathlib.Path(script).name} {failure}.\n{details}")
   return results
 
@@ -154,12 +152,12 @@ def worker_init(initialization_timeout: int = 60, heartbeat_timeout_seconds: int
 
   coordinator = os.environ["DT_TEST_COORDINATOR"]
   jax.distributed.initialize(
-      coordinator_address=coordinator,
-      num_processes=int(os.environ["DT_TEST_NUM_PROCESSES"]),
-      process_id=int(os.environ["DT_TEST_PROCESS_ID"]),
-      coordinator_bind_address=coordinator,
-      initialization_timeout=initialization_timeout,
-      heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+    coordinator_address=coordinator,
+    num_processes=int(os.environ["DT_TEST_NUM_PROCESSES"]),
+    process_id=int(os.environ["DT_TEST_PROCESS_ID"]),
+    coordinator_bind_address=coordinator,
+    initialization_timeout=initialization_timeout,
+    heartbeat_timeout_seconds=heartbeat_timeout_seconds,
   )
 
 

@@ -28,8 +28,11 @@ def batch(packed: bool = True, seed: int = 0) -> dict[str, np.ndarray]:
   segments = (1 + (col >= first[:, None]) + (col >= second[:, None])) * (col < end[:, None])
   starts = np.where(col >= second[:, None], second[:, None], np.where(col >= first[:, None], first[:, None], 0))
   same = np.concatenate([segments[:, 1:] == segments[:, :-1], np.zeros((BATCH, 1), bool)], axis=1) & (segments > 0)
-  out.update(segment_ids=segments.astype(np.int32), positions=((col - starts) * (segments > 0)).astype(np.int32),
-             weights=(same & (rng.random((BATCH, LENGTH)) < 0.8)).astype(np.float32))
+  out.update(
+    segment_ids=segments.astype(np.int32),
+    positions=((col - starts) * (segments > 0)).astype(np.int32),
+    weights=(same & (rng.random((BATCH, LENGTH)) < 0.8)).astype(np.float32),
+  )
   return out
 
 
@@ -46,10 +49,13 @@ def loss_and_gradients(mesh, packed: bool = True, **config) -> tuple[dict[str, f
     value, _, aux = loss_fn(model=model, state=None, rng=None, **inputs)
     return value, aux
 
-  step = jax.jit(jax.value_and_grad(loss, has_aux=True),
-                 in_shardings=(plan.train_state_shardings.params, plan.input_kwarg_shardings))
-  placed = {k: jax.make_array_from_callback(v.shape, plan.input_kwarg_shardings[k], lambda i, v=v: v[i])
-            for k, v in data.items()}
+  step = jax.jit(
+    jax.value_and_grad(loss, has_aux=True), in_shardings=(plan.train_state_shardings.params, plan.input_kwarg_shardings)
+  )
+  placed = {
+    k: jax.make_array_from_callback(v.shape, plan.input_kwarg_shardings[k], lambda i, v=v: v[i])
+    for k, v in data.items()
+  }
   with dt.activation_sharding(mesh, rules):
     (_, aux), grads = step(state.params, placed)
   figures = {k: float(np.asarray(v.addressable_data(0))) for k, v in aux.items() if np.ndim(v) == 0}

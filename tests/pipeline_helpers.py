@@ -33,10 +33,17 @@ def mesh_of(axes: dict, devices=None, dcn: dict | None = None) -> jax.sharding.M
   """A mesh with data, fsdp and tensor axes (size 1 unless given) and any others in ``axes``."""
   sizes = {"data": 1, "fsdp": 1, "tensor": 1, **axes}
   n = int(np.prod(list(sizes.values())))
-  spec = {name: ({"ici": size // (dcn or {}).get(name, 1), "dcn": (dcn or {}).get(name, 1)})
-          for name, size in sizes.items()}
-  config = dt.MeshConfig.from_dict({"axes": spec, "rules": "fsdp_tensor", "devices": n,
-                                    **({"granules": int(np.prod(list(dcn.values())))} if dcn else {})})
+  spec = {
+    name: ({"ici": size // (dcn or {}).get(name, 1), "dcn": (dcn or {}).get(name, 1)}) for name, size in sizes.items()
+  }
+  config = dt.MeshConfig.from_dict(
+    {
+      "axes": spec,
+      "rules": "fsdp_tensor",
+      "devices": n,
+      **({"granules": int(np.prod(list(dcn.values())))} if dcn else {}),
+    }
+  )
   return dt.build_mesh(config, list(jax.devices())[:n] if devices is None else devices)
 
 
@@ -68,30 +75,48 @@ def _plan(config, mesh, inputs, edit=None):
     return dt.TrainState.initial_state(model, optax.sgd(0.5, momentum=0.9), jax.random.key(0))
 
   input_axes = {k: llama.INPUT_AXES[k] for k in inputs}
-  plan = dt.MeshPlanner(mesh, rules).plan(jax.eval_shape(make), loss_fn=_loss_of(config), inputs=inputs,
-                                          input_axes=input_axes)
+  plan = dt.MeshPlanner(mesh, rules).plan(
+    jax.eval_shape(make), loss_fn=_loss_of(config), inputs=inputs, input_axes=input_axes
+  )
   return rules, plan, plan.init(make)
 
 
-def train(mesh, steps: int = 10, microbatches: int = 1, repeats: int = 1, packed: bool = False,
-          weight: str | None = "tokens", aux: list | None = None, final: list | None = None, edit=None,
-          local_states: list | None = None, **config) -> tuple[list[float], dict]:
+def train(
+  mesh,
+  steps: int = 10,
+  microbatches: int = 1,
+  repeats: int = 1,
+  packed: bool = False,
+  weight: str | None = "tokens",
+  aux: list | None = None,
+  final: list | None = None,
+  edit=None,
+  local_states: list | None = None,
+  **config,
+) -> tuple[list[float], dict]:
   """Losses of ``steps`` steps of the tiny Llama (fp32, SGD with momentum: linear in the gradients, so float
   noise stays noise) and its final params as numpy (``final`` gets the last train state, ``local_states`` each
   step's local state as numpy; ``edit(model)`` changes the model before its state is made)."""
   cfg = tiny_config(**config)
   data = batches(steps, packed)
   rules, plan, state = _plan(cfg, mesh, data[0], edit)
-  step = dt.build_train_step_fn(_loss_of(cfg), donate_params_and_state=True,
-                                train_state_shardings=plan.train_state_shardings,
-                                input_kwarg_shardings=plan.input_kwarg_shardings,
-                                aux_output_shardings=plan.aux_output_shardings,
-                                microbatches=microbatches, pipeline_repeats=repeats, microbatch_weight=weight)
+  step = dt.build_train_step_fn(
+    _loss_of(cfg),
+    donate_params_and_state=True,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    aux_output_shardings=plan.aux_output_shardings,
+    microbatches=microbatches,
+    pipeline_repeats=repeats,
+    microbatch_weight=weight,
+  )
   losses = []
   with dt.activation_sharding(mesh, rules):
     for batch in data:
-      placed = {k: jax.make_array_from_callback(v.shape, plan.input_kwarg_shardings[k], lambda i, v=v: v[i])
-                for k, v in batch.items()}
+      placed = {
+        k: jax.make_array_from_callback(v.shape, plan.input_kwarg_shardings[k], lambda i, v=v: v[i])
+        for k, v in batch.items()
+      }
       state, out = step(state, **placed)
       losses.append(float(out["loss"]))
       if aux is not None:
@@ -107,8 +132,10 @@ def _numpy(tree) -> dict:
   from jax.experimental import multihost_utils
 
   gathered = multihost_utils.process_allgather(tree, tiled=True) if jax.process_count() > 1 else tree
-  return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
-          for path, v in jax.tree_util.tree_leaves_with_path(dt.models.to_pure_dict(gathered))}
+  return {
+    "/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+    for path, v in jax.tree_util.tree_leaves_with_path(dt.models.to_pure_dict(gathered))
+  }
 
 
 def gradients(mesh, microbatches: int = 1, repeats: int = 1, packed: bool = False, **config) -> dict:
@@ -122,10 +149,15 @@ def gradients(mesh, microbatches: int = 1, repeats: int = 1, packed: bool = Fals
     model = dt.models.merge_model(model_without_params, params, state.local_state)
     return _loss_of(cfg)(model=model, state=None, rng=None, **inputs)[0]
 
-  context = (microbatching.pipelining(microbatching.Pipelining(mesh, microbatches, repeats))
-             if microbatching.stages_of(mesh) > 1 else dt.activation_sharding(mesh, rules))
+  context = (
+    microbatching.pipelining(microbatching.Pipelining(mesh, microbatches, repeats))
+    if microbatching.stages_of(mesh) > 1
+    else dt.activation_sharding(mesh, rules)
+  )
   grad = jax.jit(jax.grad(loss), in_shardings=(plan.train_state_shardings.params, plan.input_kwarg_shardings))
-  placed = {k: jax.make_array_from_callback(v.shape, plan.input_kwarg_shardings[k], lambda i, v=v: v[i])
-            for k, v in batch.items()}  # each process its own shards (a mesh across processes too)
+  placed = {
+    k: jax.make_array_from_callback(v.shape, plan.input_kwarg_shardings[k], lambda i, v=v: v[i])
+    for k, v in batch.items()
+  }  # each process its own shards (a mesh across processes too)
   with dt.activation_sharding(mesh, rules), context:
     return _numpy(grad(state.params, placed))

@@ -44,8 +44,10 @@ class SlurmCluster:
   def unavailable() -> str | None:
     missing = [b for b in _BINARIES if shutil.which(b) is None]
     if missing:
-      return (f"SLURM/munge not installed ({', '.join(missing)} missing): apt-get install slurmctld slurmd"
-              " slurm-client munge (.ci/run does)")
+      return (
+        f"SLURM/munge not installed ({', '.join(missing)} missing): apt-get install slurmctld slurmd"
+        " slurm-client munge (.ci/run does)"
+      )
     if os.geteuid() != 0:
       return "the SLURM daemons need root"
     return None
@@ -93,12 +95,12 @@ SlurmdPort={_free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-StateSaveLocation={self.root / 'state'}
-SlurmdSpoolDir={self.root / 'spool'}
-SlurmctldPidFile={self.root / 'slurmctld.pid'}
-SlurmdPidFile={self.root / 'slurmd.pid'}
-SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}
-SlurmdLogFile={self.root / 'log' / 'slurmd.log'}
+StateSaveLocation={self.root / "state"}
+SlurmdSpoolDir={self.root / "spool"}
+SlurmctldPidFile={self.root / "slurmctld.pid"}
+SlurmdPidFile={self.root / "slurmd.pid"}
+SlurmctldLogFile={self.root / "log" / "slurmctld.log"}
+SlurmdLogFile={self.root / "log" / "slurmd.log"}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -116,8 +118,9 @@ PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscr
     subprocess.run(["slurmd"], env=self.env, check=True, timeout=30)
     deadline = time.time() + timeout
     while time.time() < deadline:
-      state = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
+      state = subprocess.run(
+        ["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True, timeout=10
+      ).stdout.strip()
       if state in ("idle", "mixed", "allocated"):
         return
       time.sleep(0.5)

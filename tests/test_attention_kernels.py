@@ -38,8 +38,7 @@ def _inputs(length=128, heads=4, kv_heads=2, qk_dim=16, v_dim=16, batch=4):
 
 
 def _value_and_grads(attention, *args):
-  return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(attention(*a))), argnums=tuple(range(len(args)))))(
-      *args)
+  return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(attention(*a))), argnums=tuple(range(len(args)))))(*args)
 
 
 def _close(got, want):
@@ -51,8 +50,8 @@ def _close(got, want):
 
 def _reference(window, softcap, with_sinks, segments):
   return lambda q, k, v, sinks: attention_kernels.reference_attention(
-      q, k, v, segments, window=window, scale=q.shape[-1] ** -0.5, softcap=softcap,
-      sinks=sinks if with_sinks else None)
+    q, k, v, segments, window=window, scale=q.shape[-1] ** -0.5, softcap=softcap, sinks=sinks if with_sinks else None
+  )
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -60,8 +59,9 @@ def _reference(window, softcap, with_sinks, segments):
 def test_splash_runs_windows_sinks_and_soft_caps_as_the_reference_does(sharded, window, softcap, with_sinks):
   q, k, v, sinks, segments = _inputs()
   want = _value_and_grads(_reference(window, softcap, with_sinks, segments), q, k, v, sinks)
-  splash = lambda q, k, v, sinks: splash_attention(q, k, v, segments, window=window, softcap=softcap,
-                                                   sinks=sinks if with_sinks else None)
+  splash = lambda q, k, v, sinks: splash_attention(
+    q, k, v, segments, window=window, softcap=softcap, sinks=sinks if with_sinks else None
+  )
   scope = contextlib.nullcontext()
   if sharded:  # batch over data × fsdp, heads over tensor (and each device's sinks with its heads)
     scope = activation_sharding(ph.mesh_of({"data": 2, "fsdp": 2, "tensor": 2}), dt.AxisRules("fsdp_tensor"))
@@ -86,8 +86,9 @@ def test_the_context_tiles_run_windows_sinks_and_soft_caps_as_the_reference_does
   positions = jnp.broadcast_to(jnp.arange(64), (4, 64))
   want = _value_and_grads(_reference(WINDOW, 3.0, True, segments), q, k, v, sinks)
   mesh = ph.mesh_of({"context": 4, "fsdp": 2})
-  run = lambda q, k, v, sinks: ring.attention(q, k, v, positions, segments, implementation, block=16,
-                                                 window=WINDOW, softcap=3.0, sinks=sinks)
+  run = lambda q, k, v, sinks: ring.attention(
+    q, k, v, positions, segments, implementation, block=16, window=WINDOW, softcap=3.0, sinks=sinks
+  )
   with activation_sharding(mesh, dt.AxisRules("fsdp_tensor")):
     got = _value_and_grads(run, q, k, v, sinks)
   _close(got, want)
@@ -116,12 +117,14 @@ def test_the_zigzag_masks_blocks_answered_from_their_corners_are_the_masks_own(w
   whole = mask.mask_function(mask.q_sequence[:, None], np.arange(512)[None, :])
   for q in range(0, 512, 64):
     for k in range(0, 512, 128):
-      np.testing.assert_array_equal(mask[slice(q, q + 64), slice(k, k + 128)], whole[q:q + 64, k:k + 128])
+      np.testing.assert_array_equal(mask[slice(q, q + 64), slice(k, k + 128)], whole[q : q + 64, k : k + 128])
 
 
-@pytest.mark.parametrize("window, softcap, with_sinks, qk_dim", [(0, 0.0, False, 16), (100, 3.0, True, 16),
-                                                                 (0, 0.0, False, 24)], ids=["causal", "window",
-                                                                                           "mla-heads"])
+@pytest.mark.parametrize(
+  "window, softcap, with_sinks, qk_dim",
+  [(0, 0.0, False, 16), (100, 3.0, True, 16), (0, 0.0, False, 24)],
+  ids=["causal", "window", "mla-heads"],
+)
 def test_splash_over_the_context_axis_by_all_gather_is_the_reference(window, softcap, with_sinks, qk_dim):
   """Zigzag chunks of 128 (context 2) gather the keys and run splash per query shard, heads split over tensor;
   MLA's values may have another head size than its queries."""
@@ -134,41 +137,94 @@ def test_splash_over_the_context_axis_by_all_gather_is_the_reference(window, sof
 
   def run(q, k, v, sinks):
     with activation_sharding(mesh, dt.AxisRules("fsdp_tensor")), attention_kernels.recorded() as decisions:
-      out = attention_kernels.attention(take(q), take(k), take(v), layer, positions=None,
-                                        segment_ids=take(segments), sinks=sinks if with_sinks else None)
+      out = attention_kernels.attention(
+        take(q),
+        take(k),
+        take(v),
+        layer,
+        positions=None,
+        segment_ids=take(segments),
+        sinks=sinks if with_sinks else None,
+      )
     (decision,) = decisions
     assert decision.kernel == "all_gather_splash" and decision.gathered_bytes == 512 * 1 * (qk_dim + 16) * 4
     # each shard (chunks 0 and 3, or 1 and 2) runs 5 of its 8 blocks of 128 × 128; a window, 3 or 4 of them
-    assert decision.work == pytest.approx(5 * 128 * 128 / (512 * 513 / 4) if not window else
-                                          4 * 128 * 128 / ((100 * 101 / 2 + 412 * 100) / 2))
+    assert decision.work == pytest.approx(
+      5 * 128 * 128 / (512 * 513 / 4) if not window else 4 * 128 * 128 / ((100 * 101 / 2 + 412 * 100) / 2)
+    )
     return jnp.sum(jnp.sin(out) * (take(segments) > 0)[..., None, None])
 
   reference = _reference(window, softcap, with_sinks, segments)
-  want = _value_and_grads(lambda q, k, v, s: jnp.sum(jnp.sin(reference(q, k, v, s)) * (segments > 0)[..., None, None]),
-                          q, k, v, sinks)
+  want = _value_and_grads(
+    lambda q, k, v, s: jnp.sum(jnp.sin(reference(q, k, v, s)) * (segments > 0)[..., None, None]), q, k, v, sinks
+  )
   _close(_value_and_grads(run, q, k, v, sinks), want)
 
 
-GEMMA_LIKE = dict(qk_norm=True, sandwich_norms=True, norm_weight_offset=1.0, scale_embeddings=True,
-                  mlp_activation="gelu_tanh", query_pre_attn_scalar=24.0, sliding_window=16,
-                  layer_types=("sliding", "full"), local_rope_theta=100.0, final_logit_softcap=20.0)
-GPT_OSS_LIKE = dict(family="moe", num_layers=4, attention_bias=True, attention_out_bias=True, attention_sinks=True,
-                    sliding_window=16, layer_types=("sliding", "full") * 2, rope_scaling="yarn", rope_factor=4.0,
-                    rope_original_max_len=16, mlp_activation="swiglu_oss", swiglu_limit=0.5,
-                    router="softmax_topk", router_logit_bias=True, expert_bias=True)
-DEEPSEEK_LIKE = dict(family="moe", num_layers=3, num_kv_heads=4, attention_kind="mla", q_lora_rank=32,
-                     kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, rope_scaling="yarn",
-                     rope_factor=4.0, rope_original_max_len=16, rope_mscale=1.0, rope_mscale_all_dim=1.0,
-                     num_shared_experts=1, router="sigmoid", router_groups=4, router_group_topk=2,
-                     router_score_bias=True, routed_scaling=2.5, dense_layers=(0,))
+GEMMA_LIKE = dict(
+  qk_norm=True,
+  sandwich_norms=True,
+  norm_weight_offset=1.0,
+  scale_embeddings=True,
+  mlp_activation="gelu_tanh",
+  query_pre_attn_scalar=24.0,
+  sliding_window=16,
+  layer_types=("sliding", "full"),
+  local_rope_theta=100.0,
+  final_logit_softcap=20.0,
+)
+GPT_OSS_LIKE = dict(
+  family="moe",
+  num_layers=4,
+  attention_bias=True,
+  attention_out_bias=True,
+  attention_sinks=True,
+  sliding_window=16,
+  layer_types=("sliding", "full") * 2,
+  rope_scaling="yarn",
+  rope_factor=4.0,
+  rope_original_max_len=16,
+  mlp_activation="swiglu_oss",
+  swiglu_limit=0.5,
+  router="softmax_topk",
+  router_logit_bias=True,
+  expert_bias=True,
+)
+DEEPSEEK_LIKE = dict(
+  family="moe",
+  num_layers=3,
+  num_kv_heads=4,
+  attention_kind="mla",
+  q_lora_rank=32,
+  kv_lora_rank=16,
+  qk_rope_head_dim=8,
+  v_head_dim=16,
+  rope_interleave=True,
+  rope_scaling="yarn",
+  rope_factor=4.0,
+  rope_original_max_len=16,
+  rope_mscale=1.0,
+  rope_mscale_all_dim=1.0,
+  num_shared_experts=1,
+  router="sigmoid",
+  router_groups=4,
+  router_group_topk=2,
+  router_score_bias=True,
+  routed_scaling=2.5,
+  dense_layers=(0,),
+)
 
 
-@pytest.mark.parametrize("variant, axes", [
+@pytest.mark.parametrize(
+  "variant, axes",
+  [
     (GEMMA_LIKE, {"data": 2, "fsdp": 2, "tensor": 2}),
     (GEMMA_LIKE, {"context": 2, "fsdp": 2, "tensor": 2}),
     (GPT_OSS_LIKE, {"expert": 2, "fsdp": 2, "tensor": 2}),
     (DEEPSEEK_LIKE, {"expert": 4, "fsdp": 2}),
-], ids=["gemma-data-fsdp-tensor", "gemma-context", "gpt-oss-expert", "deepseek-expert"])
+  ],
+  ids=["gemma-data-fsdp-tensor", "gemma-context", "gpt-oss-expert", "deepseek-expert"],
+)
 def test_a_decoder_of_each_familys_blocks_trains_on_8_devices_as_on_one(variant, axes):
   """fp32 losses and params after 2 steps (packed rows: windows and documents together)."""
   want_losses, want_params = ph.train(ph.mesh_of({}, devices=jax.devices()[:1]), steps=2, packed=True, **variant)
@@ -201,14 +257,18 @@ def test_long_sequences_without_a_fused_kernel_run_in_tiles_as_the_reference_doe
   """Past ``TILE`` tokens, sinks, a soft cap or MLA's values run in rematerialized tiles of online softmax."""
   monkeypatch.setattr(attention_kernels, "TILE", 32)
   q, k, v, sinks, segments = _inputs(length=128)
-  positions = jnp.asarray(np.where(segments == 1, np.arange(128), np.arange(128) - np.argmax(segments == 2, 1)[:, None]))
+  positions = jnp.asarray(
+    np.where(segments == 1, np.arange(128), np.arange(128) - np.argmax(segments == 2, 1)[:, None])
+  )
   layer = attention_kernels.Attention("xla", window=WINDOW, softcap=3.0)
-  tiled = lambda q, k, v, sinks: attention_kernels.attention(q, k, v, layer, positions=positions,
-                                                             segment_ids=segments, sinks=sinks)
+  tiled = lambda q, k, v, sinks: attention_kernels.attention(
+    q, k, v, layer, positions=positions, segment_ids=segments, sinks=sinks
+  )
   text = jax.jit(tiled).lower(q, k, v, sinks).as_text()
   assert "128x128" not in text and "32x32" in text  # score tiles, never the whole square
-  _close(_value_and_grads(tiled, q, k, v, sinks), _value_and_grads(_reference(WINDOW, 3.0, True, segments),
-                                                                   q, k, v, sinks))
+  _close(
+    _value_and_grads(tiled, q, k, v, sinks), _value_and_grads(_reference(WINDOW, 3.0, True, segments), q, k, v, sinks)
+  )
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(2, 2), (8, 2)])
@@ -248,8 +308,9 @@ def test_under_remat_an_mla_layer_keeps_its_latent_per_token_not_keys_and_values
   config = ph.tiny_config(**{k: v for k, v in DEEPSEEK_LIKE.items() if k != "family"}, family="moe", remat="full")
   graph, params, rest = nnx.split(config.build(0), nnx.Param, ...)
   tokens = np.zeros((2, 32), np.int32)
-  loss = lambda params: decoder.loss_fn(model=nnx.merge(graph, params, rest), state=None, rng=None, tokens=tokens,
-                                        targets=tokens)[0]
+  loss = lambda params: decoder.loss_fn(
+    model=nnx.merge(graph, params, rest), state=None, rng=None, tokens=tokens, targets=tokens
+  )[0]
   text = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
   assert "f32[2,2,32,24]" in text  # the 2 mixture layers' latents (16) and rotary keys (8), kept for the backward
   assert not any(f"f32[2,2,32,4,{d}]" in text for d in (24, 16))  # no keys or values per head kept

@@ -16,10 +16,18 @@ from distrib_train.train.trainer import Trainer, TrainerSetupError
 _WORKERS = pathlib.Path(__file__).resolve().parent / "workers"
 
 
-SMALL = ["model.remat=full", "data.seq_len=32", "data.global_batch_size=8", "train.steps=3", "train.log_every=1",
-         "train.eval_every=0",
-         "train.checkpoint_every=0", "train.async_checkpoint=false", "optimizer.warmup_steps=0",
-         "train.layout_compiles=3"]
+SMALL = [
+  "model.remat=full",
+  "data.seq_len=32",
+  "data.global_batch_size=8",
+  "train.steps=3",
+  "train.log_every=1",
+  "train.eval_every=0",
+  "train.checkpoint_every=0",
+  "train.async_checkpoint=false",
+  "optimizer.warmup_steps=0",
+  "train.layout_compiles=3",
+]
 
 
 @pytest.fixture
@@ -38,8 +46,12 @@ def test_auto_trains_as_the_layout_it_chose_given_by_hand_and_keeps_it_for_a_res
   result = Trainer(small_config("mesh_config=auto"), tmp_path / "auto", layout_search=search, console=console).run()
   assert result.status == "finished"
   kept = json.loads((tmp_path / "auto" / layout_choice.FILE_NAME).read_text())
-  assert {k: v for k, v in kept["signature"].items() if k != "job"} == {"devices": 8, "device_kind": "cpu",
-                                                                        "platform": "cpu", "processes": 1}
+  assert {k: v for k, v in kept["signature"].items() if k != "job"} == {
+    "devices": 8,
+    "device_kind": "cpu",
+    "platform": "cpu",
+    "processes": 1,
+  }
   assert kept["searched"]["compiled"] == 3 and len(kept["searched"]["finalists"]) >= 2, kept
   assert "mesh_config: auto chose " in console.getvalue() and "runner-up" in kept["line"], console.getvalue()
   assert said[1].startswith("meshes: compiling 1/") and said[-1].startswith("settings: compiled 3/3"), said
@@ -53,8 +65,9 @@ def test_auto_trains_as_the_layout_it_chose_given_by_hand_and_keeps_it_for_a_res
   # a restart on the same devices reads the choice back, no search
   said.clear()
   console = io.StringIO()
-  Trainer(small_config("mesh_config=auto", "train.steps=4"), tmp_path / "auto", layout_search=search,
-          console=console).run()
+  Trainer(
+    small_config("mesh_config=auto", "train.steps=4"), tmp_path / "auto", layout_search=search, console=console
+  ).run()
   assert not said and "reused from" in console.getvalue(), console.getvalue()
   assert json.loads((tmp_path / "auto" / layout_choice.FILE_NAME).read_text()) == kept  # left as it was
   # nor after the job changes (here its sequence length), nor another machine's
@@ -71,8 +84,14 @@ def test_auto_without_a_search_or_with_a_model_given_as_code_is_refused_before_t
     Trainer(small_config("mesh_config=auto"), tmp_path / "run").run()
   recipe = small_config().model_recipe()
   with pytest.raises(TrainerSetupError, match="a model given as code"):
-    Trainer(small_config("mesh_config=auto"), tmp_path / "run", model_fn=recipe.config.build,
-            loss_fn=recipe.loss_fn, input_axes=recipe.input_axes, layout_search=auto.search).run()
+    Trainer(
+      small_config("mesh_config=auto"),
+      tmp_path / "run",
+      model_fn=recipe.config.build,
+      loss_fn=recipe.loss_fn,
+      input_axes=recipe.input_axes,
+      layout_search=auto.search,
+    ).run()
   assert not (tmp_path / "run").exists()
 
 
@@ -87,7 +106,8 @@ def test_two_processes_agree_on_one_choice(tmp_path):
 
 
 def test_the_settings_searched_start_from_the_presets_and_add_kernels_and_fp8_where_timed_steps_can_rank_them(
-    small_config):
+  small_config,
+):
   from distrib_train.cluster import hardware
 
   cpu, h100, v5p = auto.device_kind(), hardware.device_kind("h100"), hardware.device_kind("v5p")
@@ -107,7 +127,8 @@ def test_the_settings_searched_start_from_the_presets_and_add_kernels_and_fp8_wh
   assert changed == sorted(changed), space  # fewer changes first
   timed_space = auto.settings_space(allowed, h100, timing=True)
   assert [next(k for k in s if s[k] != timed_space[0][k]) for s in timed_space[1:4]] == ["model.remat"] * 2 + [
-      "model.attention"], timed_space[:4]  # of single changes, the remat's first
+    "model.attention"
+  ], timed_space[:4]  # of single changes, the remat's first
   # not tried: what differs from settings that fit only by more microbatches or a heavier remat
   fit = {"model.remat": "dots_saveable", "model.attention": "xla", "train.microbatches": 2}
   assert auto.outrun({**fit, "model.remat": "full"}, [fit]) and auto.outrun({**fit, "train.microbatches": 4}, [fit])
@@ -115,21 +136,29 @@ def test_the_settings_searched_start_from_the_presets_and_add_kernels_and_fp8_wh
   assert not auto.outrun({**fit, "model.remat": "none", "train.microbatches": 4}, [fit])  # lighter, more passes
   assert not auto.outrun({**fit, "model.remat": "full", "model.attention": "cudnn"}, [fit])  # another kernel
   # timed: the best estimate of each kernel first (the estimate cannot rank kernels), then the next estimates
-  finalists = [(name, {"model.attention": kernel, "model.remat": remat}) for name, kernel, remat in (
-      ("a", "auto", "none"), ("b", "auto", "full"), ("c", "xla", "none"), ("d", "auto", "dots_saveable"))]
+  finalists = [
+    (name, {"model.attention": kernel, "model.remat": remat})
+    for name, kernel, remat in (
+      ("a", "auto", "none"),
+      ("b", "auto", "full"),
+      ("c", "xla", "none"),
+      ("d", "auto", "dots_saveable"),
+    )
+  ]
   assert [name for name, _ in auto._to_time(finalists)] == ["a", "c", "b"]
 
 
-def test_on_an_accelerator_the_fastest_estimates_run_timed_steps_and_the_shortest_measured_wins(
-    tmp_path, small_config):
+def test_on_an_accelerator_the_fastest_estimates_run_timed_steps_and_the_shortest_measured_wins(tmp_path, small_config):
   """The timed path (an accelerator's) forced on the CPU devices: each of the fastest estimates runs its steps
   on its own mesh, and the choice is the shortest measured."""
   said = []
   choice = auto.search(small_config("mesh_config=auto"), tmp_path, max_compiles=3, timed_steps=2, say=said.append)
   timed = [line for line in said if line.startswith("timed: ")]
   assert len(timed) == min(auto.TIMED, len(choice.searched["finalists"])) >= 2, said
-  measured = {line.split(": step measured ")[0].removeprefix("timed: "):
-              float(line.split("step measured ")[1].split(" ms")[0]) for line in timed}
+  measured = {
+    line.split(": step measured ")[0].removeprefix("timed: "): float(line.split("step measured ")[1].split(" ms")[0])
+    for line in timed
+  }
   chosen = choice.line.removeprefix("mesh_config: auto chose ").split(": step measured ")[0]
   assert measured[chosen] == min(measured.values()), (choice.line, measured)
   assert "measured over 2 steps each" in choice.line and "runner-up" in choice.line

@@ -8,40 +8,40 @@ import distrib_train as dt
 from distrib_train.sharding.axis_rules import FSDP_TENSOR_RULES
 
 RULES = [
-    ("batch", ("data", "fsdp")),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("embed", "fsdp"),
-    ("kv", None),
-    ("vocab", ("fsdp", "tensor")),
+  ("batch", ("data", "fsdp")),
+  ("mlp", "tensor"),
+  ("heads", "tensor"),
+  ("embed", "fsdp"),
+  ("kv", None),
+  ("vocab", ("fsdp", "tensor")),
 ]
 
 
 @pytest.mark.parametrize(
-    "logical_axes, expected",
-    [
-        # One name per dimension, each with its own rule.
-        (("embed", "mlp"), P("fsdp", "tensor")),
-        # The earlier *rule* wins a contested mesh axis, not the earlier dim.
-        (("heads", "mlp"), P(None, "tensor")),
-        (("mlp", "heads"), P("tensor", None)),
-        (("embed", "heads"), P("fsdp", "tensor")),
-        (("embed", "mlp", "heads"), P("fsdp", "tensor", None)),
-        # A tuple rule needs all of its mesh axes free.
-        (("batch", "embed"), P(("data", "fsdp"), None)),
-        # embed's rule comes first and takes fsdp, wherever embed stands.
-        (("vocab", "embed"), P(None, "fsdp")),
-        (("embed", "vocab"), P("fsdp", None)),
-        (("vocab", "mlp"), P(None, "tensor")),
-        (("vocab", "length"), P(("fsdp", "tensor"), None)),
-        # A None rule claims the dimension as replicated.
-        (("kv", "embed"), P(None, "fsdp")),
-        # Names without a rule, and unnamed dimensions, are replicated.
-        (("unknown", "mlp"), P(None, "tensor")),
-        ((None, "mlp"), P(None, "tensor")),
-        ((None, None), P(None, None)),
-        ((), P()),
-    ],
+  "logical_axes, expected",
+  [
+    # One name per dimension, each with its own rule.
+    (("embed", "mlp"), P("fsdp", "tensor")),
+    # The earlier *rule* wins a contested mesh axis, not the earlier dim.
+    (("heads", "mlp"), P(None, "tensor")),
+    (("mlp", "heads"), P("tensor", None)),
+    (("embed", "heads"), P("fsdp", "tensor")),
+    (("embed", "mlp", "heads"), P("fsdp", "tensor", None)),
+    # A tuple rule needs all of its mesh axes free.
+    (("batch", "embed"), P(("data", "fsdp"), None)),
+    # embed's rule comes first and takes fsdp, wherever embed stands.
+    (("vocab", "embed"), P(None, "fsdp")),
+    (("embed", "vocab"), P("fsdp", None)),
+    (("vocab", "mlp"), P(None, "tensor")),
+    (("vocab", "length"), P(("fsdp", "tensor"), None)),
+    # A None rule claims the dimension as replicated.
+    (("kv", "embed"), P(None, "fsdp")),
+    # Names without a rule, and unnamed dimensions, are replicated.
+    (("unknown", "mlp"), P(None, "tensor")),
+    ((None, "mlp"), P(None, "tensor")),
+    ((None, None), P(None, None)),
+    ((), P()),
+  ],
 )
 def test_rule_resolution_follows_flax_priority_semantics(logical_axes, expected):
   assert dt.AxisRules(RULES).spec(logical_axes) == expected
@@ -80,7 +80,13 @@ def test_rule_that_does_not_divide_is_skipped_for_the_next_rule():
   assert len(skips) == 1
   skip = skips[0]
   assert (skip.path, skip.dim, skip.logical_name, skip.dim_size, skip.mesh_axes, skip.mesh_axes_size) == (
-      "attn/q", 1, "heads", 6, ("tensor",), 4)
+    "attn/q",
+    1,
+    "heads",
+    6,
+    ("tensor",),
+    4,
+  )
   assert "6 is not a multiple of 4" in str(skip)
 
 
@@ -110,16 +116,16 @@ def test_named_rule_set():
 
 
 @pytest.mark.parametrize(
-    "rules, message",
-    [
-        ([("embed",)], r"axis rule #0 .*pair"),
-        ([("embed", "fsdp", "x")], r"axis rule #0 .*pair"),
-        ([(3, "fsdp")], r"axis rule #0 .*logical name must be a non-empty string"),
-        ([("embed", "fsdp"), ("mlp", 7)], r"axis rule #1 .*mesh axes must be"),
-        ([("embed", ("fsdp", "fsdp"))], r"repeat an axis"),
-        ("not-a-list-of-rules", r"Unknown axis rule set"),
-        ({"embed": "fsdp"}, r"must be a sequence"),
-    ],
+  "rules, message",
+  [
+    ([("embed",)], r"axis rule #0 .*pair"),
+    ([("embed", "fsdp", "x")], r"axis rule #0 .*pair"),
+    ([(3, "fsdp")], r"axis rule #0 .*logical name must be a non-empty string"),
+    ([("embed", "fsdp"), ("mlp", 7)], r"axis rule #1 .*mesh axes must be"),
+    ([("embed", ("fsdp", "fsdp"))], r"repeat an axis"),
+    ("not-a-list-of-rules", r"Unknown axis rule set"),
+    ({"embed": "fsdp"}, r"must be a sequence"),
+  ],
 )
 def test_malformed_rules_are_rejected_naming_the_rule(rules, message):
   with pytest.raises(ValueError, match=message):
@@ -133,17 +139,23 @@ def test_repeated_logical_name_in_one_array_is_an_error():
 
 def test_rule_naming_an_unknown_mesh_axis_the_mesh_lacks_is_an_error():
   mesh = _mesh((8,), ("data",))
-  with pytest.raises(ValueError, match="names mesh axis 'fsdpp', which the mesh does not have .* A mesh may leave"
-                                       " out only context, data, expert, fsdp, stage, tensor"):
+  with pytest.raises(
+    ValueError,
+    match="names mesh axis 'fsdpp', which the mesh does not have .* A mesh may leave"
+    " out only context, data, expert, fsdp, stage, tensor",
+  ):
     dt.AxisRules([("embed", "fsdpp")]).spec(("embed",), shape=(8,), mesh=mesh)
 
 
-@pytest.mark.parametrize("logical_axes, shape, expected", [
+@pytest.mark.parametrize(
+  "logical_axes, shape, expected",
+  [
     (("embed", "mlp"), (8, 6), P("fsdp", None)),  # ("mlp", "tensor"): tensor is size 1, mlp whole
     (("batch", "length"), (8, 4), P(("data", "fsdp"), None)),  # ("batch", (data, fsdp, expert)) without expert
     (("expert", "embed", "expert_mlp"), (2, 8, 6), P(None, "fsdp", None)),
     (("layers", "vocab", "length"), (2, 6, 4), P(None, None, None)),
-])
+  ],
+)
 def test_a_known_mesh_axis_the_mesh_leaves_out_reads_as_size_1(logical_axes, shape, expected):
   # data × fsdp only: tensor, stage, expert and context split nothing, as on a mesh where they have size 1;
   # strict rules do not fail for them (a size-1 axis is a usable rule).
@@ -163,8 +175,9 @@ def test_a_missing_axis_in_a_tuple_rule_leaves_the_rest_of_the_rule():
 def test_a_fallback_that_differs_only_in_a_missing_axis_records_one_skip():
   mesh = _mesh((2, 4), ("data", "fsdp"))
   spec, skips = dt.AxisRules("fsdp_tensor").resolve(("batch",), shape=(6,), mesh=mesh)
-  assert spec == P(None) and [str(s) for s in skips] == ["dim 0 ('batch', size 6) not split over data×fsdp (size 8):"
-                                                          " 6 is not a multiple of 8"]
+  assert spec == P(None) and [str(s) for s in skips] == [
+    "dim 0 ('batch', size 6) not split over data×fsdp (size 8): 6 is not a multiple of 8"
+  ]
 
 
 def test_logical_axes_of_the_wrong_rank_is_an_error_naming_the_path():

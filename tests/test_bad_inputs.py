@@ -46,10 +46,30 @@ PARALLEL = 4
 # A 2-step tiny run on synthetic data; every CLI case starts from these. The
 # shapes and schedule are test_cli's, so the step compiled here for the
 # trained workdir comes from the session's compilation cache there.
-FAST = ["--cpu_devices", "8", "--steps", "2", "--set", "data.seq_len=32", "--set", "data.global_batch_size=8",
-        "--set", "data.source=synthetic", "--set", "data.synthetic_documents=64", "--set", "train.eval_every=0",
-        "--set", "train.eval_batches=1", "--set", "train.log_every=1", "--set", "optimizer.warmup_steps=0",
-        "--set", "optimizer.decay_steps=10"]
+FAST = [
+  "--cpu_devices",
+  "8",
+  "--steps",
+  "2",
+  "--set",
+  "data.seq_len=32",
+  "--set",
+  "data.global_batch_size=8",
+  "--set",
+  "data.source=synthetic",
+  "--set",
+  "data.synthetic_documents=64",
+  "--set",
+  "train.eval_every=0",
+  "--set",
+  "train.eval_batches=1",
+  "--set",
+  "train.log_every=1",
+  "--set",
+  "optimizer.warmup_steps=0",
+  "--set",
+  "optimizer.decay_steps=10",
+]
 MARKER = "EXPLOITED"  # what the payloads below would create in the case directory
 
 
@@ -199,102 +219,174 @@ def assert_refused(outcome: Outcome, case: Case, prefix: str = "distrib-train: e
 
 _MESH_AXES = "devices: 8\naxes: {data: 2, fsdp: 2, tensor: 2}\n"
 # Nine levels of nine aliases, 306 bytes: 490 million values once expanded.
-_ALIAS_BOMB = "".join(f"{c}: &{c} [{','.join([f'*{p}' if p else '1'] * 9)}]\n"
-                      for p, c in zip(["", *"abcdefgh"], "abcdefghi"))
+_ALIAS_BOMB = "".join(
+  f"{c}: &{c} [{','.join([f'*{p}' if p else '1'] * 9)}]\n" for p, c in zip(["", *"abcdefgh"], "abcdefghi")
+)
 
 CLI_CASES: dict[str, Case] = {
-    # YAML config files
-    "yaml-syntax-error": Case(("--config", "{dir}/c.yaml"), ("is not valid YAML", "c.yaml", "line 2"),
-                              {"c.yaml": "train: [1, 2\n"}),
-    "yaml-duplicate-key": Case(("--config", "{dir}/c.yaml"), ("found the key 'train' twice", "c.yaml"),
-                               {"c.yaml": "train: {steps: 3}\ntrain: {steps: 5}\n"}),
-    "yaml-python-tag": Case(("--config", "{dir}/c.yaml"), ("c.yaml", "could not determine a constructor"),
-                            {"c.yaml": _python_tag("{marker}")}),
-    "yaml-not-utf8": Case(("--config", "{dir}/c.yaml"), ("c.yaml", "is not UTF-8 text (byte 15)"),
-                          {"c.yaml": b"train: {steps: \xff\xfe}\n"}),
-    "yaml-nested-20000-levels": Case(("--config", "{dir}/c.yaml"), ("c.yaml", "nests deeper than 64 levels"),
-                                     {"c.yaml": "train: " + "[" * 20000 + "]" * 20000 + "\n"}),
-    "yaml-alias-bomb": Case(("--config", "{dir}/c.yaml"), ("c.yaml", "expands to more than 100,000 values"),
-                            {"c.yaml": _ALIAS_BOMB}),
-    "yaml-recursive-alias": Case(("--config", "{dir}/c.yaml"), ("c.yaml", "alias inside its own anchor"),
-                                 {"c.yaml": "train: &a [*a]\n"}),
-    "config-huge-value-is-cut": Case(("--config", "{dir}/c.yaml"), (
-        "train.keep_checkpoints must be an integer, got 'xxx", "xxx...xxx"),
-        {"c.yaml": "train: {keep_checkpoints: " + "x" * 200000 + "}\n"}),
-    "config-unknown-key": Case(("--config", "{dir}/c.yaml"), ("Unknown config key 'train.stpes'", "train.steps"),
-                               {"c.yaml": "train:\n  stpes: 3\n"}),
-    "config-zero-model-size": Case(("--config", "{dir}/c.yaml"), "model.num_layers must be at least 1, got 0",
-                                   {"c.yaml": "model: {preset: tiny, num_layers: 0}\n"}),
-    "config-unknown-preset": Case(("--config", "{dir}/c.yaml"), "Unknown preset 'huge'",
-                                  {"c.yaml": "model: {name: llama, preset: huge}\n"}),
-    "config-missing-file": Case(("--config", "{dir}/missing.yaml"), ("missing.yaml", "does not exist")),
-    # --set overrides
-    "set-unknown-key": Case(("--set", "train.step=3"), ("Unknown config key 'train.step'", "did you mean train.steps")),
-    "set-bad-value": Case(("--set", "train.log_every=abc"), "train.log_every must be an integer, got 'abc'"),
-    "set-missing-equals": Case(("--set", "steps"), "--set 'steps': expected key=value"),
-    # flags
-    "flag-unknown": Case(("--stepz", "3",), "Unknown command line flag 'stepz'"),
-    "flag-bad-integer": Case(("--steps", "many"), "flag --steps=many"),
-    "flag-negative-steps": Case(("--steps=-5",), "train.steps must be at least 1, got -5"),
-    "flag-extra-argument": Case(("extra",), "unexpected arguments 'extra'"),
-    "flag-bad-profile-steps": Case(("--profile_steps", "5:2"), "--profile_steps '5:2': need 1 ≤ A ≤ B"),
-    "flag-profile-steps-not-numbers": Case(("--profile_steps", "x:y"), "--profile_steps 'x:y': expected A:B"),
-    "flag-zero-cpu-devices": Case(("--cpu_devices", "0"), "cpu_devices must be at least 1, got 0"),
-    "flag-incomplete-job": Case(("--num_processes", "2"), "missing coordinator_address, process_id"),
-    "flag-bad-coordinator": Case(("--coordinator_address", "nohost", "--num_processes", "2", "--process_id", "0"),
-                                 "coordinator_address 'nohost' must be host:port"),
-    "flag-no-workdir": Case(workdir=None, message="--workdir is required."),
-    "workdir-is-a-file": Case((), ("Workdir", "is a file; give a directory"), {"run": "a file\n"}),
-    "workdir-component-too-long": Case((), ("the path component 'wwww", "is 300 bytes", "at most 255"),
-                                       workdir="w" * 300 + "/run"),
-    "workdir-under-a-file": Case((), ("cannot be created", "f' is a file"), {"f": "a file\n"}, workdir="f/run"),
-    "cache-dir-under-a-file": Case(("--set", "train.compilation_cache_dir={dir}/f/cache"),
-                                   ("train.compilation_cache_dir", "f/cache", "cannot be created"), {"f": "x\n"}),
-    # mesh configs
-    "mesh-unknown-name": Case(("--mesh_config", "cpu-9"), "No mesh config named 'cpu-9'; known: cpu-2proc, cpu-2proc-pipeline, cpu-8,"),
-    "mesh-device-count": Case(("--mesh_config", "tpu-v4-32"), "tpu-v4-32.yaml is for 16 devices; this job has 8"),
-    "mesh-axes-product": Case(("--mesh_config", "{dir}/m.yaml"), "m.yaml: ici sizes data=3 × fsdp=2 = 6 do not"
-                              " match the 8 devices found", {"m.yaml": "axes: {data: 3, fsdp: 2}\n"}),
-    "mesh-bad-yaml": Case(("--mesh_config", "{dir}/m.yaml"), ("Mesh config", "m.yaml", "is not valid YAML"),
-                          {"m.yaml": "axes: {data: 8\n"}),
-    # axis rules
-    "rules-unknown-mesh-axis": Case(("--mesh_config", "{dir}/m.yaml"), ("names mesh axis 'model'", "m.yaml"),
-                                    {"m.yaml": _MESH_AXES + "rules: [[batch, data], [mlp, model]]\n"}),
-    "rules-default-set-uses-no-mesh-axis": Case(("--mesh_config", "{dir}/m.yaml"),
-                                                "Mesh axis x (size 8) is used by no axis rule in rule set 'fsdp_tensor'",
-                                                {"m.yaml": "devices: 8\naxes: {x: 8}\n"}),
-    "rules-logical-name-twice": Case(("--mesh_config", "{dir}/m.yaml"), "axis rule #2 ('embed', 'fsdp') repeats"
-                                     " rule #1", {"m.yaml": _MESH_AXES + "rules: [[batch, data], [embed, fsdp],"
-                                                  " [embed, fsdp]]\n"}),
-    "rules-unknown-set": Case(("--set", "train.rules=fsdp"), "train.rules must be one of data_parallel, fsdp_tensor"),
-    "rules-map-nothing-onto-an-axis": Case(("--mesh_config", "{dir}/m.yaml"), (
-        "Mesh axis contxt (size 2) is used by no axis rule in the rules of", "m.yaml"),
-        {"m.yaml": "devices: 8\naxes: {data: 2, fsdp: 2, contxt: 2}\nrules: [[batch, [data, fsdp]], [embed, fsdp]]\n"}),
-    "rules-shipped-set-misses-an-axis": Case(("--mesh_config", "{dir}/m.yaml"), (
-        "Mesh axis sequence (size 2) is used by no axis rule in rule set 'fsdp_tensor'"),
-        {"m.yaml": "devices: 8\naxes: {data: 2, fsdp: 2, tensor: 1, sequence: 2}\n"}),
-    "data-batch-not-divisible-by-the-mesh": Case(("--set", "data.global_batch_size=6"), (
-        "data.global_batch_size 6 does not divide over the mesh's batch axes data=2 × fsdp=2 = 4",
-        "data.allow_replicated_batch=true")),
-    # data paths
-    "data-missing-file": Case(("--set", "data.source=text", "--set", "data.paths={dir}/none/*.txt"),
-                              "Data path '{dir}/none/*.txt' matches no file"),
-    "data-empty-file": Case(("--set", "data.source=text", "--set", "data.paths={dir}/e.txt"), "holds no documents",
-                            {"e.txt": ""}),
-    "data-not-utf8": Case(("--set", "data.source=text", "--set", "data.paths={dir}/b.txt"),
-                          "b.txt' is not UTF-8 text (byte 0)", {"b.txt": b"\xff\xfe\x00binary"}),
-    "data-unreadable-directory": Case(("--set", "data.source=text", "--set", "data.paths={dir}/d.txt"),
-                                      ("Cannot read data file", "d.txt", "Is a directory"), {"d.txt": None}),
-    "data-bad-jsonl": Case(("--set", "data.source=text", "--set", "data.paths={dir}/x.jsonl", "--set",
-                            "data.bad_records=error"), ("x.jsonl' line ", "is not JSON", "data.bad_records=skip would"),
-                           {"x.jsonl": '{"text": "a"}\n' + '{text\n' * 40}),
-    "data-too-few-documents": Case(("--set", "data.source=text", "--set", "data.paths={dir}/one.txt"),
-                                   ("The train split has 0 document(s)", "data.eval_fraction=0.05"),
-                                   {"one.txt": "one document\n"}),
-    "data-jsonl-only-empty-texts": Case(("--set", "data.source=text", "--set", "data.paths={dir}/e.jsonl"),
-                                        ("holds no tokens", "e.jsonl"), {"e.jsonl": '{"text": ""}\n' * 40}),
-    "eval-asked-without-eval-split": Case(("--set", "data.eval_fraction=0", "--set", "train.eval_every=1"),
-                                          ("train.eval_every=1 asks for evaluations", "eval_fraction is 0")),
+  # YAML config files
+  "yaml-syntax-error": Case(
+    ("--config", "{dir}/c.yaml"), ("is not valid YAML", "c.yaml", "line 2"), {"c.yaml": "train: [1, 2\n"}
+  ),
+  "yaml-duplicate-key": Case(
+    ("--config", "{dir}/c.yaml"),
+    ("found the key 'train' twice", "c.yaml"),
+    {"c.yaml": "train: {steps: 3}\ntrain: {steps: 5}\n"},
+  ),
+  "yaml-python-tag": Case(
+    ("--config", "{dir}/c.yaml"), ("c.yaml", "could not determine a constructor"), {"c.yaml": _python_tag("{marker}")}
+  ),
+  "yaml-not-utf8": Case(
+    ("--config", "{dir}/c.yaml"), ("c.yaml", "is not UTF-8 text (byte 15)"), {"c.yaml": b"train: {steps: \xff\xfe}\n"}
+  ),
+  "yaml-nested-20000-levels": Case(
+    ("--config", "{dir}/c.yaml"),
+    ("c.yaml", "nests deeper than 64 levels"),
+    {"c.yaml": "train: " + "[" * 20000 + "]" * 20000 + "\n"},
+  ),
+  "yaml-alias-bomb": Case(
+    ("--config", "{dir}/c.yaml"), ("c.yaml", "expands to more than 100,000 values"), {"c.yaml": _ALIAS_BOMB}
+  ),
+  "yaml-recursive-alias": Case(
+    ("--config", "{dir}/c.yaml"), ("c.yaml", "alias inside its own anchor"), {"c.yaml": "train: &a [*a]\n"}
+  ),
+  "config-huge-value-is-cut": Case(
+    ("--config", "{dir}/c.yaml"),
+    ("train.keep_checkpoints must be an integer, got 'xxx", "xxx...xxx"),
+    {"c.yaml": "train: {keep_checkpoints: " + "x" * 200000 + "}\n"},
+  ),
+  "config-unknown-key": Case(
+    ("--config", "{dir}/c.yaml"),
+    ("Unknown config key 'train.stpes'", "train.steps"),
+    {"c.yaml": "train:\n  stpes: 3\n"},
+  ),
+  "config-zero-model-size": Case(
+    ("--config", "{dir}/c.yaml"),
+    "model.num_layers must be at least 1, got 0",
+    {"c.yaml": "model: {preset: tiny, num_layers: 0}\n"},
+  ),
+  "config-unknown-preset": Case(
+    ("--config", "{dir}/c.yaml"), "Unknown preset 'huge'", {"c.yaml": "model: {name: llama, preset: huge}\n"}
+  ),
+  "config-missing-file": Case(("--config", "{dir}/missing.yaml"), ("missing.yaml", "does not exist")),
+  # --set overrides
+  "set-unknown-key": Case(("--set", "train.step=3"), ("Unknown config key 'train.step'", "did you mean train.steps")),
+  "set-bad-value": Case(("--set", "train.log_every=abc"), "train.log_every must be an integer, got 'abc'"),
+  "set-missing-equals": Case(("--set", "steps"), "--set 'steps': expected key=value"),
+  # flags
+  "flag-unknown": Case(
+    (
+      "--stepz",
+      "3",
+    ),
+    "Unknown command line flag 'stepz'",
+  ),
+  "flag-bad-integer": Case(("--steps", "many"), "flag --steps=many"),
+  "flag-negative-steps": Case(("--steps=-5",), "train.steps must be at least 1, got -5"),
+  "flag-extra-argument": Case(("extra",), "unexpected arguments 'extra'"),
+  "flag-bad-profile-steps": Case(("--profile_steps", "5:2"), "--profile_steps '5:2': need 1 ≤ A ≤ B"),
+  "flag-profile-steps-not-numbers": Case(("--profile_steps", "x:y"), "--profile_steps 'x:y': expected A:B"),
+  "flag-zero-cpu-devices": Case(("--cpu_devices", "0"), "cpu_devices must be at least 1, got 0"),
+  "flag-incomplete-job": Case(("--num_processes", "2"), "missing coordinator_address, process_id"),
+  "flag-bad-coordinator": Case(
+    ("--coordinator_address", "nohost", "--num_processes", "2", "--process_id", "0"),
+    "coordinator_address 'nohost' must be host:port",
+  ),
+  "flag-no-workdir": Case(workdir=None, message="--workdir is required."),
+  "workdir-is-a-file": Case((), ("Workdir", "is a file; give a directory"), {"run": "a file\n"}),
+  "workdir-component-too-long": Case(
+    (), ("the path component 'wwww", "is 300 bytes", "at most 255"), workdir="w" * 300 + "/run"
+  ),
+  "workdir-under-a-file": Case((), ("cannot be created", "f' is a file"), {"f": "a file\n"}, workdir="f/run"),
+  "cache-dir-under-a-file": Case(
+    ("--set", "train.compilation_cache_dir={dir}/f/cache"),
+    ("train.compilation_cache_dir", "f/cache", "cannot be created"),
+    {"f": "x\n"},
+  ),
+  # mesh configs
+  "mesh-unknown-name": Case(
+    ("--mesh_config", "cpu-9"), "No mesh config named 'cpu-9'; known: cpu-2proc, cpu-2proc-pipeline, cpu-8,"
+  ),
+  "mesh-device-count": Case(("--mesh_config", "tpu-v4-32"), "tpu-v4-32.yaml is for 16 devices; this job has 8"),
+  "mesh-axes-product": Case(
+    ("--mesh_config", "{dir}/m.yaml"),
+    "m.yaml: ici sizes data=3 × fsdp=2 = 6 do not match the 8 devices found",
+    {"m.yaml": "axes: {data: 3, fsdp: 2}\n"},
+  ),
+  "mesh-bad-yaml": Case(
+    ("--mesh_config", "{dir}/m.yaml"), ("Mesh config", "m.yaml", "is not valid YAML"), {"m.yaml": "axes: {data: 8\n"}
+  ),
+  # axis rules
+  "rules-unknown-mesh-axis": Case(
+    ("--mesh_config", "{dir}/m.yaml"),
+    ("names mesh axis 'model'", "m.yaml"),
+    {"m.yaml": _MESH_AXES + "rules: [[batch, data], [mlp, model]]\n"},
+  ),
+  "rules-default-set-uses-no-mesh-axis": Case(
+    ("--mesh_config", "{dir}/m.yaml"),
+    "Mesh axis x (size 8) is used by no axis rule in rule set 'fsdp_tensor'",
+    {"m.yaml": "devices: 8\naxes: {x: 8}\n"},
+  ),
+  "rules-logical-name-twice": Case(
+    ("--mesh_config", "{dir}/m.yaml"),
+    "axis rule #2 ('embed', 'fsdp') repeats rule #1",
+    {"m.yaml": _MESH_AXES + "rules: [[batch, data], [embed, fsdp], [embed, fsdp]]\n"},
+  ),
+  "rules-unknown-set": Case(("--set", "train.rules=fsdp"), "train.rules must be one of data_parallel, fsdp_tensor"),
+  "rules-map-nothing-onto-an-axis": Case(
+    ("--mesh_config", "{dir}/m.yaml"),
+    ("Mesh axis contxt (size 2) is used by no axis rule in the rules of", "m.yaml"),
+    {"m.yaml": "devices: 8\naxes: {data: 2, fsdp: 2, contxt: 2}\nrules: [[batch, [data, fsdp]], [embed, fsdp]]\n"},
+  ),
+  "rules-shipped-set-misses-an-axis": Case(
+    ("--mesh_config", "{dir}/m.yaml"),
+    ("Mesh axis sequence (size 2) is used by no axis rule in rule set 'fsdp_tensor'"),
+    {"m.yaml": "devices: 8\naxes: {data: 2, fsdp: 2, tensor: 1, sequence: 2}\n"},
+  ),
+  "data-batch-not-divisible-by-the-mesh": Case(
+    ("--set", "data.global_batch_size=6"),
+    (
+      "data.global_batch_size 6 does not divide over the mesh's batch axes data=2 × fsdp=2 = 4",
+      "data.allow_replicated_batch=true",
+    ),
+  ),
+  # data paths
+  "data-missing-file": Case(
+    ("--set", "data.source=text", "--set", "data.paths={dir}/none/*.txt"),
+    "Data path '{dir}/none/*.txt' matches no file",
+  ),
+  "data-empty-file": Case(
+    ("--set", "data.source=text", "--set", "data.paths={dir}/e.txt"), "holds no documents", {"e.txt": ""}
+  ),
+  "data-not-utf8": Case(
+    ("--set", "data.source=text", "--set", "data.paths={dir}/b.txt"),
+    "b.txt' is not UTF-8 text (byte 0)",
+    {"b.txt": b"\xff\xfe\x00binary"},
+  ),
+  "data-unreadable-directory": Case(
+    ("--set", "data.source=text", "--set", "data.paths={dir}/d.txt"),
+    ("Cannot read data file", "d.txt", "Is a directory"),
+    {"d.txt": None},
+  ),
+  "data-bad-jsonl": Case(
+    ("--set", "data.source=text", "--set", "data.paths={dir}/x.jsonl", "--set", "data.bad_records=error"),
+    ("x.jsonl' line ", "is not JSON", "data.bad_records=skip would"),
+    {"x.jsonl": '{"text": "a"}\n' + "{text\n" * 40},
+  ),
+  "data-too-few-documents": Case(
+    ("--set", "data.source=text", "--set", "data.paths={dir}/one.txt"),
+    ("The train split has 0 document(s)", "data.eval_fraction=0.05"),
+    {"one.txt": "one document\n"},
+  ),
+  "data-jsonl-only-empty-texts": Case(
+    ("--set", "data.source=text", "--set", "data.paths={dir}/e.jsonl"),
+    ("holds no tokens", "e.jsonl"),
+    {"e.jsonl": '{"text": ""}\n' * 40},
+  ),
+  "eval-asked-without-eval-split": Case(
+    ("--set", "data.eval_fraction=0", "--set", "train.eval_every=1"),
+    ("train.eval_every=1 asks for evaluations", "eval_fraction is 0"),
+  ),
 }
 
 
@@ -336,6 +428,7 @@ def _remove_all(pattern):
     assert paths, pattern
     for path in paths:
       path.unlink()
+
   return damage
 
 
@@ -343,6 +436,7 @@ def _write(rel, content):
   def damage(workdir):
     path = _step(workdir) / rel
     path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+
   return damage
 
 
@@ -363,32 +457,49 @@ def _pickle_as_metadata(workdir):
 
 
 CHECKPOINT_CASES: dict[str, Case] = {
-    "ckpt-other-model": Case(("--set", "model.d_model=32"), (
-        "Checkpoint step 2", "does not fit the target state", "params/embed: checkpoint [256, 64], target [256, 32]")),
-    "ckpt-other-preset": Case(("--set", "model.preset=124m"), (
-        "does not fit the target state", "params/embed: checkpoint [256, 64], target [32000, 768]")),
-    "ckpt-truncated-arrays": Case((), ("checkpoints/2' cannot be read (a damaged or truncated file?)",
-                                       "Requested byte range"), damage=_truncate_arrays),
-    "ckpt-no-commit-marker": Case((), "checkpoints/2' is incomplete (no commit_success.txt)",
-                                  damage=_remove("commit_success.txt")),
-    "ckpt-no-step-metadata": Case((), "is incomplete (no _CHECKPOINT_METADATA)",
-                                  damage=_remove("_CHECKPOINT_METADATA")),
-    "ckpt-no-array-metadata": Case((), "is incomplete (no state/_METADATA)", damage=_remove("state/_METADATA")),
-    "ckpt-garbage-array-metadata": Case((), "Checkpoint step 2 in '{dir}/run/checkpoints' has unreadable array"
-                                        " metadata", damage=_write("state/_METADATA", "garbage{")),
-    "ckpt-empty-newer-step-dir": Case((), "checkpoints/5' is incomplete (no commit_success.txt, _CHECKPOINT_METADATA",
-                                      damage=lambda w: (w / "checkpoints" / "5").mkdir()),
-    "ckpt-bad-metadata-json": Case((), "Checkpoint step 2 in '{dir}/run/checkpoints' has unreadable metadata",
-                                   damage=_write("meta/metadata", "{bad")),
-    "ckpt-format-version": Case((), "has format version 99; this distrib_train reads version 1",
-                                damage=_format_version),
-    "ckpt-dir-is-a-file": Case((), "run/checkpoints' is a file, not a directory", damage=_checkpoints_as_file),
-    "ckpt-pickle-as-metadata": Case((), "has unreadable metadata", damage=_pickle_as_metadata),
-    "ckpt-step-dir-zero-padded": Case((), "checkpoints/00002' is not named by its step number ('2')",
-                                      damage=lambda w: _step(w).rename(w / "checkpoints" / "00002")),
-    "ckpt-array-file-deleted": Case((), "checkpoints/2' cannot be read (a damaged or truncated file?)",
-                                    damage=_remove_all("state/ocdbt.process_*/d/*")),
-    "ckpt-ocdbt-index-deleted": Case((), "has unreadable array metadata", damage=_remove_all("state/d/*")),
+  "ckpt-other-model": Case(
+    ("--set", "model.d_model=32"),
+    ("Checkpoint step 2", "does not fit the target state", "params/embed: checkpoint [256, 64], target [256, 32]"),
+  ),
+  "ckpt-other-preset": Case(
+    ("--set", "model.preset=124m"),
+    ("does not fit the target state", "params/embed: checkpoint [256, 64], target [32000, 768]"),
+  ),
+  "ckpt-truncated-arrays": Case(
+    (),
+    ("checkpoints/2' cannot be read (a damaged or truncated file?)", "Requested byte range"),
+    damage=_truncate_arrays,
+  ),
+  "ckpt-no-commit-marker": Case(
+    (), "checkpoints/2' is incomplete (no commit_success.txt)", damage=_remove("commit_success.txt")
+  ),
+  "ckpt-no-step-metadata": Case((), "is incomplete (no _CHECKPOINT_METADATA)", damage=_remove("_CHECKPOINT_METADATA")),
+  "ckpt-no-array-metadata": Case((), "is incomplete (no state/_METADATA)", damage=_remove("state/_METADATA")),
+  "ckpt-garbage-array-metadata": Case(
+    (),
+    "Checkpoint step 2 in '{dir}/run/checkpoints' has unreadable array metadata",
+    damage=_write("state/_METADATA", "garbage{"),
+  ),
+  "ckpt-empty-newer-step-dir": Case(
+    (),
+    "checkpoints/5' is incomplete (no commit_success.txt, _CHECKPOINT_METADATA",
+    damage=lambda w: (w / "checkpoints" / "5").mkdir(),
+  ),
+  "ckpt-bad-metadata-json": Case(
+    (), "Checkpoint step 2 in '{dir}/run/checkpoints' has unreadable metadata", damage=_write("meta/metadata", "{bad")
+  ),
+  "ckpt-format-version": Case((), "has format version 99; this distrib_train reads version 1", damage=_format_version),
+  "ckpt-dir-is-a-file": Case((), "run/checkpoints' is a file, not a directory", damage=_checkpoints_as_file),
+  "ckpt-pickle-as-metadata": Case((), "has unreadable metadata", damage=_pickle_as_metadata),
+  "ckpt-step-dir-zero-padded": Case(
+    (),
+    "checkpoints/00002' is not named by its step number ('2')",
+    damage=lambda w: _step(w).rename(w / "checkpoints" / "00002"),
+  ),
+  "ckpt-array-file-deleted": Case(
+    (), "checkpoints/2' cannot be read (a damaged or truncated file?)", damage=_remove_all("state/ocdbt.process_*/d/*")
+  ),
+  "ckpt-ocdbt-index-deleted": Case((), "has unreadable array metadata", damage=_remove_all("state/d/*")),
 }
 
 
@@ -396,6 +507,7 @@ def _as_if_a_job_were_saving(held: list):
   """Damage that holds the workdir's lock in this process and leaves an
   in-progress orbax directory and an old step half deleted, as a running job
   would (it deletes the steps past ``train.keep_checkpoints`` as it saves)."""
+
   def damage(workdir):
     from distrib_train.train.workdir_lock import WorkdirLock
 
@@ -404,6 +516,7 @@ def _as_if_a_job_were_saving(held: list):
     lock = WorkdirLock(workdir)
     lock.acquire()
     held.append(lock)
+
   return damage
 
 
@@ -420,16 +533,28 @@ def test_cli_refuses_a_workdir_another_job_holds(tmp_path, xla_cache, trained_wo
     for lock in held:
       lock.release()
   workdir = outcome.directory / "run"
-  assert_refused(outcome, dataclasses.replace(
-      case, message=f"Workdir {str(workdir)!r} is in use by another job (pid {os.getpid()} on host"))
+  assert_refused(
+    outcome,
+    dataclasses.replace(case, message=f"Workdir {str(workdir)!r} is in use by another job (pid {os.getpid()} on host"),
+  )
   assert (workdir / "checkpoints" / "4.orbax-checkpoint-tmp-1").is_dir()
   assert (workdir / ".distrib_train.lock").read_text().startswith(f"pid {os.getpid()} on host")
 
 
 def _train(tmp_path_factory, xla_cache) -> pathlib.Path:
   workdir = tmp_path_factory.mktemp("trained") / "run"
-  cmd = [sys.executable, "-m", "distrib_train", "--config", "tiny", "--workdir", str(workdir), *FAST,
-         "--set", f"train.compilation_cache_dir={xla_cache}"]
+  cmd = [
+    sys.executable,
+    "-m",
+    "distrib_train",
+    "--config",
+    "tiny",
+    "--workdir",
+    str(workdir),
+    *FAST,
+    "--set",
+    f"train.compilation_cache_dir={xla_cache}",
+  ]
   out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
   assert out.returncode == 0, out.stderr[-3000:]
   assert (workdir / "checkpoints" / "2" / "commit_success.txt").is_file()
@@ -444,8 +569,10 @@ def trained_workdir(tmp_path_factory, xla_cache, once_per_run):
 
 @pytest.fixture(scope="session")
 def checkpoint_outcomes(tmp_path_factory, xla_cache, trained_workdir, once_per_run):
-  return once_per_run("bad_inputs_checkpoints", lambda: run_all(CHECKPOINT_CASES, tmp_path_factory.mktemp("ckpt"),
-                                                                  xla_cache, trained=trained_workdir))
+  return once_per_run(
+    "bad_inputs_checkpoints",
+    lambda: run_all(CHECKPOINT_CASES, tmp_path_factory.mktemp("ckpt"), xla_cache, trained=trained_workdir),
+  )
 
 
 @pytest.mark.timeout(600)
@@ -462,6 +589,7 @@ def test_cli_refuses_a_bad_checkpoint_before_touching_the_workdir(checkpoint_out
 def test_foreign_files_and_pickles_in_the_checkpoint_dir_are_ignored(tmp_path, xla_cache, trained_workdir):
   """Files orbax did not write (notes, a stray directory, pickles next to and
   inside the step) change nothing: the step restores and no pickle is run."""
+
   def damage(workdir):
     bomb = pickle.dumps(_Bomb(workdir.parent / MARKER))
     (workdir / "checkpoints" / "notes.txt").write_text("hello\n")
@@ -474,8 +602,9 @@ def test_foreign_files_and_pickles_in_the_checkpoint_dir_are_ignored(tmp_path, x
   assert outcome.returncode == 0, outcome.stderr[-3000:]
   assert "Restored step 2" in outcome.stderr and "Step 2 of 2 is already done" in outcome.stderr
   rewritten = {"run/config.yaml", "run/plan.txt"}  # an already-done run writes these again
-  assert {k: v for k, v in outcome.after.items() if k not in rewritten} == \
-         {k: v for k, v in outcome.before.items() if k not in rewritten}
+  assert {k: v for k, v in outcome.after.items() if k not in rewritten} == {
+    k: v for k, v in outcome.before.items() if k not in rewritten
+  }
   assert not (tmp_path / "foreign" / MARKER).exists()
 
 
@@ -486,26 +615,47 @@ def test_foreign_files_and_pickles_in_the_checkpoint_dir_are_ignored(tmp_path, x
 # safetensors and transformers are not imported by distrib_train (it reads and writes safetensors itself), and
 # penzai only for a penzai model the caller built with it; libtpu is `plan`'s (the test after this one).
 MISSING_PACKAGE_CASES: dict[str, Case] = {
-    "no-jinja2": Case(("--set", "data.source=pydoc", "--set", "data.loss_on=assistant"),
-                      "data.loss_on needs jinja2: pip install 'distrib_train[text]'", hide=("jinja2",)),
-    "no-tokenizers": Case(("--set", "data.tokenizer=hf:{dir}/tokenizer.json"),
-                          "data.tokenizer hf: needs tokenizers: pip install 'distrib_train[text]'",
-                          {"tokenizer.json": "{}"}, hide=("tokenizers",)),
-    "no-sentencepiece": Case(("--set", "data.tokenizer=sentencepiece:{dir}/m.model"),
-                             "data.tokenizer sentencepiece: needs sentencepiece: pip install 'distrib_train[text]'",
-                             {"m.model": "x"}, hide=("sentencepiece",)),
-    "no-tiktoken": Case(("--set", "data.tokenizer=tiktoken:{dir}/t.tiktoken"),
-                        "data.tokenizer tiktoken: needs tiktoken: pip install 'distrib_train[text]'",
-                        {"t.tiktoken": "x"}, hide=("tiktoken",)),
-    "no-pyarrow": Case(("--set", "data.source=text", "--set", "data.paths={dir}/d.parquet"),
-                       ("Parquet data ('{dir}/d.parquet') needs pyarrow: pip install 'distrib_train[text]'",),
-                       {"d.parquet": "x"}, hide=("pyarrow",)),
-    "no-zstandard": Case(("--set", "data.source=text", "--set", "data.paths={dir}/d.jsonl.zst"),
-                         "zstd-compressed data ('{dir}/d.jsonl.zst') needs zstandard: pip install 'distrib_train[text]'",
-                         {"d.jsonl.zst": "x"}, hide=("zstandard",)),
-    "no-datasets": Case(("--set", "data.source=text", "--set", "data.paths={dir}/ds"),
-                        "Hugging Face datasets folder as data ('{dir}/ds') needs datasets: pip install"
-                        " 'distrib_train[datasets]'", {"ds/state.json": "{}"}, hide=("datasets",)),
+  "no-jinja2": Case(
+    ("--set", "data.source=pydoc", "--set", "data.loss_on=assistant"),
+    "data.loss_on needs jinja2: pip install 'distrib_train[text]'",
+    hide=("jinja2",),
+  ),
+  "no-tokenizers": Case(
+    ("--set", "data.tokenizer=hf:{dir}/tokenizer.json"),
+    "data.tokenizer hf: needs tokenizers: pip install 'distrib_train[text]'",
+    {"tokenizer.json": "{}"},
+    hide=("tokenizers",),
+  ),
+  "no-sentencepiece": Case(
+    ("--set", "data.tokenizer=sentencepiece:{dir}/m.model"),
+    "data.tokenizer sentencepiece: needs sentencepiece: pip install 'distrib_train[text]'",
+    {"m.model": "x"},
+    hide=("sentencepiece",),
+  ),
+  "no-tiktoken": Case(
+    ("--set", "data.tokenizer=tiktoken:{dir}/t.tiktoken"),
+    "data.tokenizer tiktoken: needs tiktoken: pip install 'distrib_train[text]'",
+    {"t.tiktoken": "x"},
+    hide=("tiktoken",),
+  ),
+  "no-pyarrow": Case(
+    ("--set", "data.source=text", "--set", "data.paths={dir}/d.parquet"),
+    ("Parquet data ('{dir}/d.parquet') needs pyarrow: pip install 'distrib_train[text]'",),
+    {"d.parquet": "x"},
+    hide=("pyarrow",),
+  ),
+  "no-zstandard": Case(
+    ("--set", "data.source=text", "--set", "data.paths={dir}/d.jsonl.zst"),
+    "zstd-compressed data ('{dir}/d.jsonl.zst') needs zstandard: pip install 'distrib_train[text]'",
+    {"d.jsonl.zst": "x"},
+    hide=("zstandard",),
+  ),
+  "no-datasets": Case(
+    ("--set", "data.source=text", "--set", "data.paths={dir}/ds"),
+    "Hugging Face datasets folder as data ('{dir}/ds') needs datasets: pip install 'distrib_train[datasets]'",
+    {"ds/state.json": "{}"},
+    hide=("datasets",),
+  ),
 }
 
 
@@ -523,8 +673,14 @@ def test_a_missing_optional_package_is_one_line_naming_the_feature_and_its_extra
 
 
 def test_plan_for_a_tpu_without_libtpu_is_one_line_naming_what_to_install(tmp_path):
-  out = subprocess.run([sys.executable, "-m", "distrib_train", "plan", "--config", "llama-124m-tpu"], cwd=ROOT,
-                       env=_env(("libtpu",)), capture_output=True, text=True, timeout=240)
+  out = subprocess.run(
+    [sys.executable, "-m", "distrib_train", "plan", "--config", "llama-124m-tpu"],
+    cwd=ROOT,
+    env=_env(("libtpu",)),
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
   assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
   (line,) = [line for line in out.stderr.splitlines() if "error" in line.lower()]
   assert "pip install 'jax[tpu]==" in line, out.stderr
@@ -536,32 +692,58 @@ LOCAL, SLURM = ROOT / "launch" / "local.sh", ROOT / "launch" / "slurm_gpu.sbatch
 _TRAINER_ARGS = ("--config", "tiny", "--workdir", "{dir}/run")
 
 LAUNCHER_CASES: dict[str, tuple[pathlib.Path, tuple[str, ...], dict[str, str], str]] = {
-    "local-nproc-not-a-number": (LOCAL, (), {"NPROC": "two"}, "NPROC must be a positive integer, got 'two'"),
-    "local-nproc-zero": (LOCAL, (), {"NPROC": "0"}, "NPROC must be a positive integer, got '0'"),
-    "local-devices-negative": (LOCAL, ("--dry-run",), {"DEVICES": "-4"}, "DEVICES must be a positive integer"),
-    "local-timeout-not-a-number": (LOCAL, ("--steps", "3", "--dry-run"), {"TIMEOUT": "10m"},
-                                   "TIMEOUT must be a positive integer, got '10m'"),
-    "slurm-no-arguments": (SLURM, (), {}, "no trainer arguments"),
-    "slurm-dry-run-no-arguments": (SLURM, ("--dry-run",), {}, "no trainer arguments"),
-    "slurm-no-workdir": (SLURM, ("--dry-run", "--config", "tiny"), {}, "--workdir is required"),
-    "slurm-cpu-devices-zero": (SLURM, ("--dry-run", *_TRAINER_ARGS), {"CPU_DEVICES": "0"},
-                               "CPU_DEVICES must be a number of at least 1, got '0'"),
-    "slurm-per-node-not-0-or-1": (SLURM, ("--dry-run", *_TRAINER_ARGS), {"PER_NODE": "8"},
-                                  "PER_NODE must be 0 or 1, got '8'"),
-    "slurm-dry-run-not-0-or-1": (SLURM, _TRAINER_ARGS, {"DRY_RUN": "yes"}, "DRY_RUN must be 0 or 1, got 'yes'"),
-    "slurm-missing-venv": (SLURM, ("--dry-run", *_TRAINER_ARGS), {"VENV": "{dir}/no-venv"},
-                           "VENV={dir}/no-venv has no bin/activate"),
-    "slurm-outside-a-job": (SLURM, _TRAINER_ARGS, {}, "not inside a SLURM job"),
+  "local-nproc-not-a-number": (LOCAL, (), {"NPROC": "two"}, "NPROC must be a positive integer, got 'two'"),
+  "local-nproc-zero": (LOCAL, (), {"NPROC": "0"}, "NPROC must be a positive integer, got '0'"),
+  "local-devices-negative": (LOCAL, ("--dry-run",), {"DEVICES": "-4"}, "DEVICES must be a positive integer"),
+  "local-timeout-not-a-number": (
+    LOCAL,
+    ("--steps", "3", "--dry-run"),
+    {"TIMEOUT": "10m"},
+    "TIMEOUT must be a positive integer, got '10m'",
+  ),
+  "slurm-no-arguments": (SLURM, (), {}, "no trainer arguments"),
+  "slurm-dry-run-no-arguments": (SLURM, ("--dry-run",), {}, "no trainer arguments"),
+  "slurm-no-workdir": (SLURM, ("--dry-run", "--config", "tiny"), {}, "--workdir is required"),
+  "slurm-cpu-devices-zero": (
+    SLURM,
+    ("--dry-run", *_TRAINER_ARGS),
+    {"CPU_DEVICES": "0"},
+    "CPU_DEVICES must be a number of at least 1, got '0'",
+  ),
+  "slurm-per-node-not-0-or-1": (
+    SLURM,
+    ("--dry-run", *_TRAINER_ARGS),
+    {"PER_NODE": "8"},
+    "PER_NODE must be 0 or 1, got '8'",
+  ),
+  "slurm-dry-run-not-0-or-1": (SLURM, _TRAINER_ARGS, {"DRY_RUN": "yes"}, "DRY_RUN must be 0 or 1, got 'yes'"),
+  "slurm-missing-venv": (
+    SLURM,
+    ("--dry-run", *_TRAINER_ARGS),
+    {"VENV": "{dir}/no-venv"},
+    "VENV={dir}/no-venv has no bin/activate",
+  ),
+  "slurm-outside-a-job": (SLURM, _TRAINER_ARGS, {}, "not inside a SLURM job"),
 }
 
 
 @pytest.mark.parametrize("name", list(LAUNCHER_CASES))
 def test_launcher_refuses_bad_values_with_one_line_and_starts_nothing(tmp_path, name):
   script, args, env, message = LAUNCHER_CASES[name]
-  environment = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "VENV": sys.prefix,
-                 "WORKDIR": str(tmp_path / "run"), **{k: fill(v, tmp_path) for k, v in env.items()}}
-  out = subprocess.run(["bash", str(script), *(fill(a, tmp_path) for a in args)], env=environment,
-                       capture_output=True, text=True, timeout=60)
+  environment = {
+    "PATH": os.environ["PATH"],
+    "HOME": str(tmp_path),
+    "VENV": sys.prefix,
+    "WORKDIR": str(tmp_path / "run"),
+    **{k: fill(v, tmp_path) for k, v in env.items()},
+  }
+  out = subprocess.run(
+    ["bash", str(script), *(fill(a, tmp_path) for a in args)],
+    env=environment,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   prefix = f"{script.name}: error: "
   assert out.returncode == 2, out.stdout + out.stderr
   assert out.stderr.count("\n") == 1 and out.stderr.startswith(prefix), out.stderr
@@ -572,8 +754,9 @@ def test_launcher_refuses_bad_values_with_one_line_and_starts_nothing(tmp_path, 
 
 def test_local_dry_run_anywhere_in_the_arguments_runs_nothing(tmp_path):
   env = {"PATH": os.environ["PATH"], "VENV": sys.prefix, "WORKDIR": str(tmp_path / "run")}
-  out = subprocess.run(["bash", str(LOCAL), "--steps", "3", "--dry-run"], env=env, capture_output=True, text=True,
-                       timeout=60)
+  out = subprocess.run(
+    ["bash", str(LOCAL), "--steps", "3", "--dry-run"], env=env, capture_output=True, text=True, timeout=60
+  )
   assert out.returncode == 0, out.stderr
   assert "--dry-run" not in out.stdout and "--steps 3 --coordinator_address" in out.stdout
   assert not (tmp_path / "run").exists()
@@ -618,6 +801,7 @@ def _documents(files: Mapping[str, str | bytes], **config):
     _write_files(tmp_path, files)
     paths = tuple(str(tmp_path / name) for name in files) or ("x",)
     return lambda: sources.Documents(data.DataConfig(**{"source": "text", "paths": paths, **config}))
+
   return make
 
 
@@ -657,6 +841,7 @@ def _restore_truncated(tmp_path):
   def restore():
     with dt.CheckpointManager(tmp_path / "ckpt") as checkpoints:
       checkpoints.restore(state)
+
   return restore
 
 
@@ -680,77 +865,142 @@ def _m(text):
 
 
 API_CASES: dict[str, tuple[Callable[[pathlib.Path], Callable[[], Any]], str, str]] = {
-    # (make the call, the exception's class name, text in its message)
-    "config-not-a-mapping": (_c("- train\n- data\n"), "ConfigError", "must be a mapping of sections, got list"),
-    "config-wrong-type": (_c("data: {packing: maybe}\n"), "ConfigError",
-                          "data.packing must be true or false, got 'maybe'"),
-    "config-negative-value": (_c("train: {log_every: -1}\n"), "ConfigError",
-                              "train.log_every must be at least 1, got -1"),
-    "config-nan-learning-rate": (_c("optimizer: {learning_rate: .nan}\n"), "ConfigError",
-                                 "optimizer.learning_rate must be finite, got nan"),
-    "config-unknown-named-preset": (lambda tmp_path: lambda: _load("nope"), "ConfigError",
-                                    "No config preset 'nope'; presets: "),
-    "config-is-a-directory": (lambda tmp_path: functools.partial(_load, str(_mkdir(tmp_path / "d.yaml"))),
-                              "ConfigError", "d.yaml' is not a file"),
-    "set-zero-kv-heads": (_overrides("model.num_kv_heads=0"), "ConfigError", "model.num_kv_heads must be at least 1"),
-    "set-bad-dtype": (_overrides("model.dtype=floaty"), "ConfigError", "model.dtype must name a float dtype"),
-    "set-empty-key": (_overrides("=5"), "ConfigError", "--set '=5': expected key=value"),
-    "set-bad-bool": (_overrides("data.packing=perhaps"), "ConfigError",
-                     "data.packing must be true or false, got 'perhaps'"),
-    "mesh-unknown-key": (_m("axes: {data: 8}\nrule: fsdp_tensor\n"), "ValueError", "m.yaml: unknown key(s) 'rule'"),
-    "config-tab-indent": (_c("train:\n\tsteps: 3\n"), "ConfigError", "found character '\\t' that cannot start"),
-    "config-section-not-a-mapping": (_c("train: 3\n"), "ConfigError", "section 'train' must be a mapping, got 3"),
-    "config-unknown-section": (_c("trian: {steps: 3}\n"), "ConfigError", "Unknown config key 'trian'"),
-    "config-list-of-ints-for-paths": (_c("data: {paths: [1, 2]}\n"), "ConfigError", "data.paths must be a list of"
-                                      " strings"),
-    "config-bool-for-int": (_c("train: {steps: true}\n"), "ConfigError", "train.steps must be an integer, got True"),
-    "config-date-for-int": (_c("train: {steps: 2024-01-01}\n"), "ConfigError", "train.steps must be an integer"),
-    "config-eval-fraction-out-of-range": (_c("data: {eval_fraction: 1.5}\n"), "ConfigError",
-                                          "eval_fraction must be in [0, 1), got 1.5"),
-    "config-zero-keep-checkpoints": (_c("train: {keep_checkpoints: 0}\n"), "ConfigError",
-                                     "train.keep_checkpoints must be at least 1, got 0"),
-    "config-unknown-model": (_c("model: {name: gpt}\n"), "ConfigError", "Unknown model 'gpt'; known: llama, mlp"),
-    "config-huge-int-for-float": (_c("optimizer: {learning_rate: " + "9" * 400 + "}\n"), "ConfigError",
-                                  "optimizer.learning_rate must be a number"),
-    "set-infinite-value": (_overrides("optimizer.learning_rate=inf"), "ConfigError",
-                           "optimizer.learning_rate must be finite, got 'inf'"),
-    "set-unknown-model-field": (_overrides("model.d_modle=8"), "ConfigError", "did you mean model.d_model"),
-    "mesh-axis-size-not-a-number": (_m("axes: {data: two}\n"), "ValueError",
-                                    "m.yaml: ici size of axis 'data' must be an integer, got 'two'"),
-    "mesh-duplicate-axis": (_m("axes: {data: 2, data: 4}\n"), "ConfigError", "found the key 'data' twice"),
-    "mesh-two-auto-fill": (_m("axes: {data: -1, fsdp: -1}\n"), "ValueError", "are all -1; at most one ici size"),
-    "mesh-zero-devices": (_m("devices: 0\naxes: {data: -1}\n"), "ValueError", "'devices' must be a positive integer"),
-    "mesh-granules-without-devices": (_m("granules: 2\naxes: {data: -1}\n"), "ValueError", "give both or neither"),
-    "mesh-declared-devices-do-not-fit": (_m("devices: 8\naxes: {data: 3}\n"), "ValueError",
-                                         "ici sizes data=3 = 3 do not match the 8 devices found"),
-    "mesh-unknown-axis-level": (_m("axes: {data: {icy: 8}}\n"), "ValueError", "axis 'data' has unknown key(s) 'icy'"),
-    "mesh-non-string-keys": (_m("axes: {data: 8}\n1: 2\nrule: x\n"), "ValueError", "unknown key(s) 1, 'rule'"),
-    "mesh-python-tag": (lambda tmp_path: _mesh_file(tmp_path, _python_tag(tmp_path / MARKER)), "ConfigError",
-                        "could not determine a constructor"),
-    "rules-unknown-set": (_m("axes: {data: 8}\nrules: fsdp_tenser\n"), "ValueError",
-                          "Unknown axis rule set 'fsdp_tenser'"),
-    "rules-param-axes-without-rules": (_m("axes: {data: 8}\nparam_axes: [['.*', [embed]]]\n"), "ValueError",
-                                       "'param_axes' needs 'rules' beside it"),
-    "rules-not-a-pair": (_rules([("embed",)]), "ValueError", "axis rule #0 ('embed',): a rule is a pair"),
-    "rules-mesh-axis-twice": (_rules([("batch", ("data", "data"))]), "ValueError",
-                              "mesh axes ('data', 'data') repeat an axis"),
-    "rules-bad-regex": (_rules([], param_axes=[("(", ("embed",))]), "ValueError", "bad regex '('"),
-    "rules-logical-name-twice-in-param-axes": (_rules([], param_axes=[(".*", ("embed", "embed"))]), "ValueError",
-                                               "'embed' appear more than once"),
-    "rules-param-axes-not-a-list": (_rules([], param_axes=5), "ValueError", "param_axes must be a list of"),
-    "rules-unknown-mesh-axis-in-spec": (lambda tmp_path: _rule_on_mesh(), "ValueError", "names mesh axis 'model'"),
-    "data-jsonl-without-text": (_documents({"x.jsonl": '{"body": "a"}\n'}), "ValueError",
-                                "x.jsonl' line 1 has no string field 'text'"),
-    "data-unknown-source": (lambda tmp_path: _data_config(source="web"), "ValueError", "unknown source 'web'"),
-    "data-text-without-paths": (lambda tmp_path: _data_config(source="text"), "ValueError",
-                                "source 'text' needs paths"),
-    "data-mixed-record-and-text": (_documents({"a.txt": "x", "b.array_record": "junk"}), "ValueError",
-                                   "mix .array_record shards and text files"),
-    "data-bad-array-record": (_documents({"b.array_record": b"not an array record"}), "ValueError",
-                              "b.array_record' is not a readable ArrayRecord file"),
-    "ckpt-restore-other-shape": (_restore_other_shape, "CheckpointError",
-                                 "params/w: checkpoint [256, 64], target [256, 32]"),
-    "ckpt-restore-truncated": (_restore_truncated, "CheckpointError", "cannot be read (a damaged or truncated file?)"),
+  # (make the call, the exception's class name, text in its message)
+  "config-not-a-mapping": (_c("- train\n- data\n"), "ConfigError", "must be a mapping of sections, got list"),
+  "config-wrong-type": (
+    _c("data: {packing: maybe}\n"),
+    "ConfigError",
+    "data.packing must be true or false, got 'maybe'",
+  ),
+  "config-negative-value": (
+    _c("train: {log_every: -1}\n"),
+    "ConfigError",
+    "train.log_every must be at least 1, got -1",
+  ),
+  "config-nan-learning-rate": (
+    _c("optimizer: {learning_rate: .nan}\n"),
+    "ConfigError",
+    "optimizer.learning_rate must be finite, got nan",
+  ),
+  "config-unknown-named-preset": (
+    lambda tmp_path: lambda: _load("nope"),
+    "ConfigError",
+    "No config preset 'nope'; presets: ",
+  ),
+  "config-is-a-directory": (
+    lambda tmp_path: functools.partial(_load, str(_mkdir(tmp_path / "d.yaml"))),
+    "ConfigError",
+    "d.yaml' is not a file",
+  ),
+  "set-zero-kv-heads": (_overrides("model.num_kv_heads=0"), "ConfigError", "model.num_kv_heads must be at least 1"),
+  "set-bad-dtype": (_overrides("model.dtype=floaty"), "ConfigError", "model.dtype must name a float dtype"),
+  "set-empty-key": (_overrides("=5"), "ConfigError", "--set '=5': expected key=value"),
+  "set-bad-bool": (
+    _overrides("data.packing=perhaps"),
+    "ConfigError",
+    "data.packing must be true or false, got 'perhaps'",
+  ),
+  "mesh-unknown-key": (_m("axes: {data: 8}\nrule: fsdp_tensor\n"), "ValueError", "m.yaml: unknown key(s) 'rule'"),
+  "config-tab-indent": (_c("train:\n\tsteps: 3\n"), "ConfigError", "found character '\\t' that cannot start"),
+  "config-section-not-a-mapping": (_c("train: 3\n"), "ConfigError", "section 'train' must be a mapping, got 3"),
+  "config-unknown-section": (_c("trian: {steps: 3}\n"), "ConfigError", "Unknown config key 'trian'"),
+  "config-list-of-ints-for-paths": (
+    _c("data: {paths: [1, 2]}\n"),
+    "ConfigError",
+    "data.paths must be a list of strings",
+  ),
+  "config-bool-for-int": (_c("train: {steps: true}\n"), "ConfigError", "train.steps must be an integer, got True"),
+  "config-date-for-int": (_c("train: {steps: 2024-01-01}\n"), "ConfigError", "train.steps must be an integer"),
+  "config-eval-fraction-out-of-range": (
+    _c("data: {eval_fraction: 1.5}\n"),
+    "ConfigError",
+    "eval_fraction must be in [0, 1), got 1.5",
+  ),
+  "config-zero-keep-checkpoints": (
+    _c("train: {keep_checkpoints: 0}\n"),
+    "ConfigError",
+    "train.keep_checkpoints must be at least 1, got 0",
+  ),
+  "config-unknown-model": (_c("model: {name: gpt}\n"), "ConfigError", "Unknown model 'gpt'; known: llama, mlp"),
+  "config-huge-int-for-float": (
+    _c("optimizer: {learning_rate: " + "9" * 400 + "}\n"),
+    "ConfigError",
+    "optimizer.learning_rate must be a number",
+  ),
+  "set-infinite-value": (
+    _overrides("optimizer.learning_rate=inf"),
+    "ConfigError",
+    "optimizer.learning_rate must be finite, got 'inf'",
+  ),
+  "set-unknown-model-field": (_overrides("model.d_modle=8"), "ConfigError", "did you mean model.d_model"),
+  "mesh-axis-size-not-a-number": (
+    _m("axes: {data: two}\n"),
+    "ValueError",
+    "m.yaml: ici size of axis 'data' must be an integer, got 'two'",
+  ),
+  "mesh-duplicate-axis": (_m("axes: {data: 2, data: 4}\n"), "ConfigError", "found the key 'data' twice"),
+  "mesh-two-auto-fill": (_m("axes: {data: -1, fsdp: -1}\n"), "ValueError", "are all -1; at most one ici size"),
+  "mesh-zero-devices": (_m("devices: 0\naxes: {data: -1}\n"), "ValueError", "'devices' must be a positive integer"),
+  "mesh-granules-without-devices": (_m("granules: 2\naxes: {data: -1}\n"), "ValueError", "give both or neither"),
+  "mesh-declared-devices-do-not-fit": (
+    _m("devices: 8\naxes: {data: 3}\n"),
+    "ValueError",
+    "ici sizes data=3 = 3 do not match the 8 devices found",
+  ),
+  "mesh-unknown-axis-level": (_m("axes: {data: {icy: 8}}\n"), "ValueError", "axis 'data' has unknown key(s) 'icy'"),
+  "mesh-non-string-keys": (_m("axes: {data: 8}\n1: 2\nrule: x\n"), "ValueError", "unknown key(s) 1, 'rule'"),
+  "mesh-python-tag": (
+    lambda tmp_path: _mesh_file(tmp_path, _python_tag(tmp_path / MARKER)),
+    "ConfigError",
+    "could not determine a constructor",
+  ),
+  "rules-unknown-set": (
+    _m("axes: {data: 8}\nrules: fsdp_tenser\n"),
+    "ValueError",
+    "Unknown axis rule set 'fsdp_tenser'",
+  ),
+  "rules-param-axes-without-rules": (
+    _m("axes: {data: 8}\nparam_axes: [['.*', [embed]]]\n"),
+    "ValueError",
+    "'param_axes' needs 'rules' beside it",
+  ),
+  "rules-not-a-pair": (_rules([("embed",)]), "ValueError", "axis rule #0 ('embed',): a rule is a pair"),
+  "rules-mesh-axis-twice": (
+    _rules([("batch", ("data", "data"))]),
+    "ValueError",
+    "mesh axes ('data', 'data') repeat an axis",
+  ),
+  "rules-bad-regex": (_rules([], param_axes=[("(", ("embed",))]), "ValueError", "bad regex '('"),
+  "rules-logical-name-twice-in-param-axes": (
+    _rules([], param_axes=[(".*", ("embed", "embed"))]),
+    "ValueError",
+    "'embed' appear more than once",
+  ),
+  "rules-param-axes-not-a-list": (_rules([], param_axes=5), "ValueError", "param_axes must be a list of"),
+  "rules-unknown-mesh-axis-in-spec": (lambda tmp_path: _rule_on_mesh(), "ValueError", "names mesh axis 'model'"),
+  "data-jsonl-without-text": (
+    _documents({"x.jsonl": '{"body": "a"}\n'}),
+    "ValueError",
+    "x.jsonl' line 1 has no string field 'text'",
+  ),
+  "data-unknown-source": (lambda tmp_path: _data_config(source="web"), "ValueError", "unknown source 'web'"),
+  "data-text-without-paths": (lambda tmp_path: _data_config(source="text"), "ValueError", "source 'text' needs paths"),
+  "data-mixed-record-and-text": (
+    _documents({"a.txt": "x", "b.array_record": "junk"}),
+    "ValueError",
+    "mix .array_record shards and text files",
+  ),
+  "data-bad-array-record": (
+    _documents({"b.array_record": b"not an array record"}),
+    "ValueError",
+    "b.array_record' is not a readable ArrayRecord file",
+  ),
+  "ckpt-restore-other-shape": (
+    _restore_other_shape,
+    "CheckpointError",
+    "params/w: checkpoint [256, 64], target [256, 32]",
+  ),
+  "ckpt-restore-truncated": (_restore_truncated, "CheckpointError", "cannot be read (a damaged or truncated file?)"),
 }
 
 
@@ -795,12 +1045,16 @@ def test_the_catalogue_has_at_least_30_cases_in_every_category():
 # --- security ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("payload", [
+@pytest.mark.parametrize(
+  "payload",
+  [
     "!!python/object/apply:os.system ['touch {marker}']\n",
     "!!python/object/new:os.system ['touch {marker}']\n",
     "train: !!python/object/apply:subprocess.check_call [['touch', '{marker}']]\n",
     "axes: !!python/name:os.system\n",
-], ids=["apply", "new", "nested-apply", "name"])
+  ],
+  ids=["apply", "new", "nested-apply", "name"],
+)
 def test_yaml_with_python_tags_is_refused_and_never_run(tmp_path, payload):
   import distrib_train as dt
   from distrib_train.config import run as config
@@ -822,8 +1076,12 @@ def test_pickles_in_a_checkpoint_directory_are_never_loaded(tmp_path):
   state = _saved_small_state(tmp_path)
   bomb = pickle.dumps(_Bomb(tmp_path / MARKER))
   step = tmp_path / "ckpt" / "1"
-  for path in (tmp_path / "ckpt" / "evil.pkl", step / "evil.pkl", step / "state" / "pickle",
-               step / "meta" / "metadata.pkl"):
+  for path in (
+    tmp_path / "ckpt" / "evil.pkl",
+    step / "evil.pkl",
+    step / "state" / "pickle",
+    step / "meta" / "metadata.pkl",
+  ):
     path.write_bytes(bomb)
   with dt.CheckpointManager(tmp_path / "ckpt") as checkpoints:
     restored = checkpoints.restore(state)
@@ -837,12 +1095,12 @@ def test_pickles_in_a_checkpoint_directory_are_never_loaded(tmp_path):
 # Code that would run or unpickle what it reads. yaml.load is allowed only
 # with the config module's SafeLoader subclass.
 _UNSAFE = {
-    "pickle": re.compile(r"^\s*(import|from)\s+(c?pickle|dill|cloudpickle|shelve|marshal)\b", re.M),
-    "eval/exec": re.compile(r"(?<![\w.])(eval|exec)\("),
-    "yaml.load": re.compile(r"yaml\.(load|unsafe_load|full_load|load_all)\((?![^)]*Loader=_UniqueKeyLoader)"),
-    "yaml Loader": re.compile(r"yaml\.(Unsafe|Full)?Loader\b"),
-    "allow_pickle": re.compile(r"allow_pickle\s*=\s*True"),
-    "np.load": re.compile(r"\bnp\.load\("),
+  "pickle": re.compile(r"^\s*(import|from)\s+(c?pickle|dill|cloudpickle|shelve|marshal)\b", re.M),
+  "eval/exec": re.compile(r"(?<![\w.])(eval|exec)\("),
+  "yaml.load": re.compile(r"yaml\.(load|unsafe_load|full_load|load_all)\((?![^)]*Loader=_UniqueKeyLoader)"),
+  "yaml Loader": re.compile(r"yaml\.(Unsafe|Full)?Loader\b"),
+  "allow_pickle": re.compile(r"allow_pickle\s*=\s*True"),
+  "np.load": re.compile(r"\bnp\.load\("),
 }
 
 
@@ -917,8 +1175,16 @@ def test_a_local_job_listens_on_loopback_only_gloo_included():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  procs = [subprocess.Popen([sys.executable, "-c", _LISTENING_SOCKETS.format(port=port, process_id=i)], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", _LISTENING_SOCKETS.format(port=port, process_id=i)],
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   try:
     outputs = [proc.communicate(timeout=240) for proc in procs]
   finally:
@@ -932,11 +1198,14 @@ def test_a_local_job_listens_on_loopback_only_gloo_included():
   assert all(local.rsplit(":", 1)[0] in loopback for sockets in listening for local in sockets), listening
 
 
-@pytest.mark.parametrize("address, bind", [
+@pytest.mark.parametrize(
+  "address, bind",
+  [
     ("127.0.0.1:1234", "127.0.0.1:1234"),
     ("localhost:1234", "localhost:1234"),
     ("10.0.0.7:1234", None),  # another host must reach it: JAX's default (JAX_COORDINATOR_BIND_ADDRESS narrows it)
-])
+  ],
+)
 def test_the_coordinator_bind_address_follows_the_coordinator_address(monkeypatch, address, bind):
   import jax
 

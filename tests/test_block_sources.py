@@ -116,7 +116,7 @@ def test_interleaved_sequential_files_are_read_a_few_at_a_time():
   order = _order(sequential=(True,) * 12, blocks_per_file=(3,) * 12, share=1.0)
   runs = order.epoch_windows(0)
   files = order.files[runs]
-  groups = [set(files[i:i + 3 * block_order.INTERLEAVE]) for i in range(0, len(runs), 3 * block_order.INTERLEAVE)]
+  groups = [set(files[i : i + 3 * block_order.INTERLEAVE]) for i in range(0, len(runs), 3 * block_order.INTERLEAVE)]
   assert all(len(g) <= block_order.INTERLEAVE for g in groups)
 
 
@@ -144,8 +144,14 @@ def _layouts(draw):
   seq_len = draw(st.sampled_from([3, 7]))
   lengths = draw(st.lists(st.integers(1, 3 * (seq_len + 1)), min_size=12, max_size=30))
   lengths += [seq_len + 1] * (4 + sum(n <= seq_len for n in lengths))  # enough long ones without packing
-  return dict(lengths=lengths, seq_len=seq_len, packing=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
-              groups=draw(st.integers(1, 5)), block_cache=draw(st.integers(1, 3)))
+  return dict(
+    lengths=lengths,
+    seq_len=seq_len,
+    packing=draw(st.booleans()),
+    seed=draw(st.integers(0, 2**16)),
+    groups=draw(st.integers(1, 5)),
+    block_cache=draw(st.integers(1, 3)),
+  )
 
 
 def _resumes_on_another_shard_count(config, shardings, batches, position):
@@ -157,7 +163,7 @@ def _resumes_on_another_shard_count(config, shardings, batches, position):
     for expected in batches:
       got = loader.next_local()
       for name in expected:
-        np.testing.assert_array_equal(got[name], expected[name][index * half:(index + 1) * half], err_msg=name)
+        np.testing.assert_array_equal(got[name], expected[name][index * half : (index + 1) * half], err_msg=name)
     loader.close()
 
 
@@ -172,8 +178,14 @@ def test_every_format_resumes_exactly_on_any_shard_count(kind, tmp_path_factory,
     directory = tmp_path_factory.mktemp("corpus")
     jsonl = data_helpers.write_documents(directory, layout["lengths"], layout["seed"])
     path = _as_format(jsonl, directory, kind, layout["groups"])
-    config = resume._config(path, seq_len=layout["seq_len"], global_batch_size=4, packing=layout["packing"],
-                            seed=layout["seed"], block_cache=layout["block_cache"])
+    config = resume._config(
+      path,
+      seq_len=layout["seq_len"],
+      global_batch_size=4,
+      packing=layout["packing"],
+      seed=layout["seed"],
+      block_cache=layout["block_cache"],
+    )
     states, batches = resume._run(config, shardings, steps=6)
     for step in (0, 2, 5):
       resume._assert_resumes_exactly(config, shardings, states, batches, step)
@@ -197,8 +209,10 @@ def test_a_finite_pass_reads_the_block_order_and_resumes(tmp_path):
   docs = sources.Documents(config)
   stream = block_order.shuffled(docs, np.arange(len(docs)), config.seed)
   packed = "".join(stream[q] for q in range(len(docs))).encode()  # the first epoch, concatenated
-  first_rows = bytes(np.concatenate([batches[0]["tokens"][:, :1], batches[0]["targets"]], axis=1).ravel().astype(np.uint8))
-  assert first_rows == packed[:len(first_rows)]
+  first_rows = bytes(
+    np.concatenate([batches[0]["tokens"][:, :1], batches[0]["targets"]], axis=1).ravel().astype(np.uint8)
+  )
+  assert first_rows == packed[: len(first_rows)]
 
 
 # --- reads ---------------------------------------------------------------------
@@ -209,6 +223,7 @@ def test_a_shuffled_parquet_corpus_reads_each_row_group_about_once_an_epoch(tmp_
   jsonl = data_helpers.write_documents(tmp_path, list(np.random.default_rng(0).integers(10, 30, size=400)))
   path = _as_format(jsonl, tmp_path, "parquet", groups=5)
   reads = collections.Counter()
+
   def counted(self, group, columns):
     reads[group] += 1
     return read_row_group(self, group, columns=columns)
@@ -222,8 +237,15 @@ def test_a_shuffled_parquet_corpus_reads_each_row_group_about_once_an_epoch(tmp_
   stream = block_order.shuffled(docs, np.arange(len(docs)), config.seed)
   from distrib_train.data import lanes as lanes_lib
 
-  lanes = lanes_lib.Lanes(stream, lambda doc: np.frombuffer(doc.encode(), np.uint8), lanes=4, rows=range(4),
-                          length=16, packing=True, threads=2)
+  lanes = lanes_lib.Lanes(
+    stream,
+    lambda doc: np.frombuffer(doc.encode(), np.uint8),
+    lanes=4,
+    rows=range(4),
+    length=16,
+    packing=True,
+    threads=2,
+  )
   tokens = sum(len(t) for t in _texts(jsonl))
   for _ in range(tokens // (4 * 16) * 9 // 10):  # most of an epoch
     lanes.next_rows()
@@ -234,8 +256,7 @@ def test_a_shuffled_parquet_corpus_reads_each_row_group_about_once_an_epoch(tmp_
 def test_a_compressed_file_reads_blocks_behind_its_decompressor_again(tmp_path, small_blocks):
   jsonl = data_helpers.write_documents(tmp_path, [30] * 40)
   for kind in ("zst", "gz"):
-    reader = compressed.CompressedJsonl(_as_format(jsonl, tmp_path, kind), "text", _PARSE,
-                                        block_order.BlockCache(1))
+    reader = compressed.CompressedJsonl(_as_format(jsonl, tmp_path, kind), "text", _PARSE, block_order.BlockCache(1))
     assert len(reader.block_starts) > 5
     assert [reader[i] for i in range(40)] == _texts(jsonl)
     assert reader._stream is None and reader.restarts == 0  # its last block read: the decompressor closed
@@ -283,7 +304,10 @@ def test_missing_zstandard_is_one_clear_error(tmp_path, monkeypatch):
   jsonl = data_helpers.write_documents(tmp_path, [5, 9])
   path = _as_format(jsonl, tmp_path, "zst")
   monkeypatch.setitem(sys.modules, "zstandard", None)
-  with pytest.raises(ValueError, match=r"zstd-compressed data \('.*documents.jsonl.zst'\) needs zstandard: pip install 'distrib_train\[text\]'"):
+  with pytest.raises(
+    ValueError,
+    match=r"zstd-compressed data \('.*documents.jsonl.zst'\) needs zstandard: pip install 'distrib_train\[text\]'",
+  ):
     sources.Documents(data.DataConfig(source="text", paths=(path,)))
 
 
@@ -294,10 +318,14 @@ def _zstd(raw: bytes) -> bytes:
 
 
 def test_bad_compressed_files_and_datasets_folders_are_named(tmp_path):
-  for name, body in (("bad.jsonl.zst", b"not zstd at all"), ("bad.jsonl.gz", b"not gzip at all"),
-                     ("empty.jsonl.zst", b""), ("cut.jsonl.gz", gzip.compress(b'{"text": "x"}\n' * 100)[:30]),
-                     # cut short inside its second frame (zstandard's stream reader took that for the end)
-                     ("cut.jsonl.zst", _zstd(b'{"text": "x"}\n' * 100) + _zstd(b'{"text": "y"}\n' * 5000)[:-20])):
+  for name, body in (
+    ("bad.jsonl.zst", b"not zstd at all"),
+    ("bad.jsonl.gz", b"not gzip at all"),
+    ("empty.jsonl.zst", b""),
+    ("cut.jsonl.gz", gzip.compress(b'{"text": "x"}\n' * 100)[:30]),
+    # cut short inside its second frame (zstandard's stream reader took that for the end)
+    ("cut.jsonl.zst", _zstd(b'{"text": "x"}\n' * 100) + _zstd(b'{"text": "y"}\n' * 5000)[:-20]),
+  ):
     (tmp_path / name).write_bytes(body)
     with pytest.raises(ValueError, match=rf"Data file '.*{name}' is (empty|not a readable compressed stream)"):
       sources.Documents(data.DataConfig(source="text", paths=(str(tmp_path / name),)))
@@ -334,7 +362,11 @@ def test_a_datasetdict_folder_reads_its_train_split(tmp_path):
   import datasets
 
   folder = str(tmp_path / "dict")
-  datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a", "b", "c"]}),
-                        "test": datasets.Dataset.from_dict({"text": ["z"]})}).save_to_disk(folder)
+  datasets.DatasetDict(
+    {
+      "train": datasets.Dataset.from_dict({"text": ["a", "b", "c"]}),
+      "test": datasets.Dataset.from_dict({"text": ["z"]}),
+    }
+  ).save_to_disk(folder)
   docs = sources.Documents(data.DataConfig(source="text", paths=(folder,)))
   assert [docs[i] for i in range(len(docs))] == ["a", "b", "c"] and docs.blocks() is None

@@ -142,8 +142,9 @@ def test_close_waits_for_the_pending_async_save(tmp_path):
 
 
 def test_kill_during_async_save_leaves_the_previous_step_restorable(tmp_path):
-  out = subprocess.run([sys.executable, str(WORKERS / "kill_during_save.py"), str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+  out = subprocess.run(
+    [sys.executable, str(WORKERS / "kill_during_save.py"), str(tmp_path)], capture_output=True, text=True, timeout=300
+  )
   assert out.returncode == -9, out.stderr[-2000:]
   assert "save of step 2 started" in out.stdout
   mesh = _mesh((1, 8, 1))

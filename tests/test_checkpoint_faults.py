@@ -109,15 +109,15 @@ def test_another_programs_loop_policy_is_left_as_it_is():
     asyncio.set_event_loop_policy(before)
 
 
-def test_a_damaged_checkpoints_metadata_read_leaves_only_its_error(finishing_policy, tmp_path, monkeypatch, caplog,
-                                                                   capfd):
+def test_a_damaged_checkpoints_metadata_read_leaves_only_its_error(
+  finishing_policy, tmp_path, monkeypatch, caplog, capfd
+):
   """orbax's own read of a checkpoint whose OCDBT index is gone (the CI flake of issue 56): the one CheckpointError,
   and nothing printed or logged after it, the collector run."""
   import jax.numpy as jnp
   import optax
 
-  state = dt.TrainState.create(params={"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}, tx=optax.adam(1e-3),
-                                apply_fn=None)
+  state = dt.TrainState.create(params={"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}, tx=optax.adam(1e-3), apply_fn=None)
   with dt.CheckpointManager(tmp_path, async_save=False) as manager:
     manager.save(2, state, force=True)
   for path in (tmp_path / "2" / "state" / "d").iterdir():

@@ -49,8 +49,12 @@ def corpora(tmp_path_factory):
   tokenizer = Tokenizer(models.BPE())
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tokenizer.decoder = decoders.ByteLevel()
-  tokenizer.train([str(jsonl)], trainers.BpeTrainer(vocab_size=600, special_tokens=["<pad>", "<s>", "</s>"],
-                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tokenizer.train(
+    [str(jsonl)],
+    trainers.BpeTrainer(
+      vocab_size=600, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    ),
+  )
   tokenizer.save(str(folder / "tokenizer.json"))
   return folder
 
@@ -59,18 +63,36 @@ def corpora(tmp_path_factory):
 def test_a_script_that_reads_a_batch_and_ends_without_close_exits_cleanly(corpora, num_workers, tmp_path):
   paths = [str(corpora / name) for name in ("docs.parquet", "docs.jsonl", "docs.jsonl.zst")]
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
-  done = subprocess.run([sys.executable, str(WORKERS / "exit_worker.py"), str(tmp_path), str(RUNS),
-                         str(corpora / "tokenizer.json"), str(num_workers), *paths],
-                        env=env, capture_output=True, text=True, timeout=900)
+  done = subprocess.run(
+    [
+      sys.executable,
+      str(WORKERS / "exit_worker.py"),
+      str(tmp_path),
+      str(RUNS),
+      str(corpora / "tokenizer.json"),
+      str(num_workers),
+      *paths,
+    ],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   results = dict(line.rsplit(" ", 1) for line in done.stdout.splitlines())
   assert len(results) == 3 * RUNS, done.stdout
-  failed = {name: code for name, code in results.items()
-            if code != "0" or (tmp_path / f"{name}.err").read_text()
-            or (tmp_path / f"{name}.out").read_text() != "read a batch\n"}
+  failed = {
+    name: code
+    for name, code in results.items()
+    if code != "0"
+    or (tmp_path / f"{name}.err").read_text()
+    or (tmp_path / f"{name}.out").read_text() != "read a batch\n"
+  }
   example = next(iter(failed), None)
-  assert not failed, (f"{len(failed)} of {len(results)} runs ended badly: {failed}; {example}'s stderr:\n"
-                      + (tmp_path / f"{example}.err").read_text()[-2000:])
+  assert not failed, (
+    f"{len(failed)} of {len(results)} runs ended badly: {failed}; {example}'s stderr:\n"
+    + (tmp_path / f"{example}.err").read_text()[-2000:]
+  )
 
 
 def _one_device_shardings():
@@ -84,8 +106,9 @@ def _prefetch_threads():
 
 def test_a_loader_is_a_context_manager_that_stops_its_threads_and_refuses_reads_after():
   before = len(_prefetch_threads())
-  with data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=4, num_threads=2),
-                       _one_device_shardings()) as loader:
+  with data.DataLoader(
+    data.DataConfig(seq_len=32, global_batch_size=4, num_threads=2), _one_device_shardings()
+  ) as loader:
     next(loader)
     assert len(_prefetch_threads()) == before + 1
   assert len(_prefetch_threads()) == before
@@ -114,14 +137,16 @@ def test_a_forked_child_closes_none_of_its_parents_helpers(tmp_path):
   """A forked child (a multiprocessing worker) that ends normally runs threading's exit hooks too: it must not
   close what its parent opened (a loader's close would stop the parent's data worker processes)."""
   closed = tmp_path / "closed"
-  code = (f"import os, sys\n"
-          f"from distrib_train.common import exit_hooks\n"
-          f"exit_hooks.close_at_exit(lambda: open({str(closed)!r}, 'a').write(f'{{os.getpid()}}\\n'))\n"
-          f"pid = os.fork()\n"
-          f"if pid == 0:\n"
-          f"  sys.exit(0)\n"
-          f"os.waitpid(pid, 0)\n"
-          f"print(os.getpid())\n")
+  code = (
+    f"import os, sys\n"
+    f"from distrib_train.common import exit_hooks\n"
+    f"exit_hooks.close_at_exit(lambda: open({str(closed)!r}, 'a').write(f'{{os.getpid()}}\\n'))\n"
+    f"pid = os.fork()\n"
+    f"if pid == 0:\n"
+    f"  sys.exit(0)\n"
+    f"os.waitpid(pid, 0)\n"
+    f"print(os.getpid())\n"
+  )
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stderr
   assert closed.read_text().split() == [done.stdout.strip()]  # once, in the parent

@@ -15,8 +15,20 @@ import pytest
 from mp_harness import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SMALL = ["--set", "data.seq_len=32", "--set", "data.global_batch_size=8", "--set", "train.log_every=1",
-         "--set", "train.eval_batches=1", "--set", "optimizer.warmup_steps=0", "--set", "optimizer.decay_steps=10"]
+SMALL = [
+  "--set",
+  "data.seq_len=32",
+  "--set",
+  "data.global_batch_size=8",
+  "--set",
+  "train.log_every=1",
+  "--set",
+  "train.eval_batches=1",
+  "--set",
+  "optimizer.warmup_steps=0",
+  "--set",
+  "optimizer.decay_steps=10",
+]
 
 
 def cli(*args, timeout=240, cache=None, popen=False):
@@ -25,8 +37,9 @@ def cli(*args, timeout=240, cache=None, popen=False):
     cmd += ["--set", f"train.compilation_cache_dir={cache}"]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   if popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+      cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
   return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -46,9 +59,9 @@ def tensorboard_events(workdir):
   for path in (workdir / "tensorboard").glob("events.out.tfevents.*"):
     data, i = path.read_bytes(), 0
     while i < len(data):
-      (n,) = struct.unpack("<Q", data[i:i + 8])
+      (n,) = struct.unpack("<Q", data[i : i + 8])
       event = event_pb2.Event()
-      event.ParseFromString(data[i + 12:i + 12 + n])
+      event.ParseFromString(data[i + 12 : i + 12 + n])
       i += 16 + n
       out += [(value.tag, event.step, value.simple_value) for value in event.summary.value]
   return out
@@ -80,8 +93,22 @@ def checkpoint_arrays(workdir, step):
 
 def test_end_to_end_files_metrics_profile_and_cache(tmp_path, xla_cache):
   workdir = tmp_path / "run"
-  out = cli("--workdir", str(workdir), "--cpu_devices", "8", "--steps", "4", "--profile_steps", "2:3",
-            "--set", "train.eval_every=4", "--set", "train.peak_tflops=0.5", *SMALL, cache=xla_cache)
+  out = cli(
+    "--workdir",
+    str(workdir),
+    "--cpu_devices",
+    "8",
+    "--steps",
+    "4",
+    "--profile_steps",
+    "2:3",
+    "--set",
+    "train.eval_every=4",
+    "--set",
+    "train.peak_tflops=0.5",
+    *SMALL,
+    cache=xla_cache,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   log = out.stderr
   assert "Plan on mesh data=2 × fsdp=2 × tensor=2 (8 devices)" in log
@@ -99,8 +126,7 @@ def test_end_to_end_files_metrics_profile_and_cache(tmp_path, xla_cache):
   lines = metrics(workdir)
   steps = [m for m in lines if "step_time_ms" in m]
   assert [m["step"] for m in steps] == [1, 2, 3, 4]
-  for key in ("loss", "grad_norm", "learning_rate", "tokens_per_s", "tokens_per_s_per_device", "mfu",
-              "data_wait_ms"):
+  for key in ("loss", "grad_norm", "learning_rate", "tokens_per_s", "tokens_per_s_per_device", "mfu", "data_wait_ms"):
     assert all(np.isfinite(m[key]) for m in steps), key
   assert steps[0]["tokens_per_s"] == pytest.approx(steps[0]["tokens_per_s_per_device"] * 8)
   evals = [m for m in lines if "eval/loss" in m]
@@ -130,8 +156,22 @@ def test_each_log_point_and_the_final_evaluation_are_written_once(tmp_path, xla_
   # 6 steps, a log point every 2, the evaluation and the checkpoint at the end only: the last step's record
   # must not be written again by the work done after it (a reader or TensorBoard would count it twice).
   workdir = tmp_path / "run"
-  out = cli("--workdir", str(workdir), "--cpu_devices", "8", "--steps", "6", *SMALL, "--set", "train.log_every=2",
-            "--set", "train.eval_every=0", "--set", "train.checkpoint_every=0", cache=xla_cache)
+  out = cli(
+    "--workdir",
+    str(workdir),
+    "--cpu_devices",
+    "8",
+    "--steps",
+    "6",
+    *SMALL,
+    "--set",
+    "train.log_every=2",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.checkpoint_every=0",
+    cache=xla_cache,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   lines = metrics(workdir)
   assert [(m["step"], "eval/loss" in m) for m in lines] == [(2, False), (4, False), (6, False), (6, True)]
@@ -201,10 +241,26 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(tmp_path, xla_ca
   workdir = tmp_path / "run"
   port = free_port()
   procs = [
-      cli("--workdir", str(workdir), "--cpu_devices", "4", "--mesh_config", "cpu-2proc", "--steps", "100000",
-          "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i), *SMALL,
-          cache=xla_cache, popen=True)
-      for i in range(2)
+    cli(
+      "--workdir",
+      str(workdir),
+      "--cpu_devices",
+      "4",
+      "--mesh_config",
+      "cpu-2proc",
+      "--steps",
+      "100000",
+      "--coordinator_address",
+      f"127.0.0.1:{port}",
+      "--num_processes",
+      "2",
+      "--process_id",
+      str(i),
+      *SMALL,
+      cache=xla_cache,
+      popen=True,
+    )
+    for i in range(2)
   ]
   outputs = []
   try:
@@ -232,10 +288,26 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(tmp_path, xla_ca
 
   port = free_port()
   procs = [
-      cli("--workdir", str(workdir), "--cpu_devices", "4", "--mesh_config", "cpu-2proc", "--steps", str(stopped + 2),
-          "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i), *SMALL,
-          cache=xla_cache, popen=True)
-      for i in range(2)
+    cli(
+      "--workdir",
+      str(workdir),
+      "--cpu_devices",
+      "4",
+      "--mesh_config",
+      "cpu-2proc",
+      "--steps",
+      str(stopped + 2),
+      "--coordinator_address",
+      f"127.0.0.1:{port}",
+      "--num_processes",
+      "2",
+      "--process_id",
+      str(i),
+      *SMALL,
+      cache=xla_cache,
+      popen=True,
+    )
+    for i in range(2)
   ]
   try:
     outputs = [p.communicate(timeout=180)[0] for p in procs]
@@ -250,8 +322,20 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(tmp_path, xla_ca
 
 def test_halt_on_non_finite_exits_3_without_a_checkpoint(tmp_path, xla_cache):
   workdir = tmp_path / "run"
-  out = cli("--workdir", str(workdir), "--cpu_devices", "8", "--steps", "6", *SMALL,
-            "--set", "optimizer.learning_rate=1e30", "--set", "train.nonfinite=halt", cache=xla_cache)
+  out = cli(
+    "--workdir",
+    str(workdir),
+    "--cpu_devices",
+    "8",
+    "--steps",
+    "6",
+    *SMALL,
+    "--set",
+    "optimizer.learning_rate=1e30",
+    "--set",
+    "train.nonfinite=halt",
+    cache=xla_cache,
+  )
   assert out.returncode == 3, out.stderr[-3000:]
   assert "stopping without a checkpoint (train.nonfinite=halt)" in out.stderr
   assert not [p for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
@@ -260,8 +344,9 @@ def test_halt_on_non_finite_exits_3_without_a_checkpoint(tmp_path, xla_cache):
 def test_a_valid_flag_gets_past_checking(tmp_path, xla_cache):
   """The bad flags and configs are in test_bad_inputs.py; this one is valid."""
   workdir = tmp_path / "run"
-  out = cli("--workdir", str(workdir), "--cpu_devices", "8", "--steps", "1", *SMALL, "--profile_steps", "5",
-            cache=xla_cache)
+  out = cli(
+    "--workdir", str(workdir), "--cpu_devices", "8", "--steps", "1", *SMALL, "--profile_steps", "5", cache=xla_cache
+  )
   assert out.returncode == 0, out.stderr[-2000:]
 
 
@@ -273,8 +358,17 @@ def test_missing_workdir_is_an_error():
 def test_local_demo_script_trains_then_resumes_at_once(tmp_path, xla_cache):
   """launch/local.sh: 2 processes × 4 devices; run twice, the second is a no-op."""
   env = dict(os.environ, VENV=sys.prefix, WORKDIR=str(tmp_path / "demo"), TIMEOUT="240")
-  args = ["bash", str(ROOT / "launch" / "local.sh"), "--steps", "6", *SMALL, "--set", "train.eval_every=6",
-          "--set", f"train.compilation_cache_dir={xla_cache}"]
+  args = [
+    "bash",
+    str(ROOT / "launch" / "local.sh"),
+    "--steps",
+    "6",
+    *SMALL,
+    "--set",
+    "train.eval_every=6",
+    "--set",
+    f"train.compilation_cache_dir={xla_cache}",
+  ]
   first = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
   assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
   assert "2 process(es) × 4 device(s) = 8 cpu device(s)" in first.stderr and "eval/loss" in first.stderr
@@ -290,10 +384,28 @@ def test_a_dead_process_stops_the_others_with_a_message(tmp_path, xla_cache):
   workdir = tmp_path / "run"
   port = free_port()
   procs = [
-      cli("--workdir", str(workdir), "--cpu_devices", "4", "--mesh_config", "cpu-2proc", "--steps", "100000",
-          "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i),
-          "--heartbeat_timeout", "10", *SMALL, cache=xla_cache, popen=True)
-      for i in range(2)
+    cli(
+      "--workdir",
+      str(workdir),
+      "--cpu_devices",
+      "4",
+      "--mesh_config",
+      "cpu-2proc",
+      "--steps",
+      "100000",
+      "--coordinator_address",
+      f"127.0.0.1:{port}",
+      "--num_processes",
+      "2",
+      "--process_id",
+      str(i),
+      "--heartbeat_timeout",
+      "10",
+      *SMALL,
+      cache=xla_cache,
+      popen=True,
+    )
+    for i in range(2)
   ]
   try:
     _wait_for_step(workdir, procs[0], 3)
@@ -306,8 +418,9 @@ def test_a_dead_process_stops_the_others_with_a_message(tmp_path, xla_cache):
       if p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)
   assert procs[0].returncode != 0
-  assert ("another process died" in output or "another task died" in output
-          or "process 0 of 2 stopped" in output), output[-3000:]
+  assert "another process died" in output or "another task died" in output or "process 0 of 2 stopped" in output, (
+    output[-3000:]
+  )
 
 
 def test_local_demo_script_help_dry_run_and_bad_input():
@@ -315,8 +428,9 @@ def test_local_demo_script_help_dry_run_and_bad_input():
   help_text = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, timeout=30).stdout
   assert "NPROC" in help_text and "--dry-run" in help_text
   env = dict(os.environ, VENV=sys.prefix, NPROC="2", DEVICES="4", WORKDIR="/tmp/w")
-  out = subprocess.run(["bash", script, "--dry-run", "--steps", "7"], env=env, capture_output=True, text=True,
-                       timeout=30)
+  out = subprocess.run(
+    ["bash", script, "--dry-run", "--steps", "7"], env=env, capture_output=True, text=True, timeout=30
+  )
   lines = out.stdout.strip().splitlines()
   assert out.returncode == 0 and len(lines) == 3, out.stdout  # install + 2 processes
   for i, line in enumerate(lines[1:]):
@@ -331,8 +445,19 @@ def test_a_batch_the_mesh_does_not_divide_runs_replicated_when_allowed(tmp_path,
   # data 2 × fsdp 2 = 4 does not divide 6: refused by default (the bad-input
   # catalogue), run replicated when the user says so.
   workdir = tmp_path / "run"
-  args = ["--workdir", str(workdir), "--cpu_devices", "8", "--steps", "2", *SMALL,
-          "--set", "data.global_batch_size=6", "--set", "train.eval_every=0"]
+  args = [
+    "--workdir",
+    str(workdir),
+    "--cpu_devices",
+    "8",
+    "--steps",
+    "2",
+    *SMALL,
+    "--set",
+    "data.global_batch_size=6",
+    "--set",
+    "train.eval_every=0",
+  ]
   out = cli(*args, "--set", "data.allow_replicated_batch=true", cache=xla_cache)
   assert out.returncode == 0, out.stderr[-3000:]
   assert sorted(train_losses(workdir)) == [1, 2]

@@ -12,8 +12,15 @@ def test_presets_load_and_name_real_models_and_meshes():
   from distrib_train.sharding.mesh import MeshConfig, find_mesh_config
 
   names = config_lib.preset_names()
-  for expected in ("tiny", "llama-124m-gpu", "llama-1b-gpu", "llama-7b-gpu", "llama-124m-tpu", "llama-1b-tpu",
-                   "llama-7b-tpu"):
+  for expected in (
+    "tiny",
+    "llama-124m-gpu",
+    "llama-1b-gpu",
+    "llama-7b-gpu",
+    "llama-124m-tpu",
+    "llama-1b-tpu",
+    "llama-7b-tpu",
+  ):
     assert expected in names
   for name in names:
     config = config_lib.load(name)
@@ -22,11 +29,20 @@ def test_presets_load_and_name_real_models_and_meshes():
 
 
 def test_set_overrides_are_typed():
-  config = config_lib.load("tiny", [
-      "train.steps=5", "optimizer.learning_rate=1e-3", "data.packing=false", "data.paths=a.txt,b.txt",
-      "data.source=text", "model.remat=full", "model.scan_layers=no", "mesh_config=cpu-2proc",
+  config = config_lib.load(
+    "tiny",
+    [
+      "train.steps=5",
+      "optimizer.learning_rate=1e-3",
+      "data.packing=false",
+      "data.paths=a.txt,b.txt",
+      "data.source=text",
+      "model.remat=full",
+      "model.scan_layers=no",
+      "mesh_config=cpu-2proc",
       "train.compilation_cache_dir=",
-  ])
+    ],
+  )
   assert config.train.steps == 5 and isinstance(config.train.steps, int)
   assert config.optimizer.learning_rate == 1e-3
   assert config.data.packing is False and config.data.paths == ("a.txt", "b.txt")
@@ -44,7 +60,9 @@ def test_round_trip_through_yaml(tmp_path):
   assert config_lib.load(str(path)) == config
 
 
-@pytest.mark.parametrize("override, message", [
+@pytest.mark.parametrize(
+  "override, message",
+  [
     ("train.step=5", "did you mean train.steps"),
     ("optimizer.lr=1", "optimizer.learning_rate"),
     ("model.d_modle=8", "model.d_model"),
@@ -61,7 +79,8 @@ def test_round_trip_through_yaml(tmp_path):
     ("model.vocab_size=100", "vocab_size 100 is below 256"),
     ("model.preset=huge", "Unknown preset 'huge'"),
     ("steps", "expected key=value"),
-])
+  ],
+)
 def test_bad_overrides_name_the_key(override, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     config_lib.load("tiny", [override])
@@ -85,8 +104,10 @@ def test_bad_files(tmp_path):
 
 
 def test_schedule_warmup_then_cosine_to_the_floor():
-  config = config_lib.load("tiny", ["optimizer.warmup_steps=10", "optimizer.learning_rate=1.0",
-                                    "optimizer.min_lr_ratio=0.1", "train.steps=110"])
+  config = config_lib.load(
+    "tiny",
+    ["optimizer.warmup_steps=10", "optimizer.learning_rate=1.0", "optimizer.min_lr_ratio=0.1", "train.steps=110"],
+  )
   lr = optimizers.schedule(config.optimizer, config.train.steps)
   assert float(lr(0)) == 0.0
   assert float(lr(5)) == pytest.approx(0.5)
@@ -98,8 +119,9 @@ def test_schedule_warmup_then_cosine_to_the_floor():
 def test_optimizer_state_exposes_grad_norm_lr_and_skips():
   import jax.numpy as jnp
 
-  config = config_lib.load("tiny", ["optimizer.learning_rate=0.5", "optimizer.schedule=constant",
-                                    "optimizer.warmup_steps=0"])
+  config = config_lib.load(
+    "tiny", ["optimizer.learning_rate=0.5", "optimizer.schedule=constant", "optimizer.warmup_steps=0"]
+  )
   opt = optimizers.build(config.optimizer, 10, "skip")
   params = {"w": jnp.ones(2)}
   state = opt.init(params)
@@ -134,10 +156,21 @@ def _hf_config_json(directory, **fields):
   import json
 
   directory.mkdir()
-  (directory / "config.json").write_text(json.dumps({
-      "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
-      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-      **fields}))
+  (directory / "config.json").write_text(
+    json.dumps(
+      {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        **fields,
+      }
+    )
+  )
   return directory
 
 
@@ -154,15 +187,21 @@ def test_an_hf_init_from_gives_the_model_the_checkpoints_shape_from_its_config_j
 def test_the_checkpoint_picks_the_dense_or_mixture_recipe_from_any_preset(tmp_path):
   from distrib_train.recipes.moe import MoEConfig
 
-  mixtral = _hf_config_json(tmp_path / "mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4,
-                            num_experts_per_tok=2)
+  mixtral = _hf_config_json(
+    tmp_path / "mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4, num_experts_per_tok=2
+  )
   for preset in ("tiny", "moe-tiny"):
     model = config_lib.load(preset, [f"train.init_from=hf:{mixtral}"]).model_recipe().config
     assert isinstance(model, MoEConfig) and model.hf_model_type == "mixtral"
     assert (model.num_experts, model.experts_per_token, model.expert_mlp_dim, model.d_model) == (4, 2, 96, 64)
     assert model.dtype == "float32"  # the preset's numerics stay the run's
-  model = config_lib.load("moe-tiny", [f"train.init_from=hf:{mixtral}", "model.z_loss_weight=0.01",
-                                       "model.aux_loss_weight=0.05"]).model_recipe().config
+  model = (
+    config_lib.load(
+      "moe-tiny", [f"train.init_from=hf:{mixtral}", "model.z_loss_weight=0.01", "model.aux_loss_weight=0.05"]
+    )
+    .model_recipe()
+    .config
+  )
   assert (model.z_loss_weight, model.aux_loss_weight) == (0.01, 0.05)  # the run's own loss weights stay
   llama = _hf_config_json(tmp_path / "llama")
   model = config_lib.load("moe-tiny", [f"train.init_from=hf:{llama}"]).model_recipe().config

@@ -109,8 +109,11 @@ def test_the_zigzag_order_gives_each_device_a_front_and_a_back_chunk():
 
 
 def test_a_length_the_context_axis_does_not_split_is_refused(tmp_path):
-  with pytest.raises(ValueError, match=r"sequence length 1004 does not split over the context axis: it must be a"
-                                       r" multiple of 2 × context \(8\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"sequence length 1004 does not split over the context axis: it must be a"
+    r" multiple of 2 × context \(8\)",
+  ):
     context.zigzag(1004, 4)
   from distrib_train.config import run as config_lib
   from distrib_train.train.trainer import Trainer, TrainerSetupError

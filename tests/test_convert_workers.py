@@ -45,16 +45,20 @@ def small_tasks(monkeypatch):
 def test_workers_write_each_shard_byte_for_byte_as_one_process(tmp_path, small_tasks):
   inputs = _corpus(tmp_path, bad_at=(450,))  # skipped (the default), in every process alike
   assert len(convert_workers.ranges(inputs)) > 15
-  written = {w: record_shards.convert(inputs, str(tmp_path / f"w{w}" / "c"), num_shards=3, workers=w)
-             for w in (0, 2)}
+  written = {w: record_shards.convert(inputs, str(tmp_path / f"w{w}" / "c"), num_shards=3, workers=w) for w in (0, 2)}
   one, two = _shards(written[0]), _shards(written[2])
   assert one == two and [len(s) for s in one] == [274, 273, 273]
   assert sorted(r.decode() for s in two for r in s)[:2] == ["document 0 é ", "document 1 é word "]
   bpe = tokenizer_lib.load("bytes")  # token ids, in 3 workers for 2 shards (one worker writes none)
-  tokens = {w: record_shards.convert(inputs, str(tmp_path / f"t{w}" / "c"), num_shards=2, workers=w,
-                                     tokenizer=bpe) for w in (0, 3)}
-  assert [p.rsplit("/", 1)[1] for p in tokens[3]] == ["c-00000-of-00002.array_record",
-                                                      "c-00001-of-00002.array_record", "c.tokenizer.json"]
+  tokens = {
+    w: record_shards.convert(inputs, str(tmp_path / f"t{w}" / "c"), num_shards=2, workers=w, tokenizer=bpe)
+    for w in (0, 3)
+  }
+  assert [p.rsplit("/", 1)[1] for p in tokens[3]] == [
+    "c-00000-of-00002.array_record",
+    "c-00001-of-00002.array_record",
+    "c.tokenizer.json",
+  ]
   assert _shards(tokens[0][:2]) == _shards(tokens[3][:2]) and sum(map(len, _shards(tokens[3][:2]))) == 820
 
 

@@ -100,15 +100,24 @@ def test_restoring_with_another_batch_size_says_what_changed(tmp_path):
 def test_each_row_reads_its_own_lane_so_any_split_of_the_rows_gives_the_same_batches(packing):
   """The rows of a global batch do not depend on which process reads them: 8 rows read as one block, as two
   blocks of 4 and as four blocks of 2 are the same, step after step, and resume from any lane's position."""
-  config = data.DataConfig(seq_len=48, global_batch_size=8, packing=packing, source="synthetic",
-                           synthetic_documents=64)
+  config = data.DataConfig(seq_len=48, global_batch_size=8, packing=packing, source="synthetic", synthetic_documents=64)
   loader = data.DataLoader(config, data_helpers.shardings(_mesh()))
   stream, tokenize = loader._lanes._stream, loader._lanes._tokenize
   loader.close()
 
   def read(blocks, steps, start=None):
-    readers = [data.lanes.Lanes(stream, tokenize, lanes=8, rows=range(b * 8 // blocks, (b + 1) * 8 // blocks),
-                                length=49, packing=packing, threads=2) for b in range(blocks)]
+    readers = [
+      data.lanes.Lanes(
+        stream,
+        tokenize,
+        lanes=8,
+        rows=range(b * 8 // blocks, (b + 1) * 8 // blocks),
+        length=49,
+        packing=packing,
+        threads=2,
+      )
+      for b in range(blocks)
+    ]
     if start is not None:
       for reader in readers:
         reader.restore(start)
@@ -158,8 +167,9 @@ def test_the_position_is_after_the_batches_handed_out_not_those_prefetched_ahead
 
 def test_train_and_eval_splits_never_overlap(tmp_path):
   corpus = data_helpers.write_corpus(tmp_path, documents=40)
-  config = data.DataConfig(source="text", paths=(corpus,), seq_len=8, global_batch_size=2, packing=False,
-                           eval_fraction=0.1)
+  config = data.DataConfig(
+    source="text", paths=(corpus,), seq_len=8, global_batch_size=2, packing=False, eval_fraction=0.1
+  )
   shardings = data_helpers.shardings(_mesh((2, 1, 4)), batch_axes=("data",))
   seen = {}
   for split in ("train", "eval"):
@@ -182,22 +192,30 @@ def _all_ids(loader):
 def test_array_record_shards_read_like_the_jsonl_they_came_from(tmp_path):
   corpus = data_helpers.write_corpus(tmp_path, documents=20)
   shards = data.write_array_record(corpus, str(tmp_path / "corpus"), num_shards=2)
-  assert [pathlib.Path(p).name for p in shards] == ["corpus-00000-of-00002.array_record",
-                                                    "corpus-00001-of-00002.array_record"]
+  assert [pathlib.Path(p).name for p in shards] == [
+    "corpus-00000-of-00002.array_record",
+    "corpus-00001-of-00002.array_record",
+  ]
   common = dict(seq_len=8, global_batch_size=2, packing=False, eval_fraction=0.0)
   shardings = data_helpers.shardings(_mesh((2, 1, 4)), batch_axes=("data",))
-  from_jsonl = _all_ids(data.DataLoader(data.DataConfig(source="text", paths=(corpus,), **common), shardings,
-                                        num_epochs=1))
-  from_records = _all_ids(data.DataLoader(
-      data.DataConfig(source="text", paths=(str(tmp_path / "corpus-*.array_record"),), **common), shardings,
-      num_epochs=1))
+  from_jsonl = _all_ids(
+    data.DataLoader(data.DataConfig(source="text", paths=(corpus,), **common), shardings, num_epochs=1)
+  )
+  from_records = _all_ids(
+    data.DataLoader(
+      data.DataConfig(source="text", paths=(str(tmp_path / "corpus-*.array_record"),), **common),
+      shardings,
+      num_epochs=1,
+    )
+  )
   assert sorted(from_records) == sorted(from_jsonl) == [f"doc {i:04d}" for i in range(20)]
 
 
 def test_eval_pads_its_last_batch_instead_of_dropping_documents(tmp_path):
   corpus = data_helpers.write_corpus(tmp_path, documents=120)
-  config = data.DataConfig(source="text", paths=(corpus,), seq_len=8, global_batch_size=8, packing=False,
-                           eval_fraction=0.1)
+  config = data.DataConfig(
+    source="text", paths=(corpus,), seq_len=8, global_batch_size=8, packing=False, eval_fraction=0.1
+  )
   shardings = data_helpers.shardings(_mesh((8, 1, 1)), batch_axes=("data",))
   loader = data.DataLoader(config, shardings, split="eval", num_epochs=1)
   batches = [next(loader), next(loader)]
@@ -214,8 +232,9 @@ def test_inputs_also_sharded_along_the_sequence_are_fed():
 
   mesh = _mesh()
   sharding = NamedSharding(mesh, P(("data", "fsdp"), "tensor"))
-  loader = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8),
-                           {name: sharding for name in data_helpers.INPUTS})
+  loader = data.DataLoader(
+    data.DataConfig(seq_len=32, global_batch_size=8), {name: sharding for name in data_helpers.INPUTS}
+  )
   batch = next(loader)
   assert batch["tokens"].sharding == sharding and batch["tokens"].shape == (8, 32)
 
@@ -225,8 +244,12 @@ def test_the_convert_command_writes_array_record(tmp_path):
   import sys
 
   corpus = data_helpers.write_corpus(tmp_path, documents=5)
-  out = subprocess.run([sys.executable, "-m", "distrib_train.data", "convert", corpus, str(tmp_path / "c")],
-                       capture_output=True, text=True, timeout=120)
+  out = subprocess.run(
+    [sys.executable, "-m", "distrib_train.data", "convert", corpus, str(tmp_path / "c")],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip().endswith("c-00000-of-00001.array_record")
 
@@ -239,13 +262,28 @@ def test_convert_takes_globs_and_several_inputs_and_creates_the_output_directory
     (tmp_path / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
   (tmp_path / "c.txt").write_text("four")
   output = tmp_path / "new" / "deeper" / "corpus"
-  out = subprocess.run([sys.executable, "-m", "distrib_train.data", "convert", str(tmp_path / "*.jsonl"),
-                        str(tmp_path / "c.txt"), str(output), "--shards", "2"],
-                       capture_output=True, text=True, timeout=120)
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "distrib_train.data",
+      "convert",
+      str(tmp_path / "*.jsonl"),
+      str(tmp_path / "c.txt"),
+      str(output),
+      "--shards",
+      "2",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert out.returncode == 0, out.stderr
   shards = out.stdout.split()
-  assert [pathlib.Path(p).name for p in shards] == ["corpus-00000-of-00002.array_record",
-                                                    "corpus-00001-of-00002.array_record"]
+  assert [pathlib.Path(p).name for p in shards] == [
+    "corpus-00000-of-00002.array_record",
+    "corpus-00001-of-00002.array_record",
+  ]
   docs = data.Documents(data.DataConfig(source="text", paths=tuple(shards)))
   assert sorted(docs[i] for i in range(len(docs))) == ["four", "one", "three", "two"]
 
@@ -285,8 +323,9 @@ def test_convert_failing_part_way_leaves_no_shards(tmp_path):
 
 def test_a_tokenizer_hook_is_used():
   tokenizer = lambda text: [1000 + len(word) for word in text.split()]  # a word-level "tokenizer"
-  loader = data.DataLoader(data.DataConfig(seq_len=16, global_batch_size=8, tokenizer=tokenizer),
-                           data_helpers.shardings(_mesh()))
+  loader = data.DataLoader(
+    data.DataConfig(seq_len=16, global_batch_size=8, tokenizer=tokenizer), data_helpers.shardings(_mesh())
+  )
   batch = loader.next_local()
   real = batch["tokens"][batch["segment_ids"] > 0]
   assert real.min() > 1000 and real.max() < 1100
@@ -294,8 +333,9 @@ def test_a_tokenizer_hook_is_used():
 
 def test_two_processes_shard_documents_and_replicate_when_the_mesh_says_so(tmp_path):
   (tmp_path / "corpus").mkdir()
-  results = mp_harness.run_workers(WORKERS / "data_worker.py", str(tmp_path / "corpus"), str(tmp_path / "ckpt"),
-                                   timeout=300)
+  results = mp_harness.run_workers(
+    WORKERS / "data_worker.py", str(tmp_path / "corpus"), str(tmp_path / "ckpt"), timeout=300
+  )
   first, second = (r.result for r in results)
   assert [first["split"]["shard"], second["split"]["shard"]] == [[0, 2], [1, 2]]
   assert first["split"]["global_ok"] and second["split"]["global_ok"]
@@ -322,15 +362,15 @@ def test_two_processes_shard_documents_and_replicate_when_the_mesh_says_so(tmp_p
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(global_batch_size=0), r"global_batch_size must be a positive integer, got 0"),
-        (dict(seq_len=-3), r"seq_len must be a positive integer, got -3"),
-        (dict(source="tfds"), r"unknown source 'tfds'"),
-        (dict(source="text"), r"source 'text' needs paths"),
-        (dict(num_workers=-1), r"num_workers must be 0 or more"),
-        (dict(eval_fraction=1.0), r"eval_fraction must be in \[0, 1\)"),
-    ],
+  "kwargs, message",
+  [
+    (dict(global_batch_size=0), r"global_batch_size must be a positive integer, got 0"),
+    (dict(seq_len=-3), r"seq_len must be a positive integer, got -3"),
+    (dict(source="tfds"), r"unknown source 'tfds'"),
+    (dict(source="text"), r"source 'text' needs paths"),
+    (dict(num_workers=-1), r"num_workers must be 0 or more"),
+    (dict(eval_fraction=1.0), r"eval_fraction must be in \[0, 1\)"),
+  ],
 )
 def test_bad_data_configs_are_rejected(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -342,7 +382,7 @@ def test_bad_data_files_are_named(tmp_path, workers):
   """Named alike whether the lanes run in this process or in a worker process (``lane_process.py``)."""
   shardings = data_helpers.shardings(_mesh())
   cases = [
-      (str(tmp_path / "missing-*.jsonl"), r"Data path '.*missing-\*.jsonl' matches no file"),
+    (str(tmp_path / "missing-*.jsonl"), r"Data path '.*missing-\*.jsonl' matches no file"),
   ]
   binary = tmp_path / "binary.txt"
   binary.write_bytes(b"\xff\xfe\x00 not text")
@@ -358,17 +398,36 @@ def test_bad_data_files_are_named(tmp_path, workers):
   cases.append((str(corrupt), r"Data file '.*corrupt.array_record' is not a readable ArrayRecord file"))
   for path, message in cases:
     with pytest.raises(ValueError, match=message):
-      data.DataLoader(data.DataConfig(source="text", paths=(path,), seq_len=8, global_batch_size=8, eval_fraction=0,
-                                      bad_records="error", num_workers=workers), shardings)
+      data.DataLoader(
+        data.DataConfig(
+          source="text",
+          paths=(path,),
+          seq_len=8,
+          global_batch_size=8,
+          eval_fraction=0,
+          bad_records="error",
+          num_workers=workers,
+        ),
+        shardings,
+      )
 
 
 def _worker_corpus(tmp_path, bad_line=None):
   path = tmp_path / "c.jsonl"
   # 5000 documents: the split's check at open reads every other one, so it misses line 2502 (index 2501)
-  path.write_text("".join("{not json\n" if i == bad_line else json.dumps({"text": f"document {i} " * 2}) + "\n"
-                          for i in range(5000)))
-  return data.DataConfig(source="text", paths=(str(path),), seq_len=16, global_batch_size=8, eval_fraction=0,
-                         bad_records="error", num_workers=2, index_cache_dir=str(tmp_path / "cache"))
+  path.write_text(
+    "".join("{not json\n" if i == bad_line else json.dumps({"text": f"document {i} " * 2}) + "\n" for i in range(5000))
+  )
+  return data.DataConfig(
+    source="text",
+    paths=(str(path),),
+    seq_len=16,
+    global_batch_size=8,
+    eval_fraction=0,
+    bad_records="error",
+    num_workers=2,
+    index_cache_dir=str(tmp_path / "cache"),
+  )
 
 
 def _within(seconds, call):
@@ -382,6 +441,7 @@ def _within(seconds, call):
       out["value"] = call()
     except BaseException as e:  # noqa: BLE001 - handed to the test
       out["error"] = e
+
   thread = threading.Thread(target=run, daemon=True)
   thread.start()
   thread.join(seconds)
@@ -438,6 +498,7 @@ def test_a_dead_or_stuck_worker_process_is_named_and_close_returns(tmp_path):
         reading.append(1)
     except RuntimeError as e:
       reading.append(e)
+
   import threading
 
   threading.Thread(target=read_on, daemon=True).start()
@@ -472,8 +533,9 @@ def test_a_corpus_far_larger_than_the_memory_growth_allowed_streams(tmp_path):
     return path
 
   def peak_mib(path):
-    out = subprocess.run([sys.executable, str(WORKERS / "data_memory_worker.py"), str(path)], capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+      [sys.executable, str(WORKERS / "data_memory_worker.py"), str(path)], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return int(out.stdout.split()[-1])
 
@@ -496,8 +558,11 @@ def test_an_endless_loader_refuses_grain_state_of_an_earlier_release_with_the_wa
   assert (tmp_path / "1" / "data").is_dir()
   endless = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8), shardings)
   with dt.CheckpointManager(tmp_path) as checkpoints:
-    with pytest.raises(dt.CheckpointError, match=r"holds grain's per-process data state .* Restore without"
-                                                 r" data_iterator"):
+    with pytest.raises(
+      dt.CheckpointError,
+      match=r"holds grain's per-process data state .* Restore without"
+      r" data_iterator",
+    ):
       checkpoints.restore(state, data_iterator=endless)
     assert int(checkpoints.restore(state).step) == 0  # without the data item it restores
   endless.close()

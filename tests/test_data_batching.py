@@ -31,7 +31,7 @@ def _one_at_a_time(stream, tokenize, lane, lanes, length, packing, position):
     take = min(len(ids) - used, length - len(tokens))
     if take > 0:
       segment += 1
-      tokens += ids[used:used + take].tolist()
+      tokens += ids[used : used + take].tolist()
       segments += [segment] * take
       positions += list(range(take))
       used += take
@@ -71,8 +71,9 @@ def test_lanes_read_in_batches_give_the_rows_and_positions_of_one_document_at_a_
       lanes.restore(position)
     got, after = lanes.next_rows()
     for lane, row in zip(rows, got):
-      tokens, segments, positions, position[lane] = _one_at_a_time(stream, tokenize, lane, 6, length, packing,
-                                                                   position[lane])
+      tokens, segments, positions, position[lane] = _one_at_a_time(
+        stream, tokenize, lane, 6, length, packing, position[lane]
+      )
       assert row["tokens"].tolist() == tokens and row["tokens"].dtype == np.int32
       if packing:
         assert row["tokens_segment_ids"].tolist() == segments and row["tokens_positions"].tolist() == positions
@@ -96,8 +97,10 @@ def test_convert_splits_a_jsonl_file_over_workers_in_byte_ranges_and_writes_the_
   corpus.write_text("\n".join(lines[:300]) + "\n\n" + "\n".join(lines[300:]) + "\n")
   monkeypatch.setattr(convert_workers, "_RANGE", 2000)  # about ten ranges, lines cut across their edges
   assert len(convert_workers.ranges([str(corpus)])) > 5
-  read = lambda prefix: [bytes(r) for r in grain.sources.ArrayRecordDataSource(
-      sorted(str(p) for p in tmp_path.glob(f"{prefix}-*.array_record")))]
+  read = lambda prefix: [
+    bytes(r)
+    for r in grain.sources.ArrayRecordDataSource(sorted(str(p) for p in tmp_path.glob(f"{prefix}-*.array_record")))
+  ]
   for workers in (0, 2):
     record_shards.convert([str(corpus)], str(tmp_path / f"w{workers}"), num_shards=3, workers=workers)
   assert read("w0") == read("w2") and len(read("w2")) == 600

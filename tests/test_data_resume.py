@@ -123,8 +123,9 @@ def test_the_state_text_gives_back_grains_state_exactly(tmp_path):
     loader.next_local()
   loader.close()
   nested = {"a": (1, [2, (3, "x")], {"b": ()}), "c": [[], (None,)]}
-  assert _typed(json.loads(json.dumps(finite._state_to_json(nested)),
-                           object_hook=finite._tuple_from_json)) == _typed(nested)
+  assert _typed(json.loads(json.dumps(finite._state_to_json(nested)), object_hook=finite._tuple_from_json)) == _typed(
+    nested
+  )
 
 
 def _typed(value):
@@ -138,6 +139,7 @@ def _typed(value):
 
 def _as_version_1(state: bytes) -> bytes:
   """A state as version 1 wrote it: grain's state through plain JSON."""
+
   def untag(value):
     if isinstance(value, dict):
       if set(value) == {"__tuple__"}:
@@ -178,8 +180,14 @@ def _layouts(draw):
   lengths += [row, 2 * row] + [row] * sum(n < row for n in lengths)
   shard_count = draw(st.sampled_from([1, 2]))
   local_batch_size = draw(st.integers(1, 3))
-  return dict(lengths=lengths, seq_len=seq_len, global_batch_size=local_batch_size * shard_count,
-              shard_count=shard_count, packing=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+  return dict(
+    lengths=lengths,
+    seq_len=seq_len,
+    global_batch_size=local_batch_size * shard_count,
+    shard_count=shard_count,
+    packing=draw(st.booleans()),
+    seed=draw(st.integers(0, 2**16)),
+  )
 
 
 # Batch axes of size 1: every global and per-shard batch size places.
@@ -191,15 +199,20 @@ def _replicated_shardings():
 @given(layout=_layouts())
 def test_every_saved_state_resumes_bit_for_bit(layout, tmp_path_factory):
   corpus = data_helpers.write_documents(tmp_path_factory.mktemp("corpus"), layout["lengths"], layout["seed"])
-  config = _config(corpus, seq_len=layout["seq_len"], global_batch_size=layout["global_batch_size"],
-                   packing=layout["packing"], seed=layout["seed"])
+  config = _config(
+    corpus,
+    seq_len=layout["seq_len"],
+    global_batch_size=layout["global_batch_size"],
+    packing=layout["packing"],
+    seed=layout["seed"],
+  )
   shardings = _replicated_shardings()
   steps = 8
   for index in range(layout["shard_count"]):
     shard = (index, layout["shard_count"])
     states, batches = _run(config, shardings, steps, shard)
     for step in range(steps):
-      _assert_resumes_exactly(config, shardings, states, batches[:step + 3], step, shard)
+      _assert_resumes_exactly(config, shardings, states, batches[: step + 3], step, shard)
 
 
 # --- through a real checkpoint ---------------------------------------------------
@@ -227,7 +240,7 @@ def test_a_checkpoint_at_step_zero_or_at_a_document_end_resumes_exactly(tmp_path
     fresh = data.DataLoader(config, shardings)
     with dt.CheckpointManager(tmp_path / "ckpt") as checkpoints:
       checkpoints.restore(train_state, step=step, data_iterator=fresh)
-    for want in expected[step:step + 3]:
+    for want in expected[step : step + 3]:
       got = fresh.next_local()
       for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} after restoring step {step}")
@@ -246,8 +259,9 @@ def _as_other_sources(jsonl, directory):
   other = directory / "body.jsonl"
   other.write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(texts)))
   parquet = directory / "documents.parquet"
-  pq.write_table(pa.table({"id": list(range(len(texts))), "body": texts}), parquet,
-                 row_group_size=max(1, len(texts) // 3))
+  pq.write_table(
+    pa.table({"id": list(range(len(texts))), "body": texts}), parquet, row_group_size=max(1, len(texts) // 3)
+  )
   return str(other), str(parquet)
 
 
@@ -290,8 +304,9 @@ def test_txt_files_and_pretokenized_shards_resume_exactly(tmp_path):
   from distrib_train.data import record_shards
   from distrib_train.data import tokenizer as tokenizer_lib
 
-  shards = record_shards.convert([jsonl], str(tmp_path / "tok" / "c"), num_shards=2,
-                                 tokenizer=tokenizer_lib.load("bytes"))
+  shards = record_shards.convert(
+    [jsonl], str(tmp_path / "tok" / "c"), num_shards=2, tokenizer=tokenizer_lib.load("bytes")
+  )
   shardings = _replicated_shardings()
   for paths in (str(tmp_path / "txt" / "*.txt"), str(tmp_path / "tok" / "c-*.array_record")):
     config = _config(paths, seq_len=8, global_batch_size=2, seed=5)

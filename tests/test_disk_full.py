@@ -35,18 +35,50 @@ RUN_TIMEOUT = 180  # a failed save must end the run, never hang it
 
 
 def _command(workdir, xla_cache):
-  return [sys.executable, "-m", "distrib_train", "--config", "tiny", "--workdir", str(workdir),
-          "--cpu_devices", "8", "--steps", str(STEPS), "--set", "data.seq_len=32",
-          "--set", "data.global_batch_size=8", "--set", "train.log_every=1", "--set", "train.eval_every=0",
-          "--set", "train.eval_batches=1", "--set", f"train.checkpoint_every={EVERY}",
-          "--set", "train.keep_checkpoints=3",
-          "--set", "optimizer.warmup_steps=0", "--set", "optimizer.decay_steps=10",
-          "--set", f"train.compilation_cache_dir={xla_cache}"]
+  return [
+    sys.executable,
+    "-m",
+    "distrib_train",
+    "--config",
+    "tiny",
+    "--workdir",
+    str(workdir),
+    "--cpu_devices",
+    "8",
+    "--steps",
+    str(STEPS),
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.global_batch_size=8",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.eval_batches=1",
+    "--set",
+    f"train.checkpoint_every={EVERY}",
+    "--set",
+    "train.keep_checkpoints=3",
+    "--set",
+    "optimizer.warmup_steps=0",
+    "--set",
+    "optimizer.decay_steps=10",
+    "--set",
+    f"train.compilation_cache_dir={xla_cache}",
+  ]
 
 
 def _run(workdir, xla_cache):
-  out = subprocess.run(_command(workdir, xla_cache), cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                       capture_output=True, text=True, timeout=RUN_TIMEOUT)
+  out = subprocess.run(
+    _command(workdir, xla_cache),
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=RUN_TIMEOUT,
+  )
   return out.returncode, out.stdout + out.stderr
 
 
@@ -62,8 +94,15 @@ def _run_with_fault(workdir, xla_cache, make_fault):
   steps between two saves before the pause lands).
   """
   checkpoints = workdir / "checkpoints"
-  proc = subprocess.Popen(_command(workdir, xla_cache), cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  proc = subprocess.Popen(
+    _command(workdir, xla_cache),
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    start_new_session=True,
+  )
   try:
     deadline = time.monotonic() + RUN_TIMEOUT
     while not ((checkpoints / str(EVERY)).is_dir() and not list(checkpoints.glob("*orbax-checkpoint-tmp*"))):
@@ -94,8 +133,9 @@ def _tmpfs(path, size="16m"):
   if os.geteuid() != 0:
     pytest.skip("mounting a tmpfs needs root")
   path.mkdir(parents=True)
-  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                           capture_output=True, text=True)
+  mounted = subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+  )
   if mounted.returncode:
     pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
   try:
@@ -171,19 +211,22 @@ def _check_resumes(workdir, xla_cache, reference):
   for key in want:
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
   assert kill_harness.data_positions(checkpoints / str(STEPS)) == kill_harness.data_positions(
-      reference / "checkpoints" / str(STEPS))
+    reference / "checkpoints" / str(STEPS)
+  )
 
 
 def _array_files_of_the_failed_save(checkpoints, failed):
   """The array files (tensorstore's) that the failed step's save wrote whole into its temporary directory, which
   stays until a relaunch."""
-  return [p.name for p in checkpoints.glob(f"{failed}.orbax-checkpoint-tmp*/state*/ocdbt.process_*/d/*")
-          if p.stat().st_size]
+  return [
+    p.name for p in checkpoints.glob(f"{failed}.orbax-checkpoint-tmp*/state*/ocdbt.process_*/d/*") if p.stat().st_size
+  ]
 
 
 @pytest.mark.parametrize("leave_kib, where", [(0, "save() itself"), (800, "the background write")])
-def test_disk_full_mid_run_stops_with_one_line_and_keeps_the_last_checkpoint(tmp_path, xla_cache, reference,
-                                                                              leave_kib, where):
+def test_disk_full_mid_run_stops_with_one_line_and_keeps_the_last_checkpoint(
+  tmp_path, xla_cache, reference, leave_kib, where
+):
   """0 KiB left fails the next save's first write (no array file is written
   whole); 800 KiB lets the arrays' write run until the disk is full, usually
   in the background part. The two are told apart by the array files the
@@ -222,8 +265,9 @@ def _read_only_switch(directory, scratch):
     return contextlib.nullcontext(), lambda: directory.chmod(0o555), lambda: directory.chmod(0o755)
   probe = scratch / "mount_probe"
   probe.mkdir()
-  can_mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
-                             capture_output=True).returncode == 0
+  can_mount = (
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)], capture_output=True).returncode == 0
+  )
   if can_mount:
     subprocess.run(["umount", str(probe)], check=True)
     remount = lambda mode: subprocess.run(["mount", "-o", f"remount,{mode}", str(directory)], check=True)
@@ -232,8 +276,11 @@ def _read_only_switch(directory, scratch):
   if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode:
     pytest.skip("as root, making a directory read-only needs a tmpfs mount or chattr +i; neither works here")
   subprocess.run(["chattr", "-i", str(directory)], check=True)
-  return (contextlib.nullcontext(), lambda: subprocess.run(["chattr", "+i", str(directory)], check=True),
-          lambda: subprocess.run(["chattr", "-i", str(directory)], check=True))
+  return (
+    contextlib.nullcontext(),
+    lambda: subprocess.run(["chattr", "+i", str(directory)], check=True),
+    lambda: subprocess.run(["chattr", "-i", str(directory)], check=True),
+  )
 
 
 def test_read_only_checkpoint_directory_mid_run_stops_with_one_line(tmp_path, xla_cache, reference):

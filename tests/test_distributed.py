@@ -8,9 +8,20 @@ from distrib_train.cluster import distributed
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-  for name in ("DT_COORDINATOR_ADDRESS", "DT_NUM_PROCESSES", "DT_PROCESS_ID", "DT_LOCAL_DEVICE_IDS",
-               "CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE", "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
-               "SLURM_PROCID", "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri"):
+  for name in (
+    "DT_COORDINATOR_ADDRESS",
+    "DT_NUM_PROCESSES",
+    "DT_PROCESS_ID",
+    "DT_LOCAL_DEVICE_IDS",
+    "CUDA_VISIBLE_DEVICES",
+    "SLURM_GPUS_ON_NODE",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "OMPI_MCA_orte_hnp_uri",
+  ):
     monkeypatch.delenv(name, raising=False)
 
 
@@ -21,13 +32,20 @@ def test_nothing_given_and_no_cluster_is_a_single_process():
 
 
 def test_slurm_is_detected_by_jax_own_detector(monkeypatch):
-  for name, value in (("SLURM_JOB_ID", "7"), ("SLURM_STEP_NODELIST", "node[1-2]"), ("SLURM_NTASKS", "2"),
-                      ("SLURM_PROCID", "0"), ("SLURM_LOCALID", "0")):
+  for name, value in (
+    ("SLURM_JOB_ID", "7"),
+    ("SLURM_STEP_NODELIST", "node[1-2]"),
+    ("SLURM_NTASKS", "2"),
+    ("SLURM_PROCID", "0"),
+    ("SLURM_LOCALID", "0"),
+  ):
     monkeypatch.setenv(name, value)
   assert distributed.detected_cluster() == "SlurmCluster"
 
 
-@pytest.mark.parametrize("kwargs, env, message", [
+@pytest.mark.parametrize(
+  "kwargs, env, message",
+  [
     (dict(num_processes=2), {}, "missing coordinator_address, process_id"),
     (dict(coordinator_address="h:1", num_processes=2, process_id=2), {}, "process_id 2 is outside 0..1"),
     (dict(coordinator_address="host", num_processes=2, process_id=0), {}, "must be host:port"),
@@ -36,7 +54,8 @@ def test_slurm_is_detected_by_jax_own_detector(monkeypatch):
     (dict(heartbeat_timeout=0), {}, "heartbeat_timeout must be at least 1 second"),
     (dict(local_device_ids="0,x"), {}, "comma-separated list of ids"),
     (dict(local_device_ids=[0, 1]), {}, "local_device_ids only applies to a multi-process job"),
-])
+  ],
+)
 def test_mistakes_are_named_before_connecting(monkeypatch, kwargs, env, message):
   for name, value in env.items():
     monkeypatch.setenv(name, value)
@@ -76,15 +95,15 @@ def test_gloo_banner_lines_are_dropped_from_stdout_and_the_rest_kept():
   import sys
 
   code = (
-      "import os, sys\n"
-      "from distrib_train.cluster import distributed\n"
-      "distributed._drop_gloo_banner()\n"
-      "print('before', flush=True)\n"
-      "os.write(1, b'[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\\n')\n"
-      "os.write(1, b'[Gloo] Rank [Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer"
-      " ranks is : 3\\n1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\\n')\n"
-      "os.write(1, b'[Gloo] something else\\n')\n"
-      "print('after')\n"
+    "import os, sys\n"
+    "from distrib_train.cluster import distributed\n"
+    "distributed._drop_gloo_banner()\n"
+    "print('before', flush=True)\n"
+    "os.write(1, b'[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\\n')\n"
+    "os.write(1, b'[Gloo] Rank [Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer"
+    " ranks is : 3\\n1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\\n')\n"
+    "os.write(1, b'[Gloo] something else\\n')\n"
+    "print('after')\n"
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr

@@ -55,17 +55,30 @@ def _shardings(config):
 
 
 def _config(prefs, *overrides):
-  return config_lib.load("tiny", ["train.objective=dpo", "data.source=text", f"data.paths={prefs}",
-                                  "data.text_field=*", "data.seq_len=512", "data.global_batch_size=4",
-                                  "data.eval_fraction=0", "model.dtype=float32", "model.attention=xla", *overrides])
+  return config_lib.load(
+    "tiny",
+    [
+      "train.objective=dpo",
+      "data.source=text",
+      f"data.paths={prefs}",
+      "data.text_field=*",
+      "data.seq_len=512",
+      "data.global_batch_size=4",
+      "data.eval_fraction=0",
+      "model.dtype=float32",
+      "model.attention=xla",
+      *overrides,
+    ],
+  )
 
 
 def _pairs(batch):
   """Each row's pairs: (chosen ids, chosen weights, rejected ids, rejected weights), each weight as long as its
   ids less one (a half that ends the row has its last token as the row's last target)."""
   out = []
-  for tokens, targets, weights, segments, positions in zip(*(batch[k] for k in (
-      "tokens", "targets", "weights", "segment_ids", "positions"))):
+  for tokens, targets, weights, segments, positions in zip(
+    *(batch[k] for k in ("tokens", "targets", "weights", "segment_ids", "positions"))
+  ):
     for k in range(1, segments.max() // 2 + 1):
       halves = []
       for s in (2 * k - 1, 2 * k):
@@ -104,18 +117,23 @@ def test_preference_records_are_packed_as_two_segments_their_completions_scored(
   assert seen >= 15
 
 
-@pytest.mark.parametrize("record, message", [
+@pytest.mark.parametrize(
+  "record, message",
+  [
     ({"prompt": "hi", "chosen": "a"}, "holds 'chosen' and 'rejected'"),
     ({"chosen": "a", "rejected": "b"}, "needs a 'prompt'"),
     ({"prompt": "hi", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"}, "both text or both"),
-])
+  ],
+)
 def test_bad_preference_records_are_refused_by_name(record, message):
   encoder = ChatEncoder(ChatTemplate(CHATML, "chatml"), Utf8Bytes(), "completion")
   with pytest.raises(ValueError, match=message):
     encode_pair(encoder, record)
 
 
-@pytest.mark.parametrize("sets, message", [
+@pytest.mark.parametrize(
+  "sets, message",
+  [
     (["dpo.loss=ipo"], "dpo.loss='ipo'; choose sigmoid, simpo, orpo"),
     (["dpo.beta=0"], "dpo.beta must be positive"),
     (["dpo.reference=/tmp"], "give hf:<a Hugging Face directory> or ckpt:<a distrib_train run>"),
@@ -126,7 +144,8 @@ def test_bad_preference_records_are_refused_by_name(record, message):
     (["train.objective=lm", "dpo.beta=0.5"], "The dpo section is read with train.objective: dpo"),
     (["dpo.loss=simpo", "dpo.precompute_reference=true"], "are read by dpo.loss=sigmoid"),
     (["dpo.reference=hf:/tmp"], "set train.init_from too"),
-])
+  ],
+)
 def test_bad_dpo_settings_are_refused_by_name(prefs, sets, message):
   with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
     _config(prefs, *sets)
@@ -151,8 +170,9 @@ def test_the_loss_is_the_formula_on_each_sequence_scored_alone(prefs, loss):
   data_config = config.data_config()
   with data.DataLoader(data_config, _shardings(data_config)) as loader:
     batch = loader.next_local()
-  ours, aux = objectives.dpo_loss_fn(settings)(model=model, state=None, rng=None,
-                                               **{k: jnp.asarray(v) for k, v in batch.items()})[::2]
+  ours, aux = objectives.dpo_loss_fn(settings)(
+    model=model, state=None, rng=None, **{k: jnp.asarray(v) for k, v in batch.items()}
+  )[::2]
   encoder = ChatEncoder(ChatTemplate(CHATML, "chatml"), Utf8Bytes(), "completion")
   by_ids = {}
   for record in _records():
@@ -175,8 +195,9 @@ def test_the_loss_is_the_formula_on_each_sequence_scored_alone(prefs, loss):
     margins.append(h if loss != "orpo" else 0.5 * (pw / nw - pl / nl))
   assert int(aux["pairs"]) == len(losses) >= 4
   np.testing.assert_allclose(float(ours), np.mean(losses), rtol=2e-5)
-  np.testing.assert_allclose(float(aux["rewards/margin"]),
-                             np.mean(margins) + (settings.simpo_gamma if loss == "simpo" else 0), rtol=2e-4)
+  np.testing.assert_allclose(
+    float(aux["rewards/margin"]), np.mean(margins) + (settings.simpo_gamma if loss == "simpo" else 0), rtol=2e-4
+  )
 
 
 def test_dpo_sharded_equals_one_device_and_the_reference_stays_frozen(prefs):
@@ -194,8 +215,9 @@ def test_dpo_sharded_equals_one_device_and_the_reference_stays_frozen(prefs):
   data_config = config.data_config()
   with data.DataLoader(data_config, _shardings(data_config)) as loader:
     batches = [loader.next_local() for _ in range(3)]
-  sharded_step = dt.build_train_step_fn(job.loss_fn, train_state_shardings=plan.train_state_shardings,
-                                        input_kwarg_shardings=plan.input_kwarg_shardings)
+  sharded_step = dt.build_train_step_fn(
+    job.loss_fn, train_state_shardings=plan.train_state_shardings, input_kwarg_shardings=plan.input_kwarg_shardings
+  )
   one_step = dt.build_train_step_fn(job.loss_fn)
   sharded, single = plan.init(job.make_state), job.make_state()
   frozen_before = [np.asarray(x) for x in jax.tree_util.tree_leaves(sharded.model_without_params)]
@@ -217,8 +239,11 @@ def test_dpo_sharded_equals_one_device_and_the_reference_stays_frozen(prefs):
   for before, after in zip(frozen_before, jax.tree_util.tree_leaves(sharded.model_without_params)):
     np.testing.assert_array_equal(before, np.asarray(after))
 
-  lora = job_lib.job_spec(_config(prefs, "data.global_batch_size=8", "model.lora.rank=4", "optimizer.name=adamw",
-                                  "optimizer.learning_rate=1e-2"))
+  lora = job_lib.job_spec(
+    _config(
+      prefs, "data.global_batch_size=8", "model.lora.rank=4", "optimizer.name=adamw", "optimizer.learning_rate=1e-2"
+    )
+  )
   assert params(lora.abstract_state.params) < params(lora.abstract_state.model_without_params) / 5  # no copy
   step, state = dt.build_train_step_fn(lora.loss_fn), lora.make_state()
   for i, batch in enumerate(batches):
@@ -246,9 +271,17 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
   start = hf.hf_tensors(base_weights, model_config)  # the reference's weights
   hf.save(base_weights, model_config, str(tmp_path / "base"))
   sets = lambda steps, *more, base=tmp_path / "base", init="": _config(
-      prefs, f"train.steps={steps}", "train.log_every=1", "data.eval_fraction=0.25", "train.eval_batches=1",
-      "train.async_checkpoint=false", f"train.compilation_cache_dir={xla_cache}", "optimizer.learning_rate=1e-2",
-      f"train.init_from={init or ('hf:' * bool(base)) + str(base or '')}", *more)
+    prefs,
+    f"train.steps={steps}",
+    "train.log_every=1",
+    "data.eval_fraction=0.25",
+    "train.eval_batches=1",
+    "train.async_checkpoint=false",
+    f"train.compilation_cache_dir={xla_cache}",
+    "optimizer.learning_rate=1e-2",
+    f"train.init_from={init or ('hf:' * bool(base)) + str(base or '')}",
+    *more,
+  )
   run = lambda workdir, steps, *more, **kw: Trainer(sets(steps, *more, **kw), workdir, console=False).run()
   run(tmp_path / "straight", 4)
   run(tmp_path / "split", 2)
@@ -258,12 +291,20 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
   train = lambda log: {m["step"]: (m["loss"], m["rewards/margin"]) for m in log if "loss" in m}
   assert train(straight) == train(split) and sorted(train(straight)) == [1, 2, 3, 4]
   saved = tmp_path / "split" / "checkpoints"
-  assert checks.held_fields(checks.read_meta(saved, 4)) == ("step", "root_rng", "params", "opt_state",
-                                                            "loss_fn_state", "local_state")
+  assert checks.held_fields(checks.read_meta(saved, 4)) == (
+    "step",
+    "root_rng",
+    "params",
+    "opt_state",
+    "loss_fn_state",
+    "local_state",
+  )
   assert not [k for k in checks.saved_shapes(saved, 4) if k[0] == "model_without_params"]
   shutil.copytree(tmp_path / "base", tmp_path / "moved")
   (tmp_path / "base").rename(tmp_path / "gone")
-  with pytest.raises(TrainerSetupError, match=r"frozen weights \(init_from\) are read from their source, and \S*base is missing\."):
+  with pytest.raises(
+    TrainerSetupError, match=r"frozen weights \(init_from\) are read from their source, and \S*base is missing\."
+  ):
     run(tmp_path / "split", 5, base="")
   shutil.copytree(tmp_path / "moved", tmp_path / "changed")
   with open(tmp_path / "changed" / "model.safetensors", "r+b") as f:
@@ -278,12 +319,14 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
   from distrib_train.weights import init_from
 
   fresh = job_lib.job_spec(sets(4)).make_state()
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                          if isinstance(x, jax.Array) else x, fresh)
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x, fresh
+  )
   from_base = init_from.load(sets(4), abstract, fresh)[0]
   from_run = init_from.load(sets(4, init=f"ckpt:{tmp_path / 'split'}"), abstract, fresh)[0]
-  differs = lambda a, b: any(np.abs(np.asarray(x) - np.asarray(y)).max() > 0
-                             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  differs = lambda a, b: any(
+    np.abs(np.asarray(x) - np.asarray(y)).max() > 0 for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
   for got, want in zip(*(jax.tree.leaves(s.model_without_params) for s in (from_run, from_base))):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert differs(from_run.model_without_params, fresh.model_without_params)  # the base, not the seed's start
@@ -293,15 +336,21 @@ def test_a_dpo_run_resumes_exactly_and_evaluates_by_pairs(prefs, tmp_path, xla_c
   from distrib_train.checkpoint.manager import CheckpointManager
   from distrib_train.checkpoint.tree import flatten_fields
 
-  sft = job_lib.job_spec(config_lib.load("tiny", ["model.dtype=float32", "model.attention=xla",
-                                                  "train.seed=2"])).make_state()
+  sft = job_lib.job_spec(
+    config_lib.load("tiny", ["model.dtype=float32", "model.attention=xla", "train.seed=2"])
+  ).make_state()
   with CheckpointManager(tmp_path / "sft" / "checkpoints", async_save=False) as manager:
     manager.save(1, sft)
-  model = lambda state, role: {k[k.index(role) + 1:]: v for k, v in flatten_fields(
-      state, ("params", "model_without_params")).items() if role in k[1:3]}
+  model = lambda state, role: {
+    k[k.index(role) + 1 :]: v
+    for k, v in flatten_fields(state, ("params", "model_without_params")).items()
+    if role in k[1:3]
+  }
   want = {k[1:]: np.asarray(v) for k, v in flatten_fields(sft, ("params",)).items()}
-  for init, reference, roles in ((f"ckpt:{tmp_path / 'sft'}", "", ("policy", "reference")),
-                                 ("", f"ckpt:{tmp_path / 'sft'}", ("reference",))):
+  for init, reference, roles in (
+    (f"ckpt:{tmp_path / 'sft'}", "", ("policy", "reference")),
+    ("", f"ckpt:{tmp_path / 'sft'}", ("reference",)),
+  ):
     config = sets(4, f"dpo.reference={reference}", init=init)
     init_from.check(config, abstract)
     loaded = init_from.load(config, abstract, fresh)[0]
@@ -346,19 +395,39 @@ def test_sft_and_dpo_in_two_processes_take_one_processs_steps(prefs):
   import helpers
   import mp_harness
 
-  results = mp_harness.run_workers(pathlib.Path(__file__).parent / "workers" / "post_training_worker.py", str(prefs),
-                                   timeout=300)
+  results = mp_harness.run_workers(
+    pathlib.Path(__file__).parent / "workers" / "post_training_worker.py", str(prefs), timeout=300
+  )
   mesh = dt.build_mesh(dt.MeshConfig.from_yaml(pathlib.Path(__file__).parents[1] / "mesh_configs" / "cpu-8.yaml"))
-  want = {"sft": helpers.post_training_losses(["data.source=pydoc", "data.loss_on=assistant", "model.lora.rank=4",
-                                               "model.lora.dropout=0.1", "data.seq_len=512",
-                                               "data.global_batch_size=8"], mesh),
-          "dpo": helpers.post_training_losses(["train.objective=dpo", "data.source=text", f"data.paths={prefs}",
-                                               "data.text_field=*", "data.seq_len=512", "data.global_batch_size=8"],
-                                              mesh)}
+  want = {
+    "sft": helpers.post_training_losses(
+      [
+        "data.source=pydoc",
+        "data.loss_on=assistant",
+        "model.lora.rank=4",
+        "model.lora.dropout=0.1",
+        "data.seq_len=512",
+        "data.global_batch_size=8",
+      ],
+      mesh,
+    ),
+    "dpo": helpers.post_training_losses(
+      [
+        "train.objective=dpo",
+        "data.source=text",
+        f"data.paths={prefs}",
+        "data.text_field=*",
+        "data.seq_len=512",
+        "data.global_batch_size=8",
+      ],
+      mesh,
+    ),
+  }
   assert want["dpo"][-1]["rewards/margin"] > 0.05 and want["sft"][-1]["loss"] < want["sft"][0]["loss"]
   for r in results:
     for name, steps in want.items():
       for i, figures in enumerate(steps):
         for key in ("loss", "tokens") + (("rewards/margin", "pairs") if name == "dpo" else ()):
-          np.testing.assert_allclose(r.result[name][i][key], figures[key], rtol=2e-5, atol=1e-6,
-                                     err_msg=f"{name} step {i + 1} {key}")
+          np.testing.assert_allclose(
+            r.result[name][i][key], figures[key], rtol=2e-5, atol=1e-6, err_msg=f"{name} step {i + 1} {key}"
+          )

@@ -22,22 +22,50 @@ def _mesh_config(tmp_path, processes):
   """data over the processes (DCN), fsdp inside each; 8 devices in all."""
   path = tmp_path / f"mesh-{processes}proc.yaml"
   inside = 8 // processes
-  path.write_text(f"devices: 8\ngranules: {processes}\naxes:\n  data: {{ici: 1, dcn: {processes}}}\n"
-                  f"  fsdp: {{ici: {inside}}}\n  tensor: {{ici: 1}}\nrules: fsdp_tensor\n")
+  path.write_text(
+    f"devices: 8\ngranules: {processes}\naxes:\n  data: {{ici: 1, dcn: {processes}}}\n"
+    f"  fsdp: {{ici: {inside}}}\n  tensor: {{ici: 1}}\nrules: fsdp_tensor\n"
+  )
   return path
 
 
 def _train(workdir, processes, steps, mesh, cache):
-  args = ["--workdir", str(workdir), "--cpu_devices", str(8 // processes), "--mesh_config", str(mesh),
-          "--steps", str(steps), *SMALL, "--set", "optimizer.name=sgd", "--set", "optimizer.learning_rate=0.5",
-          "--set", "train.checkpoint_every=5"]
+  args = [
+    "--workdir",
+    str(workdir),
+    "--cpu_devices",
+    str(8 // processes),
+    "--mesh_config",
+    str(mesh),
+    "--steps",
+    str(steps),
+    *SMALL,
+    "--set",
+    "optimizer.name=sgd",
+    "--set",
+    "optimizer.learning_rate=0.5",
+    "--set",
+    "train.checkpoint_every=5",
+  ]
   if processes == 1:
     run = cli(*args, cache=cache, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stderr
   port = mp_harness.free_port()
-  procs = [cli(*args, "--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(processes),
-               "--process_id", str(i), cache=cache, popen=True) for i in range(processes)]
+  procs = [
+    cli(
+      *args,
+      "--coordinator_address",
+      f"127.0.0.1:{port}",
+      "--num_processes",
+      str(processes),
+      "--process_id",
+      str(i),
+      cache=cache,
+      popen=True,
+    )
+    for i in range(processes)
+  ]
   try:
     outputs = [p.communicate(timeout=300)[0] for p in procs]
   finally:
@@ -63,8 +91,15 @@ def test_resuming_on_other_process_and_device_counts_trains_on_the_same_batches(
 
 
 def _read(checkpoint_dir, phase, steps, processes):
-  results = mp_harness.run_workers(WORKERS / "lanes_worker.py", str(checkpoint_dir), str(phase), str(steps),
-                                   num_processes=processes, devices_per_process=8 // processes, timeout=300)
+  results = mp_harness.run_workers(
+    WORKERS / "lanes_worker.py",
+    str(checkpoint_dir),
+    str(phase),
+    str(steps),
+    num_processes=processes,
+    devices_per_process=8 // processes,
+    timeout=300,
+  )
   by_shard = sorted((r.result for r in results), key=lambda r: r["shard"])  # data spans the processes
   return [sum((r["tokens"][step] for r in by_shard), []) for step in range(steps)]
 

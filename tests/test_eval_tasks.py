@@ -114,14 +114,35 @@ def test_a_contexts_continuations_share_its_rows_and_score_as_each_alone_on_8_de
 
 
 def _eval(*args, env=None, timeout=300):
-  return subprocess.run([sys.executable, "-m", "distrib_train.cli", "eval", *map(str, args)], cwd=ROOT,
-                        env=env or _env(), capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, "-m", "distrib_train.cli", "eval", *map(str, args)],
+    cwd=ROOT,
+    env=env or _env(),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 def test_cli_prints_lm_evals_table_and_writes_its_results_and_samples(trained_run, tmp_path):
   out = tmp_path / "results"
-  run = _eval("--init_from", f"ckpt:{trained_run}", "--tasks", "demo", "--limit", 4, "--output_path", out,
-              "--log_samples", "--cpu_devices", 8, "--batch_size", 2, "--max_length", 64)
+  run = _eval(
+    "--init_from",
+    f"ckpt:{trained_run}",
+    "--tasks",
+    "demo",
+    "--limit",
+    4,
+    "--output_path",
+    out,
+    "--log_samples",
+    "--cpu_devices",
+    8,
+    "--batch_size",
+    2,
+    "--max_length",
+    64,
+  )
   assert run.returncode == 0, run.stderr[-3000:]
   for name in ("demo_choice", "demo_perplexity", "demo_completion"):
     assert name in run.stdout
@@ -138,23 +159,44 @@ def test_cli_prints_lm_evals_table_and_writes_its_results_and_samples(trained_ru
   assert len(choice) == 4 and all(len(s["resps"]) == 4 for s in choice)  # four choices, each scored
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--tasks", "remote_task"], "task remote_task: its data (dataset_path: some_org/some_data) would be"
-                                 " downloaded, and eval runs offline"),
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    (
+      ["--tasks", "remote_task"],
+      "task remote_task: its data (dataset_path: some_org/some_data) would be downloaded, and eval runs offline",
+    ),
     (["--tasks", "missing_file"], "task missing_file: its data file 'nowhere/test.jsonl' does not exist"),
     (["--tasks", "demo", "--log_samples"], "--log_samples needs --output_path"),
-])
+  ],
+)
 def test_cli_refuses_in_one_line_before_reading_the_model(trained_run, tmp_path, args, message):
   tasks = tmp_path / "tasks"
   tasks.mkdir()
-  (tasks / "remote.yaml").write_text("task: remote_task\ndataset_path: some_org/some_data\noutput_type:"
-                                     " loglikelihood_rolling\ntest_split: test\ndoc_to_text: ''\ndoc_to_target: x\n")
-  (tasks / "missing.yaml").write_text("task: missing_file\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-                                      "    test: nowhere/test.jsonl\noutput_type: loglikelihood_rolling\n"
-                                      "test_split: test\ndoc_to_text: ''\ndoc_to_target: x\n")
-  run = _eval("--init_from", f"ckpt:{trained_run}", "--include_path", tasks, *args, "--output_path",
-              tmp_path / "out", "--cpu_devices", 8) if "--log_samples" not in args else \
-      _eval("--init_from", f"ckpt:{trained_run}", *args, "--cpu_devices", 8)
+  (tasks / "remote.yaml").write_text(
+    "task: remote_task\ndataset_path: some_org/some_data\noutput_type:"
+    " loglikelihood_rolling\ntest_split: test\ndoc_to_text: ''\ndoc_to_target: x\n"
+  )
+  (tasks / "missing.yaml").write_text(
+    "task: missing_file\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+    "    test: nowhere/test.jsonl\noutput_type: loglikelihood_rolling\n"
+    "test_split: test\ndoc_to_text: ''\ndoc_to_target: x\n"
+  )
+  run = (
+    _eval(
+      "--init_from",
+      f"ckpt:{trained_run}",
+      "--include_path",
+      tasks,
+      *args,
+      "--output_path",
+      tmp_path / "out",
+      "--cpu_devices",
+      8,
+    )
+    if "--log_samples" not in args
+    else _eval("--init_from", f"ckpt:{trained_run}", *args, "--cpu_devices", 8)
+  )
   assert run.returncode == 2
   (line,) = [line for line in run.stderr.splitlines() if line.startswith("distrib-train: error:")]
   assert message in line
@@ -169,17 +211,41 @@ def test_cli_without_lm_eval_names_the_extra(trained_run):
 
 def test_a_run_logs_task_scores_and_their_time_as_it_goes(tmp_path, xla_cache):
   workdir = tmp_path / "run"
-  cmd = [sys.executable, "-m", "distrib_train", "--config", "tiny", "--workdir", str(workdir), *FAST,
-         "--steps", "4", "--set", "data.seq_len=64", "--set", "train.eval_tasks=demo_choice,demo_perplexity", "--set", "train.eval_tasks_every=2",
-         "--set", "train.eval_tasks_limit=3", "--set", f"train.compilation_cache_dir={xla_cache}"]
+  cmd = [
+    sys.executable,
+    "-m",
+    "distrib_train",
+    "--config",
+    "tiny",
+    "--workdir",
+    str(workdir),
+    *FAST,
+    "--steps",
+    "4",
+    "--set",
+    "data.seq_len=64",
+    "--set",
+    "train.eval_tasks=demo_choice,demo_perplexity",
+    "--set",
+    "train.eval_tasks_every=2",
+    "--set",
+    "train.eval_tasks_limit=3",
+    "--set",
+    f"train.compilation_cache_dir={xla_cache}",
+  ]
   run = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr[-3000:]
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   scored = [r for r in records if "eval/demo_choice/acc" in r]
   assert [r["step"] for r in scored] == [2, 4]
   for r in scored:
-    assert set(r) >= {"eval/demo_choice/acc", "eval/demo_choice/acc_norm", "eval/demo_perplexity/word_perplexity",
-                      "eval/demo_perplexity/byte_perplexity", "eval/demo_perplexity/bits_per_byte"}
+    assert set(r) >= {
+      "eval/demo_choice/acc",
+      "eval/demo_choice/acc_norm",
+      "eval/demo_perplexity/word_perplexity",
+      "eval/demo_perplexity/byte_perplexity",
+      "eval/demo_perplexity/bits_per_byte",
+    }
   goodput = json.loads((workdir / "goodput.json").read_text())
   assert goodput["runs"][-1]["seconds"]["eval_tasks"] > 0
 
@@ -187,13 +253,32 @@ def test_a_run_logs_task_scores_and_their_time_as_it_goes(tmp_path, xla_cache):
 def test_a_run_with_a_task_it_cannot_read_stops_before_writing(tmp_path):
   tasks = tmp_path / "tasks"
   tasks.mkdir()
-  (tasks / "remote.yaml").write_text("task: remote_task\ndataset_path: some_org/some_data\noutput_type:"
-                                     " loglikelihood_rolling\ntest_split: test\ndoc_to_text: ''\ndoc_to_target: x\n")
+  (tasks / "remote.yaml").write_text(
+    "task: remote_task\ndataset_path: some_org/some_data\noutput_type:"
+    " loglikelihood_rolling\ntest_split: test\ndoc_to_text: ''\ndoc_to_target: x\n"
+  )
   workdir = tmp_path / "run"
-  run = subprocess.run([sys.executable, "-m", "distrib_train", "--config", "tiny", "--workdir", str(workdir), *FAST,
-                        "--set", "train.eval_tasks=demo_choice,remote_task", "--set",
-                        f"train.eval_include_path={tasks}"], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=300)
+  run = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "distrib_train",
+      "--config",
+      "tiny",
+      "--workdir",
+      str(workdir),
+      *FAST,
+      "--set",
+      "train.eval_tasks=demo_choice,remote_task",
+      "--set",
+      f"train.eval_include_path={tasks}",
+    ],
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert run.returncode == 2
   assert "task remote_task: its data (dataset_path: some_org/some_data) would be downloaded" in run.stderr
   assert not workdir.exists()

@@ -29,8 +29,9 @@ try:
 except ImportError:
   if os.environ.get("DT_REQUIRE_TORCH") == "1":
     raise
-  pytest.skip("lm-eval's hf model (transformers, torch) is the reference here: pip install 'lm-eval[hf]'",
-              allow_module_level=True)
+  pytest.skip(
+    "lm-eval's hf model (transformers, torch) is the reference here: pip install 'lm-eval[hf]'", allow_module_level=True
+  )
 
 import eval_helpers
 from distrib_train.evaluation import tasks as eval_tasks
@@ -42,9 +43,15 @@ pytestmark = pytest.mark.compat
 def _theirs(hf_dir, tasks_dir, tasks=eval_helpers.TASKS, **options):
   eval_tasks.offline()
   results = lm_eval.simple_evaluate(
-      model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32", "device": "cpu"},
-      tasks=list(tasks), task_manager=eval_tasks.task_manager([str(tasks_dir)]), log_samples=True,
-      batch_size=4, bootstrap_iters=0, **options)
+    model="hf",
+    model_args={"pretrained": str(hf_dir), "dtype": "float32", "device": "cpu"},
+    tasks=list(tasks),
+    task_manager=eval_tasks.task_manager([str(tasks_dir)]),
+    log_samples=True,
+    batch_size=4,
+    bootstrap_iters=0,
+    **options,
+  )
   return eval_tasks.scores(results), _answers(results, tasks)
 
 
@@ -80,8 +87,9 @@ def test_every_metric_and_sample_is_lm_evals_hf_models_on_8_devices(family, tmp_
   tasks = eval_helpers.write_tasks(tmp_path / "tasks")
   mesh = "cpu-8-expert" if family == "qwen3_moe" else "cpu-8"
   lm = HarnessLM.load(f"hf:{tmp_path / 'hf'}", mesh_config=mesh, batch_size=4)
-  ours = eval_tasks.evaluate(lm, list(eval_helpers.TASKS), include_path=[str(tasks)], log_samples=True,
-                             bootstrap_iters=0)
+  ours = eval_tasks.evaluate(
+    lm, list(eval_helpers.TASKS), include_path=[str(tasks)], log_samples=True, bootstrap_iters=0
+  )
   assert lm.max_length == eval_helpers.CONTEXT
   assert lm.scorer.compiles <= 2  # calls share programs (a row length per request kind: trees or not)
   _assert_same(eval_tasks.scores(ours), _answers(ours), *_theirs(tmp_path / "hf", tasks))
@@ -89,12 +97,15 @@ def test_every_metric_and_sample_is_lm_evals_hf_models_on_8_devices(family, tmp_
     return
   chat_tasks = ("local_choice", "local_completion")
   options = dict(num_fewshot=2, apply_chat_template=True, fewshot_as_multiturn=True)
-  ours = eval_tasks.evaluate(lm, chat_tasks, include_path=[str(tasks)], log_samples=True, bootstrap_iters=0,
-                             **options)
+  ours = eval_tasks.evaluate(lm, chat_tasks, include_path=[str(tasks)], log_samples=True, bootstrap_iters=0, **options)
   prompt = sorted(ours["samples"]["local_choice"], key=lambda s: s["doc_id"])[0]["arguments"][0][0]
   assert prompt.startswith("<|begin_of_text|><user>\n") and prompt.count("<assistant>") == 3
-  _assert_same(eval_tasks.scores(ours), _answers(ours, chat_tasks),
-               *_theirs(tmp_path / "hf", tasks, chat_tasks, **options), chat_tasks)
+  _assert_same(
+    eval_tasks.scores(ours),
+    _answers(ours, chat_tasks),
+    *_theirs(tmp_path / "hf", tasks, chat_tasks, **options),
+    chat_tasks,
+  )
 
 
 def test_two_processes_give_lm_evals_hf_answers(tmp_path):
@@ -104,12 +115,17 @@ def test_two_processes_give_lm_evals_hf_answers(tmp_path):
 
   eval_helpers.save_model("llama", tmp_path / "hf")
   tasks = eval_helpers.write_tasks(tmp_path / "tasks")
-  (tmp_path / "mesh.yaml").write_text("devices: 8\ngranules: 2\naxes:\n  data: 1\n  fsdp: {ici: 2, dcn: 2}\n"
-                                      "  tensor: {ici: 2}\nrules: fsdp_tensor\n")
-  results = mp_harness.run_workers(pathlib.Path(__file__).parent / "workers" / "eval_worker.py",
-                                   str(tmp_path / "hf"), str(tasks), str(tmp_path / "mesh.yaml"), timeout=400)
+  (tmp_path / "mesh.yaml").write_text(
+    "devices: 8\ngranules: 2\naxes:\n  data: 1\n  fsdp: {ici: 2, dcn: 2}\n  tensor: {ici: 2}\nrules: fsdp_tensor\n"
+  )
+  results = mp_harness.run_workers(
+    pathlib.Path(__file__).parent / "workers" / "eval_worker.py",
+    str(tmp_path / "hf"),
+    str(tasks),
+    str(tmp_path / "mesh.yaml"),
+    timeout=400,
+  )
   their_metrics, their_answers = _theirs(tmp_path / "hf", tasks)
   for r in results:
     answers = r.result["answers"]
     _assert_same(r.result["metrics"], answers, their_metrics, their_answers)
-

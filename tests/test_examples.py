@@ -9,8 +9,9 @@ ROOT = pathlib.Path(__file__).parents[1]
 
 
 def _run(example):
-  out = subprocess.run([sys.executable, str(ROOT / "examples" / example)], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+  out = subprocess.run(
+    [sys.executable, str(ROOT / "examples" / example)], capture_output=True, text=True, timeout=300, cwd=ROOT
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   return out
 

@@ -19,9 +19,26 @@ import pytest
 import xla_test_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FAST = ["--cpu_devices", "8", "--set", "data.seq_len=32", "--set", "data.global_batch_size=8",
-        "--set", "data.source=synthetic", "--set", "data.synthetic_documents=64", "--set", "train.log_every=1",
-        "--set", "train.eval_batches=1", "--set", "optimizer.warmup_steps=0", "--set", "optimizer.decay_steps=10"]
+FAST = [
+  "--cpu_devices",
+  "8",
+  "--set",
+  "data.seq_len=32",
+  "--set",
+  "data.global_batch_size=8",
+  "--set",
+  "data.source=synthetic",
+  "--set",
+  "data.synthetic_documents=64",
+  "--set",
+  "train.log_every=1",
+  "--set",
+  "train.eval_batches=1",
+  "--set",
+  "optimizer.warmup_steps=0",
+  "--set",
+  "optimizer.decay_steps=10",
+]
 
 
 def _env():
@@ -31,18 +48,37 @@ def _env():
 
 
 def _cmd(workdir, cache, *args):
-  return [sys.executable, "-m", "distrib_train", "--config", "tiny", "--workdir", str(workdir), *FAST,
-          "--set", f"train.compilation_cache_dir={cache}", *args]
+  return [
+    sys.executable,
+    "-m",
+    "distrib_train",
+    "--config",
+    "tiny",
+    "--workdir",
+    str(workdir),
+    *FAST,
+    "--set",
+    f"train.compilation_cache_dir={cache}",
+    *args,
+  ]
 
 
 def cli(workdir, cache, *args, timeout=240):
-  return subprocess.run(_cmd(workdir, cache, *args), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                        timeout=timeout)
+  return subprocess.run(
+    _cmd(workdir, cache, *args), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+  )
 
 
 def popen(workdir, cache, *args):
-  return subprocess.Popen(_cmd(workdir, cache, *args), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  return subprocess.Popen(
+    _cmd(workdir, cache, *args),
+    cwd=ROOT,
+    env=_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    start_new_session=True,
+  )
 
 
 def _wait_for_line(proc, text, timeout=180):
@@ -123,8 +159,9 @@ def test_a_failing_evaluation_loses_no_trained_step(tmp_path, xla_cache):
 
   if jax.device_count() != 8:
     pytest.skip("needs the 8 emulated devices of conftest")
-  config = config_lib.load("tiny", [s for s in FAST[2:] if s != "--set"] + [
-      "train.steps=2", f"train.compilation_cache_dir={xla_cache}"])
+  config = config_lib.load(
+    "tiny", [s for s in FAST[2:] if s != "--set"] + ["train.steps=2", f"train.compilation_cache_dir={xla_cache}"]
+  )
   trainer = Trainer(config, tmp_path / "run")
 
   def broken_evaluation(*args, **kwargs):

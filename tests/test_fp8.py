@@ -45,8 +45,10 @@ def test_the_products_write_the_models_dtype_where_its_range_holds_them(dtype, w
   write more); a float16 model's write float32, since the unscaled product of a 2048-long contraction at e4m3's
   scale passes float16's 65,504. Values: the float32 model's, rounded."""
   rng = np.random.default_rng(0)
-  x32, w32, g32 = (jnp.asarray(rng.normal(size=s) * c, jnp.float32)
-                   for s, c in (((64, 2048), 1.0), ((2048, 256), 0.02), ((64, 256), 1.0)))
+  x32, w32, g32 = (
+    jnp.asarray(rng.normal(size=s) * c, jnp.float32)
+    for s, c in (((64, 2048), 1.0), ((2048, 256), 0.02), ((64, 256), 1.0))
+  )
 
   def products(x, w, g):
     with fp8.active("current"):
@@ -57,8 +59,12 @@ def test_the_products_write_the_models_dtype_where_its_range_holds_them(dtype, w
   got, want = products(*low), products(*(a.astype(jnp.float32) for a in low))
   for a, b in zip(got, want):
     assert a.dtype == jnp.dtype(dtype) and np.all(np.isfinite(np.asarray(a, np.float32)))
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b.astype(dtype), np.float32), rtol=2e-2,
-                               atol=2e-2 * float(jnp.max(jnp.abs(b))))
+    np.testing.assert_allclose(
+      np.asarray(a, np.float32),
+      np.asarray(b.astype(dtype), np.float32),
+      rtol=2e-2,
+      atol=2e-2 * float(jnp.max(jnp.abs(b))),
+    )
   jaxpr = str(jax.make_jaxpr(products)(*low))
   assert jaxpr.count(f"preferred_element_type={written}") == 3, jaxpr
 
@@ -142,8 +148,9 @@ def test_fp8_ragged_dot_rounds_like_the_einsum_and_scales_shards_as_one_tensor()
   for got, want in zip((y, *vjp(gs)), (want_y, *want_vjp(qg))):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
   big = jnp.asarray(rng.normal(size=(8, 4)) * np.arange(1, 9)[:, None], jnp.float32)
-  split = jax.shard_map(lambda a: fp8.quantize_dequantize(a, fp8.E4M3, ("x",)), mesh=mesh, in_specs=P("x"),
-                        out_specs=P("x"))
+  split = jax.shard_map(
+    lambda a: fp8.quantize_dequantize(a, fp8.E4M3, ("x",)), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+  )
   np.testing.assert_array_equal(split(big), fp8.quantize_dequantize(big, fp8.E4M3))
 
 
@@ -153,8 +160,10 @@ def _real_text(steps, packed=False, seed=0):
 
   mesh = ph.mesh_of({}, devices=jax.devices()[:1])
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  loader = data.DataLoader(data.DataConfig(seq_len=ph.LENGTH, global_batch_size=ph.BATCH, packing=False, seed=seed),
-                           {"tokens": sharding, "targets": sharding})
+  loader = data.DataLoader(
+    data.DataConfig(seq_len=ph.LENGTH, global_batch_size=ph.BATCH, packing=False, seed=seed),
+    {"tokens": sharding, "targets": sharding},
+  )
   out = [{k: v for k, v in loader.next_local().items() if k in ("tokens", "targets")} for _ in range(steps)]
   loader.close()
   return out
@@ -162,8 +171,16 @@ def _real_text(steps, packed=False, seed=0):
 
 # Delayed scaling's 200 steps are the long variant (DT_LONG_TESTS=1); its numerics are also pinned below, sharded
 # and through a checkpoint.
-@pytest.mark.parametrize("mode", ["current", pytest.param("delayed", marks=pytest.mark.skipif(
-    os.environ.get("DT_LONG_TESTS") != "1", reason="the long variant: DT_LONG_TESTS=1"))])
+@pytest.mark.parametrize(
+  "mode",
+  [
+    "current",
+    pytest.param(
+      "delayed",
+      marks=pytest.mark.skipif(os.environ.get("DT_LONG_TESTS") != "1", reason="the long variant: DT_LONG_TESTS=1"),
+    ),
+  ],
+)
 def test_200_fp8_steps_of_the_tiny_llama_follow_the_bf16_curve(monkeypatch, mode):
   """The tiny Llama in bfloat16 with and without FP8 matmuls; real text, SGD 0.05 with momentum 0.9.
   Tolerance (README): every step's loss within 10 % of the bf16 run's, every 20-step mean within 7.5 %, the
@@ -185,7 +202,9 @@ def test_200_fp8_steps_of_the_tiny_llama_follow_the_bf16_curve(monkeypatch, mode
     histories = [np.asarray(v) for k, v in ph._numpy(final[0].local_state).items() if "fp8_" in k]
     assert len(histories) == 7 and all(h.shape == (2, 3, 16) for h in histories)
     assert all(np.all(np.isfinite(h)) and np.all(h > 0) for h in histories)
-  print(f"{mode}: worst step {np.max(np.abs(got / want - 1)):.4f}, last 50 {got[-50:].mean() / want[-50:].mean() - 1:.4f}")
+  print(
+    f"{mode}: worst step {np.max(np.abs(got / want - 1)):.4f}, last 50 {got[-50:].mean() / want[-50:].mean() - 1:.4f}"
+  )
   assert want[-50:].mean() < want[:10].mean() - 1.0  # it learned
   np.testing.assert_allclose(got, want, rtol=0.10)
   mean20 = lambda a: np.convolve(a, np.ones(20) / 20, mode="valid")
@@ -240,8 +259,11 @@ def test_checkpoints_carry_the_amax_histories_and_the_next_step_reads_them(tmp_p
         fresh = checkpoints.restore(plan.abstract_train_state)
     if zero_histories:
       fresh = fresh.replace(local_state=jax.tree_util.tree_map(jnp.zeros_like, fresh.local_state))
-    step = dt.build_train_step_fn(ph.llama.loss_fn, train_state_shardings=plan.train_state_shardings,
-                                  input_kwarg_shardings=plan.input_kwarg_shardings)
+    step = dt.build_train_step_fn(
+      ph.llama.loss_fn,
+      train_state_shardings=plan.train_state_shardings,
+      input_kwarg_shardings=plan.input_kwarg_shardings,
+    )
     with dt.activation_sharding(mesh, rules):
       placed = {k: jax.device_put(v, plan.input_kwarg_shardings[k]) for k, v in batch.items()}
       return fresh, float(step(fresh, **placed)[1]["loss"])
@@ -301,8 +323,20 @@ def test_the_trainer_resumes_delayed_scaling_exactly_and_refuses_it_with_a_pipel
   assert switched.returncode == 2 and "Only local state is new" in switched.stderr, switched.stderr[-2000:]
   assert "local_state/layers/fp8_w" in switched.stderr
 
-  refused = cli("--workdir", str(tmp_path / "pipeline"), "--steps", "2", "--cpu_devices", "8", "--mesh_config",
-                "cpu-8-pipeline", "--set", "model.fp8=delayed", "--set", "train.microbatches=4")
+  refused = cli(
+    "--workdir",
+    str(tmp_path / "pipeline"),
+    "--steps",
+    "2",
+    "--cpu_devices",
+    "8",
+    "--mesh_config",
+    "cpu-8-pipeline",
+    "--set",
+    "model.fp8=delayed",
+    "--set",
+    "train.microbatches=4",
+  )
   assert refused.returncode == 2 and "model.fp8=delayed does not run with a stage axis (2 stages)" in refused.stderr
   assert not (tmp_path / "pipeline").exists()
 

@@ -31,12 +31,34 @@ FP32 = dict(dtype="float32", param_dtype="float32", attention="xla")
 # The variants whose cache differs from a plain decoder's: a window of 8 that the prompts and new tokens outgrow
 # (the ring wraps) beside a full layer, with Gemma 3's norms, caps and scaled embeddings; MLA's latent; experts.
 VARIANTS = {
-    "sliding_ring": ("llama", dict(sliding_window=8, layer_types=("sliding", "full"), qk_norm=True, sandwich_norms=True,
-                                   attn_logit_softcap=20.0, final_logit_softcap=15.0, scale_embeddings=True,
-                                   local_rope_theta=1e4, attention_sinks=True, attention_bias=True)),
-    "mla_experts": ("moe", dict(attention_kind="mla", q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-                                head_dim=16, v_head_dim=16, rope_interleave=True)),
-    "lora": ("llama", dict(lora_rank=4)),
+  "sliding_ring": (
+    "llama",
+    dict(
+      sliding_window=8,
+      layer_types=("sliding", "full"),
+      qk_norm=True,
+      sandwich_norms=True,
+      attn_logit_softcap=20.0,
+      final_logit_softcap=15.0,
+      scale_embeddings=True,
+      local_rope_theta=1e4,
+      attention_sinks=True,
+      attention_bias=True,
+    ),
+  ),
+  "mla_experts": (
+    "moe",
+    dict(
+      attention_kind="mla",
+      q_lora_rank=16,
+      kv_lora_rank=16,
+      qk_rope_head_dim=8,
+      head_dim=16,
+      v_head_dim=16,
+      rope_interleave=True,
+    ),
+  ),
+  "lora": ("llama", dict(lora_rank=4)),
 }
 
 
@@ -59,7 +81,7 @@ def _uncached_greedy(model, prompt, steps, width=32):
   seq = list(prompt)
   for _ in range(steps):
     seq.append(int(jnp.argmax(forward(jnp.asarray([seq + [0] * (width - len(seq))]))[len(seq) - 1])))
-  return seq[len(prompt):]
+  return seq[len(prompt) :]
 
 
 def _prompts(vocab, lengths=(5, 13, 2)):
@@ -103,8 +125,7 @@ def test_one_seed_gives_the_same_samples_on_1_and_8_devices_and_in_any_batch():
   seed gives others."""
   model = _model("llama", {})
   prompts = _prompts(model.config.vocab_size)
-  settings = dict(max_new_tokens=10, sampling=Sampling(temperature=0.9, top_k=50, top_p=0.95, min_p=0.01), n=3,
-                  seed=7)
+  settings = dict(max_new_tokens=10, sampling=Sampling(temperature=0.9, top_k=50, top_p=0.95, min_p=0.01), n=3, seed=7)
   one = Generator(model).generate(prompts, **settings)
   mesh, rules = _mesh("llama")
   eight = Generator(_sharded(model, mesh, rules), mesh=mesh, rules=rules).generate(prompts, **settings)
@@ -173,8 +194,14 @@ def _env():
 
 
 def _cli(*args, timeout=300):
-  return subprocess.run([sys.executable, "-m", "distrib_train.cli", "generate", *map(str, args)], cwd=ROOT,
-                        env=_env(), capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, "-m", "distrib_train.cli", "generate", *map(str, args)],
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 @pytest.fixture(scope="session")
@@ -189,8 +216,24 @@ def test_cli_generates_from_a_runs_checkpoint_to_jsonl_and_streams_one_prompt(tr
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text(json.dumps({"prompt": "The Python"}) + "\n\n" + json.dumps({"prompt": "import os"}) + "\n")
   out = tmp_path / "out.jsonl"
-  run = _cli("--init_from", f"ckpt:{trained_run}", "--prompts", prompts, "--out", out, "--max_new_tokens", 6,
-             "--temperature", 0.8, "--n", 2, "--seed", 3, "--cpu_devices", 2)
+  run = _cli(
+    "--init_from",
+    f"ckpt:{trained_run}",
+    "--prompts",
+    prompts,
+    "--out",
+    out,
+    "--max_new_tokens",
+    6,
+    "--temperature",
+    0.8,
+    "--n",
+    2,
+    "--seed",
+    3,
+    "--cpu_devices",
+    2,
+  )
   assert run.returncode == 0, run.stderr[-3000:]
   records = [json.loads(line) for line in out.read_text().splitlines()]
   assert [(r["index"], r["sample"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -201,27 +244,41 @@ def test_cli_generates_from_a_runs_checkpoint_to_jsonl_and_streams_one_prompt(tr
     assert all(lp <= 0 for lp in r["logprobs"])
   assert "wrote 4 completions of 2 prompts" in run.stderr
   # The same run from Python: the same completions (one seed, another device count)
-  records_py = dt.generate(f"ckpt:{trained_run}", ["The Python", "import os"], max_new_tokens=6, temperature=0.8,
-                           n=2, seed=3)
+  records_py = dt.generate(
+    f"ckpt:{trained_run}", ["The Python", "import os"], max_new_tokens=6, temperature=0.8, n=2, seed=3
+  )
   assert [r["ids"] for r in records_py] == [r["ids"] for r in records]
-  streamed = _cli("--init_from", f"ckpt:{trained_run}", "--step", 2, "--prompt", "The Python", "--max_new_tokens", 8,
-                  "--cpu_devices", 2)
+  streamed = _cli(
+    "--init_from",
+    f"ckpt:{trained_run}",
+    "--step",
+    2,
+    "--prompt",
+    "The Python",
+    "--max_new_tokens",
+    8,
+    "--cpu_devices",
+    2,
+  )
   assert streamed.returncode == 0, streamed.stderr[-3000:]
   greedy = dt.generate(f"ckpt:{trained_run}", ["The Python"], max_new_tokens=8)[0]
   assert streamed.stdout == greedy["text"] + "\n"
   stop = dt.generate(f"ckpt:{trained_run}", ["The Python"], max_new_tokens=8, stop=[greedy["text"][2:4]])[0]
   assert stop["text"] == greedy["text"][:2] and stop["finish_reason"] == "stop"
-  assert stop["ids"] == greedy["ids"][:len(stop["ids"])] and 2 < len(stop["ids"]) <= 4
+  assert stop["ids"] == greedy["ids"][: len(stop["ids"])] and 2 < len(stop["ids"]) <= 4
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (("--prompt", "x"), "ckpt:{run}/nope: no checkpoint there"),
     (("--prompts", "{tmp}/missing.jsonl", "--out", "{tmp}/o.jsonl"), "--prompts '{tmp}/missing.jsonl' does not exist"),
     (("--prompts", "{tmp}/bad.jsonl", "--out", "{tmp}/o.jsonl"), "{tmp}/bad.jsonl:2: a prompt record needs 'prompt'"),
     (("--prompts", "{tmp}/bad.jsonl"), "--prompts needs --out FILE.jsonl"),
     (("--prompt", "x", "--top_p", "0"), "top_p must be in (0, 1], got 0.0"),
     (("--prompt", "x", "--step", "9"), "holds no step 9 (its steps: 2)"),
-])
+  ],
+)
 def test_cli_refuses_bad_input_in_one_line_before_writing(trained_run, tmp_path, args, message):
   (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"text": "no"}\n')
   fill = lambda s: s.format(tmp=tmp_path, run=trained_run)
@@ -245,17 +302,21 @@ def test_two_processes_give_one_process_completions(tmp_path):
 
   model = _model("llama", dict(qk_norm=True, hf_model_type="qwen3"))
   _save_hf(model, tmp_path / "hf")
-  (tmp_path / "mesh.yaml").write_text("devices: 8\ngranules: 2\naxes:\n  data: 1\n  fsdp: {ici: 2, dcn: 2}\n"
-                                      "  tensor: {ici: 2}\nrules: fsdp_tensor\n")
-  results = mp_harness.run_workers(ROOT / "tests" / "workers" / "generation_worker.py", str(tmp_path / "hf"),
-                                   str(tmp_path / "mesh.yaml"), timeout=300)
+  (tmp_path / "mesh.yaml").write_text(
+    "devices: 8\ngranules: 2\naxes:\n  data: 1\n  fsdp: {ici: 2, dcn: 2}\n  tensor: {ici: 2}\nrules: fsdp_tensor\n"
+  )
+  results = mp_harness.run_workers(
+    ROOT / "tests" / "workers" / "generation_worker.py", str(tmp_path / "hf"), str(tmp_path / "mesh.yaml"), timeout=300
+  )
   from distrib_train.weights import load as run_model
 
   loaded = run_model.load(f"hf:{tmp_path / 'hf'}", mesh_config="cpu-8")
   generator = Generator(loaded.model, mesh=loaded.mesh, rules=loaded.rules)
   prompts = _prompts(model.config.vocab_size)
-  want = {name: [c.ids for c in generator.generate(prompts, max_new_tokens=8, **kwargs)]
-          for name, kwargs in WORKER_SETTINGS.items()}
+  want = {
+    name: [c.ids for c in generator.generate(prompts, max_new_tokens=8, **kwargs)]
+    for name, kwargs in WORKER_SETTINGS.items()
+  }
   for r in results:
     assert r.result == want
 

@@ -97,8 +97,9 @@ def test_every_tile_multiplies_its_own_groups_weights_in_bfloat16():
 
   def reference(lhs, rhs):
     tiles = lhs.astype(jnp.float32).reshape(-1, tile_m, k)
-    out = jnp.einsum("tmk,tkn->tmn", tiles, rhs.astype(jnp.float32)[jnp.maximum(tile_groups, 0)],
-                     precision=jax.lax.Precision.HIGHEST)
+    out = jnp.einsum(
+      "tmk,tkn->tmn", tiles, rhs.astype(jnp.float32)[jnp.maximum(tile_groups, 0)], precision=jax.lax.Precision.HIGHEST
+    )
     return jnp.where(live, out.reshape(m, n), 0)
 
   def loss(lhs, rhs, matmul):
@@ -110,8 +111,9 @@ def test_every_tile_multiplies_its_own_groups_weights_in_bfloat16():
   np.testing.assert_allclose(out.astype(jnp.float32), reference(lhs, rhs), rtol=1e-2, atol=1e-2)
   grads = jax.grad(loss, argnums=(0, 1))(lhs, rhs, grouped)
   # The reference's gradients are taken at the kernel's rounded output, as the kernel's are.
-  expected = jax.grad(lambda a, b: loss(a, b, lambda a, b: reference(a, b).astype(jnp.bfloat16)),
-                      argnums=(0, 1))(lhs, rhs)
+  expected = jax.grad(lambda a, b: loss(a, b, lambda a, b: reference(a, b).astype(jnp.bfloat16)), argnums=(0, 1))(
+    lhs, rhs
+  )
   for got, want in zip(grads, expected):
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), rtol=2e-2, atol=5e-2)
@@ -119,7 +121,9 @@ def test_every_tile_multiplies_its_own_groups_weights_in_bfloat16():
   assert not np.any(grads[1][1].astype(jnp.float32))  # group 1 owns no tile
 
 
-@pytest.mark.parametrize("change, culprit", [
+@pytest.mark.parametrize(
+  "change, culprit",
+  [
     (dict(lhs=(40, 32)), "not a multiple of tile_m"),
     (dict(rhs_dtype=jnp.bfloat16), "share one of"),
     (dict(tile_groups=(3,)), "tile_groups must be"),
@@ -127,7 +131,8 @@ def test_every_tile_multiplies_its_own_groups_weights_in_bfloat16():
     (dict(block_n=8, interpret=False), "block_n=8 must be a power of 2 of at least 16"),
     (dict(rhs=(65536, 32, 1024)), "rhs holds 8589934592 elements"),
     (dict(rhs=(2, 16, 8)), "lhs [M, K] and rhs [G, K, N]"),
-])
+  ],
+)
 def test_a_broken_layout_contract_is_one_clear_error(change, culprit):
   lhs = jnp.zeros(change.pop("lhs", (32, 32)), jnp.float32)
   rhs = jax.ShapeDtypeStruct(change.pop("rhs", (2, 32, 8)), change.pop("rhs_dtype", jnp.float32))

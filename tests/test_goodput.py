@@ -56,8 +56,19 @@ def test_a_run_s_time_is_split_by_phase_and_sums_to_its_wall_time(tmp_path):
   _train(goodput, clock, [3, 4])
   goodput.finish("finished")
   run = json.loads((tmp_path / "goodput.json").read_text())["runs"][0]
-  assert run["seconds"] == {"productive": 4.0, "compile": 3.0, "checkpoint": 4.0, "data_wait": 2.0, "restore": 2.0,
-                            "replayed": 0.0, "eval": 0.0, "eval_tasks": 0.0, "generation": 0.0, "layout_search": 0.0, "other": 1.0}
+  assert run["seconds"] == {
+    "productive": 4.0,
+    "compile": 3.0,
+    "checkpoint": 4.0,
+    "data_wait": 2.0,
+    "restore": 2.0,
+    "replayed": 0.0,
+    "eval": 0.0,
+    "eval_tasks": 0.0,
+    "generation": 0.0,
+    "layout_search": 0.0,
+    "other": 1.0,
+  }
   assert run["wall_s"] == 16.0 and run["goodput"] == 0.25 and run["status"] == "finished"
   assert (run["start_step"], run["last_step"], run["steps"], run["steps_replayed"]) == (0, 4, 4, 0)
   assert logs[-1].startswith("Goodput 25.0% of 16.0 s (4.0 s productive; compile 3.0 s, checkpoint 4.0 s,")
@@ -104,24 +115,62 @@ def test_a_run_stopped_before_it_restored_writes_nothing(tmp_path):
 
 
 def _cli_args(workdir, cache):
-  return ["--config", "tiny", "--workdir", str(workdir), "--cpu_devices", "8", "--steps", "8",
-          "--set", "data.seq_len=32", "--set", "data.global_batch_size=8", "--set", "train.log_every=4",
-          "--set", "train.checkpoint_every=3", "--set", "train.async_checkpoint=false", "--set", "train.eval_every=0",
-          "--set", "train.eval_batches=1", "--set", "optimizer.warmup_steps=0",
-          "--set", f"train.compilation_cache_dir={cache}"]
+  return [
+    "--config",
+    "tiny",
+    "--workdir",
+    str(workdir),
+    "--cpu_devices",
+    "8",
+    "--steps",
+    "8",
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.global_batch_size=8",
+    "--set",
+    "train.log_every=4",
+    "--set",
+    "train.checkpoint_every=3",
+    "--set",
+    "train.async_checkpoint=false",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.eval_batches=1",
+    "--set",
+    "optimizer.warmup_steps=0",
+    "--set",
+    f"train.compilation_cache_dir={cache}",
+  ]
 
 
 @pytest.mark.timeout(480)
 def test_a_kill_and_a_restart_report_the_steps_trained_again(tmp_path, xla_cache):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", DT_KILL_AT_STEP="5",
-             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    DT_KILL_AT_STEP="5",
+    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
+  )
   env["XLA_FLAGS"] = xla_test_flags.FAST_COMPILE  # --cpu_devices sets the device count
   workdir = tmp_path / "run"
-  killed = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "kill_at_step.py"),
-                           *_cli_args(workdir, xla_cache)], env=env, capture_output=True, text=True, timeout=240)
+  killed = subprocess.run(
+    [sys.executable, str(ROOT / "tests" / "workers" / "kill_at_step.py"), *_cli_args(workdir, xla_cache)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
   assert killed.returncode == -9, killed.stderr[-3000:]
-  again = subprocess.run([sys.executable, "-m", "distrib_train", *_cli_args(workdir, xla_cache)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=240)
+  again = subprocess.run(
+    [sys.executable, "-m", "distrib_train", *_cli_args(workdir, xla_cache)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
   assert again.returncode == 0, again.stderr[-3000:]
   assert "Restored step 3 from" in again.stderr
   document = json.loads((workdir / "goodput.json").read_text())

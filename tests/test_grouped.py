@@ -18,8 +18,15 @@ def _problem():
   groups = jax.random.randint(keys[1], (ROWS,), 0, GROUPS + 1).at[:12].set(2).at[12:14].set(GROUPS)
   groups = jnp.where(groups == 0, 1, groups)  # group 0 gets no rows
   scale = lambda key, shape: jax.random.normal(key, shape) / 6
-  return rows, groups, (scale(keys[2], (GROUPS, EMBED, HIDDEN)), scale(keys[3], (GROUPS, EMBED, HIDDEN)),
-                        scale(keys[4], (GROUPS, HIDDEN, EMBED)))
+  return (
+    rows,
+    groups,
+    (
+      scale(keys[2], (GROUPS, EMBED, HIDDEN)),
+      scale(keys[3], (GROUPS, EMBED, HIDDEN)),
+      scale(keys[4], (GROUPS, HIDDEN, EMBED)),
+    ),
+  )
 
 
 def _reference(rows, groups, w_gate, w_up, w_down):
@@ -42,8 +49,8 @@ def test_the_padded_layout_gives_each_group_whole_tiles_and_no_more():
   for g in range(GROUPS):  # a group's rows fill the start of its own span, in their order
     mine = positions[np.asarray(groups) == g]
     np.testing.assert_array_equal(mine, starts[g] + np.arange(len(mine)))
-    np.testing.assert_array_equal(tile_groups[starts[g] // tile:(starts[g] + sizes[g]) // tile], g)
-  assert np.all(tile_groups[sizes.sum() // tile:] == -1)
+    np.testing.assert_array_equal(tile_groups[starts[g] // tile : (starts[g] + sizes[g]) // tile], g)
+  assert np.all(tile_groups[sizes.sum() // tile :] == -1)
 
 
 @pytest.mark.parametrize("interpret", [False, True], ids=["cpu-tiles", "megablox-interpreted"])

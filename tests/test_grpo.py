@@ -21,8 +21,18 @@ from distrib_train.objectives import grpo
 from distrib_train.config import run as config_lib
 from distrib_train.posttrain import rollouts
 
-ROLLOUT_KEYS = {"step", "prompt_index", "prompt", "completion", "completion_ids", "rewards", "reward", "advantage",
-                "length", "truncated"}  # as docs/rl.md lists them
+ROLLOUT_KEYS = {
+  "step",
+  "prompt_index",
+  "prompt",
+  "completion",
+  "completion_ids",
+  "rewards",
+  "reward",
+  "advantage",
+  "length",
+  "truncated",
+}  # as docs/rl.md lists them
 
 
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
@@ -39,22 +49,47 @@ def test_loss_is_trls_formula(loss_type, level, beta):
   lengths = rng.integers(0, length, rows)
   mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.float32)
   advantages = rng.normal(0.0, 1.0, rows)
-  settings = grpo.GrpoConfig(loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon=0.2,
-                             epsilon_high=0.28, max_completion_length=length)
+  settings = grpo.GrpoConfig(
+    loss_type=loss_type,
+    importance_sampling_level=level,
+    beta=beta,
+    epsilon=0.2,
+    epsilon_high=0.28,
+    max_completion_length=length,
+  )
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  loss, aux = grpo.figures(f32(logps), f32(np.zeros_like(logps)), f32(mask),
-                           f32(np.broadcast_to(advantages[:, None], logps.shape)), f32(old), f32(old),
-                           f32(ref) if beta else None, settings)
-  expected = grpo_helpers.trl_loss(logps, old, ref, advantages, mask, loss_type=loss_type, level=level, beta=beta,
-                                   epsilon=0.2, epsilon_high=0.28, max_completion_length=length)
+  loss, aux = grpo.figures(
+    f32(logps),
+    f32(np.zeros_like(logps)),
+    f32(mask),
+    f32(np.broadcast_to(advantages[:, None], logps.shape)),
+    f32(old),
+    f32(old),
+    f32(ref) if beta else None,
+    settings,
+  )
+  expected = grpo_helpers.trl_loss(
+    logps,
+    old,
+    ref,
+    advantages,
+    mask,
+    loss_type=loss_type,
+    level=level,
+    beta=beta,
+    epsilon=0.2,
+    epsilon_high=0.28,
+    max_completion_length=length,
+  )
   np.testing.assert_allclose(float(loss), expected, rtol=1e-5, atol=1e-6)
   assert float(aux["tokens"]) == mask.sum() and float(aux["sequences"]) == rows
   if level == "token":  # TRL's clip ratios: the share of completion tokens clipped below (A < 0) and above (A > 0)
     coef = np.exp(logps - old)
     low = ((coef < 0.8) & (advantages[:, None] < 0) & (mask > 0)).sum() / mask.sum()
     high = ((coef > 1.28) & (advantages[:, None] > 0) & (mask > 0)).sum() / mask.sum()
-    np.testing.assert_allclose([float(aux["clip_ratio/low_mean"]), float(aux["clip_ratio/high_mean"])], [low, high],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+      [float(aux["clip_ratio/low_mean"]), float(aux["clip_ratio/high_mean"])], [low, high], atol=1e-6
+    )
     assert 0 < low and 0 < high
   if beta:
     kl = np.exp(ref - logps) - (ref - logps) - 1
@@ -62,8 +97,10 @@ def test_loss_is_trls_formula(loss_type, level, beta):
 
 
 def _config(*overrides, steps=4):
-  return config_lib.load("grpo-tiny", [f"train.steps={steps}", "train.log_every=1", "data.global_batch_size=32",
-                                       "grpo.num_generations=4", *overrides])
+  return config_lib.load(
+    "grpo-tiny",
+    [f"train.steps={steps}", "train.log_every=1", "data.global_batch_size=32", "grpo.num_generations=4", *overrides],
+  )
 
 
 def _train(config, workdir):
@@ -98,14 +135,26 @@ def test_a_run_writes_rollouts_and_resumes_exactly(tmp_path):
   assert all(r["prompt"].endswith("=") and r["length"] == len(r["completion_ids"]) == 2 for r in first)
   reward = [r["rewards"]["accuracy"] + r["rewards"]["format"] for r in first]
   np.testing.assert_allclose([r["reward"] for r in first], reward)
-  np.testing.assert_allclose([r["advantage"] for r in first], grpo_helpers.trl_advantages(reward, 4, "group"),
-                             atol=1e-9)
+  np.testing.assert_allclose(
+    [r["advantage"] for r in first], grpo_helpers.trl_advantages(reward, 4, "group"), atol=1e-9
+  )
   metrics = grpo_helpers.read_jsonl(tmp_path / "whole" / "metrics.jsonl")
   logged = {k for r in metrics for k in r}
-  for key in ("rollout/reward/mean", "rollout/reward/std", "rollout/rewards/accuracy/mean",
-              "rollout/rewards/format/std", "rollout/completions/mean_length", "rollout/completions/min_length",
-              "rollout/completions/max_length", "rollout/frac_reward_zero_std", "clip_ratio/low_mean",
-              "clip_ratio/high_mean", "kl", "entropy", "sampler_gap/mean"):
+  for key in (
+    "rollout/reward/mean",
+    "rollout/reward/std",
+    "rollout/rewards/accuracy/mean",
+    "rollout/rewards/format/std",
+    "rollout/completions/mean_length",
+    "rollout/completions/min_length",
+    "rollout/completions/max_length",
+    "rollout/frac_reward_zero_std",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "kl",
+    "entropy",
+    "sampler_gap/mean",
+  ):
     assert key in logged, key
   assert max(r["sampler_gap/max"] for r in metrics if "sampler_gap/max" in r) < 1e-4
   goodput = json.loads((tmp_path / "whole" / "goodput.json").read_text())
@@ -137,14 +186,33 @@ def test_a_failing_reward_function_stops_the_run_in_one_line(tmp_path):
   checkpoint is written past the last good step."""
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
   proc = subprocess.run(
-      [sys.executable, "-m", "distrib_train", "--config", "grpo-tiny", "--workdir", str(tmp_path / "run"),
-       "--cpu_devices", "8", "--set", "grpo.reward_funcs=accuracy,grpo_helpers:fails_on_seven",
-       "--set", "train.checkpoint_every=1", "--set", "train.steps=20"],
-      capture_output=True, text=True, timeout=300, env=env)
+    [
+      sys.executable,
+      "-m",
+      "distrib_train",
+      "--config",
+      "grpo-tiny",
+      "--workdir",
+      str(tmp_path / "run"),
+      "--cpu_devices",
+      "8",
+      "--set",
+      "grpo.reward_funcs=accuracy,grpo_helpers:fails_on_seven",
+      "--set",
+      "train.checkpoint_every=1",
+      "--set",
+      "train.steps=20",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
   assert proc.returncode == 1, proc.stderr[-2000:]
   errors = [line for line in proc.stderr.splitlines() if "error" in line]
-  assert len(errors) == 1 and "reward function 'grpo_helpers:fails_on_seven' failed on prompt" in errors[0], \
-      proc.stderr[-2000:]
+  assert len(errors) == 1 and "reward function 'grpo_helpers:fails_on_seven' failed on prompt" in errors[0], (
+    proc.stderr[-2000:]
+  )
   index = int(errors[0].split("failed on prompt ")[1].split(":")[0])
   assert json.loads(_arithmetic_record(index))["prompt"].startswith("7+")
   steps = [int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()]
@@ -161,7 +229,9 @@ def _arithmetic_record(index):
   return arithmetic_records()[index]
 
 
-@pytest.mark.parametrize("overrides, message", [
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
     (["data.global_batch_size=30"], "not a multiple of grpo.num_generations"),
     (["grpo.reward_funcs="], "grpo.reward_funcs is empty"),
     (["grpo.reward_funcs=no_such_function"], "unknown reward function 'no_such_function'"),
@@ -170,7 +240,8 @@ def _arithmetic_record(index):
     (["data.seq_len=2"], "data.seq_len=2 holds no prompt"),
     (["data.source=pydoc"], "data.source=pydoc: train.objective=grpo reads prompt records"),
     (["model.lora.rank=4", "model.lora.dropout=0.1"], "model.lora.dropout"),
-])
+  ],
+)
 def test_a_run_that_cannot_work_is_refused_in_one_line(overrides, message):
   config = config_lib.load("grpo-tiny", overrides)
   with pytest.raises(ValueError, match=message) as e:
@@ -178,7 +249,9 @@ def test_a_run_that_cannot_work_is_refused_in_one_line(overrides, message):
   assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("overrides, message", [
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
     (["grpo.loss_type=ppo"], "grpo.loss_type='ppo'; choose grpo, dr_grpo, dapo, bnpo"),
     (["grpo.importance_sampling_level=sample"], "grpo.importance_sampling_level"),
     (["grpo.scale_rewards=true"], "grpo.scale_rewards"),
@@ -187,7 +260,8 @@ def test_a_run_that_cannot_work_is_refused_in_one_line(overrides, message):
     (["grpo.reference=hf:/nowhere", "grpo.beta=0"], "is read with grpo.beta > 0"),
     (["grpo.reference=hf:/nowhere"], "grpo.reference hf:/nowhere: .*is not a directory"),
     (["train.objective=lm"], "The grpo section is read with train.objective: grpo"),
-])
+  ],
+)
 def test_bad_grpo_settings_are_refused_by_the_config(overrides, message):
   with pytest.raises(ConfigError, match=message):
     config_lib.load("grpo-tiny", overrides)
@@ -205,7 +279,8 @@ def test_prompt_records_come_from_any_corpus_format_with_every_column(tmp_path):
   documents = rollouts.prompt_records(config)
   assert [json.loads(documents[i]) for i in range(len(documents))] == rows
   (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "1+1="}) + "\n")
-  config = config_lib.load("grpo-tiny", ["data.source=text", f"data.paths={tmp_path / 'bad.jsonl'}",
-                                         "data.bad_records=error"])
+  config = config_lib.load(
+    "grpo-tiny", ["data.source=text", f"data.paths={tmp_path / 'bad.jsonl'}", "data.bad_records=error"]
+  )
   with pytest.raises(ValueError, match="bad.jsonl.* line 1 is not a prompt record"):
     rollouts.prompt_records(config)

@@ -59,7 +59,7 @@ def _logps(directory, rows, prompts, temperature):
       ids = torch.tensor([prompt + r["completion_ids"]])
       logps = torch.log_softmax(net(ids).logits[0, :-1].double() / temperature, dim=-1)
       picked = logps.gather(-1, ids[0, 1:, None])[:, 0].numpy()
-      out[i, :len(r["completion_ids"])] = picked[len(prompt) - 1:]
+      out[i, : len(r["completion_ids"])] = picked[len(prompt) - 1 :]
   return out
 
 
@@ -70,8 +70,9 @@ def _check_against_trl(workdir, hf_dir, config):
   rows = [r for r in grpo_helpers.read_jsonl(workdir / "rollouts.jsonl") if r["step"] == 1]
   assert len(rows) == config.data.global_batch_size
   rewards = [r["reward"] for r in rows]
-  np.testing.assert_allclose([r["advantage"] for r in rows],
-                             grpo_helpers.trl_advantages(rewards, g.num_generations, g.scale_rewards), atol=1e-6)
+  np.testing.assert_allclose(
+    [r["advantage"] for r in rows], grpo_helpers.trl_advantages(rewards, g.num_generations, g.scale_rewards), atol=1e-6
+  )
   lengths = np.asarray([len(r["completion_ids"]) for r in rows])
   mask = (np.arange(lengths.max())[None, :] < lengths[:, None]).astype(np.float64)
   if g.mask_truncated_completions:
@@ -96,21 +97,37 @@ def _check_against_trl(workdir, hf_dir, config):
   export.export(workdir, str(workdir / "step1_hf"), step=1)
   start = _logps(hf_dir, rows, prompts, g.temperature)
   after_one = _logps(workdir / "step1_hf", rows, prompts, g.temperature)
-  options = dict(loss_type=g.loss_type, level=g.importance_sampling_level, beta=g.beta, epsilon=g.epsilon,
-                 epsilon_high=g.epsilon_high, max_completion_length=g.max_completion_length)
+  options = dict(
+    loss_type=g.loss_type,
+    level=g.importance_sampling_level,
+    beta=g.beta,
+    epsilon=g.epsilon,
+    epsilon_high=g.epsilon_high,
+    max_completion_length=g.max_completion_length,
+  )
   advantages = [r["advantage"] for r in rows]
-  expected = {1: grpo_helpers.trl_loss(start, start, start, advantages, mask, **options),
-              2: grpo_helpers.trl_loss(after_one, start, start, advantages, mask, **options)}
+  expected = {
+    1: grpo_helpers.trl_loss(start, start, start, advantages, mask, **options),
+    2: grpo_helpers.trl_loss(after_one, start, start, advantages, mask, **options),
+  }
   ran = grpo_helpers.losses(workdir)
   assert abs(expected[2] - expected[1]) > 1e-3  # the policy moved: step 2's weights are not 1
   np.testing.assert_allclose([ran[1], ran[2]], [expected[1], expected[2]], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("settings", [
+@pytest.mark.parametrize(
+  "settings",
+  [
     ("grpo.loss_type=dapo", "grpo.importance_sampling_level=token"),
-    ("grpo.loss_type=dr_grpo", "grpo.importance_sampling_level=token", "grpo.beta=0.04",
-     "grpo.mask_truncated_completions=true", "grpo.epsilon_high=0.28"),
-])
+    (
+      "grpo.loss_type=dr_grpo",
+      "grpo.importance_sampling_level=token",
+      "grpo.beta=0.04",
+      "grpo.mask_truncated_completions=true",
+      "grpo.epsilon_high=0.28",
+    ),
+  ],
+)
 def test_the_runs_loss_is_trls_formula_on_8_devices(model, settings, tmp_path):
   from distrib_train.train.trainer import Trainer
 
@@ -129,9 +146,17 @@ def test_the_runs_loss_is_trls_formula_on_one_device(model, tmp_path):
   hf_dir, prompts = model
   (tmp_path / "one.yaml").write_text(ONE_DEVICE)
   settings = ["grpo.loss_type=bnpo", "grpo.importance_sampling_level=sequence", "grpo.scale_rewards=batch"]
-  results = mp_harness.run_workers(pathlib.Path(__file__).parent / "workers" / "grpo_worker.py", str(hf_dir),
-                                   str(prompts), str(tmp_path / "one.yaml"), str(tmp_path / "run"), *settings,
-                                   num_processes=1, devices_per_process=1, timeout=400)
+  results = mp_harness.run_workers(
+    pathlib.Path(__file__).parent / "workers" / "grpo_worker.py",
+    str(hf_dir),
+    str(prompts),
+    str(tmp_path / "one.yaml"),
+    str(tmp_path / "run"),
+    *settings,
+    num_processes=1,
+    devices_per_process=1,
+    timeout=400,
+  )
   assert results[0].result == {"status": "finished", "step": 2}
   config = config_lib.load("grpo-tiny", grpo_helpers.hf_overrides(hf_dir, prompts) + settings)
   _check_against_trl(tmp_path / "run", hf_dir, config)
@@ -142,12 +167,19 @@ def test_the_runs_loss_is_trls_formula_in_two_processes(model, tmp_path):
   import mp_harness
 
   hf_dir, prompts = model
-  (tmp_path / "mesh.yaml").write_text("devices: 8\ngranules: 2\naxes:\n  data: 1\n  fsdp: {ici: 2, dcn: 2}\n"
-                                      "  tensor: {ici: 2}\nrules: fsdp_tensor\n")
+  (tmp_path / "mesh.yaml").write_text(
+    "devices: 8\ngranules: 2\naxes:\n  data: 1\n  fsdp: {ici: 2, dcn: 2}\n  tensor: {ici: 2}\nrules: fsdp_tensor\n"
+  )
   settings = ["grpo.loss_type=grpo", "grpo.importance_sampling_level=sequence", "grpo.beta=0.04"]
-  results = mp_harness.run_workers(pathlib.Path(__file__).parent / "workers" / "grpo_worker.py", str(hf_dir),
-                                   str(prompts), str(tmp_path / "mesh.yaml"), str(tmp_path / "run"), *settings,
-                                   timeout=400)
+  results = mp_harness.run_workers(
+    pathlib.Path(__file__).parent / "workers" / "grpo_worker.py",
+    str(hf_dir),
+    str(prompts),
+    str(tmp_path / "mesh.yaml"),
+    str(tmp_path / "run"),
+    *settings,
+    timeout=400,
+  )
   assert all(r.result == {"status": "finished", "step": 2} for r in results)
   config = config_lib.load("grpo-tiny", grpo_helpers.hf_overrides(hf_dir, prompts) + settings)
   _check_against_trl(tmp_path / "run", hf_dir, config)
@@ -194,9 +226,24 @@ def test_a_cli_run_ends_each_completion_at_its_first_end_id_as_trl_does(chat_mod
   hf_dir, prompts = chat_model
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
   sets = [word for setting in grpo_helpers.hf_overrides(hf_dir, prompts) for word in ("--set", setting)]
-  proc = subprocess.run([sys.executable, "-m", "distrib_train", "--config", "grpo-tiny", "--workdir",
-                         str(tmp_path / "run"), "--cpu_devices", "8", *sets],
-                        capture_output=True, text=True, timeout=300, env=env)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "distrib_train",
+      "--config",
+      "grpo-tiny",
+      "--workdir",
+      str(tmp_path / "run"),
+      "--cpu_devices",
+      "8",
+      *sets,
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   trl, _ = _end_ids(hf_dir)
   tok = transformers.AutoTokenizer.from_pretrained(hf_dir)

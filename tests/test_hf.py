@@ -25,72 +25,173 @@ try:  # .ci/run installs them where PyTorch's CPU build is served (its Python 3.
 except ImportError:
   if os.environ.get("DT_REQUIRE_TORCH") == "1":
     raise
-  pytest.skip("transformers and torch are the reference here: pip install torch transformers",
-              allow_module_level=True)
+  pytest.skip("transformers and torch are the reference here: pip install torch transformers", allow_module_level=True)
 
 import distrib_train as dt
 from distrib_train import recipes
 from distrib_train.checkpoint import hf
 from distrib_train.sharding.axis_rules import activation_sharding
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5)
-_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
-         "beta_slow": 1.0}
+COMMON = dict(
+  vocab_size=128,
+  hidden_size=64,
+  intermediate_size=96,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  max_position_embeddings=128,
+  rms_norm_eps=1e-5,
+)
+_YARN = {
+  "rope_type": "yarn",
+  "factor": 4.0,
+  "original_max_position_embeddings": 32,
+  "beta_fast": 32.0,
+  "beta_slow": 1.0,
+}
 FAMILIES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=10000.0)),
-    "llama3.1": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
-        rope_theta=500000.0, tie_word_embeddings=True,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32})),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(rope_theta=1e6,
-                                                                                  sliding_window=None)),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1e6,
-                                                                            tie_word_embeddings=True)),
-    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
-        rope_theta=1e6, sliding_window=None, num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, dict(
-        rope_theta=1e6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-        shared_expert_intermediate_size=80, norm_topk_prob=False)),
-    # q/k norms, no biases, an untied head
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_theta=1e6)),
-    # the router renormalised; layer 1 dense (mlp_only_layers): two segments
-    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1])),
-    # GeGLU, 1 + w sandwich norms, √d embeddings, q/k norms, local layers of a window of 8 (tokens are 64 long)
-    # with their own RoPE base beside linearly scaled global ones, both soft caps, a tied head
-    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
-        num_hidden_layers=4, layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                          "sliding_attention"],
-        sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
-    # MLA (low-rank q, a kv latent, a decoupled interleaved RoPE part), YaRN with mscale, a dense first layer,
-    # 8 experts in 4 groups (2 kept) with the score correction, a shared expert
-    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
-        num_hidden_layers=3, num_key_value_heads=4, head_dim=None, q_lora_rank=32, kv_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=4, topk_group=2, first_k_dense_replace=1, moe_intermediate_size=32, n_shared_experts=1,
-        routed_scaling_factor=2.5, rope_parameters={**_YARN, "rope_theta": 1e4, "mscale": 1.0,
-                                                    "mscale_all_dim": 1.0})),
-    # sinks, sliding (8) and full layers, YaRN, q/k/v/o biases, router and expert biases, the clamped SwiGLU (a
-    # low limit, so that the clamp bites)
-    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, dict(
-        num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=8, swiglu_limit=0.5,
-        rope_parameters={**_YARN, "rope_theta": 1.5e5, "truncate": False})),
+  "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=10000.0)),
+  "llama3.1": (
+    transformers.LlamaConfig,
+    transformers.LlamaForCausalLM,
+    dict(
+      rope_theta=500000.0,
+      tie_word_embeddings=True,
+      rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+      },
+    ),
+  ),
+  "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(rope_theta=1e6, sliding_window=None)),
+  "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1e6, tie_word_embeddings=True)),
+  "mixtral": (
+    transformers.MixtralConfig,
+    transformers.MixtralForCausalLM,
+    dict(rope_theta=1e6, sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
+  ),
+  "qwen2_moe": (
+    transformers.Qwen2MoeConfig,
+    transformers.Qwen2MoeForCausalLM,
+    dict(
+      rope_theta=1e6,
+      num_experts=4,
+      num_experts_per_tok=2,
+      moe_intermediate_size=48,
+      shared_expert_intermediate_size=80,
+      norm_topk_prob=False,
+    ),
+  ),
+  # q/k norms, no biases, an untied head
+  "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_theta=1e6)),
+  # the router renormalised; layer 1 dense (mlp_only_layers): two segments
+  "qwen3_moe": (
+    transformers.Qwen3MoeConfig,
+    transformers.Qwen3MoeForCausalLM,
+    dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1]),
+  ),
+  # GeGLU, 1 + w sandwich norms, √d embeddings, q/k norms, local layers of a window of 8 (tokens are 64 long)
+  # with their own RoPE base beside linearly scaled global ones, both soft caps, a tied head
+  "gemma3": (
+    transformers.Gemma3TextConfig,
+    transformers.Gemma3ForCausalLM,
+    dict(
+      num_hidden_layers=4,
+      layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+      sliding_window=8,
+      query_pre_attn_scalar=24,
+      attn_logit_softcapping=20.0,
+      final_logit_softcapping=15.0,
+      rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+      },
+    ),
+  ),
+  # MLA (low-rank q, a kv latent, a decoupled interleaved RoPE part), YaRN with mscale, a dense first layer,
+  # 8 experts in 4 groups (2 kept) with the score correction, a shared expert
+  "deepseek_v3": (
+    transformers.DeepseekV3Config,
+    transformers.DeepseekV3ForCausalLM,
+    dict(
+      num_hidden_layers=3,
+      num_key_value_heads=4,
+      head_dim=None,
+      q_lora_rank=32,
+      kv_lora_rank=16,
+      qk_rope_head_dim=8,
+      qk_nope_head_dim=16,
+      v_head_dim=16,
+      n_routed_experts=8,
+      num_experts_per_tok=2,
+      n_group=4,
+      topk_group=2,
+      first_k_dense_replace=1,
+      moe_intermediate_size=32,
+      n_shared_experts=1,
+      routed_scaling_factor=2.5,
+      rope_parameters={**_YARN, "rope_theta": 1e4, "mscale": 1.0, "mscale_all_dim": 1.0},
+    ),
+  ),
+  # sinks, sliding (8) and full layers, YaRN, q/k/v/o biases, router and expert biases, the clamped SwiGLU (a
+  # low limit, so that the clamp bites)
+  "gpt_oss": (
+    transformers.GptOssConfig,
+    transformers.GptOssForCausalLM,
+    dict(
+      num_local_experts=4,
+      num_experts_per_tok=2,
+      intermediate_size=48,
+      sliding_window=8,
+      swiglu_limit=0.5,
+      rope_parameters={**_YARN, "rope_theta": 1.5e5, "truncate": False},
+    ),
+  ),
 }
 # What the import reads from each family's config.json, beside its shape.
 EXPECTED = {
-    "llama": {}, "llama3.1": dict(tie_embeddings=True, rope_scaling="llama3"), "mistral": {},
-    "qwen2": dict(attention_bias=True, tie_embeddings=True), "mixtral": {}, "qwen2_moe": dict(attention_bias=True),
-    "qwen3": dict(qk_norm=True), "qwen3_moe": dict(qk_norm=True, dense_layers=(1,)),
-    "gemma3": dict(qk_norm=True, sandwich_norms=True, norm_weight_offset=1.0, scale_embeddings=True,
-                   mlp_activation="gelu_tanh", tie_embeddings=True, sliding_window=8, local_rope_theta=1e4,
-                   layer_types=("sliding", "sliding", "full", "sliding"), rope_scaling="linear"),
-    "deepseek_v3": dict(attention_kind="mla", router="sigmoid", router_groups=4, router_score_bias=True,
-                        dense_layers=(0,), rope_scaling="yarn", rope_interleave=True),
-    "gpt_oss": dict(attention_bias=True, attention_sinks=True, router="softmax_topk", expert_bias=True,
-                    mlp_activation="swiglu_oss", layer_types=("sliding", "full"), rope_scaling="yarn"),
+  "llama": {},
+  "llama3.1": dict(tie_embeddings=True, rope_scaling="llama3"),
+  "mistral": {},
+  "qwen2": dict(attention_bias=True, tie_embeddings=True),
+  "mixtral": {},
+  "qwen2_moe": dict(attention_bias=True),
+  "qwen3": dict(qk_norm=True),
+  "qwen3_moe": dict(qk_norm=True, dense_layers=(1,)),
+  "gemma3": dict(
+    qk_norm=True,
+    sandwich_norms=True,
+    norm_weight_offset=1.0,
+    scale_embeddings=True,
+    mlp_activation="gelu_tanh",
+    tie_embeddings=True,
+    sliding_window=8,
+    local_rope_theta=1e4,
+    layer_types=("sliding", "sliding", "full", "sliding"),
+    rope_scaling="linear",
+  ),
+  "deepseek_v3": dict(
+    attention_kind="mla",
+    router="sigmoid",
+    router_groups=4,
+    router_score_bias=True,
+    dense_layers=(0,),
+    rope_scaling="yarn",
+    rope_interleave=True,
+  ),
+  "gpt_oss": dict(
+    attention_bias=True,
+    attention_sinks=True,
+    router="softmax_topk",
+    expert_bias=True,
+    mlp_activation="swiglu_oss",
+    layer_types=("sliding", "full"),
+    rope_scaling="yarn",
+  ),
 }
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
@@ -148,7 +249,9 @@ def assert_gradients_equal(ours, reference, rtol=1e-4):
   norm."""
   assert set(reference) <= set(ours), sorted(set(reference) - set(ours))
   norm = lambda a: float(np.sqrt(np.sum(np.square(a, dtype=np.float64))))
-  assert all(np.isfinite(ours[name]).all() for name in reference), [n for n in reference if not np.isfinite(ours[n]).all()]
+  assert all(np.isfinite(ours[name]).all() for name in reference), [
+    n for n in reference if not np.isfinite(ours[n]).all()
+  ]
   total = math.sqrt(sum(norm(reference[n]) ** 2 for n in reference))
   difference = math.sqrt(sum(norm(ours[n] - reference[n]) ** 2 for n in reference))
   assert difference <= rtol * total, (difference, total)
@@ -167,9 +270,12 @@ def _import(directory):
     config = dataclasses.replace(config, aux_loss_weight=0.0, z_loss_weight=0.0)
   model = config.build(0)
   planner = dt.MeshPlanner(dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2))), "fsdp_tensor")
-  state, plan = planner.init(lambda: dt.TrainState.initial_state(model, optax.sgd(0.0), jax.random.key(0)),
-                             loss_fn=_recipe(config).loss_fn, inputs={"tokens": _tokens(), "targets": _tokens()},
-                             input_axes=recipes.llama.INPUT_AXES)
+  state, plan = planner.init(
+    lambda: dt.TrainState.initial_state(model, optax.sgd(0.0), jax.random.key(0)),
+    loss_fn=_recipe(config).loss_fn,
+    inputs={"tokens": _tokens(), "targets": _tokens()},
+    input_axes=recipes.llama.INPUT_AXES,
+  )
   abstract = plan.abstract_train_state
   params = hf.load_params(directory, abstract.params, config)
   local_state = hf.load_params(directory, abstract.local_state, config, fresh=state.local_state)
@@ -227,8 +333,9 @@ def test_import_gives_transformers_logits_and_gradients_and_export_loads_back_bi
 
   hf.save(state.params, config, str(tmp_path / "out"), local_state=state.local_state, max_shard_bytes=64 << 10)
   exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
-  np.testing.assert_allclose(_reference_logits(exported, tokens), _reference_logits(reference, tokens),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    _reference_logits(exported, tokens), _reference_logits(reference, tokens), rtol=1e-5, atol=1e-5
+  )
   original = hf.SafetensorsDirectory(str(tmp_path / "hf"))
   again = hf.SafetensorsDirectory(str(tmp_path / "out"))
   assert (tmp_path / "out" / "model.safetensors.index.json").exists()  # sharded at 64 KiB
@@ -244,15 +351,23 @@ def test_bfloat16_checkpoints_import_as_their_values(tmp_path):
   np.testing.assert_array_equal(np.asarray(state.params["embed"][...]), embed)
 
 
-@pytest.mark.parametrize("edit, message", [
+@pytest.mark.parametrize(
+  "edit, message",
+  [
     ({"architectures": ["GPT2LMHeadModel"]}, "architecture 'GPT2LMHeadModel' is not one this importer reads"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}}, "RoPE scaling 'longrope'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-     "rope_parameters has no 'original_max_position_embeddings', which yarn scaling needs"),
-    ({"intermediate_size": 100}, r"tensor .model.layers.0.mlp.\w+_proj.weight. has shape \(\d+, \d+\), the config says"),
+    (
+      {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+      "rope_parameters has no 'original_max_position_embeddings', which yarn scaling needs",
+    ),
+    (
+      {"intermediate_size": 100},
+      r"tensor .model.layers.0.mlp.\w+_proj.weight. has shape \(\d+, \d+\), the config says",
+    ),
     ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config 'mxfp4': quantized weights"),
-])
+  ],
+)
 def test_what_the_importer_cannot_read_is_named(edit, message, tmp_path):
   _save("llama", tmp_path / "hf")
   path = tmp_path / "hf" / "config.json"
@@ -265,9 +380,14 @@ def test_a_tensor_the_importer_would_leave_unread_is_refused_naming_it(tmp_path)
   from safetensors.numpy import save_file
 
   _save("llama", tmp_path / "hf")
-  save_file({"model.layers.1.self_attn.o_proj.bias": np.zeros(64, np.float32)}, str(tmp_path / "hf" / "extra.safetensors"))
-  with pytest.raises(hf.HfCheckpointError, match=r"tensor 'model.layers.1.self_attn.o_proj.bias' is not read by the"
-                                                 r" llama importer"):
+  save_file(
+    {"model.layers.1.self_attn.o_proj.bias": np.zeros(64, np.float32)}, str(tmp_path / "hf" / "extra.safetensors")
+  )
+  with pytest.raises(
+    hf.HfCheckpointError,
+    match=r"tensor 'model.layers.1.self_attn.o_proj.bias' is not read by the"
+    r" llama importer",
+  ):
     _import(str(tmp_path / "hf"))
 
 
@@ -281,24 +401,40 @@ def test_fine_tuning_starts_from_the_imported_weights_whose_eval_loss_is_transfo
   from distrib_train.config import run as config_lib
   from distrib_train.train.trainer import Trainer
 
-  config = config_lib.load("tiny", [
-      "data.seq_len=64", "data.global_batch_size=8", "data.packing=false", "train.steps=1", "train.eval_batches=2",
-      "train.async_checkpoint=false", "train.compilation_cache_dir=", "model.dtype=float32", "model.attention=xla",
-      "optimizer.name=sgd", "optimizer.learning_rate=1e-30", f"train.init_from=hf:{tmp_path / 'hf'}"])
+  config = config_lib.load(
+    "tiny",
+    [
+      "data.seq_len=64",
+      "data.global_batch_size=8",
+      "data.packing=false",
+      "train.steps=1",
+      "train.eval_batches=2",
+      "train.async_checkpoint=false",
+      "train.compilation_cache_dir=",
+      "model.dtype=float32",
+      "model.attention=xla",
+      "optimizer.name=sgd",
+      "optimizer.learning_rate=1e-30",
+      f"train.init_from=hf:{tmp_path / 'hf'}",
+    ],
+  )
   recipe = config.model_recipe().config
   assert (recipe.d_model, recipe.mlp_dim, recipe.num_kv_heads) == (64, 96, 2)  # the checkpoint's shape
   result = Trainer(config, tmp_path / "run", console=False).run()
   assert result.status == "finished"
   # transformers' loss on the same held-out batches (lr 1e-30: the step leaves the weights as imported).
   mesh = dt.build_mesh(dt.MeshConfig(("data",), (8,)))
-  shardings = {k: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-               for k in data.DataLoader.batch_schema(config.data_config())}
+  shardings = {
+    k: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    for k in data.DataLoader.batch_schema(config.data_config())
+  }
   loader = data.DataLoader(config.data_config(), shardings, split="eval", num_epochs=1)
   total = count = 0.0
   for _, batch in zip(range(2), loader):
     logits = torch.from_numpy(_reference_logits(reference, np.asarray(batch["tokens"])))
-    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), torch.from_numpy(
-        np.array(batch["targets"])).long(), reduction="none").numpy()
+    losses = torch.nn.functional.cross_entropy(
+      logits.transpose(1, 2), torch.from_numpy(np.array(batch["targets"])).long(), reduction="none"
+    ).numpy()
     weights = np.asarray(batch["weights"])
     total, count = total + float((losses * weights).sum()), count + float(weights.sum())
   loader.close()
@@ -312,17 +448,51 @@ def test_fine_tuning_starts_from_the_imported_weights_whose_eval_loss_is_transfo
   import sys
 
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  out = subprocess.run([sys.executable, "-m", "distrib_train", "export", "--workdir", str(tmp_path / "run"),
-                        "--out", str(tmp_path / "exported")], capture_output=True, text=True, timeout=300, env=env)
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "distrib_train",
+      "export",
+      "--workdir",
+      str(tmp_path / "run"),
+      "--out",
+      str(tmp_path / "exported"),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
   assert out.returncode == 0, out.stderr[-2000:]
-  original, exported = hf.SafetensorsDirectory(str(tmp_path / "hf")), hf.SafetensorsDirectory(str(tmp_path / "exported"))
-  assert hf.tensors_equal({n: original.read(n) for n in original.tensors}, {n: exported.read(n) for n in exported.tensors})
+  original, exported = (
+    hf.SafetensorsDirectory(str(tmp_path / "hf")),
+    hf.SafetensorsDirectory(str(tmp_path / "exported")),
+  )
+  assert hf.tensors_equal(
+    {n: original.read(n) for n in original.tensors}, {n: exported.read(n) for n in exported.tensors}
+  )
   again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
   tokens = np.random.default_rng(1).integers(0, 256, size=(2, 32)).astype(np.int32)
-  np.testing.assert_allclose(_reference_logits(again, tokens), _reference_logits(reference, tokens), rtol=1e-5,
-                             atol=1e-5)
-  bad = subprocess.run([sys.executable, "-m", "distrib_train", "export", "--workdir", str(tmp_path / "nowhere"),
-                        "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300, env=env)
+  np.testing.assert_allclose(
+    _reference_logits(again, tokens), _reference_logits(reference, tokens), rtol=1e-5, atol=1e-5
+  )
+  bad = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "distrib_train",
+      "export",
+      "--workdir",
+      str(tmp_path / "nowhere"),
+      "--out",
+      str(tmp_path / "x"),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
   assert bad.returncode == 2 and "is not a distrib_train run (no config.yaml)" in bad.stderr
   assert not (tmp_path / "x").exists()
 
@@ -333,8 +503,9 @@ def test_two_processes_each_read_only_their_half_and_give_transformers_logits(tm
   import mp_harness
 
   reference = _save("llama", tmp_path / "hf")
-  results = mp_harness.run_workers(pathlib.Path(__file__).parent / "workers" / "hf_worker.py", str(tmp_path / "hf"),
-                                   timeout=300)
+  results = mp_harness.run_workers(
+    pathlib.Path(__file__).parent / "workers" / "hf_worker.py", str(tmp_path / "hf"), timeout=300
+  )
   tokens = np.random.default_rng(0).integers(0, COMMON["vocab_size"], size=(4, 32)).astype(np.int32)
   want = _reference_logits(reference, tokens)
   for r in results:
@@ -348,8 +519,9 @@ def _cli(*args):
   import sys
 
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  return subprocess.run([sys.executable, "-m", "distrib_train", *args], capture_output=True, text=True, timeout=600,
-                        env=env)
+  return subprocess.run(
+    [sys.executable, "-m", "distrib_train", *args], capture_output=True, text=True, timeout=600, env=env
+  )
 
 
 def _transformers_loss(model, data_config, batches=2):
@@ -357,14 +529,17 @@ def _transformers_loss(model, data_config, batches=2):
   from distrib_train import data
 
   mesh = dt.build_mesh(dt.MeshConfig(("data",), (8,)))
-  shardings = {k: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-               for k in data.DataLoader.batch_schema(data_config)}
+  shardings = {
+    k: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    for k in data.DataLoader.batch_schema(data_config)
+  }
   total = count = 0.0
   with data.DataLoader(data_config, shardings, split="eval", num_epochs=1) as loader:
     for _, batch in zip(range(batches), loader):
       logits = torch.from_numpy(_reference_logits(model, np.asarray(batch["tokens"])))
-      losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), torch.from_numpy(
-          np.array(batch["targets"])).long(), reduction="none").numpy()
+      losses = torch.nn.functional.cross_entropy(
+        logits.transpose(1, 2), torch.from_numpy(np.array(batch["targets"])).long(), reduction="none"
+      ).numpy()
       weights = np.asarray(batch["weights"])
       total, count = total + float((losses * weights).sum()), count + float(weights.sum())
   return total / count
@@ -381,12 +556,32 @@ def test_the_cli_starts_each_family_from_transformers_weights_with_its_loss_and_
   _save(family, tmp_path / "hf", dtype=torch.bfloat16, shard="60KB", vocab_size=256)
   assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
   reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
-  overrides = ["data.seq_len=64", "data.global_batch_size=8", "data.packing=false", "train.steps=1",
-               "train.eval_batches=2", "train.async_checkpoint=false", "train.compilation_cache_dir=",
-               "model.dtype=float32", "model.attention=xla", "optimizer.name=sgd", "optimizer.learning_rate=1e-30"]
+  overrides = [
+    "data.seq_len=64",
+    "data.global_batch_size=8",
+    "data.packing=false",
+    "train.steps=1",
+    "train.eval_batches=2",
+    "train.async_checkpoint=false",
+    "train.compilation_cache_dir=",
+    "model.dtype=float32",
+    "model.attention=xla",
+    "optimizer.name=sgd",
+    "optimizer.learning_rate=1e-30",
+  ]
   mesh = ["--mesh_config", "cpu-8-expert"] if family in MIXTURES else []
-  run = _cli("--config", "tiny", "--workdir", str(tmp_path / "run"), "--cpu_devices", "8", "--init_from",
-             f"hf:{tmp_path / 'hf'}", *mesh, *[f"--set={o}" for o in overrides])
+  run = _cli(
+    "--config",
+    "tiny",
+    "--workdir",
+    str(tmp_path / "run"),
+    "--cpu_devices",
+    "8",
+    "--init_from",
+    f"hf:{tmp_path / 'hf'}",
+    *mesh,
+    *[f"--set={o}" for o in overrides],
+  )
   assert run.returncode == 0, run.stderr[-3000:]
   evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   key = "eval/cross_entropy" if family in MIXTURES else "eval/loss"  # a mixture's loss adds its routing losses
@@ -398,20 +593,24 @@ def test_the_cli_starts_each_family_from_transformers_weights_with_its_loss_and_
   assert out.returncode == 0, out.stderr[-2000:]
   exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
   tokens = np.random.default_rng(1).integers(0, 256, size=(2, 32)).astype(np.int32)
-  np.testing.assert_allclose(_reference_logits(exported, tokens), _reference_logits(reference, tokens), rtol=1e-5,
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    _reference_logits(exported, tokens), _reference_logits(reference, tokens), rtol=1e-5, atol=1e-5
+  )
   original = hf.SafetensorsDirectory(str(tmp_path / "hf"))
   again = hf.SafetensorsDirectory(str(tmp_path / "exported"))
-  assert hf.tensors_equal({n: original.read(n).astype(np.float32) for n in original.tensors},
-                          {n: again.read(n) for n in original.tensors})
+  assert hf.tensors_equal(
+    {n: original.read(n).astype(np.float32) for n in original.tensors}, {n: again.read(n) for n in original.tensors}
+  )
 
 
 def _first_training_batch(data_config):
   from distrib_train import data
 
   mesh = dt.build_mesh(dt.MeshConfig(("data",), (8,)))
-  shardings = {k: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-               for k in data.DataLoader.batch_schema(data_config)}
+  shardings = {
+    k: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    for k in data.DataLoader.batch_schema(data_config)
+  }
   with data.DataLoader(data_config, shardings, split="train") as loader:
     return {k: np.array(v) for k, v in next(iter(loader)).items()}  # writable: torch.from_numpy needs it
 
@@ -430,21 +629,50 @@ def test_gemma3_from_transformers_fine_tunes_with_transformers_gradient(tmp_path
   corpus = write_corpus(tmp_path)
   bpe = tokenizers.Tokenizer(models.BPE())
   bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-  bpe.train([corpus], trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"],
-                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  bpe.train(
+    [corpus],
+    trainers.BpeTrainer(
+      vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    ),
+  )
   assert bpe.token_to_id("<s>") == 0
   reference = _save("gemma3", tmp_path / "hf", dtype=torch.bfloat16, shard="60KB", vocab_size=bpe.get_vocab_size())
   assert reference.config.pad_token_id == 0 and not reference.model.embed_tokens.weight[0].any()
   bpe.save(str(tmp_path / "hf" / "tokenizer.json"))
-  overrides = ["data.source=text", f"data.paths={corpus}", f"data.tokenizer=hf:{tmp_path / 'hf' / 'tokenizer.json'}",
-               "data.bos_token=<s>", "data.seq_len=16", "data.global_batch_size=8", "data.packing=false",
-               "train.steps=4", "train.log_every=1", "train.eval_every=0", "train.async_checkpoint=false",
-               "train.compilation_cache_dir=", "model.dtype=float32", "model.attention=xla", "optimizer.name=adamw",
-               "optimizer.learning_rate=3e-3", "optimizer.warmup_steps=0"]
-  run = _cli("--config", "tiny", "--workdir", str(tmp_path / "run"), "--cpu_devices", "8", "--init_from",
-             f"hf:{tmp_path / 'hf'}", *[f"--set={o}" for o in overrides])
+  overrides = [
+    "data.source=text",
+    f"data.paths={corpus}",
+    f"data.tokenizer=hf:{tmp_path / 'hf' / 'tokenizer.json'}",
+    "data.bos_token=<s>",
+    "data.seq_len=16",
+    "data.global_batch_size=8",
+    "data.packing=false",
+    "train.steps=4",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.async_checkpoint=false",
+    "train.compilation_cache_dir=",
+    "model.dtype=float32",
+    "model.attention=xla",
+    "optimizer.name=adamw",
+    "optimizer.learning_rate=3e-3",
+    "optimizer.warmup_steps=0",
+  ]
+  run = _cli(
+    "--config",
+    "tiny",
+    "--workdir",
+    str(tmp_path / "run"),
+    "--cpu_devices",
+    "8",
+    "--init_from",
+    f"hf:{tmp_path / 'hf'}",
+    *[f"--set={o}" for o in overrides],
+  )
   assert run.returncode == 0, run.stderr[-3000:]
-  steps = [m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "grad_norm" in m]
+  steps = [
+    m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "grad_norm" in m
+  ]
   assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(math.isfinite(m["grad_norm"]) for m in steps), steps
 
   config = config_lib.load("tiny", [*overrides, f"train.init_from=hf:{tmp_path / 'hf'}"])
@@ -452,8 +680,9 @@ def test_gemma3_from_transformers_fine_tunes_with_transformers_gradient(tmp_path
   assert (batch["tokens"][:, 0] == 0).all()
   reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
   logits = reference(torch.from_numpy(batch["tokens"]).long()).logits.float()
-  losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), torch.from_numpy(batch["targets"]).long(),
-                                             reduction="none")
+  losses = torch.nn.functional.cross_entropy(
+    logits.transpose(1, 2), torch.from_numpy(batch["targets"]).long(), reduction="none"
+  )
   weights = torch.from_numpy(batch["weights"]).float()
   loss = (losses * weights).sum() / weights.sum()
   loss.backward()
@@ -475,19 +704,44 @@ def test_sft_eval_loss_of_an_imported_model_is_transformers_loss_on_the_assistan
   # A long system turn of one repeated token: its targets' losses differ from the answers', so a loss that also
   # read the prompts would differ from transformers' on the assistant tokens.
   system = {"role": "system", "content": "Rule: " + "=" * 160}
-  records = [{**r, "messages": [system, *r["messages"][-2:]]} if "messages" in r else
-             {**r, "prompt": [system, *r["prompt"][-1:]]} for r in manual_conversations()]
+  records = [
+    {**r, "messages": [system, *r["messages"][-2:]]}
+    if "messages" in r
+    else {**r, "prompt": [system, *r["prompt"][-1:]]}
+    for r in manual_conversations()
+  ]
   (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
   directory = tokenizer_dir(tmp_path / "hf", bpe_tokenizer(texts_of(records), 512), "llama3", LLAMA3)
   size = transformers.AutoTokenizer.from_pretrained(str(directory)).__len__()
   reference = _save("llama", tmp_path / "hf", vocab_size=size, max_position_embeddings=512, initializer_range=0.3)
-  overrides = ["data.source=text", f"data.paths={tmp_path / 'chat.jsonl'}",
-               f"data.tokenizer=hf:{directory / 'tokenizer.json'}", "data.loss_on=assistant", "data.seq_len=512",
-               "data.global_batch_size=8", "data.eval_fraction=0.25", "train.steps=1", "train.eval_batches=0",
-               "train.async_checkpoint=false", "train.compilation_cache_dir=", "model.dtype=float32",
-               "model.attention=xla", "optimizer.name=sgd", "optimizer.learning_rate=1e-30"]
-  run = _cli("--config", "tiny", "--workdir", str(tmp_path / "run"), "--cpu_devices", "8", "--init_from",
-             f"hf:{tmp_path / 'hf'}", *[f"--set={o}" for o in overrides])
+  overrides = [
+    "data.source=text",
+    f"data.paths={tmp_path / 'chat.jsonl'}",
+    f"data.tokenizer=hf:{directory / 'tokenizer.json'}",
+    "data.loss_on=assistant",
+    "data.seq_len=512",
+    "data.global_batch_size=8",
+    "data.eval_fraction=0.25",
+    "train.steps=1",
+    "train.eval_batches=0",
+    "train.async_checkpoint=false",
+    "train.compilation_cache_dir=",
+    "model.dtype=float32",
+    "model.attention=xla",
+    "optimizer.name=sgd",
+    "optimizer.learning_rate=1e-30",
+  ]
+  run = _cli(
+    "--config",
+    "tiny",
+    "--workdir",
+    str(tmp_path / "run"),
+    "--cpu_devices",
+    "8",
+    "--init_from",
+    f"hf:{tmp_path / 'hf'}",
+    *[f"--set={o}" for o in overrides],
+  )
   assert run.returncode == 0, run.stderr[-3000:]
   evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   loss = [m["eval/loss"] for m in evals if "eval/loss" in m][-1]
@@ -499,8 +753,9 @@ def test_sft_eval_loss_of_an_imported_model_is_transformers_loss_on_the_assistan
   for index in held_out:
     record = json.loads(docs[int(index)])
     messages = record.get("messages") or record["prompt"] + record["completion"]
-    out = tok.apply_chat_template(messages, chat_template=LLAMA3_MARKED, tokenize=True, return_dict=True,
-                                  return_assistant_tokens_mask=True)
+    out = tok.apply_chat_template(
+      messages, chat_template=LLAMA3_MARKED, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     ids, mask = np.asarray(out["input_ids"]), np.asarray(out["assistant_masks"])
     labels = torch.from_numpy(np.where(mask == 1, ids, -100)).long()[None]
     with torch.no_grad():
@@ -531,24 +786,48 @@ def test_lora_from_transformers_weights_exports_a_merged_model_and_a_peft_adapte
   from distrib_train.weights import init_from
 
   _save("llama", tmp_path / "hf", vocab_size=256)
-  overrides = ["data.seq_len=64", "data.global_batch_size=8", "data.packing=false", "train.steps=3",
-               "train.eval_every=0", "train.async_checkpoint=false", "train.compilation_cache_dir=",
-               "model.dtype=float32", "model.attention=xla", "optimizer.name=adamw", "optimizer.learning_rate=3e-2",
-               "model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=q,v,o,down", "model.lora.dropout=0.05"]
-  run = _cli("--config", "tiny", "--workdir", str(tmp_path / "run"), "--cpu_devices", "8", "--init_from",
-             f"hf:{tmp_path / 'hf'}", *[f"--set={o}" for o in overrides])
+  overrides = [
+    "data.seq_len=64",
+    "data.global_batch_size=8",
+    "data.packing=false",
+    "train.steps=3",
+    "train.eval_every=0",
+    "train.async_checkpoint=false",
+    "train.compilation_cache_dir=",
+    "model.dtype=float32",
+    "model.attention=xla",
+    "optimizer.name=adamw",
+    "optimizer.learning_rate=3e-2",
+    "model.lora.rank=4",
+    "model.lora.alpha=8",
+    "model.lora.targets=q,v,o,down",
+    "model.lora.dropout=0.05",
+  ]
+  run = _cli(
+    "--config",
+    "tiny",
+    "--workdir",
+    str(tmp_path / "run"),
+    "--cpu_devices",
+    "8",
+    "--init_from",
+    f"hf:{tmp_path / 'hf'}",
+    *[f"--set={o}" for o in overrides],
+  )
   assert run.returncode == 0, run.stderr[-3000:]
   config = config_lib.load(str(tmp_path / "run" / "config.yaml"))
   model = config.model_recipe().config
-  make = lambda: dt.TrainState.initial_state(model.build(0), optax.sgd(0.0), jax.random.key(0),
-                                             is_param=model.trainable())
+  make = lambda: dt.TrainState.initial_state(
+    model.build(0), optax.sgd(0.0), jax.random.key(0), is_param=model.trainable()
+  )
   # The checkpoint holds the adapters, and names the base it read (its frozen weights are read from there).
   meta = checks.read_meta(tmp_path / "run" / "checkpoints", 3)
   assert "model_without_params" not in checks.held_fields(meta)
   assert meta["run"]["frozen_source"]["init_from"]["path"] == str(tmp_path / "hf")
   fresh = make()
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                          if isinstance(x, jax.Array) else x, fresh)
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x, fresh
+  )
   base_state = init_from.with_frozen(config, meta["run"]["frozen_source"], abstract, fresh)
   with CheckpointManager(tmp_path / "run" / "checkpoints", async_save=False) as manager:
     state = manager.restore(base_state, params_only=True)
@@ -587,7 +866,8 @@ def test_lora_from_transformers_weights_exports_a_merged_model_and_a_peft_adapte
   # The same run's config without LoRA: refused before its (LoRA) checkpoint is read.
   (tmp_path / "plain").mkdir()
   (tmp_path / "plain" / "config.yaml").write_text(
-      (tmp_path / "run" / "config.yaml").read_text().replace("lora_rank: 4\n", "lora_rank: 0\n"))
+    (tmp_path / "run" / "config.yaml").read_text().replace("lora_rank: 4\n", "lora_rank: 0\n")
+  )
   refused = _cli("export", "--workdir", str(tmp_path / "plain"), "--out", str(tmp_path / "none"), "--adapter")
   assert refused.returncode == 2 and refused.stderr.count("distrib-train: error:") == 1, refused.stderr[-2000:]
   assert "--adapter" in refused.stderr and not (tmp_path / "none").exists()
@@ -622,12 +902,26 @@ def test_dpo_eval_loss_from_hf_checkpoints_is_the_formula_on_transformers_logpro
       p.add_(torch.randn(p.shape, generator=generator) * 0.02)
   reference.save_pretrained(tmp_path / "reference")
   (tmp_path / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()))
-  overrides = ["train.objective=dpo", "dpo.beta=0.3", f"dpo.reference=hf:{tmp_path / 'reference'}",
-               f"train.init_from=hf:{tmp_path / 'policy'}", "data.source=text",
-               f"data.paths={tmp_path / 'prefs.jsonl'}", "data.text_field=*", "data.seq_len=512",
-               "data.global_batch_size=8", "data.eval_fraction=0.25", "train.steps=1", "train.eval_batches=0",
-               "train.async_checkpoint=false", "train.compilation_cache_dir=", "model.dtype=float32",
-               "model.attention=xla", "optimizer.name=sgd", "optimizer.learning_rate=1e-30"]
+  overrides = [
+    "train.objective=dpo",
+    "dpo.beta=0.3",
+    f"dpo.reference=hf:{tmp_path / 'reference'}",
+    f"train.init_from=hf:{tmp_path / 'policy'}",
+    "data.source=text",
+    f"data.paths={tmp_path / 'prefs.jsonl'}",
+    "data.text_field=*",
+    "data.seq_len=512",
+    "data.global_batch_size=8",
+    "data.eval_fraction=0.25",
+    "train.steps=1",
+    "train.eval_batches=0",
+    "train.async_checkpoint=false",
+    "train.compilation_cache_dir=",
+    "model.dtype=float32",
+    "model.attention=xla",
+    "optimizer.name=sgd",
+    "optimizer.learning_rate=1e-30",
+  ]
   config = config_lib.load("tiny", overrides)
   result = Trainer(config, tmp_path / "run", console=False).run()  # 8 emulated devices
 
@@ -636,7 +930,10 @@ def test_dpo_eval_loss_from_hf_checkpoints_is_the_formula_on_transformers_logpro
   losses = []
   for index in held_out:
     (c, cm), (r, rm) = encode_pair(encoder, json.loads(docs[int(index)]))
-    h = 0.3 * ((_dpo_logps(policy, c, cm) - _dpo_logps(reference, c, cm)) - (_dpo_logps(policy, r, rm) - _dpo_logps(reference, r, rm)))
+    h = 0.3 * (
+      (_dpo_logps(policy, c, cm) - _dpo_logps(reference, c, cm))
+      - (_dpo_logps(policy, r, rm) - _dpo_logps(reference, r, rm))
+    )
     losses.append(-math.log(1 / (1 + math.exp(-h))))
   assert len(losses) == 12
   np.testing.assert_allclose(result.eval_loss, np.mean(losses), rtol=1e-4)

@@ -50,22 +50,53 @@ LAUNCH_TIMEOUT = 150  # seconds from launch to the kill moment, or to the end of
 
 
 def _args(workdir, xla_cache):
-  return ["--config", "tiny", "--workdir", str(workdir), "--mesh_config", "cpu-2proc", "--cpu_devices", "4",
-          "--steps", str(STEPS), "--set", "data.seq_len=32", "--set", "data.global_batch_size=8",
-          "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "train.eval_batches=1",
-          "--set", "train.checkpoint_every=2", "--set", "train.keep_checkpoints=2",
-          "--set", "train.local_checkpoint_every=3", "--set", f"train.local_checkpoint_dir={workdir}-local",
-          "--set", "optimizer.warmup_steps=0", "--set", f"optimizer.decay_steps={STEPS}",
-          "--set", f"train.compilation_cache_dir={xla_cache}", "--heartbeat_timeout", "10",
-          "--verbosity", "0"]  # orbax's INFO lines mark the parts of a save
+  return [
+    "--config",
+    "tiny",
+    "--workdir",
+    str(workdir),
+    "--mesh_config",
+    "cpu-2proc",
+    "--cpu_devices",
+    "4",
+    "--steps",
+    str(STEPS),
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.global_batch_size=8",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.eval_batches=1",
+    "--set",
+    "train.checkpoint_every=2",
+    "--set",
+    "train.keep_checkpoints=2",
+    "--set",
+    "train.local_checkpoint_every=3",
+    "--set",
+    f"train.local_checkpoint_dir={workdir}-local",
+    "--set",
+    "optimizer.warmup_steps=0",
+    "--set",
+    f"optimizer.decay_steps={STEPS}",
+    "--set",
+    f"train.compilation_cache_dir={xla_cache}",
+    "--heartbeat_timeout",
+    "10",
+    "--verbosity",
+    "0",
+  ]  # orbax's INFO lines mark the parts of a save
 
 
 def _env():
   # JAX writes the persistent compilation cache from process 0 only, and on
   # CPU process 1's cache key differs, so process 1 compiles the step at every
   # launch: the cheapest XLA backend settles that in half the time.
-  return dict(os.environ, JAX_PLATFORMS="cpu",
-              XLA_FLAGS=xla_test_flags.FAST_COMPILE)
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_test_flags.FAST_COMPILE)
 
 
 class _Moment:
@@ -85,9 +116,14 @@ class _Moment:
     self.save_index = rng.randint(1, 2)  # save_*: the first or second save of this launch
     if remaining < 8:
       self.extra_steps = self.save_index = 1
-    self.delay = {"startup": 0.0, "restore": rng.uniform(0, 0.2), "steps": rng.uniform(0, 0.15),
-                  "save_blocking": rng.uniform(0, 0.25), "save_background": rng.uniform(0, 0.35),
-                  "local_save": rng.uniform(0, 0.01)}[target]
+    self.delay = {
+      "startup": 0.0,
+      "restore": rng.uniform(0, 0.2),
+      "steps": rng.uniform(0, 0.15),
+      "save_blocking": rng.uniform(0, 0.25),
+      "save_background": rng.uniform(0, 0.35),
+      "local_save": rng.uniform(0, 0.01),
+    }[target]
     self.mode = rng.choice(["both", "0 then 1", "1 then 0"])
     self.gap = rng.uniform(0.05, 0.5)
 
@@ -207,18 +243,30 @@ def test_kill_matrix_resumes_bit_identically(tmp_path, xla_cache):
       job.wait(30)
     finally:
       job.kill_all()
-    assert not finished, (f"{when}: the run finished before kill {index + 1} of {KILLS}; the matrix needs more"
-                          f" steps than {STEPS}")
+    assert not finished, (
+      f"{when}: the run finished before kill {index + 1} of {KILLS}; the matrix needs more steps than {STEPS}"
+    )
     log = job.text(0)
     if "Restored step" in log or "Initialised a new train state" in log:
       _check_restore(log, listed, local, when)
     phase = kill_harness.phase_of(log)
     listed, on_disk = _check_listing(checkpoints, f"after {when}")
-    records.append({"launch": index, "target": target, "missed": was_missed, "phase": phase, "mode": moment.mode,
-                    "seconds_after_launch": round(killed_at, 2), "restored": kill_harness.restored_step(log),
-                    "restored_from_local": "from the local tier" in log,
-                    "last_step_logged": kill_harness.last_step(log), "open_save": kill_harness.open_save(log),
-                    "committed_after": sorted(on_disk["committed"]), "tmp_after": on_disk["tmp"]})
+    records.append(
+      {
+        "launch": index,
+        "target": target,
+        "missed": was_missed,
+        "phase": phase,
+        "mode": moment.mode,
+        "seconds_after_launch": round(killed_at, 2),
+        "restored": kill_harness.restored_step(log),
+        "restored_from_local": "from the local tier" in log,
+        "last_step_logged": kill_harness.last_step(log),
+        "open_save": kill_harness.open_save(log),
+        "committed_after": sorted(on_disk["committed"]),
+        "tmp_after": on_disk["tmp"],
+      }
+    )
 
   local = kill_harness.local_steps(pathlib.Path(f"{workdir}-local"))
   final = Job(_args(workdir, xla_cache), logs / "final", env)
@@ -233,8 +281,9 @@ def test_kill_matrix_resumes_bit_identically(tmp_path, xla_cache):
   assert want.keys() == got.keys() and any(k.startswith("params/") for k in want)
   for key in want:
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
-  assert (kill_harness.data_positions(checkpoints / str(STEPS))
-          == kill_harness.data_positions(reference / "checkpoints" / str(STEPS)))
+  assert kill_harness.data_positions(checkpoints / str(STEPS)) == kill_harness.data_positions(
+    reference / "checkpoints" / str(STEPS)
+  )
   want_losses, _ = kill_harness.step_losses(reference)
   got_losses, broken_lines = kill_harness.step_losses(workdir)
   assert sorted(got_losses) == sorted(want_losses) == list(range(1, STEPS + 1))
@@ -243,22 +292,26 @@ def test_kill_matrix_resumes_bit_identically(tmp_path, xla_cache):
 
   phases = collections.Counter(r["phase"] for r in records)
   figures = {
-      "kills": len(records), "seed": SEED, "steps": STEPS, "launches": len(records) + 2,
-      "restarts_that_restored": sum(r["restored"] is not None for r in records)
-                                + (kill_harness.restored_step(final_log) is not None),
-      "restores_from_the_local_tier": sum(r["restored_from_local"] for r in records)
-                                      + ("from the local tier" in final_log),
-      "phases": dict(sorted(phases.items())),
-      "targets_to_phases": {t: dict(collections.Counter(r["phase"] for r in records if r["target"] == t))
-                            for t in TARGETS},
-      "kill_modes": dict(collections.Counter(r["mode"] for r in records)),
-      "steps_replayed": sum(len(v) - 1 for v in got_losses.values()),
-      "tmp_dirs_left_by_kills": sum(bool(r["tmp_after"]) for r in records),
-      "broken_metrics_lines": len(broken_lines),
-      "targets_missed": missed,
-      "reference_seconds": round(reference_seconds, 1),
-      "total_seconds": round(time.monotonic() - started, 1),
-      "records": records,
+    "kills": len(records),
+    "seed": SEED,
+    "steps": STEPS,
+    "launches": len(records) + 2,
+    "restarts_that_restored": sum(r["restored"] is not None for r in records)
+    + (kill_harness.restored_step(final_log) is not None),
+    "restores_from_the_local_tier": sum(r["restored_from_local"] for r in records)
+    + ("from the local tier" in final_log),
+    "phases": dict(sorted(phases.items())),
+    "targets_to_phases": {
+      t: dict(collections.Counter(r["phase"] for r in records if r["target"] == t)) for t in TARGETS
+    },
+    "kill_modes": dict(collections.Counter(r["mode"] for r in records)),
+    "steps_replayed": sum(len(v) - 1 for v in got_losses.values()),
+    "tmp_dirs_left_by_kills": sum(bool(r["tmp_after"]) for r in records),
+    "broken_metrics_lines": len(broken_lines),
+    "targets_missed": missed,
+    "reference_seconds": round(reference_seconds, 1),
+    "total_seconds": round(time.monotonic() - started, 1),
+    "records": records,
   }
   text = json.dumps(figures, indent=1)
   (tmp_path / "kill_matrix.json").write_text(text)
@@ -267,8 +320,9 @@ def test_kill_matrix_resumes_bit_identically(tmp_path, xla_cache):
       f.write(text)
   print("kill matrix:", json.dumps({k: v for k, v in figures.items() if k != "records"}))
   # Every kind of moment was hit (phases are where process 0 really was).
-  assert phases["steps"] and phases["save_blocking"] + phases["save_background"] and (
-      phases["restore"] + phases["startup"]), figures
+  assert (
+    phases["steps"] and phases["save_blocking"] + phases["save_background"] and (phases["restore"] + phases["startup"])
+  ), figures
 
 
 def test_a_process_late_to_the_first_step_does_not_fail_the_job(tmp_path, xla_cache):
@@ -308,8 +362,7 @@ def test_a_kill_then_restarts_on_one_and_on_four_processes_continue_the_run(tmp_
 
   # SGD: the meshes differ, so float sums do (local_args saves synchronously: a kill right after a step keeps it).
   sgd = ["--set", "optimizer.name=sgd", "--set", "optimizer.learning_rate=0.5"]
-  codes, outputs = _launch(local_args(tmp_path / "straight", tmp_path / "straight-local", xla_cache, steps=12)
-                           + sgd)
+  codes, outputs = _launch(local_args(tmp_path / "straight", tmp_path / "straight-local", xla_cache, steps=12) + sgd)
   assert codes == [0, 0], outputs[0][-3000:]
   want = train_losses(tmp_path / "straight")
 
@@ -321,8 +374,13 @@ def test_a_kill_then_restarts_on_one_and_on_four_processes_continue_the_run(tmp_
   one[one.index("--mesh_config") + 1] = str(_mesh_config(tmp_path, 1))
   env = dict(os.environ, JAX_PLATFORMS="cpu", DT_KILL_AT_STEP="9")
   env["XLA_FLAGS"] = xla_test_flags.FAST_COMPILE
-  killed = subprocess.run([sys.executable, str(pathlib.Path(__file__).parent / "workers" / "kill_at_step.py"), *one],
-                          env=env, capture_output=True, text=True, timeout=300)
+  killed = subprocess.run(
+    [sys.executable, str(pathlib.Path(__file__).parent / "workers" / "kill_at_step.py"), *one],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert killed.returncode == -9, killed.stderr[-3000:]
   assert "local tier's step 6 is not complete on every process (or not of this run and layout)" in killed.stderr
   assert "Restored step 4 from" in killed.stderr

@@ -25,17 +25,44 @@ TPU_POD = ROOT / "launch" / "tpu_pod.sh"
 RENDER = ROOT / "launch" / "gke" / "render.sh"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 
-V4_ARGS = ["--name", "my-v4", "--zone", "us-central2-b", "--accelerator-type", "v4-32",
-           "--config", "llama-1b-tpu", "--mesh-config", "tpu-v4-32", "--workdir", "gs://bkt/runs/1b"]
-MULTISLICE_ARGS = ["--name", "big", "--zone", "us-east5-a", "--project", "my-project",
-                   "--accelerator-type", "v5p-1024", "--slices", "2", "--config", "llama-7b-tpu",
-                   "--mesh-config", "tpu-v5p-1024-2slices", "--workdir", "gs://bkt/runs/7b"]
+V4_ARGS = [
+  "--name",
+  "my-v4",
+  "--zone",
+  "us-central2-b",
+  "--accelerator-type",
+  "v4-32",
+  "--config",
+  "llama-1b-tpu",
+  "--mesh-config",
+  "tpu-v4-32",
+  "--workdir",
+  "gs://bkt/runs/1b",
+]
+MULTISLICE_ARGS = [
+  "--name",
+  "big",
+  "--zone",
+  "us-east5-a",
+  "--project",
+  "my-project",
+  "--accelerator-type",
+  "v5p-1024",
+  "--slices",
+  "2",
+  "--config",
+  "llama-7b-tpu",
+  "--mesh-config",
+  "tpu-v5p-1024-2slices",
+  "--workdir",
+  "gs://bkt/runs/7b",
+]
 
 
 def replaced(args, option, value):
   """args with option's value replaced."""
   index = args.index(option)
-  return [*args[:index + 1], value, *args[index + 2:]]
+  return [*args[: index + 1], value, *args[index + 2 :]]
 
 
 @pytest.fixture
@@ -71,8 +98,7 @@ if any(a.startswith("--command=") and "distrib-train" in a for a in argv):
 
 
 def run_script(script, *args, env=None, cwd=None):
-  return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60, env=env,
-                        cwd=cwd)
+  return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
 
 
 def dry_run(script, *args, env):
@@ -93,40 +119,98 @@ def remote_script(command):
 def test_tpu_pod_help_exits_0_and_names_the_options():
   result = run_script(TPU_POD, "--help")
   assert result.returncode == 0
-  for option in ("--name", "--zone", "--accelerator-type", "--version", "--slices", "--config", "--mesh-config",
-                 "--workdir", "--set", "--delete", "--dry-run"):
+  for option in (
+    "--name",
+    "--zone",
+    "--accelerator-type",
+    "--version",
+    "--slices",
+    "--config",
+    "--mesh-config",
+    "--workdir",
+    "--set",
+    "--delete",
+    "--dry-run",
+  ):
     assert option in result.stdout
 
 
 def test_single_slice_dry_run_prints_the_exact_gcloud_commands(fake_cloud, tmp_path):
   env, recorded = fake_cloud
-  commands = dry_run(TPU_POD, *V4_ARGS, "--set", "train.steps=10", "--set", "optimizer.learning_rate=2e-4",
-                     "--env", "LIBTPU_INIT_ARGS=--flag=1 --other", "--", "--profile_steps=5:6", env=env)
+  commands = dry_run(
+    TPU_POD,
+    *V4_ARGS,
+    "--set",
+    "train.steps=10",
+    "--set",
+    "optimizer.learning_rate=2e-4",
+    "--env",
+    "LIBTPU_INIT_ARGS=--flag=1 --other",
+    "--",
+    "--profile_steps=5:6",
+    env=env,
+  )
   where = ["--zone=us-central2-b"]
   tarball = f"{tmp_path}/distrib_train-my-v4.tar.gz"
-  assert commands[0] == ["gcloud", "compute", "tpus", "tpu-vm", "create", "my-v4", *where,
-                         "--accelerator-type=v4-32", "--version=tpu-ubuntu2204-base"]
+  assert commands[0] == [
+    "gcloud",
+    "compute",
+    "tpus",
+    "tpu-vm",
+    "create",
+    "my-v4",
+    *where,
+    "--accelerator-type=v4-32",
+    "--version=tpu-ubuntu2204-base",
+  ]
   assert commands[1][:3] == ["tar", "-czf", tarball] and commands[1][-3:] == ["-C", str(ROOT), "."]
   assert {"--exclude=.git", "--exclude=.venv"} <= set(commands[1])
-  assert commands[2] == ["gcloud", "compute", "tpus", "tpu-vm", "scp", tarball, "my-v4:distrib_train.tar.gz",
-                         *where, "--worker=all"]
+  assert commands[2] == [
+    "gcloud",
+    "compute",
+    "tpus",
+    "tpu-vm",
+    "scp",
+    tarball,
+    "my-v4:distrib_train.tar.gz",
+    *where,
+    "--worker=all",
+  ]
   assert commands[3][:7] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v4", *where]
   assert commands[3][7] == "--worker=all"
   install = remote_script(commands[3])
   # The lock of tested versions for the workers' Python, then the checkout without dependencies.
-  assert ('"$HOME/distrib_train-venv/bin/python" "$HOME/distrib_train/requirements/lock.py" install tpu --venv '
-          '"$HOME/distrib_train-venv"; "$HOME/distrib_train-venv/bin/pip" install --quiet --no-deps '
-          '"$HOME/distrib_train"') in install
+  assert (
+    '"$HOME/distrib_train-venv/bin/python" "$HOME/distrib_train/requirements/lock.py" install tpu --venv '
+    '"$HOME/distrib_train-venv"; "$HOME/distrib_train-venv/bin/pip" install --quiet --no-deps '
+    '"$HOME/distrib_train"'
+  ) in install
   assert commands[4][:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v4", *where, "--worker=all"]
   train = remote_script(commands[4])
   trainer = shlex.split(train.split('"$HOME/distrib_train-venv/bin/distrib-train" ', 1)[1].split(" 2>&1")[0])
-  assert trainer == ["--config=llama-1b-tpu", "--mesh_config=tpu-v4-32", "--workdir=gs://bkt/runs/1b",
-                     "--set=train.steps=10", "--set=optimizer.learning_rate=2e-4", "--profile_steps=5:6"]
+  assert trainer == [
+    "--config=llama-1b-tpu",
+    "--mesh_config=tpu-v4-32",
+    "--workdir=gs://bkt/runs/1b",
+    "--set=train.steps=10",
+    "--set=optimizer.learning_rate=2e-4",
+    "--profile_steps=5:6",
+  ]
   assert "env 'LIBTPU_INIT_ARGS=--flag=1 --other' " in train
   assert 'tee "$HOME/distrib_train-logs/train.log"' in train
   assert commands[5] == ["mkdir", "-p", "tpu_logs/my-v4"]
-  assert commands[6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v4", *where, "--worker=all",
-                         '--command=cat "$HOME/distrib_train-logs/train.log"', "--output-directory=tpu_logs/my-v4"]
+  assert commands[6] == [
+    "gcloud",
+    "compute",
+    "tpus",
+    "tpu-vm",
+    "ssh",
+    "my-v4",
+    *where,
+    "--worker=all",
+    '--command=cat "$HOME/distrib_train-logs/train.log"',
+    "--output-directory=tpu_logs/my-v4",
+  ]
   assert len(commands) == 7
   assert recorded() == []
 
@@ -136,11 +220,29 @@ def test_multislice_dry_run_creates_a_queued_resource_and_runs_on_every_node(fak
   commands = dry_run(TPU_POD, *MULTISLICE_ARGS, "--delete", env=env)
   where = ["--zone=us-east5-a", "--project=my-project"]
   gcloud = [c for c in commands if c[0] == "gcloud"]
-  assert gcloud[0] == ["gcloud", "compute", "tpus", "queued-resources", "create", "big", *where,
-                       "--accelerator-type=v5p-1024", "--runtime-version=v2-alpha-tpuv5",
-                       "--node-count=2", "--node-prefix=big"]
-  assert gcloud[1] == ["gcloud", "compute", "tpus", "queued-resources", "describe", "big", *where,
-                       "--format=value(state.state)"]
+  assert gcloud[0] == [
+    "gcloud",
+    "compute",
+    "tpus",
+    "queued-resources",
+    "create",
+    "big",
+    *where,
+    "--accelerator-type=v5p-1024",
+    "--runtime-version=v2-alpha-tpuv5",
+    "--node-count=2",
+    "--node-prefix=big",
+  ]
+  assert gcloud[1] == [
+    "gcloud",
+    "compute",
+    "tpus",
+    "queued-resources",
+    "describe",
+    "big",
+    *where,
+    "--format=value(state.state)",
+  ]
   assert gcloud[2][:5] == ["gcloud", "compute", "tpus", "queued-resources", "scp"]
   assert gcloud[2][-4:] == [*where, "--node=all", "--worker=all"]
   for ssh in gcloud[3:5]:  # install, train
@@ -158,9 +260,19 @@ def test_multislice_dry_run_creates_a_queued_resource_and_runs_on_every_node(fak
 def test_single_slice_queued_resource_names_its_one_node(fake_cloud):
   env, _ = fake_cloud
   commands = dry_run(TPU_POD, *V4_ARGS, "--queued", "--spot", "--skip-install", env=env)
-  assert commands[0] == ["gcloud", "compute", "tpus", "queued-resources", "create", "my-v4", "--zone=us-central2-b",
-                         "--accelerator-type=v4-32", "--runtime-version=tpu-ubuntu2204-base", "--node-id=my-v4",
-                         "--spot"]
+  assert commands[0] == [
+    "gcloud",
+    "compute",
+    "tpus",
+    "queued-resources",
+    "create",
+    "my-v4",
+    "--zone=us-central2-b",
+    "--accelerator-type=v4-32",
+    "--runtime-version=tpu-ubuntu2204-base",
+    "--node-id=my-v4",
+    "--spot",
+  ]
   assert not any(c[0] == "tar" for c in commands)
 
 
@@ -172,10 +284,13 @@ def test_pip_spec_installs_it_instead_of_copying_the_checkout(fake_cloud):
   assert f"install --quiet {shlex.quote(spec)}" in remote_script(commands[0])
 
 
-@pytest.mark.parametrize("kind, extra, expected", [
+@pytest.mark.parametrize(
+  "kind, extra, expected",
+  [
     ("tpu-vm", [], ["tpu-vm", "delete", "my-v4", "--zone=us-central2-b", "--quiet"]),
     ("queued", ["--queued"], ["queued-resources", "delete", "my-v4", "--zone=us-central2-b", "--force", "--quiet"]),
-])
+  ],
+)
 def test_delete_only_prints_just_the_teardown(fake_cloud, kind, extra, expected):
   env, recorded = fake_cloud
   commands = dry_run(TPU_POD, "--name", "my-v4", "--zone", "us-central2-b", *extra, "--delete-only", env=env)
@@ -204,7 +319,9 @@ def test_a_failed_training_still_fetches_logs_deletes_and_returns_its_status(fak
   assert "--output-directory=tpu_logs/my-v4" in recorded()[1]
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (["--bogus"], "unknown option '--bogus'"),
     (["--name"], "--name needs a value"),
     (V4_ARGS[:-1], "--workdir needs a value"),
@@ -220,7 +337,8 @@ def test_a_failed_training_still_fetches_logs_deletes_and_returns_its_status(fak
     (replaced(V4_ARGS, "--config", "llama-1b"), "--config 'llama-1b' is not a preset"),
     (replaced(V4_ARGS, "--mesh-config", "tpu-v9"), "--mesh-config 'tpu-v9' is not in mesh_configs/"),
     ([*V4_ARGS, "--delete=yes"], "--delete takes no value"),
-])
+  ],
+)
 def test_bad_input_is_one_error_line_and_runs_nothing(fake_cloud, tmp_path, args, message):
   env, recorded = fake_cloud
   result = run_script(TPU_POD, *args, env=env, cwd=tmp_path)  # not a dry run: nothing may reach gcloud
@@ -266,8 +384,10 @@ def test_tpu_manifest_runs_one_pod_per_host_of_a_v5e_256_slice():
   assert manifest["metadata"]["name"] == "distrib-train-tpu"
   job, pod = pod_of(manifest, "slice")
   assert job["parallelism"] == job["completions"] == 64
-  assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
-                                 "cloud.google.com/gke-tpu-topology": "16x16"}
+  assert pod["nodeSelector"] == {
+    "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+    "cloud.google.com/gke-tpu-topology": "16x16",
+  }
   (container,) = pod["containers"]
   assert container["image"] == "us-docker.pkg.dev/p/r/distrib-train-tpu:v1"
   assert container["resources"]["limits"] == {"google.com/tpu": 4}
@@ -278,8 +398,21 @@ def test_tpu_manifest_runs_one_pod_per_host_of_a_v5e_256_slice():
 
 
 def test_tpu_manifest_follows_the_topology_to_hosts_and_chips():
-  manifest = render("tpu", "--image", "img", "--workdir", "gs://bkt/r", "--tpu", "v4", "--topology", "2x2x4",
-                    "--config", "llama-1b-tpu", "--mesh-config", "tpu-v4-32")
+  manifest = render(
+    "tpu",
+    "--image",
+    "img",
+    "--workdir",
+    "gs://bkt/r",
+    "--tpu",
+    "v4",
+    "--topology",
+    "2x2x4",
+    "--config",
+    "llama-1b-tpu",
+    "--mesh-config",
+    "tpu-v4-32",
+  )
   job, pod = pod_of(manifest, "slice")
   assert job["parallelism"] == 4
   assert pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v4-podslice"
@@ -287,8 +420,17 @@ def test_tpu_manifest_follows_the_topology_to_hosts_and_chips():
 
 
 def test_gpu_manifest_names_coordinator_process_count_and_index():
-  manifest = render("gpu", "--image", "ghcr.io/org/distrib-train-gpu:v1", "--workdir", "gs://bkt/runs/7b",
-                    "--set", "optimizer.learning_rate=2e-4", "--steps", "1000")
+  manifest = render(
+    "gpu",
+    "--image",
+    "ghcr.io/org/distrib-train-gpu:v1",
+    "--workdir",
+    "gs://bkt/runs/7b",
+    "--set",
+    "optimizer.learning_rate=2e-4",
+    "--steps",
+    "1000",
+  )
   job, pod = pod_of(manifest, "workers")
   assert manifest["spec"]["network"]["enableDNSHostnames"] is True
   assert job["parallelism"] == job["completions"] == 16
@@ -297,10 +439,15 @@ def test_gpu_manifest_names_coordinator_process_count_and_index():
   assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
   assert container["command"] == ["distrib-train"]
   assert container["args"] == [
-      "--config=llama-7b-gpu", "--mesh_config=gpu-16x8xh100", "--workdir=gs://bkt/runs/7b",
-      "--coordinator_address=$(JOBSET_NAME)-workers-0-0.$(JOBSET_NAME):1234",
-      "--num_processes=16", "--process_id=$(JOB_COMPLETION_INDEX)",
-      "--set=optimizer.learning_rate=2e-4", "--steps=1000"]
+    "--config=llama-7b-gpu",
+    "--mesh_config=gpu-16x8xh100",
+    "--workdir=gs://bkt/runs/7b",
+    "--coordinator_address=$(JOBSET_NAME)-workers-0-0.$(JOBSET_NAME):1234",
+    "--num_processes=16",
+    "--process_id=$(JOB_COMPLETION_INDEX)",
+    "--set=optimizer.learning_rate=2e-4",
+    "--steps=1000",
+  ]
   (jobset_name,) = [e for e in container["env"] if e["name"] == "JOBSET_NAME"]
   assert jobset_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['jobset.sigs.k8s.io/jobset-name']"
   assert {"mountPath": "/dev/shm", "name": "dshm"} in container["volumeMounts"]
@@ -316,21 +463,54 @@ def test_set_values_reach_the_trainer_verbatim():
 def test_render_apply_dry_run_prints_kubectl_and_runs_nothing(fake_cloud, tmp_path):
   env, recorded = fake_cloud
   out = tmp_path / "run.yaml"
-  result = run_script(RENDER, "gpu", "--image", "img", "--workdir", "gs://bkt/r", "--nodes", "1",
-                      "--mesh-config", "gpu-1x8xh100", "--namespace", "ml", "--out", str(out), "--apply",
-                      "--dry-run", env=env)
+  result = run_script(
+    RENDER,
+    "gpu",
+    "--image",
+    "img",
+    "--workdir",
+    "gs://bkt/r",
+    "--nodes",
+    "1",
+    "--mesh-config",
+    "gpu-1x8xh100",
+    "--namespace",
+    "ml",
+    "--out",
+    str(out),
+    "--apply",
+    "--dry-run",
+    env=env,
+  )
   assert result.returncode == 0, result.stderr
   assert [shlex.split(line) for line in result.stdout.splitlines()] == [
-      ["kubectl", "apply", "--namespace=ml", "-f", str(out)]]
+    ["kubectl", "apply", "--namespace=ml", "-f", str(out)]
+  ]
   assert yaml.safe_load(out.read_text())["kind"] == "JobSet"
   assert recorded() == []
-  result = run_script(RENDER, "gpu", "--image", "img", "--workdir", "gs://bkt/r", "--nodes", "1",
-                      "--mesh-config", "gpu-1x8xh100", "--out", str(out), "--apply", env=env)
+  result = run_script(
+    RENDER,
+    "gpu",
+    "--image",
+    "img",
+    "--workdir",
+    "gs://bkt/r",
+    "--nodes",
+    "1",
+    "--mesh-config",
+    "gpu-1x8xh100",
+    "--out",
+    str(out),
+    "--apply",
+    env=env,
+  )
   assert result.returncode == 0, result.stderr
   assert recorded() == [["kubectl", "apply", "-f", str(out)]]
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     ([], "name the target first"),
     (["tpu", "--image", "img"], "--workdir is required"),
     (["gpu", "--workdir", "gs://bkt/r"], "--image is required"),
@@ -340,7 +520,8 @@ def test_render_apply_dry_run_prints_kubectl_and_runs_nothing(fake_cloud, tmp_pa
     (["tpu", "--image", "img", "--workdir", "gs://bkt/r", "--nodes", "2"], "--nodes is not an option for the tpu"),
     (["gpu", "--image", "img", "--workdir", "gs://bkt/r", "--apply"], "--apply needs --out"),
     (["gpu", "--image", "img", "--workdir", "gs://bkt/r", "--frob"], "unknown option '--frob'"),
-])
+  ],
+)
 def test_render_bad_input_is_one_error_line(fake_cloud, args, message):
   env, recorded = fake_cloud
   result = run_script(RENDER, *args, env=env)
@@ -377,8 +558,7 @@ with open({str(record)!r}, "w") as f:
   json.dump({{"argv": sys.argv[1:], "XLA_FLAGS": os.environ.get("XLA_FLAGS")}}, f)
 """)
   srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
-  env = without_xla_flags(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="42",
-                          SLURM_NTASKS="2")
+  env = without_xla_flags(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="42", SLURM_NTASKS="2")
   return env, lambda: json.loads(record.read_text()) if record.exists() else None
 
 
@@ -386,11 +566,14 @@ GPU_FLAG = "--xla_gpu_enable_latency_hiding_scheduler=true"
 EXTRA_FLAG = "--xla_force_host_platform_device_count=2"
 
 
-@pytest.mark.parametrize("env, flags", [
+@pytest.mark.parametrize(
+  "env, flags",
+  [
     pytest.param({"CPU_DEVICES": "2"}, "", id="cpu"),
     pytest.param({"CPU_DEVICES": "2", "XLA_FLAGS_EXTRA": EXTRA_FLAG}, f" {EXTRA_FLAG}", id="cpu-extra-flags"),
     pytest.param({}, f" {GPU_FLAG} ", id="gpu"),
-])
+  ],
+)
 def test_slurm_dry_run_needs_no_xla_flags_in_the_environment(env, flags):
   result = run_script(SLURM_GPU, "--dry-run", *SLURM_TRAINER_ARGS, env=without_xla_flags(**env))
   assert result.returncode == 0, result.stderr
@@ -399,19 +582,29 @@ def test_slurm_dry_run_needs_no_xla_flags_in_the_environment(env, flags):
   assert shlex.split(command)[:4] == ["srun", "--kill-on-bad-exit=1", "--unbuffered", sys.executable]
 
 
-@pytest.mark.parametrize("env, flags", [
+@pytest.mark.parametrize(
+  "env, flags",
+  [
     pytest.param({"CPU_DEVICES": "2"}, None, id="cpu"),  # the README's CPU example, from an ordinary shell
     pytest.param({"CPU_DEVICES": "2", "XLA_FLAGS_EXTRA": EXTRA_FLAG}, f" {EXTRA_FLAG}", id="cpu-extra-flags"),
     pytest.param({}, f" {GPU_FLAG} ", id="gpu"),
-])
+  ],
+)
 def test_slurm_job_starts_without_xla_flags_in_the_environment(fake_srun, env, flags):
   base, srun_call = fake_srun
   result = run_script(SLURM_GPU, *SLURM_TRAINER_ARGS, env={**base, **env})
   assert result.returncode == 0, result.stderr
   call = srun_call()
   assert call is not None, f"srun was not called: {result.stdout}{result.stderr}"
-  assert call["argv"][:7] == ["--kill-on-bad-exit=1", "--unbuffered", sys.executable, "-u", "-m",
-                              "distrib_train", *SLURM_TRAINER_ARGS[:1]]
+  assert call["argv"][:7] == [
+    "--kill-on-bad-exit=1",
+    "--unbuffered",
+    sys.executable,
+    "-u",
+    "-m",
+    "distrib_train",
+    *SLURM_TRAINER_ARGS[:1],
+  ]
   assert call["XLA_FLAGS"] == flags
   assert "distrib_train: job 42 on 1 node(s)" in result.stdout
 
@@ -448,8 +641,7 @@ def test_the_images_smoke_test_passes_on_this_install(tmp_path):
   if not (bin_dir / "distrib-train").exists():
     pytest.fail(f"no distrib-train console script beside {sys.executable}: pip install -e .")
   env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-  result = subprocess.run(["sh", "-c", SMOKE_TEST], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+  result = subprocess.run(["sh", "-c", SMOKE_TEST], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr
   assert "--mesh_config" in result.stdout and "--workdir" in result.stdout
 
@@ -482,8 +674,15 @@ def find_tool(name, *, apt_package=None, pip_package=None):
   pytest.fail(f"{name} is not installed: {hint}")
 
 
-SCRIPTS = [".ci/run", ".ci/upgrade", "launch/tpu_pod.sh", "launch/local.sh", "launch/quote.sh", *sorted(
-    str(p.relative_to(ROOT)) for p in (ROOT / "launch" / "gke").glob("*.sh")), "launch/slurm_gpu.sbatch"]
+SCRIPTS = [
+  ".ci/run",
+  ".ci/upgrade",
+  "launch/tpu_pod.sh",
+  "launch/local.sh",
+  "launch/quote.sh",
+  *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "launch" / "gke").glob("*.sh")),
+  "launch/slurm_gpu.sbatch",
+]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -492,8 +691,9 @@ def test_shellcheck_passes(script):
     pytest.skip(f"{script} does not exist (yet)")
   shellcheck = find_tool("shellcheck", apt_package="shellcheck")
   # -x: also check the files a script sources (launch/quote.sh), paths from the repo root.
-  result = subprocess.run([shellcheck, "-x", "--shell=bash", script], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+  result = subprocess.run(
+    [shellcheck, "-x", "--shell=bash", script], cwd=ROOT, capture_output=True, text=True, timeout=60
+  )
   assert result.returncode == 0, result.stdout + result.stderr
 
 

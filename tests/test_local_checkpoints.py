@@ -49,8 +49,10 @@ def test_a_local_step_restores_onto_the_same_shards_and_refuses_other_runs_and_l
   assert LocalCheckpoints(tmp_path / "process_0", run_id="run-a").complete_step(plan.abstract_train_state, None) == 3
   assert local.complete_step(plan.abstract_train_state, newer_than=3) is None  # the persistent tier is as new
   restored = local.restore(plan.abstract_train_state, 3)
-  for got, want in zip(jax.tree.leaves(restored.params) + jax.tree.leaves(restored.opt_state),
-                       jax.tree.leaves(state.params) + jax.tree.leaves(state.opt_state)):
+  for got, want in zip(
+    jax.tree.leaves(restored.params) + jax.tree.leaves(restored.opt_state),
+    jax.tree.leaves(state.params) + jax.tree.leaves(state.opt_state),
+  ):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert got.sharding == want.sharding
   assert int(restored.step) == 3
@@ -84,20 +86,49 @@ def test_the_tiers_restore_the_newer_tier_of_this_run_and_say_which(tmp_path):
     assert "persistent tier's newest is 2" in logged[-1]
     (tmp_path / "run_id").unlink()  # a wiped and recreated workdir: another run, whose local steps are not its own
     restored = CheckpointTiers(ckpt, local_tier(tmp_path, str(tmp_path / "local")), logged.append).restore(
-        plan.abstract_train_state)
+      plan.abstract_train_state
+    )
     assert restored.step == 2 and logged[-1] == f"Restored step 2 from {ckpt.directory}."
     assert any("local tier's step 4 is not complete on every process" in line for line in logged)
 
 
 def _args(workdir, local_dir, cache, steps=8, checkpoint_every=4):
-  return ["--config", "tiny", "--workdir", str(workdir), "--cpu_devices", "4", "--mesh_config", "cpu-2proc",
-          "--steps", str(steps), "--set", "data.seq_len=32", "--set", "data.global_batch_size=8",
-          "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "train.eval_batches=1",
-          "--set", f"train.checkpoint_every={checkpoint_every}", "--set", "train.local_checkpoint_every=2",
-          "--set", f"train.local_checkpoint_dir={local_dir}", "--set", "optimizer.warmup_steps=0",
-          # synchronous saves: a kill right after a step keeps that step's save (a background write of the
-          # first save can outlast the two steps up to a kill on a busy machine)
-          "--set", "train.async_checkpoint=false", "--set", f"train.compilation_cache_dir={cache}"]
+  return [
+    "--config",
+    "tiny",
+    "--workdir",
+    str(workdir),
+    "--cpu_devices",
+    "4",
+    "--mesh_config",
+    "cpu-2proc",
+    "--steps",
+    str(steps),
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.global_batch_size=8",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.eval_batches=1",
+    "--set",
+    f"train.checkpoint_every={checkpoint_every}",
+    "--set",
+    "train.local_checkpoint_every=2",
+    "--set",
+    f"train.local_checkpoint_dir={local_dir}",
+    "--set",
+    "optimizer.warmup_steps=0",
+    # synchronous saves: a kill right after a step keeps that step's save (a background write of the
+    # first save can outlast the two steps up to a kill on a busy machine)
+    "--set",
+    "train.async_checkpoint=false",
+    "--set",
+    f"train.compilation_cache_dir={cache}",
+  ]
 
 
 def _launch(args, kill_at=None, kill_in_local_save=None):
@@ -108,8 +139,11 @@ def _launch(args, kill_at=None, kill_in_local_save=None):
   Neither process may die on its own in that kill: the survivor of a peer's death notices it (a gloo collective
   or the coordination service fails) and exits 1 at a moment that depends on the machine's load, before or
   after the test's kill, and before or after its own save committed."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
+  )
   env["XLA_FLAGS"] = xla_test_flags.FAST_COMPILE
   script = ["-m", "distrib_train"]
   markers = pathlib.Path(tempfile.mkdtemp(prefix="kill_markers_"))  # each process's "at my kill point"
@@ -122,10 +156,28 @@ def _launch(args, kill_at=None, kill_in_local_save=None):
   port = mp_harness.free_port()
   # Output to files, not pipes: a process never blocks on a full pipe while the test waits for it.
   logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
-  procs = [subprocess.Popen([sys.executable, *script, *args, "--coordinator_address", f"127.0.0.1:{port}",
-                             "--num_processes", "2", "--process_id", str(i)], cwd=ROOT, env=env,
-                            stdout=logs[i], stderr=subprocess.STDOUT, text=True, start_new_session=True)
-           for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        *script,
+        *args,
+        "--coordinator_address",
+        f"127.0.0.1:{port}",
+        "--num_processes",
+        "2",
+        "--process_id",
+        str(i),
+      ],
+      cwd=ROOT,
+      env=env,
+      stdout=logs[i],
+      stderr=subprocess.STDOUT,
+      text=True,
+      start_new_session=True,
+    )
+    for i in range(2)
+  ]
   try:
     if kill_at or kill_in_local_save:
       deadline = time.monotonic() + 300
@@ -156,7 +208,8 @@ def _launch(args, kill_at=None, kill_in_local_save=None):
 
 @pytest.mark.timeout(900)
 def test_a_kill_after_a_local_save_resumes_from_it_and_a_wiped_process_falls_back_to_the_persistent_tier(
-    tmp_path, xla_cache):
+  tmp_path, xla_cache
+):
   codes, outputs = _launch(_args(tmp_path / "straight", tmp_path / "straight-local", xla_cache))
   assert codes == [0, 0], outputs[0][-3000:]
   want = train_losses(tmp_path / "straight")
@@ -188,16 +241,18 @@ def test_a_kill_after_a_local_save_resumes_from_it_and_a_wiped_process_falls_bac
 
 @pytest.mark.timeout(900)
 def test_a_kill_inside_a_local_save_leaves_the_previous_local_step_to_resume_from(tmp_path, xla_cache):
-  codes, outputs = _launch(_args(tmp_path / "straight", tmp_path / "straight-local", xla_cache, steps=7,
-                                 checkpoint_every=0))
+  codes, outputs = _launch(
+    _args(tmp_path / "straight", tmp_path / "straight-local", xla_cache, steps=7, checkpoint_every=0)
+  )
   assert codes == [0, 0], outputs[0][-3000:]
   want = train_losses(tmp_path / "straight")
 
   run, local = tmp_path / "run", tmp_path / "local"
   # No persistent checkpoint before the end: the local tier is all there is to resume from.
   codes, outputs = _launch(_args(run, local, xla_cache, steps=7, checkpoint_every=0), kill_in_local_save=6)
-  assert codes == [-9, -9], "\n".join(f"--- process {i} (exit {c}) ---\n{out[-3000:]}"
-                                      for i, (c, out) in enumerate(zip(codes, outputs)))
+  assert codes == [-9, -9], "\n".join(
+    f"--- process {i} (exit {c}) ---\n{out[-3000:]}" for i, (c, out) in enumerate(zip(codes, outputs))
+  )
   # Process 0 was killed after two shard files of step 6 and before its manifest; process 1 after its commit.
   tmp = list((local / "process_0").glob("6.tmp*"))
   assert len(tmp) == 1 and len(list(tmp[0].glob("*.npy"))) == 2 and not (tmp[0] / "manifest.json").exists()

@@ -38,9 +38,11 @@ def wheel(folder, name, version, requires=(), extras=()):
   dist = f"{name.replace('-', '_')}-{version}"
   metadata = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
   metadata += [f"Provides-Extra: {extra}" for extra in extras] + [f"Requires-Dist: {r}" for r in requires]
-  files = {f"{dist}.dist-info/METADATA": "\n".join(metadata) + "\n",
-           f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-           f"{name.replace('-', '_')}/__init__.py": ""}
+  files = {
+    f"{dist}.dist-info/METADATA": "\n".join(metadata) + "\n",
+    f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    f"{name.replace('-', '_')}/__init__.py": "",
+  }
   files[f"{dist}.dist-info/RECORD"] = "".join(f"{path},,\n" for path in files) + f"{dist}.dist-info/RECORD,,\n"
   with zipfile.ZipFile(folder / f"{dist}-py3-none-any.whl", "w") as archive:
     for path, text in files.items():
@@ -83,10 +85,26 @@ def index(tmp_path):
 
 def resolve(index):
   out = index / "out"
-  done = subprocess.run([sys.executable, str(LOCK_TOOL), "resolve", "--out", str(out), "--spec",
-                         str(index / "sets.toml"), "--against", str(index / "before"), "--uv", str(_uv()),
-                         "--sources", f"--no-index --find-links {index / 'wheels'}"],
-                        capture_output=True, text=True, timeout=300)
+  done = subprocess.run(
+    [
+      sys.executable,
+      str(LOCK_TOOL),
+      "resolve",
+      "--out",
+      str(out),
+      "--spec",
+      str(index / "sets.toml"),
+      "--against",
+      str(index / "before"),
+      "--uv",
+      str(_uv()),
+      "--sources",
+      f"--no-index --find-links {index / 'wheels'}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert done.returncode == 0, done.stdout + done.stderr
   return done.stdout, {path.stem: lock_tool.pins(path) for path in (out / "py3.12").glob("*.txt")}
 
@@ -142,16 +160,19 @@ def test_the_check_names_each_package_off_the_lock(tmp_path):
   lock = tmp_path / "test.txt"
   lock.write_text("jax==0.12.0.1\nnumpy==2.5.5\n", encoding="utf-8")
   have = {"jax": "0.12.1", "numpy": "2.5.5", "stray": "1.0", "distrib-train": "0.1.0"}
-  assert lock_tool.mismatches(lock, have) == ["jax: lock 0.12.0.1, installed 0.12.1",
-                                              "stray: installed 1.0, not in the lock"]
+  assert lock_tool.mismatches(lock, have) == [
+    "jax: lock 0.12.0.1, installed 0.12.1",
+    "stray: installed 1.0, not in the lock",
+  ]
 
 
 def _local_sh(tmp_path, lock_dir, venv, **extra):
   env = {key: value for key, value in os.environ.items() if not key.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
   env.update(VENV=str(venv), WORKDIR=str(tmp_path / "work"), DT_LOCK_DIR=str(lock_dir), **extra)
   env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-  return subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--install-only"], env=env, capture_output=True,
-                        text=True, timeout=300)
+  return subprocess.run(
+    ["bash", str(ROOT / "launch" / "local.sh"), "--install-only"], env=env, capture_output=True, text=True, timeout=300
+  )
 
 
 def test_local_sh_refuses_an_interpreter_the_lock_lacks_in_one_line_before_making_the_venv(tmp_path):
@@ -161,8 +182,9 @@ def test_local_sh_refuses_an_interpreter_the_lock_lacks_in_one_line_before_makin
   done = _local_sh(tmp_path, locks, tmp_path / "venv")
   assert done.returncode == 2
   assert done.stderr.strip().splitlines() == [
-      f"lock: no lock for Python {PYTHON} in {locks} (locked: 3.99): use one of those interpreters, or add "
-      f"{PYTHON} to requirements/sets.toml and run bash .ci/upgrade"]
+    f"lock: no lock for Python {PYTHON} in {locks} (locked: 3.99): use one of those interpreters, or add "
+    f"{PYTHON} to requirements/sets.toml and run bash .ci/upgrade"
+  ]
   assert not (tmp_path / "venv").exists() and not (tmp_path / "work").exists()
 
 
@@ -186,12 +208,20 @@ def test_local_sh_refuses_a_withdrawn_wheel_in_one_line_naming_it(tmp_path):
   assert not (tmp_path / "work").exists()
 
 
-@pytest.mark.parametrize("stderr,line", [
-    ("error: No solution found when resolving dependencies\n  cause: Because there is no version of libtpu==0.0.53"
-     " and you require libtpu==0.0.53, we can conclude that your requirements are unsatisfiable.\n",
-     "Because there is no version of libtpu==0.0.53 and you require libtpu==0.0.53"),
-    ("ERROR: Could not find a version that satisfies the requirement uv==9.9 (from versions: 0.1, 0.2)\n"
-     "ERROR: No matching distribution found for uv==9.9\n", "no distribution of uv==9.9 is served"),
-])
+@pytest.mark.parametrize(
+  "stderr,line",
+  [
+    (
+      "error: No solution found when resolving dependencies\n  cause: Because there is no version of libtpu==0.0.53"
+      " and you require libtpu==0.0.53, we can conclude that your requirements are unsatisfiable.\n",
+      "Because there is no version of libtpu==0.0.53 and you require libtpu==0.0.53",
+    ),
+    (
+      "ERROR: Could not find a version that satisfies the requirement uv==9.9 (from versions: 0.1, 0.2)\n"
+      "ERROR: No matching distribution found for uv==9.9\n",
+      "no distribution of uv==9.9 is served",
+    ),
+  ],
+)
 def test_an_install_failure_is_said_in_one_line(stderr, line):
   assert lock_tool.reason(stderr) == line

@@ -24,11 +24,14 @@ def test_model_lora_is_read_from_yaml_and_set(tmp_path):
   assert again.model_recipe().config.lora_rank == 8
 
 
-@pytest.mark.parametrize("sets, message", [
+@pytest.mark.parametrize(
+  "sets, message",
+  [
     (["model.lora.rank=-1"], "must be at least 0"),
     (["model.lora.rank=4", "model.lora.targets=q,x"], r"lora.targets names \['x'\]"),
     (["model.lora.rank=4", "model.lora.dropout=1.0"], r"0 ≤ p < 1, got 1.0"),
-])
+  ],
+)
 def test_bad_lora_settings_are_refused_by_name(sets, message):
   with pytest.raises((ConfigError, ValueError), match=message):
     config_lib.load("tiny", sets).model_recipe()
@@ -79,8 +82,10 @@ def test_adapter_dropout_drops_the_adapters_inputs_in_training_only():
   from distrib_train import microbatches as microbatching
 
   stages = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
-  with microbatching.pipelining(microbatching.Pipelining(stages, 2)), pytest.raises(
-      ValueError, match="lora.dropout does not run with a stage axis"):
+  with (
+    microbatching.pipelining(microbatching.Pipelining(stages, 2)),
+    pytest.raises(ValueError, match="lora.dropout does not run with a stage axis"),
+  ):
     run(jax.random.key(1))
   model.eval()
   np.testing.assert_array_equal(run(jax.random.key(1)), plain)
@@ -101,12 +106,21 @@ def _with(plain, adapted, weights):
 
 def test_only_the_adapters_train_sharded_as_on_one_device():
   """With the adapters' dropout on: each step's masks are the same on every mesh."""
-  config = config_lib.load("tiny", ["model.lora.rank=4", "model.lora.dropout=0.1", "train.compilation_cache_dir=",
-                                    "optimizer.name=adamw", "optimizer.learning_rate=1e-2"])
+  config = config_lib.load(
+    "tiny",
+    [
+      "model.lora.rank=4",
+      "model.lora.dropout=0.1",
+      "train.compilation_cache_dir=",
+      "optimizer.name=adamw",
+      "optimizer.learning_rate=1e-2",
+    ],
+  )
   job = job_lib.job_spec(config)
   recipe = config.model_recipe()
-  assert all("lora_" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-      job.abstract_state.params)[0])
+  assert all(
+    "lora_" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(job.abstract_state.params)[0]
+  )
   mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), devices=jax.devices()[:8])
   plan = job_lib.plan_job(job, dt.MeshPlanner(mesh, job_lib.rules_for(config, dt.MeshConfig(("data",), (8,)))))
   frozen = {e.path: e.spec for e in plan.entries if e.group == "model_without_params"}
@@ -119,8 +133,11 @@ def test_only_the_adapters_train_sharded_as_on_one_device():
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 256, (8, 33)).astype(np.int32)
   batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((8, 32), np.float32)}
-  sharded_step = dt.build_train_step_fn(recipe.loss_fn, train_state_shardings=plan.train_state_shardings,
-                                        input_kwarg_shardings={k: plan.input_kwarg_shardings[k] for k in batch})
+  sharded_step = dt.build_train_step_fn(
+    recipe.loss_fn,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings={k: plan.input_kwarg_shardings[k] for k in batch},
+  )
   one_step = dt.build_train_step_fn(recipe.loss_fn)
   sharded, single = plan.init(job.make_state), job.make_state()
   # the frozen base against its own sharded start (jax 0.10 initialises a sharded state an ulp apart)

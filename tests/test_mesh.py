@@ -50,17 +50,17 @@ def test_dcn_axes_need_as_many_granules_as_they_say():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(axis_names=("a", "b"), ici=(-1, -1)), r"ici sizes of axes 'a', 'b' are all -1"),
-        (dict(axis_names=("a", "b"), ici=(1, 1), dcn=(-1, -1)), r"dcn sizes of axes 'a', 'b' are all -1"),
-        (dict(axis_names=("a",), ici=(0,)), r"ici size of axis 'a' is 0"),
-        (dict(axis_names=("a",), ici=(-4,)), r"ici size of axis 'a' is -4"),
-        (dict(axis_names=("a",), ici=(2.0,)), r"must be an integer"),
-        (dict(axis_names=("a", "b"), ici=(2,)), r"2 axes .* but 1 ici sizes"),
-        (dict(axis_names=("a", "a"), ici=(2, 2)), r"repeat a name"),
-        (dict(axis_names=("a",), ici=(2,), rules=[("embed", "fsdpp")]), r"names mesh axis 'fsdpp'"),
-    ],
+  "kwargs, message",
+  [
+    (dict(axis_names=("a", "b"), ici=(-1, -1)), r"ici sizes of axes 'a', 'b' are all -1"),
+    (dict(axis_names=("a", "b"), ici=(1, 1), dcn=(-1, -1)), r"dcn sizes of axes 'a', 'b' are all -1"),
+    (dict(axis_names=("a",), ici=(0,)), r"ici size of axis 'a' is 0"),
+    (dict(axis_names=("a",), ici=(-4,)), r"ici size of axis 'a' is -4"),
+    (dict(axis_names=("a",), ici=(2.0,)), r"must be an integer"),
+    (dict(axis_names=("a", "b"), ici=(2,)), r"2 axes .* but 1 ici sizes"),
+    (dict(axis_names=("a", "a"), ici=(2, 2)), r"repeat a name"),
+    (dict(axis_names=("a",), ici=(2,), rules=[("embed", "fsdpp")]), r"names mesh axis 'fsdpp'"),
+  ],
 )
 def test_bad_mesh_configs_are_rejected(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -91,17 +91,17 @@ def _write(tmp_path, text):
 
 
 @pytest.mark.parametrize(
-    "text, message",
-    [
-        ("axes: {data: 2}\nrulez: fsdp_tensor\n", r"mesh.yaml: unknown key\(s\) 'rulez'"),
-        ("axes: {data: {icy: 2}}\n", r"axis 'data' has unknown key\(s\) 'icy'"),
-        ("axes: []\n", r"'axes' must map"),
-        ("- 1\n", r"expected a mapping"),
-        ("axes: {data: 2}\nrules: [[embed, fsdpp]]\n", r"names mesh axis 'fsdpp'.*mesh.yaml"),
-        ("axes: {data: 2, fsdp: 2}\ndevices: 8\n", r"ici sizes data=2 × fsdp=2 = 4 do not match the 8"),
-        ("axes: {data: 2}\ndevices: eight\n", r"'devices' must be a positive integer"),
-        ("axes: {data: 2\n", r"not valid YAML"),
-    ],
+  "text, message",
+  [
+    ("axes: {data: 2}\nrulez: fsdp_tensor\n", r"mesh.yaml: unknown key\(s\) 'rulez'"),
+    ("axes: {data: {icy: 2}}\n", r"axis 'data' has unknown key\(s\) 'icy'"),
+    ("axes: []\n", r"'axes' must map"),
+    ("- 1\n", r"expected a mapping"),
+    ("axes: {data: 2}\nrules: [[embed, fsdpp]]\n", r"names mesh axis 'fsdpp'.*mesh.yaml"),
+    ("axes: {data: 2, fsdp: 2}\ndevices: 8\n", r"ici sizes data=2 × fsdp=2 = 4 do not match the 8"),
+    ("axes: {data: 2}\ndevices: eight\n", r"'devices' must be a positive integer"),
+    ("axes: {data: 2\n", r"not valid YAML"),
+  ],
 )
 def test_bad_yaml_files_are_rejected_naming_the_file(tmp_path, text, message):
   with pytest.raises(ValueError, match=message):
@@ -127,12 +127,12 @@ def test_as_auto_mesh_converts_explicit_axes():
 
 
 @pytest.mark.parametrize(
-    "text, message",
-    [
-        ("axes: {data: 2}\nrules: fsdp_tensr\n", r"mesh.yaml: Unknown axis rule set 'fsdp_tensr'"),
-        ("axes: {data: 2}\nparam_axes: [[w, [embed]]]\n", r"mesh.yaml: 'param_axes' needs 'rules'"),
-        ("axes: {data: 2}\ngranules: 2\n", r"mesh.yaml: 'granules' is checked against 'devices'"),
-    ],
+  "text, message",
+  [
+    ("axes: {data: 2}\nrules: fsdp_tensr\n", r"mesh.yaml: Unknown axis rule set 'fsdp_tensr'"),
+    ("axes: {data: 2}\nparam_axes: [[w, [embed]]]\n", r"mesh.yaml: 'param_axes' needs 'rules'"),
+    ("axes: {data: 2}\ngranules: 2\n", r"mesh.yaml: 'granules' is checked against 'devices'"),
+  ],
 )
 def test_more_bad_yaml_files_are_rejected_naming_the_file(tmp_path, text, message):
   with pytest.raises(ValueError, match=message):
@@ -160,7 +160,11 @@ def test_to_yaml_loads_back_as_the_same_config(tmp_path, path):
   loaded = dt.MeshConfig.from_yaml(written)
   assert written.read_text().startswith("# a header line\n")
   assert (loaded.axis_names, loaded.ici, loaded.dcn, loaded.devices) == (
-      config.axis_names, config.ici, config.dcn, config.devices)
+    config.axis_names,
+    config.ici,
+    config.dcn,
+    config.devices,
+  )
   assert (loaded.rules is None) == (config.rules is None)
   if config.rules is not None:
     assert loaded.rules.rules == config.rules.rules
@@ -177,10 +181,21 @@ def test_a_data_by_fsdp_mesh_config_trains_the_tiny_llama_with_tensor_as_size_1(
 
   mesh_file = tmp_path / "data-fsdp.yaml"
   mesh_file.write_text("devices: 8\naxes: {data: 2, fsdp: 4}\nrules: fsdp_tensor\n")
-  config = config_lib.load("tiny", [
-      "data.seq_len=32", "data.global_batch_size=8", "train.steps=2", "train.log_every=1", "train.eval_every=0",
-      "train.checkpoint_every=0", "train.async_checkpoint=false", f"train.compilation_cache_dir={xla_cache}",
-      "optimizer.warmup_steps=0", f"mesh_config={mesh_file}"])
+  config = config_lib.load(
+    "tiny",
+    [
+      "data.seq_len=32",
+      "data.global_batch_size=8",
+      "train.steps=2",
+      "train.log_every=1",
+      "train.eval_every=0",
+      "train.checkpoint_every=0",
+      "train.async_checkpoint=false",
+      f"train.compilation_cache_dir={xla_cache}",
+      "optimizer.warmup_steps=0",
+      f"mesh_config={mesh_file}",
+    ],
+  )
   console = io.StringIO()
   result = Trainer(config, tmp_path / "run", console=console).run()
   assert result.status == "finished" and sorted(result.losses) == [1, 2], console.getvalue()[-3000:]

@@ -35,8 +35,11 @@ def _classification_batch(step, in_features=16, classes=8, batch=32):
 def _planned(make_state, loss_fn, inputs, mesh=None, input_axes=None):
   planner = dt.MeshPlanner(mesh or _mesh(), "fsdp_tensor")
   state, plan = planner.init(make_state, loss_fn=loss_fn, inputs=inputs, input_axes=input_axes)
-  kwargs = dict(train_state_shardings=plan.train_state_shardings, input_kwarg_shardings=plan.input_kwarg_shardings,
-                aux_output_shardings=plan.aux_output_shardings)
+  kwargs = dict(
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    aux_output_shardings=plan.aux_output_shardings,
+  )
   return state, plan, kwargs
 
 
@@ -55,16 +58,25 @@ def _opt_paths(state):
 
 def _make_bn_mlp_state(dropout=0.0, tx=None):
   return lambda: dt.TrainState.initial_state(
-      mlp.MLPConfig(dropout=dropout).build(0), tx or optax.adam(1e-2), jax.random.key(0))
+    mlp.MLPConfig(dropout=dropout).build(0), tx or optax.adam(1e-2), jax.random.key(0)
+  )
 
 
 def test_nnx_module_splits_into_params_local_state_and_the_rest():
   state = _make_bn_mlp_state()()
   assert isinstance(state.model_without_params, models.nnx_model.NnxModelDef)
   assert sorted(path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]) == [
-      "dense_in/bias", "dense_in/kernel", "dense_out/bias", "dense_out/kernel", "norm/bias", "norm/scale"]
+    "dense_in/bias",
+    "dense_in/kernel",
+    "dense_out/bias",
+    "dense_out/kernel",
+    "norm/bias",
+    "norm/scale",
+  ]
   assert sorted(path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.local_state)[0]) == [
-      "norm/mean", "norm/var"]
+    "norm/mean",
+    "norm/var",
+  ]
   assert isinstance(state.model, mlp.BatchNormMLP)
 
 
@@ -83,8 +95,9 @@ def test_nnx_batch_stats_update_every_step_and_never_reach_the_optimizer():
   for a, b in zip(means, means[1:]):
     assert not np.allclose(a, b)
   assert not any("mean" in p or "var" in p for p in _opt_paths(state))
-  for got, want in zip(jax.tree_util.tree_leaves(state.local_state),
-                       jax.tree_util.tree_leaves(plan.train_state_shardings.local_state)):
+  for got, want in zip(
+    jax.tree_util.tree_leaves(state.local_state), jax.tree_util.tree_leaves(plan.train_state_shardings.local_state)
+  ):
     assert got.sharding == want
   # The params' own annotations were used: dense_in/kernel is (embed, mlp).
   assert _only(plan.train_state_shardings.params["dense_in"]["kernel"]).spec == P("fsdp", "tensor")
@@ -131,8 +144,14 @@ def test_nnx_overwrite_with_gradient_state_is_written_by_the_backward_pass(micro
 
 def test_gradients_cover_params_only():
   state = _make_bn_mlp_state()()
-  grads = jax.grad(lambda p: mlp.loss_fn(model=models.merge_model(state.model_without_params, p, state.local_state),
-                                         state=None, rng=None, **_classification_batch(0))[0])(state.params)
+  grads = jax.grad(
+    lambda p: mlp.loss_fn(
+      model=models.merge_model(state.model_without_params, p, state.local_state),
+      state=None,
+      rng=None,
+      **_classification_batch(0),
+    )[0]
+  )(state.params)
   assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(state.params)
 
 
@@ -173,8 +192,11 @@ def test_nnx_dropout_draws_from_the_step_key():
 
 def test_nnx_is_param_filter_freezes_the_rest():
   make = lambda: dt.TrainState.initial_state(
-      mlp.MLPConfig().build(0), optax.adam(0.1), jax.random.key(0),
-      is_param=nnx.All(nnx.Param, nnx.PathContains("dense_out")))
+    mlp.MLPConfig().build(0),
+    optax.adam(0.1),
+    jax.random.key(0),
+    is_param=nnx.All(nnx.Param, nnx.PathContains("dense_out")),
+  )
   state = make()
   frozen = np.asarray(state.model.dense_in.kernel[...])
   step_fn = dt.build_train_step_fn(mlp.loss_fn)
@@ -236,8 +258,9 @@ def test_linen_batch_stats_are_local_state_updated_every_step():
     means.append(np.asarray(state.local_state["batch_stats"]["BatchNorm_0"]["mean"]))
   assert not np.allclose(means[0], means[1]) and not np.allclose(means[1], means[2])
   assert not any("batch_stats" in p or "mean" in p for p in _opt_paths(state))
-  for got, want in zip(jax.tree_util.tree_leaves(state.local_state),
-                       jax.tree_util.tree_leaves(plan.train_state_shardings.local_state)):
+  for got, want in zip(
+    jax.tree_util.tree_leaves(state.local_state), jax.tree_util.tree_leaves(plan.train_state_shardings.local_state)
+  ):
     assert got.sharding == want
   eval_fn = dt.build_eval_step_fn(linen_eval_loss, **kwargs)
   before = means[-1]
@@ -301,10 +324,13 @@ def _train_llama(mesh, steps, config_overrides=None, length=64):
   planner = dt.MeshPlanner(mesh, "fsdp_tensor")
   batch = _llama_batch(length=length)
   state, plan = planner.init(make, loss_fn=recipe.loss_fn, inputs=batch, input_axes=recipe.input_axes)
-  step_fn = dt.build_train_step_fn(recipe.loss_fn, donate_params_and_state=True,
-                                   train_state_shardings=plan.train_state_shardings,
-                                   input_kwarg_shardings=plan.input_kwarg_shardings,
-                                   aux_output_shardings=plan.aux_output_shardings)
+  step_fn = dt.build_train_step_fn(
+    recipe.loss_fn,
+    donate_params_and_state=True,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    aux_output_shardings=plan.aux_output_shardings,
+  )
   losses = []
   with activation_sharding(plan.mesh, planner.rules):
     for _ in range(steps):
@@ -376,13 +402,13 @@ def test_auto_attention_is_xla_off_gpu_and_explicit_choices_stand():
 
 
 @pytest.mark.parametrize(
-    "args, kwargs, message",
-    [
-        (("gpt",), {}, r"Unknown model 'gpt'; known: llama, mlp"),
-        (("llama", "3b"), {}, r"Unknown preset '3b' for llama; known: tiny, 124m"),
-        (("llama", "tiny"), {"d_modle": 3}, r"Unknown llama config field\(s\) d_modle"),
-        (("llama", "tiny"), {"num_kv_heads": 3}, r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
-    ],
+  "args, kwargs, message",
+  [
+    (("gpt",), {}, r"Unknown model 'gpt'; known: llama, mlp"),
+    (("llama", "3b"), {}, r"Unknown preset '3b' for llama; known: tiny, 124m"),
+    (("llama", "tiny"), {"d_modle": 3}, r"Unknown llama config field\(s\) d_modle"),
+    (("llama", "tiny"), {"num_kv_heads": 3}, r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
+  ],
 )
 def test_models_get_rejects_unknown_names(args, kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -391,8 +417,9 @@ def test_models_get_rejects_unknown_names(args, kwargs, message):
 
 def _attention_inputs(batch=4, length=128, heads=4, kv_heads=2, head_dim=16):
   rng = np.random.default_rng(0)
-  q, k, v = (jnp.asarray(rng.normal(size=(batch, length, n, head_dim)), jnp.float32)
-             for n in (heads, kv_heads, kv_heads))
+  q, k, v = (
+    jnp.asarray(rng.normal(size=(batch, length, n, head_dim)), jnp.float32) for n in (heads, kv_heads, kv_heads)
+  )
   # Two documents per row, split at a different place in each row.
   segments = jnp.asarray(np.arange(length)[None, :] >= (np.arange(batch)[:, None] * 17 + 30), jnp.int32) + 1
   return q, k, v, segments
@@ -407,8 +434,9 @@ def _xla_attention(q, k, v, segments):
 def test_splash_attention_equals_xla_attention_and_its_gradients(sharded, kv_heads):
   # kv_heads 1 does not split over tensor 2: each device gets copies of the key/value head.
   q, k, v, segments = _attention_inputs(kv_heads=kv_heads)
-  loss = lambda attention: jax.jit(jax.value_and_grad(
-      lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, segments))), argnums=(0, 1, 2)))
+  loss = lambda attention: jax.jit(
+    jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, segments))), argnums=(0, 1, 2))
+  )
   want, want_grads = loss(_xla_attention)(q, k, v)
   context = contextlib.nullcontext()
   if sharded:  # batch over data × fsdp, heads (and the 2 key/value heads) over tensor
@@ -423,6 +451,7 @@ def test_splash_attention_equals_xla_attention_and_its_gradients(sharded, kv_hea
 
 def test_llama_with_splash_attention_trains_as_with_xla_attention():
   splash, _ = _train_llama(_mesh((2, 2, 2)), steps=3, config_overrides={"attention": "splash"}, length=128)
-  xla, _ = _train_llama(_mesh((1, 1, 1), devices=jax.devices()[:1]), steps=3, config_overrides={"attention": "xla"},
-                        length=128)
+  xla, _ = _train_llama(
+    _mesh((1, 1, 1), devices=jax.devices()[:1]), steps=3, config_overrides={"attention": "xla"}, length=128
+  )
   np.testing.assert_allclose(splash, xla, rtol=2e-5)

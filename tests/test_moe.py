@@ -62,14 +62,12 @@ def test_all_tokens_to_one_expert_still_runs_exactly_when_dropless_and_is_counte
   h = jax.random.normal(jax.random.key(3), (2, 16, config.d_model))
   indices = jnp.zeros((2, 16, 2), jnp.int32).at[..., 1].set(5)  # every token to experts 0 and 5
   weights = jnp.full((2, 16, 2), 0.5)
-  want = sum(0.5 * (jax.nn.silu(h @ layer["w_gate"][e]) * (h @ layer["w_up"][e])) @ layer["w_down"][e]
-             for e in (0, 5))
+  want = sum(0.5 * (jax.nn.silu(h @ layer["w_gate"][e]) * (h @ layer["w_up"][e])) @ layer["w_down"][e] for e in (0, 5))
   got, dropped = dispatch(h, indices, weights, layer["w_gate"], layer["w_up"], layer["w_down"])
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   assert float(jnp.sum(dropped)) == 0
   # Capacity 1.0: each expert takes ceil(64 / 8) = 8 of the 64 assignments; 2 experts hold 32 each.
-  capped, dropped = dispatch(h, indices, weights, layer["w_gate"], layer["w_up"], layer["w_down"],
-                             capacity_factor=1.0)
+  capped, dropped = dispatch(h, indices, weights, layer["w_gate"], layer["w_up"], layer["w_down"], capacity_factor=1.0)
   assert float(jnp.sum(dropped)) == 64 - 2 * 8
   np.testing.assert_allclose(np.asarray(capped[0, :4]), np.asarray(want[0, :4]), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(capped[1]), 0.0)  # the second row came after the capacity
@@ -80,8 +78,11 @@ def one_device():
   return ph.train(ph.mesh_of({}, devices=jax.devices()[:1]), family="moe")
 
 
-@pytest.mark.parametrize("axes", [{"expert": 4, "fsdp": 2}, {"expert": 2, "data": 2, "tensor": 2}],
-                         ids=["expert4-fsdp2", "expert2-data2-tensor2"])
+@pytest.mark.parametrize(
+  "axes",
+  [{"expert": 4, "fsdp": 2}, {"expert": 2, "data": 2, "tensor": 2}],
+  ids=["expert4-fsdp2", "expert2-data2-tensor2"],
+)
 def test_expert_parallel_training_matches_one_device(one_device, axes):
   losses, params = ph.train(ph.mesh_of(axes), family="moe")
   np.testing.assert_allclose(losses, one_device[0], rtol=RTOL)
@@ -100,8 +101,9 @@ def test_router_and_expert_gradients_match_one_device():
 def test_experts_compose_with_the_pipeline():
   """stage 2 × expert 2 × fsdp 2; without the balance loss, which a pipeline takes per microbatch."""
   reference = ph.train(ph.mesh_of({}, devices=jax.devices()[:1]), steps=4, family="moe", aux_loss_weight=0.0)
-  losses, _ = ph.train(ph.mesh_of({"stage": 2, "expert": 2, "fsdp": 2}), steps=4, microbatches=4, family="moe",
-                       aux_loss_weight=0.0)
+  losses, _ = ph.train(
+    ph.mesh_of({"stage": 2, "expert": 2, "fsdp": 2}), steps=4, microbatches=4, family="moe", aux_loss_weight=0.0
+  )
   np.testing.assert_allclose(losses, reference[0], rtol=RTOL)
 
 
@@ -152,13 +154,26 @@ def test_a_checkpoint_restores_across_expert_axis_sizes(tmp_path, xla_cache):
   from distrib_train.train.trainer import Trainer
 
   def run(mesh, steps, workdir):
-    config = config_lib.load("moe-tiny", [
-        "data.seq_len=32", "data.global_batch_size=8", f"train.steps={steps}", "train.log_every=1",
-        "train.eval_every=0", "train.checkpoint_every=3", "train.async_checkpoint=false",
-        f"train.compilation_cache_dir={xla_cache}", "optimizer.warmup_steps=0", "optimizer.schedule=constant",
+    config = config_lib.load(
+      "moe-tiny",
+      [
+        "data.seq_len=32",
+        "data.global_batch_size=8",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.checkpoint_every=3",
+        "train.async_checkpoint=false",
+        f"train.compilation_cache_dir={xla_cache}",
+        "optimizer.warmup_steps=0",
+        "optimizer.schedule=constant",
         # SGD: linear in the gradients, so the meshes' float noise stays noise (Adam can turn it into whole
         # steps, and a routing choice near a tie can then flip).
-        "optimizer.name=sgd", "optimizer.learning_rate=0.3", f"mesh_config={mesh}"])
+        "optimizer.name=sgd",
+        "optimizer.learning_rate=0.3",
+        f"mesh_config={mesh}",
+      ],
+    )
     console = io.StringIO()
     result = Trainer(config, workdir, console=console).run()
     assert result.status == "finished", console.getvalue()
@@ -197,11 +212,14 @@ def test_a_mixture_trained_from_scratch_exports_with_its_familys_tensor_names():
   assert "model.layers.0.block_sparse_moe.gate.weight" in names and not any(".mlp." in n for n in names)
 
 
-@pytest.mark.parametrize("change, message", [
+@pytest.mark.parametrize(
+  "change, message",
+  [
     (dict(dense_layers=(1,)), r"cannot be written as mixtral: dense_layers \(1,\)"),
     (dict(sliding_window=8, layer_types=("sliding", "full") * 2), r"sliding and full layers \(its window is on"),
     (dict(mlp_activation="gelu_tanh"), r"mlp_activation 'gelu_tanh' \(its MLP is 'silu'\)"),
-])
+  ],
+)
 def test_what_a_family_cannot_express_is_refused_at_export(change, message):
   import dataclasses
 

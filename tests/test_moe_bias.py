@@ -27,11 +27,11 @@ def test_the_bias_chooses_the_experts_and_the_unbiased_scores_weight_them(router
   weights_in = np.asarray(config.build(0).layers["router"][...][0], np.float64)
   h = np.asarray(jax.random.normal(jax.random.key(1), (2, 8, config.d_model)), np.float64)
   bias = np.asarray(0.1 * jax.random.normal(jax.random.key(2), (config.num_experts,)), np.float32)
-  indices, weights, aux = routing.route(config, jnp.asarray(h, jnp.float32), jnp.asarray(weights_in, jnp.float32),
-                                    jnp.asarray(bias))
+  indices, weights, aux = routing.route(
+    config, jnp.asarray(h, jnp.float32), jnp.asarray(weights_in, jnp.float32), jnp.asarray(bias)
+  )
   logits = h @ weights_in
-  scores = (np.exp(logits) / np.exp(logits).sum(-1, keepdims=True) if router == "softmax"
-            else 1 / (1 + np.exp(-logits)))
+  scores = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True) if router == "softmax" else 1 / (1 + np.exp(-logits))
   k = config.experts_per_token
   chosen = np.argsort(-(scores + bias), axis=-1, kind="stable")[..., :k]
   assert np.any(chosen != np.argsort(-scores, axis=-1, kind="stable")[..., :k])  # the bias changed some choices
@@ -39,8 +39,9 @@ def test_the_bias_chooses_the_experts_and_the_unbiased_scores_weight_them(router
   want = 2.5 * want / want.sum(-1, keepdims=True)
   np.testing.assert_array_equal(np.asarray(indices), chosen)
   np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-5)
-  np.testing.assert_array_equal(np.asarray(aux["load"]),
-                                np.eye(config.num_experts)[chosen].sum(axis=(1, 2)))  # [batch, experts]
+  np.testing.assert_array_equal(
+    np.asarray(aux["load"]), np.eye(config.num_experts)[chosen].sum(axis=(1, 2))
+  )  # [batch, experts]
 
 
 def test_an_overloaded_expert_falls_and_the_others_rise_by_the_rate_once_per_step():
@@ -51,8 +52,15 @@ def test_an_overloaded_expert_falls_and_the_others_rise_by_the_rate_once_per_ste
     model.layers["router_bias"][...] = model.layers["router_bias"][...].at[:, :2].set(10.0)
 
   states = []
-  ph.train(_one_device(), steps=3, microbatches=2, family="moe", router_bias_update_rate=RATE, edit=overload,
-           local_states=states)
+  ph.train(
+    _one_device(),
+    steps=3,
+    microbatches=2,
+    family="moe",
+    router_bias_update_rate=RATE,
+    edit=overload,
+    local_states=states,
+  )
   experts = np.arange(8)
   want = np.broadcast_to(np.where(experts < 2, 10.0, 0.0), (4, 8)).astype(np.float32)
   for state in states:
@@ -103,8 +111,9 @@ def test_a_negative_rate_is_refused_naming_the_key():
 @pytest.fixture(scope="session")
 def one_device():
   states, final = [], []
-  losses, _ = ph.train(_one_device(), steps=3, family="moe", router_bias_update_rate=RATE, local_states=states,
-                       final=final)
+  losses, _ = ph.train(
+    _one_device(), steps=3, family="moe", router_bias_update_rate=RATE, local_states=states, final=final
+  )
   return losses, states, final[0]
 
 
@@ -134,8 +143,9 @@ def test_an_expert_axis_mesh_moves_the_bias_as_one_device_does(one_device):
   losses, states, _ = one_device
   assert np.any(states[-1][BIAS] > 0) and np.any(states[-1][BIAS] < 0)
   got_states = []
-  got, _ = ph.train(ph.mesh_of({"expert": 4, "fsdp": 2}), steps=3, family="moe", router_bias_update_rate=RATE,
-                    local_states=got_states)
+  got, _ = ph.train(
+    ph.mesh_of({"expert": 4, "fsdp": 2}), steps=3, family="moe", router_bias_update_rate=RATE, local_states=got_states
+  )
   np.testing.assert_allclose(got, losses, rtol=1e-4)
   for step, (a, b) in enumerate(zip(got_states, states, strict=True)):
     np.testing.assert_array_equal(a[BIAS], b[BIAS], err_msg=f"step {step + 1}")

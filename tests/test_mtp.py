@@ -42,29 +42,43 @@ def _reference(model, data, documents=True):
   if weights is None:
     weights = np.ones(tokens.shape, np.float32)
   positions = data.get("positions", np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape))
-  hidden = np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions),
-                            None if segments is None else jnp.asarray(segments)), np.float64)
+  hidden = np.asarray(
+    model(jnp.asarray(tokens), jnp.asarray(positions), None if segments is None else jnp.asarray(segments)), np.float64
+  )
   head, table = np.asarray(model.head_weight(), np.float64), np.asarray(model.embed[...], np.float64)
   main = _cross_entropy(hidden, head, targets, weights)
   rows, length = tokens.shape
   losses, counted, previous = [], [], hidden
   for k in range(1, c.mtp_depth + 1):
     layer = {name: np.asarray(v[...][k - 1]) for name, v in model.mtp.items()}
-    shifted, target, weight = (np.zeros((rows, length), np.int32), np.zeros((rows, length), np.int32),
-                               np.zeros((rows, length), np.float64))
+    shifted, target, weight = (
+      np.zeros((rows, length), np.int32),
+      np.zeros((rows, length), np.int32),
+      np.zeros((rows, length), np.float64),
+    )
     for b in range(rows):
       for i in range(length):
         if i + k - 1 < length:
           shifted[b, i] = targets[b, i + k - 1]  # t_{i+k}
-        same = segments is None or not documents or (
-            segments[b, i] > 0 and segments[b, i] == segments[b, i + k + 1] if i + k + 1 < length else False)
+        same = (
+          segments is None
+          or not documents
+          or (segments[b, i] > 0 and segments[b, i] == segments[b, i + k + 1] if i + k + 1 < length else False)
+        )
         if i + k + 1 < length and same:
           target[b, i], weight[b, i] = targets[b, i + k], weights[b, i + k]  # t_{i+k+1}, its own weight
-    joined = np.concatenate([_rms(table[shifted], layer["enorm"], c.norm_eps),
-                             _rms(previous, layer["hnorm"], c.norm_eps)], axis=-1)
+    joined = np.concatenate(
+      [_rms(table[shifted], layer["enorm"], c.norm_eps), _rms(previous, layer["hnorm"], c.norm_eps)], axis=-1
+    )
     x = jnp.asarray(joined @ layer["eh_proj"], jnp.float32)
-    out, _ = blocks.layer(c, c.layer_kinds()[-1], x, {n: jnp.asarray(v) for n, v in layer.items()},
-                          jnp.asarray(positions), None if segments is None else jnp.asarray(segments))
+    out, _ = blocks.layer(
+      c,
+      c.layer_kinds()[-1],
+      x,
+      {n: jnp.asarray(v) for n, v in layer.items()},
+      jnp.asarray(positions),
+      None if segments is None else jnp.asarray(segments),
+    )
     previous = np.asarray(out, np.float64)
     losses.append(_cross_entropy(_rms(previous, layer["head_norm"], c.norm_eps), head, target, weight))
     counted.append(weight)
@@ -82,11 +96,12 @@ def test_the_loss_equals_a_plain_numpy_reference(packed):
   np.testing.assert_allclose([float(aux["mtp_loss_1"]), float(aux["mtp_loss_2"])], losses, rtol=1e-5)
   np.testing.assert_allclose(float(loss), main + 0.3 * np.mean(losses), rtol=1e-5)
   assert float(aux["loss"]) == float(loss) and "mtp_loss_3" not in aux
-  shifted = mtp.shifted(config, *(jnp.asarray(data[k]) if k in data else None
-                                   for k in ("targets", "segment_ids", "weights")))
+  shifted = mtp.shifted(
+    config, *(jnp.asarray(data[k]) if k in data else None for k in ("targets", "segment_ids", "weights"))
+  )
   for k, weight in enumerate(counted, 1):  # which predictions count, and with what weight
     np.testing.assert_array_equal(np.asarray(shifted[f"mtp_weights_{k}"]), weight)
-    assert not weight[:, -k - 1:].any()  # none in the last k + 1 positions of a row
+    assert not weight[:, -k - 1 :].any()  # none in the last k + 1 positions of a row
   if packed:  # the rows hold predictions across a document's end that the weights alone would count
     crossing = _reference(model, data, documents=False)[2]
     assert all((a > 0).sum() > (b > 0).sum() for a, b in zip(crossing, counted))
@@ -120,8 +135,7 @@ def test_two_processes_give_one_devices_loss_and_gradients(one_device):
 
 def test_a_mixture_with_mtp_trains():
   aux = []
-  losses, params = ph.train(ph.mesh_of({}, devices=jax.devices()[:1]), steps=4, family="moe", mtp_depth=1,
-                            aux=aux)
+  losses, params = ph.train(ph.mesh_of({}, devices=jax.devices()[:1]), steps=4, family="moe", mtp_depth=1, aux=aux)
   assert losses[-1] < losses[0] and all(np.isfinite(losses))
   assert aux[-1]["mtp_loss_1"] < aux[0]["mtp_loss_1"] and "balance_loss" in aux[-1]
   assert "mtp/router" in params and params["mtp/w_gate"].shape[:2] == (1, 8)  # a mixture block, like the last layer
@@ -173,16 +187,25 @@ def test_drop_at_export_and_at_inference(tmp_path):
   export.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "without"), "--drop_mtp"])
   written, dropped = (hf.SafetensorsDirectory(str(tmp_path / d)) for d in ("with", "without"))
   mtp_names = {n for n in written.tensors if n.startswith(f"model.layers.{layers}.")}
-  assert {f"model.layers.{layers}.{n}" for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
-                                                 "shared_head.norm.weight", "embed_tokens.weight",
-                                                 "shared_head.head.weight")} <= mtp_names
+  assert {
+    f"model.layers.{layers}.{n}"
+    for n in (
+      "enorm.weight",
+      "hnorm.weight",
+      "eh_proj.weight",
+      "shared_head.norm.weight",
+      "embed_tokens.weight",
+      "shared_head.head.weight",
+    )
+  } <= mtp_names
   assert set(dropped.tensors) == set(written.tensors) - mtp_names
   assert hf.tensors_equal({n: dropped.read(n) for n in dropped.tensors}, {n: written.read(n) for n in dropped.tensors})
   for directory, depth in (("with", 1), ("without", 0)):
     assert json.loads((tmp_path / directory / "config.json").read_text())["num_nextn_predict_layers"] == depth
 
-  loaded = run_model.load(f"ckpt:{tmp_path / 'run'}", devices=jax.devices()[:1],
-                          overrides={"model.mtp_depth": 0})  # the modules left unread
+  loaded = run_model.load(
+    f"ckpt:{tmp_path / 'run'}", devices=jax.devices()[:1], overrides={"model.mtp_depth": 0}
+  )  # the modules left unread
   assert not hasattr(loaded.model, "mtp") and loaded.step == 3
   full = run_model.load(f"ckpt:{tmp_path / 'run'}", devices=jax.devices()[:1])
   np.testing.assert_array_equal(np.asarray(loaded.model.final_norm[...]), np.asarray(full.model.final_norm[...]))
@@ -210,10 +233,27 @@ def test_deepseek_v3_mtp_layer_imports_and_exports_bit_for_bit(tmp_path):
 
   torch.manual_seed(0)
   hf_config = transformers.DeepseekV3Config(
-      vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-      num_key_value_heads=4, max_position_embeddings=128, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-      qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
-      first_k_dense_replace=1, moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.5)
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=128,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+  )
   directory = tmp_path / "deepseek"
   transformers.DeepseekV3ForCausalLM(hf_config).save_pretrained(directory)
   files = sorted(directory.glob("*.safetensors"))
@@ -223,14 +263,18 @@ def test_deepseek_v3_mtp_layer_imports_and_exports_bit_for_bit(tmp_path):
   (directory / "model.safetensors.index.json").unlink(missing_ok=True)
   rng, last, n = np.random.default_rng(0), "model.layers.1.", "model.layers.2."
   for name in [k for k in tensors if k.startswith(last)]:  # the block: a mixture layer, as the last one
-    tensors[n + name[len(last):]] = rng.normal(size=tensors[name].shape).astype(np.float32)
+    tensors[n + name[len(last) :]] = rng.normal(size=tensors[name].shape).astype(np.float32)
   d = hf_config.hidden_size
-  tensors.update({n + "enorm.weight": rng.normal(size=d).astype(np.float32),
-                  n + "hnorm.weight": rng.normal(size=d).astype(np.float32),
-                  n + "shared_head.norm.weight": rng.normal(size=d).astype(np.float32),
-                  n + "eh_proj.weight": rng.normal(size=(d, 2 * d)).astype(np.float32),
-                  n + "embed_tokens.weight": tensors["model.embed_tokens.weight"],
-                  n + "shared_head.head.weight": tensors["lm_head.weight"]})
+  tensors.update(
+    {
+      n + "enorm.weight": rng.normal(size=d).astype(np.float32),
+      n + "hnorm.weight": rng.normal(size=d).astype(np.float32),
+      n + "shared_head.norm.weight": rng.normal(size=d).astype(np.float32),
+      n + "eh_proj.weight": rng.normal(size=(d, 2 * d)).astype(np.float32),
+      n + "embed_tokens.weight": tensors["model.embed_tokens.weight"],
+      n + "shared_head.head.weight": tensors["lm_head.weight"],
+    }
+  )
   save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
   saved = json.loads((directory / "config.json").read_text())
   (directory / "config.json").write_text(json.dumps({**saved, "num_nextn_predict_layers": 1}))
@@ -254,13 +298,17 @@ def test_deepseek_v3_mtp_layer_imports_and_exports_bit_for_bit(tmp_path):
 
   without = tmp_path / "without"
   without.mkdir()
-  save_file({k: v for k, v in tensors.items() if not k.startswith(n)}, str(without / "model.safetensors"),
-            metadata={"format": "pt"})
+  save_file(
+    {k: v for k, v in tensors.items() if not k.startswith(n)},
+    str(without / "model.safetensors"),
+    metadata={"format": "pt"},
+  )
   (without / "config.json").write_text(json.dumps({**saved, "num_nextn_predict_layers": 0}))
   mesh = jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
   for where, depth in ((directory, 0), (without, 1)):
-    run = config_lib.load("tiny", [f"train.init_from=hf:{where}", f"model.mtp_depth={depth}", "model.dtype=float32"],
-                          training=False)  # (its vocabulary is smaller than the bytes the data would hold)
+    run = config_lib.load(
+      "tiny", [f"train.init_from=hf:{where}", f"model.mtp_depth={depth}", "model.dtype=float32"], training=False
+    )  # (its vocabulary is smaller than the bytes the data would hold)
     assert run.model_recipe().config.mtp_depth == depth
     job = job_lib.job_spec(run)
     plan = job_lib.plan_job(job, MeshPlanner(mesh, run.train.rules))
@@ -269,4 +317,6 @@ def test_deepseek_v3_mtp_layer_imports_and_exports_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(np.asarray(state.params["embed"]), tensors["model.embed_tokens.weight"])
     assert ("mtp" in state.params) == bool(depth)
     if depth:  # kept as initialised
-      np.testing.assert_array_equal(np.asarray(state.params["mtp"]["eh_proj"]), np.asarray(fresh.params["mtp"]["eh_proj"]))
+      np.testing.assert_array_equal(
+        np.asarray(state.params["mtp"]["eh_proj"]), np.asarray(fresh.params["mtp"]["eh_proj"])
+      )

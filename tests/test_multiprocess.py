@@ -30,10 +30,10 @@ def test_two_processes_match_one_process_with_eight_devices():
 def test_harness_reports_a_failing_process_with_its_output(tmp_path):
   script = tmp_path / "fail.py"
   script.write_text(
-      "import os, sys\n"
-      "if os.environ['DT_TEST_PROCESS_ID'] == '1':\n"
-      "    print('worker one is failing on purpose'); sys.exit(3)\n"
-      "import time; time.sleep(60)\n"
+    "import os, sys\n"
+    "if os.environ['DT_TEST_PROCESS_ID'] == '1':\n"
+    "    print('worker one is failing on purpose'); sys.exit(3)\n"
+    "import time; time.sleep(60)\n"
   )
   try:
     mp_harness.run_workers(script, timeout=30)

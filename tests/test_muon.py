@@ -19,22 +19,38 @@ from distrib_train.config import run as config_lib
 from distrib_train.config import job as job_lib
 from distrib_train.optim import muon, chain as optimizers
 
-MUON = ["optimizer.name=muon", "optimizer.grad_clip_norm=0", "optimizer.weight_decay=0.01",
-        "optimizer.warmup_steps=0", "optimizer.schedule=constant", "optimizer.learning_rate=0.02",
-        "optimizer.muon.adam_lr=0.005"]
+MUON = [
+  "optimizer.name=muon",
+  "optimizer.grad_clip_norm=0",
+  "optimizer.weight_decay=0.01",
+  "optimizer.warmup_steps=0",
+  "optimizer.schedule=constant",
+  "optimizer.learning_rate=0.02",
+  "optimizer.muon.adam_lr=0.005",
+]
 
 
 def _config(*overrides, preset="tiny"):
-  return config_lib.load(preset, ["model.dtype=float32", "model.attention=xla", "data.global_batch_size=8",
-                                  "data.seq_len=32", *MUON, *overrides])
+  return config_lib.load(
+    preset,
+    ["model.dtype=float32", "model.attention=xla", "data.global_batch_size=8", "data.seq_len=32", *MUON, *overrides],
+  )
 
 
 def test_dimension_numbers_follow_the_logical_axes():
   c = _config()
-  moe = _config("model.name=moe", "model.attention_kind=mla", "model.q_lora_rank=16", "model.kv_lora_rank=16",
-                "model.qk_rope_head_dim=8", "model.v_head_dim=16")
-  axes = {**job_lib.param_axes(job_lib.model_parts(c)),
-          **{f"moe/{k}": v for k, v in job_lib.param_axes(job_lib.model_parts(moe)).items()}}
+  moe = _config(
+    "model.name=moe",
+    "model.attention_kind=mla",
+    "model.q_lora_rank=16",
+    "model.kv_lora_rank=16",
+    "model.qk_rope_head_dim=8",
+    "model.v_head_dim=16",
+  )
+  axes = {
+    **job_lib.param_axes(job_lib.model_parts(c)),
+    **{f"moe/{k}": v for k, v in job_lib.param_axes(job_lib.model_parts(moe)).items()},
+  }
   of = lambda name, shape: muon.dimension_numbers_for(axes[name], shape)
   assert of("embed", (256, 64)) is None and of("head", (64, 256)) is None  # vocab: AdamW
   assert of("final_norm", (64,)) is None and of("layers/attn_norm", (2, 64)) is None
@@ -71,8 +87,13 @@ def test_update_equals_optax_muon_per_matrix_by_hand():
   names = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
   opt = optimizers.build(o, 10, "skip", param_axes=axes)
   opt_state, opt_update = opt.init(tree), jax.jit(opt.update)
-  ref_muon = optax.contrib.muon(o.learning_rate, beta=o.muon_beta, ns_steps=o.muon_ns_steps,
-                                weight_decay=o.weight_decay, consistent_rms=o.muon_consistent_rms)
+  ref_muon = optax.contrib.muon(
+    o.learning_rate,
+    beta=o.muon_beta,
+    ns_steps=o.muon_ns_steps,
+    weight_decay=o.weight_decay,
+    consistent_rms=o.muon_consistent_rms,
+  )
   ref_adam = optax.adamw(o.muon_adam_lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, nesterov=True)
   update = {id(t): jax.jit(t.update) for t in (ref_muon, ref_adam)}
   leaves = jax.tree_util.tree_leaves(tree)
@@ -87,8 +108,9 @@ def test_update_equals_optax_muon_per_matrix_by_hand():
   params, ref_params = tree, list(leaves)
   key = jax.random.key(1)
   for step in range(3):
-    grads = jax.tree_util.tree_map(lambda x: jax.random.normal(jax.random.fold_in(key, step * 100 + x.size % 97),
-                                                               x.shape), params)
+    grads = jax.tree_util.tree_map(
+      lambda x: jax.random.normal(jax.random.fold_in(key, step * 100 + x.size % 97), x.shape), params
+    )
     updates, opt_state = opt_update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     new_refs = []
@@ -109,12 +131,17 @@ def test_update_equals_optax_muon_per_matrix_by_hand():
 
 def _train(config, mesh, steps=3):
   out, state = config_steps(config, mesh, steps)
-  params = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree_util.tree_leaves(state.params)]
+  params = [
+    np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree_util.tree_leaves(state.params)
+  ]
   return [o["loss"] for o in out], params
 
 
-@pytest.mark.parametrize("model,axes", [("llama", {"fsdp": 4, "tensor": 2}), ("moe", {"fsdp": 2, "expert": 4})],
-                         ids=["dense-fsdp-tensor", "moe-expert"])
+@pytest.mark.parametrize(
+  "model,axes",
+  [("llama", {"fsdp": 4, "tensor": 2}), ("moe", {"fsdp": 2, "expert": 4})],
+  ids=["dense-fsdp-tensor", "moe-expert"],
+)
 def test_muon_on_8_devices_equals_one_device(model, axes):
   config = _config(f"model.name={model}")
   one = jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])

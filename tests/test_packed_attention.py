@@ -27,9 +27,7 @@ def _runs(row):
 
 
 def test_segment_layout_gives_each_run_its_length_and_offset_padding_included():
-  ids = np.array([[1, 1, 1, 2, 2, 3, 0, 0],
-                  [1, 1, 1, 1, 1, 1, 1, 1],
-                  [1, 2, 3, 4, 5, 6, 0, 0]], np.int32)
+  ids = np.array([[1, 1, 1, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1], [1, 2, 3, 4, 5, 6, 0, 0]], np.int32)
   seqlen, offsets = jax.jit(cudnn_attention.segment_layout, static_argnums=1)(jnp.asarray(ids), 4)
   assert seqlen.shape == (3, 4) and offsets.shape == (3, 5) and seqlen.dtype == offsets.dtype == jnp.int32
   np.testing.assert_array_equal(seqlen[0], [3, 2, 1, 2])
@@ -49,7 +47,7 @@ def test_random_rows_match_their_runs():
   for row, lengths, starts in zip(ids, np.asarray(seqlen), np.asarray(offsets)):
     runs = _runs(list(row))
     assert [(int(s), int(n)) for s, n in zip(starts, lengths) if n > 0] == runs
-    assert (lengths[len(runs):] == -1).all() and (starts[len(runs):] == -1).all()
+    assert (lengths[len(runs) :] == -1).all() and (starts[len(runs) :] == -1).all()
 
 
 def test_the_loader_merges_documents_past_the_cap_into_one_run_of_weight_zero():
@@ -68,6 +66,7 @@ def test_the_loader_merges_documents_past_the_cap_into_one_run_of_weight_zero():
 def test_the_trainer_keeps_rows_to_what_the_models_packed_attention_takes():
   """Only where cuDNN's packed layout runs (a Hopper GPU, attention auto or cudnn, no context axis); elsewhere
   a row holds any number of documents."""
+
   def cap(overrides=(), packed=True):
     config = config_lib.load("tiny", dict(overrides))
     return job_lib.data_config(config, config.model_recipe().config, packed=packed).max_documents_per_row
@@ -81,8 +80,9 @@ def test_the_trainer_keeps_rows_to_what_the_models_packed_attention_takes():
   with pytest.raises(config_lib.ConfigError, match=r"data.max_documents_per_row=9 .* model.max_segments=8"):
     cap({"data.max_documents_per_row": "9"})
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-  assert not job_lib.packed_attention(config_lib.load("tiny", {"model.attention": "cudnn"}).model_recipe().config,
-                                      mesh)  # a CPU device
+  assert not job_lib.packed_attention(
+    config_lib.load("tiny", {"model.attention": "cudnn"}).model_recipe().config, mesh
+  )  # a CPU device
   with pytest.raises(ValueError, match="max_segments must be 0 .* or at least 2"):
     config_lib.load("tiny", {"model.max_segments": "1"}).model_recipe()
 
@@ -95,7 +95,9 @@ def test_the_gpu_environment_is_set_only_where_the_user_has_not():
   assert len(done) == 2
   mine = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8", "XLA_FLAGS": "--xla_gpu_enable_command_buffer="}
   assert gpu_environment.prepare(mine) == [] and mine == {
-      "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8", "XLA_FLAGS": "--xla_gpu_enable_command_buffer="}
+    "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8",
+    "XLA_FLAGS": "--xla_gpu_enable_command_buffer=",
+  }
 
 
 class _Gpu:
@@ -114,21 +116,35 @@ def test_a_step_that_cannot_fit_the_gpu_is_refused_with_its_figures_and_the_leve
   step = jax.jit(lambda x: (x @ x.T).sum()).lower(jnp.ones((256, 256))).compile()
   analysis = step.memory_analysis()
   need, allowance = checks.step_memory_need(analysis, 80 << 30)
-  assert allowance == int(0.03 * (80 << 30)) and need == allowance + analysis.argument_size_in_bytes + (
-      analysis.output_size_in_bytes - analysis.alias_size_in_bytes) + analysis.temp_size_in_bytes
+  assert (
+    allowance == int(0.03 * (80 << 30))
+    and need
+    == allowance
+    + analysis.argument_size_in_bytes
+    + (analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+    + analysis.temp_size_in_bytes
+  )
   checks.check_step_fits(step, _Gpu(80 << 30))  # fits
   checks.check_step_fits(step, jax.devices()[0])  # a CPU device: no pool, nothing to check
   with pytest.raises(checks.TrainerSetupError) as refused:
     checks.check_step_fits(step, _Gpu(1 << 30))  # the allowance alone is 1 GiB
   message = str(refused.value)
   assert "\n" not in message and "does not fit NVIDIA H100 80GB HBM3" in message
-  for lever in ("data.global_batch_size", "train.microbatches", "model.remat", "fsdp", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+  for lever in (
+    "data.global_batch_size",
+    "train.microbatches",
+    "model.remat",
+    "fsdp",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+  ):
     assert lever in message
 
 
 def test_an_out_of_memory_error_mid_run_is_one_line_with_the_levers():
-  error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 60.61GiB with"
-                                     " allocator GPU_0_bfc.\nCurrent allocation summary follows.\n" + "chunk\n" * 50)
+  error = jax.errors.JaxRuntimeError(
+    "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 60.61GiB with"
+    " allocator GPU_0_bfc.\nCurrent allocation summary follows.\n" + "chunk\n" * 50
+  )
   line = checks.out_of_memory_message(error, 120)
   assert "\n" not in line and "at step 120" in line and "60.61GiB" in line and "last checkpoint is intact" in line
   assert "train.microbatches" in line

@@ -29,15 +29,19 @@ def _mlp(sizes=(2, 32, 32, 2), seed=10):
 
 
 def _lora_mlp():
-  frozen = (pz.select(_mlp()).at_instances_of(pz.nn.Parameter)
-            .apply(lambda param: pz.nn.FrozenParameter(param.value, param.name)))
-  return pz.nn.initialize_parameters(lora.loraify_linears_in_selection(pz.select(frozen), rank=4),
-                                     jax.random.key(20))
+  frozen = (
+    pz.select(_mlp())
+    .at_instances_of(pz.nn.Parameter)
+    .apply(lambda param: pz.nn.FrozenParameter(param.value, param.name))
+  )
+  return pz.nn.initialize_parameters(lora.loraify_linears_in_selection(pz.select(frozen), rank=4), jax.random.key(20))
 
 
 def _frozen_values(model):
-  return {p.name: np.asarray(p.value.data_array)
-          for p in pz.select(model).at_instances_of(pz.nn.FrozenParameter).get_sequence()}
+  return {
+    p.name: np.asarray(p.value.data_array)
+    for p in pz.select(model).at_instances_of(pz.nn.FrozenParameter).get_sequence()
+  }
 
 
 def xor_loss(*, model, state, rng, inputs, labels):
@@ -50,20 +54,23 @@ def xor_loss(*, model, state, rng, inputs, labels):
 def test_params_are_the_penzai_parameters_keyed_by_their_names():
   model = _mlp()
   ours = dt.TrainState.initial_state(model, optax.adam(0.1), jax.random.key(0))
-  theirs = basic_training.TrainState.initial_state(model=model, optimizer_def=optax.adam(0.1),
-                                                   root_rng=jax.random.key(0))
+  theirs = basic_training.TrainState.initial_state(
+    model=model, optimizer_def=optax.adam(0.1), root_rng=jax.random.key(0)
+  )
   assert list(ours.params) == list(theirs.params)
   assert "Affine_0.Linear.weights" in ours.params
   for name, value in theirs.params.items():
     assert ours.params[name] is value
   assert jax.tree_util.tree_structure(ours.model_without_params) == jax.tree_util.tree_structure(
-      theirs.model_without_params)
+    theirs.model_without_params
+  )
 
 
 def test_lora_model_trains_only_its_parameters_not_the_frozen_ones():
   model = _lora_mlp()
-  theirs = basic_training.TrainState.initial_state(model=model, optimizer_def=optax.adam(0.1),
-                                                   root_rng=jax.random.key(42))
+  theirs = basic_training.TrainState.initial_state(
+    model=model, optimizer_def=optax.adam(0.1), root_rng=jax.random.key(42)
+  )
   state = dt.TrainState.initial_state(model, optax.adam(0.1), jax.random.key(42), loss_fn_state=100)
   assert sorted(state.params) == sorted(theirs.params) and len(state.params) == 6
   assert all("lowrank" in param.named_shape for param in state.params.values())
@@ -84,8 +91,9 @@ def test_lora_model_trains_only_its_parameters_not_the_frozen_ones():
 def test_training_matches_penzai_basic_training_step_for_step():
   model = _mlp()
   ours = dt.TrainState.initial_state(model, optax.adam(0.1), jax.random.key(42), loss_fn_state=100)
-  theirs = basic_training.TrainState.initial_state(model=model, optimizer_def=optax.adam(0.1),
-                                                   root_rng=jax.random.key(42), loss_fn_state=100)
+  theirs = basic_training.TrainState.initial_state(
+    model=model, optimizer_def=optax.adam(0.1), root_rng=jax.random.key(42), loss_fn_state=100
+  )
   our_step = dt.build_train_step_fn(xor_loss)
   their_step = jax.jit(basic_training.build_train_step_fn(xor_loss))
   for _ in range(5):
@@ -130,8 +138,7 @@ def test_is_param_is_refused_for_penzai_models():
 
 def _planner(**rule_kwargs):
   mesh = dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2)))
-  rules = dt.AxisRules([("batch", ("data", "fsdp")), ("features", "fsdp"), ("features_out", "tensor")],
-                       **rule_kwargs)
+  rules = dt.AxisRules([("batch", ("data", "fsdp")), ("features", "fsdp"), ("features_out", "tensor")], **rule_kwargs)
   return dt.MeshPlanner(mesh, rules)
 
 
@@ -153,9 +160,12 @@ def test_planner_shards_penzai_params_by_their_named_axes():
 def test_planner_falls_back_to_param_axes_regexes_on_penzai_names():
   model = _mlp()
   # A parameter whose value is a plain array carries no named axes.
-  model = (pz.select(model).at_instances_of(pz.nn.Parameter)
-           .where(lambda p: p.name == "Affine_1.Linear.weights")
-           .apply(lambda p: dataclasses.replace(p, value=p.value.unwrap("features", "features_out"))))
+  model = (
+    pz.select(model)
+    .at_instances_of(pz.nn.Parameter)
+    .where(lambda p: p.name == "Affine_1.Linear.weights")
+    .apply(lambda p: dataclasses.replace(p, value=p.value.unwrap("features", "features_out")))
+  )
   planner = _planner(param_axes=[(r"Affine_\d\.Linear\.weights", ("features_out", "features"))])
   plan = planner.plan(jax.eval_shape(lambda: _xor_state(model)))
   assert plan.train_state_shardings.params["Affine_1.Linear.weights"].spec == P("tensor", "fsdp")
@@ -169,8 +179,9 @@ def test_sharded_penzai_training_matches_one_device():
   step = dt.build_train_step_fn(xor_loss)
   planner = _planner()
   sharded, plan = planner.init(lambda: _xor_state(model))
-  sharded_step = dt.build_train_step_fn(xor_loss, donate_params_and_state=True,
-                                        train_state_shardings=plan.train_state_shardings)
+  sharded_step = dt.build_train_step_fn(
+    xor_loss, donate_params_and_state=True, train_state_shardings=plan.train_state_shardings
+  )
   for _ in range(5):
     single, single_aux = step(single, inputs=XOR_INPUTS, labels=XOR_LABELS)
     sharded, sharded_aux = sharded_step(sharded, inputs=XOR_INPUTS, labels=XOR_LABELS)
@@ -195,7 +206,8 @@ def test_penzai_state_checkpoint_round_trip_restores_params_and_frozen_weights(t
     restored = checkpoints.restore(plan.abstract_train_state)
   assert sorted(restored.params) == sorted(state.params)
   for got, want in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(state)):
-    np.testing.assert_array_equal(jax.random.key_data(got) if jnp.issubdtype(got.dtype, jax.dtypes.prng_key)
-                                  else got, jax.random.key_data(want) if jnp.issubdtype(
-                                      want.dtype, jax.dtypes.prng_key) else want)
+    np.testing.assert_array_equal(
+      jax.random.key_data(got) if jnp.issubdtype(got.dtype, jax.dtypes.prng_key) else got,
+      jax.random.key_data(want) if jnp.issubdtype(want.dtype, jax.dtypes.prng_key) else want,
+    )
   assert _frozen_values(restored.model).keys() == _frozen_values(model).keys()

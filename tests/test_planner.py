@@ -37,8 +37,7 @@ def test_params_get_the_rules_specs():
 
 def test_optimizer_leaves_mirroring_a_param_share_its_sharding_inside_chain_and_inject():
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3))
-  make = lambda: dt.TrainState.initial_state(helpers.init_mlp(jax.random.key(0), helpers.SIZES), tx,
-                                             jax.random.key(0))
+  make = lambda: dt.TrainState.initial_state(helpers.init_mlp(jax.random.key(0), helpers.SIZES), tx, jax.random.key(0))
   plan = _planner().plan(jax.eval_shape(make))
   adam_state = plan.train_state_shardings.opt_state[1].inner_state[0]
   for moments in (adam_state.mu, adam_state.nu):
@@ -61,8 +60,7 @@ def test_step_root_rng_model_rest_and_loss_state_are_replicated():
 
 def test_input_shardings_default_to_batch_on_dim_zero_and_take_input_axes():
   inputs = {"tokens": jax.ShapeDtypeStruct((8, 16), jnp.int32), "mask": jax.ShapeDtypeStruct((8, 16), jnp.bool_)}
-  plan = _planner().plan(jax.eval_shape(helpers.make_state), inputs=inputs,
-                         input_axes={"tokens": ("batch", "length")})
+  plan = _planner().plan(jax.eval_shape(helpers.make_state), inputs=inputs, input_axes={"tokens": ("batch", "length")})
   assert plan.input_kwarg_shardings["tokens"].spec == P(("data", "fsdp"), None)
   assert plan.input_kwarg_shardings["mask"].spec == P(("data", "fsdp"), None)
   only_axes = _planner().plan(jax.eval_shape(helpers.make_state), input_axes={"tokens": ("length", "batch")})
@@ -75,8 +73,12 @@ def test_aux_shardings_follow_aux_axes_and_otherwise_replicate():
     loss = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
     return loss, state, {"loss": loss, "logits": logits}
 
-  plan = _planner().plan(jax.eval_shape(helpers.make_state), loss_fn=loss_fn, inputs=_example_inputs(),
-                         aux_axes={"logits": ("batch", "vocab")})
+  plan = _planner().plan(
+    jax.eval_shape(helpers.make_state),
+    loss_fn=loss_fn,
+    inputs=_example_inputs(),
+    aux_axes={"logits": ("batch", "vocab")},
+  )
   assert plan.aux_output_shardings["loss"].spec == P()
   assert plan.aux_output_shardings["logits"].spec == P(("data", "fsdp"), "tensor")
 
@@ -93,7 +95,9 @@ def test_param_logical_axes_argument_overrides_param_axes():
 
 
 def test_param_logical_axes_of_the_wrong_rank_names_the_parameter():
-  with pytest.raises(ValueError, match=r"params/0/w: logical axes \('embed',\) have 1 entries but the array has rank 2"):
+  with pytest.raises(
+    ValueError, match=r"params/0/w: logical axes \('embed',\) have 1 entries but the array has rank 2"
+  ):
     _planner().plan(jax.eval_shape(helpers.make_state), param_logical_axes={"0/w": ("embed",)})
 
 
@@ -115,10 +119,12 @@ def test_unannotated_params_over_one_mib_are_named_in_the_report():
 
 def test_report_lists_every_array_totals_and_rule_skips():
   # tensor=4 cannot split the last layer's 6 outputs: the rule is skipped.
-  make = lambda: dt.TrainState.initial_state(helpers.init_mlp(jax.random.key(0), [16, 64, 6]), optax.adam(0.1),
-                                             jax.random.key(0), loss_fn_state=jnp.int32(0))
-  plan = _planner(_mesh((1, 2, 4))).plan(jax.eval_shape(make), loss_fn=helpers.classification_loss,
-                                         inputs=_example_inputs())
+  make = lambda: dt.TrainState.initial_state(
+    helpers.init_mlp(jax.random.key(0), [16, 64, 6]), optax.adam(0.1), jax.random.key(0), loss_fn_state=jnp.int32(0)
+  )
+  plan = _planner(_mesh((1, 2, 4))).plan(
+    jax.eval_shape(make), loss_fn=helpers.classification_loss, inputs=_example_inputs()
+  )
   assert plan.train_state_shardings.params["1/w"].spec == P("fsdp", None)
   report = plan.report()
   assert "Plan on mesh data=1 × fsdp=2 × tensor=4 (8 devices)" in report
@@ -163,9 +169,15 @@ def test_sharded_init_matches_unsharded_init():
 
 def test_init_fn_unlike_the_plan_is_an_error():
   plan = _planner().plan(jax.eval_shape(helpers.make_state))
-  other = lambda: dt.TrainState.initial_state(helpers.init_mlp(jax.random.key(0), [16, 32, 64, 8]), optax.adam(1e-2),
-                                              jax.random.key(0), loss_fn_state=jnp.int32(0))
-  with pytest.raises(ValueError, match=r"init_fn builds params/0/b as float32\[32\]; the plan has params/0/b as float32\[64\]"):
+  other = lambda: dt.TrainState.initial_state(
+    helpers.init_mlp(jax.random.key(0), [16, 32, 64, 8]),
+    optax.adam(1e-2),
+    jax.random.key(0),
+    loss_fn_state=jnp.int32(0),
+  )
+  with pytest.raises(
+    ValueError, match=r"init_fn builds params/0/b as float32\[32\]; the plan has params/0/b as float32\[64\]"
+  ):
     plan.init(other)
 
 
@@ -178,7 +190,8 @@ def test_rules_naming_an_unknown_axis_the_mesh_lacks_fail_at_construction():
 def test_the_fsdp_tensor_rules_plan_a_data_by_fsdp_mesh_with_tensor_as_size_1():
   mesh = dt.build_mesh(dt.MeshConfig(("data", "fsdp"), (2, 4)))
   plan = dt.MeshPlanner(mesh, dt.AxisRules("fsdp_tensor", param_axes=helpers.MLP_PARAM_AXES)).plan(
-      jax.eval_shape(helpers.make_state), inputs=_example_inputs())
+    jax.eval_shape(helpers.make_state), inputs=_example_inputs()
+  )
   shardings = plan.train_state_shardings.params
   assert shardings["0/w"].spec == P("fsdp", None) and shardings["0/b"].spec == P(None)  # ("mlp", "tensor"): whole
   assert plan.input_kwarg_shardings["inputs"].spec[0] == ("data", "fsdp")
@@ -192,10 +205,12 @@ def test_a_jax_make_mesh_explicit_mesh_is_accepted_and_the_step_runs():
   assert all(t == jax.sharding.AxisType.Auto for t in planner.mesh.axis_types)
   x, y = helpers.batch(0)
   state, plan = planner.init(helpers.make_state, inputs=_example_inputs(), loss_fn=helpers.classification_loss)
-  step_fn = dt.build_train_step_fn(helpers.classification_loss,
-                                   train_state_shardings=plan.train_state_shardings,
-                                   input_kwarg_shardings=plan.input_kwarg_shardings,
-                                   aux_output_shardings=plan.aux_output_shardings)
+  step_fn = dt.build_train_step_fn(
+    helpers.classification_loss,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    aux_output_shardings=plan.aux_output_shardings,
+  )
   # Inputs placed on the user's own explicit mesh work too.
   x = jax.device_put(x, NamedSharding(explicit, P(("data", "fsdp"))))
   state, aux = step_fn(state, inputs=x, targets=y)
@@ -228,20 +243,25 @@ def test_a_train_state_subclass_with_extra_fields_is_planned():
 
 
 def test_logical_axes_given_as_lists_are_accepted():
-  plan = _planner().plan(jax.eval_shape(helpers.make_state), param_logical_axes={"0/w": ["mlp", "embed"]},
-                         inputs={"tokens": jax.ShapeDtypeStruct((8, 16), jnp.int32)},
-                         input_axes={"tokens": ["length", "batch"]})
+  plan = _planner().plan(
+    jax.eval_shape(helpers.make_state),
+    param_logical_axes={"0/w": ["mlp", "embed"]},
+    inputs={"tokens": jax.ShapeDtypeStruct((8, 16), jnp.int32)},
+    input_axes={"tokens": ["length", "batch"]},
+  )
   assert plan.train_state_shardings.params["0/w"].spec == P("tensor", "fsdp")
   assert plan.input_kwarg_shardings["tokens"].spec == P(None, ("data", "fsdp"))
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(param_logical_axes={"0/W": ("embed", "mlp")}), r"param_logical_axes names '0/W', which match"),
-        (dict(loss_fn=helpers.classification_loss, inputs=_example_inputs(), aux_axes={"logits": ("batch",)}),
-         r"aux_axes names 'logits'.*count, loss"),
-    ],
+  "kwargs, message",
+  [
+    (dict(param_logical_axes={"0/W": ("embed", "mlp")}), r"param_logical_axes names '0/W', which match"),
+    (
+      dict(loss_fn=helpers.classification_loss, inputs=_example_inputs(), aux_axes={"logits": ("batch",)}),
+      r"aux_axes names 'logits'.*count, loss",
+    ),
+  ],
 )
 def test_logical_axes_naming_nothing_are_an_error(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -250,13 +270,17 @@ def test_logical_axes_naming_nothing_are_an_error(kwargs, message):
 
 def test_plan_init_keeps_init_fns_own_optimizer_and_checks_dtypes():
   plan = _planner().plan(jax.eval_shape(helpers.make_state))
-  other_lr = lambda: dt.TrainState.initial_state(helpers.init_mlp(jax.random.key(0), helpers.SIZES),
-                                                 optax.adam(0.5), jax.random.key(42), loss_fn_state=jnp.int32(0))
+  other_lr = lambda: dt.TrainState.initial_state(
+    helpers.init_mlp(jax.random.key(0), helpers.SIZES), optax.adam(0.5), jax.random.key(42), loss_fn_state=jnp.int32(0)
+  )
   state = plan.init(other_lr)
   assert state.optimizer_def is not plan.train_state_shardings.optimizer_def
   bf16 = lambda: jax.tree_util.tree_map(
-      lambda x: x.astype(jnp.bfloat16) if getattr(x, "dtype", None) == jnp.float32 else x, helpers.make_state())
-  with pytest.raises(ValueError, match=r"builds params/0/b as bfloat16\[64\]; the plan has params/0/b as float32\[64\]"):
+    lambda x: x.astype(jnp.bfloat16) if getattr(x, "dtype", None) == jnp.float32 else x, helpers.make_state()
+  )
+  with pytest.raises(
+    ValueError, match=r"builds params/0/b as bfloat16\[64\]; the plan has params/0/b as float32\[64\]"
+  ):
     plan.init(bf16)
 
 
@@ -268,8 +292,11 @@ def test_data_parallel_rule_set_works_on_a_pure_data_mesh():
 
 
 def test_input_axes_for_inputs_not_given_are_listed_in_the_report():
-  plan = _planner().plan(jax.eval_shape(helpers.make_state), inputs={"tokens": jax.ShapeDtypeStruct((8, 16), jnp.int32)},
-                         input_axes={"tokens": ("batch", None), "segment_ids": ("batch", None)})
+  plan = _planner().plan(
+    jax.eval_shape(helpers.make_state),
+    inputs={"tokens": jax.ShapeDtypeStruct((8, 16), jnp.int32)},
+    input_axes={"tokens": ("batch", None), "segment_ids": ("batch", None)},
+  )
   assert "input_axes for inputs not given (ignored): segment_ids" in plan.report()
 
 

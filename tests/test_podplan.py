@@ -85,8 +85,14 @@ def test_hlo_collectives_counts_groups_axes_and_bytes():
   found = _by_name(collectives.find_collectives(HLO, (2, 2, 2), AXES))
   assert set(found) == {"ag", "ar", "rs", "ags", "cp", "sub", "perm", "rsar"}
   ag, ar = found["ag"], found["ar"]
-  assert (ag.kind, ag.count, ag.group_size, ag.axes, ag.payload_bytes, ag.wire_bytes) == \
-      ("all-gather", 6, 2, ("tensor",), 512, 256)
+  assert (ag.kind, ag.count, ag.group_size, ag.axes, ag.payload_bytes, ag.wire_bytes) == (
+    "all-gather",
+    6,
+    2,
+    ("tensor",),
+    512,
+    256,
+  )
   assert (ar.kind, ar.count, ar.axes, ar.payload_bytes, ar.wire_bytes) == ("all-reduce", 6, ("data",), 256, 256)
   assert (found["rs"].axes, found["rs"].group_size, found["rs"].wire_bytes) == (("data", "tensor"), 4, 192)
   assert (found["ags"].kind, found["ags"].axes, found["ags"].payload_bytes) == ("all-gather", ("fsdp", "tensor"), 1024)
@@ -94,12 +100,19 @@ def test_hlo_collectives_counts_groups_axes_and_bytes():
 
 
 def test_mesh_axes_replica_groups_with_sub_axes_and_device_order():
-  assert collectives.parse_replica_groups("replica_groups=mesh['x'=8] {'x':(2)2}", 8).tolist() == \
-      [[0, 2], [1, 3], [4, 6], [5, 7]]
-  assert collectives.parse_replica_groups("replica_groups=mesh['a'=2,'b'=4], device_ids=([2,2,2]T(1,0,2)) {'a'}",
-                                        8).tolist() == [[0, 2], [1, 3], [4, 6], [5, 7]]
-  assert collectives.parse_replica_groups("replica_groups=[2,4]<=[2,4]T(1,0), x", 8).tolist() == \
-      [[0, 4, 1, 5], [2, 6, 3, 7]]
+  assert collectives.parse_replica_groups("replica_groups=mesh['x'=8] {'x':(2)2}", 8).tolist() == [
+    [0, 2],
+    [1, 3],
+    [4, 6],
+    [5, 7],
+  ]
+  assert collectives.parse_replica_groups(
+    "replica_groups=mesh['a'=2,'b'=4], device_ids=([2,2,2]T(1,0,2)) {'a'}", 8
+  ).tolist() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+  assert collectives.parse_replica_groups("replica_groups=[2,4]<=[2,4]T(1,0), x", 8).tolist() == [
+    [0, 4, 1, 5],
+    [2, 6, 3, 7],
+  ]
   assert collectives.parse_replica_groups("replica_groups={}, to_apply=%a", 4).tolist() == [[0, 1, 2, 3]]
   found = _by_name(collectives.find_collectives(HLO, (2, 2, 2), AXES))
   assert found["sub"].axes == ("fsdp",) and found["perm"].axes == ("fsdp",)
@@ -156,16 +169,18 @@ def test_cpu_stand_in_for_cudnn_attention_matches_xla_attention_and_its_gradient
     np.testing.assert_allclose(a, b, atol=1e-5)
   original = jax.nn.dot_product_attention
   with emulating_cudnn():
-    out = jax.jit(lambda q: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                                         implementation="cudnn"))(q)
+    out = jax.jit(lambda q: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="cudnn"))(q)
   np.testing.assert_allclose(out, jax.jit(want)(q), atol=1e-5)
-  windowed = jax.jit(lambda q: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                                            local_window_size=(4, 0)))(q)
-  np.testing.assert_allclose(chunked_attention(q, k, v, mask=mask, is_causal=True, window=5, chunk=16), windowed,
-                             atol=1e-5)
+  windowed = jax.jit(
+    lambda q: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=(4, 0))
+  )(q)
+  np.testing.assert_allclose(
+    chunked_attention(q, k, v, mask=mask, is_causal=True, window=5, chunk=16), windowed, atol=1e-5
+  )
   with emulating_cudnn():
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=(4, 0),
-                                       implementation="cudnn")
+    out = jax.nn.dot_product_attention(
+      q, k, v, mask=mask, is_causal=True, local_window_size=(4, 0), implementation="cudnn"
+    )
     np.testing.assert_allclose(out, windowed, atol=1e-5)
     with pytest.raises(NotImplementedError, match="bias"):
       jax.nn.dot_product_attention(q, k, v, bias=jnp.zeros((2, 4, 64, 64)), implementation="cudnn")
@@ -185,8 +200,10 @@ def test_recommended_mesh_yaml_round_trips_dcn_sizes_and_custom_rules(tmp_path):
   from distrib_train.podplan import search as mesh_search
   from distrib_train.sharding.axis_rules import AxisRules
 
-  rules = AxisRules([("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor"), ("heads", None)],
-                    param_axes=[(r"head", ("embed", "vocab"))])
+  rules = AxisRules(
+    [("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor"), ("heads", None)],
+    param_axes=[(r"head", ("embed", "vocab"))],
+  )
   hybrid = MeshConfig(AXES, (1, 2, 2), (2, 1, 1), rules=rules, devices=8)
   pod = podplan.plan_pod(config_lib.load("tiny"), hybrid, hardware.device_kind("v5p"), 8, compile=False)
   path = tmp_path / "mesh.yaml"
@@ -206,12 +223,18 @@ def cache_env(xla_cache):
 
   from distrib_train.train.compilation import setup_compilation_cache
 
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
+  names = (
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes",
+  )
   before = {name: getattr(jax.config, name) for name in names}
   setup_compilation_cache(xla_cache)
-  yield {"JAX_COMPILATION_CACHE_DIR": xla_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  yield {
+    "JAX_COMPILATION_CACHE_DIR": xla_cache,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+  }
   for name, value in before.items():  # later test modules get the cache they had
     jax.config.update(name, value)
   compilation_cache.reset_cache()
@@ -231,24 +254,36 @@ def test_predicted_memory_matches_sharded_init_and_the_real_compile(tiny_pod):
   spec = podplan.step_spec(config)
   state = pod.plan.init(spec.make_state)
   first = jax.devices()[0]
-  on_first = sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(state) if isinstance(leaf, jax.Array)
-                 for s in leaf.addressable_shards if s.device == first)
+  on_first = sum(
+    s.data.nbytes
+    for leaf in jax.tree_util.tree_leaves(state)
+    if isinstance(leaf, jax.Array)
+    for s in leaf.addressable_shards
+    if s.device == first
+  )
   assert on_first == pod.memory.state
   from distrib_train.train_step import build_train_step_fn
 
   rules = podplan.rules_for(config, mesh_config)
-  step = build_train_step_fn(spec.loss_fn, donate_params_and_state=True,
-                             train_state_shardings=pod.plan.train_state_shardings,
-                             input_kwarg_shardings=pod.plan.input_kwarg_shardings,
-                             aux_output_shardings=pod.plan.aux_output_shardings)
-  batch = {n: jax.device_put(np.zeros(x.shape, x.dtype), pod.plan.input_kwarg_shardings[n])
-           for n, x in spec.inputs.items()}
+  step = build_train_step_fn(
+    spec.loss_fn,
+    donate_params_and_state=True,
+    train_state_shardings=pod.plan.train_state_shardings,
+    input_kwarg_shardings=pod.plan.input_kwarg_shardings,
+    aux_output_shardings=pod.plan.aux_output_shardings,
+  )
+  batch = {
+    n: jax.device_put(np.zeros(x.shape, x.dtype), pod.plan.input_kwarg_shardings[n]) for n, x in spec.inputs.items()
+  }
   from distrib_train.sharding.axis_rules import activation_sharding
 
   with activation_sharding(pod.plan.mesh, rules):
     analysis = step.compile(state.replace(step=0), **batch).memory_analysis()
-  actual = analysis.argument_size_in_bytes + analysis.temp_size_in_bytes + max(
-      0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+  actual = (
+    analysis.argument_size_in_bytes
+    + analysis.temp_size_in_bytes
+    + max(0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+  )
   assert abs(pod.memory.total / actual - 1) < 0.10, (pod.memory, analysis)
   assert pod.memory.fits and pod.time.step_s > 0 and pod.time.mfu > 0
 
@@ -263,13 +298,20 @@ def test_tiny_plan_sees_fsdp_and_tensor_collectives(tiny_pod):
 
 def _plan(*args, env=(), timeout=240):
   env = dict(os.environ, JAX_PLATFORMS="cpu", **dict(env))
-  return subprocess.run([sys.executable, "-m", "distrib_train", "plan", *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, "-m", "distrib_train", "plan", *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 def test_cli_plan_on_8_emulated_devices_prints_and_writes_json(tmp_path, cache_env):
-  out = _plan("--config", "tiny", "--devices", "8", "--device_kind", "v5e", "--json", str(tmp_path / "p.json"),
-              env=cache_env)
+  out = _plan(
+    "--config", "tiny", "--devices", "8", "--device_kind", "v5e", "--json", str(tmp_path / "p.json"), env=cache_env
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   for heading in ("Memory per device", "Collectives per step", "step time", "FITS"):
     assert heading in out.stdout
@@ -284,8 +326,22 @@ def test_cli_recommend_writes_a_mesh_config_that_loads(tmp_path, cache_env, reco
   """--recommend over the config's mesh axes, or --mesh_config auto: the space a run's mesh_config: auto
   searches (data, fsdp, tensor), for the machine the flags describe."""
   out_yaml = tmp_path / "best.yaml"
-  out = _plan("--config", "tiny", "--devices", "4", "--device_kind", "a100", *recommend, "--max_compiles", "1",
-              "--out", str(out_yaml), "--json", str(tmp_path / "r.json"), env=cache_env)
+  out = _plan(
+    "--config",
+    "tiny",
+    "--devices",
+    "4",
+    "--device_kind",
+    "a100",
+    *recommend,
+    "--max_compiles",
+    "1",
+    "--out",
+    str(out_yaml),
+    "--json",
+    str(tmp_path / "r.json"),
+    env=cache_env,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   assert "Top 1 by estimated step time" in out.stdout and f"wrote {out_yaml}" in out.stdout
   loaded = MeshConfig.from_yaml(find_mesh_config(str(out_yaml)))
@@ -298,7 +354,9 @@ def test_cli_recommend_writes_a_mesh_config_that_loads(tmp_path, cache_env, reco
   assert written.train.microbatches == data["chosen"]["train.microbatches"]
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (["--config", "tiny", "--devices", "4"], "cpu-8.yaml is for 8 devices, not --devices 4"),
     (["--config", "tiny", "--device_kind", "tpu9"], "Unknown device kind 'tpu9'"),
     (["--config", "tiny", "--devices", "0"], "--devices must be at least 1"),
@@ -308,7 +366,8 @@ def test_cli_recommend_writes_a_mesh_config_that_loads(tmp_path, cache_env, reco
     (["--config", "tiny", "--recommend", "--out_config", "tiny"], "--out_config must name a .yaml file"),
     (["--config", "tiny", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--config", "tiny", "--kv_cache", "64"], "--kv_cache must be ROWSxTOKENS, e.g. 64x4096, got '64'"),
-])
+  ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
     plan_cli.main(args)
@@ -321,9 +380,25 @@ def test_plan_validate_runs_on_cpu(tmp_path, cache_env, tiny_pod):
   del tiny_pod
   # The tiny_pod fixture's step (cpu-8, 8 devices) again: both compiles come from the cache.
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_test_flags.with_device_count(8), **cache_env)
-  out = subprocess.run([sys.executable, "bench/plan_validate.py", "--config", "tiny", "--mesh_config", "cpu-8",
-                        "--steps", "1", "--json", str(tmp_path / "v.json")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+  out = subprocess.run(
+    [
+      sys.executable,
+      "bench/plan_validate.py",
+      "--config",
+      "tiny",
+      "--mesh_config",
+      "cpu-8",
+      "--steps",
+      "1",
+      "--json",
+      str(tmp_path / "v.json"),
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   data = json.loads((tmp_path / "v.json").read_text())
   assert data["predicted_native"] > 0 and data["real_compile"] > 0

@@ -23,17 +23,24 @@ cuda_plugin.require(module_level=True)
 
 
 def _plan(*args, xla_flags=None):
-  return subprocess.run([sys.executable, "-m", "distrib_train", "plan", *args], cwd=ROOT,
-                        env=cuda_plugin.environment(xla_flags),
-                        capture_output=True, text=True, timeout=600)
+  return subprocess.run(
+    [sys.executable, "-m", "distrib_train", "plan", *args],
+    cwd=ROOT,
+    env=cuda_plugin.environment(xla_flags),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
 
 
 def test_gpu_target_is_compiled_by_the_cuda_compiler_on_two_hosts(tmp_path):
   mesh = tmp_path / "two-hosts.yaml"
-  mesh.write_text("devices: 16\ngranules: 2\naxes:\n  data: {ici: 1, dcn: 2}\n  fsdp: {ici: 8}\n  tensor: 1\n"
-                  "rules: fsdp_tensor\n")
-  out = _plan("--config", "tiny", "--mesh_config", str(mesh), "--device_kind", "h100", "--json",
-              str(tmp_path / "plan.json"))
+  mesh.write_text(
+    "devices: 16\ngranules: 2\naxes:\n  data: {ici: 1, dcn: 2}\n  fsdp: {ici: 8}\n  tensor: 1\nrules: fsdp_tensor\n"
+  )
+  out = _plan(
+    "--config", "tiny", "--mesh_config", str(mesh), "--device_kind", "h100", "--json", str(tmp_path / "plan.json")
+  )
   assert out.returncode == 0, out.stderr
   assert "compiler: CUDA (XLA's GPU compiler for NVIDIA H100 80GB HBM3" in out.stdout
   data = json.loads((tmp_path / "plan.json").read_text())
@@ -61,7 +68,9 @@ mesh = jax.sharding.Mesh(list(gpu._devices("h100", 1, 1)), ("x",))
 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 """
 
-_FP8_DOTS = _ONE_H100 + r"""
+_FP8_DOTS = (
+  _ONE_H100
+  + r"""
 
 def dot_operand_types(mode, matmul, shapes):
   def loss(x, w, extra):
@@ -81,6 +90,7 @@ grouped = [((512, 256), jnp.bfloat16), ((4, 256, 128), jnp.bfloat16), ((4,), jnp
 out["ragged"] = dot_operand_types("current", fp8.ragged_dot, grouped)  # the routed experts' grouped matmul
 print(json.dumps(out))
 """
+)
 
 
 def test_fp8_matmuls_compile_to_float8_gemms_for_an_h100():
@@ -91,11 +101,16 @@ def test_fp8_matmuls_compile_to_float8_gemms_for_an_h100():
   assert dots["none"] and all(t == ["bf16", "bf16"] for t in dots["none"]), dots
   for mode in ("current", "delayed", "ragged"):
     assert len(dots[mode]) == 3, dots
-    assert sorted(tuple(sorted(t)) for t in dots[mode]) == [("f8e4m3fn", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2"),
-                                                            ("f8e4m3fn", "f8e5m2")], dots
+    assert sorted(tuple(sorted(t)) for t in dots[mode]) == [
+      ("f8e4m3fn", "f8e4m3fn"),
+      ("f8e4m3fn", "f8e5m2"),
+      ("f8e4m3fn", "f8e5m2"),
+    ], dots
 
 
-_FP8_CUBLAS = _ONE_H100 + r"""
+_FP8_CUBLAS = (
+  _ONE_H100
+  + r"""
 
 def loss(x, w, history):
   return jnp.sum(fp8.einsum("bd,df->bf", x, w, history).astype(jnp.float32) ** 2)
@@ -108,6 +123,7 @@ with fp8.active("delayed"):
 fp8_gemm = r"= \((\w+)\[[\d,]+\][^=]*custom-call\([^\n]*custom_call_target=\"__cublas\$lt\$matmul\$f8\""
 print(json.dumps(re.findall(fp8_gemm, text)))  # each FP8 GEMM's result type
 """
+)
 
 
 def test_fp8_gemms_on_cublas_write_the_models_dtype_not_float32_for_an_h100():
@@ -119,7 +135,9 @@ def test_fp8_gemms_on_cublas_write_the_models_dtype_not_float32_for_an_h100():
   assert outputs == ["bf16"] * 3, outputs
 
 
-_FP8_PASSES = _ONE_H100 + r"""
+_FP8_PASSES = (
+  _ONE_H100
+  + r"""
 
 def loss(a, s, w, history):  # an RMS norm makes the matmul's operand, as in the Llama
   x = a * jax.lax.rsqrt(jnp.mean(jnp.square(a.astype(jnp.float32)), -1, keepdims=True)).astype(a.dtype) * s
@@ -141,6 +159,7 @@ for mode in ("current", "delayed"):
                             for i in kernels)}
 print(json.dumps(out))
 """
+)
 
 
 def test_delayed_scaling_casts_in_the_kernels_that_make_the_operands_for_an_h100():
@@ -206,15 +225,35 @@ def test_windowed_and_full_layers_compile_to_cudnn_attention_without_a_length_by
 # and 55 s; mixtures on an expert axis: the grouped-kernel test below compiles one small), llama-1b-gpu
 # (llama-7b-gpu's model), and the post-training presets of qwen3-8b-gpu's model (SFT and DPO, full and LoRA; 18-20 s
 # each here, bench/RESULTS.md has their memory).
-LONG_GPU_PRESETS = ("llama-124m-gpu", "llama-7b-gpu", "qwen3-30b-a3b-gpu", "gpt-oss-20b-gpu", "llama-1b-gpu",
-                    "sft-qwen3-8b-gpu", "sft-qwen3-8b-lora-gpu", "dpo-qwen3-8b-gpu", "dpo-qwen3-8b-lora-gpu",
-                    "grpo-qwen3-8b-gpu", "grpo-qwen3-8b-lora-gpu")
+LONG_GPU_PRESETS = (
+  "llama-124m-gpu",
+  "llama-7b-gpu",
+  "qwen3-30b-a3b-gpu",
+  "gpt-oss-20b-gpu",
+  "llama-1b-gpu",
+  "sft-qwen3-8b-gpu",
+  "sft-qwen3-8b-lora-gpu",
+  "dpo-qwen3-8b-gpu",
+  "dpo-qwen3-8b-lora-gpu",
+  "grpo-qwen3-8b-gpu",
+  "grpo-qwen3-8b-lora-gpu",
+)
 
 
-@pytest.mark.parametrize("preset", [
-    pytest.param(n, marks=pytest.mark.skipif(n in LONG_GPU_PRESETS and os.environ.get("DT_LONG_TESTS") != "1",
-                                             reason="a real-size compile of a kind CI compiles: DT_LONG_TESTS=1"))
-    for n in sorted(config_lib.preset_names()) if n.endswith("-gpu")])
+@pytest.mark.parametrize(
+  "preset",
+  [
+    pytest.param(
+      n,
+      marks=pytest.mark.skipif(
+        n in LONG_GPU_PRESETS and os.environ.get("DT_LONG_TESTS") != "1",
+        reason="a real-size compile of a kind CI compiles: DT_LONG_TESTS=1",
+      ),
+    )
+    for n in sorted(config_lib.preset_names())
+    if n.endswith("-gpu")
+  ],
+)
 def test_every_shipped_gpu_preset_fits_its_gpus_as_the_trainer_checks_it(preset, tmp_path):
   """A user who runs a shipped GPU preset must not meet an out-of-memory: ``distrib-train plan`` compiles it with
   XLA's CUDA compiler for the GPUs of its mesh config (real cuDNN attention calls, no GPU needed), and the step
@@ -223,8 +262,13 @@ def test_every_shipped_gpu_preset_fits_its_gpus_as_the_trainer_checks_it(preset,
   (``train/checks.check_step_fits``)."""
   # cuBLAS's GEMMs rather than Triton's: on an H100 the 1b compiled to 54.19 GiB of temporaries, here 52.03 with
   # cuBLAS and 48.48 with Triton; and the 7b compiles in 40 s instead of 250 (bench/RESULTS.md).
-  out = _plan("--config", preset, "--json", str(tmp_path / "plan.json"),
-              xla_flags=f"--xla_gpu_enable_triton_gemm=false {FAST_COMPILE}")
+  out = _plan(
+    "--config",
+    preset,
+    "--json",
+    str(tmp_path / "plan.json"),
+    xla_flags=f"--xla_gpu_enable_triton_gemm=false {FAST_COMPILE}",
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   plan = json.loads((tmp_path / "plan.json").read_text())
   memory = plan["memory"]
@@ -240,14 +284,43 @@ def test_a_mixture_compiles_to_the_grouped_kernel_with_buffers_near_its_dense_tw
   """The routed experts run in the Triton grouped GEMM on an H100 (XLA's ``ragged_dot`` would multiply every row
   by every expert), and the MoE step's temporaries stay within 1.3 × those of the dense model of equal active
   size (issue 34's shape with 2 of its 12 layers; with all 12: 1.29 × at B 8, 1.19 × at B 16)."""
-  shape = ["--set", "data.source=synthetic", "--set", "data.seq_len=2048", "--set", "data.global_batch_size=8",
-           "--set", "model.d_model=1024", "--set", "model.num_layers=2", "--set", "model.num_heads=16",
-           "--set", "model.num_kv_heads=16", "--set", "model.head_dim=64", "--set", "model.max_seq_len=2048",
-           "--set", "model.dtype=bfloat16", "--set", "model.vocab_size=32000", "--set", "model.fp8_min_dim=0",
-           "--set", "model.loss_chunk_size=1024", "--mesh_config", "gpu-1", "--device_kind", "h100"]
+  shape = [
+    "--set",
+    "data.source=synthetic",
+    "--set",
+    "data.seq_len=2048",
+    "--set",
+    "data.global_batch_size=8",
+    "--set",
+    "model.d_model=1024",
+    "--set",
+    "model.num_layers=2",
+    "--set",
+    "model.num_heads=16",
+    "--set",
+    "model.num_kv_heads=16",
+    "--set",
+    "model.head_dim=64",
+    "--set",
+    "model.max_seq_len=2048",
+    "--set",
+    "model.dtype=bfloat16",
+    "--set",
+    "model.vocab_size=32000",
+    "--set",
+    "model.fp8_min_dim=0",
+    "--set",
+    "model.loss_chunk_size=1024",
+    "--mesh_config",
+    "gpu-1",
+    "--device_kind",
+    "h100",
+  ]
   figures = {}
-  for name, config, width in (("moe", "moe-tiny", ["--set", "model.expert_mlp_dim=2816"]),
-                              ("dense", "tiny", ["--set", "model.mlp_dim=5632"])):
+  for name, config, width in (
+    ("moe", "moe-tiny", ["--set", "model.expert_mlp_dim=2816"]),
+    ("dense", "tiny", ["--set", "model.mlp_dim=5632"]),
+  ):
     out = _plan("--config", config, *shape, *width, "--json", str(tmp_path / f"{name}.json"))
     assert out.returncode == 0, out.stderr
     figures[name] = json.loads((tmp_path / f"{name}.json").read_text())

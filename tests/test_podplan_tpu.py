@@ -39,8 +39,9 @@ def _mesh_config(tmp_path, name, text):
 
 def _plan(mesh_config, topology, **kwargs):
   config = config_lib.load("tiny")
-  return podplan.plan_pod(config, mesh_config, tpu.kind_of(topology), topology.devices, config_name="tiny",
-                          target=topology, **kwargs)
+  return podplan.plan_pod(
+    config, mesh_config, tpu.kind_of(topology), topology.devices, config_name="tiny", target=topology, **kwargs
+  )
 
 
 def _axes(pod):
@@ -52,8 +53,12 @@ def _axes(pod):
 
 def test_topology_names_parse_to_libtpu_spellings_and_counts():
   v5p = TpuTopology.parse("v5p:4x4x4", 2)
-  assert (v5p.libtpu_name, v5p.chip_config, v5p.devices, v5p.accelerator_type) == ("v5:4x4x4", "megacore", 128,
-                                                                                    "v5p-128")
+  assert (v5p.libtpu_name, v5p.chip_config, v5p.devices, v5p.accelerator_type) == (
+    "v5:4x4x4",
+    "megacore",
+    128,
+    "v5p-128",
+  )
   assert v5p.wraparound == (True, True, True) and str(v5p) == "v5p:4x4x4 × 2 slices"
   v5e = TpuTopology.parse("v5litepod:16x16")
   assert (v5e.name, v5e.devices, v5e.hosts_per_slice, v5e.wraparound) == ("v5e:16x16", 256, 64, (True, True, False))
@@ -62,19 +67,23 @@ def test_topology_names_parse_to_libtpu_spellings_and_counts():
   assert TpuTopology.parse("v5e:2x4").chips_per_host_bounds == (2, 4, 1)  # v5litepod-8: one host
 
 
-@pytest.mark.parametrize("name, chips, hosts", [("v5e:1x1", 1, 1), ("v5e:2x4", 8, 1), ("v4:1x1x1", 1, 1),
-                                                ("v5e:4x4", 16, 4)])
+@pytest.mark.parametrize(
+  "name, chips, hosts", [("v5e:1x1", 1, 1), ("v5e:2x4", 8, 1), ("v4:1x1x1", 1, 1), ("v5e:4x4", 16, 4)]
+)
 def test_libtpu_makes_one_device_per_chip_on_the_right_hosts(name, chips, hosts):
   found = tpu.devices(TpuTopology.parse(name))
   assert len(found) == chips and len({d.process_index for d in found}) == hosts
 
 
-@pytest.mark.parametrize("text, message", [
+@pytest.mark.parametrize(
+  "text, message",
+  [
     ("v5e-256", "is not a TPU topology"),
     ("v9:2x2", "unknown TPU generation 'v9'"),
     ("v5p:4x4x4x4", "3-D grid"),
     ("v5e:0x2", "2-D grid"),
-])
+  ],
+)
 def test_bad_topology_names_are_named(text, message):
   with pytest.raises(ValueError, match=message):
     TpuTopology.parse(text)
@@ -90,8 +99,10 @@ def test_every_shipped_tpu_mesh_config_names_a_topology_that_matches_its_devices
     assert mesh_config.topology.generation in name, name
     slices = mesh_config.topology.num_slices
     axes = {"data": {"ici": 1, "dcn": slices}, "fsdp": -1} if slices > 1 else {"fsdp": -1}
-    assert MeshConfig.from_dict({"topology": mesh_config.topology.name, "granules": slices,
-                                 "axes": axes}).devices == mesh_config.devices
+    assert (
+      MeshConfig.from_dict({"topology": mesh_config.topology.name, "granules": slices, "axes": axes}).devices
+      == mesh_config.devices
+    )
 
 
 def test_a_mesh_config_whose_axes_do_not_fit_its_topology_is_refused_at_load(tmp_path):
@@ -108,8 +119,9 @@ def test_a_mesh_config_whose_axes_do_not_fit_its_topology_is_refused_at_load(tmp
 
 def test_single_host_v5e_is_compiled_by_libtpu_with_no_correction(tmp_path):
   topology = TpuTopology.parse("v5e:2x2")
-  mesh_config = _mesh_config(tmp_path, "v5e4", "topology: v5e:2x2\naxes:\n  data: 1\n  fsdp: -1\n  tensor: 1\n"
-                                                "rules: fsdp_tensor\n")
+  mesh_config = _mesh_config(
+    tmp_path, "v5e4", "topology: v5e:2x2\naxes:\n  data: 1\n  fsdp: -1\n  tensor: 1\nrules: fsdp_tensor\n"
+  )
   pod = _plan(mesh_config, topology)
   assert (pod.compiler, pod.device_kind, pod.emulated) == ("tpu", "TPU v5 lite", False)
   assert pod.kind is hardware.DEVICE_KINDS["v5e"]
@@ -128,8 +140,9 @@ def test_single_host_v5e_is_compiled_by_libtpu_with_no_correction(tmp_path):
 
 def test_the_tpu_plan_compiles_the_attention_a_tpu_run_uses_splash(tmp_path):
   topology = TpuTopology.parse("v5e:2x2")
-  mesh_config = _mesh_config(tmp_path, "v5e4", "topology: v5e:2x2\naxes:\n  data: 1\n  fsdp: -1\n  tensor: 1\n"
-                                                "rules: fsdp_tensor\n")
+  mesh_config = _mesh_config(
+    tmp_path, "v5e4", "topology: v5e:2x2\naxes:\n  data: 1\n  fsdp: -1\n  tensor: 1\nrules: fsdp_tensor\n"
+  )
   config = config_lib.load("tiny")  # attention: auto, length 128
   spec = podplan.step_spec(config, "tpu")
   rules = podplan.rules_for(config, mesh_config)
@@ -143,8 +156,9 @@ def test_the_tpu_plan_compiles_the_attention_a_tpu_run_uses_splash(tmp_path):
 
 def test_a_step_libtpu_refuses_for_memory_is_a_does_not_fit_verdict_with_its_figure(tmp_path):
   topology = TpuTopology.parse("v5e:2x2")
-  mesh_config = _mesh_config(tmp_path, "v5e4", "topology: v5e:2x2\naxes:\n  data: 1\n  fsdp: -1\n  tensor: 1\n"
-                                                "rules: fsdp_tensor\n")
+  mesh_config = _mesh_config(
+    tmp_path, "v5e4", "topology: v5e:2x2\naxes:\n  data: 1\n  fsdp: -1\n  tensor: 1\nrules: fsdp_tensor\n"
+  )
   config = config_lib.load("tiny", ["data.global_batch_size=262144"])
   pod = podplan.plan_pod(config, mesh_config, tpu.kind_of(topology), 4, target=topology)
   assert not pod.memory.fits and pod.memory.temporaries > 100 * 2**30 and pod.collectives is None
@@ -154,12 +168,18 @@ def test_a_step_libtpu_refuses_for_memory_is_a_does_not_fit_verdict_with_its_fig
 
 def test_out_of_memory_messages_are_read_in_both_spellings():
   gib = 2**30
-  assert podplan.out_of_memory(RuntimeError(
+  assert podplan.out_of_memory(
+    RuntimeError(
       "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (26.12G)"
-      " exceeds available HBM (15.75G).")) == (int(26.12 * gib), int(15.75 * gib))
-  assert podplan.out_of_memory(RuntimeError(
+      " exceeds available HBM (15.75G)."
+    )
+  ) == (int(26.12 * gib), int(15.75 * gib))
+  assert podplan.out_of_memory(
+    RuntimeError(
       "RESOURCE_EXHAUSTED: Compilation failure: Aborting compilation early because it's unlikely to have enough"
-      " device memory. Requires 40.50G, has 15.75G available.")) == (int(40.5 * gib), int(15.75 * gib))
+      " device memory. Requires 40.50G, has 15.75G available."
+    )
+  ) == (int(40.5 * gib), int(15.75 * gib))
   assert podplan.out_of_memory(RuntimeError("INTERNAL: something else")) is None
 
 
@@ -167,8 +187,9 @@ def test_multi_host_v4_devices_span_hosts_and_both_mesh_axes_communicate(tmp_pat
   topology = TpuTopology.parse("v4:2x2x2")
   found = tpu.devices(topology)
   assert len(found) == 8 and len({d.process_index for d in found}) == topology.hosts_per_slice == 2
-  mesh_config = _mesh_config(tmp_path, "v4-16", "topology: v4:2x2x2\naxes:\n  data: 1\n  fsdp: 4\n  tensor: 2\n"
-                                                 "rules: fsdp_tensor\n")
+  mesh_config = _mesh_config(
+    tmp_path, "v4-16", "topology: v4:2x2x2\naxes:\n  data: 1\n  fsdp: 4\n  tensor: 2\nrules: fsdp_tensor\n"
+  )
   pod = _plan(mesh_config, topology)
   assert pod.device_kind == "TPU v4" and pod.layout.granules == 1
   kinds = _axes(pod)
@@ -177,8 +198,12 @@ def test_multi_host_v4_devices_span_hosts_and_both_mesh_axes_communicate(tmp_pat
 
 def test_two_slices_send_the_data_axis_over_dcn_and_the_rest_over_ici(tmp_path):
   topology = TpuTopology.parse("v4:2x2x2", num_slices=2)
-  mesh_config = _mesh_config(tmp_path, "two", "topology: v4:2x2x2\ngranules: 2\naxes:\n  data: {ici: 1, dcn: 2}\n"
-                                              "  fsdp: {ici: 4}\n  tensor: {ici: 2}\nrules: fsdp_tensor\n")
+  mesh_config = _mesh_config(
+    tmp_path,
+    "two",
+    "topology: v4:2x2x2\ngranules: 2\naxes:\n  data: {ici: 1, dcn: 2}\n"
+    "  fsdp: {ici: 4}\n  tensor: {ici: 2}\nrules: fsdp_tensor\n",
+  )
   assert mesh_config.devices == 16
   pod = _plan(mesh_config, topology)
   assert pod.layout.granules == 2 and pod.layout.describe() == "data=2 (2 over DCN) × fsdp=4 × tensor=2"
@@ -198,16 +223,32 @@ def test_two_slices_send_the_data_axis_over_dcn_and_the_rest_over_ici(tmp_path):
 # model). llama-7b-tpu-128k (90 s: the splash masks of 131,072 tokens take most of it) is compiled small in
 # test_libtpu_compiles_all_gather_context_attention_as_splash_and_counts_its_work. deepseek-v3-tpu compiles for 4.5
 # minutes on 2 cores: bench/tpu_presets.py checks it (bench/RESULTS.md).
-LONG_TPU_PRESETS = ("llama-124m-tpu", "mixtral-8x7b-tpu", "llama-7b-tpu", "gemma3-27b-tpu", "llama-70b-tpu",
-                    "llama-1b-tpu", "llama-7b-tpu-128k")
+LONG_TPU_PRESETS = (
+  "llama-124m-tpu",
+  "mixtral-8x7b-tpu",
+  "llama-7b-tpu",
+  "gemma3-27b-tpu",
+  "llama-70b-tpu",
+  "llama-1b-tpu",
+  "llama-7b-tpu-128k",
+)
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("preset", [
-    pytest.param(n, marks=pytest.mark.skipif(n in LONG_TPU_PRESETS and os.environ.get("DT_LONG_TESTS") != "1",
-                                             reason="a real-size compile of a kind CI compiles: DT_LONG_TESTS=1"))
+@pytest.mark.parametrize(
+  "preset",
+  [
+    pytest.param(
+      n,
+      marks=pytest.mark.skipif(
+        n in LONG_TPU_PRESETS and os.environ.get("DT_LONG_TESTS") != "1",
+        reason="a real-size compile of a kind CI compiles: DT_LONG_TESTS=1",
+      ),
+    )
     for n in sorted(config_lib.preset_names())
-    if n.endswith(("-tpu", "-tpu-pipeline", "-tpu-128k")) and n != "deepseek-v3-tpu"])
+    if n.endswith(("-tpu", "-tpu-pipeline", "-tpu-128k")) and n != "deepseek-v3-tpu"
+  ],
+)
 def test_every_shipped_tpu_preset_fits_the_chips_of_its_mesh_configs_topology(preset):
   """A user who runs a shipped TPU preset on its pod must not meet an out-of-memory (libtpu's own figures)."""
   import jax
@@ -215,8 +256,9 @@ def test_every_shipped_tpu_preset_fits_the_chips_of_its_mesh_configs_topology(pr
   config = config_lib.load(preset)
   mesh_config = MeshConfig.from_yaml(find_mesh_config(config.mesh_config))
   topology = mesh_config.topology
-  pod = podplan.plan_pod(config, mesh_config, tpu.kind_of(topology), topology.devices, config_name=preset,
-                         target=topology)
+  pod = podplan.plan_pod(
+    config, mesh_config, tpu.kind_of(topology), topology.devices, config_name=preset, target=topology
+  )
   jax.clear_caches()
   assert pod.compiler == "tpu" and pod.compiled, pod.notes
   assert pod.memory.fits, pod.report()
@@ -228,6 +270,7 @@ def test_every_shipped_tpu_preset_fits_the_chips_of_its_mesh_configs_topology(pr
     assert pipeline["stage_permute_bytes"] > 0 and "Pipeline: 4 stages, 16 microbatches" in pod.report()
   if preset.startswith("mixtral"):  # tokens to their experts and back: ragged all-to-all over the expert axis
     from distrib_train.recipes import moe
+
     model = moe.PRESETS["mixtral-8x7b"]  # the batch splits over every chip (tensor 1): a chip's rows routed, bf16
     routed = pod.tokens_per_step // pod.devices * model.experts_per_token * model.d_model * 2
     moved = [c for c in pod.collectives if c.kind == "all-to-all" and c.axes == ("expert",) and c.payload_bytes > 1e6]
@@ -281,8 +324,10 @@ ENTRY %main (x: f32[4]) -> f32[4] {
   (found,) = collectives.find_collectives(text, (2,), ("fsdp",))
   assert found.count == 7 and found.axes == ("fsdp",)
   assert hlo_module.estimated_cycles(text) is None  # no compiler's estimate in it
-  estimated = text.replace("replica_groups={{0,1}}, to_apply=%add",
-                           'replica_groups={{0,1}}, to_apply=%add, backend_config={"estimated_cycles":"100"}')
+  estimated = text.replace(
+    "replica_groups={{0,1}}, to_apply=%add",
+    'replica_groups={{0,1}}, to_apply=%add, backend_config={"estimated_cycles":"100"}',
+  )
   estimated = estimated.replace("tuple(%zero, %x)", 'tuple(%zero, %x), backend_config={"estimated_cycles":"3"}')
   assert hlo_module.estimated_cycles(estimated) == 7 * 100 + 3  # the loop's body by its trips
 
@@ -305,10 +350,15 @@ ENTRY %main (x: f32[4,8], w: f32[8,8]) -> f32[4,8] {
   assert [c.kind for c in collectives.find_collectives(text, (2,), ("fsdp",))] == ["all-gather"]
   # the op name on the continuation line carries a splash call's work: its fused backward kernel's, here
   scope = "jit(step)/attention_kernel(pairs=100,bwd=120,qk=16,v=8,fused=1)/splash_mha_dkv_no_residuals/pallas_call"
-  text = text.replace('%k = f32', '%splash_mha_dkv_no_residuals.3 = f32').replace("(%k", "(%splash_mha_dkv_no_residuals.3")
+  text = text.replace("%k = f32", "%splash_mha_dkv_no_residuals.3 = f32").replace(
+    "(%k", "(%splash_mha_dkv_no_residuals.3"
+  )
   text = text.replace('op_name="splash"', f'op_name="{scope}"')
-  assert hlo_module.flops(text) == {"dots": 2 * 4 * 8 * 8, "attention_kernels": 2 * 120 * (3 * 16 + 2 * 8),
-                                    "grouped_kernels": 0.0}
+  assert hlo_module.flops(text) == {
+    "dots": 2 * 4 * 8 * 8,
+    "attention_kernels": 2 * 120 * (3 * 16 + 2 * 8),
+    "grouped_kernels": 0.0,
+  }
 
 
 def test_megascale_transfers_count_as_their_collectives_over_the_dcn_axes():
@@ -324,8 +374,7 @@ ENTRY %main (x: f32[8,128], y: f32[2,128]) -> f32[8,128] {
   ROOT %r = f32[8,128]{1,0} copy(%x)
 }
 """
-  found = {c.kind: c for c in collectives.find_collectives(text, (4,), ("fsdp",), dcn_axes=("data",),
-                                                          dcn_group_size=4)}
+  found = {c.kind: c for c in collectives.find_collectives(text, (4,), ("fsdp",), dcn_axes=("data",), dcn_group_size=4)}
   assert set(found) == {"all-reduce", "all-gather", "collective-permute"}
   assert all(c.dcn and c.axes == ("data",) and c.group_size == 4 for c in found.values())
   assert found["all-reduce"].wire_bytes == 2 * 3 / 4 * 4096  # ring all-reduce of 4 KiB among 4 slices
@@ -353,15 +402,31 @@ ENTRY %main (q: bf16[8,12,64,1024], k: bf16[8,12,1024,1024]) -> bf16[8,12,64,102
 def _cli(*args, timeout=600):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   env.pop("XLA_FLAGS", None)  # the TPU path needs no emulated CPU devices
-  return subprocess.run([sys.executable, "-m", "distrib_train", "plan", *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, "-m", "distrib_train", "plan", *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 def test_cli_compiles_for_tpu_topology_with_slices_and_writes_json(tmp_path):
   mesh = tmp_path / "two.yaml"
   mesh.write_text("axes:\n  data: {ici: 1, dcn: 2}\n  fsdp: {ici: -1}\n  tensor: {ici: 1}\nrules: fsdp_tensor\n")
-  out = _cli("--config", "tiny", "--mesh_config", str(mesh), "--tpu_topology", "v5e:2x2", "--num_slices", "2",
-             "--json", str(tmp_path / "plan.json"))
+  out = _cli(
+    "--config",
+    "tiny",
+    "--mesh_config",
+    str(mesh),
+    "--tpu_topology",
+    "v5e:2x2",
+    "--num_slices",
+    "2",
+    "--json",
+    str(tmp_path / "plan.json"),
+  )
   assert out.returncode == 0, out.stderr
   assert "compiler: TPU (libtpu, for TPU v5 lite, topology v5e:2x2 × 2 slices" in out.stdout
   assert "TPU_ACCELERATOR_TYPE" not in out.stdout + out.stderr  # libtpu's warnings are kept quiet
@@ -384,8 +449,21 @@ def test_cli_recommend_compiles_its_finalists_with_libtpu(tmp_path):
   mesh = tmp_path / "v4.yaml"
   mesh.write_text("topology: v4:2x2x2\naxes:\n  data: 1\n  fsdp: -1\n  tensor: 1\nrules: fsdp_tensor\n")
   out_yaml = tmp_path / "best.yaml"
-  out = _cli("--config", "tiny", "--mesh_config", str(mesh), "--recommend", "--max_compiles", "2", "--out",
-             str(out_yaml), "--json", str(tmp_path / "rec.json"), "--set", "model.remat=full")
+  out = _cli(
+    "--config",
+    "tiny",
+    "--mesh_config",
+    str(mesh),
+    "--recommend",
+    "--max_compiles",
+    "2",
+    "--out",
+    str(out_yaml),
+    "--json",
+    str(tmp_path / "rec.json"),
+    "--set",
+    "model.remat=full",
+  )
   assert out.returncode == 0, out.stderr
   data = json.loads((tmp_path / "rec.json").read_text())
   # one mesh, then one setting on it (remat none: lighter than the config's full), both by libtpu
@@ -395,13 +473,16 @@ def test_cli_recommend_compiles_its_finalists_with_libtpu(tmp_path):
   assert best.topology.name == "v4:2x2x2" and best.devices == 8
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (["--tpu_topology", "v5e:2x2", "--devices", "8"], "--devices 8 but TPU topology v5e:2x2 has 4 chips"),
     (["--tpu_topology", "v5e-4"], "is not a TPU topology"),
     (["--num_slices", "2"], "--num_slices needs a TPU topology"),
     (["--tpu_topology", "v5e:2x2", "--device_kind", "h100"], "--device_kind h100 but TPU topology v5e:2x2 is v5e"),
     (["--tpu_topology", "v5e:2x2"], "cpu-8.yaml is for 8 devices; TPU topology v5e:2x2 has 4 chips"),
-])
+  ],
+)
 def test_bad_tpu_flags_are_one_line_and_exit_2(args, message, capsys):
   with pytest.raises(SystemExit) as e:
     plan_cli.main(["--config", "tiny", *args])
@@ -414,10 +495,19 @@ def test_libtpu_compiles_all_gather_context_attention_as_splash_and_counts_its_w
   """model.context_attention: all_gather on a TPU: keys gathered over the context axis, splash per query shard
   (forward and one backward kernel a layer), its FLOPs counted from the blocks its mask runs; the report says so."""
   topology = TpuTopology.parse("v5e:2x2")
-  mesh_config = _mesh_config(tmp_path, "ctx", "topology: v5e:2x2\naxes:\n  data: 1\n  context: 2\n  fsdp: 2\n"
-                                              "  tensor: 1\n")
-  config = config_lib.load("tiny", ["model.context_attention=all_gather", "model.remat=full", "data.seq_len=1024",
-                                    "data.global_batch_size=2", "model.max_seq_len=1024"])
+  mesh_config = _mesh_config(
+    tmp_path, "ctx", "topology: v5e:2x2\naxes:\n  data: 1\n  context: 2\n  fsdp: 2\n  tensor: 1\n"
+  )
+  config = config_lib.load(
+    "tiny",
+    [
+      "model.context_attention=all_gather",
+      "model.remat=full",
+      "data.seq_len=1024",
+      "data.global_batch_size=2",
+      "model.max_seq_len=1024",
+    ],
+  )
   pod = podplan.plan_pod(config, mesh_config, tpu.kind_of(topology), 4, config_name="tiny", target=topology)
   (decision,) = pod.attention
   assert decision.kernel == "all_gather_splash" and decision.length == 1024, pod.attention
@@ -437,12 +527,16 @@ def test_libtpu_compiles_all_gather_context_attention_as_splash_and_counts_its_w
 def test_libtpu_compiles_the_context_and_expert_axes(tmp_path):
   """Ring attention passes key/value blocks over the context axis; a mixture sends tokens over the expert axis."""
   topology = TpuTopology.parse("v5e:2x2")
-  mesh_config = _mesh_config(tmp_path, "ctx", "topology: v5e:2x2\naxes:\n  data: 1\n  context: 2\n  fsdp: 2\n  tensor: 1\n")
+  mesh_config = _mesh_config(
+    tmp_path, "ctx", "topology: v5e:2x2\naxes:\n  data: 1\n  context: 2\n  fsdp: 2\n  tensor: 1\n"
+  )
   pod = _plan(mesh_config, topology)
   assert pod.compiler == "tpu" and pod.memory.fits
   assert any(c.kind == "collective-permute" and c.axes == ("context",) for c in pod.collectives)
   config = config_lib.load("moe-tiny")
-  mesh_config = _mesh_config(tmp_path, "exp", "topology: v5e:2x2\naxes:\n  data: 1\n  expert: 4\n  fsdp: 1\n  tensor: 1\n")
+  mesh_config = _mesh_config(
+    tmp_path, "exp", "topology: v5e:2x2\naxes:\n  data: 1\n  expert: 4\n  fsdp: 1\n  tensor: 1\n"
+  )
   pod = podplan.plan_pod(config, mesh_config, tpu.kind_of(topology), 4, config_name="moe-tiny", target=topology)
   assert any(c.kind == "all-to-all" and c.axes == ("expert",) for c in pod.collectives)
 
@@ -463,8 +557,16 @@ def test_the_engine_compiles_its_decode_loop_for_tpu_with_no_copy_of_the_cache()
   from distrib_train.sharding.planner import MeshPlanner
   from distrib_train.train_state import TrainState
 
-  config = recipes.get("llama", "1b", num_layers=2, num_kv_heads=16, vocab_size=1024, dtype="bfloat16",
-                       param_dtype="bfloat16", remat="none").config
+  config = recipes.get(
+    "llama",
+    "1b",
+    num_layers=2,
+    num_kv_heads=16,
+    vocab_size=1024,
+    dtype="bfloat16",
+    param_dtype="bfloat16",
+    remat="none",
+  ).config
   mesh = tpu.mesh(MeshConfig(("data", "fsdp", "tensor"), (1, 1, 4)), TpuTopology.parse("v5e:2x2"))
   rules = AxisRules("fsdp_tensor")
   make = lambda: TrainState.initial_state(config.build(0), optax.sgd(0.0), jax.random.key(0))
@@ -473,16 +575,27 @@ def test_the_engine_compiles_its_decode_loop_for_tpu_with_no_copy_of_the_cache()
   compiled = Generator(model, mesh=mesh, rules=rules)._decode_program(rows, context // 2, context, Sampling(), 1)
   computations, _ = hlo_module.parse_module(compiled.as_text())
   (entry,) = (c for c in computations.values() if c.is_entry)
-  chip_cache = {f"bf16[{','.join(map(str, s.sharding.shard_shape(s.shape)))}]"
-                for s in jax.tree.leaves(jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                                      cache_lib.cache_spec(config, rows, context),
-                                                      cache_lib.cache_shardings(config, rows, context, mesh, rules)))}
+  chip_cache = {
+    f"bf16[{','.join(map(str, s.sharding.shard_shape(s.shape)))}]"
+    for s in jax.tree.leaves(
+      jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        cache_lib.cache_spec(config, rows, context),
+        cache_lib.cache_shardings(config, rows, context, mesh, rules),
+      )
+    )
+  }
   copies = [i.shape for i in entry.instructions if i.op == "copy" and i.shape.split("{")[0] in chip_cache]
   assert chip_cache and not copies, copies
   # inside the loops the cache keeps an argument's layout (heads before slots): libtpu's own choice for the carry
   # made it relay each layer's slice out for the products (the 7B: 10 of 20.9 ms a step)
-  carried = {i.shape.split(":")[0] for c in computations.values() if not c.is_entry for i in c.instructions
-             if i.shape.split("{")[0] in chip_cache}
+  carried = {
+    i.shape.split(":")[0]
+    for c in computations.values()
+    if not c.is_entry
+    for i in c.instructions
+    if i.shape.split("{")[0] in chip_cache
+  }
   assert carried == {f"{shape}{{4,3,2,1,0" for shape in chip_cache}, carried
   from distrib_train.kernels.attention import xla
   from distrib_train.sharding.axis_rules import activation_sharding

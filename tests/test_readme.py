@@ -66,7 +66,7 @@ def _blocks(text):
   comment on the last non-blank line before the fence, or None."""
   blocks = []
   for match in _FENCE.finditer(text):
-    before = [line.strip() for line in text[:match.start()].splitlines() if line.strip()]
+    before = [line.strip() for line in text[: match.start()].splitlines() if line.strip()]
     marker = before[-1] if before and before[-1].startswith("<!--") else None
     blocks.append((text.count("\n", 0, match.start()) + 1, match.group(1), match.group(2), marker))
   return blocks
@@ -104,14 +104,19 @@ def test_every_python_and_command_block_is_run_or_says_why_not(name):
     if skip and not skip.group(1):
       problems.append(f"{name}:{line}: a 'not run' marker without a reason")
     if marker and not skip and not _RUN.match(marker):
-      problems.append(f"{name}:{line}: an HTML comment before a block that is neither"
-                      f" '<!-- not run: REASON -->' nor '<!-- run -->': {marker}")
+      problems.append(
+        f"{name}:{line}: an HTML comment before a block that is neither"
+        f" '<!-- not run: REASON -->' nor '<!-- run -->': {marker}"
+      )
     if skip and language not in ("python", "py", *_SHELL):
-      problems.append(f"{name}:{line}: 'not run' marks a {language or 'plain'} block (only Python and command"
-                      " blocks run)")
+      problems.append(
+        f"{name}:{line}: 'not run' marks a {language or 'plain'} block (only Python and command blocks run)"
+      )
     if not language and _LOOKS_LIKE_COMMANDS.search(code):
-      problems.append(f"{name}:{line}: an unlabelled block of commands: label it ```bash (```console for a"
-                      " transcript) so that it runs; one that cannot run then says why: '<!-- not run: REASON -->'")
+      problems.append(
+        f"{name}:{line}: an unlabelled block of commands: label it ```bash (```console for a"
+        " transcript) so that it runs; one that cannot run then says why: '<!-- not run: REASON -->'"
+      )
   # A marker must sit right before a fence, not drift away from the block it was for.
   lines = text.splitlines()
   for number, text_line in enumerate(lines, 1):
@@ -132,7 +137,7 @@ def _env(tmp_path):
   env["JAX_PLATFORMS"] = "cpu"
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   env["TMPDIR"] = str(tmp_path)  # what a block writes with tempfile stays in the test's directory
-  env["HOME"] = str(tmp_path)    # the trainer's default compilation cache (~/.cache) too
+  env["HOME"] = str(tmp_path)  # the trainer's default compilation cache (~/.cache) too
   return env
 
 
@@ -141,8 +146,9 @@ def test_python_block_runs(name, line, code, tmp_path):
   script = tmp_path / f"block_{line}.py"
   script.write_text(code)
   try:
-    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(tmp_path), capture_output=True,
-                         text=True, timeout=TIMEOUT_S)
+    out = subprocess.run(
+      [sys.executable, str(script)], cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
   except subprocess.TimeoutExpired as e:
     pytest.fail(f"{name}:{line}: the block did not finish in {TIMEOUT_S} s:\n{(e.stderr or '')[-3000:]}")
   assert out.returncode == 0, f"{name}:{line}: exit status {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
@@ -179,12 +185,16 @@ def _shell_commands(language, code):
 
 def _shell_blocks(text):
   """``(line, language, code)`` of the command blocks to run."""
-  return [(line, language, code) for line, language, code, marker in _blocks(text)
-          if language in _SHELL and not (marker and _NOT_RUN.match(marker))]
+  return [
+    (line, language, code)
+    for line, language, code, marker in _blocks(text)
+    if language in _SHELL and not (marker and _NOT_RUN.match(marker))
+  ]
 
 
-_SHELL_BLOCKS = [(name, line, language, code) for name, text in _TEXTS.items()
-                 for line, language, code in _shell_blocks(text)]
+_SHELL_BLOCKS = [
+  (name, line, language, code) for name, text in _TEXTS.items() for line, language, code in _shell_blocks(text)
+]
 
 
 def _is_training_run(argv):
@@ -208,8 +218,13 @@ def _workdir(argv):
 
 
 def test_command_blocks_are_found_and_parsed():
-  runs = [argv for name, _, language, code in _SHELL_BLOCKS if name.startswith("docs/")
-          for argv in _shell_commands(language, code) if _is_training_run(argv)]
+  runs = [
+    argv
+    for name, _, language, code in _SHELL_BLOCKS
+    if name.startswith("docs/")
+    for argv in _shell_commands(language, code)
+    if _is_training_run(argv)
+  ]
   assert len(runs) >= 4, runs  # the SFT and DPO demos, the pipeline, MoE and long-context runs
   assert _shell_commands("bash", "a b \\\n  'c d'  # note\n# only a comment\n\ne") == [["a", "b", "c d"], ["e"]]
   assert _shell_commands("console", "$ distrib-train x\nan output line\n") == [["distrib-train", "x"]]
@@ -222,9 +237,12 @@ def test_command_blocks_are_found_and_parsed():
 
 def _without_the_suites_variables():
   """This process's environment less what the suite and its virtualenv set (a user's shell has none of it)."""
-  return {key: value for key, value in os.environ.items()
-          if not key.startswith(("JAX_", "XLA_", "DT_", "PYTEST_"))
-          and key not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PIP_REQUIRE_VIRTUALENV")}
+  return {
+    key: value
+    for key, value in os.environ.items()
+    if not key.startswith(("JAX_", "XLA_", "DT_", "PYTEST_"))
+    and key not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PIP_REQUIRE_VIRTUALENV")
+  }
 
 
 @pytest.fixture(scope="session")
@@ -237,10 +255,16 @@ def setup_venv(tmp_path_factory, once_per_run):
     env["VENV"] = str(venv)
     # launch/local.sh creates it with `python3 -m venv`: this run's interpreter, under that name.
     env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    out = subprocess.run(["bash", str(ROOT / "launch" / "local.sh"), "--install-only"], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, (f"launch/local.sh --install-only: exit {out.returncode}\n"
-                                 f"{(out.stdout + out.stderr)[-3000:]}")
+    out = subprocess.run(
+      ["bash", str(ROOT / "launch" / "local.sh"), "--install-only"],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=900,
+    )
+    assert out.returncode == 0, (
+      f"launch/local.sh --install-only: exit {out.returncode}\n{(out.stdout + out.stderr)[-3000:]}"
+    )
     return str(venv)
 
   return pathlib.Path(once_per_run("setup-venv", build))
@@ -259,8 +283,9 @@ def _setup_env(venv, tmp_path):
   return env
 
 
-@pytest.mark.parametrize("name,line,language,code", _SHELL_BLOCKS,
-                         ids=[f"{name}:{line}" for name, line, _, _ in _SHELL_BLOCKS])
+@pytest.mark.parametrize(
+  "name,line,language,code", _SHELL_BLOCKS, ids=[f"{name}:{line}" for name, line, _, _ in _SHELL_BLOCKS]
+)
 def test_command_block_runs_after_the_setup(name, line, language, code, setup_venv, xla_cache, tmp_path):
   env = _setup_env(setup_venv, tmp_path)
   for argv in _shell_commands(language, code):
@@ -271,11 +296,13 @@ def test_command_block_runs_after_the_setup(name, line, language, code, setup_ve
     program = shutil.which(argv[0], path=env["PATH"])
     assert program, f"{name}:{line}: {argv[0]} is not on the set-up's PATH"
     try:
-      out = subprocess.run([program, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=COMMAND_TIMEOUT_S)
+      out = subprocess.run(
+        [program, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
+      )
     except subprocess.TimeoutExpired as e:
-      pytest.fail(f"{name}:{line}: {shlex.join(argv)} did not finish in {COMMAND_TIMEOUT_S} s:\n"
-                  f"{(e.stderr or '')[-3000:]}")
+      pytest.fail(
+        f"{name}:{line}: {shlex.join(argv)} did not finish in {COMMAND_TIMEOUT_S} s:\n{(e.stderr or '')[-3000:]}"
+      )
     said = f"{name}:{line}: {shlex.join(argv)}: exit status {out.returncode}\n{out.stderr[-4000:]}"
     assert out.returncode == 0, said
     assert "Traceback" not in out.stderr, said
@@ -298,7 +325,7 @@ def _section(text, heading):
   assert match, f"no heading '{heading}'"
   level = len(match.group(1))
   end = re.compile(rf"^#{{1,{level}}} ", re.MULTILINE).search(text, match.end())
-  return text[match.end():end.start() if end else len(text)]
+  return text[match.end() : end.start() if end else len(text)]
 
 
 def test_the_guides_table_names_every_guide_and_only_guides_that_exist():
@@ -308,7 +335,9 @@ def test_the_guides_table_names_every_guide_and_only_guides_that_exist():
   missing = [path for path in named if not (ROOT / path).is_file()]
   assert not missing, f"README.md's table of guides names files that do not exist: {missing}"
   on_disk = {_name(path) for path in DOCS.glob("*.md")}
-  assert not on_disk - set(named), f"guides in docs/ that README.md's table does not name: {sorted(on_disk - set(named))}"
+  assert not on_disk - set(named), (
+    f"guides in docs/ that README.md's table does not name: {sorted(on_disk - set(named))}"
+  )
   assert len(named) == len(set(named)), f"a guide named twice in README.md's table: {named}"
 
 
@@ -372,7 +401,9 @@ def _commands(text):
 
 def _argv(program):
   if program == "distrib-train":
-    script = shutil.which("distrib-train") or shutil.which("distrib-train", path=str(pathlib.Path(sys.executable).parent))
+    script = shutil.which("distrib-train") or shutil.which(
+      "distrib-train", path=str(pathlib.Path(sys.executable).parent)
+    )
     assert script, "the distrib-train console script is not installed (pip install -e .)"
     return [script]
   return [sys.executable, "-m", program.removeprefix("python -m ")]
@@ -396,11 +427,13 @@ def test_command_exists(program, sub, tmp_path):
 
 
 # Every flag table, by the file and heading it sits under, and the command whose flags it lists.
-_FLAG_TABLES = [("README.md", "The command line", None),
-                ("docs/planning.md", "Flags", "plan"),
-                ("docs/generation.md", "Sampling", "generate"),
-                ("docs/evaluation.md", "A released model, your tasks", "eval"),
-                ("docs/launching.md", "Multi-host", None)]
+_FLAG_TABLES = [
+  ("README.md", "The command line", None),
+  ("docs/planning.md", "Flags", "plan"),
+  ("docs/generation.md", "Sampling", "generate"),
+  ("docs/evaluation.md", "A released model, your tasks", "eval"),
+  ("docs/launching.md", "Multi-host", None),
+]
 
 
 def _flag_rows(text):
@@ -420,8 +453,9 @@ def test_flag_tables_list_real_flags(name, heading, sub, tmp_path):
 
 def test_every_flag_table_is_checked():
   checked = {(name, row) for name, heading, _ in _FLAG_TABLES for row in _flag_rows(_section(_TEXTS[name], heading))}
-  unchecked = [f"{name}: {row[:60]}" for name, text in _TEXTS.items() for row in _flag_rows(text)
-               if (name, row) not in checked]
+  unchecked = [
+    f"{name}: {row[:60]}" for name, text in _TEXTS.items() for row in _flag_rows(text) if (name, row) not in checked
+  ]
   assert not unchecked, "flag tables not in _FLAG_TABLES (add them with their command):\n" + "\n".join(unchecked)
 
 
@@ -463,7 +497,8 @@ def test_config_keys_named_exist(name):
 
 def test_config_keys_are_found():
   assert {"train.steps", "model.fp8", "data.tokenizer", "train.hang_timeout_s"} <= set().union(
-      *map(_config_keys, _TEXTS.values()))
+    *map(_config_keys, _TEXTS.values())
+  )
 
 
 def test_config_block_is_the_tiny_preset():

@@ -33,14 +33,21 @@ def _call(func, completions, completion_ids=None, **columns):
 
 def _score(funcs, completions, columns=None, prompt_index=None):
   n = len(completions)
-  return score(funcs, ["q"] * n, completions, [[1, 2]] * n, columns or {},
-               prompt_index if prompt_index is not None else list(range(n)))
+  return score(
+    funcs,
+    ["q"] * n,
+    completions,
+    [[1, 2]] * n,
+    columns or {},
+    prompt_index if prompt_index is not None else list(range(n)),
+  )
 
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
   """A module of reward functions on sys.path, as a user's package would be."""
-  (tmp_path / f"{USER_MODULE}.py").write_text(textwrap.dedent("""
+  (tmp_path / f"{USER_MODULE}.py").write_text(
+    textwrap.dedent("""
       import math
 
       NOT_A_FUNCTION = 3
@@ -76,7 +83,8 @@ def user_module(tmp_path, monkeypatch):
 
       def text_rewards(prompts, completions, completion_ids, **columns):
         return ["1.0"] * len(completions)
-  """))
+  """)
+  )
   monkeypatch.syspath_prepend(str(tmp_path))
   yield USER_MODULE
   sys.modules.pop(USER_MODULE, None)
@@ -172,18 +180,28 @@ def test_resolve_imports_module_function(user_module):
   assert rewards.BUILT_INS == ("accuracy", "format", "overlong")
 
 
-@pytest.mark.parametrize("entry, message", [
-    ("foo", "grpo.reward_funcs[1]: unknown reward function 'foo'; built-ins: accuracy, format, overlong, or give"
-            " module:function"),
-    ("dt_no_such_module_xyz:f", "grpo.reward_funcs[1] 'dt_no_such_module_xyz:f': no module named"
-                                " 'dt_no_such_module_xyz'"),
-    ("dt_no_such_pkg_xyz.sub:f", "grpo.reward_funcs[1] 'dt_no_such_pkg_xyz.sub:f': no module named"
-                                 " 'dt_no_such_pkg_xyz'"),
+@pytest.mark.parametrize(
+  "entry, message",
+  [
+    (
+      "foo",
+      "grpo.reward_funcs[1]: unknown reward function 'foo'; built-ins: accuracy, format, overlong, or give"
+      " module:function",
+    ),
+    (
+      "dt_no_such_module_xyz:f",
+      "grpo.reward_funcs[1] 'dt_no_such_module_xyz:f': no module named 'dt_no_such_module_xyz'",
+    ),
+    (
+      "dt_no_such_pkg_xyz.sub:f",
+      "grpo.reward_funcs[1] 'dt_no_such_pkg_xyz.sub:f': no module named 'dt_no_such_pkg_xyz'",
+    ),
     ("{m}:missing", "grpo.reward_funcs[1] '{m}:missing': module '{m}' has no function 'missing'"),
     ("{m}:NOT_A_FUNCTION", "grpo.reward_funcs[1] '{m}:NOT_A_FUNCTION': {m}.NOT_A_FUNCTION is not callable"),
     ("{m}:", "grpo.reward_funcs[1] '{m}:': give module:function"),
     ("format", "grpo.reward_funcs[1] 'format' is listed twice"),
-])
+  ],
+)
 def test_resolve_refuses_a_bad_entry_in_one_line(user_module, entry, message):
   entry, message = entry.format(m=user_module), message.format(m=user_module)
   with pytest.raises(ValueError) as raised:
@@ -198,9 +216,12 @@ def test_resolve_refuses_an_empty_list_and_a_broken_module(tmp_path, monkeypatch
     _resolve("format")
   (tmp_path / "dt_test_broken_rewards.py").write_text("import dt_no_such_dependency_xyz\n")
   monkeypatch.syspath_prepend(str(tmp_path))
-  with pytest.raises(ValueError, match="^grpo.reward_funcs\\[0\\] 'dt_test_broken_rewards:f': importing"
-                                       " 'dt_test_broken_rewards' failed: ModuleNotFoundError: No module named"
-                                       " 'dt_no_such_dependency_xyz'$"):
+  with pytest.raises(
+    ValueError,
+    match="^grpo.reward_funcs\\[0\\] 'dt_test_broken_rewards:f': importing"
+    " 'dt_test_broken_rewards' failed: ModuleNotFoundError: No module named"
+    " 'dt_no_such_dependency_xyz'$",
+  ):
     _resolve(["dt_test_broken_rewards:f"])
 
 
@@ -220,16 +241,19 @@ def test_score_names_the_function_and_the_prompt_it_raised_on(user_module):
   funcs = _resolve(["format", f"{user_module}:divides"])
   with pytest.raises(RewardError) as raised:
     _score(funcs, ["a", "b", "c", "d"], {"divisor": [1, 2, 0, 0]}, prompt_index=[10, 10, 11, 11])
-  assert str(raised.value) == (f"reward function '{user_module}:divides' failed on prompt 11: ZeroDivisionError:"
-                               " division by zero")
+  assert str(raised.value) == (
+    f"reward function '{user_module}:divides' failed on prompt 11: ZeroDivisionError: division by zero"
+  )
   assert isinstance(raised.value.__cause__, ZeroDivisionError)
   assert isinstance(raised.value, ValueError)
 
 
 def test_score_names_the_first_prompt_when_no_completion_fails_alone(user_module):
   funcs = _resolve([f"{user_module}:batch_only_error"])
-  with pytest.raises(RewardError, match=f"^reward function '{user_module}:batch_only_error' failed on prompt 7:"
-                                        " MemoryError: too many at once$"):
+  with pytest.raises(
+    RewardError,
+    match=f"^reward function '{user_module}:batch_only_error' failed on prompt 7: MemoryError: too many at once$",
+  ):
     _score(funcs, ["a", "b"], prompt_index=[7, 8])
 
 
@@ -239,23 +263,29 @@ def test_a_raising_function_is_one_line(user_module):
     _score(funcs, ["a", "b"], prompt_index=[3, 4])
   line = str(raised.value)
   assert "\n" not in line
-  assert line == f"reward function '{user_module}:multiline_error' failed on prompt 3: RuntimeError: first line" \
-                 " second line third"
+  assert (
+    line == f"reward function '{user_module}:multiline_error' failed on prompt 3: RuntimeError: first line"
+    " second line third"
+  )
 
 
-@pytest.mark.parametrize("function, row, why", [
+@pytest.mark.parametrize(
+  "function, row, why",
+  [
     ("one_short", 0, "returned 2 rewards for 3 completions"),
     ("a_number", 0, "returned a float, not a list of 3 rewards"),
     ("nan_on_second", 1, "returned nan, not a finite number"),
     ("inf_first", 0, "returned inf, not a finite number"),
     ("text_rewards", 0, "returned '1.0', not a finite number"),
-])
+  ],
+)
 def test_score_refuses_what_is_not_one_finite_number_per_completion(user_module, function, row, why):
   prompt_index = [20, 21, 22]
   with pytest.raises(RewardError) as raised:
     _score(_resolve([f"{user_module}:{function}"]), ["a", "b", "c"], prompt_index=prompt_index)
-  assert str(raised.value).startswith(f"reward function '{user_module}:{function}' failed on prompt"
-                                      f" {prompt_index[row]}: {why}")
+  assert str(raised.value).startswith(
+    f"reward function '{user_module}:{function}' failed on prompt {prompt_index[row]}: {why}"
+  )
   assert "\n" not in str(raised.value)
 
 
@@ -284,7 +314,7 @@ REWARDS = [1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0, 0.0, 2.0, 4.0, 6.0]  # three 
 
 
 def _by_hand(scale):
-  groups = [REWARDS[i:i + 4] for i in range(0, len(REWARDS), 4)]
+  groups = [REWARDS[i : i + 4] for i in range(0, len(REWARDS), 4)]
   batch_std = statistics.stdev(REWARDS)
   adv, zero = [], []
   for group in groups:
@@ -308,8 +338,9 @@ def test_advantages_match_trl_by_hand(scale):
 def test_advantages_of_the_first_group_spelled_out():
   adv, zero_std = advantages(np.array(REWARDS), 4, "group")
   std = math.sqrt(((1 - 0.5) ** 2 * 4) / 3)  # [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3)
-  np.testing.assert_allclose(adv[:4], [0.5 / (std + 1e-4), -0.5 / (std + 1e-4), -0.5 / (std + 1e-4),
-                                       0.5 / (std + 1e-4)], rtol=1e-12)
+  np.testing.assert_allclose(
+    adv[:4], [0.5 / (std + 1e-4), -0.5 / (std + 1e-4), -0.5 / (std + 1e-4), 0.5 / (std + 1e-4)], rtol=1e-12
+  )
   np.testing.assert_array_equal(adv[4:8], [0.0] * 4)  # [3, 3, 3, 3]: nothing to learn
   assert zero_std.tolist() == [False] * 4 + [True] * 4 + [False] * 4
   _, batch_zero = advantages(np.array(REWARDS), 4, "batch")

@@ -30,8 +30,9 @@ def corpus(tmp_path_factory):
   import pyarrow.parquet as pq
 
   only_messages = [r for r in records if "messages" in r]
-  pq.write_table(pa.table({"messages": [r["messages"] for r in only_messages]}), root / "chat.parquet",
-                 row_group_size=8)
+  pq.write_table(
+    pa.table({"messages": [r["messages"] for r in only_messages]}), root / "chat.parquet", row_group_size=8
+  )
   import datasets
 
   datasets.Dataset.from_list(only_messages).save_to_disk(str(root / "chat_dataset"))
@@ -59,8 +60,9 @@ def _segments(batch, want):
   """Each packed row's conversations as (ids, weights of their targets, mask), found in ``want``; and the
   padding's total weight. A conversation that ends the row has its last token as the row's last target."""
   found, padding = [], 0.0
-  for tokens, targets, weights, segments in zip(batch["tokens"], batch["targets"], batch["weights"],
-                                                batch["segment_ids"]):
+  for tokens, targets, weights, segments in zip(
+    batch["tokens"], batch["targets"], batch["weights"], batch["segment_ids"]
+  ):
     padding += float(weights[segments == 0].sum())
     for s in np.unique(segments[segments > 0]):
       where = np.flatnonzero(segments == s)
@@ -77,8 +79,15 @@ def _segments(batch, want):
 @pytest.mark.parametrize("name", ["chat.jsonl", "chat.jsonl.zst", "chat.parquet", "chat_dataset"])
 def test_conversations_are_packed_whole_and_weighted_by_their_assistant_tokens(name, corpus):
   root, records, only_messages, tokenizer = corpus
-  config = data.DataConfig(source="text", paths=(str(root / name),), tokenizer=f"hf:{tokenizer}", seq_len=512,
-                           global_batch_size=4, loss_on="assistant", eval_fraction=0.0)
+  config = data.DataConfig(
+    source="text",
+    paths=(str(root / name),),
+    tokenizer=f"hf:{tokenizer}",
+    seq_len=512,
+    global_batch_size=4,
+    loss_on="assistant",
+    eval_fraction=0.0,
+  )
   want = _encodings(records if "jsonl" in name else only_messages, tokenizer)
   seen = 0
   with data.DataLoader(config, _shardings(config)) as loader:
@@ -95,26 +104,41 @@ def test_conversations_are_packed_whole_and_weighted_by_their_assistant_tokens(n
 
 def test_without_packing_a_row_is_one_conversation_padded(corpus):
   root, records, _, tokenizer = corpus
-  config = data.DataConfig(source="text", paths=(str(root / "chat.jsonl"),), tokenizer=f"hf:{tokenizer}",
-                           seq_len=256, global_batch_size=4, loss_on="completion", packing=False, eval_fraction=0.0)
+  config = data.DataConfig(
+    source="text",
+    paths=(str(root / "chat.jsonl"),),
+    tokenizer=f"hf:{tokenizer}",
+    seq_len=256,
+    global_batch_size=4,
+    loss_on="completion",
+    packing=False,
+    eval_fraction=0.0,
+  )
   want = _encodings(records, tokenizer, "completion")
   with data.DataLoader(config, _shardings(config)) as loader:
     batch = loader.next_local()
   for tokens, targets, weights in zip(batch["tokens"], batch["targets"], batch["weights"]):
     ids = np.append(tokens, targets[-1])
-    match = [key for key in want if ids[:len(key)].tolist() == list(key)]
+    match = [key for key in want if ids[: len(key)].tolist() == list(key)]
     assert len(match) == 1
     n = len(match[0])
-    np.testing.assert_array_equal(weights[:n - 1], want[match[0]][1:].astype(np.float32))
-    assert not weights[n - 1:].any()
+    np.testing.assert_array_equal(weights[: n - 1], want[match[0]][1:].astype(np.float32))
+    assert not weights[n - 1 :].any()
 
 
 @pytest.mark.parametrize("long", ["truncate", "drop"])
 def test_long_conversations_are_cut_or_left_out_and_counted(long, corpus):
   root, records, _, tokenizer = corpus
-  config = data.DataConfig(source="text", paths=(str(root / "chat.jsonl"),), tokenizer=f"hf:{tokenizer}",
-                           seq_len=184, global_batch_size=4, loss_on="all", long_conversations=long,
-                           eval_fraction=0.0)
+  config = data.DataConfig(
+    source="text",
+    paths=(str(root / "chat.jsonl"),),
+    tokenizer=f"hf:{tokenizer}",
+    seq_len=184,
+    global_batch_size=4,
+    loss_on="all",
+    long_conversations=long,
+    eval_fraction=0.0,
+  )
   full = _encodings(records, tokenizer, "all")
   want = {k: v for k, v in full.items() if len(k) <= 185}
   want.update({k[:185]: v[:185] for k, v in full.items() if len(k) > 185 and long == "truncate"})
@@ -129,8 +153,15 @@ def test_long_conversations_are_cut_or_left_out_and_counted(long, corpus):
 
   docs, held_out, _ = splits.split_documents(config, "eval", 1, None)
   lengths = {len(k) for k in full}
-  over = sum(len(ChatEncoder(ChatTemplate.load(tokenizer), tokenizers.Tokenizer.from_file(tokenizer), "all").encode(
-      json.loads(docs[int(i)]))[0]) > 185 for i in held_out)
+  over = sum(
+    len(
+      ChatEncoder(ChatTemplate.load(tokenizer), tokenizers.Tokenizer.from_file(tokenizer), "all").encode(
+        json.loads(docs[int(i)])
+      )[0]
+    )
+    > 185
+    for i in held_out
+  )
   assert 0 < over < len(held_out) and lengths
   with data.DataLoader(config, _shardings(config), split="eval", num_epochs=1) as loader:
     for _ in iter(loader.next_local, None):
@@ -140,8 +171,15 @@ def test_long_conversations_are_cut_or_left_out_and_counted(long, corpus):
 
 def test_the_eval_pass_reads_each_held_out_conversation_once(corpus):
   root, records, _, tokenizer = corpus
-  config = data.DataConfig(source="text", paths=(str(root / "chat.jsonl"),), tokenizer=f"hf:{tokenizer}",
-                           seq_len=512, global_batch_size=4, loss_on="assistant", eval_fraction=0.25)
+  config = data.DataConfig(
+    source="text",
+    paths=(str(root / "chat.jsonl"),),
+    tokenizer=f"hf:{tokenizer}",
+    seq_len=512,
+    global_batch_size=4,
+    loss_on="assistant",
+    eval_fraction=0.25,
+  )
   want = _encodings(records, tokenizer)
   seen = []
   with data.DataLoader(config, _shardings(config), split="eval", num_epochs=1) as loader:
@@ -163,13 +201,16 @@ def test_the_demo_corpus_as_conversations_through_the_bytes_tokenizers_chatml():
   assert "<|im_start|>" not in scored and "Explain this part" not in scored and "<|im_end|>" in scored
 
 
-@pytest.mark.parametrize("changes, message", [
+@pytest.mark.parametrize(
+  "changes, message",
+  [
     (dict(loss_on="answers"), "loss_on='answers'; choose assistant, completion or all"),
     (dict(chat_template="x.jinja"), "chat_template renders conversation records; set data.loss_on"),
     (dict(loss_on="assistant", source="synthetic"), "the synthetic source holds no conversations"),
     (dict(loss_on="assistant", eos_token="</s>", tokenizer="bytes"), "leave data.bos_token and data.eos_token empty"),
     (dict(loss_on="assistant", long_conversations="wrap"), "long_conversations='wrap'; choose truncate or drop"),
-])
+  ],
+)
 def test_bad_conversation_settings_are_refused_by_name(changes, message):
   with pytest.raises(ValueError, match=message):
     data.DataConfig(**changes)
@@ -184,8 +225,15 @@ def test_text_files_hold_no_conversations(tmp_path):
 
 def test_worker_processes_make_the_same_rows_and_count_long_conversations(corpus):
   root, _, _, tokenizer = corpus
-  config = data.DataConfig(source="text", paths=(str(root / "chat.jsonl"),), tokenizer=f"hf:{tokenizer}",
-                           seq_len=184, global_batch_size=4, loss_on="assistant", eval_fraction=0.0)
+  config = data.DataConfig(
+    source="text",
+    paths=(str(root / "chat.jsonl"),),
+    tokenizer=f"hf:{tokenizer}",
+    seq_len=184,
+    global_batch_size=4,
+    loss_on="assistant",
+    eval_fraction=0.0,
+  )
   batches = []
   for workers in (0, 1):
     with data.DataLoader(dataclasses.replace(config, num_workers=workers), _shardings(config)) as loader:
@@ -202,9 +250,16 @@ def test_a_row_takes_no_more_conversations_than_max_documents_per_row(split, cor
   """A conversation past the cap would weigh 0 (cuDNN's packed attention takes a fixed number a row): the row
   ends before it, and every conversation a row holds trains."""
   root, records, _, tokenizer = corpus
-  config = data.DataConfig(source="text", paths=(str(root / "chat.jsonl"),), tokenizer=f"hf:{tokenizer}",
-                           seq_len=512, global_batch_size=4, loss_on="assistant", max_documents_per_row=1,
-                           eval_fraction=0.0 if split == "train" else 0.25)
+  config = data.DataConfig(
+    source="text",
+    paths=(str(root / "chat.jsonl"),),
+    tokenizer=f"hf:{tokenizer}",
+    seq_len=512,
+    global_batch_size=4,
+    loss_on="assistant",
+    max_documents_per_row=1,
+    eval_fraction=0.0 if split == "train" else 0.25,
+  )
   want = _encodings(records, tokenizer)
   with data.DataLoader(config, _shardings(config), split=split, num_epochs=None if split == "train" else 1) as loader:
     batch = loader.next_local()

@@ -36,15 +36,37 @@ def test_two_process_training_job_through_the_real_sbatch_script(slurm, tmp_path
   # Submitted as the README's CPU example is from an ordinary shell: without
   # XLA_FLAGS (conftest sets one in this process; the script must not need it).
   mesh = tmp_path / "mesh-2x2.yaml"
-  mesh.write_text("devices: 4\ngranules: 2\naxes:\n  data: {ici: 1, dcn: 2}\n  fsdp: {ici: 2}\n  tensor: 1\n"
-                  "rules: fsdp_tensor\n")
+  mesh.write_text(
+    "devices: 4\ngranules: 2\naxes:\n  data: {ici: 1, dcn: 2}\n  fsdp: {ici: 2}\n  tensor: 1\nrules: fsdp_tensor\n"
+  )
   workdir, log = tmp_path / "run", tmp_path / "job.out"
   out = slurm.sbatch(
-      "--ntasks=2", "--nodes=1", f"--output={log}", "--export=ALL,CPU_DEVICES=2,PYTHON=" + sys.executable,
-      str(SCRIPT), "--config", "tiny", "--mesh_config", str(mesh), "--workdir", str(workdir), "--steps", "4",
-      "--set", "data.seq_len=32", "--set", "data.global_batch_size=8", "--set", "train.log_every=2",
-      "--set", "train.eval_batches=1", "--set", f"train.compilation_cache_dir={xla_cache}",
-      timeout=400, unset=("XLA_FLAGS",))
+    "--ntasks=2",
+    "--nodes=1",
+    f"--output={log}",
+    "--export=ALL,CPU_DEVICES=2,PYTHON=" + sys.executable,
+    str(SCRIPT),
+    "--config",
+    "tiny",
+    "--mesh_config",
+    str(mesh),
+    "--workdir",
+    str(workdir),
+    "--steps",
+    "4",
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.global_batch_size=8",
+    "--set",
+    "train.log_every=2",
+    "--set",
+    "train.eval_batches=1",
+    "--set",
+    f"train.compilation_cache_dir={xla_cache}",
+    timeout=400,
+    unset=("XLA_FLAGS",),
+  )
   job_log = log.read_text() if log.exists() else "(no job log)"
   assert out.returncode == 0, f"{out.stdout}\n{out.stderr}\n{job_log[-4000:]}\n{slurm.logs()}"
   assert "2 process(es) × 2 device(s) = 4 cpu device(s)" in job_log, job_log[-3000:]
@@ -56,8 +78,9 @@ def test_two_process_training_job_through_the_real_sbatch_script(slurm, tmp_path
 
 
 def test_script_refuses_bad_input_and_dry_runs_outside_slurm(tmp_path):
-  run = lambda *a, **env: subprocess.run(["bash", str(SCRIPT), *a], capture_output=True, text=True, timeout=30,
-                                         env={"PATH": "/usr/bin:/bin", **env})
+  run = lambda *a, **env: subprocess.run(
+    ["bash", str(SCRIPT), *a], capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin", **env}
+  )
   out = run()
   assert out.returncode == 2 and "no trainer arguments" in out.stderr
   out = run("--config", "tiny")
@@ -69,8 +92,10 @@ def test_script_refuses_bad_input_and_dry_runs_outside_slurm(tmp_path):
   assert "Environment:" in run("--help").stdout
   out = run("--config", "tiny", "--workdir", "/x", DRY_RUN="1", PER_NODE="1", SLURM_JOB_NUM_NODES="2")
   assert out.returncode == 0
-  assert ("srun --kill-on-bad-exit=1 --unbuffered --ntasks-per-node=1 --ntasks=2 python3 -u -m distrib_train"
-          " --config tiny --workdir /x --local_device_ids all") in out.stdout
+  assert (
+    "srun --kill-on-bad-exit=1 --unbuffered --ntasks-per-node=1 --ntasks=2 python3 -u -m distrib_train"
+    " --config tiny --workdir /x --local_device_ids all"
+  ) in out.stdout
   assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out.stdout
   out = run("--dry-run", "--config", "tiny", "--workdir", "/x", CPU_DEVICES="2")
   assert "--cpu_devices 2" in out.stdout and "xla_gpu" not in out.stdout

@@ -47,28 +47,39 @@ def test_frozen_weights_are_laid_out_by_their_logical_axes_and_never_updated():
 
   if jax.device_count() < 8:
     import pytest
+
     pytest.skip("needs the 8 emulated devices of conftest")
 
   def make_state():
-    return dt.TrainState.initial_state(helpers.init_mlp(jax.random.key(0), helpers.SIZES), optax.adam(1e-2),
-                                       jax.random.key(42), loss_fn_state=np.int32(0),
-                                       is_param=lambda path, leaf: path.startswith("2/"))
+    return dt.TrainState.initial_state(
+      helpers.init_mlp(jax.random.key(0), helpers.SIZES),
+      optax.adam(1e-2),
+      jax.random.key(42),
+      loss_fn_state=np.int32(0),
+      is_param=lambda path, leaf: path.startswith("2/"),
+    )
 
   mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), devices=jax.devices()[:8])
   x, y = helpers.batch(0)
   planner = dt.MeshPlanner(mesh, dt.AxisRules("fsdp_tensor", param_axes=helpers.MLP_PARAM_AXES))
-  plan = planner.plan(jax.eval_shape(make_state), loss_fn=helpers.classification_loss,
-                      inputs={"inputs": x, "targets": y},
-                      input_axes={"inputs": ("batch", "embed"), "targets": ("batch",)})
+  plan = planner.plan(
+    jax.eval_shape(make_state),
+    loss_fn=helpers.classification_loss,
+    inputs={"inputs": x, "targets": y},
+    input_axes={"inputs": ("batch", "embed"), "targets": ("batch",)},
+  )
   frozen = {e.path: e.spec for e in plan.entries if e.group == "model_without_params"}
   assert frozen["0/w"] == PartitionSpec("fsdp", "tensor") and frozen["1/b"] == PartitionSpec("tensor")
   assert sorted(make_state().params) == ["2/b", "2/w"]
   opt_bytes = sum(e.bytes_per_device * 8 for e in plan.entries if e.group == "opt_state")
   assert opt_bytes <= 3 * 4 * (64 * 8 + 8)  # adam's two moments (and count) of layer 2 alone
 
-  sharded_step = dt.build_train_step_fn(helpers.classification_loss, donate_params_and_state=True,
-                                        train_state_shardings=plan.train_state_shardings,
-                                        input_kwarg_shardings=plan.input_kwarg_shardings)
+  sharded_step = dt.build_train_step_fn(
+    helpers.classification_loss,
+    donate_params_and_state=True,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+  )
   one_step = dt.build_train_step_fn(helpers.classification_loss)
   sharded, single = plan.init(make_state), make_state()
   first_frozen = np.asarray(sharded.model_without_params[0]["w"])
@@ -99,8 +110,9 @@ def test_frozen_nnx_variables_are_laid_out_by_their_annotations():
       self.head = nnx.Linear(32, 4, rngs=rngs)
 
   def make_state():
-    return dt.TrainState.initial_state(Adapted(nnx.Rngs(0)), optax.sgd(0.1), jax.random.key(0),
-                                       is_param=nnx.All(nnx.Param, nnx.PathContains("head")))
+    return dt.TrainState.initial_state(
+      Adapted(nnx.Rngs(0)), optax.sgd(0.1), jax.random.key(0), is_param=nnx.All(nnx.Param, nnx.PathContains("head"))
+    )
 
   mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), devices=jax.devices()[:8])
   with logical_annotations_only():

@@ -167,8 +167,7 @@ def test_a_byte_order_mark_before_the_first_line_is_read_past_in_every_reader(tm
     assert _texts(docs) == ["aa", "bb"] and docs.skipped_documents == 0, name
   from distrib_train.data import text_files
 
-  assert list(text_files.iter_text_file(str(tmp_path / "bom.jsonl"), "text", jsonl.BadRecords("error"))) == \
-      ["aa", "bb"]
+  assert list(text_files.iter_text_file(str(tmp_path / "bom.jsonl"), "text", jsonl.BadRecords("error"))) == ["aa", "bb"]
 
 
 def test_a_txt_file_opens_from_its_first_64_kib(tmp_path):
@@ -275,8 +274,10 @@ def test_a_read_only_data_directory_keeps_its_index_in_the_cache(tmp_path):
   env = _child_env(XDG_CACHE_HOME=str(tmp_path / "cache"))
   os.chmod(tmp_path / "data", 0o555)
   try:
-    runs = [subprocess.run([sys.executable, "-c", _READ_ONLY, path], env=env, capture_output=True, text=True,
-                           timeout=120) for _ in range(2)]
+    runs = [
+      subprocess.run([sys.executable, "-c", _READ_ONLY, path], env=env, capture_output=True, text=True, timeout=120)
+      for _ in range(2)
+    ]
   finally:
     os.chmod(tmp_path / "data", 0o755)
   for run in runs:
@@ -302,8 +303,10 @@ print(reader.built_now, hashlib.sha256(reader.offsets.tobytes()).hexdigest(), le
 def test_two_processes_opening_a_new_file_at_once_build_its_index_once(tmp_path):
   path = _write(tmp_path / "big.jsonl", [json.dumps({"text": f"{i} " + "x" * (i % 300)}) for i in range(20_000)])
   go = tmp_path / "go"
-  procs = [subprocess.Popen([sys.executable, "-c", _OPEN, path, str(go)], stdout=subprocess.PIPE, text=True,
-                            env=_child_env()) for _ in range(2)]
+  procs = [
+    subprocess.Popen([sys.executable, "-c", _OPEN, path, str(go)], stdout=subprocess.PIPE, text=True, env=_child_env())
+    for _ in range(2)
+  ]
   go.touch()
   outs = [p.communicate(timeout=120)[0].split() for p in procs]
   assert all(p.returncode == 0 for p in procs)
@@ -319,8 +322,7 @@ def pathlib_root():
 
 def _child_env(**extra: str) -> dict[str, str]:
   """This environment for a child Python that imports this checkout, plus ``extra``."""
-  return {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib_root()), os.environ.get("PYTHONPATH", "")]),
-          **extra}
+  return {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib_root()), os.environ.get("PYTHONPATH", "")]), **extra}
 
 
 def _bad_corpus(tmp_path, bad_every=3, documents=60):
@@ -347,8 +349,9 @@ def test_malformed_lines_are_skipped_logged_with_file_and_line_and_counted(tmp_p
     assert _texts(docs) == ["fine"] + [None] * 13 + ["end"]
   assert docs.skipped_documents == 13
   messages = [r.getMessage() for r in caplog.records]
-  assert messages[:10] == [f"Data file {path!r} line {n} is not JSON: Expecting value: skipped"
-                           " (data.bad_records=skip)." for n in range(2, 12)]
+  assert messages[:10] == [
+    f"Data file {path!r} line {n} is not JSON: Expecting value: skipped (data.bad_records=skip)." for n in range(2, 12)
+  ]
   assert len(messages) == 11 and "more malformed lines skipped" in messages[10]
 
 
@@ -356,8 +359,11 @@ def test_a_malformed_line_under_error_raises_one_value_error_naming_file_line_an
   path, _ = _bad_corpus(tmp_path)
   docs = data.Documents(data.DataConfig(source="text", paths=(path,), bad_records="error"))
   assert docs[1].startswith("doc 01")
-  for index, what in ((3, r"has no string field 'text' \(data.text_field\)"),
-                      (6, r"holds a JSON list, not an object with a string field 'text'"), (12, "is not JSON")):
+  for index, what in (
+    (3, r"has no string field 'text' \(data.text_field\)"),
+    (6, r"holds a JSON list, not an object with a string field 'text'"),
+    (12, "is not JSON"),
+  ):
     with pytest.raises(jsonl.BadRecordError, match=rf"'{path}' line {index + 1} {what}.*bad_records=skip"):
       docs[index]
 
@@ -382,8 +388,18 @@ def test_skipped_lines_read_as_empty_documents_count_and_resume_exactly(tmp_path
   shardings = data_helpers.shardings(dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2))))
 
   def loader(corpus):
-    return data.DataLoader(data.DataConfig(source="text", paths=(corpus,), seq_len=16, global_batch_size=8,
-                                           eval_fraction=0.0, num_threads=1, num_workers=workers), shardings)
+    return data.DataLoader(
+      data.DataConfig(
+        source="text",
+        paths=(corpus,),
+        seq_len=16,
+        global_batch_size=8,
+        eval_fraction=0.0,
+        num_threads=1,
+        num_workers=workers,
+      ),
+      shardings,
+    )
 
   want = loader(with_empty)
   expected = [want.next_local() for _ in range(6)]
@@ -422,12 +438,23 @@ def test_a_malformed_line_met_in_training_stops_the_loader_with_its_one_line(tmp
   """Past the checks at construction (which read every other document of this corpus, the even ones), the
   first malformed line the lanes read raises ``BadRecordError`` (the trainer's command line prints it as one
   line), whether the lanes run in this process or in a worker."""
-  lines = [json.dumps({"text": f"document {i} " + "text " * 5}) if i % 2 == 0 or i % 100 != 1 else "{oops"
-           for i in range(4000)]
+  lines = [
+    json.dumps({"text": f"document {i} " + "text " * 5}) if i % 2 == 0 or i % 100 != 1 else "{oops" for i in range(4000)
+  ]
   path = _write(tmp_path / "late.jsonl", lines)
   shardings = data_helpers.shardings(dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2))))
-  loader = data.DataLoader(data.DataConfig(source="text", paths=(path,), seq_len=16, global_batch_size=8,
-                                           eval_fraction=0.0, bad_records="error", num_workers=workers), shardings)
+  loader = data.DataLoader(
+    data.DataConfig(
+      source="text",
+      paths=(path,),
+      seq_len=16,
+      global_batch_size=8,
+      eval_fraction=0.0,
+      bad_records="error",
+      num_workers=workers,
+    ),
+    shardings,
+  )
   try:
     with pytest.raises(jsonl.BadRecordError, match=r"late.jsonl' line \d+02 is not JSON.*skip would skip it"):
       for _ in range(2000):

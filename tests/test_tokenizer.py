@@ -51,8 +51,9 @@ def hf_file(corpus, tmp_path_factory):
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<pad>", "<s>", "</s>"],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  trainer = trainers.BpeTrainer(
+    vocab_size=512, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+  )
   tok.train([str(corpus)], trainer)
   path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
   tok.save(str(path))
@@ -62,8 +63,17 @@ def hf_file(corpus, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sp_file(corpus, tmp_path_factory):
   prefix = tmp_path_factory.mktemp("sp") / "sp"
-  spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(prefix), vocab_size=300, model_type="bpe",
-                                 bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+  spm.SentencePieceTrainer.train(
+    input=str(corpus),
+    model_prefix=str(prefix),
+    vocab_size=300,
+    model_type="bpe",
+    bos_id=1,
+    eos_id=2,
+    unk_id=0,
+    pad_id=-1,
+    minloglevel=2,
+  )
   return pathlib.Path(f"{prefix}.model")
 
 
@@ -97,8 +107,12 @@ def test_each_kind_encodes_as_its_own_library_does(hf_file, sp_file, tiktoken_fi
 
 def test_a_batch_encodes_as_one_by_one_with_bos_and_eos(hf_file, sp_file, tiktoken_file):
   texts = [TEXT, "", "ünïcode and the value", TEXT * 3]
-  for spec, bos, eos in ((f"hf:{hf_file}", "<s>", "</s>"), (f"sentencepiece:{sp_file}", "", "</s>"),
-                         (f"tiktoken:{tiktoken_file}", "", ""), ("bytes", "", "")):
+  for spec, bos, eos in (
+    (f"hf:{hf_file}", "<s>", "</s>"),
+    (f"sentencepiece:{sp_file}", "", "</s>"),
+    (f"tiktoken:{tiktoken_file}", "", ""),
+    ("bytes", "", ""),
+  ):
     tok = tokenizer_lib.load(spec, bos, eos)
     batch = tok.encode_batch(texts)
     assert [ids.tolist() for ids in batch] == [tok(t) for t in texts], spec
@@ -109,20 +123,33 @@ def _long_texts():
   """Documents whose first ids a prefix must give: prose of many KB, one long word, no spaces at all (CJK), a run
   of one letter that BPE merges into long tokens (few tokens per character: the first prefix is too short)."""
   prose = "\n\n".join(sources._pydoc_documents()[60:90])
-  return [prose, "x" * 20_000 + " tail", "価値と式の名前" * 3_000, "a" * 60_000, TEXT, "", "ünïcode and the value",
-          "word " * 5_000]
+  return [
+    prose,
+    "x" * 20_000 + " tail",
+    "価値と式の名前" * 3_000,
+    "a" * 60_000,
+    TEXT,
+    "",
+    "ünïcode and the value",
+    "word " * 5_000,
+  ]
 
 
 @pytest.mark.parametrize("chars_per_token", [tokenizer_lib.HEAD_CHARS_PER_TOKEN, 1])  # 1: prefixes too short
-def test_heads_are_each_documents_first_ids_from_a_prefix_of_its_text(chars_per_token, hf_file, sp_file,
-                                                                       tiktoken_file, monkeypatch):
+def test_heads_are_each_documents_first_ids_from_a_prefix_of_its_text(
+  chars_per_token, hf_file, sp_file, tiktoken_file, monkeypatch
+):
   """Without packing a sequence is a document's head: ``encode_heads`` gives the first ``count`` ids of what the
   whole text encodes to, BOS included, EOS where the document is that short, encoding only a prefix of a long
   text (again, longer, where the first held too few tokens)."""
   monkeypatch.setattr(tokenizer_lib, "HEAD_CHARS_PER_TOKEN", chars_per_token)
   texts = _long_texts()
-  for spec, bos, eos in ((f"hf:{hf_file}", "<s>", "</s>"), (f"sentencepiece:{sp_file}", "", "</s>"),
-                         (f"tiktoken:{tiktoken_file}", "", ""), ("bytes", "", "")):
+  for spec, bos, eos in (
+    (f"hf:{hf_file}", "<s>", "</s>"),
+    (f"sentencepiece:{sp_file}", "", "</s>"),
+    (f"tiktoken:{tiktoken_file}", "", ""),
+    ("bytes", "", ""),
+  ):
     tok = tokenizer_lib.load(spec, bos, eos)
     whole = tok.encode_batch(texts)
     for count in (1, 7, 64, 300, 2_000):
@@ -145,8 +172,9 @@ def test_tokenizers_that_segment_a_run_as_a_whole_encode_heads_from_whole_texts(
   head is still the whole encoding's, and a document a prefix would have made long enough is still skipped."""
   from tokenizers import models
 
-  unigram = tokenizers.Tokenizer(models.Unigram([("<unk>", 0.0), ("▁", -2.0), ("=", -3.0), ("==", -1.0),
-                                                 ("▁=", -1.0)], unk_id=0))
+  unigram = tokenizers.Tokenizer(
+    models.Unigram([("<unk>", 0.0), ("▁", -2.0), ("=", -3.0), ("==", -1.0), ("▁=", -1.0)], unk_id=0)
+  )
   unigram.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
   vocab = {"[UNK]": 0, "abcdefghijklmnopqrst": 1}
   for c in "abcdefghijklmnopqrstuvwxyz":
@@ -154,12 +182,18 @@ def test_tokenizers_that_segment_a_run_as_a_whole_encode_heads_from_whole_texts(
   wordpiece = tokenizers.Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
   wordpiece.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
   prefix = tmp_path / "uni"  # SentencePiece's default model type
-  spm.SentencePieceTrainer.train(sentence_iterator=iter(sources._pydoc_documents()[:60]), model_prefix=str(prefix),
-                                 vocab_size=300, minloglevel=2)
-  cases = [(_save(unigram, tmp_path / "unigram.json"), "=" * 5001, 4),  # a prefix gives [1, 3, 3, 3]
-           (_save(wordpiece, tmp_path / "wordpiece.json"),  # a prefix gives 64 pieces of the long word
-            "abcdefghijklmnopqrst\t" * 31 + "\t" * 18 + "q" * 150, 64),
-           (f"sentencepiece:{prefix}.model", "=" * 40_001, 64)]
+  spm.SentencePieceTrainer.train(
+    sentence_iterator=iter(sources._pydoc_documents()[:60]), model_prefix=str(prefix), vocab_size=300, minloglevel=2
+  )
+  cases = [
+    (_save(unigram, tmp_path / "unigram.json"), "=" * 5001, 4),  # a prefix gives [1, 3, 3, 3]
+    (
+      _save(wordpiece, tmp_path / "wordpiece.json"),  # a prefix gives 64 pieces of the long word
+      "abcdefghijklmnopqrst\t" * 31 + "\t" * 18 + "q" * 150,
+      64,
+    ),
+    (f"sentencepiece:{prefix}.model", "=" * 40_001, 64),
+  ]
   for spec, text, count in cases:
     tok = tokenizer_lib.load(spec)
     assert not tok.by_prefix, spec
@@ -194,17 +228,30 @@ def test_unpacked_rows_are_the_same_whether_a_prefix_or_the_whole_text_is_tokeni
   corpus = tmp_path / "long.jsonl"
   texts = _long_texts() + [f"Short {i}." for i in range(5)] + sources._pydoc_documents()[:40]
   corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-  config = data.DataConfig(source="text", paths=(str(corpus),), seq_len=63, global_batch_size=8, packing=False,
-                           eval_fraction=0.0, tokenizer=f"hf:{hf_file}", bos_token="<s>", eos_token="</s>")
+  config = data.DataConfig(
+    source="text",
+    paths=(str(corpus),),
+    seq_len=63,
+    global_batch_size=8,
+    packing=False,
+    eval_fraction=0.0,
+    tokenizer=f"hf:{hf_file}",
+    bos_token="<s>",
+    eos_token="</s>",
+  )
   rows, counts = [], []
   real = tokenizer_lib.Tokenizer.encode_heads
-  monkeypatch.setattr(tokenizer_lib.Tokenizer, "encode_heads",
-                      lambda self, texts, count: (counts.append(count), real(self, texts, count))[1])
+  monkeypatch.setattr(
+    tokenizer_lib.Tokenizer,
+    "encode_heads",
+    lambda self, texts, count: (counts.append(count), real(self, texts, count))[1],
+  )
   for heads in (True, False):
     if not heads:  # every document encoded whole, then cut
       assert set(counts) == {64}, counts  # the readers asked for heads of a row's 63 + 1 tokens
-      monkeypatch.setattr(splits.DocumentTokenizer, "heads",
-                          lambda self, docs, count: [ids[:count] for ids in self.batch(docs)])
+      monkeypatch.setattr(
+        splits.DocumentTokenizer, "heads", lambda self, docs, count: [ids[:count] for ids in self.batch(docs)]
+      )
     got = []
     for epochs in (None, 1):  # the training lanes, and a finite pass (grain's, as evaluation reads)
       loader = data.DataLoader(config, data_helpers.shardings(_mesh()), vocab_size=512, num_epochs=epochs)
@@ -235,10 +282,18 @@ def tiktoken_bytes(path):
 
 def test_bos_and_eos_surround_every_packed_document(hf_file, tmp_path):
   short = tmp_path / "short.jsonl"
-  short.write_text("".join(json.dumps({"text": f"Document {i} says {'the value ' * (i % 5)}once."}) + "\n"
-                           for i in range(200)))
-  config = data.DataConfig(source="text", paths=(str(short),), seq_len=64, global_batch_size=8,
-                           tokenizer=f"hf:{hf_file}", bos_token="<s>", eos_token="</s>")
+  short.write_text(
+    "".join(json.dumps({"text": f"Document {i} says {'the value ' * (i % 5)}once."}) + "\n" for i in range(200))
+  )
+  config = data.DataConfig(
+    source="text",
+    paths=(str(short),),
+    seq_len=64,
+    global_batch_size=8,
+    tokenizer=f"hf:{hf_file}",
+    bos_token="<s>",
+    eos_token="</s>",
+  )
   loader = data.DataLoader(config, data_helpers.shardings(_mesh()), vocab_size=512)
   batch = loader.next_local()
   loader.close()
@@ -251,12 +306,15 @@ def test_bos_and_eos_surround_every_packed_document(hf_file, tmp_path):
   assert real.max() < 512 and real.min() >= 0
 
 
-@pytest.mark.parametrize("spec, extra, message", [
+@pytest.mark.parametrize(
+  "spec, extra, message",
+  [
     ("gpt2", {}, "'gpt2' is not a tokenizer; use bytes, hf:"),
     ("hf:/nowhere/tokenizer.json", {}, "tokenizer file '/nowhere/tokenizer.json' does not exist"),
     ("HF", {"eos_token": "<eos>"}, "data.eos_token: '<eos>' is not a token of hf:"),
     ("bytes", {"bos_token": "<s>"}, "data.bos_token: '<s>' is not a token of bytes"),
-])
+  ],
+)
 def test_bad_tokenizer_settings_are_named(spec, extra, message, hf_file):
   spec = f"hf:{hf_file}" if spec == "HF" else spec
   with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -281,10 +339,21 @@ def test_the_config_names_a_tokenizer_from_yaml_or_set_and_records_it(hf_file, t
 
 
 def _run_config(workdir_tokenizer, *overrides):
-  return config_lib.load("tiny", [
-      "data.seq_len=32", "data.global_batch_size=8", "train.steps=2", "train.log_every=1", "train.eval_every=0",
-      "train.checkpoint_every=2", "train.async_checkpoint=false", f"train.compilation_cache_dir={CACHE}",
-      f"data.tokenizer={workdir_tokenizer}", *overrides])
+  return config_lib.load(
+    "tiny",
+    [
+      "data.seq_len=32",
+      "data.global_batch_size=8",
+      "train.steps=2",
+      "train.log_every=1",
+      "train.eval_every=0",
+      "train.checkpoint_every=2",
+      "train.async_checkpoint=false",
+      f"train.compilation_cache_dir={CACHE}",
+      f"data.tokenizer={workdir_tokenizer}",
+      *overrides,
+    ],
+  )
 
 
 def _tree(path):
@@ -304,8 +373,9 @@ def test_a_run_records_its_tokenizer_and_a_resume_with_another_is_refused(hf_fil
     with pytest.raises(TrainerSetupError, match=r"was trained with tokenizer hf:.*this run names"):
       Trainer(_run_config(other, *overrides), workdir, console=False).run()
   assert _tree(workdir) == before  # refused before anything was written
-  resumed = Trainer(_run_config(f"hf:{hf_file}", "model.vocab_size=512", "data.eos_token=</s>", "train.steps=4"),
-                    workdir, console=False).run()
+  resumed = Trainer(
+    _run_config(f"hf:{hf_file}", "model.vocab_size=512", "data.eos_token=</s>", "train.steps=4"), workdir, console=False
+  ).run()
   assert resumed.status == "finished" and resumed.step == 4
 
 
@@ -315,8 +385,21 @@ def test_pretokenized_shards_hold_the_tokenizers_ids_and_refuse_another_tokenize
   corpus = tmp_path / "docs.jsonl"
   texts = [f"Record {i}: {'the value ' * (i % 7)}ends." for i in range(120)]
   corpus.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
-  record_shards.main(["convert", str(corpus), str(tmp_path / "tok" / "corpus"), "--shards", "3", "--text_field",
-                      "body", "--tokenizer", f"hf:{hf_file}", "--eos_token", "</s>"])
+  record_shards.main(
+    [
+      "convert",
+      str(corpus),
+      str(tmp_path / "tok" / "corpus"),
+      "--shards",
+      "3",
+      "--text_field",
+      "body",
+      "--tokenizer",
+      f"hf:{hf_file}",
+      "--eos_token",
+      "</s>",
+    ]
+  )
   assert json.loads((tmp_path / "tok" / "corpus.tokenizer.json").read_text())["eos_id"] == 2
   shards = sorted(str(p) for p in (tmp_path / "tok").glob("corpus-*.array_record"))
   tok = tokenizer_lib.load(f"hf:{hf_file}", "", "</s>")
@@ -328,16 +411,37 @@ def test_pretokenized_shards_hold_the_tokenizers_ids_and_refuse_another_tokenize
   half = tmp_path / "half.jsonl"
   half.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts[:50]))
   for workers in ("0", "2"):
-    record_shards.main(["convert", str(corpus), str(half), str(tmp_path / f"w{workers}" / "c"), "--shards", "2",
-                        "--text_field", "body", "--tokenizer", f"hf:{hf_file}", "--eos_token", "</s>",
-                        "--workers", workers])
+    record_shards.main(
+      [
+        "convert",
+        str(corpus),
+        str(half),
+        str(tmp_path / f"w{workers}" / "c"),
+        "--shards",
+        "2",
+        "--text_field",
+        "body",
+        "--tokenizer",
+        f"hf:{hf_file}",
+        "--eos_token",
+        "</s>",
+        "--workers",
+        workers,
+      ]
+    )
   read = lambda d: [bytes(r) for r in grain.sources.ArrayRecordDataSource(sorted(str(p) for p in d.glob("c-*")))]
   assert read(tmp_path / "w0") == read(tmp_path / "w2") and len(read(tmp_path / "w2")) == 170
-  common = dict(source="text", paths=(str(tmp_path / "tok" / "corpus-*.array_record"),), seq_len=32,
-                global_batch_size=8, eval_fraction=0.0)
+  common = dict(
+    source="text",
+    paths=(str(tmp_path / "tok" / "corpus-*.array_record"),),
+    seq_len=32,
+    global_batch_size=8,
+    eval_fraction=0.0,
+  )
   shardings = data_helpers.shardings(_mesh())
-  loader = data.DataLoader(data.DataConfig(tokenizer=f"hf:{hf_file}", eos_token="</s>", **common), shardings,
-                           vocab_size=512)
+  loader = data.DataLoader(
+    data.DataConfig(tokenizer=f"hf:{hf_file}", eos_token="</s>", **common), shardings, vocab_size=512
+  )
   tokens = loader.next_local()["tokens"]
   loader.close()
   assert tokens.max() < 512 and (tokens == 2).any()  # the shards' ids, </s> between documents

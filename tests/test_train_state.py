@@ -12,17 +12,24 @@ from distrib_train.models import ParamSlot, StaticValue
 
 def _model():
   return {
-      "dense": {"w": jnp.ones((2, 3)), "b": jnp.zeros((3,))},
-      "positions": jnp.arange(4),  # an integer array: not a parameter
-      "activation": "relu",  # a non-array leaf: kept static
-      "num_heads": 4,
+    "dense": {"w": jnp.ones((2, 3)), "b": jnp.zeros((3,))},
+    "positions": jnp.arange(4),  # an integer array: not a parameter
+    "activation": "relu",  # a non-array leaf: kept static
+    "num_heads": 4,
   }
 
 
 def test_initial_state_has_penzai_fields():
   state = dt.TrainState.initial_state(_model(), optax.sgd(0.1), jax.random.key(0), loss_fn_state=7)
   assert [f for f in state.__dataclass_fields__][:7] == [
-      "step", "root_rng", "params", "model_without_params", "opt_state", "loss_fn_state", "optimizer_def"]
+    "step",
+    "root_rng",
+    "params",
+    "model_without_params",
+    "opt_state",
+    "loss_fn_state",
+    "optimizer_def",
+  ]
   assert state.step == 0 and isinstance(state.step, int)
   assert state.loss_fn_state == 7
 
@@ -48,7 +55,8 @@ def test_model_property_rebuilds_the_full_model():
 
 def test_is_param_filter_chooses_the_params():
   state = dt.TrainState.initial_state(
-      _model(), optax.adam(0.1), jax.random.key(0), is_param=lambda path, leaf: path == "dense/w")
+    _model(), optax.adam(0.1), jax.random.key(0), is_param=lambda path, leaf: path == "dense/w"
+  )
   assert list(state.params) == ["dense/w"]
   np.testing.assert_array_equal(state.model["dense"]["b"], np.zeros(3))
 
@@ -106,8 +114,9 @@ def test_missing_hyperparam_raises_keyerror_listing_the_names():
 
 
 def test_hyperparam_injected_twice_is_ambiguous():
-  tx = optax.chain(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
-                   optax.inject_hyperparams(optax.sgd)(learning_rate=0.2))
+  tx = optax.chain(
+    optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), optax.inject_hyperparams(optax.sgd)(learning_rate=0.2)
+  )
   state = dt.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
   with pytest.raises(KeyError, match="several places"):
     state.hyperparams["learning_rate"]
@@ -130,8 +139,9 @@ def test_subclass_may_add_a_field_without_default():
   class BatchStatsState(dt.TrainState):
     batch_stats: dict
 
-  state = BatchStatsState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1),
-                                 batch_stats={"mean": jnp.zeros(2)})
+  state = BatchStatsState.create(
+    apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1), batch_stats={"mean": jnp.zeros(2)}
+  )
   assert state.batch_stats["mean"].shape == (2,)
   state = jax.jit(lambda s: s.apply_gradients(grads={"w": jnp.ones(2)}, batch_stats={"mean": jnp.ones(2)}))(state)
   assert int(state.step) == 1
@@ -175,14 +185,19 @@ def test_replace_takes_tx_also_in_subclasses():
 def test_overwrite_with_gradient_collection_is_overwritten_not_optimized():
   from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
-  params = {"params": {"kernel": jnp.ones(2)},
-            OVERWRITE_WITH_GRADIENT: {"scale": jnp.ones(()), "amax_history": jnp.zeros(4)}}
+  params = {
+    "params": {"kernel": jnp.ones(2)},
+    OVERWRITE_WITH_GRADIENT: {"scale": jnp.ones(()), "amax_history": jnp.zeros(4)},
+  }
   state = dt.TrainState.create(apply_fn=None, params=params, tx=optax.adam(0.1))
   # No optimizer state for the fp8 bookkeeping: Adam sees only "params".
   assert jax.tree_util.tree_structure(state.opt_state) == jax.tree_util.tree_structure(
-      optax.adam(0.1).init(params["params"]))
-  grads = {"params": {"kernel": jnp.ones(2)},
-           OVERWRITE_WITH_GRADIENT: {"scale": jnp.asarray(3.0), "amax_history": jnp.arange(4.0)}}
+    optax.adam(0.1).init(params["params"])
+  )
+  grads = {
+    "params": {"kernel": jnp.ones(2)},
+    OVERWRITE_WITH_GRADIENT: {"scale": jnp.asarray(3.0), "amax_history": jnp.arange(4.0)},
+  }
   state = state.apply_gradients(grads=grads)
   np.testing.assert_array_equal(state.params[OVERWRITE_WITH_GRADIENT]["scale"], 3.0)
   np.testing.assert_array_equal(state.params[OVERWRITE_WITH_GRADIENT]["amax_history"], [0.0, 1.0, 2.0, 3.0])

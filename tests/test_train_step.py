@@ -26,10 +26,10 @@ def xor_loss(model, rng, state):
 
 def _train_xor(step_fn):
   state = dt.TrainState.initial_state(
-      model=helpers.init_mlp(jax.random.key(10), [2, 32, 32, 2]),
-      optimizer_def=optax.adam(0.1),
-      root_rng=jax.random.key(42),
-      loss_fn_state=100,
+    model=helpers.init_mlp(jax.random.key(10), [2, 32, 32, 2]),
+    optimizer_def=optax.adam(0.1),
+    root_rng=jax.random.key(42),
+    loss_fn_state=100,
   )
   outputs = []
   for _ in range(20):
@@ -39,14 +39,14 @@ def _train_xor(step_fn):
 
 
 @pytest.mark.parametrize(
-    "make_step",
-    [
-        lambda: jax.jit(dt.build_train_step_fn(xor_loss)),  # as penzai's tests do
-        lambda: dt.build_train_step_fn(xor_loss),
-        lambda: dt.build_train_step_fn(xor_loss, jit=False),
-        lambda: dt.build_train_step_fn(xor_loss, donate_params_and_state=True),
-    ],
-    ids=["wrapped-in-jit", "unwrapped", "jit-false", "donated"],
+  "make_step",
+  [
+    lambda: jax.jit(dt.build_train_step_fn(xor_loss)),  # as penzai's tests do
+    lambda: dt.build_train_step_fn(xor_loss),
+    lambda: dt.build_train_step_fn(xor_loss, jit=False),
+    lambda: dt.build_train_step_fn(xor_loss, donate_params_and_state=True),
+  ],
+  ids=["wrapped-in-jit", "unwrapped", "jit-false", "donated"],
 )
 def test_penzai_xor_mlp_trains_and_counts(make_step):
   state, outputs = _train_xor(make_step())
@@ -95,8 +95,9 @@ def test_donation_deletes_params_opt_state_and_loss_fn_state_only():
 
 def test_without_donation_nothing_is_deleted():
   state, _ = _train_xor(dt.build_train_step_fn(xor_loss))
-  first = dt.TrainState.initial_state(helpers.init_mlp(jax.random.key(1), [2, 4, 2]), optax.adam(0.1),
-                                      jax.random.key(0), loss_fn_state=0)
+  first = dt.TrainState.initial_state(
+    helpers.init_mlp(jax.random.key(1), [2, 4, 2]), optax.adam(0.1), jax.random.key(0), loss_fn_state=0
+  )
   dt.build_train_step_fn(xor_loss)(first)
   assert not any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(first.params))
 
@@ -110,14 +111,13 @@ def _planned_step(mesh, aux_axes=None, **kwargs):
   planner = dt.MeshPlanner(mesh, dt.AxisRules("fsdp_tensor", param_axes=helpers.MLP_PARAM_AXES))
   x, y = helpers.batch(0)
   inputs = {"inputs": jnp.asarray(x), "targets": jnp.asarray(y)}
-  state, plan = planner.init(helpers.make_state, inputs=inputs, loss_fn=helpers.classification_loss,
-                             aux_axes=aux_axes)
+  state, plan = planner.init(helpers.make_state, inputs=inputs, loss_fn=helpers.classification_loss, aux_axes=aux_axes)
   step_fn = dt.build_train_step_fn(
-      helpers.classification_loss,
-      train_state_shardings=plan.train_state_shardings,
-      input_kwarg_shardings=plan.input_kwarg_shardings,
-      aux_output_shardings=plan.aux_output_shardings,
-      **kwargs,
+    helpers.classification_loss,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    aux_output_shardings=plan.aux_output_shardings,
+    **kwargs,
   )
   return state, plan, step_fn, inputs
 
@@ -174,12 +174,12 @@ def test_inputs_must_match_the_input_shardings():
 
 
 @pytest.mark.parametrize(
-    "bad_loss, message",
-    [
-        (lambda **kw: jnp.sum(kw["model"]["w"]), "must return \\(loss, new_state, aux\\); it returned a"),
-        (lambda **kw: (jnp.sum(kw["model"]["w"]), None), "it returned a tuple of length 2"),
-        (lambda **kw: (kw["model"]["w"], None, None), "The loss must be a scalar"),
-    ],
+  "bad_loss, message",
+  [
+    (lambda **kw: jnp.sum(kw["model"]["w"]), "must return \\(loss, new_state, aux\\); it returned a"),
+    (lambda **kw: (jnp.sum(kw["model"]["w"]), None), "it returned a tuple of length 2"),
+    (lambda **kw: (kw["model"]["w"], None, None), "The loss must be a scalar"),
+  ],
 )
 def test_loss_function_with_the_wrong_outputs_is_named(bad_loss, message):
   state = dt.TrainState.initial_state({"w": jnp.ones(3)}, optax.sgd(0.1), jax.random.key(0))
@@ -191,8 +191,9 @@ def test_lower_compiles_on_abstract_inputs():
   mesh = dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2)))
   state, plan, step_fn, inputs = _planned_step(mesh, donate_params_and_state=True)
   abstract_state = plan.abstract_train_state
-  abstract_inputs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=plan.input_kwarg_shardings[k])
-                     for k, v in inputs.items()}
+  abstract_inputs = {
+    k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=plan.input_kwarg_shardings[k]) for k, v in inputs.items()
+  }
   compiled = step_fn.lower(abstract_state, **abstract_inputs).compile()
   assert compiled.memory_analysis() is not None
 
@@ -213,11 +214,13 @@ def test_shardings_given_for_step_and_root_rng_are_ignored():
   mesh = dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2, 2)))
   state, plan, _, inputs = _planned_step(mesh)
   # A sharding on a one-device mesh elsewhere: jit would refuse it if used.
-  elsewhere = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[-1:]), ("x",)),
-                                         jax.sharding.PartitionSpec())
+  elsewhere = jax.sharding.NamedSharding(
+    jax.sharding.Mesh(np.array(jax.devices()[-1:]), ("x",)), jax.sharding.PartitionSpec()
+  )
   shardings = plan.train_state_shardings.replace(step=elsewhere, root_rng=elsewhere)
-  step_fn = dt.build_train_step_fn(helpers.classification_loss, train_state_shardings=shardings,
-                                   input_kwarg_shardings=plan.input_kwarg_shardings)
+  step_fn = dt.build_train_step_fn(
+    helpers.classification_loss, train_state_shardings=shardings, input_kwarg_shardings=plan.input_kwarg_shardings
+  )
   new_state, _ = step_fn(state, **inputs)
   assert new_state.root_rng.sharding == state.root_rng.sharding
   assert int(new_state.step) == 1
@@ -255,8 +258,11 @@ def _sum_loss(*, model, state, rng, x):
 
 def test_a_loss_function_missing_a_batch_key_is_named_with_the_keys_it_must_take():
   state = dt.TrainState.initial_state({"w": jnp.ones(3)}, optax.sgd(0.1), jax.random.key(0))
-  with pytest.raises(ValueError, match=r"The loss function _sum_loss does not accept y; it is called as "
-                                       r"loss_fn\(model=, state=, rng=, x=, y=\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"The loss function _sum_loss does not accept y; it is called as "
+    r"loss_fn\(model=, state=, rng=, x=, y=\)",
+  ):
     dt.build_train_step_fn(_sum_loss)(state, x=jnp.ones(3), y=jnp.ones(3))
 
 
@@ -280,13 +286,16 @@ def test_the_planner_checks_the_loss_signature_before_tracing():
   state = dt.TrainState.initial_state({"w": jnp.ones(3)}, optax.sgd(0.1), jax.random.key(0))
   with pytest.raises(ValueError, match="_sum_loss does not accept y"):
     dt.MeshPlanner(mesh, dt.AxisRules([])).plan(
-        jax.eval_shape(lambda: state), loss_fn=_sum_loss,
-        inputs={"x": jax.ShapeDtypeStruct((3,), jnp.float32), "y": jax.ShapeDtypeStruct((3,), jnp.float32)})
+      jax.eval_shape(lambda: state),
+      loss_fn=_sum_loss,
+      inputs={"x": jax.ShapeDtypeStruct((3,), jnp.float32), "y": jax.ShapeDtypeStruct((3,), jnp.float32)},
+    )
 
 
 def test_the_step_cores_take_the_named_arguments_in_their_order():
   # jax.jit shards positional arguments only, so the cores are called as core(*arrays, statics).
   from distrib_train import train_step
+
   for core in (train_step._updated_params_and_states, train_step._eval_outputs):
     assert tuple(inspect.signature(core).parameters) == train_step._StepArrays._fields + ("statics",), core.__name__
   assert set(train_step._DONATED) < set(train_step._StepArrays._fields)
@@ -297,8 +306,9 @@ def test_the_eval_step_donates_nothing():
     loss = jnp.sum((x @ model["w"]) ** 2)
     return loss, state + 1, {"loss": loss}
 
-  state = dt.TrainState.initial_state({"w": jnp.ones((4, 2))}, optax.adam(0.1), jax.random.key(0),
-                                      loss_fn_state=jnp.zeros(()))
+  state = dt.TrainState.initial_state(
+    {"w": jnp.ones((4, 2))}, optax.adam(0.1), jax.random.key(0), loss_fn_state=jnp.zeros(())
+  )
   aux = dt.build_eval_step_fn(loss_fn)(state, x=jnp.ones((3, 4)))
   assert float(aux["loss"]) == 96.0  # six entries of 4², from ones
   kept = (state.params, state.opt_state, state.loss_fn_state)
@@ -324,8 +334,12 @@ def test_a_step_built_with_the_plans_rules_lays_out_activations_wherever_it_is_t
   shardings = {k: plan.input_kwarg_shardings[k] for k in batch}
 
   def constraints(build, rules, inside):
-    step = build(job.loss_fn, train_state_shardings=plan.train_state_shardings, input_kwarg_shardings=shardings,
-                 activation_rules=rules)
+    step = build(
+      job.loss_fn,
+      train_state_shardings=plan.train_state_shardings,
+      input_kwarg_shardings=shardings,
+      activation_rules=rules,
+    )
     jax.clear_caches()  # a step without the rules would reuse another trace's layout (jit's key lacks it)
     with activation_sharding(plan.mesh, planner.rules) if inside else contextlib.nullcontext():
       return step.lower(plan.abstract_train_state, **batch).as_text().count("sharding_constraint")

@@ -23,10 +23,22 @@ def _cache(xla_cache):
 
 
 def small_config(*overrides):
-  return config_lib.load("tiny", [
-      "data.seq_len=32", "data.global_batch_size=8", "train.steps=8", "train.log_every=1",
-      "train.eval_every=0", "train.eval_batches=1", "train.checkpoint_every=0", "train.async_checkpoint=false",
-      f"train.compilation_cache_dir={CACHE}", "optimizer.warmup_steps=0", *overrides])
+  return config_lib.load(
+    "tiny",
+    [
+      "data.seq_len=32",
+      "data.global_batch_size=8",
+      "train.steps=8",
+      "train.log_every=1",
+      "train.eval_every=0",
+      "train.eval_batches=1",
+      "train.checkpoint_every=0",
+      "train.async_checkpoint=false",
+      f"train.compilation_cache_dir={CACHE}",
+      "optimizer.warmup_steps=0",
+      *overrides,
+    ],
+  )
 
 
 def fingerprint(tokens):
@@ -100,8 +112,12 @@ def test_rollback_restores_the_last_checkpoint_and_moves_past_the_batch(tmp_path
 
   model = small_config().model_recipe().config
   hf.save(nnx.state(model.build(1), nnx.Param), model, str(tmp_path / "base"))
-  config = small_config("train.nonfinite=rollback", "train.checkpoint_every=2", "model.lora.rank=4",
-                        f"train.init_from=hf:{tmp_path / 'base'}")
+  config = small_config(
+    "train.nonfinite=rollback",
+    "train.checkpoint_every=2",
+    "model.lora.rank=4",
+    f"train.init_from=hf:{tmp_path / 'base'}",
+  )
   result, console = run(config, tmp_path / "run", poisoned_loss(config))
   assert result.status == "finished" and result.step == 8
   assert f"at step {BAD_STEP}: rolled back to step 4" in console
@@ -131,8 +147,11 @@ def test_token_ids_beyond_the_vocabulary_are_refused_before_the_workdir_is_made(
   from distrib_train.train.trainer import TrainerSetupError
 
   config = _with_tokenizer(small_config(), _too_large_ids)
-  with pytest.raises(TrainerSetupError, match=r"train data holds token id 30\d \(document \d+\), outside the"
-                                              r" model's vocabulary of 256 ids \(0 to 255\)"):
+  with pytest.raises(
+    TrainerSetupError,
+    match=r"train data holds token id 30\d \(document \d+\), outside the"
+    r" model's vocabulary of 256 ids \(0 to 255\)",
+  ):
     run(config, tmp_path / "run")
   assert not (tmp_path / "run").exists()
 
@@ -145,8 +164,11 @@ def test_the_first_batch_is_checked_against_the_vocabulary(tmp_path, monkeypatch
 
   monkeypatch.setattr(splits, "_check_token_ids", lambda *args: None)
   config = _with_tokenizer(small_config(), _too_large_ids)
-  with pytest.raises(TrainerSetupError, match=r"first batch's tokens hold token id 30\d, outside the model's"
-                                              r" vocabulary of 256 ids"):
+  with pytest.raises(
+    TrainerSetupError,
+    match=r"first batch's tokens hold token id 30\d, outside the model's"
+    r" vocabulary of 256 ids",
+  ):
     run(config, tmp_path)
   assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
 
@@ -169,15 +191,23 @@ def test_scalars_in_aux_reach_the_console_the_jsonl_and_tensorboard_for_train_an
 
   def loss_with_extras(**kwargs):
     loss, state, aux = recipe.loss_fn(**kwargs)
-    return loss, state, {**aux, "accuracy": jnp.float32(0.25), "perplexity": jnp.exp(loss),
-                         "per_row": jnp.zeros(4)}
+    return loss, state, {**aux, "accuracy": jnp.float32(0.25), "perplexity": jnp.exp(loss), "per_row": jnp.zeros(4)}
 
   # A corpus with malformed lines: the loader's count of those it skipped is a scalar of the records too.
   corpus = tmp_path / "half_broken.jsonl"
-  corpus.write_text("".join((json.dumps({"text": f"document {i} " + "words " * 12}) if i % 2 == 0 else "{broken")
-                            + "\n" for i in range(64)))
-  config = small_config("train.steps=4", "train.log_every=2", "train.eval_every=4", "train.eval_batches=1",
-                        "data.source=text", f"data.paths={corpus}")
+  corpus.write_text(
+    "".join(
+      (json.dumps({"text": f"document {i} " + "words " * 12}) if i % 2 == 0 else "{broken") + "\n" for i in range(64)
+    )
+  )
+  config = small_config(
+    "train.steps=4",
+    "train.log_every=2",
+    "train.eval_every=4",
+    "train.eval_batches=1",
+    "data.source=text",
+    f"data.paths={corpus}",
+  )
   result, console = run(config, tmp_path, loss_with_extras)
   assert result.status == "finished"
   records = read_metrics(tmp_path)

@@ -6,8 +6,16 @@ import pytest
 from distrib_train.common.versions import jax_version, release
 
 
-@pytest.mark.parametrize("text,numbers", [("0.10.2", (0, 10, 2)), ("0.11.0.dev20250601", (0, 11, 0)),
-                                          ("0.12.1rc1", (0, 12, 1)), ("1.0+cuda", (1, 0)), ("7", (7,))])
+@pytest.mark.parametrize(
+  "text,numbers",
+  [
+    ("0.10.2", (0, 10, 2)),
+    ("0.11.0.dev20250601", (0, 11, 0)),
+    ("0.12.1rc1", (0, 12, 1)),
+    ("1.0+cuda", (1, 0)),
+    ("7", (7,)),
+  ],
+)
 def test_release_numbers_stop_at_the_first_part_that_is_not_a_number(text, numbers):
   assert release(text) == numbers
 

@@ -24,8 +24,11 @@ from distrib_train.train.watchdog import EXIT_HUNG, Limits, Watchdog
 
 HANG_TIMEOUT_S = 20
 MARGIN_S = 75  # a busy 2-core machine: stacks, files and the exit of a process holding 4 CPU devices
-LINE = re.compile(r"^distrib-train: error: Hang: no progress for (\d+) s in phase '(\w+)' after step (\d+)"
-                  r" \(train\.hang_timeout_s=20\); (.*)\.$", re.M)
+LINE = re.compile(
+  r"^distrib-train: error: Hang: no progress for (\d+) s in phase '(\w+)' after step (\d+)"
+  r" \(train\.hang_timeout_s=20\); (.*)\.$",
+  re.M,
+)
 
 
 class FakeClock:
@@ -40,8 +43,15 @@ def _watchdog(tmp_path, clock, *, process=0, processes=2, step_s=10.0):
   phases = PhaseClock(clock)
   exits = []
   stream = io.StringIO()
-  watchdog = Watchdog(Limits(step_s, 100.0, 300.0), phases, tmp_path, process_index=process,
-                      process_count=processes, stream=stream, exit_process=exits.append)
+  watchdog = Watchdog(
+    Limits(step_s, 100.0, 300.0),
+    phases,
+    tmp_path,
+    process_index=process,
+    process_count=processes,
+    stream=stream,
+    exit_process=exits.append,
+  )
   watchdog.directory.mkdir(exist_ok=True)
   return watchdog, phases, exits, stream
 
@@ -54,8 +64,13 @@ def _run_for(seconds, clock, watchdog):
 
 
 def _heartbeat(tmp_path, process, age_s, step, phase="step", exited=None):
-  beat = {"process": process, "time": time.time() - age_s, "phase": phase, "step": step,
-          **({"exited": exited} if exited else {})}
+  beat = {
+    "process": process,
+    "time": time.time() - age_s,
+    "phase": phase,
+    "step": step,
+    **({"exited": exited} if exited else {}),
+  }
   (tmp_path / "watchdog" / f"heartbeat_{process}.json").write_text(json.dumps(beat))
 
 
@@ -67,10 +82,13 @@ def test_the_watchdog_is_off_by_default_and_limits_default_relative_to_the_step_
   assert Limits.from_config(config_lib.load("tiny", set_both).train) == Limits(20, 90, 60)
 
 
-@pytest.mark.parametrize("overrides, message", [
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
     (["train.hang_timeout_s=-1"], "train.hang_timeout_s must be 0 or more"),
     (["train.hang_compile_timeout_s=60"], "train.hang_compile_timeout_s is set but the hang watchdog is off"),
-])
+  ],
+)
 def test_bad_watchdog_settings_are_refused(overrides, message):
   with pytest.raises(ConfigError, match=message):
     config_lib.load("tiny", overrides)
@@ -114,9 +132,12 @@ def test_a_stuck_step_fires_once_with_stacks_and_one_line_naming_the_silent_proc
   output = stream.getvalue()
   line = output.splitlines()[-1]
   # the heartbeat's age is read on the wall clock, after 12 ticks of real file writes: 12 s, or more on a busy disk
-  assert re.fullmatch(r"distrib-train: error: Hang: no progress for 11 s in phase 'step' after step 7"
-                      r" \(train\.hang_timeout_s=10\); process 1 is silent \(last heartbeat 1[2-5] s ago, phase 'step'"
-                      r" after step 6\)\.", line), line
+  assert re.fullmatch(
+    r"distrib-train: error: Hang: no progress for 11 s in phase 'step' after step 7"
+    r" \(train\.hang_timeout_s=10\); process 1 is silent \(last heartbeat 1[2-5] s ago, phase 'step'"
+    r" after step 6\)\.",
+    line,
+  ), line
   assert "Python stacks:" in output and "test_watchdog.py" in output  # this thread's stack
   assert line.removeprefix("distrib-train: error: ") in (tmp_path / "watchdog" / "stacks_0.txt").read_text()
   assert json.loads((tmp_path / "watchdog" / "heartbeat_0.json").read_text())["exited"] == "hang"
@@ -144,9 +165,14 @@ def test_a_process_that_was_stopped_names_itself_when_it_runs_again(tmp_path):
   _heartbeat(tmp_path, 0, age_s=5, step=3)
   watchdog.tick()
   assert exits == [EXIT_HUNG]
-  assert stream.getvalue().splitlines()[-1].endswith(
+  assert (
+    stream.getvalue()
+    .splitlines()[-1]
+    .endswith(
       "in phase 'step' after step 3 (train.hang_timeout_s=10);"
-      " process 1 (this process) is silent: it did not run for 40 s (stopped or starved).")
+      " process 1 (this process) is silent: it did not run for 40 s (stopped or starved)."
+    )
+  )
 
 
 def test_a_stop_in_the_middle_of_a_tick_is_still_named_as_this_process_s_silence(tmp_path):
@@ -171,9 +197,14 @@ def test_a_stop_in_the_middle_of_a_tick_is_still_named_as_this_process_s_silence
   assert exits == []
   _run_for(1, clock, watchdog)
   assert exits == [EXIT_HUNG]
-  assert stream.getvalue().splitlines()[-1].endswith(
+  assert (
+    stream.getvalue()
+    .splitlines()[-1]
+    .endswith(
       "in phase 'step' after step 3 (train.hang_timeout_s=10);"
-      " process 0 (this process) is silent: it did not run for 41 s (stopped or starved).")
+      " process 0 (this process) is silent: it did not run for 41 s (stopped or starved)."
+    )
+  )
 
 
 def test_a_stopped_process_that_ran_one_more_step_still_names_itself(tmp_path):
@@ -193,9 +224,14 @@ def test_a_stopped_process_that_ran_one_more_step_still_names_itself(tmp_path):
   _heartbeat(tmp_path, 1, age_s=20, step=3, exited="hang")
   _run_for(11, clock, watchdog)
   assert exits == [EXIT_HUNG]
-  assert stream.getvalue().splitlines()[-1].endswith(
+  assert (
+    stream.getvalue()
+    .splitlines()[-1]
+    .endswith(
       "in phase 'step' after step 4 (train.hang_timeout_s=10); process 0 (this process) was silent just before:"
-      " it did not run for 40 s (stopped or starved); process 1 has exited (hang).")
+      " it did not run for 40 s (stopped or starved); process 1 has exited (hang)."
+    )
+  )
   clock, later = FakeClock(), tmp_path / "later"
   later.mkdir()
   watchdog, phases, exits, stream = _watchdog(later, clock)  # a stop long before this phase is not named
@@ -234,10 +270,32 @@ def test_a_clean_close_stops_the_thread_and_marks_the_heartbeat(tmp_path):
 
 
 def _args(workdir, xla_cache):
-  return ["--config", "tiny", "--workdir", str(workdir), "--mesh_config", "cpu-2proc", "--cpu_devices", "4",
-          "--steps", "1000", "--set", "data.seq_len=32", "--set", "data.global_batch_size=8",
-          "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "train.eval_batches=1",
-          "--set", f"train.hang_timeout_s={HANG_TIMEOUT_S}", "--set", f"train.compilation_cache_dir={xla_cache}"]
+  return [
+    "--config",
+    "tiny",
+    "--workdir",
+    str(workdir),
+    "--mesh_config",
+    "cpu-2proc",
+    "--cpu_devices",
+    "4",
+    "--steps",
+    "1000",
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.global_batch_size=8",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.eval_batches=1",
+    "--set",
+    f"train.hang_timeout_s={HANG_TIMEOUT_S}",
+    "--set",
+    f"train.compilation_cache_dir={xla_cache}",
+  ]
 
 
 @pytest.mark.timeout(420)
@@ -245,8 +303,11 @@ def test_a_stopped_process_ends_the_job_with_a_line_naming_it(tmp_path, xla_cach
   """Process 0 (it hosts JAX's coordination service) is stopped after step 3: process 1's watchdog names it and
   exits; process 0, let run again, reports the hang itself at once. (A stopped process 1 that runs again after
   process 0 has exited may be aborted first by JAX's coordination client, which has lost its service.)"""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+  )
   job = kill_harness.Job(_args(tmp_path / "run", xla_cache), tmp_path / "job", env)
   try:
     deadline = time.monotonic() + 240

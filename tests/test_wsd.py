@@ -16,9 +16,18 @@ from distrib_train.train.trainer import Trainer
 
 def test_wsd_holds_the_peak_then_decays_linearly_or_as_one_minus_sqrt():
   for shape, fall in (("linear", lambda p: p), ("1-sqrt", lambda p: math.sqrt(p))):
-    c = config_lib.load("tiny", ["optimizer.schedule=wsd", "optimizer.learning_rate=1.0", "optimizer.warmup_steps=4",
-                                 "optimizer.min_lr_ratio=0.1", "optimizer.decay_fraction=0.25",
-                                 f"optimizer.decay_shape={shape}", "train.steps=40"])
+    c = config_lib.load(
+      "tiny",
+      [
+        "optimizer.schedule=wsd",
+        "optimizer.learning_rate=1.0",
+        "optimizer.warmup_steps=4",
+        "optimizer.min_lr_ratio=0.1",
+        "optimizer.decay_fraction=0.25",
+        f"optimizer.decay_shape={shape}",
+        "train.steps=40",
+      ],
+    )
     lr = optimizers.schedule(c.optimizer, 40)
     assert optimizers.wsd_decay_start(c.optimizer, 40) == 30
     np.testing.assert_allclose([float(lr(s)) for s in (0, 2, 4, 20, 30)], [0, 0.5, 1, 1, 1], atol=1e-7)
@@ -27,22 +36,40 @@ def test_wsd_holds_the_peak_then_decays_linearly_or_as_one_minus_sqrt():
       np.testing.assert_allclose(float(lr(step)), 1 - 0.9 * fall(progress), rtol=1e-6, err_msg=f"{shape} {step}")
 
 
-@pytest.mark.parametrize("setting,named", [("optimizer.decay_fraction=0", "optimizer.decay_fraction"),
-                                           ("optimizer.decay_shape=cosine", "optimizer.decay_shape"),
-                                           ("optimizer.schedule=wsdd", "optimizer.schedule"),
-                                           ("optimizer.muon.ns_steps=0", "optimizer.muon.ns_steps"),
-                                           ("optimizer.muon.beta=1", "optimizer.muon.beta")])
+@pytest.mark.parametrize(
+  "setting,named",
+  [
+    ("optimizer.decay_fraction=0", "optimizer.decay_fraction"),
+    ("optimizer.decay_shape=cosine", "optimizer.decay_shape"),
+    ("optimizer.schedule=wsdd", "optimizer.schedule"),
+    ("optimizer.muon.ns_steps=0", "optimizer.muon.ns_steps"),
+    ("optimizer.muon.beta=1", "optimizer.muon.beta"),
+  ],
+)
 def test_bad_schedule_and_muon_values_are_named(setting, named):
   with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
     config_lib.load("tiny", [setting])
 
 
 def _run(workdir, steps, cache):
-  config = config_lib.load("tiny", [
-      "data.seq_len=32", "data.global_batch_size=8", f"train.steps={steps}", "train.log_every=1",
-      "train.checkpoint_every=0", "train.keep_checkpoints=1", "train.async_checkpoint=false",
-      f"train.compilation_cache_dir={cache}", "optimizer.warmup_steps=2", "optimizer.schedule=wsd",
-      "optimizer.decay_fraction=0.25", "optimizer.learning_rate=3e-3", "mesh_config=cpu-8"])
+  config = config_lib.load(
+    "tiny",
+    [
+      "data.seq_len=32",
+      "data.global_batch_size=8",
+      f"train.steps={steps}",
+      "train.log_every=1",
+      "train.checkpoint_every=0",
+      "train.keep_checkpoints=1",
+      "train.async_checkpoint=false",
+      f"train.compilation_cache_dir={cache}",
+      "optimizer.warmup_steps=2",
+      "optimizer.schedule=wsd",
+      "optimizer.decay_fraction=0.25",
+      "optimizer.learning_rate=3e-3",
+      "mesh_config=cpu-8",
+    ],
+  )
   console = io.StringIO()
   result = Trainer(config, workdir, console=console).run()
   metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -61,7 +88,10 @@ def test_a_finished_run_extends_from_its_last_stable_step(tmp_path, xla_cache):
   result, console, again = _run(short, 12, xla_cache)
   assert result.status == "finished" and "restoring its last stable step 6" in console
   assert (short / "checkpoints" / ".decayed-8" / "8").is_dir()
-  assert sorted(int(p.name) for p in (short / "checkpoints").iterdir() if p.name.isdigit()) == [9, 12]  # the new stable step
+  assert sorted(int(p.name) for p in (short / "checkpoints").iterdir() if p.name.isdigit()) == [
+    9,
+    12,
+  ]  # the new stable step
   _, _, straight = _run(extended, 12, xla_cache)  # planned for 12 steps from the start
   for step in (7, 8, 10, 12):
     np.testing.assert_allclose(again[step]["loss"], straight[step]["loss"], rtol=1e-6)

@@ -34,8 +34,11 @@ def kernel(x, w):
 
 
 def reference(x, w):
-  return fp8.ragged_dot(x, w, group_sizes) if fp8.mode() != "none" else jax.lax.ragged_dot(
-      x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+  return (
+    fp8.ragged_dot(x, w, group_sizes)
+    if fp8.mode() != "none"
+    else jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+  )
 
 
 def run(fn, mode):
@@ -45,6 +48,7 @@ def run(fn, mode):
     with fp8.active(mode):
       out, pullback = jax.vjp(fn, x, w)
       return (out,) + pullback(cotangent)
+
   return functools.partial(jax.jit(loss_and_grads), cotangent=cotangent)
 
 
@@ -53,13 +57,15 @@ for mode in ("none", "current"):
   got, want = got_fn(x, w), want_fn(x, w)
   for name, a, b in zip(("out", "d x", "d w"), got, want):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    print(f"{mode:8s} {name:4s} max |kernel - ragged_dot| / max |ragged_dot| = "
-          f"{np.max(np.abs(a - b)) / np.max(np.abs(b)):.2e}", flush=True)
+    print(
+      f"{mode:8s} {name:4s} max |kernel - ragged_dot| / max |ragged_dot| = "
+      f"{np.max(np.abs(a - b)) / np.max(np.abs(b)):.2e}",
+      flush=True,
+    )
   for label, fn in (("kernel", got_fn), ("ragged_dot", want_fn)):
     jax.block_until_ready(fn(x, w))
     start = time.perf_counter()
     for _ in range(20):
       result = fn(x, w)
     jax.block_until_ready(result)
-    print(f"{mode:8s} {label:10s} forward + backward {1000 * (time.perf_counter() - start) / 20:7.3f} ms",
-          flush=True)
+    print(f"{mode:8s} {label:10s} forward + backward {1000 * (time.perf_counter() - start) / 20:7.3f} ms", flush=True)

@@ -65,8 +65,8 @@ def _check_complete(directory: epath.Path, step: int) -> None:
   missing = [name for name in _STEP_FILES if not (step_dir / name).exists()]
   if missing:
     raise CheckpointError(
-        f"Checkpoint {str(step_dir)!r} is incomplete (no {', '.join(missing)}): a copy cut short, or a directory"
-        " distrib_train did not write. Move it out of the way to resume from the step before it."
+      f"Checkpoint {str(step_dir)!r} is incomplete (no {', '.join(missing)}): a copy cut short, or a directory"
+      " distrib_train did not write. Move it out of the way to resume from the step before it."
     )
 
 
@@ -74,8 +74,9 @@ def step_dirs(directory: str | os.PathLike) -> list[int]:
   """The steps a checkpoints directory lists (its folders named by a number), oldest first; none where it is
   missing. Read-only: no manager opened, nothing created."""
   directory = pathlib.Path(directory)
-  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()) \
-      if directory.is_dir() else []
+  return (
+    sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()) if directory.is_dir() else []
+  )
 
 
 def read_meta(directory: epath.Path, step: int) -> dict[str, Any]:
@@ -89,8 +90,8 @@ def read_meta(directory: epath.Path, step: int) -> dict[str, Any]:
     raise CheckpointError(f"Checkpoint step {step} in {str(directory)!r} has metadata that is not a JSON object.")
   if meta.get("format_version") != FORMAT_VERSION:
     raise CheckpointError(
-        f"Checkpoint {str(directory / str(step))!r} has format version {meta.get('format_version')!r};"
-        f" this distrib_train reads version {FORMAT_VERSION}."
+      f"Checkpoint {str(directory / str(step))!r} has format version {meta.get('format_version')!r};"
+      f" this distrib_train reads version {FORMAT_VERSION}."
     )
   return dict(meta)
 
@@ -100,8 +101,13 @@ def held_fields(meta: Mapping[str, Any]) -> tuple[str, ...]:
   return tuple(f for f in SAVED_FIELDS if f in meta.get("fields", SAVED_FIELDS))
 
 
-def step_meta(step: int, state: TrainState, prng_impls: Mapping[str, str], run: Mapping[str, Any],
-              fields: tuple[str, ...] = SAVED_FIELDS) -> dict[str, Any]:
+def step_meta(
+  step: int,
+  state: TrainState,
+  prng_impls: Mapping[str, str],
+  run: Mapping[str, Any],
+  fields: tuple[str, ...] = SAVED_FIELDS,
+) -> dict[str, Any]:
   """A step's ``meta`` JSON (what ``read_meta`` reads back), less the data iterator's part (``data_state.py``).
 
   Args:
@@ -112,14 +118,14 @@ def step_meta(step: int, state: TrainState, prng_impls: Mapping[str, str], run: 
     fields: the fields whose arrays the step holds.
   """
   return {
-      "format_version": FORMAT_VERSION,
-      "step": int(step),
-      "fields": list(fields),
-      "prng_impls": prng_impls,
-      "mesh": _mesh_of(state),
-      "process_count": jax.process_count(),
-      "versions": _package_versions(),
-      "run": run,
+    "format_version": FORMAT_VERSION,
+    "step": int(step),
+    "fields": list(fields),
+    "prng_impls": prng_impls,
+    "mesh": _mesh_of(state),
+    "process_count": jax.process_count(),
+    "versions": _package_versions(),
+    "run": run,
   }
 
 
@@ -150,7 +156,7 @@ def saved_shapes(directory: epath.Path, step: int) -> dict[tuple[str, ...], tupl
     return {k: tuple(v.shape) for k, v in unnest(tree).items()}
   except Exception as e:  # orbax and tensorstore raise many kinds for a damaged file
     raise CheckpointError(
-        f"Checkpoint step {step} in {str(directory)!r} has unreadable array metadata: {first_line(e)}"
+      f"Checkpoint step {step} in {str(directory)!r} has unreadable array metadata: {first_line(e)}"
     ) from None
   finally:
     handler.close()
@@ -181,8 +187,14 @@ def abstract_target(target: TrainState, fields: tuple[str, ...]) -> dict[tuple[s
   return abstract
 
 
-def check_matches(directory: epath.Path, step: int, abstract: Mapping[tuple[str, ...], Any], partial: bool,
-                  fields: tuple[str, ...] | None = None, left_out: Collection[str] = ()) -> None:
+def check_matches(
+  directory: epath.Path,
+  step: int,
+  abstract: Mapping[tuple[str, ...], Any],
+  partial: bool,
+  fields: tuple[str, ...] | None = None,
+  left_out: Collection[str] = (),
+) -> None:
   """Refuses ``abstract`` (saved paths → leaves) where the step lacks a path or holds it with another shape, or
   holds a path of ``fields`` (default: the model's with ``partial``, else every saved field) that it lacks, but
   for the model's top-level subtrees named in ``left_out`` (``mtp``: a model restored without its
@@ -203,12 +215,16 @@ def check_matches(directory: epath.Path, step: int, abstract: Mapping[tuple[str,
     shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
     missing = [keys for keys in abstract if keys not in saved]
     new_local_state = len(missing) == len(problems) and all(keys[0] == "local_state" for keys in missing)
-    hint = ("Only local state is new: this run's model keeps state the checkpoint's run did not have (a setting"
-            " that adds some, such as model.fp8=delayed's amax histories); resume with the settings it was"
-            " written with." if new_local_state else "Was it written for another model or config?")
+    hint = (
+      "Only local state is new: this run's model keeps state the checkpoint's run did not have (a setting"
+      " that adds some, such as model.fp8=delayed's amax histories); resume with the settings it was"
+      " written with."
+      if new_local_state
+      else "Was it written for another model or config?"
+    )
     raise CheckpointError(
-        f"Checkpoint step {step} in {str(directory)!r} does not fit the target state"
-        f" ({len(problems)} difference(s)): {shown}. {hint}"
+      f"Checkpoint step {step} in {str(directory)!r} does not fit the target state"
+      f" ({len(problems)} difference(s)): {shown}. {hint}"
     )
 
 
@@ -235,8 +251,9 @@ def check_restorable(directory: str | epath.PathLike, target: TrainState) -> int
   for name, step in names.items():
     if name != str(step):  # orbax would read it as step N and then look for a directory named N
       raise CheckpointError(
-          f"Checkpoint directory {str(directory / name)!r} is not named by its step number ({str(step)!r}):"
-          f" rename it to {str(directory / str(step))!r} or move it out of the way.")
+        f"Checkpoint directory {str(directory / name)!r} is not named by its step number ({str(step)!r}):"
+        f" rename it to {str(directory / str(step))!r} or move it out of the way."
+      )
   steps = sorted(names.values())
   if not steps:
     return None

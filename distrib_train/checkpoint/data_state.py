@@ -53,17 +53,20 @@ def check_restorable_into(data_iterator: Any, meta: dict[str, Any], step: int, d
     return
   position = meta.get("data_position")
   if position is not None and not hasattr(data_iterator, "set_data_position"):
-    raise ValueError(f"Checkpoint step {step} holds the data position of a DataLoader's lanes; restore it into a"
-                     " DataLoader, or without data_iterator.")
+    raise ValueError(
+      f"Checkpoint step {step} holds the data position of a DataLoader's lanes; restore it into a"
+      " DataLoader, or without data_iterator."
+    )
   if position is None and getattr(data_iterator, "endless", False):
     raise CheckpointError(
-        f"Checkpoint step {step} in {str(directory)!r} holds grain's per-process data state (an earlier"
-        " release); this DataLoader reads lanes, whose position it lacks. Restore without data_iterator (the"
-        " data restarts from its beginning).")
+      f"Checkpoint step {step} in {str(directory)!r} holds grain's per-process data state (an earlier"
+      " release); this DataLoader reads lanes, whose position it lacks. Restore without data_iterator (the"
+      " data restarts from its beginning)."
+    )
   if position is None and meta.get("process_count") != jax.process_count():
     raise ValueError(
-        f"Checkpoint step {step} holds the data-iterator state of {meta.get('process_count')} process(es); this"
-        f" job has {jax.process_count()}. Restore without data_iterator (the data restarts from its beginning)."
+      f"Checkpoint step {step} holds the data-iterator state of {meta.get('process_count')} process(es); this"
+      f" job has {jax.process_count()}. Restore without data_iterator (the data restarts from its beginning)."
     )
 
 

@@ -32,8 +32,10 @@ class CheckpointWriteError(OSError):
 # The causes that make a save fail for want of storage rather than a bug, as
 # OSError gives them or as tensorstore quotes them in its messages.
 _STORAGE_CAUSES = re.compile(
-    r"No space left on device|Disk quota exceeded|Read-only file system|Permission denied|Operation not permitted"
-    r"|File too large|Input/output error|OS error", re.IGNORECASE)
+  r"No space left on device|Disk quota exceeded|Read-only file system|Permission denied|Operation not permitted"
+  r"|File too large|Input/output error|OS error",
+  re.IGNORECASE,
+)
 
 
 def is_storage_failure(error: BaseException) -> bool:
@@ -45,14 +47,18 @@ def is_storage_failure(error: BaseException) -> bool:
   return False
 
 
-def write_error(step: int | None, directory: str, committed_steps: Iterable[int],
-                error: BaseException) -> CheckpointWriteError:
+def write_error(
+  step: int | None, directory: str, committed_steps: Iterable[int], error: BaseException
+) -> CheckpointWriteError:
   """The one-line error for a step that could not be written, and what is left intact."""
   earlier = [s for s in committed_steps if s != step]
-  kept = f"step {max(earlier)} there is intact and a relaunch resumes from it" if earlier else \
-      "no earlier checkpoint is there"
+  kept = (
+    f"step {max(earlier)} there is intact and a relaunch resumes from it"
+    if earlier
+    else "no earlier checkpoint is there"
+  )
   return CheckpointWriteError(
-      f"Checkpoint step {step} could not be written to {directory!r}: {first_line(error)} — {kept}."
+    f"Checkpoint step {step} could not be written to {directory!r}: {first_line(error)} — {kept}."
   )
 
 

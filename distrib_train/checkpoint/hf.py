@@ -41,6 +41,7 @@ import numpy as np
 
 from distrib_train.checkpoint.hf_common import SafetensorsDirectory, shard_range
 from distrib_train.recipes import decoder, hf_tables, mtp
+
 # config.json ↔ the reference models' config is read and written in recipes/hf_shape.py; public here too.
 from distrib_train.recipes.hf_shape import FAMILIES, MOE_FAMILIES, HfCheckpointError, hf_config  # noqa: F401
 from distrib_train.recipes.hf_shape import is_moe, llama_config  # noqa: F401
@@ -62,8 +63,11 @@ def _path_keys(path) -> tuple[str, ...]:
 
 def is_reference(path) -> bool:
   """Whether a pytree path is in a preference model's frozen reference copy."""
-  keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path
-          if not isinstance(k, (jax.tree_util.SequenceKey, jax.tree_util.FlattenedIndexKey))]
+  keys = [
+    str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+    for k in path
+    if not isinstance(k, (jax.tree_util.SequenceKey, jax.tree_util.FlattenedIndexKey))
+  ]
   return bool(keys) and keys[0] == ROLES[1]
 
 
@@ -116,8 +120,13 @@ def _hf_shapes(tensor: hf_tables.Tensor, shape: tuple[int, ...]) -> list[tuple[s
   return [(tensor.name, shape[::-1] if layout == "transposed" else shape)]
 
 
-def _read(reader: SafetensorsDirectory, tensor: hf_tables.Tensor, layer: int | None, shape: tuple[int, ...],
-          index: tuple[slice, ...]) -> np.ndarray:
+def _read(
+  reader: SafetensorsDirectory,
+  tensor: hf_tables.Tensor,
+  layer: int | None,
+  shape: tuple[int, ...],
+  index: tuple[slice, ...],
+) -> np.ndarray:
   """``index`` of one layer's param (our layout, ``shape``) from Hugging Face's tensor, reading only that slice."""
   name = tensor.name.format(layer=layer, expert="{expert}")
   layout = tensor.layout
@@ -151,9 +160,11 @@ def _reader_of(reader, config, keys, shape, dtype, what: str):
   if start is None:
     read = lambda index: _read(reader, tensor, None, shape, index)
   else:
+
     def read(index):
       first, last = shard_range(index[0], shape[0])
       return np.stack([_read(reader, tensor, start + layer, shape[1:], index[1:]) for layer in range(first, last)])
+
   return lambda index: read(index).astype(dtype)
 
 
@@ -163,7 +174,7 @@ def _read_names(config) -> set[str]:
   for segment, (start, tensors) in _tables(config).items():
     count = _layers(config, segment) if segment else 1
     for tensor in tensors.values():
-      for layer in (range(start, start + count) if segment else [None]):
+      for layer in range(start, start + count) if segment else [None]:
         name = tensor.name.format(layer=layer, expert="{expert}")
         experts = range(config.num_experts) if "{expert}" in name else [None]
         names.update(name.replace("{expert}", str(e)) for e in experts)
@@ -176,8 +187,14 @@ def _unread(reader: SafetensorsDirectory, config) -> list[str]:
   ``num_layers`` (DeepSeek-V3's multi-token-prediction layer)."""
   read = _read_names(config)
   past = tuple(f"model.layers.{i}." for i in range(config.num_layers, config.num_layers + 8))
-  return sorted(n for n in reader.tensors if n not in read and not n.startswith(past)
-                and not n.endswith("rotary_emb.inv_freq") and not (config.tie_embeddings and n == "lm_head.weight"))
+  return sorted(
+    n
+    for n in reader.tensors
+    if n not in read
+    and not n.startswith(past)
+    and not n.endswith("rotary_emb.inv_freq")
+    and not (config.tie_embeddings and n == "lm_head.weight")
+  )
 
 
 def check_params(directory: str, abstract_params: Any, config, abstract_local: Any = None, skip: Any = None) -> None:
@@ -190,9 +207,11 @@ def check_params(directory: str, abstract_params: Any, config, abstract_local: A
   """
   reader = SafetensorsDirectory(directory)
   if abstract_params is not None and (unread := _unread(reader, config)):
-    raise HfCheckpointError(f"{directory}: tensor {unread[0]!r}"
-                            f"{f' (and {len(unread) - 1} more)' if len(unread) > 1 else ''} is not read by the"
-                            f" {config.hf_model_type or 'reference'} importer: a variant it does not model.")
+    raise HfCheckpointError(
+      f"{directory}: tensor {unread[0]!r}"
+      f"{f' (and {len(unread) - 1} more)' if len(unread) > 1 else ''} is not read by the"
+      f" {config.hf_model_type or 'reference'} importer: a variant it does not model."
+    )
   for tree, required in ((abstract_params, True), (abstract_local, False)):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if tree is not None else []:
       if skip is not None and skip(path):  # a leaf the loader keeps fresh
@@ -210,8 +229,7 @@ def check_params(directory: str, abstract_params: Any, config, abstract_local: A
           name = name.format(layer=layer)
           found = reader.shape(name)
           if found != want:
-            raise HfCheckpointError(f"{reader.directory}: tensor {name!r} has shape {found}, the config says"
-                                    f" {want}.")
+            raise HfCheckpointError(f"{reader.directory}: tensor {name!r} has shape {found}, the config says {want}.")
 
 
 def load_params(directory: str, abstract: Any, config, fresh: Any = None, skip: Any = None) -> Any:
@@ -264,7 +282,7 @@ def _written(tensor: hf_tables.Tensor, a: np.ndarray, out: dict[str, np.ndarray]
       out[name.replace("{expert}", str(e))] = np.ascontiguousarray(a[e].T)
   elif layout in ("even", "odd"):
     merged = out.setdefault(name, np.zeros((*a.shape[:-1], 2 * a.shape[-1]), np.float32))
-    merged[..., (0 if layout == "even" else 1)::2] = a
+    merged[..., (0 if layout == "even" else 1) :: 2] = a
   else:
     if layout == "heads_in":
       a = a.reshape(a.shape[0], -1).T
@@ -294,8 +312,10 @@ def hf_tensors(params: Any, config, local_state: Any = None) -> dict[str, np.nda
     for tensor in tensors.values():
       keys = (tensor.param,) if not segment else (segment, tensor.param)
       if keys not in given:
-        raise HfCheckpointError(f"{'/'.join(keys)} is needed for {tensor.name} and was not given (the model's local"
-                                " state holds it: pass it too).")
+        raise HfCheckpointError(
+          f"{'/'.join(keys)} is needed for {tensor.name} and was not given (the model's local"
+          " state holds it: pass it too)."
+        )
       a = _host(given[keys]).astype(np.float32)
       if not segment:
         _written(tensor, a, out, None)
@@ -331,14 +351,19 @@ def save(params: Any, config, directory: str, *, local_state: Any = None, max_sh
     shards[-1][name] = tensor
     size += tensor.nbytes
   written = []
-  names = (["model.safetensors"] if len(shards) == 1 else
-           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  names = (
+    ["model.safetensors"]
+    if len(shards) == 1
+    else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  )
   for name, shard in zip(names, shards):
     save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
     written.append(name)
   if len(shards) > 1:
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-             "weight_map": {t: n for n, shard in zip(names, shards) for t in shard}}
+    index = {
+      "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+      "weight_map": {t: n for n, shard in zip(names, shards) for t in shard},
+    }
     with open(os.path.join(directory, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
       json.dump(index, f, indent=1)
     written.append("model.safetensors.index.json")

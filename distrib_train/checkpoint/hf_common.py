@@ -47,8 +47,10 @@ class SafetensorsDirectory:
     else:
       files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
-      raise HfCheckpointError(f"{directory} holds no *.safetensors files (PyTorch .bin checkpoints are not read:"
-                              " convert them with transformers' save_pretrained(safe_serialization=True)).")
+      raise HfCheckpointError(
+        f"{directory} holds no *.safetensors files (PyTorch .bin checkpoints are not read:"
+        " convert them with transformers' save_pretrained(safe_serialization=True))."
+      )
     self.tensors: dict[str, _Tensor] = {}
     for name in files:
       self.tensors.update(self._header(os.path.join(directory, name)))
@@ -69,8 +71,9 @@ class SafetensorsDirectory:
       if name == "__metadata__":
         continue
       if info.get("dtype") not in _DTYPES:
-        raise HfCheckpointError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}; read are"
-                                f" {', '.join(_DTYPES)}.")
+        raise HfCheckpointError(
+          f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}; read are {', '.join(_DTYPES)}."
+        )
       out[name] = _Tensor(path, _DTYPES[info["dtype"]], tuple(info["shape"]), 8 + size + info["data_offsets"][0])
     return out
 
@@ -91,7 +94,7 @@ class SafetensorsDirectory:
     if t.file not in self._maps:
       self._maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")
     count = math.prod(t.shape)
-    raw = self._maps[t.file][t.begin:t.begin + count * np.dtype(t.dtype).itemsize]
+    raw = self._maps[t.file][t.begin : t.begin + count * np.dtype(t.dtype).itemsize]
     return np.asarray(raw.view(t.dtype).reshape(t.shape)[index])
 
 

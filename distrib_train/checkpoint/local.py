@@ -45,10 +45,17 @@ def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> str:
 
 def _layout(abstract: dict[tuple[str, ...], jax.ShapeDtypeStruct]) -> dict[str, Any]:
   """What a local checkpoint can only be read back onto: the process count and this process's shard blocks."""
-  mine = lambda leaf: sorted({_index_key(index, leaf.shape): d.id for d, index in
-                              leaf.sharding.addressable_devices_indices_map(leaf.shape).items()})
-  return {"process_count": jax.process_count(), "process_index": jax.process_index(),
-          "leaves": {"/".join(keys): [list(leaf.shape), mine(leaf)] for keys, leaf in abstract.items()}}
+  mine = lambda leaf: sorted(
+    {
+      _index_key(index, leaf.shape): d.id
+      for d, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items()
+    }
+  )
+  return {
+    "process_count": jax.process_count(),
+    "process_index": jax.process_index(),
+    "leaves": {"/".join(keys): [list(leaf.shape), mine(leaf)] for keys, leaf in abstract.items()},
+  }
 
 
 def _read(path: pathlib.Path) -> np.ndarray:
@@ -95,8 +102,14 @@ class LocalCheckpoints:
     # Device → host copies and file writes overlap, several at a time (numpy releases the GIL while writing).
     with concurrent.futures.ThreadPoolExecutor(_WRITERS) as pool:
       list(pool.map(lambda job: np.save(job[0], np.asarray(job[1])), writes))
-    manifest = {"step": int(step), "run_id": self.run_id, "layout": _layout(abstract_target(state, self.fields)),
-                "files": files, "key_impls": key_impls, "data_position": position}
+    manifest = {
+      "step": int(step),
+      "run_id": self.run_id,
+      "layout": _layout(abstract_target(state, self.fields)),
+      "files": files,
+      "key_impls": key_impls,
+      "data_position": position,
+    }
     (tmp / _MANIFEST).write_text(json.dumps(manifest))
     if final.exists():  # a step of an earlier run or layout (a restart on another shape trains it again)
       shutil.rmtree(final)
@@ -111,13 +124,14 @@ class LocalCheckpoints:
     except (OSError, ValueError):
       return False
     return manifest.get("run_id") == self.run_id and manifest.get("layout") == _layout(
-        abstract_target(target, self.fields))
+      abstract_target(target, self.fields)
+    )
 
   def complete_step(self, target: Any, newer_than: int | None) -> int | None:
     """The newest step every process holds, usable on ``target``'s layout and newer than ``newer_than``."""
     mine = [s for s in self.steps() if self._usable(s, target)][-_KEEP:]
     row = np.full(_KEEP, -1, np.int64)
-    row[:len(mine)] = mine
+    row[: len(mine)] = mine
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
 
@@ -136,8 +150,10 @@ class LocalCheckpoints:
     for keys, leaf in abstract_target(target, self.fields).items():
       name = "/".join(keys)
       blocks = manifest["files"][name]
-      shards = [jax.device_put(_read(folder / blocks[_index_key(index, leaf.shape)]), device)
-                for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items()]
+      shards = [
+        jax.device_put(_read(folder / blocks[_index_key(index, leaf.shape)]), device)
+        for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items()
+      ]
       value = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
       if name in manifest["key_impls"]:
         value = jax.random.wrap_key_data(value, impl=manifest["key_impls"][name])

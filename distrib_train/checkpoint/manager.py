@@ -41,10 +41,24 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as preserva
 from distrib_train.checkpoint import data_state, retention
 from distrib_train.common.exit_hooks import register_early
 from distrib_train.checkpoint.checks import check_restorable  # noqa: F401 (public here too)
-from distrib_train.checkpoint.checks import (MODEL_FIELDS, SAVED_FIELDS, CheckpointError, abstract_target,
-                                             check_matches, first_line, held_fields, read_meta, step_meta)
-from distrib_train.checkpoint.faults import (CheckpointWriteError, finish_at_exit, is_storage_failure,
-                                             finish_event_loops_before_closing, write_error)
+from distrib_train.checkpoint.checks import (
+  MODEL_FIELDS,
+  SAVED_FIELDS,
+  CheckpointError,
+  abstract_target,
+  check_matches,
+  first_line,
+  held_fields,
+  read_meta,
+  step_meta,
+)
+from distrib_train.checkpoint.faults import (
+  CheckpointWriteError,
+  finish_at_exit,
+  is_storage_failure,
+  finish_event_loops_before_closing,
+  write_error,
+)
 from distrib_train.checkpoint.tree import fill_fields, flatten_fields, is_prng_key, nest, unnest
 from distrib_train.train_state import TrainState
 
@@ -86,16 +100,16 @@ class CheckpointManager:
   """
 
   def __init__(
-      self,
-      directory: str | epath.PathLike,
-      *,
-      max_to_keep: int | None = 3,
-      keep_every_n_steps: int | None = None,
-      keep_steps: tuple[int, ...] = (),
-      save_interval_steps: int = 1,
-      async_save: bool = True,
-      metadata: Mapping[str, Any] | None = None,
-      saved_fields: tuple[str, ...] = SAVED_FIELDS,
+    self,
+    directory: str | epath.PathLike,
+    *,
+    max_to_keep: int | None = 3,
+    keep_every_n_steps: int | None = None,
+    keep_steps: tuple[int, ...] = (),
+    save_interval_steps: int = 1,
+    async_save: bool = True,
+    metadata: Mapping[str, Any] | None = None,
+    saved_fields: tuple[str, ...] = SAVED_FIELDS,
   ):
     if not set(saved_fields) <= set(SAVED_FIELDS) or not saved_fields:
       raise ValueError(f"saved_fields must be some of {', '.join(SAVED_FIELDS)}, got {saved_fields!r}.")
@@ -116,23 +130,26 @@ class CheckpointManager:
       policies.append(preservation.CustomSteps(list(keep_steps)))
     self.save_interval_steps = save_interval_steps
     options = ocp.CheckpointManagerOptions(
-        # The interval is applied in save(): orbax would also save the first
-        # step whatever it is.
-        preservation_policy=preservation.AnyPreservationPolicy(policies),
-        enable_async_checkpointing=async_save,
-        # Stale temporary directories are removed in _remove_stale_tmp below:
-        # orbax's own cleanup runs in a background thread that close() does
-        # not wait for, and it failed noisily at interpreter exit.
-        cleanup_tmp_directories=False,
-        # Old steps leave by one rename, not file by file in place (retention.py).
-        todelete_subdir=retention.DELETED,
-        # A step directory that cannot be created (a read-only or full disk)
-        # then fails save() at once; created in the background, the failure
-        # left orbax waiting for its "directory created" signal for 20 minutes.
-        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
-        create=True,
+      # The interval is applied in save(): orbax would also save the first
+      # step whatever it is.
+      preservation_policy=preservation.AnyPreservationPolicy(policies),
+      enable_async_checkpointing=async_save,
+      # Stale temporary directories are removed in _remove_stale_tmp below:
+      # orbax's own cleanup runs in a background thread that close() does
+      # not wait for, and it failed noisily at interpreter exit.
+      cleanup_tmp_directories=False,
+      # Old steps leave by one rename, not file by file in place (retention.py).
+      todelete_subdir=retention.DELETED,
+      # A step directory that cannot be created (a read-only or full disk)
+      # then fails save() at once; created in the background, the failure
+      # left orbax waiting for its "directory created" signal for 20 minutes.
+      async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+      create=True,
     )
-    handlers = {"state": ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False), "meta": ocp.JsonCheckpointHandler()}
+    handlers = {
+      "state": ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True, use_compression=False),
+      "meta": ocp.JsonCheckpointHandler(),
+    }
     try:  # the data pipeline's own handler; grain is optional for the core
       import grain
 
@@ -192,8 +209,8 @@ class CheckpointManager:
       return steps[-1]
     if step not in steps:
       raise ValueError(
-          f"No checkpoint for step {step} in {str(self.directory)!r}; steps there:"
-          f" {', '.join(map(str, steps)) or 'none'}."
+        f"No checkpoint for step {step} in {str(self.directory)!r}; steps there:"
+        f" {', '.join(map(str, steps)) or 'none'}."
       )
     return step
 
@@ -221,8 +238,8 @@ class CheckpointManager:
     latest = self.latest_step()
     if latest is not None and step <= latest:
       raise ValueError(
-          f"Cannot save step {step}: {str(self.directory)!r} already holds step {latest}. After restoring an"
-          " earlier step, delete the later checkpoints or save to another directory."
+        f"Cannot save step {step}: {str(self.directory)!r} already holds step {latest}. After restoring an"
+        " earlier step, delete the later checkpoints or save to another directory."
       )
     flat = flatten_fields(train_state, self.saved_fields)
     prng_impls = {}
@@ -251,12 +268,12 @@ class CheckpointManager:
   # --- restore -----------------------------------------------------------------
 
   def restore(
-      self,
-      target: TrainState,
-      step: int | None = None,
-      data_iterator: Any = None,
-      *,
-      params_only: bool = False,
+    self,
+    target: TrainState,
+    step: int | None = None,
+    data_iterator: Any = None,
+    *,
+    params_only: bool = False,
   ) -> TrainState:
     """Restores a checkpoint into the structure and shardings of ``target``.
 
@@ -288,22 +305,28 @@ class CheckpointManager:
     data_state.check_restorable_into(data_iterator, meta, step, self.directory)
     fields = tuple(f for f in (MODEL_FIELDS if params_only else SAVED_FIELDS) if f in held_fields(meta))
     kept = tuple(f for f in SAVED_FIELDS if f not in fields)  # the target's own values stay
-    abstract_rest = [keys for keys, leaf in flatten_fields(target, kept).items()
-                     if isinstance(leaf, jax.ShapeDtypeStruct)]
+    abstract_rest = [
+      keys for keys, leaf in flatten_fields(target, kept).items() if isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
     if abstract_rest:
       sources = ", ".join(f"{k} {v.get('path')}" for k, v in (meta["run"].get("frozen_source") or {}).items())
-      why = (f"step {step} holds no {abstract_rest[0][0]} (read from {sources or 'their source'})"
-             if abstract_rest[0][0] not in held_fields(meta) else "a params_only restore keeps the target's"
-             " optimizer state, step and key")
-      raise ValueError(f"{why}, but {'/'.join(abstract_rest[0])} is abstract; pass a concrete state (e.g."
-                       " plan.init(make_state), with those weights in it).")
+      why = (
+        f"step {step} holds no {abstract_rest[0][0]} (read from {sources or 'their source'})"
+        if abstract_rest[0][0] not in held_fields(meta)
+        else "a params_only restore keeps the target's optimizer state, step and key"
+      )
+      raise ValueError(
+        f"{why}, but {'/'.join(abstract_rest[0])} is abstract; pass a concrete state (e.g."
+        " plan.init(make_state), with those weights in it)."
+      )
     wanted = flatten_fields(target, fields)
     prng_impls = meta.get("prng_impls", {})
     abstract = abstract_target(target, fields)
     check_matches(self.directory, step, abstract, partial=params_only)
 
-    restored = self._read(step, abstract, params_only,
-                          data_state.restore_items(data_iterator, meta, step, self.directory))
+    restored = self._read(
+      step, abstract, params_only, data_state.restore_items(data_iterator, meta, step, self.directory)
+    )
     values = {}
     for keys, leaf in wanted.items():
       value = restored[keys]
@@ -326,15 +349,20 @@ class CheckpointManager:
     return self._read(step, abstract, True)
 
   def _read(self, step: int, abstract: Mapping[tuple[str, ...], Any], partial: bool, more: Any = None) -> dict:
-    items = {"state": ocp.args.PyTreeRestore(
-        item=nest(abstract), restore_args=ocp.checkpoint_utils.construct_restore_args(nest(abstract)),
-        partial_restore=partial), **(more or {})}
+    items = {
+      "state": ocp.args.PyTreeRestore(
+        item=nest(abstract),
+        restore_args=ocp.checkpoint_utils.construct_restore_args(nest(abstract)),
+        partial_restore=partial,
+      ),
+      **(more or {}),
+    }
     try:
       return unnest(self._manager.restore(step, args=ocp.args.Composite(**items))["state"])
     except Exception as e:  # a truncated or damaged array file: tensorstore's message names the array
       raise CheckpointError(
-          f"Checkpoint {str(self.directory / str(step))!r} cannot be read (a damaged or truncated file?):"
-          f" {first_line(e)}") from e
+        f"Checkpoint {str(self.directory / str(step))!r} cannot be read (a damaged or truncated file?): {first_line(e)}"
+      ) from e
 
   # --- lifecycle -----------------------------------------------------------------
 

@@ -70,8 +70,9 @@ def adapter_tensors(adapters: Any, config) -> dict[str, np.ndarray]:
     start, tensors = tables.get(segment, (0, {}))
     tensor, b_keys = tensors.get(weight), (segment, f"lora_b_{weight}")
     if tensor is None or b_keys not in given:
-      raise hf.HfCheckpointError(f"{'/'.join(keys)}: no Hugging Face weight {weight!r} or no lora_b_{weight} to"
-                                 " write it as a PEFT adapter.")
+      raise hf.HfCheckpointError(
+        f"{'/'.join(keys)}: no Hugging Face weight {weight!r} or no lora_b_{weight} to write it as a PEFT adapter."
+      )
     a, b = (hf._host(given[k]).astype(np.float32) for k in (keys, b_keys))
     for i in range(a.shape[0]):
       lora_a, lora_b = _hf_pair(tensor, a[i], b[i], start + i)
@@ -101,24 +102,42 @@ def target_modules(names: list[str], num_layers: int) -> list[str]:
   for module, layers in sorted(by_module.items()):
     if layers != set(range(num_layers)):
       raise hf.HfCheckpointError(
-          f"{module} carries adapters in layers {sorted(layers)} only (a mixture model's dense layers): PEFT takes"
-          " a mixture-of-experts model's gate_proj / up_proj / down_proj targets for its experts and would drop"
-          " them. Adapt attention alone (lora.targets among q, k, v, o), or export the merged model.")
+        f"{module} carries adapters in layers {sorted(layers)} only (a mixture model's dense layers): PEFT takes"
+        " a mixture-of-experts model's gate_proj / up_proj / down_proj targets for its experts and would drop"
+        " them. Adapt attention alone (lora.targets among q, k, v, o), or export the merged model."
+      )
   short = sorted({m.rsplit(".", 1)[-1] for m in by_module})
   if len(short) != len(by_module):
-    raise hf.HfCheckpointError(f"adapted modules {sorted(by_module)} share a short name; PEFT's target_modules"
-                               " would match them all.")
+    raise hf.HfCheckpointError(
+      f"adapted modules {sorted(by_module)} share a short name; PEFT's target_modules would match them all."
+    )
   return short
 
 
 def adapter_config(config, modules: list[str], base: str | None) -> dict[str, Any]:
   """``adapter_config.json``: PEFT's LoRA fields for ``config``'s adapters on ``modules``."""
   alpha = config.lora_alpha
-  return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "revision": None,
-          "inference_mode": True, "r": config.lora_rank, "lora_alpha": int(alpha) if alpha == int(alpha) else alpha,
-          "lora_dropout": config.lora_dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
-          "use_rslora": False, "use_dora": False, "init_lora_weights": True, "modules_to_save": None,
-          "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}}
+  return {
+    "peft_type": "LORA",
+    "task_type": "CAUSAL_LM",
+    "base_model_name_or_path": base,
+    "revision": None,
+    "inference_mode": True,
+    "r": config.lora_rank,
+    "lora_alpha": int(alpha) if alpha == int(alpha) else alpha,
+    "lora_dropout": config.lora_dropout,
+    "target_modules": modules,
+    "bias": "none",
+    "fan_in_fan_out": False,
+    "use_rslora": False,
+    "use_dora": False,
+    "init_lora_weights": True,
+    "modules_to_save": None,
+    "layers_to_transform": None,
+    "layers_pattern": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+  }
 
 
 def save(adapters: Any, config, directory: str, *, base: str | None = None) -> list[str]:

@@ -47,8 +47,9 @@ class DeletedSteps:
     if doomed and here:
       _remove(doomed)
     elif doomed:
-      self._thread = threading.Thread(target=_remove, args=(doomed,), name="distrib_train-delete-old-steps",
-                                      daemon=True)
+      self._thread = threading.Thread(
+        target=_remove, args=(doomed,), name="distrib_train-delete-old-steps", daemon=True
+      )
       self._thread.start()
 
   def join(self, timeout: float | None = None) -> None:

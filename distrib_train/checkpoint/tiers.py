@@ -75,9 +75,13 @@ def local_tier(workdir: pathlib.Path, directory: str = "", fields: tuple[str, ..
 
     run_id = np.asarray(multihost_utils.broadcast_one_to_all(run_id))
   base = directory or os.path.join(
-      tempfile.gettempdir(), "distrib_train-local", hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:16])
-  return LocalCheckpoints(os.path.join(os.path.expanduser(base), f"process_{jax.process_index()}"),
-                          bytes(run_id).decode().strip(), *([fields] if fields else []))
+    tempfile.gettempdir(), "distrib_train-local", hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:16]
+  )
+  return LocalCheckpoints(
+    os.path.join(os.path.expanduser(base), f"process_{jax.process_index()}"),
+    bytes(run_id).decode().strip(),
+    *([fields] if fields else []),
+  )
 
 
 class CheckpointTiers:
@@ -94,8 +98,9 @@ class CheckpointTiers:
     self.local = local
     self.log = log
 
-  def restore(self, target: TrainState, data_iterator: Any = None,
-              config_changes: ConfigChanges = lambda run: []) -> TrainState | None:
+  def restore(
+    self, target: TrainState, data_iterator: Any = None, config_changes: ConfigChanges = lambda run: []
+  ) -> TrainState | None:
     """The newest state either tier holds for ``target``, or None when neither holds a step.
 
     Every process must call it (the local step is agreed by all of them).
@@ -122,19 +127,24 @@ class CheckpointTiers:
       local_step = self.local.complete_step(target, latest)
       if local_step is not None:
         state = self.local.restore(target, local_step, data_iterator)
-        self.log(f"Restored step {local_step} from the local tier ({self.local.directory.parent}); the"
-                 f" persistent tier's newest is {latest}.")
+        self.log(
+          f"Restored step {local_step} from the local tier ({self.local.directory.parent}); the"
+          f" persistent tier's newest is {latest}."
+        )
         return state.replace(step=int(local_step))
       newest = max(self.local.steps(), default=None)
       if newest is not None and (latest is None or newest > latest):
-        self.log(f"The local tier's step {newest} is not complete on every process (or not of this run"
-                 f" and layout): restoring from the persistent tier ({latest}).")
+        self.log(
+          f"The local tier's step {newest} is not complete on every process (or not of this run"
+          f" and layout): restoring from the persistent tier ({latest})."
+        )
     if latest is None:
       return None
     return self._restore_persistent(target, latest, data_iterator, config_changes)
 
-  def _restore_persistent(self, target: TrainState, latest: int, data_iterator: Any,
-                          config_changes: ConfigChanges) -> TrainState:
+  def _restore_persistent(
+    self, target: TrainState, latest: int, data_iterator: Any, config_changes: ConfigChanges
+  ) -> TrainState:
     ckpt = self.persistent
     meta = ckpt.metadata_of(latest)
     changed = config_changes(meta.get("run") or {})
@@ -151,11 +161,14 @@ class CheckpointTiers:
         raise
       # grain's own error ("'next_index'") would blame the checkpoint for a changed setting.
       raise CheckpointError(
-          f"Checkpoint step {latest} in {str(ckpt.directory)!r} holds the data pipeline's position for another"
-          f" data config ({'; '.join(data_changed)}); resume with the checkpoint's values, or train in a new"
-          f" workdir. (Restoring said: {first_line(e)})") from None
+        f"Checkpoint step {latest} in {str(ckpt.directory)!r} holds the data pipeline's position for another"
+        f" data config ({'; '.join(data_changed)}); resume with the checkpoint's values, or train in a new"
+        f" workdir. (Restoring said: {first_line(e)})"
+      ) from None
     if not same_layout:
-      self.log(f"Checkpoint step {latest} holds no data position this release reads (it was written by an"
-               " earlier release): the data pipeline restarts from its beginning.")
+      self.log(
+        f"Checkpoint step {latest} holds no data position this release reads (it was written by an"
+        " earlier release): the data pipeline restarts from its beginning."
+      )
     self.log(f"Restored step {latest} from {ckpt.directory}.")
     return state.replace(step=int(latest))

@@ -29,17 +29,23 @@ def _keys(field: str, path: tuple[Any, ...]) -> Keys:
 
 def flatten_fields(state: Any, fields: Sequence[str]) -> dict[Keys, Any]:
   """``(field, key, …) → leaf`` for ``fields`` of a TrainState."""
-  return {_keys(field, path): leaf for field in fields
-          for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(state, field))[0]}
+  return {
+    _keys(field, path): leaf
+    for field in fields
+    for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(state, field))[0]
+  }
 
 
 def fill_fields(target: TrainState, fields: Sequence[str], values: Mapping[Keys, Any]) -> TrainState:
   """``target`` with the leaves of ``fields`` replaced from ``values``."""
-  return target.replace(**{
-      field: jax.tree_util.tree_map_with_path(lambda path, leaf, field=field: values[_keys(field, path)],
-                                              getattr(target, field))
+  return target.replace(
+    **{
+      field: jax.tree_util.tree_map_with_path(
+        lambda path, leaf, field=field: values[_keys(field, path)], getattr(target, field)
+      )
       for field in fields
-  })
+    }
+  )
 
 
 def nest(flat: Mapping[Keys, Any]) -> dict[str, Any]:

@@ -107,8 +107,9 @@ def visible_gpu_ids() -> list[int]:
     count = sum(1 for line in out.splitlines() if line.startswith("GPU "))
     if count:
       return list(range(count))
-  raise ValueError("local_device_ids='all' but no GPUs were found (CUDA_VISIBLE_DEVICES, SLURM_GPUS_ON_NODE and"
-                   " nvidia-smi show none).")
+  raise ValueError(
+    "local_device_ids='all' but no GPUs were found (CUDA_VISIBLE_DEVICES, SLURM_GPUS_ON_NODE and nvidia-smi show none)."
+  )
 
 
 def use_cpu_devices(count: int, *, name: str = "cpu_devices") -> None:
@@ -132,8 +133,10 @@ def use_cpu_devices(count: int, *, name: str = "cpu_devices") -> None:
   if xla_bridge.backends_are_initialized():
     found = jax.devices()
     if len(found) != count or found[0].platform != "cpu":
-      raise ValueError(f"JAX already runs on {len(found)} {found[0].platform} device(s); emulating {count} CPU"
-                       " devices must start before any other JAX use (a fresh process).")
+      raise ValueError(
+        f"JAX already runs on {len(found)} {found[0].platform} device(s); emulating {count} CPU"
+        " devices must start before any other JAX use (a fresh process)."
+      )
     return
   os.environ["JAX_PLATFORMS"] = "cpu"
   jax.config.update("jax_platforms", "cpu")
@@ -141,15 +144,15 @@ def use_cpu_devices(count: int, *, name: str = "cpu_devices") -> None:
 
 
 def initialize(
-    *,
-    coordinator_address: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    local_device_ids: Sequence[int] | str | None = None,
-    cpu_devices: int | None = None,
-    initialization_timeout: int = 300,
-    heartbeat_timeout: int = 100,
-    auto_detect: bool = True,
+  *,
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  local_device_ids: Sequence[int] | str | None = None,
+  cpu_devices: int | None = None,
+  initialization_timeout: int = 300,
+  heartbeat_timeout: int = 100,
+  auto_detect: bool = True,
 ) -> JobSpec:
   """Prepares JAX for this process of the job; call it before any JAX use.
 
@@ -190,8 +193,9 @@ def initialize(
       try:
         local_device_ids = [int(v) for v in local_device_ids.split(",") if v.strip()]
       except ValueError:
-        raise ValueError(f"local_device_ids must be 'all' or a comma-separated list of ids, got "
-                         f"{local_device_ids!r}.") from None
+        raise ValueError(
+          f"local_device_ids must be 'all' or a comma-separated list of ids, got {local_device_ids!r}."
+        ) from None
   ids = None if local_device_ids is None else tuple(int(i) for i in local_device_ids)
   timeouts = dict(initialization_timeout=initialization_timeout, heartbeat_timeout_seconds=heartbeat_timeout)
 
@@ -200,19 +204,25 @@ def initialize(
     if num_processes == 1 and coordinator_address is None:
       return JobSpec("single")
     if not all(explicit):
-      missing = [n for n, given in zip(("coordinator_address", "num_processes", "process_id"), explicit)
-                 if not given]
-      raise ValueError(f"A multi-process job needs coordinator_address, num_processes and process_id; missing"
-                       f" {', '.join(missing)} (flags or DT_* environment variables).")
+      missing = [n for n, given in zip(("coordinator_address", "num_processes", "process_id"), explicit) if not given]
+      raise ValueError(
+        f"A multi-process job needs coordinator_address, num_processes and process_id; missing"
+        f" {', '.join(missing)} (flags or DT_* environment variables)."
+      )
     if num_processes < 1 or not 0 <= process_id < num_processes:
       raise ValueError(f"process_id {process_id} is outside 0..{num_processes - 1} (num_processes {num_processes}).")
     if ":" not in coordinator_address:
       raise ValueError(f"coordinator_address {coordinator_address!r} must be host:port.")
     host = coordinator_address.rsplit(":", 1)[0]
     bind = coordinator_address if host in _LOOPBACK else None
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id, local_device_ids=ids, coordinator_bind_address=bind,
-                               **timeouts)
+    jax.distributed.initialize(
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+      local_device_ids=ids,
+      coordinator_bind_address=bind,
+      **timeouts,
+    )
     if bind is not None:
       _cpu_collectives_on_loopback()
     if cpu_devices is not None:
@@ -223,8 +233,9 @@ def initialize(
     if ids is not None:
       raise ValueError("local_device_ids only applies to a multi-process job (none was given or detected).")
     return JobSpec("single")
-  jax.distributed.initialize(local_device_ids=ids, coordinator_bind_address=_single_node_bind_address(cluster),
-                             **timeouts)
+  jax.distributed.initialize(
+    local_device_ids=ids, coordinator_bind_address=_single_node_bind_address(cluster), **timeouts
+  )
   return JobSpec(f"detected:{cluster}", local_device_ids=ids)
 
 
@@ -323,8 +334,10 @@ def topology() -> str:
   per_process = len(jax.local_devices())
   kinds = sorted({d.device_kind for d in devices})
   slices = {getattr(d, "slice_index", None) for d in devices} - {None}
-  line = (f"{jax.process_count()} process(es) × {per_process} device(s) = {len(devices)} {'/'.join(kinds)}"
-          f" device(s), platform {devices[0].platform}")
+  line = (
+    f"{jax.process_count()} process(es) × {per_process} device(s) = {len(devices)} {'/'.join(kinds)}"
+    f" device(s), platform {devices[0].platform}"
+  )
   if len(slices) > 1:
     line += f", {len(slices)} slices"
   return line
@@ -349,5 +362,6 @@ def wait_for_every_process(what: str, timeout_s: int = 1800) -> None:
     return
   import orbax.checkpoint as ocp
 
-  ocp.multihost.sync_global_processes(f"distrib_train: {what} #{next(_barrier_ids)}", timeout=timeout_s,
-                                      processes=set(range(jax.process_count())))
+  ocp.multihost.sync_global_processes(
+    f"distrib_train: {what} #{next(_barrier_ids)}", timeout=timeout_s, processes=set(range(jax.process_count()))
+  )

@@ -65,97 +65,130 @@ GPU_MEMORY_FRACTION = 0.92
 _GPU_FRACTION = GPU_MEMORY_FRACTION
 
 DEVICE_KINDS: dict[str, DeviceKind] = {
-    k.name: k for k in (
-        DeviceKind(
-            "v4", "Cloud TPU v4 chip", "tpu",
-            memory_bytes=32 * GiB,            # cloud.google.com/tpu/docs/v4: HBM2 32 GiB, 1200 GBps
-            usable_fraction=1.0,
-            peak_flops=275e12,                # same page: 275 TFLOPs bf16 per chip
-            hbm_bandwidth=1200e9,
-            ici_bandwidth=1.1e15 / 4096,      # same page: all-reduce bandwidth per pod 1.1 PB/s, 4096 chips
-            dcn_bandwidth=3.125e9,            # not published; assumed equal to v5e's per-chip share
-            devices_per_host=4, max_slice=4096),
-        DeviceKind(
-            "v5e", "Cloud TPU v5e chip", "tpu",
-            memory_bytes=16 * GiB,            # cloud.google.com/tpu/docs/v5e: HBM2 16 GB, 819 GBps
-            usable_fraction=1.0,
-            peak_flops=197e12,                # same page: 197 TFLOPs bf16 per chip
-            hbm_bandwidth=819e9,
-            ici_bandwidth=200e9,              # same page: ICI 1600 Gbps per chip; all-reduce 51.2 TB/s / 256
-            dcn_bandwidth=6.4e12 / 8 / 256,   # same page: data-center network 6.4 Tbps per 256-chip pod
-            devices_per_host=8, max_slice=256),
-        DeviceKind(
-            "v5p", "Cloud TPU v5p chip", "tpu",
-            memory_bytes=95 * GiB,            # cloud.google.com/tpu/docs/v5p: HBM2e 95 GB, 2765 GBps
-            usable_fraction=1.0,
-            peak_flops=459e12,                # same page: 459 TFLOPs bf16 per chip
-            hbm_bandwidth=2765e9,
-            ici_bandwidth=4800e9 / 8,         # same page: interchip interconnect BW 4800 Gbps
-            dcn_bandwidth=6.25e9,             # not published; assumed 2 × 100 Gbps per 4-chip host
-            devices_per_host=4, max_slice=8960),
-        DeviceKind(
-            "v6e", "Cloud TPU v6e (Trillium) chip", "tpu",
-            memory_bytes=32 * GiB,            # cloud.google.com/tpu/docs/v6e: HBM 32 GB, 1638 GBps
-            usable_fraction=1.0,
-            peak_flops=918e12,                # same page: 918 TFLOPs bf16 per chip
-            hbm_bandwidth=1638e9,
-            ici_bandwidth=102.4e12 / 256,     # same page: all-reduce bandwidth per pod 102.4 TB/s, 256 chips
-            dcn_bandwidth=6.25e9,             # not published; assumed 4 × 100 Gbps per 8-chip host
-            devices_per_host=8, max_slice=256),
-        DeviceKind(
-            "a100", "NVIDIA A100 SXM 80GB", "gpu",
-            memory_bytes=81920 * MiB,         # NVIDIA A100 datasheet: 80 GB HBM2e, 2039 GB/s
-            usable_fraction=_GPU_FRACTION,
-            peak_flops=312e12,                # same: BF16 Tensor Core 312 TFLOPS dense
-            hbm_bandwidth=2039e9,
-            ici_bandwidth=600e9 / 2,          # same: NVLink 600 GB/s (both directions)
-            dcn_bandwidth=200e9 / 8,          # DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU
-            devices_per_host=8, max_slice=8),
-        DeviceKind(
-            "h100", "NVIDIA H100 SXM 80GB", "gpu",
-            memory_bytes=81559 * MiB,         # NVIDIA H100 datasheet: 80 GB HBM3 (nvidia-smi: 81559 MiB), 3.35 TB/s
-            usable_fraction=_GPU_FRACTION,
-            peak_flops=989e12,                # same: BF16 Tensor Core 989 TFLOPS dense (1979 with sparsity)
-            hbm_bandwidth=3.35e12,
-            ici_bandwidth=900e9 / 2,          # same: NVLink 900 GB/s (both directions)
-            dcn_bandwidth=400e9 / 8,          # DGX H100: one 400 Gb/s NDR InfiniBand NIC per GPU
-            devices_per_host=8, max_slice=8),
-        DeviceKind(
-            "h100-pcie", "NVIDIA H100 PCIe 80GB", "gpu",
-            memory_bytes=81559 * MiB,         # NVIDIA H100 datasheet: 80 GB HBM2e, 2 TB/s (size as the SXM's)
-            usable_fraction=_GPU_FRACTION,
-            peak_flops=756e12,                # same: BF16 Tensor Core 756 TFLOPS dense (1513 with sparsity)
-            hbm_bandwidth=2.0e12,
-            ici_bandwidth=600e9 / 2,          # same: NVLink bridge 600 GB/s (both directions), GPU pairs
-            dcn_bandwidth=400e9 / 8,          # not published; assumed one 400 Gb/s NIC per GPU, as DGX H100
-            devices_per_host=8, max_slice=2),
-        DeviceKind(
-            "h200", "NVIDIA H200 SXM 141GB", "gpu",
-            memory_bytes=143771 * MiB,        # NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s
-            usable_fraction=_GPU_FRACTION,
-            peak_flops=989e12,                # same: BF16 Tensor Core 989 TFLOPS dense
-            hbm_bandwidth=4.8e12,
-            ici_bandwidth=900e9 / 2,          # same: NVLink 900 GB/s (both directions)
-            dcn_bandwidth=400e9 / 8,          # HGX H200: one 400 Gb/s InfiniBand NIC per GPU
-            devices_per_host=8, max_slice=8),
-    )
+  k.name: k
+  for k in (
+    DeviceKind(
+      "v4",
+      "Cloud TPU v4 chip",
+      "tpu",
+      memory_bytes=32 * GiB,  # cloud.google.com/tpu/docs/v4: HBM2 32 GiB, 1200 GBps
+      usable_fraction=1.0,
+      peak_flops=275e12,  # same page: 275 TFLOPs bf16 per chip
+      hbm_bandwidth=1200e9,
+      ici_bandwidth=1.1e15 / 4096,  # same page: all-reduce bandwidth per pod 1.1 PB/s, 4096 chips
+      dcn_bandwidth=3.125e9,  # not published; assumed equal to v5e's per-chip share
+      devices_per_host=4,
+      max_slice=4096,
+    ),
+    DeviceKind(
+      "v5e",
+      "Cloud TPU v5e chip",
+      "tpu",
+      memory_bytes=16 * GiB,  # cloud.google.com/tpu/docs/v5e: HBM2 16 GB, 819 GBps
+      usable_fraction=1.0,
+      peak_flops=197e12,  # same page: 197 TFLOPs bf16 per chip
+      hbm_bandwidth=819e9,
+      ici_bandwidth=200e9,  # same page: ICI 1600 Gbps per chip; all-reduce 51.2 TB/s / 256
+      dcn_bandwidth=6.4e12 / 8 / 256,  # same page: data-center network 6.4 Tbps per 256-chip pod
+      devices_per_host=8,
+      max_slice=256,
+    ),
+    DeviceKind(
+      "v5p",
+      "Cloud TPU v5p chip",
+      "tpu",
+      memory_bytes=95 * GiB,  # cloud.google.com/tpu/docs/v5p: HBM2e 95 GB, 2765 GBps
+      usable_fraction=1.0,
+      peak_flops=459e12,  # same page: 459 TFLOPs bf16 per chip
+      hbm_bandwidth=2765e9,
+      ici_bandwidth=4800e9 / 8,  # same page: interchip interconnect BW 4800 Gbps
+      dcn_bandwidth=6.25e9,  # not published; assumed 2 × 100 Gbps per 4-chip host
+      devices_per_host=4,
+      max_slice=8960,
+    ),
+    DeviceKind(
+      "v6e",
+      "Cloud TPU v6e (Trillium) chip",
+      "tpu",
+      memory_bytes=32 * GiB,  # cloud.google.com/tpu/docs/v6e: HBM 32 GB, 1638 GBps
+      usable_fraction=1.0,
+      peak_flops=918e12,  # same page: 918 TFLOPs bf16 per chip
+      hbm_bandwidth=1638e9,
+      ici_bandwidth=102.4e12 / 256,  # same page: all-reduce bandwidth per pod 102.4 TB/s, 256 chips
+      dcn_bandwidth=6.25e9,  # not published; assumed 4 × 100 Gbps per 8-chip host
+      devices_per_host=8,
+      max_slice=256,
+    ),
+    DeviceKind(
+      "a100",
+      "NVIDIA A100 SXM 80GB",
+      "gpu",
+      memory_bytes=81920 * MiB,  # NVIDIA A100 datasheet: 80 GB HBM2e, 2039 GB/s
+      usable_fraction=_GPU_FRACTION,
+      peak_flops=312e12,  # same: BF16 Tensor Core 312 TFLOPS dense
+      hbm_bandwidth=2039e9,
+      ici_bandwidth=600e9 / 2,  # same: NVLink 600 GB/s (both directions)
+      dcn_bandwidth=200e9 / 8,  # DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU
+      devices_per_host=8,
+      max_slice=8,
+    ),
+    DeviceKind(
+      "h100",
+      "NVIDIA H100 SXM 80GB",
+      "gpu",
+      memory_bytes=81559 * MiB,  # NVIDIA H100 datasheet: 80 GB HBM3 (nvidia-smi: 81559 MiB), 3.35 TB/s
+      usable_fraction=_GPU_FRACTION,
+      peak_flops=989e12,  # same: BF16 Tensor Core 989 TFLOPS dense (1979 with sparsity)
+      hbm_bandwidth=3.35e12,
+      ici_bandwidth=900e9 / 2,  # same: NVLink 900 GB/s (both directions)
+      dcn_bandwidth=400e9 / 8,  # DGX H100: one 400 Gb/s NDR InfiniBand NIC per GPU
+      devices_per_host=8,
+      max_slice=8,
+    ),
+    DeviceKind(
+      "h100-pcie",
+      "NVIDIA H100 PCIe 80GB",
+      "gpu",
+      memory_bytes=81559 * MiB,  # NVIDIA H100 datasheet: 80 GB HBM2e, 2 TB/s (size as the SXM's)
+      usable_fraction=_GPU_FRACTION,
+      peak_flops=756e12,  # same: BF16 Tensor Core 756 TFLOPS dense (1513 with sparsity)
+      hbm_bandwidth=2.0e12,
+      ici_bandwidth=600e9 / 2,  # same: NVLink bridge 600 GB/s (both directions), GPU pairs
+      dcn_bandwidth=400e9 / 8,  # not published; assumed one 400 Gb/s NIC per GPU, as DGX H100
+      devices_per_host=8,
+      max_slice=2,
+    ),
+    DeviceKind(
+      "h200",
+      "NVIDIA H200 SXM 141GB",
+      "gpu",
+      memory_bytes=143771 * MiB,  # NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s
+      usable_fraction=_GPU_FRACTION,
+      peak_flops=989e12,  # same: BF16 Tensor Core 989 TFLOPS dense
+      hbm_bandwidth=4.8e12,
+      ici_bandwidth=900e9 / 2,  # same: NVLink 900 GB/s (both directions)
+      dcn_bandwidth=400e9 / 8,  # HGX H200: one 400 Gb/s InfiniBand NIC per GPU
+      devices_per_host=8,
+      max_slice=8,
+    ),
+  )
 }
 
 
 # What JAX reports as a device's ``device_kind`` (lower-cased) → the kind it is.
 # The first pattern contained in the reported name wins.
 _REPORTED_AS: tuple[tuple[str, str], ...] = (
-    ("tpu v6 lite", "v6e"),
-    ("tpu v6e", "v6e"),
-    ("tpu v5 lite", "v5e"),
-    ("tpu v5e", "v5e"),
-    ("tpu v5p", "v5p"),
-    ("tpu v5", "v5p"),  # v5p reports "TPU v5"
-    ("tpu v4", "v4"),
-    ("h200", "h200"),
-    ("h100 pcie", "h100-pcie"),
-    ("h100", "h100"),
-    ("a100", "a100"),
+  ("tpu v6 lite", "v6e"),
+  ("tpu v6e", "v6e"),
+  ("tpu v5 lite", "v5e"),
+  ("tpu v5e", "v5e"),
+  ("tpu v5p", "v5p"),
+  ("tpu v5", "v5p"),  # v5p reports "TPU v5"
+  ("tpu v4", "v4"),
+  ("h200", "h200"),
+  ("h100 pcie", "h100-pcie"),
+  ("h100", "h100"),
+  ("a100", "a100"),
 )
 
 

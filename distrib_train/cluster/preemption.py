@@ -113,4 +113,3 @@ class Preemption:
 def _deliver_again(signum: int) -> None:
   """``signum`` again ``REDELIVER_S`` from now, to the main thread, so that a call it waits in is interrupted too."""
   threading.Timer(REDELIVER_S, signal.pthread_kill, (threading.main_thread().ident, signum)).start()
-

@@ -19,16 +19,16 @@ from types import ModuleType
 
 # Each optional package and the extra of setup.py that brings it.
 EXTRAS = {
-    "jinja2": "text",  # also a core dependency (chat templates): missing only from a broken environment
-    "tokenizers": "text",
-    "sentencepiece": "text",
-    "tiktoken": "text",
-    "pyarrow": "text",
-    "zstandard": "text",
-    "datasets": "datasets",
-    "penzai": "penzai",
-    "lm_eval": "eval",
-    "math_verify": "rl",
+  "jinja2": "text",  # also a core dependency (chat templates): missing only from a broken environment
+  "tokenizers": "text",
+  "sentencepiece": "text",
+  "tiktoken": "text",
+  "pyarrow": "text",
+  "zstandard": "text",
+  "datasets": "datasets",
+  "penzai": "penzai",
+  "lm_eval": "eval",
+  "math_verify": "rl",
 }
 
 

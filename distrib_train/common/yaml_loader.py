@@ -41,7 +41,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         continue
       if repeated:
         raise yaml.constructor.ConstructorError(
-            "while constructing a mapping", node.start_mark, f"found the key {key!r} twice", key_node.start_mark)
+          "while constructing a mapping", node.start_mark, f"found the key {key!r} twice", key_node.start_mark
+        )
     return super().construct_mapping(node, deep)
 
   def compose_node(self, parent, index):
@@ -50,8 +51,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     try:
       if self._depth > MAX_YAML_DEPTH:
         mark = self.peek_event().start_mark
-        raise _YamlTooLarge(f"nests deeper than {MAX_YAML_DEPTH} levels (line {mark.line + 1}, column"
-                            f" {mark.column + 1})")
+        raise _YamlTooLarge(
+          f"nests deeper than {MAX_YAML_DEPTH} levels (line {mark.line + 1}, column {mark.column + 1})"
+        )
       return super().compose_node(parent, index)
     finally:
       self._depth -= 1
@@ -62,8 +64,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
       return None
     nodes = _expanded_nodes(node, {})
     if nodes > MAX_YAML_NODES:
-      raise _YamlTooLarge(f"expands to more than {MAX_YAML_NODES:,} values through its aliases ({nodes:,}); a"
-                          " config needs far fewer")
+      raise _YamlTooLarge(
+        f"expands to more than {MAX_YAML_NODES:,} values through its aliases ({nodes:,}); a config needs far fewer"
+      )
     return self.construct_document(node)
 
 
@@ -110,5 +113,5 @@ def safe_load_yaml(path: str | os.PathLike, what: str = "Config") -> Any:
   except yaml.YAMLError as e:
     message = " ".join(str(e).split())
     if len(message) > 4 * MAX_MESSAGE_VALUE:
-      message = message[:4 * MAX_MESSAGE_VALUE] + "… (cut)"
+      message = message[: 4 * MAX_MESSAGE_VALUE] + "… (cut)"
     raise ConfigError(f"{what} {os.fspath(path)!r} is not valid YAML: {message}") from None

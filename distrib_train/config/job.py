@@ -100,8 +100,13 @@ class ModelParts:
   flops_scale = property(lambda self: self.objective.flops_scale)
 
 
-def model_parts(config: Config, *, model_fn: Callable[[int], Any] | None = None,
-                loss_fn: Callable[..., Any] | None = None, input_axes: Mapping[str, Any] | None = None) -> ModelParts:
+def model_parts(
+  config: Config,
+  *,
+  model_fn: Callable[[int], Any] | None = None,
+  loss_fn: Callable[..., Any] | None = None,
+  input_axes: Mapping[str, Any] | None = None,
+) -> ModelParts:
   """``model_fn``, ``loss_fn`` and ``input_axes`` where given, the config's reference model and objective for the
   rest."""
   recipe = config.model_recipe() if model_fn is None or loss_fn is None or input_axes is None else None
@@ -110,41 +115,72 @@ def model_parts(config: Config, *, model_fn: Callable[[int], Any] | None = None,
   is_param = trainable() if trainable is not None else None
   name = config.train.objective
   try:
-    objective = objectives.build(name, recipe, model_config, is_param, getattr(config, name, None),
-                                 model_fn=model_fn, loss_fn=loss_fn, input_axes=input_axes)
+    objective = objectives.build(
+      name,
+      recipe,
+      model_config,
+      is_param,
+      getattr(config, name, None),
+      model_fn=model_fn,
+      loss_fn=loss_fn,
+      input_axes=input_axes,
+    )
   except ValueError as e:
     raise ConfigError(str(e)) from None
   return ModelParts(objective, model_config, family_of(model_config))
 
 
-def job_spec(config: Config, *, model_fn: Callable[[int], Any] | None = None, loss_fn: Callable[..., Any] | None = None,
-             input_axes: Mapping[str, Any] | None = None, parts: ModelParts | None = None) -> JobSpec:
+def job_spec(
+  config: Config,
+  *,
+  model_fn: Callable[[int], Any] | None = None,
+  loss_fn: Callable[..., Any] | None = None,
+  input_axes: Mapping[str, Any] | None = None,
+  parts: ModelParts | None = None,
+) -> JobSpec:
   """The job ``config`` describes; ``model_fn``, ``loss_fn`` and ``input_axes``
   replace the config's reference model (all three, or the recipe fills in), or ``parts`` resolved before."""
   parts = parts or model_parts(config, model_fn=model_fn, loss_fn=loss_fn, input_axes=input_axes)
   t = config.train
-  optimizer = optimizers.build(config.optimizer, t.steps, t.nonfinite,
-                               param_axes=param_axes(parts, t.seed) if config.optimizer.name == "muon" else None)
+  optimizer = optimizers.build(
+    config.optimizer,
+    t.steps,
+    t.nonfinite,
+    param_axes=param_axes(parts, t.seed) if config.optimizer.name == "muon" else None,
+  )
 
   def make_state() -> TrainState:
-    return TrainState.initial_state(parts.model_fn(t.seed), optimizer, jax.random.key(t.seed),
-                                    is_param=parts.is_param)
+    return TrainState.initial_state(parts.model_fn(t.seed), optimizer, jax.random.key(t.seed), is_param=parts.is_param)
 
   with logical_annotations_only():
     abstract = jax.eval_shape(make_state)
   inputs = DataLoader.batch_schema(config.data_config())
   shape = inputs["tokens"].shape
   inputs.update({name: jax.ShapeDtypeStruct(shape, dtype) for name, dtype in parts.objective.extra_inputs.items()})
-  return JobSpec(abstract, inputs, parts.loss_fn, parts.input_axes, parts.model_config, make_state, optimizer,
-                 family=parts.family, microbatches=t.microbatches, pipeline_repeats=t.pipeline_repeats,
-                 flops_scale=parts.flops_scale, objective=parts.objective)
+  return JobSpec(
+    abstract,
+    inputs,
+    parts.loss_fn,
+    parts.input_axes,
+    parts.model_config,
+    make_state,
+    optimizer,
+    family=parts.family,
+    microbatches=t.microbatches,
+    pipeline_repeats=t.pipeline_repeats,
+    flops_scale=parts.flops_scale,
+    objective=parts.objective,
+  )
 
 
 def param_axes(parts: ModelParts, seed: int = 0) -> dict[str, tuple[str | None, ...]]:
   """Each param's logical axes by ``/``-path, from the model built abstractly (Muon's matrices: ``muon.py``)."""
   with logical_annotations_only():
-    state = jax.eval_shape(lambda: TrainState.initial_state(parts.model_fn(seed), optax.set_to_zero(),
-                                                            jax.random.key(seed), is_param=parts.is_param))
+    state = jax.eval_shape(
+      lambda: TrainState.initial_state(
+        parts.model_fn(seed), optax.set_to_zero(), jax.random.key(seed), is_param=parts.is_param
+      )
+    )
   return dict(models.annotated_axes(state.model_without_params, state.params))
 
 
@@ -154,8 +190,9 @@ def packed_attention(family: Family, mesh: Any) -> bool:
   from distrib_train.kernels.attention.cudnn import packs_rows
 
   caps = family.capabilities()
-  return dict(mesh.shape).get("context", 1) == 1 and packs_rows(caps.max_segments, caps.attention, caps.dtype,
-                                                                mesh.devices.flat[0])
+  return dict(mesh.shape).get("context", 1) == 1 and packs_rows(
+    caps.max_segments, caps.attention, caps.dtype, mesh.devices.flat[0]
+  )
 
 
 def data_config(config: Config, family: Family, mesh: Any = None, *, packed: bool | None = None) -> DataConfig:
@@ -172,15 +209,19 @@ def data_config(config: Config, family: Family, mesh: Any = None, *, packed: boo
     return data
   per_document = 2 if data.pairs else 1  # a preference pair is two segments
   if data.pairs and segments < 3:
-    raise ConfigError(f"model.max_segments={segments} runs a row in cuDNN's packed attention, the padding included:"
-                      " too few for a preference pair's two segments; raise it to 3 at least.")
+    raise ConfigError(
+      f"model.max_segments={segments} runs a row in cuDNN's packed attention, the padding included:"
+      " too few for a preference pair's two segments; raise it to 3 at least."
+    )
   if not data.max_documents_per_row:
     return dataclasses.replace(data, max_documents_per_row=(segments - 1) // per_document)
   if data.max_segments_per_row > segments - 1:
-    raise ConfigError(f"data.max_documents_per_row={data.max_documents_per_row} is more than the model's packed"
-                      f" attention takes: model.max_segments={segments} runs a row, the padding included"
-                      f"{', and a preference pair takes two' if data.pairs else ''}; raise model.max_segments to"
-                      f" {data.max_segments_per_row + 1} or lower the data's.")
+    raise ConfigError(
+      f"data.max_documents_per_row={data.max_documents_per_row} is more than the model's packed"
+      f" attention takes: model.max_segments={segments} runs a row, the padding included"
+      f"{', and a preference pair takes two' if data.pairs else ''}; raise model.max_segments to"
+      f" {data.max_segments_per_row + 1} or lower the data's."
+    )
   return data
 
 
@@ -190,8 +231,12 @@ def step_options(job: JobSpec, plan: Plan, rules: AxisRules | None = None) -> di
   plan's ``rules`` as the step's activation layout."""
   aux = dict(plan.aux_output_shardings) if isinstance(plan.aux_output_shardings, Mapping) else None
   weight = objectives.weight_in(aux, job.objective.weight if job.objective else None)
-  return {"microbatches": job.microbatches, "pipeline_repeats": job.pipeline_repeats, "microbatch_weight": weight,
-          "activation_rules": rules}
+  return {
+    "microbatches": job.microbatches,
+    "pipeline_repeats": job.pipeline_repeats,
+    "microbatch_weight": weight,
+    "activation_rules": rules,
+  }
 
 
 def eval_step_options(job: JobSpec, rules: AxisRules | None = None) -> dict[str, Any]:

@@ -159,8 +159,12 @@ class Config:
       out["data"].pop(key)
     model = out.pop("model")
     out = {"model": {"name": model["name"], "preset": model["preset"], **dict(model["overrides"])}, **out}
-    return {section: {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}  # YAML's lists
-            if isinstance(values, dict) else values for section, values in out.items()}
+    return {
+      section: {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}  # YAML's lists
+      if isinstance(values, dict)
+      else values
+      for section, values in out.items()
+    }
 
   to_yaml = lambda self: yaml.safe_dump(self.to_dict(), sort_keys=False)  # noqa: E731
 
@@ -169,13 +173,22 @@ class Config:
     saved, now = run.get("config") or {}, self.to_dict()
     # Of the train section only the seed shapes what a checkpoint holds; steps and intervals may change. A key
     # the checkpoint's release did not have is no change.
-    compared = {"model": None, "optimizer": None, "data": None, "dpo": None, "grpo": None,
-                "train": ("seed", "objective")}
-    return [f"{section}.{key}: {saved[section].get(key)!r} → {value!r}"
-            + (" (ignored: the weights and keys continue from the checkpoint)" if section == "train" else "")
-            for section, keys in compared.items() if isinstance(saved.get(section), dict)
-            for key, value in now[section].items()
-            if (keys is None or key in keys) and key in saved[section] and saved[section][key] != value]
+    compared = {
+      "model": None,
+      "optimizer": None,
+      "data": None,
+      "dpo": None,
+      "grpo": None,
+      "train": ("seed", "objective"),
+    }
+    return [
+      f"{section}.{key}: {saved[section].get(key)!r} → {value!r}"
+      + (" (ignored: the weights and keys continue from the checkpoint)" if section == "train" else "")
+      for section, keys in compared.items()
+      if isinstance(saved.get(section), dict)
+      for key, value in now[section].items()
+      if (keys is None or key in keys) and key in saved[section] and saved[section][key] != value
+    ]
 
   def model_recipe(self):
     """The ``ModelRecipe`` this config names (config fields overridden); with ``train.init_from: hf:<dir>``,
@@ -195,19 +208,26 @@ class Config:
     # The checkpoint's config.json picks the family (dense or mixture) and fixes its shape and variants; the
     # preset's numerics (dtype, remat, the attention kernel, fp8, …) stay the run's.
     cls, fields = hf_shape.checkpoint_fields(os.path.expanduser(self.train.init_from[3:]))
-    kept = {f.name: getattr(recipe.config, f.name) for f in dataclasses.fields(cls)
-            if hasattr(recipe.config, f.name) and f.name not in hf_shape.shape_fields(recipe.config)}
+    kept = {
+      f.name: getattr(recipe.config, f.name)
+      for f in dataclasses.fields(cls)
+      if hasattr(recipe.config, f.name) and f.name not in hf_shape.shape_fields(recipe.config)
+    }
     kept.update({k: v for k, v in self.model.overrides.items() if k == "mtp_depth"})  # MTP dropped or added
     try:
       config = cls(**{**fields, **kept})  # the run's own settings (loss weights too) beat the checkpoint's
     except ValueError as e:  # a preset setting the checkpoint's model cannot take
       raise ConfigError(f"train.init_from {self.train.init_from}: {e}") from None
     fixed = hf_shape.shape_fields(config)
-    clashes = [f"model.{k}={v!r} (the checkpoint has {getattr(config, k)!r})"
-               for k, v in self.model.overrides.items() if k in set(fixed) - {"mtp_depth"} and getattr(config, k) != v]
+    clashes = [
+      f"model.{k}={v!r} (the checkpoint has {getattr(config, k)!r})"
+      for k, v in self.model.overrides.items()
+      if k in set(fixed) - {"mtp_depth"} and getattr(config, k) != v
+    ]
     if clashes:
-      raise ConfigError(f"train.init_from {self.train.init_from}: {', '.join(clashes)}; leave the model's shape to"
-                        " the checkpoint.")
+      raise ConfigError(
+        f"train.init_from {self.train.init_from}: {', '.join(clashes)}; leave the model's shape to the checkpoint."
+      )
     name = "moe" if hf_shape.is_moe(config) else "llama"
     return recipes.ModelRecipe(f"{name}-{config.hf_model_type}", config, recipe.loss_fn, recipe.input_axes)
 
@@ -219,12 +239,25 @@ class Config:
     if objective == "grpo":
       return dataclasses.replace(self.data, packing=False, prompts=True)
     # dpo's precomputed reference: the trainer names its file once its pass has run (reference_pass.py)
-    return self.data if objective != "dpo" else dataclasses.replace(self.data, pairs=True, **records, **(
-        {"reference_logps": REFERENCE_PENDING} if self.dpo.precompute_reference else {}))
+    return (
+      self.data
+      if objective != "dpo"
+      else dataclasses.replace(
+        self.data,
+        pairs=True,
+        **records,
+        **({"reference_logps": REFERENCE_PENDING} if self.dpo.precompute_reference else {}),
+      )
+    )
 
 
-_SECTIONS = {"optimizer": OptimizerConfig, "data": DataConfig, "train": TrainConfig, "dpo": DpoConfig,
-             "grpo": GrpoConfig}
+_SECTIONS = {
+  "optimizer": OptimizerConfig,
+  "data": DataConfig,
+  "train": TrainConfig,
+  "dpo": DpoConfig,
+  "grpo": GrpoConfig,
+}
 # Fields set from code, not from a config file.
 _NOT_CONFIG_KEYS: tuple[str, ...] = ("pairs", "reference_logps", "prompts")
 
@@ -289,7 +322,7 @@ def config_path(name_or_path: str) -> pathlib.Path:
   preset = PRESETS_DIR / f"{name_or_path}.yaml"
   if not preset.is_file():
     raise ConfigError(
-        f"No config preset {name_or_path!r}; presets: {', '.join(preset_names())} (or give a .yaml path)."
+      f"No config preset {name_or_path!r}; presets: {', '.join(preset_names())} (or give a .yaml path)."
     )
   return preset
 
@@ -305,8 +338,9 @@ def parse_overrides(assignments: Sequence[str]) -> dict[str, str]:
   return out
 
 
-def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str = "config",
-          training: bool = True) -> Config:
+def build(
+  raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str = "config", training: bool = True
+) -> Config:
   """A checked ``Config`` from nested YAML-like values and flat overrides (``training``: as ``check_config``).
 
   Raises:
@@ -329,7 +363,8 @@ def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str 
       continue
     section, _, field = key.partition(".")
     if section in ("model", "optimizer") and field.replace(".", "_") in (
-        model_types if section == "model" else _field_types(OptimizerConfig)):
+      model_types if section == "model" else _field_types(OptimizerConfig)
+    ):
       field = field.replace(".", "_")
     if section == "model" and field in model_types:
       model_overrides[field] = check_model_value(key, coerce(value, model_types[field], key), field)
@@ -339,12 +374,12 @@ def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str 
       raise ConfigError(f"Unknown config key {key!r} ({where}); {closest_keys(key, known)}")
   try:
     config = Config(
-        model=ModelSection(name, preset, model_overrides),
-        optimizer=OptimizerConfig(**sections["optimizer"]),
-        data=DataConfig(**sections["data"]),
-        train=TrainConfig(**sections["train"]),
-        **{name: _SECTIONS[name](**sections[name]) for name in ("dpo", "grpo")},
-        mesh_config=mesh_config,
+      model=ModelSection(name, preset, model_overrides),
+      optimizer=OptimizerConfig(**sections["optimizer"]),
+      data=DataConfig(**sections["data"]),
+      train=TrainConfig(**sections["train"]),
+      **{name: _SECTIONS[name](**sections[name]) for name in ("dpo", "grpo")},
+      mesh_config=mesh_config,
     )
   except ValueError as e:  # a value the section itself refuses (DataConfig checks its own)
     raise ConfigError(str(e)) from None
@@ -352,8 +387,9 @@ def build(raw: Mapping[str, Any], overrides: Mapping[str, Any] = (), where: str 
   return config
 
 
-def load(config: str | None = None, overrides: Sequence[str] | Mapping[str, Any] = (), *,
-         training: bool = True) -> Config:
+def load(
+  config: str | None = None, overrides: Sequence[str] | Mapping[str, Any] = (), *, training: bool = True
+) -> Config:
   """A config from a preset name or YAML path (or the defaults), overridden.
 
   Args:
@@ -366,4 +402,3 @@ def load(config: str | None = None, overrides: Sequence[str] | Mapping[str, Any]
   if not isinstance(overrides, Mapping):
     overrides = parse_overrides(overrides)
   return build(raw, overrides, where, training)
-

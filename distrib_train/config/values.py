@@ -60,6 +60,7 @@ def coerce(value: Any, kind: Any, key: str) -> Any:
   Raises:
     ConfigError: a value that is not of ``kind`` (or not finite), the key named.
   """
+
   def wrong(what: str) -> ConfigError:
     return ConfigError(f"{key} must be {what}, got {short_repr(value)}.")
 
@@ -78,8 +79,9 @@ def coerce(value: Any, kind: Any, key: str) -> Any:
       value = [int(n) for n in numbers]
     if item is float and isinstance(value, (list, tuple)):
       try:
-        value = [float(v) for v in value if not isinstance(v, bool)] if not any(isinstance(v, bool) for v in value) \
-            else None
+        value = (
+          [float(v) for v in value if not isinstance(v, bool)] if not any(isinstance(v, bool) for v in value) else None
+        )
       except (TypeError, ValueError):
         value = None
       if value is None or not all(math.isfinite(v) for v in value):
@@ -131,8 +133,10 @@ def model_field_types(name: str, preset: str) -> dict[str, type]:
     raise ConfigError(f"model: {e}") from None
   config = recipe.config
   hints = typing.get_type_hints(type(config))  # tuple[str, ...] and tuple[int, ...] keep their items' type
-  return {f.name: hints[f.name] if typing.get_origin(hints[f.name]) is tuple else type(getattr(config, f.name))
-          for f in dataclasses.fields(config)}
+  return {
+    f.name: hints[f.name] if typing.get_origin(hints[f.name]) is tuple else type(getattr(config, f.name))
+    for f in dataclasses.fields(config)
+  }
 
 
 # integer model fields where 0 is a setting (off), not a size

@@ -9,9 +9,14 @@ loads only when a ``DataLoader`` is built or ArrayRecord read.
 import importlib
 from typing import Any
 
-_EXPORTS = {"DataConfig": "distrib_train.data.pipeline", "DataLoader": "distrib_train.data.pipeline",
-            "data_shard": "distrib_train.data.pipeline", "to_global": "distrib_train.data.pipeline",
-            "write_array_record": "distrib_train.data.record_shards", "Documents": "distrib_train.data.sources"}
+_EXPORTS = {
+  "DataConfig": "distrib_train.data.pipeline",
+  "DataLoader": "distrib_train.data.pipeline",
+  "data_shard": "distrib_train.data.pipeline",
+  "to_global": "distrib_train.data.pipeline",
+  "write_array_record": "distrib_train.data.record_shards",
+  "Documents": "distrib_train.data.sources",
+}
 
 __all__ = sorted(_EXPORTS)
 

@@ -46,15 +46,21 @@ def record_columns(path: str, names: list[str], field: str = RECORD) -> list[str
   """
   if field == PROMPTS:
     if "prompt" not in names:
-      raise ValueError(f"Data file {path!r} holds no prompt records: a 'prompt' column is needed; its columns:"
-                       f" {', '.join(names)}.")
+      raise ValueError(
+        f"Data file {path!r} holds no prompt records: a 'prompt' column is needed; its columns: {', '.join(names)}."
+      )
     return list(names)
   columns = [name for name in RECORD_COLUMNS if name in names]
-  if "messages" not in columns and not {"prompt", "completion"} <= set(columns) \
-      and not {"chosen", "rejected"} <= set(columns):
-    raise ValueError(f"Data file {path!r} holds no conversations: a conversation record has a 'messages' column,"
-                     f" 'prompt' and 'completion', or a pair's 'chosen' and 'rejected'; its columns:"
-                     f" {', '.join(names)}.")
+  if (
+    "messages" not in columns
+    and not {"prompt", "completion"} <= set(columns)
+    and not {"chosen", "rejected"} <= set(columns)
+  ):
+    raise ValueError(
+      f"Data file {path!r} holds no conversations: a conversation record has a 'messages' column,"
+      f" 'prompt' and 'completion', or a pair's 'chosen' and 'rejected'; its columns:"
+      f" {', '.join(names)}."
+    )
   return columns
 
 
@@ -89,8 +95,7 @@ class Records:
 def check_text_type(path: str, field: str, names: list[str], arrow_type: Any) -> None:
   """Raises the ValueError of a missing ``field`` (the columns listed) or a column of another type than text."""
   if arrow_type is None:
-    raise ValueError(f"Data file {path!r} has no column {field!r} (data.text_field); its columns:"
-                     f" {', '.join(names)}.")
+    raise ValueError(f"Data file {path!r} has no column {field!r} (data.text_field); its columns: {', '.join(names)}.")
   if str(arrow_type) not in _TEXT_TYPES:
     raise ValueError(f"Data file {path!r}: column {field!r} holds {arrow_type}, not text.")
 
@@ -123,12 +128,13 @@ class Strings:
     return len(self.offsets) - 1
 
   def __getitem__(self, row: int) -> str:
-    raw = self.data[int(self.offsets[row]):int(self.offsets[row + 1])]
+    raw = self.data[int(self.offsets[row]) : int(self.offsets[row + 1])]
     try:
       return str(raw, "utf-8")
     except UnicodeDecodeError as e:
-      raise ValueError(f"Data file {self.path!r} row {self._first_row + row} is not UTF-8 text"
-                       f" (byte {e.start}).") from None
+      raise ValueError(
+        f"Data file {self.path!r} row {self._first_row + row} is not UTF-8 text (byte {e.start})."
+      ) from None
 
   def __iter__(self) -> Iterator[str]:
     return (self[row] for row in range(len(self)))
@@ -140,8 +146,9 @@ class Strings:
 
 def is_dataset_folder(path: str) -> bool:
   """Whether ``path`` is a folder ``datasets``' ``save_to_disk`` wrote (a Dataset or a DatasetDict)."""
-  return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, name))
-                                     for name in ("state.json", "dataset_dict.json"))
+  return os.path.isdir(path) and any(
+    os.path.isfile(os.path.join(path, name)) for name in ("state.json", "dataset_dict.json")
+  )
 
 
 def _load(path: str) -> Any:
@@ -154,8 +161,10 @@ def _load(path: str) -> Any:
     except (OSError, ValueError, KeyError, TypeError) as e:
       raise ValueError(f"Data path {path!r}: dataset_dict.json is not readable: {e}") from None
     if "train" not in splits:
-      raise ValueError(f"Data path {path!r} is a datasets DatasetDict without a 'train' split; its splits:"
-                       f" {', '.join(splits)}; give the folder of one split (…/{splits[0]}).")
+      raise ValueError(
+        f"Data path {path!r} is a datasets DatasetDict without a 'train' split; its splits:"
+        f" {', '.join(splits)}; give the folder of one split (…/{splits[0]})."
+      )
     path = os.path.join(path, "train")
   try:
     return datasets.load_from_disk(path)
@@ -174,8 +183,11 @@ class DatasetFolder:
       table = dataset.flatten_indices().data.table
     schema = table.schema
     if field in RECORDS:
-      self._chunks = [Records(batch) for batch in table.select(record_columns(path, schema.names, field)).to_batches()
-                      if batch.num_rows]
+      self._chunks = [
+        Records(batch)
+        for batch in table.select(record_columns(path, schema.names, field)).to_batches()
+        if batch.num_rows
+      ]
     else:
       check_text_type(path, field, schema.names, schema.field(field).type if field in schema.names else None)
       column = table.column(field)

@@ -117,8 +117,9 @@ class BlockOrder:
     seed: the shuffle seed.
   """
 
-  def __init__(self, block_starts: np.ndarray, block_files: np.ndarray, sequential: np.ndarray,
-               indices: np.ndarray, seed: int):
+  def __init__(
+    self, block_starts: np.ndarray, block_files: np.ndarray, sequential: np.ndarray, indices: np.ndarray, seed: int
+  ):
     bounds = np.searchsorted(indices, np.asarray(block_starts, np.int64))
     keep = np.flatnonzero(np.diff(bounds) > 0)  # blocks holding documents of the split
     self.starts = bounds[keep].astype(np.int64)  # each window's first split position
@@ -149,9 +150,8 @@ class BlockOrder:
       pieces = []
       files = [self._file_windows[i] for i in rng.permutation(len(self._file_windows))]
       for group in range(0, len(files), INTERLEAVE):
-        members = files[group:group + INTERLEAVE]
-        windows = [np.arange(a, b) if self._file_sequential[f] else a + rng.permutation(b - a)
-                   for f, a, b in members]
+        members = files[group : group + INTERLEAVE]
+        windows = [np.arange(a, b) if self._file_sequential[f] else a + rng.permutation(b - a) for f, a, b in members]
         turns = rng.permutation(np.repeat(np.arange(len(members)), [len(w) for w in windows]))
         piece = np.empty(len(turns), np.int64)
         for member, own in enumerate(windows):

@@ -92,12 +92,16 @@ class ChatTemplate:
     if isinstance(template, list):
       named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
       if "default" not in named:
-        raise ValueError(f"{where}: chat_template holds templates named {sorted(map(str, named))} and none is"
-                         " 'default'; name the one to use as a file in data.chat_template.")
+        raise ValueError(
+          f"{where}: chat_template holds templates named {sorted(map(str, named))} and none is"
+          " 'default'; name the one to use as a file in data.chat_template."
+        )
       template = named["default"]
     if not isinstance(template, str) or not template:
-      raise ValueError(f"{directory!r} has no chat template (neither chat_template.jinja nor a chat_template in"
-                       " tokenizer_config.json); name a .jinja file in data.chat_template.")
+      raise ValueError(
+        f"{directory!r} has no chat template (neither chat_template.jinja nor a chat_template in"
+        " tokenizer_config.json); name a .jinja file in data.chat_template."
+      )
     return cls(template, f"{where} (chat_template)", tokens)
 
 
@@ -109,8 +113,9 @@ def special_tokens(tokenizer_path: str) -> dict[str, str]:
   directory = path if os.path.isdir(path) else os.path.dirname(path)
   config = _read_json(os.path.join(directory, "tokenizer_config.json"))
   specials = _read_json(os.path.join(directory, "special_tokens_map.json"))
-  return {name: text for name in _SPECIAL_NAMES
-          if (text := _token_text(config.get(name, specials.get(name)))) is not None}
+  return {
+    name: text for name in _SPECIAL_NAMES if (text := _token_text(config.get(name, specials.get(name)))) is not None
+  }
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -225,13 +230,25 @@ class ChatEncoder:
     if self.loss_on not in LOSS_ON:
       raise ValueError(f"data.loss_on={self.loss_on!r}: choose one of {', '.join(LOSS_ON)}.")
 
-  def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False,
-             spans: _Spans | None = None, where: str = "a conversation") -> str:
+  def render(
+    self,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+    spans: _Spans | None = None,
+    where: str = "a conversation",
+  ) -> str:
     """The template's text for ``messages``, as ``apply_chat_template(..., tokenize=False)`` renders it."""
     jinja2 = extras.require("jinja2", "data.loss_on")
 
-    variables = {**self.template.special_tokens, "messages": messages, "tools": None, "documents": None,
-                 "add_generation_prompt": add_generation_prompt, "_distrib_train_spans": spans}
+    variables = {
+      **self.template.special_tokens,
+      "messages": messages,
+      "tools": None,
+      "documents": None,
+      "add_generation_prompt": add_generation_prompt,
+      "_distrib_train_spans": spans,
+    }
     try:
       if spans is None:
         return _compiled(self.template.text).render(**variables)
@@ -245,18 +262,21 @@ class ChatEncoder:
     """A record's token ids (int32) and loss mask (bool), both as long as the rendered conversation."""
     if "messages" in record:
       messages = _check_messages(record["messages"], where)
-      return self._encode_messages(messages, first_scored=self._last_assistant(messages, where)
-                                   if self.loss_on == "completion" else 0, where=where)
+      return self._encode_messages(
+        messages, first_scored=self._last_assistant(messages, where) if self.loss_on == "completion" else 0, where=where
+      )
     if "prompt" in record and "completion" in record:
       prompt, completion = record["prompt"], record["completion"]
       if isinstance(prompt, str) and isinstance(completion, str):
         return self._encode_text(prompt, completion)
       prompt = _check_messages(prompt, f"{where} (prompt)")
       completion = _check_messages(completion, f"{where} (completion)")
-      return self._encode_messages(prompt + completion,
-                                   first_scored=len(prompt) if self.loss_on != "all" else 0, where=where)
-    raise ValueError(f"{where}: a conversation record holds 'messages', or 'prompt' and 'completion'; it has"
-                     f" {sorted(record)[:8]}.")
+      return self._encode_messages(
+        prompt + completion, first_scored=len(prompt) if self.loss_on != "all" else 0, where=where
+      )
+    raise ValueError(
+      f"{where}: a conversation record holds 'messages', or 'prompt' and 'completion'; it has {sorted(record)[:8]}."
+    )
 
   def _last_assistant(self, messages: list[dict[str, Any]], where: str) -> int:
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -272,8 +292,9 @@ class ChatEncoder:
       return ids, np.ones(len(ids), bool)
     return ids, _overlapping(encoding.offsets, [(len(prompt), len(prompt) + len(completion))])
 
-  def _encode_messages(self, messages: list[dict[str, Any]], *, first_scored: int,
-                       where: str) -> tuple[np.ndarray, np.ndarray]:
+  def _encode_messages(
+    self, messages: list[dict[str, Any]], *, first_scored: int, where: str
+  ) -> tuple[np.ndarray, np.ndarray]:
     spans = _Spans()
     text = self.render(messages, spans=spans, where=where)
     encoding = self.tokenizer.encode(text, add_special_tokens=False)
@@ -287,12 +308,17 @@ class ChatEncoder:
       elif len(spans.spans) == len(turns):  # block k is the k-th assistant turn
         chosen = [span for turn, span in zip(turns, spans.spans) if turn >= first_scored]
       else:
-        raise ValueError(f"{where}: the chat template of {self.template.source} renders {len(spans.spans)}"
-                         f" generation blocks for {len(turns)} assistant turns, so the completion's cannot be told"
-                         " apart; set data.loss_on=assistant or all.")
+        raise ValueError(
+          f"{where}: the chat template of {self.template.source} renders {len(spans.spans)}"
+          f" generation blocks for {len(turns)} assistant turns, so the completion's cannot be told"
+          " apart; set data.loss_on=assistant or all."
+        )
     else:
-      chosen = [self._turn_span(messages, i, text, where) for i, m in enumerate(messages)
-                if m["role"] == "assistant" and i >= first_scored]
+      chosen = [
+        self._turn_span(messages, i, text, where)
+        for i, m in enumerate(messages)
+        if m["role"] == "assistant" and i >= first_scored
+      ]
     return ids, _overlapping(encoding.offsets, chosen)
 
   def _turn_span(self, messages: list[dict[str, Any]], i: int, text: str, where: str) -> tuple[int, int]:
@@ -301,9 +327,10 @@ class ChatEncoder:
     through = self.render(messages[: i + 1], where=where)
     if not (through.startswith(before) and text.startswith(through)):
       raise ValueError(
-          f"{where}: the chat template of {self.template.source} renders assistant turn {i} otherwise once later"
-          " turns follow, so its tokens cannot be found by rendering prefixes; give data.chat_template a"
-          " template that marks assistant turns with {% generation %} blocks, or set data.loss_on=all.")
+        f"{where}: the chat template of {self.template.source} renders assistant turn {i} otherwise once later"
+        " turns follow, so its tokens cannot be found by rendering prefixes; give data.chat_template a"
+        " template that marks assistant turns with {% generation %} blocks, or set data.loss_on=all."
+      )
     return len(before), len(through)
 
 
@@ -320,10 +347,12 @@ def _overlapping(offsets: Any, spans: Sequence[tuple[int, int]]) -> np.ndarray:
 SCORED_TOKENS = np.dtype([("ids", np.int32), ("loss", np.int32)])
 
 # The ``bytes`` tokenizer's template (it has no file of its own): ChatML turns, assistant turns marked.
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-          "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
-          "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+  "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+  "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+  "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 class _Encoding:
@@ -358,8 +387,11 @@ class ConversationTokenizer:
       template = ChatTemplate.load(path, config.chat_template)
     else:
       tok = Utf8Bytes()
-      template = ChatTemplate(_read_text(config.chat_template), config.chat_template) if config.chat_template \
-          else ChatTemplate(CHATML, "the bytes tokenizer's ChatML template")
+      template = (
+        ChatTemplate(_read_text(config.chat_template), config.chat_template)
+        if config.chat_template
+        else ChatTemplate(CHATML, "the bytes tokenizer's ChatML template")
+      )
     self.encoder = ChatEncoder(template, tok, config.loss_on)
     self.dtype = SCORED_TOKENS
     self.limit, self.drop, self.long = config.seq_len + 1, config.long_conversations == "drop", 0
@@ -374,7 +406,7 @@ class ConversationTokenizer:
       self.long += 1
       if self.drop:
         return np.zeros(0, self.dtype)
-      ids, mask = ids[:self.limit], mask[:self.limit]
+      ids, mask = ids[: self.limit], mask[: self.limit]
     out = np.empty(len(ids), SCORED_TOKENS)
     out["ids"], out["loss"] = ids, mask
     return out

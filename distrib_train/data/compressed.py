@@ -106,8 +106,10 @@ def _pieces(path: str) -> Iterator[bytes]:
         if decompressor.eof:  # a frame ended: the bytes after it start the next
           raw, decompressor, inside = decompressor.unused_data, make(), False
   if inside:
-    raise ValueError(f"Data file {path!r} is not a readable compressed stream: it ends inside a zstd frame"
-                     " (cut short? an interrupted download or copy).")
+    raise ValueError(
+      f"Data file {path!r} is not a readable compressed stream: it ends inside a zstd frame"
+      " (cut short? an interrupted download or copy)."
+    )
 
 
 def iter_chunks(path: str) -> Iterator[bytes]:
@@ -163,7 +165,7 @@ def _scan(path: str) -> dict[str, np.ndarray]:
     data = np.frombuffer(chunk, np.uint8)
     newlines = np.flatnonzero(data == 10)
     line_end = np.append(newlines, len(data)) if not chunk.endswith(b"\n") else newlines
-    line_start = np.concatenate([[0], newlines + 1])[:len(line_end)]
+    line_start = np.concatenate([[0], newlines + 1])[: len(line_end)]
     filled = jsonl.inked(data, line_start)  # blank as in a plain JSONL file
     starts.append(line_start[filled] + base)
     ends.append(line_end[filled] + base)
@@ -196,8 +198,9 @@ class CompressedJsonl:
 
   sequential = True
 
-  def __init__(self, path: str, field: str, parse: Any, cache: block_order.BlockCache | None = None,
-               index_cache_dir: str = ""):
+  def __init__(
+    self, path: str, field: str, parse: Any, cache: block_order.BlockCache | None = None, index_cache_dir: str = ""
+  ):
     self.path, self.field, self._parse = path, field, parse
     self.cache, self.index_cache_dir = cache or block_order.BlockCache(2), index_cache_dir
     _open(path).close()  # no zstandard, or an empty file: named now
@@ -257,15 +260,20 @@ class CompressedJsonl:
     drifted further apart than the block cache holds (``data.block_cache``)."""
     self.restarts += 1
     if self.restarts & (self.restarts - 1) == 0:
-      logging.warning("Data file %r: decompressed from its start again for a block behind the decompressor"
-                      " (%d time(s) in this process); the lanes are spread over more blocks than data.block_cache"
-                      " (%d) holds: raise it.", self.path, self.restarts, self.cache.capacity)
+      logging.warning(
+        "Data file %r: decompressed from its start again for a block behind the decompressor"
+        " (%d time(s) in this process); the lanes are spread over more blocks than data.block_cache"
+        " (%d) holds: raise it.",
+        self.path,
+        self.restarts,
+        self.cache.capacity,
+      )
 
   def __getitem__(self, index: int) -> Any:
     index = int(index)
     block = int(np.searchsorted(self.block_starts, index, side="right")) - 1
     first = self._first_byte(block)
-    raw = self._block(block)[int(self.starts[index]) - first:int(self.ends[index]) - first]
+    raw = self._block(block)[int(self.starts[index]) - first : int(self.ends[index]) - first]
     return self._parse(raw, self.path, int(self.lines[index]), self.field)
 
   def close(self) -> None:
@@ -277,8 +285,14 @@ class CompressedJsonl:
   # A copy sent to another process maps the kept index again and opens its own decompressor (the index's
   # arrays are not copied: 24 bytes a document).
   def __getstate__(self) -> dict:
-    return {"path": self.path, "field": self.field, "_parse": self._parse, "cache": self.cache,
-            "index_cache_dir": self.index_cache_dir, "restarts": 0}
+    return {
+      "path": self.path,
+      "field": self.field,
+      "_parse": self._parse,
+      "cache": self.cache,
+      "index_cache_dir": self.index_cache_dir,
+      "restarts": 0,
+    }
 
   def __setstate__(self, state: dict) -> None:
     self.__dict__.update(state)

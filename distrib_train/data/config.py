@@ -152,38 +152,52 @@ class DataConfig:
 
       tokenizer_lib.parse(self.tokenizer)  # a known kind and a file that exists, before anything runs
     elif not callable(self.tokenizer):
-      raise ValueError(f"Data config: tokenizer must be a spec (bytes, hf:<file>, …) or a function, got"
-                       f" {type(self.tokenizer).__name__}.")
+      raise ValueError(
+        f"Data config: tokenizer must be a spec (bytes, hf:<file>, …) or a function, got"
+        f" {type(self.tokenizer).__name__}."
+      )
     elif self.bos_token or self.eos_token:
       raise ValueError("Data config: bos_token / eos_token need a tokenizer spec (a function adds its own).")
     self._check_conversations()
 
   def _check_conversations(self) -> None:
     if self.loss_on not in ("", "assistant", "completion", "all"):
-      raise ValueError(f"Data config: loss_on={self.loss_on!r}; choose assistant, completion or all for"
-                       " conversation records, or leave it empty for documents of text.")
+      raise ValueError(
+        f"Data config: loss_on={self.loss_on!r}; choose assistant, completion or all for"
+        " conversation records, or leave it empty for documents of text."
+      )
     if self.long_conversations not in ("truncate", "drop"):
       raise ValueError(f"Data config: long_conversations={self.long_conversations!r}; choose truncate or drop.")
     if self.pairs and (self.loss_on != "completion" or not self.packing):
-      raise ValueError(f"Data config: preference pairs (train.objective: dpo) score their completions and pack"
-                       f" both of a pair into one row: set data.loss_on=completion (or leave it empty) and"
-                       f" data.packing=true (it is loss_on={self.loss_on!r}, packing={self.packing}).")
+      raise ValueError(
+        f"Data config: preference pairs (train.objective: dpo) score their completions and pack"
+        f" both of a pair into one row: set data.loss_on=completion (or leave it empty) and"
+        f" data.packing=true (it is loss_on={self.loss_on!r}, packing={self.packing})."
+      )
     if not self.loss_on:
       if self.chat_template:
-        raise ValueError("Data config: chat_template renders conversation records; set data.loss_on (assistant,"
-                         " completion or all) to read them.")
+        raise ValueError(
+          "Data config: chat_template renders conversation records; set data.loss_on (assistant,"
+          " completion or all) to read them."
+        )
       return
     kind = self.tokenizer.partition(":")[0] if isinstance(self.tokenizer, str) else "code"
     if kind not in ("hf", "bytes"):
-      raise ValueError(f"Data config: loss_on={self.loss_on} reads conversations through a chat template, which"
-                       f" needs a Hugging Face tokenizer (hf:<tokenizer.json>) or bytes; data.tokenizer is"
-                       f" {self.tokenizer_name()}.")
+      raise ValueError(
+        f"Data config: loss_on={self.loss_on} reads conversations through a chat template, which"
+        f" needs a Hugging Face tokenizer (hf:<tokenizer.json>) or bytes; data.tokenizer is"
+        f" {self.tokenizer_name()}."
+      )
     if self.bos_token or self.eos_token:
-      raise ValueError("Data config: the chat template puts a conversation's special tokens itself; leave"
-                       " data.bos_token and data.eos_token empty with data.loss_on.")
+      raise ValueError(
+        "Data config: the chat template puts a conversation's special tokens itself; leave"
+        " data.bos_token and data.eos_token empty with data.loss_on."
+      )
     if self.source == "synthetic":
-      raise ValueError("Data config: the synthetic source holds no conversations; use source pydoc (its"
-                       " documents as conversations) or text (conversation records).")
+      raise ValueError(
+        "Data config: the synthetic source holds no conversations; use source pydoc (its"
+        " documents as conversations) or text (conversation records)."
+      )
 
   def tokenizer_name(self) -> str:
     """The spec, or ``code:<function name>`` for a tokenizer given as a function."""

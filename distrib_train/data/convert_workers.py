@@ -75,8 +75,9 @@ def encoded(documents: Iterable[str], tokenizer: Any) -> Iterator[bytes]:
   if tokenizer is None:
     yield from (doc.encode("utf-8") for doc in documents)
     return
-  batch_encode = getattr(tokenizer, "encode_batch", None) or \
-      (lambda texts: [np.asarray(tokenizer(t), np.int32) for t in texts])
+  batch_encode = getattr(tokenizer, "encode_batch", None) or (
+    lambda texts: [np.asarray(tokenizer(t), np.int32) for t in texts]
+  )
   iterator = iter(documents)
   while batch := list(itertools.islice(iterator, _BATCH)):
     yield from (np.asarray(ids, np.int32).tobytes() for ids in batch_encode(batch))
@@ -103,8 +104,10 @@ def _jsonl_range(path: str, start: int, end: int, field: str, bad_records: BadRe
     position = f.tell()
     while position < end and (raw := f.readline()):
       at, position = position, position + len(raw)
-      if raw.strip() and (doc := json_document(raw, path, lambda: lines_before(path, at) + 1, field,
-                                               bad_records)) is not None:
+      if (
+        raw.strip()
+        and (doc := json_document(raw, path, lambda: lines_before(path, at) + 1, field, bad_records)) is not None
+      ):
         yield doc
 
 
@@ -127,13 +130,17 @@ def serve() -> None:
       if command["kind"] in ("read", "more"):
         if command["kind"] == "read":
           path, start, end = command["task"]
-          records = encoded(iter_text_file(path, settings["text_field"], bad_records) if end < 0 else
-                            _jsonl_range(path, start, end, settings["text_field"], bad_records), tokenizer)
+          records = encoded(
+            iter_text_file(path, settings["text_field"], bad_records)
+            if end < 0
+            else _jsonl_range(path, start, end, settings["text_field"], bad_records),
+            tokenizer,
+          )
         _reply_records(replies, records, bad_records, settings["chunk"])
       elif command["kind"] == "write":
         shards, lengths, blob = arrays
         for shard, end, length in zip(shards.tolist(), np.cumsum(lengths).tolist(), lengths.tolist()):
-          writers[shard].write(blob[end - length:end].tobytes())
+          writers[shard].write(blob[end - length : end].tobytes())
         frames.send(replies, {"kind": "wrote"})
       else:
         for writer in writers.values():
@@ -163,12 +170,16 @@ def _reply_records(replies: Any, records: Iterator[bytes], bad_records: BadRecor
     frames.send(replies, {"kind": "records", "error": str(e)})
     return
   lengths = np.array([len(r) for r in chunk], np.int64)
-  frames.send(replies, {"kind": "records", "last": size < most, "skipped": bad_records.skipped - skipped},
-              [lengths, np.frombuffer(b"".join(chunk), np.uint8)])
+  frames.send(
+    replies,
+    {"kind": "records", "last": size < most, "skipped": bad_records.skipped - skipped},
+    [lengths, np.frombuffer(b"".join(chunk), np.uint8)],
+  )
 
 
-def _by_owner(first: int, lengths: np.ndarray, blob: np.ndarray, num_shards: int,
-              workers: int) -> Iterator[tuple[int, list[np.ndarray]]]:
+def _by_owner(
+  first: int, lengths: np.ndarray, blob: np.ndarray, num_shards: int, workers: int
+) -> Iterator[tuple[int, list[np.ndarray]]]:
   """``(worker, [shards, lengths, blob])``: the records numbered from ``first`` that each worker writes."""
   shards = ((first + np.arange(len(lengths))) % num_shards).astype(np.int32)
   owners = shards % workers
@@ -180,7 +191,7 @@ def _by_owner(first: int, lengths: np.ndarray, blob: np.ndarray, num_shards: int
   view = memoryview(blob)
   for owner in found:
     mine = owners == owner
-    data = b"".join([view[end - length:end] for end, length in zip(ends[mine].tolist(), lengths[mine].tolist())])
+    data = b"".join([view[end - length : end] for end, length in zip(ends[mine].tolist(), lengths[mine].tolist())])
     yield int(owner), [shards[mine], lengths[mine], np.frombuffer(data, np.uint8)]
 
 
@@ -203,8 +214,11 @@ class _Workers:
     self.processes: list[subprocess.Popen] = []
     try:
       for _ in range(count):
-        self.processes.append(subprocess.Popen([sys.executable, "-c", _BOOT, package], env=env,
-                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+        self.processes.append(
+          subprocess.Popen(
+            [sys.executable, "-c", _BOOT, package], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+          )
+        )
         for stream in (self.processes[-1].stdin, self.processes[-1].stdout):
           _widen(stream)
       for k, process in enumerate(self.processes):
@@ -232,8 +246,9 @@ class _Workers:
     try:
       header, arrays = frames.receive(process.stdout)
     except (EOFError, OSError):
-      raise RuntimeError(f"convert worker process {k} (pid {process.pid}) ended with exit code {process.wait()}"
-                         " (its error is above).") from None
+      raise RuntimeError(
+        f"convert worker process {k} (pid {process.pid}) ended with exit code {process.wait()} (its error is above)."
+      ) from None
     if header["kind"] == "error":
       raise RuntimeError(f"convert worker process {k} failed:\n{header['message']}")
     return header, arrays
@@ -255,8 +270,9 @@ class _Workers:
         process.wait()
 
 
-def write_in_workers(tasks: Sequence[tuple[str, int, int]], shard_paths: Sequence[str], workers: int,
-                     settings: dict[str, Any]) -> tuple[int, int]:
+def write_in_workers(
+  tasks: Sequence[tuple[str, int, int]], shard_paths: Sequence[str], workers: int, settings: dict[str, Any]
+) -> tuple[int, int]:
   """Writes the records of ``tasks`` (``ranges``) to ``shard_paths`` (opened by the workers), record ``i`` to
   shard ``i % len(shard_paths)``, in ``workers`` processes.
 

@@ -66,5 +66,4 @@ def prefetched(lanes: lanes_lib.Lanes, make_batch: MakeBatch, depth: int = 2) ->
   batches handed out; ``set_state({"lanes": ...})`` moves there, dropping
   the batches made ahead; ``close()`` stops the thread (the lanes stay open).
   """
-  return iter(grain.experimental.ThreadPrefetchIterDataset(LaneBatches(lanes, make_batch),
-                                                           prefetch_buffer_size=depth))
+  return iter(grain.experimental.ThreadPrefetchIterDataset(LaneBatches(lanes, make_batch), prefetch_buffer_size=depth))

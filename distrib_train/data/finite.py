@@ -35,9 +35,18 @@ from distrib_train.data.config import DataConfig
 STATE_VERSION = 2
 
 
-def batches(ds: Any, *, config: DataConfig, tokenize: Callable[[Any], np.ndarray], shard_index: int,
-            shard_count: int, num_epochs: int, local_batch_size: int, pad_last_batch: bool,
-            place: Callable[[dict[str, np.ndarray]], Any]) -> Any:
+def batches(
+  ds: Any,
+  *,
+  config: DataConfig,
+  tokenize: Callable[[Any], np.ndarray],
+  shard_index: int,
+  shard_count: int,
+  num_epochs: int,
+  local_batch_size: int,
+  pad_last_batch: bool,
+  place: Callable[[dict[str, np.ndarray]], Any],
+) -> Any:
   """This process's batches of ``num_epochs`` passes over ``ds``, prefetched: a grain iterator.
 
   Args:
@@ -77,16 +86,23 @@ def batches(ds: Any, *, config: DataConfig, tokenize: Callable[[Any], np.ndarray
     it = it.filter(lambda ex: len(ex["tokens"]) > 0)  # left out: data.long_conversations=drop
     if config.packing:  # a row takes conversations while the next fits, as the lanes pack them
       it = grain.experimental.FirstFitPackIterDataset(
-          it, length_struct={"tokens": seq, "loss": seq, **({"ref": seq} if config.reference_logps else {})},
-          num_packing_bins=1, shuffle_bins=False, max_sequences_per_bin=config.max_documents_per_row or None).map(
-              lambda ex: sequences.shifted({**ex, "tokens_loss": ex["loss"],
-                                            **({"tokens_ref": ex["ref"]} if "ref" in ex else {})},
-                                           config.max_segments_per_row))
+        it,
+        length_struct={"tokens": seq, "loss": seq, **({"ref": seq} if config.reference_logps else {})},
+        num_packing_bins=1,
+        shuffle_bins=False,
+        max_sequences_per_bin=config.max_documents_per_row or None,
+      ).map(
+        lambda ex: sequences.shifted(
+          {**ex, "tokens_loss": ex["loss"], **({"tokens_ref": ex["ref"]} if "ref" in ex else {})},
+          config.max_segments_per_row,
+        )
+      )
     else:
       it = it.map(lambda ex: sequences.unpacked(_padded(ex["tokens"], seq), _padded(ex["loss"], seq)))
   elif config.packing:
     it = grain.experimental.ConcatThenSplitIterDataset(it, length_struct={"tokens": seq}).map(
-        functools.partial(sequences.shifted, max_documents=config.max_documents_per_row))
+      functools.partial(sequences.shifted, max_documents=config.max_documents_per_row)
+    )
   else:
     it = it.filter(lambda ex: len(ex["tokens"]) >= seq).map(lambda ex: sequences.unpacked(ex["tokens"][:seq]))
   if pad_last_batch:
@@ -126,18 +142,21 @@ def _pad_rows(batch: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarra
 # set_state() on restore; bytes keep our own checks beside grain's state.
 def get_state(iterator: Any, *, num_workers: int, shard_index: int, shard_count: int, process_count: int) -> bytes:
   """``iterator``'s grain state with the layout it was written for, as JSON bytes."""
-  return json.dumps({
+  return json.dumps(
+    {
       "version": STATE_VERSION,
       "num_workers": num_workers,
       "shard_index": shard_index,
       "shard_count": shard_count,
       "process_count": process_count,
       "grain": _state_to_json(iterator.get_state()),
-  }).encode()
+    }
+  ).encode()
 
 
-def set_state(iterator: Any, state: bytes, *, num_workers: int, shard_index: int, shard_count: int,
-              process_count: int) -> None:
+def set_state(
+  iterator: Any, state: bytes, *, num_workers: int, shard_index: int, shard_count: int, process_count: int
+) -> None:
   """Moves ``iterator`` to a ``get_state`` of the same layout.
 
   Raises:
@@ -146,14 +165,18 @@ def set_state(iterator: Any, state: bytes, *, num_workers: int, shard_index: int
       read, or by an endless loader.
   """
   saved = json.loads(state, object_hook=_tuple_from_json)
-  mine = {"num_workers": num_workers, "shard_count": shard_count, "shard_index": shard_index,
-          "process_count": process_count}
+  mine = {
+    "num_workers": num_workers,
+    "shard_count": shard_count,
+    "shard_index": shard_index,
+    "process_count": process_count,
+  }
   changed = [f"{k} {saved.get(k)} → {v}" for k, v in mine.items() if saved.get(k) != v]
   if saved.get("version") not in (1, STATE_VERSION) or changed:
     raise ValueError(
-        "The data-iterator state in the checkpoint was written by a different data layout ("
-        + ", ".join(changed or [f"state version {saved.get('version')}"])
-        + "); restore with the same process count and num_workers, or restore without the data item."
+      "The data-iterator state in the checkpoint was written by a different data layout ("
+      + ", ".join(changed or [f"state version {saved.get('version')}"])
+      + "); restore with the same process count and num_workers, or restore without the data item."
     )
   grain_state = saved["grain"]
   if saved["version"] == 1:

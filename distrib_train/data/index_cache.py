@@ -67,8 +67,15 @@ def file_key(path: str, kind: str) -> dict:
       digest.update(f.read(_EDGE))
   # ctime too: a copy that keeps the size, mtime, head and tail (``cp -p``, ``rsync -a``, ``tar x`` of an edited
   # file) still sets it, and no tool can set it back.
-  return {"version": VERSION, "kind": kind, "path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-          "ctime_ns": stat.st_ctime_ns, "edges": digest.hexdigest()}
+  return {
+    "version": VERSION,
+    "kind": kind,
+    "path": path,
+    "size": stat.st_size,
+    "mtime_ns": stat.st_mtime_ns,
+    "ctime_ns": stat.st_ctime_ns,
+    "edges": digest.hexdigest(),
+  }
 
 
 def _places(path: str, kind: str, cache_dir: str) -> list[str]:
@@ -91,8 +98,9 @@ def _places(path: str, kind: str, cache_dir: str) -> list[str]:
 _REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-def load_or_build(path: str, kind: str, build: Callable[[], dict[str, np.ndarray]],
-                  cache_dir: str = "") -> tuple[dict[str, np.ndarray], bool]:
+def load_or_build(
+  path: str, kind: str, build: Callable[[], dict[str, np.ndarray]], cache_dir: str = ""
+) -> tuple[dict[str, np.ndarray], bool]:
   """The index ``build()`` makes of ``path``: kept from an earlier call where it is still valid, else built
   (by one process of this host at a time) and kept.
 
@@ -125,13 +133,16 @@ def load_or_build(path: str, kind: str, build: Callable[[], dict[str, np.ndarray
     except OSError as e:
       if e.errno in _REFUSED and i + 1 < len(places):
         continue
-      raise ValueError(f"Cannot keep the index of data file {path!r} at {where!r}: {e.strerror}; set"
-                       " data.index_cache_dir to a writable directory.") from None
+      raise ValueError(
+        f"Cannot keep the index of data file {path!r} at {where!r}: {e.strerror}; set"
+        " data.index_cache_dir to a writable directory."
+      ) from None
   raise AssertionError("unreachable")  # pragma: no cover - the last place returns or raises
 
 
-def _build_at(where: str, path: str, kind: str, key: dict,
-              build: Callable[[], dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], bool]:
+def _build_at(
+  where: str, path: str, kind: str, key: dict, build: Callable[[], dict[str, np.ndarray]]
+) -> tuple[dict[str, np.ndarray], bool]:
   """Builds and keeps the index at ``where`` under its lock (or maps the one another process kept there
   meanwhile). OSError: ``where`` cannot be written."""
   os.makedirs(os.path.dirname(where), exist_ok=True)
@@ -141,8 +152,7 @@ def _build_at(where: str, path: str, kind: str, key: dict,
       return kept, False
     arrays = build()
     if file_key(path, kind) != key:
-      raise ValueError(f"Data file {path!r} changed while it was being indexed; open it again once it is"
-                       " written.")
+      raise ValueError(f"Data file {path!r} changed while it was being indexed; open it again once it is written.")
     _write(where, key, arrays)
   kept = _read(where, key)
   if kept is None:
@@ -181,8 +191,7 @@ def _read(where: str, key: dict) -> dict[str, np.ndarray] | None:
     dtype, count = np.dtype(dtype), int(np.prod(shape))
     if offset + count * dtype.itemsize > total:
       return None
-    arrays[name] = np.zeros(shape, dtype) if count == 0 else \
-        np.frombuffer(mapped, dtype, count, offset).reshape(shape)
+    arrays[name] = np.zeros(shape, dtype) if count == 0 else np.frombuffer(mapped, dtype, count, offset).reshape(shape)
   return arrays
 
 

@@ -75,8 +75,11 @@ class BadRecords:
     if logged <= _LOGGED_PER_FILE:
       logging.warning("%s: skipped (%s=skip).", message(), self.key)
     elif logged == _LOGGED_PER_FILE + 1:
-      logging.warning("Data file %r: more malformed lines skipped; only the first %d are logged in this process.",
-                      path, _LOGGED_PER_FILE)
+      logging.warning(
+        "Data file %r: more malformed lines skipped; only the first %d are logged in this process.",
+        path,
+        _LOGGED_PER_FILE,
+      )
 
 
 class _Malformed(Exception):
@@ -97,14 +100,17 @@ def _json_text(raw: bytes, field: str) -> str:
       raise _Malformed("is not a prompt record: an object with 'prompt' (text or messages) and any other columns")
     return raw.decode("utf-8")
   if field == "*":  # a conversation record (data.loss_on): the whole object, read by data/chat.py
-    if not isinstance(record, dict) or not ("messages" in record or {"prompt", "completion"} <= record.keys()
-                                            or {"chosen", "rejected"} <= record.keys()):
-      raise _Malformed("is not a conversation record: an object with 'messages', 'prompt' and 'completion', or"
-                       " 'chosen' and 'rejected'")
+    if not isinstance(record, dict) or not (
+      "messages" in record or {"prompt", "completion"} <= record.keys() or {"chosen", "rejected"} <= record.keys()
+    ):
+      raise _Malformed(
+        "is not a conversation record: an object with 'messages', 'prompt' and 'completion', or 'chosen' and 'rejected'"
+      )
     return raw.decode("utf-8")
   if not isinstance(record, dict):
-    raise _Malformed(f"holds a JSON {type(record).__name__}, not an object with a string field {field!r}"
-                     " (data.text_field)")
+    raise _Malformed(
+      f"holds a JSON {type(record).__name__}, not an object with a string field {field!r} (data.text_field)"
+    )
   text = record.get(field)
   if not isinstance(text, str):
     raise _Malformed(f"has no string field {field!r} (data.text_field)")
@@ -115,8 +121,9 @@ def _json_text(raw: bytes, field: str) -> str:
   return text
 
 
-def json_document(raw: bytes, path: str, number: int | Callable[[], int], field: str,
-                  bad_records: BadRecords) -> str | None:
+def json_document(
+  raw: bytes, path: str, number: int | Callable[[], int], field: str, bad_records: BadRecords
+) -> str | None:
   """Line ``number`` of JSONL file ``path``: its string ``field``, or None where it is malformed and
   ``bad_records`` skips it (or raises). ``number`` may be a function, called only to name a malformed line."""
   try:
@@ -162,13 +169,13 @@ def scan_lines(path: str) -> dict[str, np.ndarray]:
   found, begin, chunk = [], 0, _SCAN_BYTES
   while begin < size:
     _advise(mapped, "MADV_WILLNEED", begin + chunk, 2 * chunk)
-    block = data[begin:begin + chunk]
+    block = data[begin : begin + chunk]
     newlines = np.flatnonzero(block == 10)
     if begin + len(block) < size:
       if not len(newlines):  # a line longer than the chunk: look further
         chunk *= 2
         continue
-      block = block[:newlines[-1] + 1]  # whole lines only; the rest starts the next chunk
+      block = block[: newlines[-1] + 1]  # whole lines only; the rest starts the next chunk
     starts = np.concatenate([[0], newlines[newlines + 1 < len(block)] + 1])
     found.append(begin + starts[inked(block, starts)])
     _advise(mapped, "MADV_DONTNEED", begin, len(block))  # out of this process's memory; still cached
@@ -200,7 +207,7 @@ def inked(block: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.logical_or.reduceat(ink, starts)
   ends = np.append(starts[1:], len(block))
   for line in doubtful:
-    maybe[line] = not bytes(block[starts[line]:ends[line]]).strip(b" \t\r\n")
+    maybe[line] = not bytes(block[starts[line] : ends[line]]).strip(b" \t\r\n")
   return ~maybe
 
 
@@ -271,9 +278,11 @@ class JsonlFile:
     end = int(self.offsets[index + 1]) if index + 1 < len(self.offsets) else start + _LAST_LINE_READ
     raw = self._read(end - start, start)
     if len(raw) < end - start and (index + 1 < len(self.offsets) or not raw):  # the file is shorter now
-      raise ValueError(f"Data file {self.path!r} changed since it was indexed: it now ends at byte"
-                       f" {start + len(raw)}, before document {index} (of {len(self.offsets)}) ends; open it again"
-                       " once it is written.")
+      raise ValueError(
+        f"Data file {self.path!r} changed since it was indexed: it now ends at byte"
+        f" {start + len(raw)}, before document {index} (of {len(self.offsets)}) ends; open it again"
+        " once it is written."
+      )
     while index + 1 == len(self.offsets) and len(raw) == end - start:  # the last line, longer than read so far
       more = self._read(_LAST_LINE_READ, start + len(raw))
       if not more:

@@ -62,20 +62,31 @@ def _positions(positions: Mapping[int, tuple[int, int]]) -> list[list[int]]:
   return [[int(lane), int(done), int(used)] for lane, (done, used) in positions.items()]
 
 
-def _rows_frame(generation: int, rows: list[dict[str, np.ndarray]], after: Mapping[int, tuple[int, int]],
-                skipped: int, long: int = 0):
+def _rows_frame(
+  generation: int, rows: list[dict[str, np.ndarray]], after: Mapping[int, tuple[int, int]], skipped: int, long: int = 0
+):
   names = [sorted(row) for row in rows]
   arrays = [row[name] for row, keys in zip(rows, names) for name in keys]
-  return {"kind": "rows", "generation": generation, "names": names, "positions": _positions(after),
-          "skipped": skipped, "long": long}, arrays
+  return {
+    "kind": "rows",
+    "generation": generation,
+    "names": names,
+    "positions": _positions(after),
+    "skipped": skipped,
+    "long": long,
+  }, arrays
 
 
 def _rows_of(header: dict, arrays: list[np.ndarray]) -> tuple[int, list[dict[str, np.ndarray]], dict, tuple]:
   rows, it = [], iter(arrays)
   for keys in header["names"]:
     rows.append({name: next(it) for name in keys})
-  return (header["generation"], rows, {lane: (done, used) for lane, done, used in header["positions"]},
-          (header["skipped"], header.get("long", 0)))
+  return (
+    header["generation"],
+    rows,
+    {lane: (done, used) for lane, done, used in header["positions"]},
+    (header["skipped"], header.get("long", 0)),
+  )
 
 
 def _error(e: BaseException) -> dict:
@@ -87,8 +98,9 @@ def _error(e: BaseException) -> dict:
   return {"kind": "error", "message": traceback.format_exc()}
 
 
-def in_process(config: DataConfig, split: str, shard_count: int, vocab_size: int | None,
-               rows: Sequence[int]) -> lanes_lib.Lanes:
+def in_process(
+  config: DataConfig, split: str, shard_count: int, vocab_size: int | None, rows: Sequence[int]
+) -> lanes_lib.Lanes:
   """The split's lanes ``rows`` in this process: the seeded, shuffled, endlessly repeated documents
   (shuffled by blocks where the source has block-read files: ``block_order.py``)."""
   docs, indices, tokenize = splits.split_documents(config, split, shard_count, vocab_size)
@@ -98,14 +110,23 @@ def in_process(config: DataConfig, split: str, shard_count: int, vocab_size: int
 
     stream = grain.MapDataset.source(splits.Subset(docs, indices)).shuffle(seed=config.seed).repeat(None)
   checked = docs.skipped_documents  # by split_documents' sample, read again by the lanes
-  return lanes_lib.Lanes(stream, tokenize, lanes=config.global_batch_size, length=config.seq_len + 1,
-                         packing=config.packing, threads=config.num_threads, rows=rows,
-                         skipped=lambda: docs.skipped_documents - checked, whole=config.conversations,
-                         max_documents=config.max_documents_per_row)
+  return lanes_lib.Lanes(
+    stream,
+    tokenize,
+    lanes=config.global_batch_size,
+    length=config.seq_len + 1,
+    packing=config.packing,
+    threads=config.num_threads,
+    rows=rows,
+    skipped=lambda: docs.skipped_documents - checked,
+    whole=config.conversations,
+    max_documents=config.max_documents_per_row,
+  )
 
 
-def open_lanes(config: DataConfig, split: str, shard_count: int, vocab_size: int | None,
-               rows: Sequence[int]) -> lanes_lib.Lanes | ProcessLanes:
+def open_lanes(
+  config: DataConfig, split: str, shard_count: int, vocab_size: int | None, rows: Sequence[int]
+) -> lanes_lib.Lanes | ProcessLanes:
   """Worker processes with ``config.num_workers`` (and a tokenizer named in the config), else in process."""
   rows = list(rows)
   workers = min(config.num_workers, len(rows))
@@ -150,8 +171,9 @@ def _serve() -> None:
           generation = pending[-1]["generation"]
           lanes.restore({lane: (done, used) for lane, done, used in pending[-1]["positions"]})
           pending.clear()
-      frames_lib.send(frames, *_rows_frame(generation, *lanes.next_rows(), lanes.skipped_documents,
-                                                   lanes.long_conversations()))
+      frames_lib.send(
+        frames, *_rows_frame(generation, *lanes.next_rows(), lanes.skipped_documents, lanes.long_conversations())
+      )
   except (BrokenPipeError, OSError):  # the training process has gone
     pass
   except BaseException as e:  # noqa: BLE001 - a malformed line under data.bad_records=error is a ValueError
@@ -163,8 +185,9 @@ def _serve() -> None:
 class ProcessLanes:
   """``lanes.Lanes``' interface over ``workers`` processes, each feeding a contiguous share of ``rows``."""
 
-  def __init__(self, config: DataConfig, split: str, shard_count: int, vocab_size: int | None,
-               rows: Sequence[int], workers: int):
+  def __init__(
+    self, config: DataConfig, split: str, shard_count: int, vocab_size: int | None, rows: Sequence[int], workers: int
+  ):
     self.rows = list(rows)
     self.lanes = config.global_batch_size
     self.position = {r: (0, 0) for r in self.rows}
@@ -174,21 +197,36 @@ class ProcessLanes:
     self._closing = threading.Event()
     self._failure: BaseException | None = None  # a worker's error or end, raised again by every later read
     package_root = str(pathlib.Path(__file__).resolve().parents[2])
-    env = {**os.environ, **tokenizer_lib.worker_thread_env(workers),
-           "JAX_PLATFORMS": "cpu",  # a worker never touches an accelerator
-           "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {
+      **os.environ,
+      **tokenizer_lib.worker_thread_env(workers),
+      "JAX_PLATFORMS": "cpu",  # a worker never touches an accelerator
+      "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     self._workers = []
     try:
       for share in np.array_split(np.array(self.rows), workers):
-        process = subprocess.Popen([sys.executable, "-m", "distrib_train.data.lane_process"], env=env,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        process = subprocess.Popen(
+          [sys.executable, "-m", "distrib_train.data.lane_process"],
+          env=env,
+          stdin=subprocess.PIPE,
+          stdout=subprocess.PIPE,
+        )
         received: queue.Queue = queue.Queue(maxsize=DEPTH)
-        threading.Thread(target=self._read, args=(process, received), daemon=True,
-                         name="distrib_train-lanes-reader").start()
+        threading.Thread(
+          target=self._read, args=(process, received), daemon=True, name="distrib_train-lanes-reader"
+        ).start()
         self._workers.append((process, received))
-        frames_lib.send(process.stdin, {"config": dataclasses.asdict(config), "split": split,
-                                        "shard_count": shard_count, "vocab_size": vocab_size,
-                                        "rows": [int(r) for r in share]})
+        frames_lib.send(
+          process.stdin,
+          {
+            "config": dataclasses.asdict(config),
+            "split": split,
+            "shard_count": shard_count,
+            "vocab_size": vocab_size,
+            "rows": [int(r) for r in share],
+          },
+        )
       for index in range(len(self._workers)):
         self._receive(index, "ready")
     except BaseException:
@@ -205,7 +243,7 @@ class ProcessLanes:
       except (EOFError, OSError, ValueError, KeyError):
         frame = ("gone", None)
       while not self._closing.is_set():  # closing: frames are read and dropped, so a worker blocked writing
-        try:                              # one can finish it and see the stop
+        try:  # one can finish it and see the stop
           received.put(frame, timeout=_POLL_S)
           break
         except queue.Full:
@@ -231,7 +269,7 @@ class ProcessLanes:
         self._failure = RuntimeError(f"data worker process {index} failed:\n{payload}")
         for error in (ValueError, BadRecordError):
           if payload.startswith(f"{error.__name__}: "):
-            self._failure = error(payload[len(error.__name__) + 2:])
+            self._failure = error(payload[len(error.__name__) + 2 :])
         raise self._failure
       if got == kind and (kind != "rows" or payload[0] == self._generation):
         return payload
@@ -242,8 +280,10 @@ class ProcessLanes:
       code: int | None = process.wait(timeout=10)
     except subprocess.TimeoutExpired:  # it closed its pipes and still runs
       code = None
-    return RuntimeError(f"data worker process {index} (pid {process.pid}) ended with exit code {code}; its lanes"
-                        " cannot be read (its error is above).")
+    return RuntimeError(
+      f"data worker process {index} (pid {process.pid}) ended with exit code {code}; its lanes"
+      " cannot be read (its error is above)."
+    )
 
   def next_rows(self) -> tuple[list[dict[str, np.ndarray]], dict[int, tuple[int, int]]]:
     """Every lane's next sequence, in ``rows`` order, and the positions after them (as ``Lanes.next_rows``)."""
@@ -266,16 +306,19 @@ class ProcessLanes:
   def restore(self, positions: Mapping[int, tuple[int, int]]) -> None:
     missing = [r for r in self.rows if r not in positions]
     if missing:
-      raise ValueError(f"The saved data position has no lane {missing[0]} (of {len(positions)}); it was written"
-                       " for another global batch size.")
+      raise ValueError(
+        f"The saved data position has no lane {missing[0]} (of {len(positions)}); it was written"
+        " for another global batch size."
+      )
     self._generation += 1
     self.position = {r: tuple(positions[r]) for r in self.rows}
     if self._failure is not None:
       raise self._failure
     for index, (process, _) in enumerate(self._workers):
       try:
-        frames_lib.send(process.stdin, {"kind": "restore", "generation": self._generation,
-                                        "positions": _positions(self.position)})
+        frames_lib.send(
+          process.stdin, {"kind": "restore", "generation": self._generation, "positions": _positions(self.position)}
+        )
       except OSError:  # its end of the pipe is closed: it has ended
         self._failure = self._ended(index)
         raise self._failure from None

@@ -81,9 +81,20 @@ class Lanes:
       would weigh 0.
   """
 
-  def __init__(self, stream: Any, tokenize: Callable[[Any], np.ndarray], *, lanes: int, rows: Sequence[int],
-               length: int, packing: bool, threads: int, skipped: Callable[[], int] = lambda: 0,
-               whole: bool = False, max_documents: int = 0):
+  def __init__(
+    self,
+    stream: Any,
+    tokenize: Callable[[Any], np.ndarray],
+    *,
+    lanes: int,
+    rows: Sequence[int],
+    length: int,
+    packing: bool,
+    threads: int,
+    skipped: Callable[[], int] = lambda: 0,
+    whole: bool = False,
+    max_documents: int = 0,
+  ):
     self._stream, self._tokenize = stream, tokenize
     self._batch = getattr(tokenize, "batch", None) or (lambda docs: [np.asarray(tokenize(d)) for d in docs])
     heads = getattr(tokenize, "heads", None)
@@ -95,8 +106,11 @@ class Lanes:
     self.long_conversations = lambda: getattr(tokenize, "long_conversations", 0) - counted
     self.position = {r: (0, 0) for r in self.rows}  # lane → (documents finished, tokens used of the next)
     self._threads = max(1, threads)
-    self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="distrib_train-lanes") \
-        if self._threads > 1 else None
+    self._pool = (
+      concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="distrib_train-lanes")
+      if self._threads > 1
+      else None
+    )
     # lane → the tokens of its next documents, from its position's on, in order
     self._queues: dict[int, collections.deque[np.ndarray]] = {r: collections.deque() for r in self.rows}
     self._read_docs, self._read_tokens = 0, 0  # to guess how many documents a short lane needs
@@ -108,8 +122,9 @@ class Lanes:
 
   def _documents(self, positions: list[int]) -> list[Any]:
     getitems = getattr(self._stream, "_getitems", None)  # grain's batched read, where the dataset has it
-    read = (lambda part: list(getitems(part))) if getitems is not None else \
-        (lambda part: [self._stream[p] for p in part])
+    read = (
+      (lambda part: list(getitems(part))) if getitems is not None else (lambda part: [self._stream[p] for p in part])
+    )
     if self._pool is None or len(positions) < 16 * self._threads:  # small reads: a thread hand-off costs more
       return read(positions)
     parts = [list(p) for p in np.array_split(np.asarray(positions, np.int64), self._threads) if len(p)]
@@ -147,15 +162,17 @@ class Lanes:
       index += 1
     if self.whole:
       tokens = np.concatenate([tokens, np.zeros(self.length - len(tokens), tokens.dtype)])
-    return tokens[:self.length], (index + 1, 0)
+    return tokens[: self.length], (index + 1, 0)
 
   def _fit(self, lane: int, pieces: list[np.ndarray], takes: list[int]) -> tuple[int, int]:
     """With packing of whole documents: the lane's next documents while the next one fits the row, then the
     padding (a piece of its own, of length 0 when none is needed); the position after them."""
     index, queue, filled, taken = self.position[lane][0], self._queues[lane], 0, 0
     if queue and len(queue[0]) > self.length:
-      raise ValueError(f"A document of {len(queue[0])} tokens does not fit a row of {self.length} whole: documents"
-                       " read whole (conversations) are cut to a row by their tokenizer.")
+      raise ValueError(
+        f"A document of {len(queue[0])} tokens does not fit a row of {self.length} whole: documents"
+        " read whole (conversations) are cut to a row by their tokenizer."
+      )
     while queue and filled + len(queue[0]) <= self.length and not (self.max_documents and taken == self.max_documents):
       tokens = queue.popleft()
       index += 1
@@ -176,7 +193,7 @@ class Lanes:
       tokens = queue[0]
       take = min(len(tokens) - used, self.length - filled)
       if take > 0:
-        pieces.append(tokens[used:used + take])
+        pieces.append(tokens[used : used + take])
         takes.append(take)
         filled, used = filled + take, used + take
       if used >= len(tokens):
@@ -209,16 +226,25 @@ class Lanes:
     segments = np.repeat(numbers, sizes).reshape(rows, self.length)
     positions = (np.arange(rows * self.length) - np.repeat(np.cumsum(sizes) - sizes, sizes)).astype(np.int32)
     # The names grain's packing gives, so that both paths share the shifting into inputs and targets.
-    out = [_fields({"tokens": tokens[i], "tokens_segment_ids": segments[i],
-                    "tokens_positions": positions[i * self.length:(i + 1) * self.length]})
-           for i in range(rows)]
+    out = [
+      _fields(
+        {
+          "tokens": tokens[i],
+          "tokens_segment_ids": segments[i],
+          "tokens_positions": positions[i * self.length : (i + 1) * self.length],
+        }
+      )
+      for i in range(rows)
+    ]
     return out, dict(self.position)
 
   def restore(self, positions: Mapping[int, tuple[int, int]]) -> None:
     missing = [r for r in self.rows if r not in positions]
     if missing:
-      raise ValueError(f"The saved data position has no lane {missing[0]} (of {len(positions)}); it was written"
-                       " for another global batch size.")
+      raise ValueError(
+        f"The saved data position has no lane {missing[0]} (of {len(positions)}); it was written"
+        " for another global batch size."
+      )
     self.position = {r: tuple(positions[r]) for r in self.rows}
     for queue in self._queues.values():
       queue.clear()

@@ -53,6 +53,7 @@ from distrib_train.data import sources
 from distrib_train.data import splits
 from distrib_train.data.config import DataConfig
 
+
 def data_shard(sharding: jax.sharding.Sharding, global_batch_size: int) -> tuple[int, int]:
   """``(index, count)``: which block of batch rows this process feeds.
 
@@ -138,11 +139,17 @@ class DataLoader:
     """
     shape = (config.global_batch_size, config.seq_len)
     names = ["tokens", "targets", "weights"] + (["segment_ids", "positions"] if config.packing else [])
-    return {name: jax.ShapeDtypeStruct(shape, np.float32 if name == "weights" else np.int32)
-            for name in names}
+    return {name: jax.ShapeDtypeStruct(shape, np.float32 if name == "weights" else np.int32) for name in names}
 
-  def __init__(self, config: DataConfig, input_shardings: Mapping[str, Any], *, split: str = "train",
-               num_epochs: int | None = None, vocab_size: int | None = None):
+  def __init__(
+    self,
+    config: DataConfig,
+    input_shardings: Mapping[str, Any],
+    *,
+    split: str = "train",
+    num_epochs: int | None = None,
+    vocab_size: int | None = None,
+  ):
     if split not in ("train", "eval"):
       raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
     if "tokens" not in input_shardings:
@@ -153,8 +160,8 @@ class DataLoader:
     divisor = _batch_divisor(tokens_sharding)
     if config.global_batch_size % divisor:
       raise ValueError(
-          f"global_batch_size {config.global_batch_size} does not split over the mesh's batch axes"
-          f" ({tokens_sharding.spec[0]}, {divisor} ways)."
+        f"global_batch_size {config.global_batch_size} does not split over the mesh's batch axes"
+        f" ({tokens_sharding.spec[0]}, {divisor} ways)."
       )
     self.shard_index, self.shard_count = data_shard(tokens_sharding, config.global_batch_size)
     self.local_batch_size = config.global_batch_size // self.shard_count
@@ -176,8 +183,12 @@ class DataLoader:
       from distrib_train.data import endless, lane_process
 
       self._lanes = lane_process.open_lanes(
-          config, split, self.shard_count, vocab_size,
-          rows=range(self.shard_index * self.local_batch_size, (self.shard_index + 1) * self.local_batch_size))
+        config,
+        split,
+        self.shard_count,
+        vocab_size,
+        rows=range(self.shard_index * self.local_batch_size, (self.shard_index + 1) * self.local_batch_size),
+      )
       # (the batch maker refers to no loader: a loader nobody holds is collected, and its reads closed)
       return endless.prefetched(self._lanes, functools.partial(_lane_batch, config, shardings))
     docs, indices, tokenize = splits.split_documents(config, split, self.shard_count, vocab_size)
@@ -191,10 +202,17 @@ class DataLoader:
     else:
       ds = grain.MapDataset.source(splits.Subset(docs, indices))  # the split's documents
       ds = ds.shuffle(seed=config.seed)  # the same global order in every process
-    return finite.batches(ds, config=config, tokenize=tokenize, shard_index=self.shard_index,
-                          shard_count=self.shard_count, num_epochs=num_epochs,
-                          local_batch_size=self.local_batch_size, pad_last_batch=split == "eval",
-                          place=lambda local: to_global(local, shardings, global_batch))
+    return finite.batches(
+      ds,
+      config=config,
+      tokenize=tokenize,
+      shard_index=self.shard_index,
+      shard_count=self.shard_count,
+      num_epochs=num_epochs,
+      local_batch_size=self.local_batch_size,
+      pad_last_batch=split == "eval",
+      place=lambda local: to_global(local, shardings, global_batch),
+    )
 
   @property
   def _iterator(self) -> Any:
@@ -275,8 +293,11 @@ class DataLoader:
 
       mine = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
     lanes = {int(lane): [int(done), int(used)] for lane, done, used in mine}
-    return {"version": lanes_lib.POSITION_VERSION, **self._layout(),
-            "lanes": [lanes[lane] for lane in range(self.config.global_batch_size)]}
+    return {
+      "version": lanes_lib.POSITION_VERSION,
+      **self._layout(),
+      "lanes": [lanes[lane] for lane in range(self.config.global_batch_size)],
+    }
 
   def set_data_position(self, position: Mapping[str, Any]) -> None:
     """Moves the loader to a ``data_position()`` saved by a job of any process count."""
@@ -284,9 +305,11 @@ class DataLoader:
       raise ValueError("Only an endless (training) loader has a data position; a finite pass is read in shards.")
     changed = [f"data.{k}: {position.get(k)!r} → {v!r}" for k, v in self._layout().items() if position.get(k) != v]
     if position.get("version") != lanes_lib.POSITION_VERSION or changed:
-      raise ValueError("The saved data position was written for another data layout ("
-                       + "; ".join(changed or [f"position version {position.get('version')}"])
-                       + "); resume with the checkpoint's data config, or train in a new workdir.")
+      raise ValueError(
+        "The saved data position was written for another data layout ("
+        + "; ".join(changed or [f"position version {position.get('version')}"])
+        + "); resume with the checkpoint's data config, or train in a new workdir."
+      )
     self._iterator.set_state({"lanes": dict(enumerate(map(tuple, position["lanes"])))})
 
   def _lane_position(self) -> dict[int, tuple[int, int]]:
@@ -295,8 +318,13 @@ class DataLoader:
 
   def _layout(self) -> dict[str, Any]:
     config = self.config
-    layout = {"global_batch_size": config.global_batch_size, "seq_len": config.seq_len, "packing": config.packing,
-              "seed": config.seed, "eval_fraction": config.eval_fraction}
+    layout = {
+      "global_batch_size": config.global_batch_size,
+      "seq_len": config.seq_len,
+      "packing": config.packing,
+      "seed": config.seed,
+      "eval_fraction": config.eval_fraction,
+    }
     if config.conversations:  # whole conversations name other documents and rows than a stream of text
       layout["loss_on"] = config.loss_on
       layout.update({"pairs": True} if config.pairs else {})
@@ -311,8 +339,13 @@ class DataLoader:
     if self._lanes is None:
       return finite.get_state(self._iterator, **self._shards())
     position = self._lane_position()
-    return json.dumps({"version": lanes_lib.POSITION_VERSION, **self._layout(),
-                       "rows": {str(lane): list(position[lane]) for lane in self._lanes.rows}}).encode()
+    return json.dumps(
+      {
+        "version": lanes_lib.POSITION_VERSION,
+        **self._layout(),
+        "rows": {str(lane): list(position[lane]) for lane in self._lanes.rows},
+      }
+    ).encode()
 
   def set_state(self, state: bytes) -> None:
     if self._lanes is None:
@@ -320,19 +353,31 @@ class DataLoader:
       return
     saved = json.loads(state)
     if "rows" not in saved:
-      raise ValueError("The data-iterator state was written by a sharded (pre-lanes, or finite) pipeline; an"
-                       " endless loader reads lanes: restore without the data item.")
+      raise ValueError(
+        "The data-iterator state was written by a sharded (pre-lanes, or finite) pipeline; an"
+        " endless loader reads lanes: restore without the data item."
+      )
     lanes = {int(lane): tuple(p) for lane, p in saved["rows"].items()}
     if any(lane not in lanes for lane in self._lanes.rows):
-      raise ValueError("The data-iterator state holds other rows than this process feeds; restore through"
-                       " CheckpointManager, which keeps every row's position.")
-    self.set_data_position({**{k: saved.get(k) for k in ("version", *self._layout())},
-                            "lanes": [lanes.get(lane, (0, 0)) for lane in range(self.config.global_batch_size)]})
+      raise ValueError(
+        "The data-iterator state holds other rows than this process feeds; restore through"
+        " CheckpointManager, which keeps every row's position."
+      )
+    self.set_data_position(
+      {
+        **{k: saved.get(k) for k in ("version", *self._layout())},
+        "lanes": [lanes.get(lane, (0, 0)) for lane in range(self.config.global_batch_size)],
+      }
+    )
 
   def _shards(self) -> dict[str, int]:
     """The layout a finite pass's state holds and is restored onto."""
-    return {"num_workers": self.config.num_workers, "shard_index": self.shard_index,
-            "shard_count": self.shard_count, "process_count": jax.process_count()}
+    return {
+      "num_workers": self.config.num_workers,
+      "shard_index": self.shard_index,
+      "shard_count": self.shard_count,
+      "process_count": jax.process_count(),
+    }
 
   def start_prefetch(self) -> None:
     """Called by grain's checkpoint handler after a restore."""
@@ -353,12 +398,15 @@ class DataLoader:
     self.close()
 
 
-def _lane_batch(config: DataConfig, input_shardings: Mapping[str, Any],
-                rows: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+def _lane_batch(
+  config: DataConfig, input_shardings: Mapping[str, Any], rows: list[dict[str, np.ndarray]]
+) -> dict[str, Any]:
   """The lanes' next rows (endless.py) → this process's rows and the global batch."""
   cap = config.max_segments_per_row
-  rows = [sequences.shifted(row, cap) if config.packing else sequences.unpacked(row["tokens"], row.get("tokens_loss"))
-          for row in rows]
+  rows = [
+    sequences.shifted(row, cap) if config.packing else sequences.unpacked(row["tokens"], row.get("tokens_loss"))
+    for row in rows
+  ]
   local = {name: np.stack([row[name] for row in rows]) for name in rows[0]}
   return {"local": local, "global": to_global(local, input_shardings, config.global_batch_size)}
 
@@ -386,8 +434,9 @@ class _Reads:
       iterator.close()
 
 
-def to_global(batch: Mapping[str, np.ndarray], input_shardings: Mapping[str, Any],
-              global_batch_size: int) -> dict[str, jax.Array]:
+def to_global(
+  batch: Mapping[str, np.ndarray], input_shardings: Mapping[str, Any], global_batch_size: int
+) -> dict[str, jax.Array]:
   """Per-process numpy rows → global ``jax.Array``s on the input shardings."""
   names = [name for name in batch if name in input_shardings]
   if jax.process_count() == 1:
@@ -395,9 +444,10 @@ def to_global(batch: Mapping[str, np.ndarray], input_shardings: Mapping[str, Any
     # times faster than assembling each array from process-local data.
     return jax.device_put({n: batch[n] for n in names}, {n: input_shardings[n] for n in names})
   return {
-      name: jax.make_array_from_process_local_data(
-          input_shardings[name], batch[name], (global_batch_size,) + batch[name].shape[1:])
-      for name in names
+    name: jax.make_array_from_process_local_data(
+      input_shardings[name], batch[name], (global_batch_size,) + batch[name].shape[1:]
+    )
+    for name in names
   }
 
 

@@ -79,17 +79,17 @@ def read_reference(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   except OSError as e:
     raise ValueError(f"The precomputed DPO reference {path!r} cannot be read: {e}.") from None
   head = len(_MAGIC) + 8
-  count = int.from_bytes(raw[len(_MAGIC):head], "little") if raw.startswith(_MAGIC) else -1
+  count = int.from_bytes(raw[len(_MAGIC) : head], "little") if raw.startswith(_MAGIC) else -1
   if count < 0 or len(raw) != head + 16 * count:
-    raise ValueError(f"{path!r} is not a precomputed DPO reference of this version (delete it to compute it"
-                     " again).")
+    raise ValueError(f"{path!r} is not a precomputed DPO reference of this version (delete it to compute it again).")
   hashes = np.frombuffer(raw, "<u8", count, head)
   chosen = np.frombuffer(raw, "<f4", count, head + 8 * count)
   return hashes, chosen, np.frombuffer(raw, "<f4", count, head + 12 * count)
 
 
-def encode_pair(encoder: ChatEncoder, record: Mapping[str, Any], where: str = "record"
-                ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+def encode_pair(
+  encoder: ChatEncoder, record: Mapping[str, Any], where: str = "record"
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
   """A preference record's ``(ids, mask)`` for the chosen and for the rejected sequence (``encoder.loss_on``
   is ``completion``: the completions are scored).
 
@@ -98,8 +98,10 @@ def encode_pair(encoder: ChatEncoder, record: Mapping[str, Any], where: str = "r
   """
   if not isinstance(record, Mapping) or "chosen" not in record or "rejected" not in record:
     keys = sorted(record)[:8] if isinstance(record, Mapping) else type(record).__name__
-    raise ValueError(f"{where}: a preference record holds 'chosen' and 'rejected' (and 'prompt' or 'messages'"
-                     f" unless they are whole conversations); it has {keys}.")
+    raise ValueError(
+      f"{where}: a preference record holds 'chosen' and 'rejected' (and 'prompt' or 'messages'"
+      f" unless they are whole conversations); it has {keys}."
+    )
   prompt = record.get("prompt", record.get("messages"))
   out = []
   for name in ("chosen", "rejected"):
@@ -122,8 +124,9 @@ class PairTokenizer(ConversationTokenizer):
   def __init__(self, config: Any):
     super().__init__(config)
     if self.encoder.loss_on != "completion":
-      raise ValueError(f"Preference pairs score their completions: data.loss_on={self.encoder.loss_on!r} must be"
-                       " completion.")
+      raise ValueError(
+        f"Preference pairs score their completions: data.loss_on={self.encoder.loss_on!r} must be completion."
+      )
     self._reference_file = getattr(config, "reference_logps", "")
     self._reference: dict[int, tuple[float, float]] | None = None
     if self._reference_file:
@@ -133,14 +136,18 @@ class PairTokenizer(ConversationTokenizer):
     """The record's precomputed reference sums (chosen, rejected)."""
     if self._reference is None:
       if self._reference_file == REFERENCE_PENDING:
-        raise ValueError("dpo.precompute_reference: the reference's pass has not run yet"
-                         " (posttrain/reference_pass.ensure names its file in data.reference_logps).")
+        raise ValueError(
+          "dpo.precompute_reference: the reference's pass has not run yet"
+          " (posttrain/reference_pass.ensure names its file in data.reference_logps)."
+        )
       hashes, chosen, rejected = read_reference(self._reference_file)
       self._reference = dict(zip(hashes.tolist(), zip(chosen.tolist(), rejected.tolist())))
     found = self._reference.get(record_hash(doc))
     if found is None:
-      raise ValueError(f"The preference record {doc[:100]!r}… is not in the precomputed DPO reference"
-                       f" {self._reference_file!r}: the data changed since; delete the file to compute it again.")
+      raise ValueError(
+        f"The preference record {doc[:100]!r}… is not in the precomputed DPO reference"
+        f" {self._reference_file!r}: the data changed since; delete the file to compute it again."
+      )
     return found
 
   def __call__(self, doc: str) -> np.ndarray:
@@ -149,7 +156,8 @@ class PairTokenizer(ConversationTokenizer):
     except ValueError:
       raise ValueError(f"A preference record is not JSON: {doc[:80]!r}.") from None
     (chosen, chosen_mask), (rejected, rejected_mask) = encode_pair(
-        self.encoder, record, where=f"The preference record {doc[:100]!r}…")
+      self.encoder, record, where=f"The preference record {doc[:100]!r}…"
+    )
     if len(chosen) + len(rejected) > self.limit:
       self.long += 1
       if self.drop:
@@ -157,7 +165,7 @@ class PairTokenizer(ConversationTokenizer):
       half = self.limit // 2
       keep = min(len(chosen), max(half, self.limit - len(rejected)))  # the shorter half whole, where it fits
       chosen, chosen_mask = chosen[:keep], chosen_mask[:keep]
-      rejected, rejected_mask = rejected[:self.limit - keep], rejected_mask[:self.limit - keep]
+      rejected, rejected_mask = rejected[: self.limit - keep], rejected_mask[: self.limit - keep]
     out = np.empty(len(chosen) + len(rejected), self.dtype)
     out["ids"] = np.concatenate([chosen, rejected])
     out["loss"] = np.concatenate([chosen_mask.astype(np.int32), rejected_mask.astype(np.int32) | REJECTED])

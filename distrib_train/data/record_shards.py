@@ -62,8 +62,9 @@ def check_readable(path: str) -> None:
     raise ValueError(f"Data file {path!r} is not a readable ArrayRecord file: {e}") from None
 
 
-def write_array_record(documents: Iterable[str] | str, output: str, *, num_shards: int = 1,
-                       bad_records: str = "skip") -> list[str]:
+def write_array_record(
+  documents: Iterable[str] | str, output: str, *, num_shards: int = 1, bad_records: str = "skip"
+) -> list[str]:
   """Writes documents as ArrayRecord shards, one record per document.
 
   Documents are streamed: a corpus larger than memory converts in memory
@@ -84,13 +85,26 @@ def write_array_record(documents: Iterable[str] | str, output: str, *, num_shard
   Raises:
     ValueError: no documents, a bad input file (named), or ``num_shards < 1``.
   """
-  return convert([documents] if isinstance(documents, str) else documents, output, num_shards=num_shards,
-                 paths=isinstance(documents, str), bad_records=bad_records)
+  return convert(
+    [documents] if isinstance(documents, str) else documents,
+    output,
+    num_shards=num_shards,
+    paths=isinstance(documents, str),
+    bad_records=bad_records,
+  )
 
 
-def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: bool = True,
-            text_field: str = "text", tokenizer: Any = None, workers: int = 0,
-            bad_records: str = "skip") -> list[str]:
+def convert(
+  inputs: Iterable[str],
+  output: str,
+  *,
+  num_shards: int = 1,
+  paths: bool = True,
+  text_field: str = "text",
+  tokenizer: Any = None,
+  workers: int = 0,
+  bad_records: str = "skip",
+) -> list[str]:
   """Streams the documents of ``inputs`` into ArrayRecord shards.
 
   Record ``i`` (the ``i``-th document of the inputs, in order) goes to shard
@@ -132,8 +146,11 @@ def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: b
   if paths and workers > 0:
     tasks = convert_workers.ranges(expand(inputs))
     _make_directory(output)
-    settings = {"tokenizer": None if tokenizer is None else [tokenizer.spec, *_special_tokens(tokenizer)],
-                "text_field": text_field, "bad_records": bad_records}
+    settings = {
+      "tokenizer": None if tokenizer is None else [tokenizer.spec, *_special_tokens(tokenizer)],
+      "text_field": text_field,
+      "bad_records": bad_records,
+    }
     try:
       count, policy.skipped = convert_workers.write_in_workers(tasks, partial, workers, settings)
       if not count:
@@ -142,8 +159,9 @@ def convert(inputs: Iterable[str], output: str, *, num_shards: int = 1, paths: b
       _remove(partial)
       raise
   else:
-    documents = (doc for path in expand(inputs) for doc in iter_text_file(path, text_field, policy)) if paths else \
-        iter(inputs)
+    documents = (
+      (doc for path in expand(inputs) for doc in iter_text_file(path, text_field, policy)) if paths else iter(inputs)
+    )
     _write_in_process(convert_workers.encoded(documents, tokenizer), output, partial, nothing)
   if policy.skipped:
     logging.warning("Skipped %d malformed JSONL line(s) (bad_records=skip).", policy.skipped)
@@ -197,19 +215,30 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m distrib_train.data")
   sub = parser.add_subparsers(dest="command", required=True)
   convert_parser = sub.add_parser(
-      "convert", help="write .txt / .jsonl files (paths or globs) as ArrayRecord shards, streaming")
+    "convert", help="write .txt / .jsonl files (paths or globs) as ArrayRecord shards, streaming"
+  )
   convert_parser.add_argument("inputs", nargs="+", metavar="INPUT", help="a .txt or .jsonl file, or a glob")
   convert_parser.add_argument("output", help="path prefix of the shards (its directory is created)")
   convert_parser.add_argument("--shards", type=int, default=1)
   convert_parser.add_argument("--text_field", default="text", help="the JSONL field or Parquet column of the text")
-  convert_parser.add_argument("--tokenizer", help="tokenize once, writing token ids: bytes, hf:<tokenizer.json>,"
-                              " sentencepiece:<model>, tiktoken:<file>")
+  convert_parser.add_argument(
+    "--tokenizer",
+    help="tokenize once, writing token ids: bytes, hf:<tokenizer.json>, sentencepiece:<model>, tiktoken:<file>",
+  )
   convert_parser.add_argument("--bos_token", default="", help="with --tokenizer: a token before every document")
   convert_parser.add_argument("--eos_token", default="", help="with --tokenizer: a token after every document")
-  convert_parser.add_argument("--bad_records", choices=("skip", "error"), default="skip",
-                              help="a malformed JSONL line: skip it (logged; default) or stop")
-  convert_parser.add_argument("--workers", type=int, default=0, help="worker processes reading, tokenizing and"
-                              " writing at once (default 0: this process); the shards are the same")
+  convert_parser.add_argument(
+    "--bad_records",
+    choices=("skip", "error"),
+    default="skip",
+    help="a malformed JSONL line: skip it (logged; default) or stop",
+  )
+  convert_parser.add_argument(
+    "--workers",
+    type=int,
+    default=0,
+    help="worker processes reading, tokenizing and writing at once (default 0: this process); the shards are the same",
+  )
   args = parser.parse_args(argv)
   try:
     tokenizer = None
@@ -217,8 +246,15 @@ def main(argv: Sequence[str] | None = None) -> None:
       from distrib_train.data import tokenizer as tokenizer_lib
 
       tokenizer = tokenizer_lib.load(args.tokenizer, args.bos_token, args.eos_token)
-    paths = convert(args.inputs, args.output, num_shards=args.shards, text_field=args.text_field,
-                    tokenizer=tokenizer, workers=args.workers, bad_records=args.bad_records)
+    paths = convert(
+      args.inputs,
+      args.output,
+      num_shards=args.shards,
+      text_field=args.text_field,
+      tokenizer=tokenizer,
+      workers=args.workers,
+      bad_records=args.bad_records,
+    )
   except ValueError as e:
     parser.exit(2, f"error: {e}\n")
   print("\n".join(paths))

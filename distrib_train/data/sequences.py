@@ -53,12 +53,12 @@ def shifted(packed: Mapping[str, np.ndarray], max_documents: int = 0) -> dict[st
   weights = same_document.astype(np.float32) if sign is None else same_document * sign.astype(np.float32)
   extra = {"reference_logps": packed["tokens_ref"][1:].astype(np.float32)} if "tokens_ref" in packed else {}
   return {
-      "tokens": tokens[:-1].astype(np.int32),
-      "targets": tokens[1:].astype(np.int32),
-      "segment_ids": segments[:-1].astype(np.int32),
-      "positions": positions[:-1].astype(np.int32),
-      "weights": weights,
-      **extra,
+    "tokens": tokens[:-1].astype(np.int32),
+    "targets": tokens[1:].astype(np.int32),
+    "segment_ids": segments[:-1].astype(np.int32),
+    "positions": positions[:-1].astype(np.int32),
+    "weights": weights,
+    **extra,
   }
 
 
@@ -66,7 +66,7 @@ def unpacked(tokens: np.ndarray, loss: np.ndarray | None = None) -> dict[str, np
   """The row of one document's head, ``seq_len + 1`` tokens; a conversation's (padded) weighs its loss mask."""
   weights = np.ones(len(tokens) - 1, np.float32) if loss is None else ((loss[1:] & 1) > 0).astype(np.float32)
   return {
-      "tokens": tokens[:-1].astype(np.int32),
-      "targets": tokens[1:].astype(np.int32),
-      "weights": weights,
+    "tokens": tokens[:-1].astype(np.int32),
+    "targets": tokens[1:].astype(np.int32),
+    "weights": weights,
   }

@@ -70,10 +70,12 @@ def pydoc_conversations(docs: list[str]) -> list[str]:
     if len(doc) <= 800:
       return doc
     cut = doc.rfind("\n", 200, 800)
-    return doc[:cut if cut > 0 else 800]
+    return doc[: cut if cut > 0 else 800]
 
-  return [json.dumps({"messages": [{"role": "user", "content": asked(doc)},
-                                   {"role": "assistant", "content": answer(doc)}]}) for doc in docs]
+  return [
+    json.dumps({"messages": [{"role": "user", "content": asked(doc)}, {"role": "assistant", "content": answer(doc)}]})
+    for doc in docs
+  ]
 
 
 def pydoc_pairs(docs: list[str]) -> list[str]:
@@ -90,8 +92,7 @@ def pydoc_pairs(docs: list[str]) -> list[str]:
     return {**message, "content": " ".join(words)}
 
   turns = [json.loads(record)["messages"] for record in pydoc_conversations(docs)]
-  return [json.dumps({"prompt": m[:1], "chosen": m[1:], "rejected": [scrambled(m[1], i)]})
-          for i, m in enumerate(turns)]
+  return [json.dumps({"prompt": m[:1], "chosen": m[1:], "rejected": [scrambled(m[1], i)]}) for i, m in enumerate(turns)]
 
 
 def arithmetic_records() -> list[str]:
@@ -107,7 +108,8 @@ def read_by_blocks(config: DataConfig) -> bool:
   """Whether ``config``'s corpus has files read by blocks (Parquet, compressed JSONL), whose order is the
   shuffle by blocks (``block_order.py``) rather than grain's index shuffle."""
   return config.source == "text" and any(
-      path.endswith(".parquet") or compressed.is_compressed(path) for path in text_files.expand(config.paths))
+    path.endswith(".parquet") or compressed.is_compressed(path) for path in text_files.expand(config.paths)
+  )
 
 
 class Documents:
@@ -124,8 +126,11 @@ class Documents:
     if config.source == "pydoc":
       self._docs = _pydoc_documents()
       if config.conversations:  # a pair is two answers: half as long each
-        self._docs = pydoc_pairs(_pydoc_documents(CONVERSATION_BYTES // 2)) if config.pairs else \
-            pydoc_conversations(_pydoc_documents(CONVERSATION_BYTES))
+        self._docs = (
+          pydoc_pairs(_pydoc_documents(CONVERSATION_BYTES // 2))
+          if config.pairs
+          else pydoc_conversations(_pydoc_documents(CONVERSATION_BYTES))
+        )
     elif config.source == "synthetic":
       self._docs = None
     elif config.source == "arithmetic":
@@ -137,9 +142,11 @@ class Documents:
       if records and texts:
         raise ValueError("Data paths mix .array_record shards and text files; give one kind.")
       if records and (config.conversations or config.prompts):
-        raise ValueError(f"Data file {records[0]!r} is an ArrayRecord shard, not conversation records"
-                         f" (data.loss_on={config.loss_on}): give JSONL (plain or compressed), Parquet or a datasets"
-                         " folder of records with 'messages', or 'prompt' and 'completion'.")
+        raise ValueError(
+          f"Data file {records[0]!r} is an ArrayRecord shard, not conversation records"
+          f" (data.loss_on={config.loss_on}): give JSONL (plain or compressed), Parquet or a datasets"
+          " folder of records with 'messages', or 'prompt' and 'completion'."
+        )
       if records:
         import grain
 
@@ -149,8 +156,12 @@ class Documents:
         self.pretokenized = record_shards.pretokenized(records)
       else:
         # Each JSONL or compressed file keeps its index mapped and its data (or decompressor) open, Parquet its file.
-        jsonl.allow_open_files(sum(2 if path.endswith(".jsonl") or compressed.is_compressed(path) else
-                                   1 if path.endswith(".parquet") else 0 for path in texts))
+        jsonl.allow_open_files(
+          sum(
+            2 if path.endswith(".jsonl") or compressed.is_compressed(path) else 1 if path.endswith(".parquet") else 0
+            for path in texts
+          )
+        )
         self._docs = text_files.Concatenated([self._reader(path) for path in texts])
     if len(self) == 0:
       raise ValueError(f"Data source {config.source!r} {list(config.paths) or ''} holds no documents.")
@@ -159,11 +170,14 @@ class Documents:
     """The reader of one text file (or ``datasets`` folder); of its conversation records with ``data.loss_on``."""
     config = self.config
     field = arrow_text.PROMPTS if config.prompts else arrow_text.RECORD if config.conversations else config.text_field
-    if (config.conversations or config.prompts) and not (path.endswith((".jsonl", ".parquet")) or compressed.is_compressed(path)
-                                     or arrow_text.is_dataset_folder(path)):
-      raise ValueError(f"Data file {path!r} holds text, not conversation records (data.loss_on={config.loss_on}):"
-                       " give JSONL (plain or compressed), Parquet or a datasets folder of records with"
-                       " 'messages', or 'prompt' and 'completion'.")
+    if (config.conversations or config.prompts) and not (
+      path.endswith((".jsonl", ".parquet")) or compressed.is_compressed(path) or arrow_text.is_dataset_folder(path)
+    ):
+      raise ValueError(
+        f"Data file {path!r} holds text, not conversation records (data.loss_on={config.loss_on}):"
+        " give JSONL (plain or compressed), Parquet or a datasets folder of records with"
+        " 'messages', or 'prompt' and 'completion'."
+      )
     if path.endswith(".jsonl"):
       return jsonl.JsonlFile(path, field, self.bad_records, config.index_cache_dir)
     if path.endswith(".parquet"):

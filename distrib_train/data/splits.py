@@ -41,8 +41,9 @@ class Subset:
     return self._source[int(self._indices[index])]
 
 
-def split_documents(config: DataConfig, split: str, shard_count: int,
-                    vocab_size: int | None) -> tuple[sources.Documents, np.ndarray, DocumentTokenizer]:
+def split_documents(
+  config: DataConfig, split: str, shard_count: int, vocab_size: int | None
+) -> tuple[sources.Documents, np.ndarray, DocumentTokenizer]:
   """The source's documents, the split's indices into them (sorted) and the tokenizer, checked.
 
   Args:
@@ -68,9 +69,9 @@ def split_documents(config: DataConfig, split: str, shard_count: int,
   if len(indices) < shard_count:
     source = f"data source {config.source!r}" + (f" {list(config.paths)}" if config.paths else "")
     raise ValueError(
-        f"The {split} split has {len(indices)} document(s) ({source} holds {len(docs)}, {n_eval} held out by"
-        f" data.eval_fraction={config.eval_fraction}), fewer than the {shard_count} data shard(s) it is"
-        " read in; give more documents or change data.eval_fraction."
+      f"The {split} split has {len(indices)} document(s) ({source} holds {len(docs)}, {n_eval} held out by"
+      f" data.eval_fraction={config.eval_fraction}), fewer than the {shard_count} data shard(s) it is"
+      " read in; give more documents or change data.eval_fraction."
     )
   tokenize = _tokenizer(config)
   # The documents checked: spread over the split; where the source has block-read files, those the
@@ -85,28 +86,39 @@ def split_documents(config: DataConfig, split: str, shard_count: int,
   if vocab_size is not None and isinstance(config.tokenizer, str):
     ids = tokenizer_lib.load(config.tokenizer, config.bos_token, config.eos_token).vocab_size
     if ids > vocab_size:
-      raise ValueError(f"data.tokenizer {config.tokenizer} has {ids} ids but the model's vocabulary holds"
-                       f" {vocab_size}; set model.vocab_size={ids} (or more), or use the model's own tokenizer.")
+      raise ValueError(
+        f"data.tokenizer {config.tokenizer} has {ids} ids but the model's vocabulary holds"
+        f" {vocab_size}; set model.vocab_size={ids} (or more), or use the model's own tokenizer."
+      )
   if vocab_size is not None:
     _check_token_ids(tokenize, docs, checked[:: max(1, len(checked) // 16)][:16], vocab_size, split)
   # A sample: reading every document of a large ArrayRecord corpus here would be too slow.
   sample = checked
   # Only whether a document has a row's tokens matters: each one's head (a prefix of a long text) is encoded.
-  longest = max(max(map(len, tokenize.heads([docs[int(i)] for i in sample[start:start + 256]], config.seq_len + 1)))
-                for start in range(0, len(sample), 256))
+  longest = max(
+    max(map(len, tokenize.heads([docs[int(i)] for i in sample[start : start + 256]], config.seq_len + 1)))
+    for start in range(0, len(sample), 256)
+  )
   if longest == 0:  # packing would look for tokens forever
     source = f"data source {config.source!r}" + (f" {list(config.paths)}" if config.paths else "")
-    skipped = f" ({docs.skipped_documents} of them malformed lines, skipped: data.bad_records=skip)" \
-        if docs.skipped_documents else ""
+    skipped = (
+      f" ({docs.skipped_documents} of them malformed lines, skipped: data.bad_records=skip)"
+      if docs.skipped_documents
+      else ""
+    )
     if config.conversations and config.long_conversations == "drop":
-      skipped += (f"; conversations over seq_len + 1 = {config.seq_len + 1} tokens are left out"
-                  " (data.long_conversations=drop): raise seq_len or set data.long_conversations=truncate")
-    raise ValueError(f"The {split} split of {source} holds no tokens: all {len(sample)} document(s) checked are"
-                     f" empty{skipped}; give documents with text.")
+      skipped += (
+        f"; conversations over seq_len + 1 = {config.seq_len + 1} tokens are left out"
+        " (data.long_conversations=drop): raise seq_len or set data.long_conversations=truncate"
+      )
+    raise ValueError(
+      f"The {split} split of {source} holds no tokens: all {len(sample)} document(s) checked are"
+      f" empty{skipped}; give documents with text."
+    )
   if not config.packing and not config.conversations and longest < config.seq_len + 1:
     raise ValueError(
-        f"seq_len {config.seq_len} + 1 is longer than every {split} document (longest {longest} tokens of"
-        f" {len(sample)} checked) and packing is off; lower seq_len or turn packing on."
+      f"seq_len {config.seq_len} + 1 is longer than every {split} document (longest {longest} tokens of"
+      f" {len(sample)} checked) and packing is off; lower seq_len or turn packing on."
     )
   return docs, indices, tokenize
 
@@ -178,12 +190,12 @@ class DocumentTokenizer:
     return [ids[:count] for ids in encoded]
 
   @staticmethod
-  def _with_texts_encoded(docs: Sequence[Any], encode: Callable[[list[str]], Sequence[np.ndarray]]
-                          ) -> list[np.ndarray]:
+  def _with_texts_encoded(docs: Sequence[Any], encode: Callable[[list[str]], Sequence[np.ndarray]]) -> list[np.ndarray]:
     """The documents with their texts replaced by ``encode(texts)`` (one call); a document of ids as it is, a
     skipped one (None) as no ids."""
-    out: list[np.ndarray | None] = [doc if isinstance(doc, np.ndarray) else _EMPTY if doc is None else None
-                                    for doc in docs]
+    out: list[np.ndarray | None] = [
+      doc if isinstance(doc, np.ndarray) else _EMPTY if doc is None else None for doc in docs
+    ]
     texts = [i for i, got in enumerate(out) if got is None]
     if texts:
       for i, ids in zip(texts, encode([docs[i] for i in texts])):
@@ -207,14 +219,19 @@ def _tokenizer(config: DataConfig) -> DocumentTokenizer:
 
 def _check_pretokenized(fingerprint: Mapping[str, Any], config: DataConfig) -> None:
   """Refuses pre-tokenized shards of another tokenizer than the run's ``data.tokenizer``."""
-  run = (tokenizer_lib.load(config.tokenizer, config.bos_token, config.eos_token).fingerprint
-         if isinstance(config.tokenizer, str) else {"spec": config.tokenizer_name()})
+  run = (
+    tokenizer_lib.load(config.tokenizer, config.bos_token, config.eos_token).fingerprint
+    if isinstance(config.tokenizer, str)
+    else {"spec": config.tokenizer_name()}
+  )
   keys = ("spec", "sha256", "bos_id", "eos_id")
   if any(fingerprint.get(k) != run.get(k) for k in keys):
-    raise ValueError(f"The data paths' shards hold token ids of tokenizer {fingerprint.get('spec')} (BOS"
-                     f" {fingerprint.get('bos_id')}, EOS {fingerprint.get('eos_id')}); data.tokenizer says"
-                     f" {run.get('spec')} (BOS {run.get('bos_id')}, EOS {run.get('eos_id')}). Set data.tokenizer,"
-                     " bos_token and eos_token as the shards were converted, or convert them again.")
+    raise ValueError(
+      f"The data paths' shards hold token ids of tokenizer {fingerprint.get('spec')} (BOS"
+      f" {fingerprint.get('bos_id')}, EOS {fingerprint.get('eos_id')}); data.tokenizer says"
+      f" {run.get('spec')} (BOS {run.get('bos_id')}, EOS {run.get('eos_id')}). Set data.tokenizer,"
+      " bos_token and eos_token as the shards were converted, or convert them again."
+    )
 
 
 def _check_token_ids(tokenize, docs, sample: np.ndarray, vocab_size: int, split: str) -> None:
@@ -225,6 +242,7 @@ def _check_token_ids(tokenize, docs, sample: np.ndarray, vocab_size: int, split:
     if len(ids) and (ids.max() >= vocab_size or ids.min() < 0):
       bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
       raise ValueError(
-          f"The {split} data holds token id {bad} (document {int(index)}), outside the model's vocabulary of"
-          f" {vocab_size} ids (0 to {vocab_size - 1}); use a tokenizer that matches the model or a model with a"
-          " larger vocab_size.")
+        f"The {split} data holds token id {bad} (document {int(index)}), outside the model's vocabulary of"
+        f" {vocab_size} ids (0 to {vocab_size - 1}); use a tokenizer that matches the model or a model with a"
+        " larger vocab_size."
+      )

@@ -54,8 +54,10 @@ def expand(paths: Sequence[str]) -> list[str]:
       raise ValueError(f"Data path {pattern!r} matches no file.")
     for path in matched:
       if os.path.isdir(path) and not arrow_text.is_dataset_folder(path):
-        raise ValueError(f"Cannot read data file {path!r}: Is a directory, and not one written by datasets'"
-                         " save_to_disk (no state.json or dataset_dict.json); give its files or a glob.")
+        raise ValueError(
+          f"Cannot read data file {path!r}: Is a directory, and not one written by datasets'"
+          " save_to_disk (no state.json or dataset_dict.json); give its files or a glob."
+        )
     files.extend(matched)
   return files
 
@@ -114,7 +116,7 @@ class TextFile:
         head = f.read(1 << 16)
       self.blank = not head.strip() and os.path.getsize(path) <= 1 << 16
       if not self.blank:  # not UTF-8 fails now, naming the file; the rest is checked when it is read
-        _decode(head[:len(head) - (_cut_character(head) if len(head) == 1 << 16 else 0)], path, None)
+        _decode(head[: len(head) - (_cut_character(head) if len(head) == 1 << 16 else 0)], path, None)
     except OSError as e:
       raise ValueError(f"Cannot read data file {path!r}: {e.strerror}.") from None
 
@@ -144,8 +146,7 @@ class ParquetFile:
       self._columns = arrow_text.record_columns(path, schema.names, field)
     else:
       self._columns = [field]
-      arrow_text.check_text_type(path, field, schema.names,
-                                 schema.field(field).type if field in schema.names else None)
+      arrow_text.check_text_type(path, field, schema.names, schema.field(field).type if field in schema.names else None)
     meta = self.file.metadata
     self.groups = meta.num_row_groups
     self.starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(self.groups)])
@@ -157,6 +158,7 @@ class ParquetFile:
 
   def group(self, group: int) -> arrow_text.Strings:
     """Row group ``group``'s texts (from the cache, else read and kept)."""
+
     def read() -> arrow_text.Strings | arrow_text.Records:
       table = self.file.read_row_group(group, columns=self._columns)
       if self.field in arrow_text.RECORDS:

@@ -97,7 +97,8 @@ class Tokenizer:
   bos_token: str = ""
   eos_token: str = ""
   encode_texts: Callable[[Sequence[str]], Sequence[Sequence[int]]] | None = dataclasses.field(
-      default=None, repr=False, compare=False)
+    default=None, repr=False, compare=False
+  )
   by_prefix: bool = dataclasses.field(default=False, repr=False, compare=False)
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
@@ -132,7 +133,7 @@ class Tokenizer:
         if cut is None:
           out[i] = np.concatenate([head, ids, tail])[:count]
         elif len(head) + len(ids) - HEAD_MARGIN >= count:
-          out[i] = np.concatenate([head, ids[:max(0, count - len(head))]])[:count]
+          out[i] = np.concatenate([head, ids[: max(0, count - len(head))]])[:count]
         else:
           retry.append(i)
       pending, chars = retry, chars * 4
@@ -146,8 +147,10 @@ class Tokenizer:
 
   def _specials(self) -> tuple[np.ndarray, np.ndarray]:
     """The ids put before and after every document (BOS, EOS; empty where there is none)."""
-    return (np.asarray([] if self.bos_id is None else [self.bos_id], np.int32),
-            np.asarray([] if self.eos_id is None else [self.eos_id], np.int32))
+    return (
+      np.asarray([] if self.bos_id is None else [self.bos_id], np.int32),
+      np.asarray([] if self.eos_id is None else [self.eos_id], np.int32),
+    )
 
   def __call__(self, text: str) -> list[int]:
     """The document's ids: BOS (if any), the text's tokens, EOS (if any)."""
@@ -161,8 +164,13 @@ class Tokenizer:
   @property
   def fingerprint(self) -> dict[str, Any]:
     """What a checkpoint records to refuse a resume with another tokenizer."""
-    return {"spec": self.spec, "sha256": self.sha256, "vocab_size": self.vocab_size, "bos_id": self.bos_id,
-            "eos_id": self.eos_id}
+    return {
+      "spec": self.spec,
+      "sha256": self.sha256,
+      "vocab_size": self.vocab_size,
+      "bos_id": self.bos_id,
+      "eos_id": self.eos_id,
+    }
 
 
 def parse(spec: str, where: str = "data.tokenizer") -> tuple[str, str]:
@@ -176,14 +184,17 @@ def parse(spec: str, where: str = "data.tokenizer") -> tuple[str, str]:
   if text == "bytes":
     return "bytes", ""
   if not sep or kind not in KINDS or kind == "bytes":
-    raise ValueError(f"{where}: {spec!r} is not a tokenizer; use bytes, hf:<tokenizer.json or its directory>,"
-                     " sentencepiece:<model file> or tiktoken:<bpe file> (local files; nothing is downloaded).")
+    raise ValueError(
+      f"{where}: {spec!r} is not a tokenizer; use bytes, hf:<tokenizer.json or its directory>,"
+      " sentencepiece:<model file> or tiktoken:<bpe file> (local files; nothing is downloaded)."
+    )
   file = os.path.expanduser(path.partition("#")[0] if kind == "tiktoken" else path)
   if kind == "hf" and file and os.path.isdir(file):  # a model's directory, as from_pretrained takes it
     path = file = os.path.join(file, "tokenizer.json")
   if not file or not os.path.isfile(file):
-    raise ValueError(f"{where}: tokenizer file {file!r} does not exist (a local {kind} file is needed; nothing is"
-                     " downloaded).")
+    raise ValueError(
+      f"{where}: tokenizer file {file!r} does not exist (a local {kind} file is needed; nothing is downloaded)."
+    )
   return kind, path
 
 
@@ -209,8 +220,13 @@ def _hf(path: str):
   tok.no_padding()
   encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # fast: no offsets (tokenizers >= 0.20)
   batch = lambda texts: [e.ids for e in encode(list(texts), add_special_tokens=False)]
-  return (lambda text: tok.encode(text, add_special_tokens=False).ids, tok.token_to_id,
-          tok.get_vocab_size(with_added_tokens=True), batch, type(tok.model).__name__ == "BPE")
+  return (
+    lambda text: tok.encode(text, add_special_tokens=False).ids,
+    tok.token_to_id,
+    tok.get_vocab_size(with_added_tokens=True),
+    batch,
+    type(tok.model).__name__ == "BPE",
+  )
 
 
 def _sentencepiece(path: str):
@@ -220,8 +236,13 @@ def _sentencepiece(path: str):
   except Exception as e:  # RuntimeError / OSError with the library's text
     raise ValueError(f"data.tokenizer: {path!r} is not a SentencePiece model: {e}") from None
   piece = lambda token: (lambda i: None if proc.id_to_piece(i) != token else i)(proc.piece_to_id(token))
-  return (lambda text: proc.encode(text, out_type=int), piece, proc.get_piece_size(),
-          lambda texts: proc.encode(list(texts), out_type=int), _sentencepiece_is_bpe(proc))
+  return (
+    lambda text: proc.encode(text, out_type=int),
+    piece,
+    proc.get_piece_size(),
+    lambda texts: proc.encode(list(texts), out_type=int),
+    _sentencepiece_is_bpe(proc),
+  )
 
 
 def _sentencepiece_is_bpe(proc: Any) -> bool:
@@ -247,22 +268,31 @@ def _tiktoken(path: str):
   try:
     ranks = tiktoken_load.load_tiktoken_bpe(os.path.expanduser(file))
   except Exception as e:  # ValueError / binascii.Error with the library's text
-    raise ValueError(f"data.tokenizer: {file!r} is not a tiktoken BPE file (base64 token, rank per line): {e}"
-                     ) from None
+    raise ValueError(
+      f"data.tokenizer: {file!r} is not a tiktoken BPE file (base64 token, rank per line): {e}"
+    ) from None
   pat_str = _tiktoken_pattern(tiktoken, pattern)
-  encoding = tiktoken.Encoding(name=os.path.basename(file), pat_str=pat_str, mergeable_ranks=ranks,
-                               special_tokens={})
+  encoding = tiktoken.Encoding(name=os.path.basename(file), pat_str=pat_str, mergeable_ranks=ranks, special_tokens={})
   by_text = {token.decode("utf-8", "replace"): rank for token, rank in ranks.items()}
-  return (lambda text: encoding.encode_ordinary(text), by_text.get, max(ranks.values()) + 1,
-          lambda texts: encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1), True)
+  return (
+    lambda text: encoding.encode_ordinary(text),
+    by_text.get,
+    max(ranks.values()) + 1,
+    lambda texts: encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1),
+    True,
+  )
 
 
 def _tiktoken_pattern(tiktoken: Any, name: str) -> str:
   """The pre-tokenisation regex of one of tiktoken's own encodings (its constructor, without its file)."""
   from tiktoken_ext import openai_public
 
-  constructor = {"cl100k_base": openai_public.cl100k_base, "o200k_base": openai_public.o200k_base,
-                 "r50k_base": openai_public.r50k_base, "p50k_base": openai_public.p50k_base}[name]
+  constructor = {
+    "cl100k_base": openai_public.cl100k_base,
+    "o200k_base": openai_public.o200k_base,
+    "r50k_base": openai_public.r50k_base,
+    "p50k_base": openai_public.p50k_base,
+  }[name]
   import unittest.mock
 
   # The constructors fetch their vocabulary; only their pattern is wanted here.
@@ -280,12 +310,18 @@ def load(spec: str = "bytes", bos_token: str = "", eos_token: str = "") -> Token
   """
   kind, path = parse(spec)
   if kind == "bytes":
-    encode, token_id, vocab, batch, by_prefix, sha = (lambda text: list(text.encode("utf-8"))), \
-        (lambda token: None), 256, utf8_bytes, True, ""
+    encode, token_id, vocab, batch, by_prefix, sha = (
+      (lambda text: list(text.encode("utf-8"))),
+      (lambda token: None),
+      256,
+      utf8_bytes,
+      True,
+      "",
+    )
   else:
-    encode, token_id, vocab, batch, by_prefix = {"hf": _hf, "sentencepiece": _sentencepiece,
-                                                 "tiktoken": _tiktoken}[kind](
-        os.path.expanduser(path) if kind != "tiktoken" else path)
+    encode, token_id, vocab, batch, by_prefix = {"hf": _hf, "sentencepiece": _sentencepiece, "tiktoken": _tiktoken}[
+      kind
+    ](os.path.expanduser(path) if kind != "tiktoken" else path)
     sha = _sha256(os.path.expanduser(path.partition("#")[0] if kind == "tiktoken" else path))
   ids = {}
   for name, token in (("bos_token", bos_token), ("eos_token", eos_token)):
@@ -294,10 +330,13 @@ def load(spec: str = "bytes", bos_token: str = "", eos_token: str = "") -> Token
       continue
     ids[name] = token_id(token)
     if ids[name] is None:
-      raise ValueError(f"data.{name}: {token!r} is not a token of {spec} (a tokenizer's special tokens are named"
-                       " by their text, e.g. <s>, </s>, <|endoftext|>).")
-  return Tokenizer(spec, vocab, encode, token_id, ids["bos_token"], ids["eos_token"], sha, bos_token, eos_token,
-                   batch, by_prefix)
+      raise ValueError(
+        f"data.{name}: {token!r} is not a token of {spec} (a tokenizer's special tokens are named"
+        " by their text, e.g. <s>, </s>, <|endoftext|>)."
+      )
+  return Tokenizer(
+    spec, vocab, encode, token_id, ids["bos_token"], ids["eos_token"], sha, bos_token, eos_token, batch, by_prefix
+  )
 
 
 def utf8_bytes(texts: Sequence[str]) -> list[np.ndarray]:
@@ -318,5 +357,7 @@ def worker_thread_env(workers: int) -> dict[str, str]:
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
   chosen = os.environ.get("RAYON_NUM_THREADS", "").strip()
   threads = int(chosen) if chosen.isdigit() and int(chosen) > 0 else max(1, cores // max(1, workers))
-  return {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM") or str(threads > 1).lower(),
-          "RAYON_NUM_THREADS": str(threads)}
+  return {
+    "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM") or str(threads > 1).lower(),
+    "RAYON_NUM_THREADS": str(threads),
+  }

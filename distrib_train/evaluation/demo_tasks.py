@@ -54,20 +54,19 @@ def choice(**kwargs: Any):
   paragraphs = _paragraphs()
   rng = np.random.default_rng(0)
   records = []
-  ending = lambda t: " " + " ".join(t[t.rfind(" ", 0, 60):].split()[:4])  # four words after the 60th character
+  ending = lambda t: " " + " ".join(t[t.rfind(" ", 0, 60) :].split()[:4])  # four words after the 60th character
   for n, text in enumerate(paragraphs[:_DOCUMENTS]):
     cut = text.rfind(" ", 0, 60)
     others = [paragraphs[(n + k * 7) % len(paragraphs)] for k in (1, 2, 3)]
     choices = [ending(text)] + [ending(other) for other in others]
     order = rng.permutation(4)
-    records.append({"context": text[:cut], "choices": [choices[k] for k in order],
-                    "label": int(np.argmax(order == 0))})
+    records.append({"context": text[:cut], "choices": [choices[k] for k in order], "label": int(np.argmax(order == 0))})
   return _dataset(records)
 
 
 def perplexity(**kwargs: Any):
   """``loglikelihood_rolling`` documents: ``text``."""
-  return _dataset([{"text": text} for text in _paragraphs()[:_DOCUMENTS // 2]])
+  return _dataset([{"text": text} for text in _paragraphs()[: _DOCUMENTS // 2]])
 
 
 def completion(**kwargs: Any):
@@ -78,5 +77,5 @@ def completion(**kwargs: Any):
     if len(words) > 8 and len(records) < _DOCUMENTS // 2:
       at = text.find(" " + words[6] + " ", text.find(words[5]))
       if at > 0:
-        records.append({"context": text[:at + 1], "answer": words[6]})
+        records.append({"context": text[: at + 1], "answer": words[6]})
   return _dataset(records)

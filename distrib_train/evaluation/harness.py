@@ -61,9 +61,21 @@ class HarnessLM(TemplateLM):
   prompts decoded together). ``share_contexts``: a context's continuations side by side in a row, the context
   once (``scoring.Scorer.score``'s ``share``; such rows run XLA's attention, whatever ``model.attention`` asks)."""
 
-  def __init__(self, loaded: Any = None, *, model: Any = None, mesh: Any = None, rules: Any = None,
-               codec: Any = None, end_ids: Sequence[int] = (), max_length: int | None = None, batch_size: int = 8,
-               specials: dict[str, str] | None = None, log: Any = None, share_contexts: bool = True):
+  def __init__(
+    self,
+    loaded: Any = None,
+    *,
+    model: Any = None,
+    mesh: Any = None,
+    rules: Any = None,
+    codec: Any = None,
+    end_ids: Sequence[int] = (),
+    max_length: int | None = None,
+    batch_size: int = 8,
+    specials: dict[str, str] | None = None,
+    log: Any = None,
+    share_contexts: bool = True,
+  ):
     super().__init__()
     from distrib_train.generation.engine import Generator
     from distrib_train.generation.scoring import Scorer
@@ -75,8 +87,10 @@ class HarnessLM(TemplateLM):
       end_ids = ends_of(loaded, codec)
       max_length = max_length or model_max_length(loaded)
       data = loaded.config.data
-      specials = {**_special_texts(codec), **{k: v for k, v in (("bos_token", data.bos_token),
-                                                                 ("eos_token", data.eos_token)) if v}}
+      specials = {
+        **_special_texts(codec),
+        **{k: v for k, v in (("bos_token", data.bos_token), ("eos_token", data.eos_token)) if v},
+      }
     if model is None or codec is None or not max_length:
       raise ValueError("HarnessLM: give a loaded model, or model=, codec= and max_length=.")
     self.codec, self.end_ids, self._max_length = codec, list(end_ids), int(max_length)
@@ -93,9 +107,18 @@ class HarnessLM(TemplateLM):
     self._prefix = bos if bos is not None else self._eot if self._eot is not None else codec.encode("\n", False)[0]
 
   @classmethod
-  def load(cls, init_from: str, *, step: int | None = None, mesh_config: str | None = None,
-           dtype: str | None = None, overrides: dict | None = None, batch_size: int = 8,
-           max_length: int | None = None, log: Any = None) -> HarnessLM:
+  def load(
+    cls,
+    init_from: str,
+    *,
+    step: int | None = None,
+    mesh_config: str | None = None,
+    dtype: str | None = None,
+    overrides: dict | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    log: Any = None,
+  ) -> HarnessLM:
     """The model ``init_from`` names (``hf:<dir>`` or ``ckpt:<run>``), loaded as ``run_model.load`` reads it."""
     from distrib_train.weights import load as run_model
 
@@ -140,12 +163,14 @@ class HarnessLM(TemplateLM):
       return None
     return self._template().text
 
-  def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                 **kwargs) -> list[int]:
+  def tok_encode(
+    self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kwargs
+  ) -> list[int]:
     """The ids of ``string`` as the ``hf`` model's ``tok_encode``: with the tokenizer's special tokens unless
     ``add_special_tokens`` is False, or is None and the text already starts with the BOS."""
-    special = add_special_tokens if add_special_tokens is not None else not (
-        self.bos_text and string.startswith(self.bos_text))
+    special = (
+      add_special_tokens if add_special_tokens is not None else not (self.bos_text and string.startswith(self.bos_text))
+    )
     ids = self.codec.encode(string, bool(special))
     if special and self.codec.bos is not None:  # a run's own BOS, put before each document in training
       ids = [self.codec.bos] + ids
@@ -159,20 +184,23 @@ class HarnessLM(TemplateLM):
     continue_final_message=not add_generation_prompt)`` as transformers renders it."""
     from distrib_train.data.chat import ChatEncoder
 
-    text = ChatEncoder(self._template(), None).render(chat_history, add_generation_prompt=add_generation_prompt,
-                                                      where="a few-shot chat")
+    text = ChatEncoder(self._template(), None).render(
+      chat_history, add_generation_prompt=add_generation_prompt, where="a few-shot chat"
+    )
     if not add_generation_prompt and chat_history:  # continue the final message: cut after its text
       final = str(chat_history[-1].get("content", "")).strip()
       if final and final in text:
-        text = text[:text.rindex(final) + len(final)]
+        text = text[: text.rindex(final) + len(final)]
     return text
 
   def _template(self):
     from distrib_train.data.chat import ChatTemplate
 
     if not self.codec.path:
-      raise ValueError(f"--apply_chat_template: the tokenizer {self.codec.spec} has no chat template; give the"
-                       " model's tokenizer with --set data.tokenizer=hf:<dir>.")
+      raise ValueError(
+        f"--apply_chat_template: the tokenizer {self.codec.spec} has no chat template; give the"
+        " model's tokenizer with --set data.tokenizer=hf:<dir>."
+      )
     return ChatTemplate.load(self.codec.path)
 
   # --- the three requests ---------------------------------------------------------------------------
@@ -189,15 +217,18 @@ class HarnessLM(TemplateLM):
     sequences, scored = [], []
     for i, (context, continuation) in enumerate(pairs):
       if not continuation or len(continuation) > self._max_length:
-        raise ValueError(f"request {i}: a continuation of {len(continuation)} tokens; lm-eval scores 1 to"
-                         f" max_length ({self._max_length}).")
-      sequences.append((context + continuation)[-(self._max_length + 1):])
+        raise ValueError(
+          f"request {i}: a continuation of {len(continuation)} tokens; lm-eval scores 1 to"
+          f" max_length ({self._max_length})."
+        )
+      sequences.append((context + continuation)[-(self._max_length + 1) :])
       scored.append(len(continuation))
     if not sequences:
       return []
     row_len = self._row_len(max(len(s) - 1 for s in sequences))
-    return self.scorer.score(sequences, scored, row_len=row_len, rows=self._batch_size, shortest=_SHORTEST_ROW,
-                             share=self.share_contexts)
+    return self.scorer.score(
+      sequences, scored, row_len=row_len, rows=self._batch_size, shortest=_SHORTEST_ROW, share=self.share_contexts
+    )
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
     scores = self._score([(list(context), list(continuation)) for _, context, continuation in requests])
@@ -212,8 +243,9 @@ class HarnessLM(TemplateLM):
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
     windows, owner = [], []
     for i, (text,) in enumerate(req.args for req in requests):
-      for pair in get_rolling_token_windows(token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                                            max_seq_len=self._max_length, context_len=1):
+      for pair in get_rolling_token_windows(
+        token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self._max_length, context_len=1
+      ):
         windows.append(make_disjoint_window(pair))
         owner.append(i)
     totals = [0.0] * len(requests)
@@ -237,12 +269,25 @@ class HarnessLM(TemplateLM):
       if new >= self._max_length:
         raise ValueError(f"max_gen_toks {new}: must be under the model's max_length ({self._max_length}).")
       sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature") or 0.0) > 0
-      sampling = Sampling(temperature=float(kwargs["temperature"]), top_k=int(kwargs.get("top_k") or 0),
-                          top_p=float(kwargs.get("top_p") or 1.0), min_p=float(kwargs.get("min_p") or 0.0)) \
-          if sample else Sampling()
+      sampling = (
+        Sampling(
+          temperature=float(kwargs["temperature"]),
+          top_k=int(kwargs.get("top_k") or 0),
+          top_p=float(kwargs.get("top_p") or 1.0),
+          min_p=float(kwargs.get("min_p") or 0.0),
+        )
+        if sample
+        else Sampling()
+      )
       prompts = [self.tok_encode(requests[i].args[0], left_truncate_len=self._max_length - new) for i in members]
-      completions = self.generator.generate(prompts, max_new_tokens=new, sampling=sampling, seed=SAMPLING_SEED,
-                                            eos_ids=self.end_ids, batch_size=8 * self._batch_size)
+      completions = self.generator.generate(
+        prompts,
+        max_new_tokens=new,
+        sampling=sampling,
+        seed=SAMPLING_SEED,
+        eos_ids=self.end_ids,
+        batch_size=8 * self._batch_size,
+      )
       for i, completion in zip(members, completions):
         text = postprocess_generated_text(self.codec.decode(completion.ids), until, None)
         out[i] = text

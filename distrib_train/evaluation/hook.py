@@ -62,9 +62,15 @@ def register(loop: Any, config: Any, plan: Any, rules: Any, writer: Any, phases:
         scorer["manager"], scorer["include"] = eval_tasks.task_manager(include), include
       lm = scorer["lm"]
       lm.set_state(model)
-      results = eval_tasks.evaluate(lm, list(t.eval_tasks), include_path=scorer["include"],
-                                    limit=t.eval_tasks_limit or None, manager=scorer["manager"], bootstrap_iters=0,
-                                    model_name=f"step {loop.step}")
+      results = eval_tasks.evaluate(
+        lm,
+        list(t.eval_tasks),
+        include_path=scorer["include"],
+        limit=t.eval_tasks_limit or None,
+        manager=scorer["manager"],
+        bootstrap_iters=0,
+        model_name=f"step {loop.step}",
+      )
       figures = eval_tasks.scores(results)
       writer.write(loop.step, figures)
       writer.log(f"Step {loop.step}: " + ", ".join(f"{k[5:]} {v:.4g}" for k, v in sorted(figures.items())))

@@ -82,8 +82,10 @@ def resolve(manager: Any, tasks: Sequence[str], include_path: Sequence[str] = ()
     if not found:
       full = task_manager(include_path, defaults=True)
       if spec not in full.task_index:
-        raise ValueError(f"{where} {spec}: no such task in lm-eval's tasks, the demo tasks or"
-                         f" {'--include_path' if where == '--tasks' else 'train.eval_include_path'}.")
+        raise ValueError(
+          f"{where} {spec}: no such task in lm-eval's tasks, the demo tasks or"
+          f" {'--include_path' if where == '--tasks' else 'train.eval_include_path'}."
+        )
       _check_local(full, spec)  # lm-eval's own task: its data is the Hub's
       found = [spec]
     names.extend(found)
@@ -99,8 +101,11 @@ def _leaf_configs(manager: Any, name: str, seen: set[str]) -> list[tuple[str, di
     from lm_eval.tasks._yaml_loader import load_yaml
 
     config = load_yaml(pathlib.Path(os.path.expanduser(name)), resolve_func=False)
-    return [(str(config.get("task", name)), config)] if "task" in config and "group" not in config else [
-        leaf for member in config.get("task", []) for leaf in _member(manager, member, seen)]
+    return (
+      [(str(config.get("task", name)), config)]
+      if "task" in config and "group" not in config
+      else [leaf for member in config.get("task", []) for leaf in _member(manager, member, seen)]
+    )
   entry = manager.task_index.get(name)
   if entry is None or name in seen:
     return []
@@ -132,12 +137,16 @@ def _check_local(manager: Any, name: str) -> None:
     if path in _LOCAL_BUILDERS and files:
       missing = [f for f in _files(files) if not glob.glob(os.path.expanduser(f))]
       if missing:
-        raise ValueError(f"task {task}: its data file {missing[0]!r} does not exist (dataset_kwargs.data_files;"
-                         " a relative path is read from the current directory).")
+        raise ValueError(
+          f"task {task}: its data file {missing[0]!r} does not exist (dataset_kwargs.data_files;"
+          " a relative path is read from the current directory)."
+        )
       continue
-    raise ValueError(f"task {task}: its data (dataset_path: {path or '?'}) would be downloaded, and eval runs"
-                     " offline; give its files as a local task — dataset_path: json with dataset_kwargs:"
-                     " {data_files: {test: FILE.jsonl}} in a YAML under --include_path.")
+    raise ValueError(
+      f"task {task}: its data (dataset_path: {path or '?'}) would be downloaded, and eval runs"
+      " offline; give its files as a local task — dataset_path: json with dataset_kwargs:"
+      " {data_files: {test: FILE.jsonl}} in a YAML under --include_path."
+    )
 
 
 def _files(files: Any) -> list[str]:
@@ -148,10 +157,21 @@ def _files(files: Any) -> list[str]:
   return [f for value in files for f in _files(value)] if isinstance(files, list) else []
 
 
-def evaluate(lm: Any, tasks: Sequence[str], *, include_path: Sequence[str] = (), num_fewshot: int | None = None,
-             limit: float | None = None, log_samples: bool = False, apply_chat_template: bool = False,
-             fewshot_as_multiturn: bool = False, model_name: str = "distrib_train",
-             evaluation_tracker: Any = None, manager: Any = None, bootstrap_iters: int = 100000) -> dict[str, Any]:
+def evaluate(
+  lm: Any,
+  tasks: Sequence[str],
+  *,
+  include_path: Sequence[str] = (),
+  num_fewshot: int | None = None,
+  limit: float | None = None,
+  log_samples: bool = False,
+  apply_chat_template: bool = False,
+  fewshot_as_multiturn: bool = False,
+  model_name: str = "distrib_train",
+  evaluation_tracker: Any = None,
+  manager: Any = None,
+  bootstrap_iters: int = 100000,
+) -> dict[str, Any]:
   """lm-eval's ``simple_evaluate`` of ``tasks`` (local, checked: ``resolve``) on ``lm`` (a ``HarnessLM``):
   its results dict, on every process."""
   import logging
@@ -161,11 +181,19 @@ def evaluate(lm: Any, tasks: Sequence[str], *, include_path: Sequence[str] = (),
   logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its notes on task defaults, per task and call
   manager = manager or task_manager(include_path)
   names = resolve(manager, tasks, include_path)
-  return lm_eval.simple_evaluate(model=lm, model_args={"pretrained": model_name}, tasks=names,
-                                 num_fewshot=num_fewshot, limit=limit, log_samples=log_samples,
-                                 task_manager=manager, apply_chat_template=apply_chat_template,
-                                 fewshot_as_multiturn=fewshot_as_multiturn, evaluation_tracker=evaluation_tracker,
-                                 bootstrap_iters=bootstrap_iters)
+  return lm_eval.simple_evaluate(
+    model=lm,
+    model_args={"pretrained": model_name},
+    tasks=names,
+    num_fewshot=num_fewshot,
+    limit=limit,
+    log_samples=log_samples,
+    task_manager=manager,
+    apply_chat_template=apply_chat_template,
+    fewshot_as_multiturn=fewshot_as_multiturn,
+    evaluation_tracker=evaluation_tracker,
+    bootstrap_iters=bootstrap_iters,
+  )
 
 
 def scores(results: dict[str, Any]) -> dict[str, float]:
@@ -187,8 +215,7 @@ def main(argv: Sequence[str]) -> int:
   parser.add_argument("--num_fewshot", type=int, help="examples in each prompt (default: the task's)")
   parser.add_argument("--limit", type=float, help="documents per task (under 1: a fraction of them)")
   parser.add_argument("--batch_size", type=int, default=8, help="packed rows per forward call")
-  parser.add_argument("--max_length", type=int, help="tokens of context (default: the model's, or the run's"
-                      " seq_len)")
+  parser.add_argument("--max_length", type=int, help="tokens of context (default: the model's, or the run's seq_len)")
   parser.add_argument("--output_path", help="where lm-eval's results JSON (and the samples) go")
   parser.add_argument("--log_samples", action="store_true", help="also write each sample (needs --output_path)")
   parser.add_argument("--apply_chat_template", action="store_true", help="prompts through the chat template")
@@ -219,17 +246,30 @@ def main(argv: Sequence[str]) -> int:
   try:
     from distrib_train.evaluation.harness import HarnessLM
 
-    lm = HarnessLM(run_model.load(found, step=args.step, mesh_config=args.mesh_config), batch_size=args.batch_size,
-                   max_length=args.max_length, log=say)
+    lm = HarnessLM(
+      run_model.load(found, step=args.step, mesh_config=args.mesh_config),
+      batch_size=args.batch_size,
+      max_length=args.max_length,
+      log=say,
+    )
     tracker = None
     if args.output_path and first:
       from lm_eval.loggers import EvaluationTracker
 
       tracker = EvaluationTracker(output_path=args.output_path)
-    results = evaluate(lm, tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
-                       limit=args.limit, log_samples=args.log_samples, apply_chat_template=args.apply_chat_template,
-                       fewshot_as_multiturn=args.fewshot_as_multiturn, model_name=args.init_from,
-                       evaluation_tracker=tracker, manager=manager)
+    results = evaluate(
+      lm,
+      tasks,
+      include_path=args.include_path,
+      num_fewshot=args.num_fewshot,
+      limit=args.limit,
+      log_samples=args.log_samples,
+      apply_chat_template=args.apply_chat_template,
+      fewshot_as_multiturn=args.fewshot_as_multiturn,
+      model_name=args.init_from,
+      evaluation_tracker=tracker,
+      manager=manager,
+    )
   except ValueError as e:
     fail(str(e))
   if first:
@@ -247,8 +287,10 @@ def _report(results: dict[str, Any], tracker: Any, args: argparse.Namespace) -> 
     if samples is not None:
       for task in results["configs"]:
         tracker.save_results_samples(task_name=task, samples=samples[task])
-  print(f"distrib_train ({args.init_from}{'' if args.step is None else f', step {args.step}'}), limit: {args.limit},"
-        f" num_fewshot: {args.num_fewshot}, batch_size: {args.batch_size}")
+  print(
+    f"distrib_train ({args.init_from}{'' if args.step is None else f', step {args.step}'}), limit: {args.limit},"
+    f" num_fewshot: {args.num_fewshot}, batch_size: {args.batch_size}"
+  )
   print(make_table(results))
   if "groups" in results:
     print(make_table(results, "groups"))

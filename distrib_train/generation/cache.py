@@ -82,14 +82,15 @@ def entries(config, max_len: int) -> tuple[Entry, ...]:
 def _layout(dims: tuple, axes: tuple, periods, batch, slots) -> tuple[tuple, tuple]:
   """A cached array's shape and logical axes from what a token keeps (``attention.Variant.cached``): layers,
   rows, the token's leading dims (kv heads), the slots, its last dim (module docstring)."""
-  return ((periods, batch, *dims[:-1], slots, dims[-1]),
-          ("layers", "batch", *axes[:-1], "length", axes[-1]))
+  return ((periods, batch, *dims[:-1], slots, dims[-1]), ("layers", "batch", *axes[:-1], "length", axes[-1]))
 
 
 def _shapes(config, entry: Entry, batch: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
   """Each cached array's shape and logical axes, for the entry's periods, rows and slots."""
-  return {name: _layout(dims, axes, entry.periods, batch, entry.slots)
-          for name, (dims, axes) in attention.variant(config).cached(config).items()}
+  return {
+    name: _layout(dims, axes, entry.periods, batch, entry.slots)
+    for name, (dims, axes) in attention.variant(config).cached(config).items()
+  }
 
 
 def cache_spec(config, batch: int, max_len: int, dtype: Any = None) -> dict[str, Any]:
@@ -98,7 +99,8 @@ def cache_spec(config, batch: int, max_len: int, dtype: Any = None) -> dict[str,
   out: dict[str, list] = {}
   for entry in entries(config, max_len):
     out.setdefault(entry.segment, []).append(
-        {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, _) in _shapes(config, entry, batch).items()})
+      {name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, _) in _shapes(config, entry, batch).items()}
+    )
   return {k: tuple(v) for k, v in out.items()}
 
 
@@ -106,8 +108,7 @@ def cache_axes(config, batch: int, max_len: int) -> dict[str, Any]:
   """The logical axes of each of the cache's arrays, as ``cache_spec`` lays them out."""
   out: dict[str, list] = {}
   for entry in entries(config, max_len):
-    out.setdefault(entry.segment, []).append(
-        {name: axes for name, (_, axes) in _shapes(config, entry, batch).items()})
+    out.setdefault(entry.segment, []).append({name: axes for name, (_, axes) in _shapes(config, entry, batch).items()})
   return {k: tuple(v) for k, v in out.items()}
 
 
@@ -115,8 +116,12 @@ def cache_shardings(config, batch: int, max_len: int, mesh, rules) -> dict[str, 
   """Each cache array's ``NamedSharding`` on ``mesh`` by ``rules`` (batch over data / fsdp, kv heads over
   tensor, as the activations are)."""
   spec, axes = cache_spec(config, batch, max_len), cache_axes(config, batch, max_len)
-  return jax.tree.map(lambda s, a: NamedSharding(mesh, rules.spec(a, shape=s.shape, mesh=mesh)), spec, axes,
-                      is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x))
+  return jax.tree.map(
+    lambda s, a: NamedSharding(mesh, rules.spec(a, shape=s.shape, mesh=mesh)),
+    spec,
+    axes,
+    is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x),
+  )
 
 
 def values_per_token(config) -> int:
@@ -163,7 +168,7 @@ def _write(entry: Entry, stacked: jax.Array, index: jax.Array, new: jax.Array, s
     return jax.lax.dynamic_update_slice(stacked, new, at(_slots_of(entry, start)))
   kept = min(length, entry.slots)  # a ring keeps the last ``window`` tokens, each at its slot (no repeats)
   slots = (start + jnp.arange(length - kept, length)) % entry.slots
-  written = jnp.moveaxis(stacked, -2, 1).at[index, slots].set(jnp.moveaxis(new[0, ..., length - kept:, :], -2, 0))
+  written = jnp.moveaxis(stacked, -2, 1).at[index, slots].set(jnp.moveaxis(new[0, ..., length - kept :, :], -2, 0))
   return jnp.moveaxis(written, 1, -2)
 
 
@@ -178,14 +183,24 @@ def _attend(config, entry: Entry, h, layer, cache, index, positions, step):
   q, state = variant.project(config, entry.kind, h, layer, positions)
   if not step["decode"]:
     keys, values = variant.expand(config, state, layer)
-    attn = attention_kernels.attention(q, keys, values, spec, positions=positions,
-                                       segment_ids=step["segment_ids"], sinks=layer.get("sinks"))
+    attn = attention_kernels.attention(
+      q, keys, values, spec, positions=positions, segment_ids=step["segment_ids"], sinks=layer.get("sinks")
+    )
     start = 0
   else:
     old = {k: _token_major(jax.lax.dynamic_index_in_dim(v, index, 0, keepdims=False)) for k, v in cache.items()}
     scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(config.qk_dim)
-    attn = variant.decode(config, q, old, state, _visible(entry, step["t"], step["pads"]), layer, scale=scale,
-                          softcap=spec.softcap, sinks=layer.get("sinks"))
+    attn = variant.decode(
+      config,
+      q,
+      old,
+      state,
+      _visible(entry, step["t"], step["pads"]),
+      layer,
+      scale=scale,
+      softcap=spec.softcap,
+      sinks=layer.get("sinks"),
+    )
     start = step["t"]
   cache = _constrain(config, {k: _write(entry, cache[k], index, state[k], start) for k in cache})
   return attention.attention_output(config, attn, layer), cache
@@ -199,8 +214,9 @@ def _layer(config, entry: Entry, x, layer, cache, index, positions, step):
   return x, cache
 
 
-def _layers(model, cache: dict[str, Any], x: jax.Array, positions: jax.Array, max_len: int, step: dict,
-            unroll: bool = False):
+def _layers(
+  model, cache: dict[str, Any], x: jax.Array, positions: jax.Array, max_len: int, step: dict, unroll: bool = False
+):
   """The layers over ``x``, each segment a scan over its periods that carries the segment's stacked cache (so
   each layer's writes land in place); ``unroll``: the scans unrolled (one program per layer, as a compiler's cost
   analysis counts a loop's body once)."""
@@ -228,8 +244,9 @@ def _layers(model, cache: dict[str, Any], x: jax.Array, positions: jax.Array, ma
       return (x, tuple(out)), None
 
     periods = segment.count // period
-    (x, new_cache[segment.name]), _ = jax.lax.scan(body, (x, cache[segment.name]), (layers, jnp.arange(periods)),
-                                                   unroll=periods if unroll else 1)
+    (x, new_cache[segment.name]), _ = jax.lax.scan(
+      body, (x, cache[segment.name]), (layers, jnp.arange(periods)), unroll=periods if unroll else 1
+    )
   return x, new_cache
 
 
@@ -243,8 +260,9 @@ def _in_argument_layout(cached: dict[str, jax.Array]) -> dict[str, jax.Array]:
   return {k: with_layout_constraint(c, Layout(tuple(range(c.ndim)))) for k, c in cached.items()}
 
 
-def prefill(model, cache: dict[str, Any], tokens: jax.Array, pads: jax.Array, *,
-            max_len: int) -> tuple[jax.Array, dict[str, Any]]:
+def prefill(
+  model, cache: dict[str, Any], tokens: jax.Array, pads: jax.Array, *, max_len: int
+) -> tuple[jax.Array, dict[str, Any]]:
   """Runs the left-padded prompts ``tokens`` [batch, length] (``pads`` [batch] pads each) from the start of a
   cache of ``max_len`` tokens; returns the logits of each row's last token [batch, vocab] (float32) and the
   cache written."""
@@ -260,8 +278,9 @@ def prefill(model, cache: dict[str, Any], tokens: jax.Array, pads: jax.Array, *,
   return model.logits(hidden)[:, 0].astype(jnp.float32), cache
 
 
-def decode(model, cache: dict[str, Any], tokens: jax.Array, t: jax.Array, pads: jax.Array, *,
-           max_len: int, unroll: bool = False) -> tuple[jax.Array, dict]:
+def decode(
+  model, cache: dict[str, Any], tokens: jax.Array, t: jax.Array, pads: jax.Array, *, max_len: int, unroll: bool = False
+) -> tuple[jax.Array, dict]:
   """Runs one new token per row, ``tokens`` [batch], at absolute index ``t`` (a scalar: every row writes the same
   slot) in a cache of ``max_len`` tokens; returns its logits [batch, vocab] (float32) and the cache with its keys
   and values written (``unroll``: as ``_layers``)."""
@@ -271,4 +290,3 @@ def decode(model, cache: dict[str, Any], tokens: jax.Array, t: jax.Array, pads: 
     x = model.embed_tokens(tokens[:, None])
     x, cache = _layers(model, cache, x, positions, max_len, {"decode": True, "t": t, "pads": pads}, unroll)
   return model.logits(model.final_hidden(x))[:, 0].astype(jnp.float32), cache
-

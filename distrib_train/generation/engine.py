@@ -105,8 +105,10 @@ class Generator:
         decode = self._program("decode", rows, prompt, max_len, sampling, ends)
         formats = None if self.mesh is None else decode.input_formats[0][1]  # the cache's, as the decode takes it
         self._programs[key] = self._prefill_program(rows, prompt, max_len, sampling, formats)
-      self.log(f"Generation: {kind} for {rows} rows × {prompt} prompt tokens (cache {max_len}) is new"
-               f" ({self.compiles} programs so far).")
+      self.log(
+        f"Generation: {kind} for {rows} rows × {prompt} prompt tokens (cache {max_len}) is new"
+        f" ({self.compiles} programs so far)."
+      )
     return self._programs[key]
 
   def _cache_shardings(self, rows: int, max_len: int):
@@ -132,8 +134,9 @@ class Generator:
       return cache, out, logprobs, done
 
     replicated = self._replicated()
-    return jax.jit(run, out_shardings=None if cache_formats is None else (cache_formats, replicated, replicated,
-                                                                          replicated))
+    return jax.jit(
+      run, out_shardings=None if cache_formats is None else (cache_formats, replicated, replicated, replicated)
+    )
 
   def _decode_program(self, rows: int, prompt: int, max_len: int, sampling: Sampling, ends: int):
     """The decode loop from new token ``start`` up to (not including) ``until``, or until every row is done.
@@ -177,18 +180,46 @@ class Generator:
     state = jax.tree.map(lambda x: at(x.shape, x.dtype, x.sharding), self.state)
     cache = jax.tree.map(lambda s, sh: at(s.shape, s.dtype, sh), spec, shardings)
     new, vector, scalar = max_len - prompt, (rows,), ()
-    args = (state, cache, at((rows, new), np.int32), at((rows, new), np.float32), at(vector, np.bool_),
-            at(vector, np.int32), at(vector, np.int32), at(vector, np.int32), at(scalar, np.uint32),
-            at((ends,), np.int32), at(scalar, np.int32), at(scalar, np.int32))
+    args = (
+      state,
+      cache,
+      at((rows, new), np.int32),
+      at((rows, new), np.float32),
+      at(vector, np.bool_),
+      at(vector, np.int32),
+      at(vector, np.int32),
+      at(vector, np.int32),
+      at(scalar, np.uint32),
+      at((ends,), np.int32),
+      at(scalar, np.int32),
+      at(scalar, np.int32),
+    )
     in_shardings = (jax.tree.map(lambda x: x.sharding, state), auto) + (replicated,) * (len(args) - 2)
     with self._sharding():
       # the cache alone donated: libtpu refused to alias the token outputs, which it laid out anew (small: rows × new)
-      return jax.jit(run, donate_argnums=(1,), in_shardings=in_shardings, out_shardings=(
-          replicated, replicated, replicated, replicated, auto)).lower(*args).compile()
+      return (
+        jax.jit(
+          run,
+          donate_argnums=(1,),
+          in_shardings=in_shardings,
+          out_shardings=(replicated, replicated, replicated, replicated, auto),
+        )
+        .lower(*args)
+        .compile()
+      )
 
-  def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
-               n: int = 1, seed: int = 0, eos_ids: Sequence[int] = (), batch_size: int = 64,
-               on_token: Callable[[np.ndarray, np.ndarray], None] | None = None) -> list[Completion]:
+  def generate(
+    self,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    n: int = 1,
+    seed: int = 0,
+    eos_ids: Sequence[int] = (),
+    batch_size: int = 64,
+    on_token: Callable[[np.ndarray, np.ndarray], None] | None = None,
+  ) -> list[Completion]:
     """Completions of ``prompts`` (lists of token ids), ``n`` each, ordered by prompt then sample.
 
     ``on_token(tokens, finished)``, where given, receives each step's new token of every row [rows] and which rows
@@ -199,19 +230,20 @@ class Generator:
       ValueError: an empty prompt, ``max_new_tokens`` or ``n`` under 1, ids outside the vocabulary (named).
     """
     if max_new_tokens < 1 or n < 1 or batch_size < 1:
-      raise ValueError(f"max_new_tokens, n and batch_size must be at least 1, got {max_new_tokens}, {n},"
-                       f" {batch_size}.")
+      raise ValueError(f"max_new_tokens, n and batch_size must be at least 1, got {max_new_tokens}, {n}, {batch_size}.")
     vocab = self.config.vocab_size
     for i, ids in enumerate(prompts):
       if len(ids) == 0:
         raise ValueError(f"prompt {i} is empty: a prompt needs at least one token.")
       if min(ids) < 0 or max(ids) >= vocab:
-        raise ValueError(f"prompt {i} holds token id {max(ids) if max(ids) >= vocab else min(ids)}, outside the"
-                         f" model's vocabulary of {vocab}.")
+        raise ValueError(
+          f"prompt {i} holds token id {max(ids) if max(ids) >= vocab else min(ids)}, outside the"
+          f" model's vocabulary of {vocab}."
+        )
     rows = sorted(((len(prompts[p]), p, s) for p in range(len(prompts)) for s in range(n)), reverse=True)
     out: dict[tuple[int, int], Completion] = {}
     for start in range(0, len(rows), batch_size):
-      chunk = [(p, s) for _, p, s in rows[start:start + batch_size]]
+      chunk = [(p, s) for _, p, s in rows[start : start + batch_size]]
       for completion in self._batch(prompts, chunk, max_new_tokens, sampling, seed, tuple(eos_ids), on_token):
         out[(completion.index, completion.sample)] = completion
     return [out[(p, s)] for p in range(len(prompts)) for s in range(n)]
@@ -227,7 +259,7 @@ class Generator:
     index, sample = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
     for r, (p, s) in enumerate(chunk):
       ids = np.asarray(prompts[p], np.int32)
-      tokens[r, prompt - len(ids):], pads[r], index[r], sample[r] = ids, prompt - len(ids), p, s
+      tokens[r, prompt - len(ids) :], pads[r], index[r], sample[r] = ids, prompt - len(ids), p, s
     eos = np.asarray(eos_ids, np.int32).reshape(-1)
     seed = np.uint32(seed)
     with self._sharding():
@@ -236,15 +268,17 @@ class Generator:
       cache, out, logprobs, done = prefill(self.state, tokens, pads, index, sample, seed, eos, np.int32(len(chunk)))
       inputs = (pads, index, sample, seed, eos)
       if stream is None:  # one call: the whole loop on the device
-        out, logprobs, done, steps, _ = decode(self.state, cache, out, logprobs, done, *inputs, np.int32(1),
-                                               np.int32(max_new_tokens))
+        out, logprobs, done, steps, _ = decode(
+          self.state, cache, out, logprobs, done, *inputs, np.int32(1), np.int32(max_new_tokens)
+        )
       else:  # one call a step, each step's tokens to the host as they come (a terminal's answer)
         stream(np.asarray(out[:, 0]), np.zeros((rows,), bool))
         steps = 1
         while steps < max_new_tokens and not bool(np.all(np.asarray(done))):
           before = np.asarray(done)
-          out, logprobs, done, _, cache = decode(self.state, cache, out, logprobs, done, *inputs, np.int32(steps),
-                                                 np.int32(steps + 1))
+          out, logprobs, done, _, cache = decode(
+            self.state, cache, out, logprobs, done, *inputs, np.int32(steps), np.int32(steps + 1)
+          )
           stream(np.asarray(out[:, steps]), before)
           steps += 1
     out, logprobs, steps = np.asarray(out), np.asarray(logprobs), int(steps)
@@ -253,6 +287,7 @@ class Generator:
       ids = out[r, :steps].tolist()
       stop = next((i for i, t in enumerate(ids) if t in set(eos_ids)), None)
       length = len(ids) if stop is None else stop + 1
-      completions.append(Completion(p, s, ids[:length], logprobs[r, :length].tolist(),
-                                    "length" if stop is None else "stop"))
+      completions.append(
+        Completion(p, s, ids[:length], logprobs[r, :length].tolist(), "length" if stop is None else "stop")
+      )
     return completions

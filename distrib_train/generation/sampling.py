@@ -51,10 +51,12 @@ class Sampling:
   scaled_logprobs: bool = False
 
   def __post_init__(self):
-    for name, ok, rule in (("temperature", self.temperature >= 0, "0 (greedy) or positive"),
-                           ("top_k", self.top_k >= 0, "0 (off) or positive"),
-                           ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-                           ("min_p", 0 <= self.min_p <= 1, "in [0, 1]")):
+    for name, ok, rule in (
+      ("temperature", self.temperature >= 0, "0 (greedy) or positive"),
+      ("top_k", self.top_k >= 0, "0 (off) or positive"),
+      ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+      ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+    ):
       if not ok:
         raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}.")
 
@@ -101,8 +103,11 @@ def filtered(logits: jax.Array, sampling: Sampling) -> jax.Array:
 
 def row_keys(seed: int | jax.Array, prompts: jax.Array, samples: jax.Array) -> jax.Array:
   """One key per row from ``seed``, each row's prompt index and sample index (module docstring)."""
-  base = jax.random.key(seed) if not isinstance(seed, jax.Array) or not jax.dtypes.issubdtype(
-      seed.dtype, jax.dtypes.prng_key) else seed
+  base = (
+    jax.random.key(seed)
+    if not isinstance(seed, jax.Array) or not jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key)
+    else seed
+  )
   return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(prompts, samples)
 
 

@@ -69,8 +69,9 @@ class Score:
   logprobs: tuple[float, ...]
 
 
-def pack(lengths: Sequence[int], row_len: int, shortest: int = 0,
-         per_row: int = 0) -> tuple[list[tuple[int, int]], list[int]]:
+def pack(
+  lengths: Sequence[int], row_len: int, shortest: int = 0, per_row: int = 0
+) -> tuple[list[tuple[int, int]], list[int]]:
   """``(row, offset)`` of each length, and each row's length: best fit, longest first, into rows of ``row_len``
   (each length at most that) — or, with ``shortest``, a new row as short as fits its first sequence (a power of
   two, ``shortest`` at least), later ones filling its room: short sequences share short rows, whose attention
@@ -110,8 +111,10 @@ class Layout:
 
   def __str__(self) -> str:
     rows = " + ".join(f"{self.rows.count(n)} × {n}" for n in sorted(set(self.rows)))
-    return (f"{self.sequences} sequences as {self.trees} trees with {self.branches} branches, {self.tokens:,}"
-            f" tokens in rows of {rows}")
+    return (
+      f"{self.sequences} sequences as {self.trees} trees with {self.branches} branches, {self.tokens:,}"
+      f" tokens in rows of {rows}"
+    )
 
 
 MIN_TRUNK = 8  # a shorter common prefix is not shared: it saves less than the branches' mask costs
@@ -221,8 +224,9 @@ class Scorer:
     if mesh is not None and rules is None:
       raise ValueError("Scorer: a mesh needs its axis rules (rules=).")
     if mesh is not None and dict(mesh.shape).get("context", 1) > 1:
-      raise ValueError("Scorer: the mesh's context axis splits each row's length; score on a mesh without one"
-                       " (--mesh_config).")
+      raise ValueError(
+        "Scorer: the mesh's context axis splits each row's length; score on a mesh without one (--mesh_config)."
+      )
     self.config = model.config
     self.graphdef, self.state = nnx.split(model)
     self.mesh, self.rules = mesh, rules
@@ -241,8 +245,16 @@ class Scorer:
     device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
     return caps.max_segments - 1 if packs_rows(caps.max_segments, caps.attention, caps.dtype, device) else 0
 
-  def score(self, sequences: Sequence[Sequence[int]], scored: Sequence[int], *, row_len: int, rows: int = 8,
-            shortest: int = 0, share: bool = True) -> list[Score]:
+  def score(
+    self,
+    sequences: Sequence[Sequence[int]],
+    scored: Sequence[int],
+    *,
+    row_len: int,
+    rows: int = 8,
+    shortest: int = 0,
+    share: bool = True,
+  ) -> list[Score]:
     """Each sequence's last ``scored[i]`` tokens scored (module docstring); ``row_len``: the longest row (each
     sequence, less its last token, must fit; with ``shortest``, trees fill rows of up to ``dispatch.TILE``);
     ``shortest``: rows as short as their trees allow, this many tokens at least (``pack``; 0: every row
@@ -260,8 +272,10 @@ class Scorer:
       if len(ids) - 1 > row_len:
         raise ValueError(f"sequence {i}: {len(ids)} tokens do not fit a row of {row_len} (+1).")
       if min(ids) < 0 or max(ids) >= vocab:
-        raise ValueError(f"sequence {i} holds token id {max(ids) if max(ids) >= vocab else min(ids)}, outside the"
-                         f" model's vocabulary of {vocab}.")
+        raise ValueError(
+          f"sequence {i} holds token id {max(ids) if max(ids) >= vocab else min(ids)}, outside the"
+          f" model's vocabulary of {vocab}."
+        )
     if not sequences:
       return []
     longest, shortest = (max(row_len, TILE), min(shortest, row_len)) if shortest else (row_len, 0)
@@ -275,22 +289,26 @@ class Scorer:
     kinds: list[bool] = []  # each row's: branched trees (XLA's attention, TILE long at most) or not (its kernels)
     for branched in (False, True):
       group = [t for t, tree in enumerate(trees) if bool(tree.branches) == branched]
-      spots, group_sizes = pack([trees[t].size for t in group], min(longest, TILE) if branched else row_len,
-                                shortest, 0 if branched else self._per_row)
+      spots, group_sizes = pack(
+        [trees[t].size for t in group],
+        min(longest, TILE) if branched else row_len,
+        shortest,
+        0 if branched else self._per_row,
+      )
       for t, (row, at) in zip(group, spots):
         placed[t] = (len(sizes) + row, at)
       sizes += group_sizes
       kinds += [branched] * len(group_sizes)
-    self.layout = Layout(len(sequences), len(trees), sum(len(t.branches) for t in trees),
-                         sum(t.size for t in trees), tuple(sizes))
+    self.layout = Layout(
+      len(sequences), len(trees), sum(len(t.branches) for t in trees), sum(t.size for t in trees), tuple(sizes)
+    )
     multiple = batch_multiple(self.mesh, self.rules)
     rows = -(-max(rows, 1) // multiple) * multiple
     members: dict[int, list[int]] = {}
     for t, (row, _) in enumerate(placed):
       members.setdefault(row, []).append(t)
     # ends a row, ids read at an end: powers of two, at least 16 and 4, so that calls share their programs
-    ends = max(16, 1 << (max(sum(1 + len(trees[t].branches) for t in ts) for ts in members.values()) - 1)
-               .bit_length())
+    ends = max(16, 1 << (max(sum(1 + len(trees[t].branches) for t in ts) for ts in members.values()) - 1).bit_length())
     width = max(4, 1 << (max(len(r) for tree in trees for r in tree.reads) - 1).bit_length())
     by_shape: dict[tuple[int, bool], list[int]] = {}
     for row, (size, branched) in enumerate(zip(sizes, kinds)):
@@ -298,7 +316,7 @@ class Scorer:
     figures: dict[int, tuple] = {}  # tree → (row in its call, the call's outputs)
     for (size, branched), row_ids in sorted(by_shape.items()):
       for first in range(0, len(row_ids), rows):
-        chunk = [members[row] for row in row_ids[first:first + rows]]
+        chunk = [members[row] for row in row_ids[first : first + rows]]
         # a shape's last call as few rows as hold it (a power of two, the batch's devices at least): a call of
         # ``rows`` rows holding one computed them all
         few = min(rows, -(-max(1 << (len(chunk) - 1).bit_length(), multiple) // multiple) * multiple)
@@ -306,8 +324,7 @@ class Scorer:
         for r, ts in enumerate(chunk):
           for t in ts:
             figures[t] = (r, outputs)
-    return [self._figures(trees, placed, figures, seq, k, t, b)
-            for seq, k, (t, b) in zip(sequences, scored, where)]
+    return [self._figures(trees, placed, figures, seq, k, t, b) for seq, k, (t, b) in zip(sequences, scored, where)]
 
   def _figures(self, trees, placed, figures, ids, k: int, t: int, b: int) -> Score:
     """One sequence's ``Score`` from its tree's outputs, its scored positions in order: those inside the trunk,
@@ -317,11 +334,11 @@ class Scorer:
     trunk, start = len(tree.trunk), len(ids) - 1 - k  # start: the input position predicting the first scored id
     spans = [(at + start, at + trunk - 1)]  # row places of the figures before each end
     if b:
-      branch_at = at + trunk + sum(map(len, tree.branches[:b - 1]))
+      branch_at = at + trunk + sum(map(len, tree.branches[: b - 1]))
       spans.append((branch_at + max(start - trunk, 0), branch_at + len(ids) - 2 - trunk))
     values: list[float] = []
     greedy = True
-    for (end, token), (lo, hi) in zip(_reads(tree, ids, k, b), spans[-len(_reads(tree, ids, k, b)):]):
+    for (end, token), (lo, hi) in zip(_reads(tree, ids, k, b), spans[-len(_reads(tree, ids, k, b)) :]):
       values += inner[r, lo:hi].tolist()
       greedy = greedy and bool(np.all(inner_greedy[r, lo:hi]))
       n, j = slot[t][end], tree.reads[end].index(token)
@@ -333,8 +350,9 @@ class Scorer:
     """One call of the program for ``shape`` (rows, length, ends a row, ids read at an end, branched) on the
     rows of ``chunk`` (each its trees' indices): its outputs on the host, and where each tree's ends are."""
     rows, size, ends, width, _ = shape
-    arrays = {name: np.zeros((rows, size), np.int32)
-              for name in ("tokens", "positions", "segment", "branch", "targets")}
+    arrays = {
+      name: np.zeros((rows, size), np.int32) for name in ("tokens", "positions", "segment", "branch", "targets")
+    }
     points, reads = np.zeros((rows, ends), np.int32), np.zeros((rows, ends, width), np.int32)
     slot: dict[int, list[int]] = {}
     for r, ts in enumerate(chunk):
@@ -347,13 +365,21 @@ class Scorer:
           span = (r, slice(at, at + len(part)))
           arrays["tokens"][span], arrays["positions"][span] = part, offset + np.arange(len(part))
           arrays["segment"][span], arrays["branch"][span] = s + 1, b
-          arrays["targets"][r, at:at + len(part) - 1] = part[1:]
-          points[r, n], reads[r, n, :len(tree.reads[b])] = at + len(part) - 1, tree.reads[b]
+          arrays["targets"][r, at : at + len(part) - 1] = part[1:]
+          points[r, n], reads[r, n, : len(tree.reads[b])] = at + len(part) - 1, tree.reads[b]
           slot[t].append(n)
           n, at = n + 1, at + len(part)
     with activation_sharding(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext():
-      outputs = self._program(*shape)(self.state, arrays["tokens"], arrays["positions"], arrays["segment"],
-                                      arrays["branch"], arrays["targets"], points, reads)
+      outputs = self._program(*shape)(
+        self.state,
+        arrays["tokens"],
+        arrays["positions"],
+        arrays["segment"],
+        arrays["branch"],
+        arrays["targets"],
+        points,
+        reads,
+      )
     return (*map(np.asarray, outputs), slot)
 
   def _program(self, rows: int, size: int, ends: int, width: int, branched: bool):
@@ -365,8 +391,9 @@ class Scorer:
         model = nnx.merge(graphdef, state)
         with shared_prefixes(branch_ids) if branched else contextlib.nullcontext():
           hidden, _ = model.hidden_and_aux(tokens, positions=positions, segment_ids=segment_ids)
-        inner, inner_greedy = chunked_scores(hidden, model.head_weight(), targets, config.loss_chunk_size,
-                                             softcap=config.final_logit_softcap)
+        inner, inner_greedy = chunked_scores(
+          hidden, model.head_weight(), targets, config.loss_chunk_size, softcap=config.final_logit_softcap
+        )
         logits = model.logits(jnp.take_along_axis(hidden, points[..., None], axis=1)).astype(jnp.float32)
         read = jnp.take_along_axis(jax.nn.log_softmax(logits), reads, axis=-1)  # [rows, ends, width]
         return inner, inner_greedy, read, jnp.argmax(logits, axis=-1)[..., None] == reads

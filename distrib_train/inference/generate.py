@@ -41,17 +41,32 @@ from typing import Any
 
 from distrib_train.weights import load as run_model
 from distrib_train.inference import text as generate_text
-from distrib_train.inference.text import (END_RULES, Codec, prompt_ids, read_prompts, truncate_at_stop,
-                                                  codec_for)
+from distrib_train.inference.text import END_RULES, Codec, prompt_ids, read_prompts, truncate_at_stop, codec_for
 from distrib_train.weights.load import fail
 
 
-def generate(init_from: str | None = None, prompts: Sequence[str | dict] = (), *, model: Any = None,
-             step: int | None = None, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, min_p: float = 0.0, n: int = 1, seed: int = 0, stop: Sequence[str] = (),
-             end_ids: str = "generation_config", mesh_config: str | None = None, dtype: str | None = None,
-             overrides: dict | None = None, batch_size: int = 64, on_text: Callable[[str], None] | None = None,
-             log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+def generate(
+  init_from: str | None = None,
+  prompts: Sequence[str | dict] = (),
+  *,
+  model: Any = None,
+  step: int | None = None,
+  max_new_tokens: int = 256,
+  temperature: float = 0.0,
+  top_p: float = 1.0,
+  top_k: int = 0,
+  min_p: float = 0.0,
+  n: int = 1,
+  seed: int = 0,
+  stop: Sequence[str] = (),
+  end_ids: str = "generation_config",
+  mesh_config: str | None = None,
+  dtype: str | None = None,
+  overrides: dict | None = None,
+  batch_size: int = 64,
+  on_text: Callable[[str], None] | None = None,
+  log: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
   """Completions of ``prompts`` (texts, or records with ``prompt`` or ``messages``), ``n`` each, as the records
   ``distrib-train generate`` writes (module docstring).
 
@@ -87,14 +102,29 @@ def generate(init_from: str | None = None, prompts: Sequence[str | dict] = (), *
   loaded = model if model is not None else run_model.load(found, step=step, mesh_config=mesh_config)
   stream = _Streamer(codec, on_text, stop) if on_text is not None and len(ids) == 1 and n == 1 else None
   generator = Generator(loaded.model, mesh=loaded.mesh, rules=loaded.rules, log=log)
-  completions = generator.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, n=n, seed=seed,
-                                   eos_ids=generate_text.end_ids(loaded, codec, end_ids), batch_size=batch_size,
-                                   on_token=stream)
+  completions = generator.generate(
+    ids,
+    max_new_tokens=max_new_tokens,
+    sampling=sampling,
+    n=n,
+    seed=seed,
+    eos_ids=generate_text.end_ids(loaded, codec, end_ids),
+    batch_size=batch_size,
+    on_token=stream,
+  )
   out = []
   for c in completions:
     text, kept, stopped = truncate_at_stop(codec, c.ids, stop)
-    out.append({"index": c.index, "sample": c.sample, "text": text, "ids": c.ids[:kept],
-                "logprobs": c.logprobs[:kept], "finish_reason": "stop" if stopped else c.finish_reason})
+    out.append(
+      {
+        "index": c.index,
+        "sample": c.sample,
+        "text": text,
+        "ids": c.ids[:kept],
+        "logprobs": c.logprobs[:kept],
+        "finish_reason": "stop" if stopped else c.finish_reason,
+      }
+    )
   if stream is not None:
     stream.finish(out[0]["text"])
   return out
@@ -112,7 +142,7 @@ class _Streamer:
 
   def _emit(self, text: str, end: int) -> None:
     if end > self.shown:
-      self.on_text(text[self.shown:end])
+      self.on_text(text[self.shown : end])
       self.shown = end
 
   def __call__(self, tokens, finished) -> None:
@@ -147,10 +177,14 @@ def main(argv: Sequence[str]) -> int:
   parser.add_argument("--n", type=int, default=1, help="samples per prompt")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--stop", action="append", default=[], help="a string that ends a completion (repeatable)")
-  parser.add_argument("--end_ids", choices=END_RULES, default="generation_config",
-                      help="the ids that end a completion: generation_config (transformers' generate:"
-                           " generation_config.json's eos_token_id, else config.json's) or union (also the"
-                           " tokenizer's eos_token, as TRL's GRPOTrainer, vLLM and GRPO's rollouts stop)")
+  parser.add_argument(
+    "--end_ids",
+    choices=END_RULES,
+    default="generation_config",
+    help="the ids that end a completion: generation_config (transformers' generate:"
+    " generation_config.json's eos_token_id, else config.json's) or union (also the"
+    " tokenizer's eos_token, as TRL's GRPOTrainer, vLLM and GRPO's rollouts stop)",
+  )
   parser.add_argument("--batch_size", type=int, default=64, help="rows decoded together")
   run_model.add_flags(parser)
   args = parser.parse_args(list(argv))
@@ -174,10 +208,26 @@ def main(argv: Sequence[str]) -> int:
   first, say = run_model.start(args)
   on_text = (lambda piece: print(piece, end="", flush=True)) if args.prompt and first else None
   try:
-    records = generate(args.init_from, prompts, step=args.step, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                       n=args.n, seed=args.seed, stop=args.stop, end_ids=args.end_ids, mesh_config=args.mesh_config,
-                       dtype=args.dtype, overrides=overrides, batch_size=args.batch_size, on_text=on_text, log=say)
+    records = generate(
+      args.init_from,
+      prompts,
+      step=args.step,
+      max_new_tokens=args.max_new_tokens,
+      temperature=args.temperature,
+      top_p=args.top_p,
+      top_k=args.top_k,
+      min_p=args.min_p,
+      n=args.n,
+      seed=args.seed,
+      stop=args.stop,
+      end_ids=args.end_ids,
+      mesh_config=args.mesh_config,
+      dtype=args.dtype,
+      overrides=overrides,
+      batch_size=args.batch_size,
+      on_text=on_text,
+      log=say,
+    )
   except ValueError as e:  # ConfigError, CheckpointError and HfCheckpointError are ValueErrors
     fail(str(e))
   if args.prompt:

@@ -54,8 +54,12 @@ class Codec:
 
 
 def _bytes_codec() -> Codec:
-  return Codec("bytes", lambda text, special: list(text.encode("utf-8")),
-               lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace"), lambda text: None)
+  return Codec(
+    "bytes",
+    lambda text, special: list(text.encode("utf-8")),
+    lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace"),
+    lambda text: None,
+  )
 
 
 def _hf_codec(spec: str, path: str) -> Codec:
@@ -69,9 +73,14 @@ def _hf_codec(spec: str, path: str) -> Codec:
   from distrib_train.data.chat import special_tokens
 
   eos = special_tokens(path).get("eos_token")  # the end token the tokenizer's files name, as transformers reads it
-  return Codec(spec, lambda text, special: tok.encode(text, add_special_tokens=special).ids,
-               lambda ids: tok.decode(list(ids), skip_special_tokens=True), tok.token_to_id, path,
-               eos=tok.token_to_id(eos) if eos else None)
+  return Codec(
+    spec,
+    lambda text, special: tok.encode(text, add_special_tokens=special).ids,
+    lambda ids: tok.decode(list(ids), skip_special_tokens=True),
+    tok.token_to_id,
+    path,
+    eos=tok.token_to_id(eos) if eos else None,
+  )
 
 
 def tokenizer_file(spec_path: str) -> str:
@@ -92,8 +101,9 @@ def codec_for(loaded: Any) -> Codec:
   if spec == "bytes" and loaded.hf_dir:  # the default: the model's own directory's
     file = os.path.join(loaded.hf_dir, "tokenizer.json")
     if not os.path.isfile(file):
-      raise ValueError(f"{loaded.hf_dir!r} holds no tokenizer.json; name one with --set data.tokenizer=hf:<dir or"
-                       " tokenizer.json>.")
+      raise ValueError(
+        f"{loaded.hf_dir!r} holds no tokenizer.json; name one with --set data.tokenizer=hf:<dir or tokenizer.json>."
+      )
     return _hf_codec(f"hf:{loaded.hf_dir}", file)
   kind, _, path = spec.partition(":")
   if spec == "bytes":
@@ -101,12 +111,16 @@ def codec_for(loaded: Any) -> Codec:
   elif kind == "hf":
     file = tokenizer_file(path)
     if not os.path.isfile(file):
-      raise ValueError(f"data.tokenizer: tokenizer file {file!r} does not exist (a local tokenizer.json or its"
-                       " directory is needed; nothing is downloaded).")
+      raise ValueError(
+        f"data.tokenizer: tokenizer file {file!r} does not exist (a local tokenizer.json or its"
+        " directory is needed; nothing is downloaded)."
+      )
     codec = _hf_codec(spec, file)
   else:
-    raise ValueError(f"data.tokenizer {spec}: generation decodes bytes and hf: tokenizers; give the model's"
-                     " tokenizer.json with --set data.tokenizer=hf:<dir or tokenizer.json>.")
+    raise ValueError(
+      f"data.tokenizer {spec}: generation decodes bytes and hf: tokenizers; give the model's"
+      " tokenizer.json with --set data.tokenizer=hf:<dir or tokenizer.json>."
+    )
   bos = codec.token_id(data.bos_token) if data.bos_token else None
   return dataclasses.replace(codec, bos=bos)
 
@@ -129,10 +143,12 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
         record = json.loads(line)
       except ValueError as e:
         raise ValueError(f"{path}:{number}: not a JSON record: {e}") from None
-      if not isinstance(record, dict) or not (isinstance(record.get("prompt"), str)
-                                              or isinstance(record.get("messages"), list)):
-        raise ValueError(f"{path}:{number}: a prompt record needs 'prompt' (text) or 'messages' (a list of"
-                         " {role, content}).")
+      if not isinstance(record, dict) or not (
+        isinstance(record.get("prompt"), str) or isinstance(record.get("messages"), list)
+      ):
+        raise ValueError(
+          f"{path}:{number}: a prompt record needs 'prompt' (text) or 'messages' (a list of {{role, content}})."
+        )
       records.append(record)
   if not records:
     raise ValueError(f"--prompts {path!r} holds no prompt.")
@@ -145,10 +161,13 @@ def prompt_ids(codec: Codec, record: dict[str, Any], where: str) -> list[int]:
     from distrib_train.data.chat import ChatEncoder, ChatTemplate
 
     if not codec.path:
-      raise ValueError(f"{where}: 'messages' need a chat template, and the tokenizer {codec.spec} has none; give"
-                       " 'prompt' text, or the model's tokenizer with --set data.tokenizer=hf:<dir>.")
-    text = ChatEncoder(ChatTemplate.load(codec.path), None).render(record["messages"], add_generation_prompt=True,
-                                                                   where=where)
+      raise ValueError(
+        f"{where}: 'messages' need a chat template, and the tokenizer {codec.spec} has none; give"
+        " 'prompt' text, or the model's tokenizer with --set data.tokenizer=hf:<dir>."
+      )
+    text = ChatEncoder(ChatTemplate.load(codec.path), None).render(
+      record["messages"], add_generation_prompt=True, where=where
+    )
     return codec.encode(text, False)
   ids = codec.encode(record["prompt"], True)
   return ([codec.bos] if codec.bos is not None else []) + ids

@@ -18,8 +18,15 @@ import jax.numpy as jnp
 from distrib_train.sharding import context
 
 
-def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array,
-                          chunk_size: int, remat: bool = True, softcap: float = 0.0) -> tuple[jax.Array, jax.Array]:
+def chunked_cross_entropy(
+  hidden: jax.Array,
+  head: jax.Array,
+  targets: jax.Array,
+  weights: jax.Array,
+  chunk_size: int,
+  remat: bool = True,
+  softcap: float = 0.0,
+) -> tuple[jax.Array, jax.Array]:
   """Summed token cross-entropy and the weight total, chunk by chunk.
 
   Logits for ``chunk_size`` positions at a time are computed and reduced, so
@@ -44,8 +51,9 @@ def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array
   return total, jnp.sum(weights)
 
 
-def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk_size: int, remat: bool = True,
-                     softcap: float = 0.0) -> jax.Array:
+def chunked_logprobs(
+  hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk_size: int, remat: bool = True, softcap: float = 0.0
+) -> jax.Array:
   """Each target's log-probability [batch, length] (float32), chunk by chunk as ``chunked_cross_entropy``
   computes the loss: no float32 [batch, length, vocab] array exists (a preference objective's per-token
   figures, ``objectives.py``)."""
@@ -57,9 +65,15 @@ def chunked_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, chu
   return join(out)
 
 
-def chunked_logprobs_and_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk_size: int,
-                                 remat: bool = True, softcap: float = 0.0,
-                                 temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+def chunked_logprobs_and_entropy(
+  hidden: jax.Array,
+  head: jax.Array,
+  targets: jax.Array,
+  chunk_size: int,
+  remat: bool = True,
+  softcap: float = 0.0,
+  temperature: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
   """Each target's log-probability and its position's entropy [batch, length] (float32), under the logits divided
   by ``temperature`` (after the softcap, as a sampler divides them), chunk by chunk as ``chunked_logprobs``: an RL
   objective's per-token figures (``objectives/grpo.py``). The entropy carries no gradient."""
@@ -80,8 +94,9 @@ def chunked_logprobs_and_entropy(hidden: jax.Array, head: jax.Array, targets: ja
   return join(logprobs), join(entropy)
 
 
-def chunked_scores(hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk_size: int,
-                   softcap: float = 0.0) -> tuple[jax.Array, jax.Array]:
+def chunked_scores(
+  hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk_size: int, softcap: float = 0.0
+) -> tuple[jax.Array, jax.Array]:
   """Each target's log-probability [batch, length] (float32) and whether it is the logits' argmax (the first
   of equal maxima, as ``torch.argmax``), chunk by chunk as ``chunked_logprobs``: a scorer's figures (no
   gradient; ``generation/scoring.py``)."""

@@ -159,8 +159,9 @@ def delayed_quantize_dequantize(x: jax.Array, dtype, history: jax.Array) -> tupl
 
 
 # How each kind of matmul multiplies FP8 operands (float32 accumulation), and its two transposes.
-_RAGGED_DW = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
-                                               lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+_RAGGED_DW = jax.lax.RaggedDotDimensionNumbers(
+  dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
 
 
 def _product_dtype(dtype) -> jnp.dtype:
@@ -179,12 +180,16 @@ def _products(kind: tuple, extra: jax.Array | None, dtype=jnp.float32):
     return kind[1].products(extra)
   if kind[0] == "einsum":
     x_sub, w_sub, out_sub = kind[1:]
-    return (lambda a, b: jnp.einsum(f"{x_sub},{w_sub}->{out_sub}", a, b, preferred_element_type=dtype),
-            lambda g, b: jnp.einsum(f"{out_sub},{w_sub}->{x_sub}", g, b, preferred_element_type=dtype),
-            lambda a, g: jnp.einsum(f"{x_sub},{out_sub}->{w_sub}", a, g, preferred_element_type=dtype))
-  return (lambda a, b: jax.lax.ragged_dot(a, b, extra, preferred_element_type=f32),
-          lambda g, b: jax.lax.ragged_dot(g, jnp.swapaxes(b, 1, 2), extra, preferred_element_type=f32),
-          lambda a, g: jax.lax.ragged_dot_general(a, g, extra, _RAGGED_DW, preferred_element_type=f32))
+    return (
+      lambda a, b: jnp.einsum(f"{x_sub},{w_sub}->{out_sub}", a, b, preferred_element_type=dtype),
+      lambda g, b: jnp.einsum(f"{out_sub},{w_sub}->{x_sub}", g, b, preferred_element_type=dtype),
+      lambda a, g: jnp.einsum(f"{x_sub},{out_sub}->{w_sub}", a, g, preferred_element_type=dtype),
+    )
+  return (
+    lambda a, b: jax.lax.ragged_dot(a, b, extra, preferred_element_type=f32),
+    lambda g, b: jax.lax.ragged_dot(g, jnp.swapaxes(b, 1, 2), extra, preferred_element_type=f32),
+    lambda a, g: jax.lax.ragged_dot_general(a, g, extra, _RAGGED_DW, preferred_element_type=f32),
+  )
 
 
 def _matmul_fwd(kind, axes, x, w, history, extra):
@@ -206,8 +211,7 @@ def _matmul_bwd(kind, axes, residuals, g):
   dw = (product_dw(qx, qg) / (sx * sg)).astype(g.dtype)
   written = None
   if history is not None:  # the next histories, as this "gradient" (AmaxHistory)
-    written = jnp.stack([_push(history[OPERAND_X], ax), _push(history[OPERAND_W], aw),
-                         _push(history[OUTPUT_GRAD], ag)])
+    written = jnp.stack([_push(history[OPERAND_X], ax), _push(history[OPERAND_W], aw), _push(history[OUTPUT_GRAD], ag)])
   return dx, dw, written, None
 
 
@@ -224,10 +228,17 @@ def _einsum_kind(subscripts: str) -> tuple[str, str, str, str]:
   so both transposes are einsums too."""
   inputs, _, out = subscripts.replace(" ", "").partition("->")
   x_sub, _, w_sub = inputs.partition(",")
-  if (not out or not w_sub or any(len(set(s)) != len(s) for s in (x_sub, w_sub, out))
-      or set(x_sub) - set(w_sub) - set(out) or set(w_sub) - set(x_sub) - set(out)):
-    raise ValueError(f"fp8.einsum takes two operands whose every index is in the other or in the output,"
-                     f" 'xy,yz->xz' style; got {subscripts!r}.")
+  if (
+    not out
+    or not w_sub
+    or any(len(set(s)) != len(s) for s in (x_sub, w_sub, out))
+    or set(x_sub) - set(w_sub) - set(out)
+    or set(w_sub) - set(x_sub) - set(out)
+  ):
+    raise ValueError(
+      f"fp8.einsum takes two operands whose every index is in the other or in the output,"
+      f" 'xy,yz->xz' style; got {subscripts!r}."
+    )
   return ("einsum", x_sub, w_sub, out)
 
 

@@ -105,22 +105,23 @@ def _tiles_kernel(groups_ref, lhs_ref, rhs_ref, out_ref, *, blocks: _Blocks, k_s
   out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def _grouped(lhs: jax.Array, rhs: jax.Array, tile_groups: jax.Array, blocks: _Blocks, transpose: bool,
-             out_dtype=None) -> jax.Array:
+def _grouped(
+  lhs: jax.Array, rhs: jax.Array, tile_groups: jax.Array, blocks: _Blocks, transpose: bool, out_dtype=None
+) -> jax.Array:
   """``out[tile t] = lhs[t] @ rhs[tile_groups[t]]`` (or ``rhs[..]ᵀ``); shapes already padded to the blocks; the
   output in ``out_dtype`` (default: ``lhs``'s)."""
   m, inner = lhs.shape
   n = rhs.shape[1] if transpose else rhs.shape[2]
   kernel = functools.partial(_tiles_kernel, blocks=blocks, k_steps=inner // blocks.block_k, transpose=transpose)
   return pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or lhs.dtype),
-      grid=(m // blocks.tile_m, n // blocks.block_n),
-      in_specs=[pl.no_block_spec] * 3,  # whole arrays: the kernel picks the group's weights itself
-      out_specs=pl.BlockSpec((blocks.tile_m, blocks.block_n), lambda i, j: (i, j)),
-      compiler_params=blocks.params(),
-      interpret=blocks.interpret,
-      name="gmm_transposed" if transpose else "gmm",
+    kernel,
+    out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or lhs.dtype),
+    grid=(m // blocks.tile_m, n // blocks.block_n),
+    in_specs=[pl.no_block_spec] * 3,  # whole arrays: the kernel picks the group's weights itself
+    out_specs=pl.BlockSpec((blocks.tile_m, blocks.block_n), lambda i, j: (i, j)),
+    compiler_params=blocks.params(),
+    interpret=blocks.interpret,
+    name="gmm_transposed" if transpose else "gmm",
   )(tile_groups, lhs, rhs)
 
 
@@ -135,31 +136,32 @@ def _wgrad_kernel(first_ref, count_ref, lhs_ref, dout_ref, out_ref, *, blocks: _
   def step(s, acc):
     rows = pl.ds(pl.multiple_of(s * chunk, chunk), chunk)
     a, d = _common(lhs_ref[rows, cols_k], dout_ref[rows, cols_n])
-    return acc + lax.dot_general(a, d, (((0,), (0,)), ((), ())), precision=_precision(a.dtype),
-                                 preferred_element_type=jnp.float32)
+    return acc + lax.dot_general(
+      a, d, (((0,), (0,)), ((), ())), precision=_precision(a.dtype), preferred_element_type=jnp.float32
+    )
 
   acc = lax.fori_loop(first, first + count, step, jnp.zeros((blocks.wgrad_block_k, blocks.block_n), jnp.float32))
   out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def _wgrad(lhs: jax.Array, dout: jax.Array, tile_groups: jax.Array, groups: int, blocks: _Blocks,
-           out_dtype=None) -> jax.Array:
+def _wgrad(
+  lhs: jax.Array, dout: jax.Array, tile_groups: jax.Array, groups: int, blocks: _Blocks, out_dtype=None
+) -> jax.Array:
   """d rhs [G, K, N]: ``Σ_{t in g} lhs[t]ᵀ @ dout[t]`` per group; shapes already padded to the blocks; the output
   in ``out_dtype`` (default: ``lhs``'s)."""
   (_, k), n = lhs.shape, dout.shape[1]
-  count = jnp.sum(tile_groups[None, :] == jnp.arange(groups, dtype=tile_groups.dtype)[:, None], axis=1,
-                  dtype=jnp.int32)
+  count = jnp.sum(tile_groups[None, :] == jnp.arange(groups, dtype=tile_groups.dtype)[:, None], axis=1, dtype=jnp.int32)
   first = jnp.cumsum(count, dtype=jnp.int32) - count  # groups ascend from tile 0, contiguous
   kernel = functools.partial(_wgrad_kernel, blocks=blocks, chunk=min(blocks.block_k, blocks.tile_m))
   return pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((groups, k, n), out_dtype or lhs.dtype),
-      grid=(groups, k // blocks.wgrad_block_k, n // blocks.block_n),
-      in_specs=[pl.no_block_spec] * 4,
-      out_specs=pl.BlockSpec((None, blocks.wgrad_block_k, blocks.block_n), lambda g, i, j: (g, i, j)),
-      compiler_params=blocks.params(),
-      interpret=blocks.interpret,
-      name="gmm_wgrad",
+    kernel,
+    out_shape=jax.ShapeDtypeStruct((groups, k, n), out_dtype or lhs.dtype),
+    grid=(groups, k // blocks.wgrad_block_k, n // blocks.block_n),
+    in_specs=[pl.no_block_spec] * 4,
+    out_specs=pl.BlockSpec((None, blocks.wgrad_block_k, blocks.block_n), lambda g, i, j: (g, i, j)),
+    compiler_params=blocks.params(),
+    interpret=blocks.interpret,
+    name="gmm_wgrad",
   )(first, count, lhs, dout)
 
 
@@ -175,8 +177,11 @@ def _gmm_forward(lhs, rhs, tile_groups, blocks):
 def _gmm_backward(blocks, residuals, dout):
   lhs, rhs, tile_groups = residuals
   dout = dout.astype(lhs.dtype)
-  return (_grouped(dout, rhs, tile_groups, blocks, transpose=True),
-          _wgrad(lhs, dout, tile_groups, rhs.shape[0], blocks), None)
+  return (
+    _grouped(dout, rhs, tile_groups, blocks, transpose=True),
+    _wgrad(lhs, dout, tile_groups, rhs.shape[0], blocks),
+    None,
+  )
 
 
 _gmm.defvjp(_gmm_forward, _gmm_backward)
@@ -198,14 +203,18 @@ def _check(lhs: jax.Array, rhs: jax.Array, tile_groups: jax.Array, blocks: _Bloc
   if lhs.shape[0] % blocks.tile_m:
     raise ValueError(f"gmm: lhs has {lhs.shape[0]} rows, not a multiple of tile_m={blocks.tile_m}.")
   if tile_groups.shape != (lhs.shape[0] // blocks.tile_m,) or not jnp.issubdtype(tile_groups.dtype, jnp.integer):
-    raise ValueError(f"gmm: tile_groups must be integers [M // tile_m] = [{lhs.shape[0] // blocks.tile_m}];"
-                     f" got {tile_groups.dtype}{list(tile_groups.shape)}.")
+    raise ValueError(
+      f"gmm: tile_groups must be integers [M // tile_m] = [{lhs.shape[0] // blocks.tile_m}];"
+      f" got {tile_groups.dtype}{list(tile_groups.shape)}."
+    )
   padded = lambda size: -(-size // blocks.pad_to) * blocks.pad_to
   (m, k), (g, _, n) = lhs.shape, rhs.shape
   for name, size in (("lhs", m * padded(k)), ("rhs", g * padded(k) * padded(n)), ("the output", m * padded(n))):
     if size >= 2**31:
-      raise ValueError(f"gmm: {name} holds {size} elements (padded to the blocks); the kernels address with int32"
-                       " offsets, under 2**31: split the call.")
+      raise ValueError(
+        f"gmm: {name} holds {size} elements (padded to the blocks); the kernels address with int32"
+        " offsets, under 2**31: split the call."
+      )
 
 
 def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -213,9 +222,19 @@ def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
   return x if not extra else jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array, tile_groups: jax.Array, *, tile_m: int = 128, block_n: int = 128,
-        block_k: int = 64, wgrad_block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-        interpret: bool = False) -> jax.Array:
+def gmm(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  tile_groups: jax.Array,
+  *,
+  tile_m: int = 128,
+  block_n: int = 128,
+  block_k: int = 64,
+  wgrad_block_k: int = 128,
+  num_warps: int = 4,
+  num_stages: int = 3,
+  interpret: bool = False,
+) -> jax.Array:
   """The grouped matmul ``out[tile t] = lhs[tile t] @ rhs[tile_groups[t]]`` (zeros where the group is -1).
 
   Args:
@@ -267,8 +286,9 @@ class Fp8Products:
     blocks, to = self.blocks, self.blocks.pad_to
     groups, columns, contraction = rhs.shape
     _check(lhs, jax.ShapeDtypeStruct((groups, contraction, columns), rhs.dtype), tile_groups, blocks, fp8=True)
-    out = _grouped(_pad(lhs, 1, to), _pad(_pad(rhs, 1, to), 2, to), tile_groups.astype(jnp.int32), blocks, True,
-                   jnp.float32)
+    out = _grouped(
+      _pad(lhs, 1, to), _pad(_pad(rhs, 1, to), 2, to), tile_groups.astype(jnp.int32), blocks, True, jnp.float32
+    )
     return out[:, :columns]
 
   def forward(self, x: jax.Array, w: jax.Array, tile_groups: jax.Array) -> jax.Array:
@@ -282,17 +302,35 @@ class Fp8Products:
   def weight_grad(self, x: jax.Array, g: jax.Array, tile_groups: jax.Array) -> jax.Array:
     """Σ over each group's tiles of x[t]ᵀ · g[t] → [G, K, N]."""
     blocks, (k, n) = self.blocks, (x.shape[1], g.shape[1])
-    out = _wgrad(_pad(x, 1, blocks.pad_to), _pad(g, 1, blocks.pad_to), tile_groups.astype(jnp.int32),
-                 self.groups, blocks, jnp.float32)
+    out = _wgrad(
+      _pad(x, 1, blocks.pad_to),
+      _pad(g, 1, blocks.pad_to),
+      tile_groups.astype(jnp.int32),
+      self.groups,
+      blocks,
+      jnp.float32,
+    )
     return out[:, :k, :n]
 
   def products(self, tile_groups: jax.Array):
     """``(x·w, g·wᵀ, xᵀ·g)`` as functions of their two operands, the order ``kernels/fp8.py`` takes."""
-    return (lambda a, b: self.forward(a, b, tile_groups), lambda g, b: self.input_grad(g, b, tile_groups),
-            lambda a, g: self.weight_grad(a, g, tile_groups))
+    return (
+      lambda a, b: self.forward(a, b, tile_groups),
+      lambda g, b: self.input_grad(g, b, tile_groups),
+      lambda a, g: self.weight_grad(a, g, tile_groups),
+    )
 
 
-def fp8_products(groups: int, *, tile_m: int = 128, block_n: int = 128, block_k: int = 64, wgrad_block_k: int = 128,
-                 num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> Fp8Products:
+def fp8_products(
+  groups: int,
+  *,
+  tile_m: int = 128,
+  block_n: int = 128,
+  block_k: int = 64,
+  wgrad_block_k: int = 128,
+  num_warps: int = 4,
+  num_stages: int = 3,
+  interpret: bool = False,
+) -> Fp8Products:
   """``Fp8Products`` over ``groups`` weight groups, with ``gmm``'s blocks (the same arguments)."""
   return Fp8Products(groups, _Blocks(tile_m, block_n, block_k, wgrad_block_k, num_warps, num_stages, bool(interpret)))

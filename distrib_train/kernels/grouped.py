@@ -88,8 +88,9 @@ def _tpu_gmm_bwd(tile, interpret, residual, grad):
   k, n = lhs.shape[1], rhs.shape[2]
   backend = _megablox()
   d_lhs = backend.gmm(grad, rhs, sizes, lhs.dtype, _tiling(tile, n, k), transpose_rhs=True, interpret=interpret)
-  d_rhs = backend.tgmm(lhs.swapaxes(0, 1), grad, sizes, rhs.dtype, _tiling(tile, k, n),
-                       num_actual_groups=rhs.shape[0], interpret=interpret)
+  d_rhs = backend.tgmm(
+    lhs.swapaxes(0, 1), grad, sizes, rhs.dtype, _tiling(tile, k, n), num_actual_groups=rhs.shape[0], interpret=interpret
+  )
   return d_lhs, d_rhs, None
 
 
@@ -105,8 +106,18 @@ def _tiled_gmm(lhs, rhs, tile_groups, tile):
   return out.reshape(lhs.shape[0], rhs.shape[2])
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, tile_groups: jax.Array, *, tile: int, platform: str,
-        routed_rows: int, amax_axes: tuple[str, ...] = (), interpret: bool = False) -> jax.Array:
+def gmm(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  sizes: jax.Array,
+  tile_groups: jax.Array,
+  *,
+  tile: int,
+  platform: str,
+  routed_rows: int,
+  amax_axes: tuple[str, ...] = (),
+  interpret: bool = False,
+) -> jax.Array:
   """``lhs`` [M, K] in the padded layout (module docstring) times ``rhs`` [G, K, N] by group → [M, N].
 
   ``sizes`` [G]: each group's rows, padded; ``tile_groups`` [M / tile]: each tile's group, -1 past the last;
@@ -176,8 +187,9 @@ move_rows.defvjp(_move_fwd, _move_bwd)
 
 def inverse_of(index: jax.Array, size: int) -> jax.Array:
   """The inverse of a one-to-one ``index`` into ``size`` rows (``index`` values past ``size``: none)."""
-  return jnp.full((size,), index.shape[0], jnp.int32).at[index].set(jnp.arange(index.shape[0], dtype=jnp.int32),
-                                                                    mode="drop")
+  return (
+    jnp.full((size,), index.shape[0], jnp.int32).at[index].set(jnp.arange(index.shape[0], dtype=jnp.int32), mode="drop")
+  )
 
 
 def padded_layout(groups: jax.Array, num_groups: int, tile: int) -> tuple[jax.Array, jax.Array, jax.Array, int]:
@@ -211,10 +223,22 @@ def _by_tile(bias: jax.Array, tile_groups: jax.Array, tile: int) -> jax.Array:
   return jnp.where((rows >= 0)[:, None], bias[jnp.maximum(rows, 0)], 0).astype(bias.dtype)
 
 
-def swiglu(rows: jax.Array, groups: jax.Array, num_groups: int, w_gate: jax.Array, w_up: jax.Array,
-           w_down: jax.Array, *, platform: str, routed_rows: int | None = None, amax_axes: tuple[str, ...] = (),
-           interpret: bool = False, activation=silu_gate, gate_bias: jax.Array | None = None,
-           up_bias: jax.Array | None = None) -> jax.Array:
+def swiglu(
+  rows: jax.Array,
+  groups: jax.Array,
+  num_groups: int,
+  w_gate: jax.Array,
+  w_up: jax.Array,
+  w_down: jax.Array,
+  *,
+  platform: str,
+  routed_rows: int | None = None,
+  amax_axes: tuple[str, ...] = (),
+  interpret: bool = False,
+  activation=silu_gate,
+  gate_bias: jax.Array | None = None,
+  up_bias: jax.Array | None = None,
+) -> jax.Array:
   """Each row of ``rows`` [R, embed] through its group's gated MLP → [R, embed] (rows of no group: zero).
 
   ``w_gate``, ``w_up`` [G, embed, hidden], ``w_down`` [G, hidden, embed] (a ``hidden`` split over a
@@ -227,8 +251,16 @@ def swiglu(rows: jax.Array, groups: jax.Array, num_groups: int, w_gate: jax.Arra
   expected = num_groups * -(-(routed_rows or rows.shape[0]) // (num_groups * tile)) * tile
   source = inverse_of(positions, m)  # each laid row's row of ``rows`` (past its end: padding)
   laid = move_rows(rows, source, positions)
-  dot = functools.partial(gmm, sizes=sizes, tile_groups=tile_groups, tile=tile, platform=platform,
-                          routed_rows=min(m, expected), amax_axes=amax_axes, interpret=interpret)
+  dot = functools.partial(
+    gmm,
+    sizes=sizes,
+    tile_groups=tile_groups,
+    tile=tile,
+    platform=platform,
+    routed_rows=min(m, expected),
+    amax_axes=amax_axes,
+    interpret=interpret,
+  )
   gate, up = dot(laid, w_gate), dot(laid, w_up)
   if gate_bias is not None:
     gate, up = gate + _by_tile(gate_bias, tile_groups, tile), up + _by_tile(up_bias, tile_groups, tile)
@@ -241,5 +273,5 @@ def flops_tag(op_name: str) -> float:
   start = op_name.rfind(SCOPE + "(")
   if start < 0:
     return 0.0
-  fields = dict(part.split("=") for part in op_name[start + len(SCOPE) + 1:].split(")")[0].split(","))
+  fields = dict(part.split("=") for part in op_name[start + len(SCOPE) + 1 :].split(")")[0].split(","))
   return 2.0 * math.prod(int(fields[key]) for key in ("rows", "k", "n"))

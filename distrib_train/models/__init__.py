@@ -57,8 +57,10 @@ def split_model(model: Any, is_param: Any = None) -> tuple[Any, Any, Any]:
     return linen_model.split(model)
   if penzai_model.is_penzai_model(model):
     if is_param is not None:
-      raise ValueError("is_param does not apply to penzai models: their pz.nn.Parameter instances are learned and"
-                       " FrozenParameters are not.")
+      raise ValueError(
+        "is_param does not apply to penzai models: their pz.nn.Parameter instances are learned and"
+        " FrozenParameters are not."
+      )
     return (*penzai_model.split(model), None)
   params, model_without_params = split_params(model, is_param)
   return params, model_without_params, None
@@ -133,18 +135,16 @@ def from_pure_dict(template: Any, pure_dict: Any) -> Any:
   return pure_dict
 
 
-
-
 # ParamSlot and StaticValue (the pytree adapter's placeholders) stay
 # importable for tests and tools, but are not public API.
 __all__ = [
-    "LinenModel",
-    "OverwriteWithGradient",
-    "annotated_axes",
-    "from_pure_dict",
-    "to_pure_dict",
-    "local_state_of",
-    "merge_model",
-    "overwritten_by_gradient",
-    "split_model",
+  "LinenModel",
+  "OverwriteWithGradient",
+  "annotated_axes",
+  "from_pure_dict",
+  "to_pure_dict",
+  "local_state_of",
+  "merge_model",
+  "overwritten_by_gradient",
+  "split_model",
 ]

@@ -43,8 +43,14 @@ class LinenModel:
     rng_names: RNG streams to feed from the step's key on each call.
   """
 
-  def __init__(self, module: nn.Module, variables: Mapping[str, Any], *, rng_names: Sequence[str] = ("dropout",),
-               rng: jax.Array | None = None):
+  def __init__(
+    self,
+    module: nn.Module,
+    variables: Mapping[str, Any],
+    *,
+    rng_names: Sequence[str] = ("dropout",),
+    rng: jax.Array | None = None,
+  ):
     if "params" not in variables:
       raise ValueError(f"LinenModel needs a 'params' collection; the variables have {sorted(variables)}.")
     self.module = module
@@ -114,5 +120,8 @@ def split(model: LinenModel) -> tuple[Any, LinenModelDef, dict[str, Any]]:
   logical_axes.update(local_axes)
   params = nn.unbox(model.params)
   local_state = {k: dict(nn.unbox(v)) for k, v in model.local_state.items()}
-  return params, LinenModelDef(module=model.module, rng_names=model.rng_names,
-                               logical_axes=tuple(sorted(logical_axes.items()))), local_state
+  return (
+    params,
+    LinenModelDef(module=model.module, rng_names=model.rng_names, logical_axes=tuple(sorted(logical_axes.items()))),
+    local_state,
+  )

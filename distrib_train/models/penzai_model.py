@@ -53,8 +53,11 @@ def _v2_variables(model: Any) -> list[tuple[str, Any]]:
   variables = sys.modules.get("penzai.core.variables")
   if variables is None:
     return []
-  kinds = tuple(getattr(variables, name) for name in
-                ("AbstractVariable", "AbstractVariableSlot", "AbstractVariableValue") if hasattr(variables, name))
+  kinds = tuple(
+    getattr(variables, name)
+    for name in ("AbstractVariable", "AbstractVariableSlot", "AbstractVariableValue")
+    if hasattr(variables, name)
+  )
   is_var = lambda x: isinstance(x, kinds)
   found = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_var)[0]
   return [(jax.tree_util.keystr(path), leaf) for path, leaf in found if is_var(leaf)]
@@ -71,9 +74,9 @@ def _refuse_v2(model: Any) -> None:
   if found:
     path, variable = found[0]
     raise TypeError(
-        f"This is a penzai v2 model ({type(variable).__name__} at model{path}, {len(found)} variable(s) in all);"
-        " distrib_train trains penzai v1 models (pz.nn.Parameter, from penzai.deprecated.v1) and nnx, linen or"
-        " pytree models. Train a v2 model with penzai.toolshed.basic_training, or port it to penzai.deprecated.v1."
+      f"This is a penzai v2 model ({type(variable).__name__} at model{path}, {len(found)} variable(s) in all);"
+      " distrib_train trains penzai v1 models (pz.nn.Parameter, from penzai.deprecated.v1) and nnx, linen or"
+      " pytree models. Train a v2 model with penzai.toolshed.basic_training, or port it to penzai.deprecated.v1."
     )
 
 
@@ -96,8 +99,13 @@ def split(model: Any) -> tuple[dict[str, Any], Any]:
   if not params:
     uninitialized = pz.select(model).at_instances_of(pz.nn.UninitializedParameter).count()
     frozen = pz.select(model).at_instances_of(pz.nn.FrozenParameter).count()
-    hint = (f" It has {uninitialized} UninitializedParameter(s): call pz.nn.initialize_parameters(model, key) first."
-            if uninitialized else f" All {frozen} of its parameters are FrozenParameters." if frozen else "")
+    hint = (
+      f" It has {uninitialized} UninitializedParameter(s): call pz.nn.initialize_parameters(model, key) first."
+      if uninitialized
+      else f" All {frozen} of its parameters are FrozenParameters."
+      if frozen
+      else ""
+    )
     raise ValueError(f"The penzai model has no pz.nn.Parameter to train.{hint}")
   return params, selection.at(lambda param: param.value).set(pz.NotInThisPartition())
 
@@ -112,8 +120,10 @@ def merge(model_without_params: Any, params: Mapping[str, Any]) -> Any:
 
   def bind(param):
     if param.name not in params:
-      raise KeyError(f"Parameter {param.name!r} of the penzai model is missing from params "
-                     f"({len(params)} entries: {', '.join(sorted(params)[:5])}{', …' if len(params) > 5 else ''}).")
+      raise KeyError(
+        f"Parameter {param.name!r} of the penzai model is missing from params "
+        f"({len(params)} entries: {', '.join(sorted(params)[:5])}{', …' if len(params) > 5 else ''})."
+      )
     return dataclasses.replace(param, value=params[param.name])
 
   return pz.select(model_without_params).at_instances_of(pz.nn.Parameter).apply(bind)

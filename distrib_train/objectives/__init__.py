@@ -23,9 +23,18 @@ from distrib_train.objectives.record import COUNTS, OBJECTIVES, Objective, weigh
 
 __all__ = ["COUNTS", "OBJECTIVES", "Objective", "build", "weight_in"]
 
-def build(name: str, recipe: Any, model_config: Any, is_param: Any, settings: Any = None, *,
-          model_fn: Callable[[int], Any] | None = None, loss_fn: Callable[..., Any] | None = None,
-          input_axes: Mapping[str, Any] | None = None) -> Objective:
+
+def build(
+  name: str,
+  recipe: Any,
+  model_config: Any,
+  is_param: Any,
+  settings: Any = None,
+  *,
+  model_fn: Callable[[int], Any] | None = None,
+  loss_fn: Callable[..., Any] | None = None,
+  input_axes: Mapping[str, Any] | None = None,
+) -> Objective:
   """The objective ``name`` of the reference model ``recipe`` (its ``model_config``; None for a model given as
   code), with its config section ``settings`` (``dpo``, ``grpo``); ``model_fn``, ``loss_fn`` and ``input_axes``
   where the caller gives them.
@@ -36,15 +45,25 @@ def build(name: str, recipe: Any, model_config: Any, is_param: Any, settings: An
   """
   if name == "lm":
     custom = loss_fn is not None
-    return Objective("custom" if custom else "lm", model_fn or recipe.config.build, loss_fn or recipe.loss_fn,
-                     is_param, input_axes if input_axes is not None else recipe.input_axes,
-                     weight=None if custom else "tokens", perplexity=True)
+    return Objective(
+      "custom" if custom else "lm",
+      model_fn or recipe.config.build,
+      loss_fn or recipe.loss_fn,
+      is_param,
+      input_axes if input_axes is not None else recipe.input_axes,
+      weight=None if custom else "tokens",
+      perplexity=True,
+    )
   if getattr(model_config, "mtp_depth", 0):
-    raise ValueError(f"train.objective={name} does not train multi-token prediction (model.mtp_depth"
-                     f" {model_config.mtp_depth}); train it with objective lm, or set model.mtp_depth=0.")
+    raise ValueError(
+      f"train.objective={name} does not train multi-token prediction (model.mtp_depth"
+      f" {model_config.mtp_depth}); train it with objective lm, or set model.mtp_depth=0."
+    )
   if model_config is None or loss_fn is not None:
-    raise ValueError(f"train.objective={name} trains the reference decoders (model.name llama or moe); a model and"
-                     " loss given as code brings its own objective.")
+    raise ValueError(
+      f"train.objective={name} trains the reference decoders (model.name llama or moe); a model and"
+      " loss given as code brings its own objective."
+    )
   if name == "dpo":
     from distrib_train.objectives import dpo
 

@@ -84,11 +84,15 @@ class DpoConfig:
       if not getattr(self, name) >= 0:
         raise ValueError(f"dpo.{name} must be 0 or more, got {getattr(self, name)!r}.")
     if self.reference and not self.reference.startswith(("hf:", "ckpt:")):
-      raise ValueError(f"dpo.reference={self.reference!r}: give hf:<a Hugging Face directory> or ckpt:<a"
-                       " distrib_train run>, or leave it empty for the starting model.")
+      raise ValueError(
+        f"dpo.reference={self.reference!r}: give hf:<a Hugging Face directory> or ckpt:<a"
+        " distrib_train run>, or leave it empty for the starting model."
+      )
     if (self.reference or self.precompute_reference) and self.loss != "sigmoid":
-      raise ValueError(f"dpo.reference and dpo.precompute_reference are read by dpo.loss=sigmoid; dpo.loss="
-                       f"{self.loss} is reference-free.")
+      raise ValueError(
+        f"dpo.reference and dpo.precompute_reference are read by dpo.loss=sigmoid; dpo.loss="
+        f"{self.loss} is reference-free."
+      )
 
   @property
   def uses_reference(self) -> bool:
@@ -139,23 +143,35 @@ def objective(model_config: Any, is_param: Any, settings: DpoConfig, input_axes:
   model_fn, is_param = preference_model(model_config, is_param, settings)
   extra = {"reference_logps": "float32"} if settings.precompute_reference else {}
   axes = {**input_axes, **{name: input_axes["tokens"] for name in extra}}
-  return Objective("dpo", model_fn, dpo_loss_fn(settings), is_param, axes, extra_inputs=extra, weight="pairs",
-                   perplexity=False, flops_scale=4 / 3 if settings.live_reference else 1.0)
+  return Objective(
+    "dpo",
+    model_fn,
+    dpo_loss_fn(settings),
+    is_param,
+    axes,
+    extra_inputs=extra,
+    weight="pairs",
+    perplexity=False,
+    flops_scale=4 / 3 if settings.live_reference else 1.0,
+  )
 
 
 def head_logprobs(model: Any, hidden: jax.Array, targets: jax.Array) -> jax.Array:
   """Each target's log-probability [batch, length] from the decoder's final hidden states, by chunks."""
   c = model.config
-  return chunked_logprobs(hidden, model.head_weight(), targets, c.loss_chunk_size, c.loss_remat,
-                          softcap=c.final_logit_softcap)
+  return chunked_logprobs(
+    hidden, model.head_weight(), targets, c.loss_chunk_size, c.loss_remat, softcap=c.final_logit_softcap
+  )
 
 
-def token_logprobs(model: Any, tokens: jax.Array, rest: dict[str, jax.Array],
-                   dropout_rng: jax.Array | None = None) -> tuple[jax.Array, dict]:
+def token_logprobs(
+  model: Any, tokens: jax.Array, rest: dict[str, jax.Array], dropout_rng: jax.Array | None = None
+) -> tuple[jax.Array, dict]:
   """Each target's log-probability under ``model`` for a batch already in the context axis's order (``rest``:
   ``targets``, ``positions``, ``segment_ids``), and the routing figures."""
-  hidden, routing = model.hidden_and_aux(tokens, positions=rest["positions"], segment_ids=rest["segment_ids"],
-                                         dropout_rng=dropout_rng)
+  hidden, routing = model.hidden_and_aux(
+    tokens, positions=rest["positions"], segment_ids=rest["segment_ids"], dropout_rng=dropout_rng
+  )
   return head_logprobs(model, hidden, rest["targets"]), routing
 
 
@@ -167,8 +183,9 @@ def pair_sums(values: jax.Array, segment_ids: jax.Array) -> jax.Array:
   return jax.vmap(lambda v, p: jax.ops.segment_sum(v, p, num_segments=count))(values, pair)
 
 
-def preference_figures(policy: dict[str, jax.Array], reference: dict[str, jax.Array] | None,
-                       settings: DpoConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+def preference_figures(
+  policy: dict[str, jax.Array], reference: dict[str, jax.Array] | None, settings: DpoConfig
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The loss and aux from per-pair sums (any shape, the same for each): ``policy`` and ``reference`` hold
   ``chosen`` and ``rejected`` (summed log-probabilities) and ``n_chosen`` / ``n_rejected`` (scored tokens).
   Pairs with no scored token in a half count for nothing."""
@@ -191,35 +208,60 @@ def preference_figures(policy: dict[str, jax.Array], reference: dict[str, jax.Ar
       losses = -average_w - settings.orpo_lambda * jax.nn.log_sigmoid(log_odds(average_w) - log_odds(average_l))
   loss = mean(losses)
   tokens = jnp.sum(jnp.where(valid, policy["n_chosen"] + policy["n_rejected"], 0.0))
-  return loss, {"loss": loss, "pairs": pairs, "tokens": tokens.astype(jnp.int32),
-                "rewards/chosen": mean(chosen), "rewards/rejected": mean(rejected),
-                "rewards/margin": mean(chosen - rejected),
-                "rewards/accuracy": mean((chosen > rejected).astype(jnp.float32)),
-                "logps/chosen": mean(policy["chosen"]), "logps/rejected": mean(policy["rejected"])}
+  return loss, {
+    "loss": loss,
+    "pairs": pairs,
+    "tokens": tokens.astype(jnp.int32),
+    "rewards/chosen": mean(chosen),
+    "rewards/rejected": mean(rejected),
+    "rewards/margin": mean(chosen - rejected),
+    "rewards/accuracy": mean((chosen > rejected).astype(jnp.float32)),
+    "logps/chosen": mean(policy["chosen"]),
+    "logps/rejected": mean(policy["rejected"]),
+  }
 
 
 def _sums(logps: jax.Array, weights: jax.Array, segment_ids: jax.Array) -> dict[str, jax.Array]:
   chosen, rejected = weights > 0, weights < 0
-  return {"chosen": pair_sums(jnp.where(chosen, logps, 0.0), segment_ids),
-          "rejected": pair_sums(jnp.where(rejected, logps, 0.0), segment_ids),
-          "n_chosen": pair_sums(chosen.astype(jnp.float32), segment_ids),
-          "n_rejected": pair_sums(rejected.astype(jnp.float32), segment_ids)}
+  return {
+    "chosen": pair_sums(jnp.where(chosen, logps, 0.0), segment_ids),
+    "rejected": pair_sums(jnp.where(rejected, logps, 0.0), segment_ids),
+    "n_chosen": pair_sums(chosen.astype(jnp.float32), segment_ids),
+    "n_rejected": pair_sums(rejected.astype(jnp.float32), segment_ids),
+  }
 
 
 def dpo_loss_fn(settings: DpoConfig) -> Callable[..., Any]:
   """The penzai-style loss of ``train.objective: dpo`` with ``settings`` (the module docstring says what)."""
 
-  def loss_fn(*, model: Any, state: Any, rng: jax.Array, tokens: jax.Array, targets: jax.Array,
-              segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-              weights: jax.Array | None = None,
-              reference_logps: jax.Array | None = None) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+  def loss_fn(
+    *,
+    model: Any,
+    state: Any,
+    rng: jax.Array,
+    tokens: jax.Array,
+    targets: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    weights: jax.Array | None = None,
+    reference_logps: jax.Array | None = None,
+  ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     if segment_ids is None or weights is None:
-      raise ValueError("train.objective=dpo reads packed preference pairs: the batch needs segment_ids and weights"
-                       " (data.packing: true).")
+      raise ValueError(
+        "train.objective=dpo reads packed preference pairs: the batch needs segment_ids and weights"
+        " (data.packing: true)."
+      )
     policy = policy_of(model)
-    hidden, routing, rest = decoder.forward(policy, tokens, dropout_rng=rng, targets=targets, positions=positions,
-                                            segment_ids=segment_ids, weights=weights,
-                                            reference_logps=reference_logps)  # the reference drops nothing
+    hidden, routing, rest = decoder.forward(
+      policy,
+      tokens,
+      dropout_rng=rng,
+      targets=targets,
+      positions=positions,
+      segment_ids=segment_ids,
+      weights=weights,
+      reference_logps=reference_logps,
+    )  # the reference drops nothing
     tokens = rest["tokens"]
     logps = head_logprobs(policy, hidden, rest["targets"])
     reference = None
@@ -232,8 +274,10 @@ def dpo_loss_fn(settings: DpoConfig) -> Callable[..., Any]:
         with lora.adapters_off():
           ref_logps = token_logprobs(policy, tokens, rest)[0]
       else:
-        raise ValueError("dpo.loss=sigmoid needs a reference: build the model with objectives.preference_model, or"
-                         " give the batch's reference_logps (dpo.precompute_reference).")
+        raise ValueError(
+          "dpo.loss=sigmoid needs a reference: build the model with objectives.preference_model, or"
+          " give the batch's reference_logps (dpo.precompute_reference)."
+        )
       reference = _sums(jax.lax.stop_gradient(ref_logps), rest["weights"], rest["segment_ids"])
     loss, aux = preference_figures(_sums(logps, rest["weights"], rest["segment_ids"]), reference, settings)
     loss, aux = decoder.with_routing_losses(loss, aux, routing, policy.config, "preference_loss")

@@ -93,28 +93,39 @@ class GrpoConfig:
   overlong_buffer: int = 0
 
   def __post_init__(self):
-    for name, choices in (("loss_type", LOSS_TYPES), ("scale_rewards", SCALE_REWARDS),
-                          ("importance_sampling_level", LEVELS)):
+    for name, choices in (
+      ("loss_type", LOSS_TYPES),
+      ("scale_rewards", SCALE_REWARDS),
+      ("importance_sampling_level", LEVELS),
+    ):
       if getattr(self, name) not in choices:
         raise ValueError(f"grpo.{name}={getattr(self, name)!r}; choose {', '.join(choices)}.")
-    for name, ok, rule in (("num_generations", self.num_generations >= 2, "at least 2 (a group needs a spread)"),
-                           ("max_completion_length", self.max_completion_length >= 1, "at least 1"),
-                           ("max_prompt_length", self.max_prompt_length >= 0, "0 or more"),
-                           ("temperature", self.temperature > 0, "positive (GRPO samples)"),
-                           ("top_p", 0 < self.top_p <= 1, "in (0, 1]"), ("top_k", self.top_k >= 0, "0 or more"),
-                           ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"), ("beta", self.beta >= 0, "0 or more"),
-                           ("epsilon", self.epsilon >= 0, "0 or more"),
-                           ("epsilon_high", self.epsilon_high >= 0, "0 or more"),
-                           ("num_iterations", self.num_iterations >= 1, "at least 1"),
-                           ("overlong_buffer", self.overlong_buffer >= 0, "0 or more")):
+    for name, ok, rule in (
+      ("num_generations", self.num_generations >= 2, "at least 2 (a group needs a spread)"),
+      ("max_completion_length", self.max_completion_length >= 1, "at least 1"),
+      ("max_prompt_length", self.max_prompt_length >= 0, "0 or more"),
+      ("temperature", self.temperature > 0, "positive (GRPO samples)"),
+      ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+      ("top_k", self.top_k >= 0, "0 or more"),
+      ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+      ("beta", self.beta >= 0, "0 or more"),
+      ("epsilon", self.epsilon >= 0, "0 or more"),
+      ("epsilon_high", self.epsilon_high >= 0, "0 or more"),
+      ("num_iterations", self.num_iterations >= 1, "at least 1"),
+      ("overlong_buffer", self.overlong_buffer >= 0, "0 or more"),
+    ):
       if not ok:
         raise ValueError(f"grpo.{name} must be {rule}, got {getattr(self, name)!r}.")
     if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
-      raise ValueError(f"grpo.reward_weights has {len(self.reward_weights)} weights for {len(self.reward_funcs)}"
-                       " grpo.reward_funcs; give one per function, or none.")
+      raise ValueError(
+        f"grpo.reward_weights has {len(self.reward_weights)} weights for {len(self.reward_funcs)}"
+        " grpo.reward_funcs; give one per function, or none."
+      )
     if self.reference and not self.reference.startswith(("hf:", "ckpt:")):
-      raise ValueError(f"grpo.reference={self.reference!r}: give hf:<a Hugging Face directory> or ckpt:<a"
-                       " distrib_train run>, or leave it empty for the starting model.")
+      raise ValueError(
+        f"grpo.reference={self.reference!r}: give hf:<a Hugging Face directory> or ckpt:<a"
+        " distrib_train run>, or leave it empty for the starting model."
+      )
     if self.reference and not self.beta:
       raise ValueError(f"grpo.reference={self.reference!r} is read with grpo.beta > 0; beta 0 holds no reference.")
 
@@ -139,16 +150,32 @@ def objective(model_config: Any, is_param: Any, settings: GrpoConfig, input_axes
   if settings.num_iterations > 1:
     extra["old_logps"] = "float32"
   axes = {**input_axes, **{name: input_axes["tokens"] for name in extra}}
-  return Objective("grpo", model_fn, grpo_loss_fn(settings), is_param, axes, extra_inputs=extra,
-                   weight=WEIGHT_OF_LOSS[settings.loss_type], perplexity=False, rollouts=True,
-                   flops_scale=4 / 3 if settings.beta else 1.0)
+  return Objective(
+    "grpo",
+    model_fn,
+    grpo_loss_fn(settings),
+    is_param,
+    axes,
+    extra_inputs=extra,
+    weight=WEIGHT_OF_LOSS[settings.loss_type],
+    perplexity=False,
+    rollouts=True,
+    flops_scale=4 / 3 if settings.beta else 1.0,
+  )
 
 
 def logprobs(model: Any, hidden: jax.Array, targets: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
   """Each target's log-probability and its position's entropy under the logits divided by ``temperature``."""
   c = model.config
-  return chunked_logprobs_and_entropy(hidden, model.head_weight(), targets, c.loss_chunk_size, c.loss_remat,
-                                      softcap=c.final_logit_softcap, temperature=temperature)
+  return chunked_logprobs_and_entropy(
+    hidden,
+    model.head_weight(),
+    targets,
+    c.loss_chunk_size,
+    c.loss_remat,
+    softcap=c.final_logit_softcap,
+    temperature=temperature,
+  )
 
 
 def reference_logprobs(model: Any, rest: Mapping[str, jax.Array], temperature: float) -> jax.Array:
@@ -165,9 +192,16 @@ def reference_logprobs(model: Any, rest: Mapping[str, jax.Array], temperature: f
   raise ValueError("grpo.beta > 0 needs a reference: build the model with objectives.grpo.objective.")
 
 
-def figures(logps: jax.Array, entropy: jax.Array, mask: jax.Array, advantages: jax.Array, old_logps: jax.Array,
-            sampler_logps: jax.Array, ref_logps: jax.Array | None,
-            settings: GrpoConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+def figures(
+  logps: jax.Array,
+  entropy: jax.Array,
+  mask: jax.Array,
+  advantages: jax.Array,
+  old_logps: jax.Array,
+  sampler_logps: jax.Array,
+  ref_logps: jax.Array | None,
+  settings: GrpoConfig,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The loss and aux (module docstring) from per-token figures, each [completions, length]; ``mask`` 1 on the
   completion tokens that count."""
   mask = mask.astype(jnp.float32)
@@ -198,12 +232,25 @@ def figures(logps: jax.Array, entropy: jax.Array, mask: jax.Array, advantages: j
     loss = total / jnp.maximum(tokens, 1.0)
   low = (coef < 1 - settings.epsilon_low) & (advantages < 0)
   high = (coef > 1 + settings.upper_epsilon) & (advantages > 0)
-  clip_mean = (lambda x: jnp.mean(x[:, 0].astype(jnp.float32))) if coef.shape[-1] == 1 else \
-      (lambda x: masked_mean(x.astype(jnp.float32)))
+  clip_mean = (
+    (lambda x: jnp.mean(x[:, 0].astype(jnp.float32)))
+    if coef.shape[-1] == 1
+    else (lambda x: masked_mean(x.astype(jnp.float32)))
+  )
   gap = jnp.abs(sampler_logps - old_logps) * mask
-  aux.update({"loss": loss, "tokens": tokens, "sequences": rows, "clip_ratio/low_mean": clip_mean(low),
-              "clip_ratio/high_mean": clip_mean(high), "clip_ratio/region_mean": clip_mean(low | high),
-              "entropy": masked_mean(entropy), "sampler_gap/mean": masked_mean(gap), "sampler_gap/max": jnp.max(gap)})
+  aux.update(
+    {
+      "loss": loss,
+      "tokens": tokens,
+      "sequences": rows,
+      "clip_ratio/low_mean": clip_mean(low),
+      "clip_ratio/high_mean": clip_mean(high),
+      "clip_ratio/region_mean": clip_mean(low | high),
+      "entropy": masked_mean(entropy),
+      "sampler_gap/mean": masked_mean(gap),
+      "sampler_gap/max": jnp.max(gap),
+    }
+  )
   if settings.loss_type == "bnpo":
     aux["batches"] = jnp.float32(1.0)
   return loss, aux
@@ -212,19 +259,37 @@ def figures(logps: jax.Array, entropy: jax.Array, mask: jax.Array, advantages: j
 def grpo_loss_fn(settings: GrpoConfig) -> Callable[..., Any]:
   """The penzai-style loss of ``train.objective: grpo`` with ``settings`` (the module docstring says what)."""
 
-  def loss_fn(*, model: Any, state: Any, rng: jax.Array, tokens: jax.Array, targets: jax.Array, weights: jax.Array,
-              advantages: jax.Array, sampler_logps: jax.Array, old_logps: jax.Array | None = None,
-              positions: jax.Array | None = None,
-              segment_ids: jax.Array | None = None) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+  def loss_fn(
+    *,
+    model: Any,
+    state: Any,
+    rng: jax.Array,
+    tokens: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    advantages: jax.Array,
+    sampler_logps: jax.Array,
+    old_logps: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+  ) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
     policy = dpo.policy_of(model)
-    hidden, routing, rest = decoder.forward(policy, tokens, dropout_rng=rng, targets=targets, positions=positions,
-                                            segment_ids=segment_ids, weights=weights, advantages=advantages,
-                                            sampler_logps=sampler_logps, old_logps=old_logps)
+    hidden, routing, rest = decoder.forward(
+      policy,
+      tokens,
+      dropout_rng=rng,
+      targets=targets,
+      positions=positions,
+      segment_ids=segment_ids,
+      weights=weights,
+      advantages=advantages,
+      sampler_logps=sampler_logps,
+      old_logps=old_logps,
+    )
     logps, entropy = logprobs(policy, hidden, rest["targets"], settings.temperature)
     old = jax.lax.stop_gradient(logps) if rest["old_logps"] is None else rest["old_logps"]
     ref = jax.lax.stop_gradient(reference_logprobs(model, rest, settings.temperature)) if settings.beta else None
-    loss, aux = figures(logps, entropy, rest["weights"], rest["advantages"], old, rest["sampler_logps"], ref,
-                        settings)
+    loss, aux = figures(logps, entropy, rest["weights"], rest["advantages"], old, rest["sampler_logps"], ref, settings)
     loss, aux = decoder.with_routing_losses(loss, aux, routing, policy.config, "policy_loss")
     return loss, state, aux
 

@@ -127,17 +127,28 @@ def _muon(config: OptimizerConfig, lr: optax.Schedule, param_axes: Any) -> optax
   ``muon_adam_lr`` (0: ``learning_rate``) on the same schedule's shape."""
   ratio = (config.muon_adam_lr or config.learning_rate) / config.learning_rate
   static = ("ns_steps", "nesterov", "muon_weight_dimension_numbers", "consistent_rms")
-  return muon.spread_over_mesh(lambda dimension_numbers: optax.inject_hyperparams(
-      optax.contrib.muon, static_args=static)(
-      learning_rate=lr, adam_learning_rate=lambda count: lr(count) * ratio, ns_steps=config.muon_ns_steps,
-      beta=config.muon_beta, nesterov=config.muon_nesterov, eps=config.eps,
-      consistent_rms=config.muon_consistent_rms or None, weight_decay=config.weight_decay,
-      adam_b1=config.b1, adam_b2=config.b2, adam_weight_decay=config.weight_decay,
-      muon_weight_dimension_numbers=dimension_numbers), param_axes or {})
+  return muon.spread_over_mesh(
+    lambda dimension_numbers: optax.inject_hyperparams(optax.contrib.muon, static_args=static)(
+      learning_rate=lr,
+      adam_learning_rate=lambda count: lr(count) * ratio,
+      ns_steps=config.muon_ns_steps,
+      beta=config.muon_beta,
+      nesterov=config.muon_nesterov,
+      eps=config.eps,
+      consistent_rms=config.muon_consistent_rms or None,
+      weight_decay=config.weight_decay,
+      adam_b1=config.b1,
+      adam_b2=config.b2,
+      adam_weight_decay=config.weight_decay,
+      muon_weight_dimension_numbers=dimension_numbers,
+    ),
+    param_axes or {},
+  )
 
 
-def build(config: OptimizerConfig, steps: int, nonfinite: str = "skip",
-          param_axes: Any = None) -> optax.GradientTransformation:
+def build(
+  config: OptimizerConfig, steps: int, nonfinite: str = "skip", param_axes: Any = None
+) -> optax.GradientTransformation:
   """The configured optimizer, wrapped by the non-finite guard: with
   ``nonfinite="skip"`` a step whose gradients are not finite leaves params
   and optimizer moments unchanged. ``param_axes``: ``/``-path → logical axes
@@ -145,7 +156,8 @@ def build(config: OptimizerConfig, steps: int, nonfinite: str = "skip",
   lr = schedule(config, steps)
   if config.name == "adamw":
     inner = optax.inject_hyperparams(optax.adamw)(
-        learning_rate=lr, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay)
+      learning_rate=lr, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay
+    )
   elif config.name == "adam":
     inner = optax.inject_hyperparams(optax.adam)(learning_rate=lr, b1=config.b1, b2=config.b2, eps=config.eps)
   elif config.name == "muon":
@@ -161,8 +173,12 @@ def metrics_of(opt_state: Any) -> dict[str, jax.Array]:
   scalars found in an optimizer state that ``build`` made."""
   out = {}
   nodes = jax.tree_util.tree_leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, (GradNormState, optax.ApplyIfFiniteState))
-      or (hasattr(x, "hyperparams") and hasattr(x, "inner_state")))
+    opt_state,
+    is_leaf=lambda x: (
+      isinstance(x, (GradNormState, optax.ApplyIfFiniteState))
+      or (hasattr(x, "hyperparams") and hasattr(x, "inner_state"))
+    ),
+  )
   for node in nodes:
     if isinstance(node, GradNormState):
       out["grad_norm"] = node.grad_norm

@@ -67,7 +67,8 @@ def dimension_numbers(axes_by_path: Mapping[str, tuple[str | None, ...]]) -> Any
 
   def of(tree: Any) -> Any:
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: dimension_numbers_for(_find(axes_by_path, path), x.shape), tree)
+      lambda path, x: dimension_numbers_for(_find(axes_by_path, path), x.shape), tree
+    )
 
   return of
 
@@ -115,8 +116,16 @@ class _Stack:
     shared = tuple(a for a, size in mesh.shape.items() if size > 1 and a not in used)
     local = math.prod(shape[i] for i in batch) // math.prod(mesh.shape[a] for a in batch_axes)
     ways = math.prod(mesh.shape[a] for a in tuple(a for _, axes in moved for a in axes) + shared)
-    return _Stack(batch + red + out, len(batch), batch_axes, moved, shared, -local % ways,
-                  math.prod(shape[i] for i in red), math.prod(shape[i] for i in out))
+    return _Stack(
+      batch + red + out,
+      len(batch),
+      batch_axes,
+      moved,
+      shared,
+      -local % ways,
+      math.prod(shape[i] for i in red),
+      math.prod(shape[i] for i in out),
+    )
 
   @property
   def spec(self) -> PartitionSpec:
@@ -132,7 +141,7 @@ def _spread(x: jax.Array, stack: _Stack, spec: PartitionSpec, mesh: Any) -> jax.
 
   def local(block):
     block = block.transpose(stack.order)
-    rest = block.shape[stack.nbatch:]
+    rest = block.shape[stack.nbatch :]
     block = block.reshape(-1, *rest)
     if stack.pad:
       block = jnp.concatenate([block, jnp.zeros((stack.pad, *rest), block.dtype)])
@@ -150,7 +159,7 @@ def _gather(y: jax.Array, stack: _Stack, spec: PartitionSpec, mesh: Any, shape: 
   """``_spread``'s inverse: the param's own shape and layout."""
   entries = _entries(spec, len(shape))
   block_shape = [shape[i] // math.prod(mesh.shape[a] for a in entries[i]) for i in stack.order]
-  whole = [shape[i] for i in stack.order[stack.nbatch:]]
+  whole = [shape[i] for i in stack.order[stack.nbatch :]]
   inverse = tuple(sorted(range(len(shape)), key=lambda i: stack.order[i]))
 
   def local(block):
@@ -159,7 +168,7 @@ def _gather(y: jax.Array, stack: _Stack, spec: PartitionSpec, mesh: Any, shape: 
       block = jax.lax.all_gather(block, stack.shared, axis=0, tiled=True)
     for dim, axes in reversed(stack.moved):
       block = jax.lax.all_to_all(block, axes, dim, 0, tiled=True)
-    block = block[:block.shape[0] - stack.pad] if stack.pad else block
+    block = block[: block.shape[0] - stack.pad] if stack.pad else block
     return block.reshape(block_shape).transpose(inverse)
 
   return jax.shard_map(local, mesh=mesh, in_specs=stack.spec, out_specs=spec, check_vma=False)(y)
@@ -177,8 +186,9 @@ class _Matrices:
   stack: _Stack
 
 
-def spread_over_mesh(inner_factory: Callable[[Any], optax.GradientTransformation],
-                     axes_by_path: Mapping[str, tuple[str | None, ...]]) -> optax.GradientTransformation:
+def spread_over_mesh(
+  inner_factory: Callable[[Any], optax.GradientTransformation], axes_by_path: Mapping[str, tuple[str | None, ...]]
+) -> optax.GradientTransformation:
   """Muon whose Newton–Schulz runs on whole matrices spread over the devices.
 
   ``inner_factory(dimension_numbers)`` builds the Muon (``optax.contrib.muon``) for a dimension-numbers
@@ -201,20 +211,25 @@ def spread_over_mesh(inner_factory: Callable[[Any], optax.GradientTransformation
       if dims is None:
         return None
       # the param's layout by its axes (axes of another rank are no layout of this leaf's: replicated)
-      spec = rules.spec(axes if axes is not None and len(axes) == x.ndim else (None,) * x.ndim, shape=x.shape,
-                        mesh=mesh)
+      spec = rules.spec(
+        axes if axes is not None and len(axes) == x.ndim else (None,) * x.ndim, shape=x.shape, mesh=mesh
+      )
       return _Matrices(tuple(x.shape), spec, _Stack.of(dims, x.shape, spec, mesh))
 
     axes = jax.tree_util.tree_map_with_path(lambda path, x: _find(axes_by_path, path), tree)
     return jax.tree_util.tree_map(info, dims_of(tree), axes, tree, is_leaf=is_dims)
 
   def each(fn, tree, info):
-    return jax.tree_util.tree_map(lambda i, x: x if i is None or isinstance(x, MaskedNode) else fn(x, i),
-                                  info, tree, is_leaf=is_info)
+    return jax.tree_util.tree_map(
+      lambda i, x: x if i is None or isinstance(x, MaskedNode) else fn(x, i), info, tree, is_leaf=is_info
+    )
 
   def moments(fn, state, info):
-    return jax.tree_util.tree_map(lambda s: s._replace(mu=each(fn, s.mu, info)) if isinstance(s, MuonState) else s,
-                                  state, is_leaf=lambda s: isinstance(s, MuonState))
+    return jax.tree_util.tree_map(
+      lambda s: s._replace(mu=each(fn, s.mu, info)) if isinstance(s, MuonState) else s,
+      state,
+      is_leaf=lambda s: isinstance(s, MuonState),
+    )
 
   def update(updates, state, params=None):
     active = active_activation_sharding()
@@ -226,8 +241,9 @@ def spread_over_mesh(inner_factory: Callable[[Any], optax.GradientTransformation
     stacked = inner_factory(lambda tree: labels)  # the same Muon, on the stacks
     spread = lambda x, i: _spread(x, i.stack, i.spec, mesh)
     gather = lambda x, i: _gather(x, i.stack, i.spec, mesh, i.shape)
-    out, new = stacked.update(each(spread, updates, info), moments(spread, state, info),
-                              None if params is None else each(spread, params, info))
+    out, new = stacked.update(
+      each(spread, updates, info), moments(spread, state, info), None if params is None else each(spread, params, info)
+    )
     return each(gather, out, info), moments(gather, new, info)
 
   return optax.GradientTransformation(plain.init, update)

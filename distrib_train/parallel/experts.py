@@ -92,10 +92,25 @@ def _ragged(x, rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis
   return out.at[target.reshape(-1)].set(chunks.reshape(shards * width, -1), mode="drop")
 
 
-def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-           w_down: jax.Array, biases: tuple[jax.Array, ...] | None, *, num_experts: int, capacity_factor: float,
-           expert_axis: str | None, shards: int, gather_axes: tuple[str, ...], sum_axes: tuple[str, ...],
-           platform: str, activation: Any, amax_axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+def _local(
+  x: jax.Array,
+  indices: jax.Array,
+  weights: jax.Array,
+  w_gate: jax.Array,
+  w_up: jax.Array,
+  w_down: jax.Array,
+  biases: tuple[jax.Array, ...] | None,
+  *,
+  num_experts: int,
+  capacity_factor: float,
+  expert_axis: str | None,
+  shards: int,
+  gather_axes: tuple[str, ...],
+  sum_axes: tuple[str, ...],
+  platform: str,
+  activation: Any,
+  amax_axes: tuple[str, ...] = (),
+) -> tuple[jax.Array, jax.Array]:
   """One device's part: ``x`` [rows, length, embed] of its tokens → (routed output, dropped per row).
 
   ``amax_axes``: the mesh axes one layer's tensors are split over, so FP8 scales (``model.fp8``) are whole
@@ -120,8 +135,19 @@ def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Arr
     w_down = jax.lax.all_gather(w_down, axis, axis=2, tiled=True)
   gate_bias, up_bias, down_bias = biases if biases is not None else (None, None, None)
   run = lambda rows_in, groups, routed: grouped.swiglu(
-      rows_in, groups, per_shard, w_gate, w_up, w_down, platform=platform, routed_rows=routed, amax_axes=amax_axes,
-      activation=activation, gate_bias=gate_bias, up_bias=up_bias)
+    rows_in,
+    groups,
+    per_shard,
+    w_gate,
+    w_up,
+    w_down,
+    platform=platform,
+    routed_rows=routed,
+    amax_axes=amax_axes,
+    activation=activation,
+    gate_bias=gate_bias,
+    up_bias=up_bias,
+  )
   if expert_axis is None or shards == 1:
     back = run(tokens[jnp.arange(assigned) // k], experts, assigned)
   else:
@@ -133,8 +159,9 @@ def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Arr
     # what arrived is ordered by source, each source's rows by my local expert: each row's expert from the counts
     per_source = jax.lax.all_to_all(counts.reshape(shards, per_shard), expert_axis, 0, 0, tiled=True)
     runs = jnp.concatenate([per_source.reshape(-1), (received - jnp.sum(recv_sizes))[None]])
-    labels = jnp.concatenate([jnp.tile(jnp.arange(per_shard, dtype=jnp.int32), shards),
-                              jnp.array([per_shard], jnp.int32)])
+    labels = jnp.concatenate(
+      [jnp.tile(jnp.arange(per_shard, dtype=jnp.int32), shards), jnp.array([per_shard], jnp.int32)]
+    )
     local_expert = jnp.repeat(labels, runs, total_repeat_length=received)
     out = run(arrived, local_expert, assigned)
     home = jax.lax.all_to_all(_exclusive(sent), expert_axis, 0, 0, tiled=True)  # where each source sent from
@@ -151,9 +178,18 @@ def _local(x: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Arr
   return routed, dropped
 
 
-def dispatch(h: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-             w_down: jax.Array, *, capacity_factor: float = 0.0, activation: Any = None,
-             biases: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+def dispatch(
+  h: jax.Array,
+  indices: jax.Array,
+  weights: jax.Array,
+  w_gate: jax.Array,
+  w_up: jax.Array,
+  w_down: jax.Array,
+  *,
+  capacity_factor: float = 0.0,
+  activation: Any = None,
+  biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """The experts' output for ``h`` and the dropped assignments per batch row (module docstring).
 
   Args:
@@ -167,28 +203,46 @@ def dispatch(h: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.A
       biases (gpt-oss), or None.
   """
   num_experts = w_gate.shape[0]
-  options = dict(num_experts=num_experts, capacity_factor=capacity_factor,
-                 activation=activation or grouped.silu_gate)
+  options = dict(num_experts=num_experts, capacity_factor=capacity_factor, activation=activation or grouped.silu_gate)
   active = active_activation_sharding()
   if active is None:
-    return _local(h, indices, weights, w_gate, w_up, w_down, biases, expert_axis=None, shards=1, gather_axes=(),
-                  sum_axes=(), platform=grouped.platform_of(), **options)
+    return _local(
+      h,
+      indices,
+      weights,
+      w_gate,
+      w_up,
+      w_down,
+      biases,
+      expert_axis=None,
+      shards=1,
+      gather_axes=(),
+      sum_axes=(),
+      platform=grouped.platform_of(),
+      **options,
+    )
   mesh, rules = active
   sizes = dict(mesh.shape)
   shards = sizes.get(EXPERT_AXIS, 1)
   if num_experts % shards:
-    raise ValueError(f"The model's {num_experts} experts do not split over the expert axis ({shards}); pick an"
-                     " expert axis size that divides the number of experts.")
+    raise ValueError(
+      f"The model's {num_experts} experts do not split over the expert axis ({shards}); pick an"
+      " expert axis size that divides the number of experts."
+    )
   batch = _axes(rules.spec(("batch",), shape=(h.shape[0],), mesh=mesh)[0])
   expert_spec = rules.spec(("expert", "embed", "expert_mlp"), shape=w_gate.shape, mesh=mesh)
   if _axes(expert_spec[0]) not in ((), (EXPERT_AXIS,)):
     raise ValueError(f"The rules split the experts over {expert_spec[0]!r}; only the expert axis can split them.")
   if shards > 1 and _axes(expert_spec[0]) != (EXPERT_AXIS,):
-    raise ValueError("The mesh has an expert axis but no rule maps the logical 'expert' axis onto it; add"
-                     " ('expert', 'expert') to the axis rules.")
+    raise ValueError(
+      "The mesh has an expert axis but no rule maps the logical 'expert' axis onto it; add"
+      " ('expert', 'expert') to the axis rules."
+    )
   if shards > 1 and EXPERT_AXIS not in batch:
-    raise ValueError("The mesh has an expert axis but the batch is not split over it; the rules must map 'batch'"
-                     " onto it too (the shipped rules do: ('batch', ('data', 'fsdp', 'expert'))).")
+    raise ValueError(
+      "The mesh has an expert axis but the batch is not split over it; the rules must map 'batch'"
+      " onto it too (the shipped rules do: ('batch', ('data', 'fsdp', 'expert')))."
+    )
   embed, hidden = _axes(expert_spec[1]), _axes(expert_spec[2])
   gate_spec = P(expert_spec[0], expert_spec[1], expert_spec[2])
   down_spec = P(expert_spec[0], expert_spec[2], expert_spec[1])
@@ -197,9 +251,20 @@ def dispatch(h: jax.Array, indices: jax.Array, weights: jax.Array, w_gate: jax.A
   # the hidden side's biases split as the weights are; the down projection's whole (added once, after the sums)
   bias_specs = None if biases is None else (P(expert_spec[0], expert_spec[2]),) * 2 + (P(None, None),)
   run = jax.shard_map(
-      lambda *a: _local(*a, expert_axis=EXPERT_AXIS, shards=shards, gather_axes=embed, sum_axes=hidden,
-                        platform=grouped.platform_of(mesh),
-                        amax_axes=tuple(a for a in mesh.axis_names if a != STAGE_AXIS), **options),
-      mesh=mesh, in_specs=(tokens_spec, tokens_spec, tokens_spec, gate_spec, gate_spec, down_spec, bias_specs),
-      out_specs=(tokens_spec, P(batch or None)), axis_names=manual, check_vma=False)
+    lambda *a: _local(
+      *a,
+      expert_axis=EXPERT_AXIS,
+      shards=shards,
+      gather_axes=embed,
+      sum_axes=hidden,
+      platform=grouped.platform_of(mesh),
+      amax_axes=tuple(a for a in mesh.axis_names if a != STAGE_AXIS),
+      **options,
+    ),
+    mesh=mesh,
+    in_specs=(tokens_spec, tokens_spec, tokens_spec, gate_spec, gate_spec, down_spec, bias_specs),
+    out_specs=(tokens_spec, P(batch or None)),
+    axis_names=manual,
+    check_vma=False,
+  )
   return run(h, indices, weights, w_gate, w_up, w_down, biases)

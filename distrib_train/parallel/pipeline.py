@@ -56,8 +56,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from distrib_train.microbatches import STAGE_AXIS, Pipelining, active_pipelining, merge, split
 from distrib_train.sharding.axis_rules import active_activation_sharding
 
-def _scan(block: Callable[..., jax.Array], x: jax.Array, layers: Any, per_example: Mapping[str, Any],
-          scan: bool) -> jax.Array:
+
+def _scan(
+  block: Callable[..., jax.Array], x: jax.Array, layers: Any, per_example: Mapping[str, Any], scan: bool
+) -> jax.Array:
   """The layers one after another (no pipeline)."""
   n = jax.tree_util.tree_leaves(layers)[0].shape[0]
   if scan:
@@ -67,8 +69,7 @@ def _scan(block: Callable[..., jax.Array], x: jax.Array, layers: Any, per_exampl
   # gradient of ``v[i]`` is a zero-padded copy per layer, summed (bench/NOTES.md, lever 10).
   parts = jax.tree_util.tree_map(lambda v: jnp.split(v, n, axis=0), layers)
   for i in range(n):
-    x = block(x, jax.tree_util.tree_map(lambda p: p[i][0], parts, is_leaf=lambda v: isinstance(v, list)),
-              **per_example)
+    x = block(x, jax.tree_util.tree_map(lambda p: p[i][0], parts, is_leaf=lambda v: isinstance(v, list)), **per_example)
   return x
 
 
@@ -76,9 +77,15 @@ def _spec(mesh: Any, dims: list[Any]) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(*dims))
 
 
-def layer_stack(block: Callable[..., jax.Array], x: jax.Array, layers: Any, *,
-                per_example: Mapping[str, jax.Array | None] | None = None, scan: bool = True,
-                layer_axes: Any = None) -> jax.Array:
+def layer_stack(
+  block: Callable[..., jax.Array],
+  x: jax.Array,
+  layers: Any,
+  *,
+  per_example: Mapping[str, jax.Array | None] | None = None,
+  scan: bool = True,
+  layer_axes: Any = None,
+) -> jax.Array:
   """Runs ``x`` through the stacked ``layers``: a scan, or the pipeline when one is active.
 
   Args:
@@ -143,16 +150,25 @@ def _stage_weight_sharding(config: Pipelining, leaf: jax.Array, axes: Any) -> Na
   return _spec(config.mesh, [None, STAGE_AXIS, None] + rest)
 
 
-def _pipelined(block: Callable[..., Any], x: Any, layers: Any, per_example: Mapping[str, jax.Array],
-               scan: bool, layer_axes: Any, config: Pipelining) -> Any:
+def _pipelined(
+  block: Callable[..., Any],
+  x: Any,
+  layers: Any,
+  per_example: Mapping[str, jax.Array],
+  scan: bool,
+  layer_axes: Any,
+  config: Pipelining,
+) -> Any:
   s, m, r = config.stages, config.microbatches, config.repeats
   config.check(jax.tree_util.tree_leaves(x)[0].shape[0])
   leaves = jax.tree_util.tree_leaves(layers)
   n_layers = leaves[0].shape[0]
   if n_layers % (s * r):
-    raise ValueError(f"The model's {n_layers} stacked layers (or periods of layers) do not split into stage axis"
-                     f" ({s}) × pipeline repeats ({r}) = {s * r} equal chunks; pick a stage size and"
-                     f" train.pipeline_repeats whose product divides {n_layers}.")
+    raise ValueError(
+      f"The model's {n_layers} stacked layers (or periods of layers) do not split into stage axis"
+      f" ({s}) × pipeline repeats ({r}) = {s * r} equal chunks; pick a stage size and"
+      f" train.pipeline_repeats whose product divides {n_layers}."
+    )
   per_chunk = n_layers // (s * r)
   mesh = config.mesh
   tmap = jax.tree_util.tree_map
@@ -161,15 +177,19 @@ def _pipelined(block: Callable[..., Any], x: Any, layers: Any, per_example: Mapp
   chunked = tmap(lambda a: a.reshape(r, s, per_chunk, *a.shape[1:]), layers)
   flat, treedef = jax.tree_util.tree_flatten(chunked)
   axes = [None] * len(flat) if layer_axes is None else treedef.flatten_up_to(layer_axes)
-  chunked = treedef.unflatten([jax.lax.with_sharding_constraint(a, _stage_weight_sharding(config, a, ax))
-                               for a, ax in zip(flat, axes)])
+  chunked = treedef.unflatten(
+    [jax.lax.with_sharding_constraint(a, _stage_weight_sharding(config, a, ax)) for a, ax in zip(flat, axes)]
+  )
 
   # Activations (a pytree whose leaves all have the batch first): [B, ...] → [M, mb, ...].
   xs = tmap(lambda a: jax.lax.with_sharding_constraint(split(a, m), _spec(mesh, _activation_dims(a.shape, 1))), x)
   examples = {k: split(v, m) for k, v in per_example.items()}
-  on_stages = lambda a: jax.lax.with_sharding_constraint(a, _spec(mesh, [STAGE_AXIS] + _activation_dims(a.shape[1:], 0)))
+  on_stages = lambda a: jax.lax.with_sharding_constraint(
+    a, _spec(mesh, [STAGE_AXIS] + _activation_dims(a.shape[1:], 0))
+  )
   in_buffer = lambda a: jax.lax.with_sharding_constraint(
-      a, _spec(mesh, [STAGE_AXIS, None] + _activation_dims(a.shape[2:], 0)))
+    a, _spec(mesh, [STAGE_AXIS, None] + _activation_dims(a.shape[2:], 0))
+  )
   stage_ids = jnp.arange(s)
 
   def stage_fn(chunk, h, examples_s):
@@ -225,5 +245,6 @@ def _pipelined(block: Callable[..., Any], x: Any, layers: Any, per_example: Mapp
   buffer = tmap(lambda a: in_buffer(jnp.zeros((s, m) + a.shape[1:], a.dtype)), xs)
   (_, buffer), _ = jax.lax.scan(iteration, (state, buffer), jnp.arange(r * m + s - 1))
   # Row 0 (stage 0's devices) holds every microbatch's last output.
-  return tmap(lambda a: merge(jax.lax.with_sharding_constraint(a[0], _spec(mesh, _activation_dims(a.shape[2:], 1)))),
-              buffer)
+  return tmap(
+    lambda a: merge(jax.lax.with_sharding_constraint(a[0], _spec(mesh, _activation_dims(a.shape[2:], 1)))), buffer
+  )

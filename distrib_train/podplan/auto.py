@@ -75,13 +75,25 @@ def device_kind() -> hardware.DeviceKind:
   if kind is not None:
     return kind
   if device.platform != "cpu":
-    raise ValueError(f"mesh_config: auto has no figures for {device.device_kind!r} devices (cluster/hardware.py"
-                     " knows " + ", ".join(hardware.DEVICE_KINDS) + "); name a mesh config instead.")
+    raise ValueError(
+      f"mesh_config: auto has no figures for {device.device_kind!r} devices (cluster/hardware.py"
+      " knows " + ", ".join(hardware.DEVICE_KINDS) + "); name a mesh config instead."
+    )
   local = max(1, jax.local_device_count())
   memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local
-  return hardware.DeviceKind("cpu", "CPU device (emulated)", "cpu", memory_bytes=memory, usable_fraction=0.8,
-                             peak_flops=1e11, hbm_bandwidth=2e10, ici_bandwidth=1e10, dcn_bandwidth=1e9,
-                             devices_per_host=local, max_slice=local)
+  return hardware.DeviceKind(
+    "cpu",
+    "CPU device (emulated)",
+    "cpu",
+    memory_bytes=memory,
+    usable_fraction=0.8,
+    peak_flops=1e11,
+    hbm_bandwidth=2e10,
+    ici_bandwidth=1e10,
+    dcn_bandwidth=1e9,
+    devices_per_host=local,
+    max_slice=local,
+  )
 
 
 def axes(config: Config) -> tuple[str, ...]:
@@ -109,8 +121,7 @@ def dimensions(config: Config, kind: hardware.DeviceKind, timing: bool = False) 
   if hasattr(model, "fp8") and config.train.layout_fp8 and kind.name.startswith(FP8_KINDS) and timing:
     out.append(("model.fp8", _first(model.fp8, ("none", "current"))))
   batch = config.data.global_batch_size
-  out.append(("train.microbatches", _first(config.train.microbatches,
-                                            [m for m in MICROBATCHES if batch % m == 0])))
+  out.append(("train.microbatches", _first(config.train.microbatches, [m for m in MICROBATCHES if batch % m == 0])))
   return out
 
 
@@ -166,14 +177,29 @@ class Found:
   settings: int
 
   def record(self) -> dict[str, Any]:
-    return {"meshes": self.meshes.candidates, "dropped": {k: v for k, v in self.meshes.dropped.items() if v},
-            "settings": self.settings, "compiled": self.compiled,
-            "finalists": [_label(p, s) for p, s in self.finalists]}
+    return {
+      "meshes": self.meshes.candidates,
+      "dropped": {k: v for k, v in self.meshes.dropped.items() if v},
+      "settings": self.settings,
+      "compiled": self.compiled,
+      "finalists": [_label(p, s) for p, s in self.finalists],
+    }
 
 
-def search_space(config: Config, kind: hardware.DeviceKind, devices: int, *, granules: int, max_compiles: int,
-                 memory_fraction: float | None = None, target: Any = None, base: MeshConfig | None = None,
-                 timing: bool = False, say: Callable[[str], None] = lambda message: None, **options: Any) -> Found:
+def search_space(
+  config: Config,
+  kind: hardware.DeviceKind,
+  devices: int,
+  *,
+  granules: int,
+  max_compiles: int,
+  memory_fraction: float | None = None,
+  target: Any = None,
+  base: MeshConfig | None = None,
+  timing: bool = False,
+  say: Callable[[str], None] = lambda message: None,
+  **options: Any,
+) -> Found:
   """The layouts of ``config`` on ``devices`` devices of ``kind`` (on this job's devices, or a ``target``'s
   compiler for a machine you do not have), compiling at most ``max_compiles``: the meshes over ``base``'s axes
   (default ``axes(config)``) by ``search.recommend``, then the settings of ``settings_space`` on the fastest mesh
@@ -183,27 +209,55 @@ def search_space(config: Config, kind: hardware.DeviceKind, devices: int, *, gra
     ValueError: no candidate fits (the smallest need and the drops named).
   """
   names = base.axis_names if base is not None else axes(config)
-  base = base or MeshConfig(names, (devices // granules,) + (1,) * (len(names) - 1),
-                            (granules,) + (1,) * (len(names) - 1), source="mesh_config: auto", devices=devices)
+  base = base or MeshConfig(
+    names,
+    (devices // granules,) + (1,) * (len(names) - 1),
+    (granules,) + (1,) * (len(names) - 1),
+    source="mesh_config: auto",
+    devices=devices,
+  )
   common = dict(granules=granules, memory_fraction=memory_fraction, target=target, **options)
-  meshes = search_lib.recommend(config, base, kind, devices, max_compiles=max(1, min(MESH_COMPILES, max_compiles - 1)),
-                                progress=lambda line: say(f"meshes: {line}"), **common)
+  meshes = search_lib.recommend(
+    config,
+    base,
+    kind,
+    devices,
+    max_compiles=max(1, min(MESH_COMPILES, max_compiles - 1)),
+    progress=lambda line: say(f"meshes: {line}"),
+    **common,
+  )
   ranked = [pod for pod in meshes.ranked if _runs(config, pod)]
   if not ranked:
     needs = sorted(meshes.not_fitting_compiled, key=lambda p: p.memory.total)
-    closest = (f"; the closest, {needs[0].layout.describe()}, needs {needs[0].memory.total / 2**30:.2f} GiB of"
-               f" {needs[0].memory.usable / 2**30:.2f}") if needs else ""
+    closest = (
+      (
+        f"; the closest, {needs[0].layout.describe()}, needs {needs[0].memory.total / 2**30:.2f} GiB of"
+        f" {needs[0].memory.usable / 2**30:.2f}"
+      )
+      if needs
+      else ""
+    )
     dropped = "".join(f", {n} dropped: {why}" for why, n in meshes.dropped.items() if n)
     refused = len(meshes.ranked) - len(ranked)
-    raise ValueError(f"mesh_config: auto found no layout of {devices} devices that runs {config.model.preset}"
-                     f" ({meshes.candidates} meshes{dropped}; {meshes.compiled} compiled, {len(needs)} of them too"
-                     f" large{closest}" + (f", {refused} refused by the trainer's checks (train.microbatches,"
-                     " data.seq_len)" if refused else "") + "): lower data.global_batch_size or data.seq_len, use"
-                     " more devices, or name a mesh config.")
+    raise ValueError(
+      f"mesh_config: auto found no layout of {devices} devices that runs {config.model.preset}"
+      f" ({meshes.candidates} meshes{dropped}; {meshes.compiled} compiled, {len(needs)} of them too"
+      f" large{closest}"
+      + (f", {refused} refused by the trainer's checks (train.microbatches, data.seq_len)" if refused else "")
+      + "): lower data.global_batch_size or data.seq_len, use"
+      " more devices, or name a mesh config."
+    )
   space = settings_space(config, kind, timing)
   preset, best = space[0], ranked[0]
-  mesh = MeshConfig(best.layout.axis_names, best.layout.ici, best.layout.dcn, rules=base.rules,
-                    source="mesh_config: auto", devices=devices, topology=getattr(base, "topology", None))
+  mesh = MeshConfig(
+    best.layout.axis_names,
+    best.layout.ici,
+    best.layout.dcn,
+    rules=base.rules,
+    source="mesh_config: auto",
+    devices=devices,
+    topology=getattr(base, "topology", None),
+  )
   finalists = [(pod, preset) for pod in ranked]
   compiled, fitted = meshes.compiled, [preset]
   for settings in space[1:]:
@@ -238,10 +292,14 @@ def _agree(payload: dict[str, Any]) -> dict[str, Any]:
 
   data = json.dumps(payload).encode()
   if len(data) > _BROADCAST_BYTES:
-    data = json.dumps({"__error__": f"mesh_config: auto: process 0's message ({len(data)} bytes) exceeds"
-                                    f" {_BROADCAST_BYTES} to broadcast."}).encode()
+    data = json.dumps(
+      {
+        "__error__": f"mesh_config: auto: process 0's message ({len(data)} bytes) exceeds"
+        f" {_BROADCAST_BYTES} to broadcast."
+      }
+    ).encode()
   buffer = np.zeros(_BROADCAST_BYTES, np.uint8)
-  buffer[:len(data)] = np.frombuffer(data, np.uint8)
+  buffer[: len(data)] = np.frombuffer(data, np.uint8)
   agreed = json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes().rstrip(b"\0").decode())
   if "__error__" in agreed:
     raise ValueError(agreed["__error__"])
@@ -269,12 +327,13 @@ def _to_time(finalists: list[tuple[PodPlan, dict[str, Any]]]) -> list[tuple[PodP
   for number, (_, settings) in enumerate(finalists):
     firsts.setdefault((settings.get("model.attention"), settings.get("model.fp8")), number)
   chosen = list(firsts.values())[:TIMED]
-  chosen += [n for n in range(len(finalists)) if n not in chosen][:TIMED - len(chosen)]
+  chosen += [n for n in range(len(finalists)) if n not in chosen][: TIMED - len(chosen)]
   return [finalists[n] for n in chosen]
 
 
-def _timed(config: Config, found: Found, devices: int, steps: int,
-           say: Callable[[str], None]) -> tuple[list[tuple], set[str]]:
+def _timed(
+  config: Config, found: Found, devices: int, steps: int, say: Callable[[str], None]
+) -> tuple[list[tuple], set[str]]:
   """``_to_time``'s finalists with their measured seconds per step (process 0's clock), fastest first, and the
   keys of those that ran out of memory on some process (dropped everywhere)."""
   mine = {_key(pod, settings): (pod, settings) for pod, settings in found.finalists}
@@ -284,8 +343,9 @@ def _timed(config: Config, found: Found, devices: int, steps: int,
   out, dropped = [], set()
   for key in keys:
     pod, settings = mine[key]
-    mesh = MeshConfig(pod.layout.axis_names, pod.layout.ici, pod.layout.dcn, source="mesh_config: auto",
-                      devices=devices)
+    mesh = MeshConfig(
+      pod.layout.axis_names, pod.layout.ici, pod.layout.dcn, source="mesh_config: auto", devices=devices
+    )
     seconds, status, error = None, 0, ""
     try:
       seconds = timed.measure(layout_choice.Choice(mesh, settings, "").apply(config), mesh, steps=steps)
@@ -295,8 +355,11 @@ def _timed(config: Config, found: Found, devices: int, steps: int,
       status, error = 2, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     worst = _worst(status)
     if worst == 2:
-      raise ValueError(f"mesh_config: auto could not run {_label(pod, settings)} to time it ("
-                       + (error or "on another process") + "); name a mesh config.")
+      raise ValueError(
+        f"mesh_config: auto could not run {_label(pod, settings)} to time it ("
+        + (error or "on another process")
+        + "); name a mesh config."
+      )
     if worst == 1:
       dropped.add(key)
       say(f"timed: {_label(pod, settings)}: out of memory when run, dropped ({error or 'on another process'})")
@@ -307,8 +370,14 @@ def _timed(config: Config, found: Found, devices: int, steps: int,
   return sorted(out, key=lambda f: f[2]), dropped
 
 
-def search(config: Config, workdir: str | os.PathLike, *, max_compiles: int | None = None,
-           say: Callable[[str], None] | None = None, timed_steps: int | None = None) -> layout_choice.Choice:
+def search(
+  config: Config,
+  workdir: str | os.PathLike,
+  *,
+  max_compiles: int | None = None,
+  say: Callable[[str], None] | None = None,
+  timed_steps: int | None = None,
+) -> layout_choice.Choice:
   """The layout for ``config`` on this job's devices (module docstring): the one kept in ``workdir`` for them,
   else the fastest that fits of a search compiling at most ``max_compiles`` candidates (default
   ``train.layout_compiles``), by the compiler's estimate, or on an accelerator by ``timed_steps`` timed steps of
@@ -339,14 +408,24 @@ def search(config: Config, workdir: str | os.PathLike, *, max_compiles: int | No
   say(f"mesh_config: auto: searching layouts of {devices} {kind.name} devices over {', '.join(axes(config))}")
   steps = config.train.layout_timed_steps if timed_steps is None else timed_steps
   timing = bool(steps and kind.platform != "cpu" or timed_steps)  # timed_steps given: timed anywhere (tests)
-  found = search_space(config, kind, devices, granules=granules, max_compiles=max_compiles, timing=timing,
-                       memory_fraction=float(fraction) if fraction else None, say=say)
+  found = search_space(
+    config,
+    kind,
+    devices,
+    granules=granules,
+    max_compiles=max_compiles,
+    timing=timing,
+    memory_fraction=float(fraction) if fraction else None,
+    say=say,
+  )
   ranked, dropped = _timed(config, found, devices, steps, say) if timing else ([], set())
   if dropped and not ranked:  # every timed finalist ran out of memory: the untimed ones that are left, by estimate
     found.finalists = [f for f in found.finalists if _key(*f) not in dropped]
     if not found.finalists:
-      raise ValueError(f"mesh_config: auto: every layout that compiled to fit ran out of memory when run"
-                       f" ({len(dropped)}); lower data.global_batch_size or data.seq_len, or name a mesh config.")
+      raise ValueError(
+        f"mesh_config: auto: every layout that compiled to fit ran out of memory when run"
+        f" ({len(dropped)}); lower data.global_batch_size or data.seq_len, or name a mesh config."
+      )
   if ranked:
     (chosen, settings, seconds), *rest = ranked
     runner_up = f"; runner-up {_label(rest[0][0], rest[0][1], rest[0][2])}" if rest else ""
@@ -355,21 +434,34 @@ def search(config: Config, workdir: str | os.PathLike, *, max_compiles: int | No
     (chosen, settings), *rest = found.finalists
     seconds, runner_up = None, f"; runner-up {_label(*rest[0])}" if rest else ""
     how = f"estimated by the {chosen.compiler} compiler"
-  line = (f"mesh_config: auto chose {_label(chosen, settings, seconds)}{runner_up} ({how};"
-          f" {found.meshes.candidates} meshes × {found.settings} settings, {found.compiled} compiled, in"
-          f" {time.perf_counter() - start:.1f} s)")
+  line = (
+    f"mesh_config: auto chose {_label(chosen, settings, seconds)}{runner_up} ({how};"
+    f" {found.meshes.candidates} meshes × {found.settings} settings, {found.compiled} compiled, in"
+    f" {time.perf_counter() - start:.1f} s)"
+  )
   agreed = _agree(_payload(chosen.layout, settings, line))
   return _choice(agreed, time.perf_counter() - start, found.record(), signature)
 
 
 def _payload(layout, settings: dict[str, Any], line: str) -> dict[str, Any]:
   """A choice as JSON-able values (``layout``: a mesh config's or a plan's layout)."""
-  return {"names": list(layout.axis_names), "ici": list(layout.ici), "dcn": list(layout.dcn),
-          "settings": dict(settings), "line": line}
+  return {
+    "names": list(layout.axis_names),
+    "ici": list(layout.ici),
+    "dcn": list(layout.dcn),
+    "settings": dict(settings),
+    "line": line,
+  }
 
 
-def _choice(payload: dict[str, Any], seconds: float, searched: dict[str, Any], signature: dict[str, Any],
-            reused: bool = False) -> layout_choice.Choice:
-  mesh = MeshConfig(tuple(payload["names"]), tuple(payload["ici"]), tuple(payload["dcn"]),
-                    source="mesh_config: auto", devices=jax.device_count())
+def _choice(
+  payload: dict[str, Any], seconds: float, searched: dict[str, Any], signature: dict[str, Any], reused: bool = False
+) -> layout_choice.Choice:
+  mesh = MeshConfig(
+    tuple(payload["names"]),
+    tuple(payload["ici"]),
+    tuple(payload["dcn"]),
+    source="mesh_config: auto",
+    devices=jax.device_count(),
+  )
   return layout_choice.Choice(mesh, payload["settings"], payload["line"], seconds, searched, reused, signature)

@@ -55,34 +55,57 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="distrib-train plan", description=__doc__.split("\n\n")[0],
-              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+  p = _Parser(
+    prog="distrib-train plan",
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+    epilog=__doc__.split("\n\n", 1)[1],
+  )
   p.add_argument("--config", help="experiment preset name or YAML path (default: the built-in defaults)")
   p.add_argument("--mesh_config", help="a name in mesh_configs/ or a YAML path (default: the config's)")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
   p.add_argument("--devices", type=int, help="devices to plan for (default: the mesh config's 'devices')")
-  p.add_argument("--device_kind", help="h100, h200, a100, v4, v5e, v5p or v6e (default: the one the mesh config"
-                 " or preset name mentions, else h100)")
-  p.add_argument("--tpu_topology", help="compile with libtpu for this TPU slice, e.g. v5e:2x2, v5p:4x4x4 (default:"
-                 " the mesh config's topology)")
-  p.add_argument("--num_slices", type=int, help="TPU slices joined over DCN (default: the mesh config's granules, else 1)")
+  p.add_argument(
+    "--device_kind",
+    help="h100, h200, a100, v4, v5e, v5p or v6e (default: the one the mesh config or preset name mentions, else h100)",
+  )
+  p.add_argument(
+    "--tpu_topology",
+    help="compile with libtpu for this TPU slice, e.g. v5e:2x2, v5p:4x4x4 (default: the mesh config's topology)",
+  )
+  p.add_argument(
+    "--num_slices", type=int, help="TPU slices joined over DCN (default: the mesh config's granules, else 1)"
+  )
   p.add_argument("--emulate", action="store_true", help="plan on emulated CPU devices even for a TPU target")
-  p.add_argument("--granules", type=int, help="TPU slices or GPU hosts (default: from the mesh config; GPUs: one per"
-                 " 8 devices)")
-  p.add_argument("--recommend", action="store_true", help="rank mesh factorisations, then settings (remat,"
-                 " microbatches) on the best; write the best as a mesh config and an experiment config")
+  p.add_argument(
+    "--granules", type=int, help="TPU slices or GPU hosts (default: from the mesh config; GPUs: one per 8 devices)"
+  )
+  p.add_argument(
+    "--recommend",
+    action="store_true",
+    help="rank mesh factorisations, then settings (remat,"
+    " microbatches) on the best; write the best as a mesh config and an experiment config",
+  )
   p.add_argument("--top", type=int, default=5, help="candidates to print with --recommend (default 5)")
   p.add_argument("--max_compiles", type=int, default=6, help="candidates --recommend compiles at most (default 6)")
   p.add_argument("--out", help=f"where --recommend writes the mesh config (default ./{DEFAULT_OUT})")
-  p.add_argument("--out_config", help="where --recommend writes the experiment config with the chosen settings and"
-                 f" mesh (default: {DEFAULT_CONFIG_OUT} beside --out)")
+  p.add_argument(
+    "--out_config",
+    help="where --recommend writes the experiment config with the chosen settings and"
+    f" mesh (default: {DEFAULT_CONFIG_OUT} beside --out)",
+  )
   p.add_argument("--json", help="also write the figures as JSON to this path")
-  p.add_argument("--kv_cache", metavar="ROWSxTOKENS", help="also the generation cache of ROWS rows of TOKENS tokens"
-                 " (prompt and new) on this mesh: its bytes per device, laid out by the rules (e.g. 64x4096)")
+  p.add_argument(
+    "--kv_cache",
+    metavar="ROWSxTOKENS",
+    help="also the generation cache of ROWS rows of TOKENS tokens"
+    " (prompt and new) on this mesh: its bytes per device, laid out by the rules (e.g. 64x4096)",
+  )
   p.add_argument("--efficiency", type=float, default=None, help="share of peak FLOP/s the matmuls reach (default 0.6)")
   p.add_argument("--memory_fraction", type=float, help="usable share of device memory (default: TPU 1.0, GPU 0.92)")
-  p.add_argument("--no_activation_sharding", action="store_true",
-                 help="do not trace the model's activation sharding constraints")
+  p.add_argument(
+    "--no_activation_sharding", action="store_true", help="do not trace the model's activation sharding constraints"
+  )
   p.add_argument("--no_compile", action="store_true", help="state and batch figures only (seconds, not minutes)")
   p.add_argument("--arrays", action="store_true", help="also print every array's layout (the plan report)")
   p.add_argument("--native", action="store_true", help="plan on this machine's devices instead of emulating")
@@ -162,8 +185,10 @@ def main(argv: Sequence[str]) -> int:
       raise _UsageError(f"{mesh_config.source} does not say how many devices it is for; pass --devices N.")
     matches = mesh_config.devices in (None, devices)
     if not matches and not args.recommend:
-      raise _UsageError(f"{mesh_config.source} is for {mesh_config.devices} devices, not --devices {devices}; pick a"
-                        f" mesh config for {devices} devices (or --recommend one).")
+      raise _UsageError(
+        f"{mesh_config.source} is for {mesh_config.devices} devices, not --devices {devices}; pick a"
+        f" mesh config for {devices} devices (or --recommend one)."
+      )
     topology = _topology(args, mesh_config)
     target = topology if topology is not None and not (args.emulate or args.native) else None
     if topology is not None:
@@ -171,13 +196,17 @@ def main(argv: Sequence[str]) -> int:
       if args.device_kind and hardware.device_kind(args.device_kind) != kind:
         raise _UsageError(f"--device_kind {args.device_kind} but TPU topology {topology} is {kind.name} chips.")
       if args.devices and args.devices != topology.devices and not args.emulate:
-        raise _UsageError(f"--devices {args.devices} but TPU topology {topology} has {topology.devices} chips; pass"
-                          f" --tpu_topology for a {args.devices}-chip slice, or --emulate.")
+        raise _UsageError(
+          f"--devices {args.devices} but TPU topology {topology} has {topology.devices} chips; pass"
+          f" --tpu_topology for a {args.devices}-chip slice, or --emulate."
+        )
       devices = args.devices if args.emulate and args.devices else topology.devices
       matches = mesh_config.devices in (None, devices)
       if not matches and not args.recommend:
-        raise _UsageError(f"{mesh_config.source} is for {mesh_config.devices} devices; TPU topology {topology} has"
-                          f" {devices} chips. Pick a mesh config for {devices} devices (or --recommend one).")
+        raise _UsageError(
+          f"{mesh_config.source} is for {mesh_config.devices} devices; TPU topology {topology} has"
+          f" {devices} chips. Pick a mesh config for {devices} devices (or --recommend one)."
+        )
     elif args.device_kind:
       kind = hardware.device_kind(args.device_kind)
     else:
@@ -190,8 +219,10 @@ def main(argv: Sequence[str]) -> int:
         target = podplan.gpu_lib.GpuTarget(kind, devices, kind.devices_per_host)
         podplan.gpu_lib.target_config(kind)  # a card it can describe, or a clear error now
       else:
-        notes.append(f"planned on emulated CPU devices: XLA's CUDA compiler compiles for {kind.name} without a GPU"
-                     f" once JAX's CUDA plugin is installed ({podplan.gpu_lib.install_hint()}).")
+        notes.append(
+          f"planned on emulated CPU devices: XLA's CUDA compiler compiles for {kind.name} without a GPU"
+          f" once JAX's CUDA plugin is installed ({podplan.gpu_lib.install_hint()})."
+        )
     if isinstance(target, podplan.TpuTopology):
       granules = target.num_slices
     else:
@@ -201,7 +232,8 @@ def main(argv: Sequence[str]) -> int:
     elif target is not None:
       if not podplan.tpu_lib.available():
         raise podplan.tpu_lib.TpuCompilerMissing(
-            f"planning for TPU {target} needs libtpu's compiler: {podplan.tpu_lib.install_hint()}.")
+          f"planning for TPU {target} needs libtpu's compiler: {podplan.tpu_lib.install_hint()}."
+        )
       podplan.tpu_lib.use_cpu_for_jax()
     elif args.native:
       import jax
@@ -215,14 +247,24 @@ def main(argv: Sequence[str]) -> int:
   except (_UsageError, ValueError) as e:  # ConfigError is a ValueError
     _fail(str(e))
   efficiency = args.efficiency or podplan.DEFAULT_EFFICIENCY
-  common = dict(efficiency=efficiency, memory_fraction=args.memory_fraction,
-                constrain_activations=not args.no_activation_sharding)
+  common = dict(
+    efficiency=efficiency, memory_fraction=args.memory_fraction, constrain_activations=not args.no_activation_sharding
+  )
   name = args.config or "defaults"
   try:
     if args.recommend:
       return _recommend(args, config, mesh_config, kind, devices, granules, matches, notes, name, common, target)
-    pod = podplan.plan_pod(config, mesh_config, kind, devices, config_name=name, granules=granules,
-                           compile=not args.no_compile, target=target, **common)
+    pod = podplan.plan_pod(
+      config,
+      mesh_config,
+      kind,
+      devices,
+      config_name=name,
+      granules=granules,
+      compile=not args.no_compile,
+      target=target,
+      **common,
+    )
   except ValueError as e:
     _fail(str(e))
   pod.notes.extend(notes)
@@ -248,14 +290,18 @@ def _kv_cache_line(config, mesh, rules, text: str) -> str:
   rows, tokens = (int(v) for v in text.lower().split("x"))
   spec, axes = cache_lib.cache_spec(model, rows, tokens), cache_lib.cache_axes(model, rows, tokens)
   is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
-  per_device = sum(math.prod(NamedSharding(mesh, rules.spec(a, shape=s.shape, mesh=mesh)).shard_shape(s.shape))
-                   * s.dtype.itemsize for s, a in zip(jax.tree.leaves(spec), jax.tree.leaves(axes, is_leaf=is_axes)))
+  per_device = sum(
+    math.prod(NamedSharding(mesh, rules.spec(a, shape=s.shape, mesh=mesh)).shard_shape(s.shape)) * s.dtype.itemsize
+    for s, a in zip(jax.tree.leaves(spec), jax.tree.leaves(axes, is_leaf=is_axes))
+  )
   whole = cache_lib.cache_bytes(model, rows, tokens)
   layers = len(model.layer_kinds())
   held = cache_lib.values_per_token(model)
-  return (f"Generation cache, {rows} rows × {tokens} tokens ({model.dtype}): {podplan_report.human_bytes(per_device)}"
-          f" per device, {podplan_report.human_bytes(whole)} in all; {held} values per token and layer"
-          f" ({layers} layers; a sliding layer keeps its window).")
+  return (
+    f"Generation cache, {rows} rows × {tokens} tokens ({model.dtype}): {podplan_report.human_bytes(per_device)}"
+    f" per device, {podplan_report.human_bytes(whole)} in all; {held} values per token and layer"
+    f" ({layers} layers; a sliding layer keeps its window)."
+  )
 
 
 class _NoTopology:
@@ -273,8 +319,10 @@ def _topology(args, mesh_config):
     return TpuTopology.parse(args.tpu_topology, slices, where="--tpu_topology")
   if mesh_config.topology is None:
     if args.num_slices:
-      raise _UsageError(f"--num_slices needs a TPU topology: pass --tpu_topology (e.g. v5p:4x4x4), or a mesh config"
-                        f" with 'topology:' ({mesh_config.source} has none).")
+      raise _UsageError(
+        f"--num_slices needs a TPU topology: pass --tpu_topology (e.g. v5p:4x4x4), or a mesh config"
+        f" with 'topology:' ({mesh_config.source} has none)."
+      )
     return None
   if args.num_slices and args.num_slices != mesh_config.topology.num_slices:
     return TpuTopology(mesh_config.topology.generation, mesh_config.topology.grid, args.num_slices)
@@ -290,14 +338,27 @@ def _recommend(args, config, mesh_config, kind, devices, granules, matches, note
   from distrib_train.train.layout_choice import Choice
 
   if not matches:
-    notes.append(f"{mesh_config.source} is for {mesh_config.devices} devices: its axes and rules are used, not its"
-                 " sizes.")
-  print(f"Recommending a layout for {name} on {devices} × {kind.name} ({granules} granule(s)) over axes"
-        f" {', '.join(mesh_config.axis_names)}, then its settings", flush=True)
+    notes.append(
+      f"{mesh_config.source} is for {mesh_config.devices} devices: its axes and rules are used, not its sizes."
+    )
+  print(
+    f"Recommending a layout for {name} on {devices} × {kind.name} ({granules} granule(s)) over axes"
+    f" {', '.join(mesh_config.axis_names)}, then its settings",
+    flush=True,
+  )
   progress = lambda m: print(f"  {m}", file=sys.stderr, flush=True)
   try:
-    found = auto.search_space(config, kind, devices, granules=granules, max_compiles=args.max_compiles,
-                              target=target, base=mesh_config, say=progress, **common)
+    found = auto.search_space(
+      config,
+      kind,
+      devices,
+      granules=granules,
+      max_compiles=args.max_compiles,
+      target=target,
+      base=mesh_config,
+      say=progress,
+      **common,
+    )
   except ValueError as e:
     if "found no layout" not in str(e):
       raise
@@ -305,11 +366,18 @@ def _recommend(args, config, mesh_config, kind, devices, granules, matches, note
   rec = found.meshes if found else None
   if rec is not None:
     print(podplan_report.recommendation_text(rec, args.top))
-  out = {} if rec is None else {
-      "candidates": rec.candidates, "dropped": rec.dropped, "compiled": found.compiled,
-      "ranked": [p.to_dict() for p in rec.ranked[:args.top]],
+  out = (
+    {}
+    if rec is None
+    else {
+      "candidates": rec.candidates,
+      "dropped": rec.dropped,
+      "compiled": found.compiled,
+      "ranked": [p.to_dict() for p in rec.ranked[: args.top]],
       "not_fitting": [p.to_dict() for p in rec.not_fitting_compiled],
-      "settings": [{"settings": s, "step_s": p.time.step_s, "memory": p.memory.total} for p, s in found.finalists]}
+      "settings": [{"settings": s, "step_s": p.time.step_s, "memory": p.memory.total} for p, s in found.finalists],
+    }
+  )
   if found is None:
     print(failure)
     for note in notes:
@@ -318,18 +386,20 @@ def _recommend(args, config, mesh_config, kind, devices, granules, matches, note
       _write_json(args.json, out)
     return 1
   print("\nSettings on the fastest mesh, by estimated step time:")
-  for pod, settings in found.finalists[:args.top]:
+  for pod, settings in found.finalists[: args.top]:
     print(f"  {auto._label(pod, settings)}, {podplan_report.human_bytes(pod.memory.total)} per device")
   best, settings = found.finalists[0]
   best.config_name = name
   best.notes.extend(notes)
   rules = podplan.rules_for(config, mesh_config)
   said = ", ".join(f"{k}={v}" for k, v in settings.items())
-  header = [f"Recommended by `distrib-train plan --recommend` for {name} on {devices} × {kind.name}"
-            f" ({datetime.date.today().isoformat()}), with {said}.",
-            f"Estimated step {best.time.step_s:.3g} s, MFU {best.time.mfu or 0:.1%};"
-            f" {podplan_report.human_bytes(best.memory.total)} of {podplan_report.human_bytes(best.memory.usable)}"
-            f" per device ({podplan_report.compiler_line(best)})."]
+  header = [
+    f"Recommended by `distrib-train plan --recommend` for {name} on {devices} × {kind.name}"
+    f" ({datetime.date.today().isoformat()}), with {said}.",
+    f"Estimated step {best.time.step_s:.3g} s, MFU {best.time.mfu or 0:.1%};"
+    f" {podplan_report.human_bytes(best.memory.total)} of {podplan_report.human_bytes(best.memory.usable)}"
+    f" per device ({podplan_report.compiler_line(best)}).",
+  ]
   path = args.out or DEFAULT_OUT
   config_path = args.out_config or os.path.join(os.path.dirname(path), DEFAULT_CONFIG_OUT)
   chosen = Choice(None, settings, "").apply(config)
@@ -340,9 +410,10 @@ def _recommend(args, config, mesh_config, kind, devices, granules, matches, note
     with open(path, "w", encoding="utf-8") as f:
       f.write(mesh_search.mesh_config_yaml(best, rules, header))
     with open(config_path, "w", encoding="utf-8") as f:
-      f.write("".join(f"# {line}\n" for line in header) + f"# Run it: distrib-train --config {config_path}\n"
-              f"# (its mesh_config is the path --out was given, {path}: run from here, or edit it)\n"
-              + chosen.to_yaml())
+      f.write(
+        "".join(f"# {line}\n" for line in header) + f"# Run it: distrib-train --config {config_path}\n"
+        f"# (its mesh_config is the path --out was given, {path}: run from here, or edit it)\n" + chosen.to_yaml()
+      )
   except OSError as e:
     _fail(f"cannot write {e.filename!r}: {e.strerror}.")
   from distrib_train.sharding.mesh import MeshConfig

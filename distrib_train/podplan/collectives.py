@@ -53,14 +53,24 @@ from typing import Any
 
 import numpy as np
 
-from distrib_train.podplan.hlo import (CALLS, Computation, Instruction, array_bytes, element_count, multiplicities,
-                                      parse_module)
+from distrib_train.podplan.hlo import (
+  CALLS,
+  Computation,
+  Instruction,
+  array_bytes,
+  element_count,
+  multiplicities,
+  parse_module,
+)
 from distrib_train.podplan.replica_groups import parse_replica_groups, parse_source_target_pairs
 
 _OPTIMIZER_SCOPE = re.compile(r'op_name="[^"]*/optimizer/')
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_OPS = {kind: kind for kind in KINDS} | {f"{kind}-start": kind for kind in KINDS} | {
-    "ragged-all-to-all": "all-to-all", "ragged-all-to-all-start": "all-to-all"}
+_OPS = (
+  {kind: kind for kind in KINDS}
+  | {f"{kind}-start": kind for kind in KINDS}
+  | {"ragged-all-to-all": "all-to-all", "ragged-all-to-all-start": "all-to-all"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +122,9 @@ def _wire_bytes(kind: str, payload: int, n: int) -> float:
   return (n - 1) / n * payload
 
 
-def _axes_of(groups: Sequence[Sequence[int]], mesh_shape: Sequence[int], axis_names: Sequence[str],
-             granule_of: np.ndarray | None) -> tuple[tuple[str, ...], bool, bool]:
+def _axes_of(
+  groups: Sequence[Sequence[int]], mesh_shape: Sequence[int], axis_names: Sequence[str], granule_of: np.ndarray | None
+) -> tuple[tuple[str, ...], bool, bool]:
   """The mesh axes along which the devices of each group differ."""
   size = math.prod(mesh_shape)
   varying: set[int] = set()
@@ -130,6 +141,7 @@ def _axes_of(groups: Sequence[Sequence[int]], mesh_shape: Sequence[int], axis_na
     if granule_of is not None and len(set(granule_of[ids].tolist())) > 1:
       dcn = True
   return tuple(axis_names[i] for i in sorted(varying)), partial, dcn
+
 
 _SHAPE_KEEPING = ("convert", "copy", "bitcast", "bitcast-convert", "reshape", "transpose")
 
@@ -196,13 +208,25 @@ class _SliceCheck:
 
 
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
-_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
-                    "ALL_TO_ALL": "all-to-all", "ONE_TO_ONE": "collective-permute", "PERMUTE": "collective-permute"}
+_MEGASCALE_KINDS = {
+  "ALL_REDUCE": "all-reduce",
+  "ALL_GATHER": "all-gather",
+  "REDUCE_SCATTER": "reduce-scatter",
+  "ALL_TO_ALL": "all-to-all",
+  "ONE_TO_ONE": "collective-permute",
+  "PERMUTE": "collective-permute",
+}
 
 
-def find_collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[str],
-                     granule_of: Sequence[int] | None = None, dcn_axes: Sequence[str] = (),
-                     dcn_group_size: int = 1, infer_reduce_scatters: bool = True) -> list[Collective]:
+def find_collectives(
+  hlo_text: str,
+  mesh_shape: Sequence[int],
+  axis_names: Sequence[str],
+  granule_of: Sequence[int] | None = None,
+  dcn_axes: Sequence[str] = (),
+  dcn_group_size: int = 1,
+  infer_reduce_scatters: bool = True,
+) -> list[Collective]:
   """Every collective of a compiled module, with counts, bytes and mesh axes.
 
   Args:
@@ -252,8 +276,11 @@ def find_collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Seque
         n = len(groups[0]) if len(groups) else 1
       payload = operand_bytes or array_bytes(instruction.shape)
       if kind == "all-gather":
-        payload = operand_bytes * n if instruction.op.endswith("-start") or not operand_bytes else \
-            array_bytes(instruction.shape)
+        payload = (
+          operand_bytes * n
+          if instruction.op.endswith("-start") or not operand_bytes
+          else array_bytes(instruction.shape)
+        )
       sliced = infer_reduce_scatters and kind == "all-reduce" and n > 1 and only_sliced(computation, instruction, n)
       wire = _wire_bytes("reduce-scatter" if sliced else kind, payload, n)
       axes, partial, dcn = _axes_of(groups, mesh_shape, axis_names, granules)
@@ -263,8 +290,9 @@ def find_collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Seque
   return out
 
 
-def _megascale(instruction: Instruction, transfer: str, symbols: Mapping[str, str], count: int,
-               dcn_axes: Sequence[str], n: int) -> Collective:
+def _megascale(
+  instruction: Instruction, transfer: str, symbols: Mapping[str, str], count: int, dcn_axes: Sequence[str], n: int
+) -> Collective:
   """A cross-slice transfer of a multi-slice TPU program, as the collective it performs."""
   kind = _MEGASCALE_KINDS.get(transfer, transfer.lower().replace("_", "-"))
   if kind not in KINDS:  # a transfer type this reader does not know: counted as sending its operand once
@@ -272,8 +300,7 @@ def _megascale(instruction: Instruction, transfer: str, symbols: Mapping[str, st
   payload = array_bytes(symbols.get(instruction.operands[0], "")) if instruction.operands else 0
   if kind == "all-gather":  # the payload of an all-gather is the gathered buffer, n slices' operands
     payload *= n
-  return Collective(kind, instruction.name, count, n, payload, _wire_bytes(kind, payload, n), tuple(dcn_axes),
-                    dcn=True)
+  return Collective(kind, instruction.name, count, n, payload, _wire_bytes(kind, payload, n), tuple(dcn_axes), dcn=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,8 +48,11 @@ def chunked_attention(query, key, value, mask=None, *, scale=None, is_causal=Fal
 
   def block(q, start):
     rows = (start + jnp.arange(size))[None]
-    keep = (xla.visible(rows, jnp.arange(kv_length)[None], window=window) if is_causal
-            else jnp.ones((1, size, kv_length), bool))
+    keep = (
+      xla.visible(rows, jnp.arange(kv_length)[None], window=window)
+      if is_causal
+      else jnp.ones((1, size, kv_length), bool)
+    )
     if mask is not None:
       keep = keep & jax.lax.dynamic_slice_in_dim(mask, start, size, axis=1)
     return xla.masked_attention(q, key, value, keep, scale=scale)
@@ -68,11 +71,13 @@ def emulating_cudnn() -> Iterator[None]:
   """While entered, ``jax.nn.dot_product_attention(..., implementation="cudnn")`` traces ``chunked_attention``."""
   original = jax.nn.dot_product_attention
 
-  def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                            implementation=None, **kwargs):
+  def dot_product_attention(
+    query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, implementation=None, **kwargs
+  ):
     if implementation != "cudnn":
-      return original(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-                      implementation=implementation, **kwargs)
+      return original(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal, implementation=implementation, **kwargs
+      )
     local = kwargs.pop("local_window_size", None)
     unsupported = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
     if bias is not None:
@@ -82,10 +87,12 @@ def emulating_cudnn() -> Iterator[None]:
     if local is not None and (not is_causal or tuple(local)[1] != 0):
       unsupported.append(f"local_window_size={tuple(local)} beyond a causal window")
     if unsupported:
-      raise NotImplementedError("planning on CPU stands in for cuDNN attention without "
-                                f"{', '.join(unsupported)} (podplan/cpu_attention.py)")
-    return chunked_attention(query, key, value, mask, scale=scale, is_causal=is_causal,
-                             window=0 if local is None else int(local[0]) + 1)
+      raise NotImplementedError(
+        f"planning on CPU stands in for cuDNN attention without {', '.join(unsupported)} (podplan/cpu_attention.py)"
+      )
+    return chunked_attention(
+      query, key, value, mask, scale=scale, is_causal=is_causal, window=0 if local is None else int(local[0]) + 1
+    )
 
   jax.nn.dot_product_attention = dot_product_attention
   try:

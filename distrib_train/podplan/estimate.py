@@ -57,6 +57,7 @@ from distrib_train.podplan import tpu as tpu_lib
 from distrib_train.cluster import hardware
 from distrib_train.common.text import human_bytes
 from distrib_train.podplan import hlo as hlo_module
+
 # The layout, memory and time figures are importable from here, as before the split.
 from distrib_train.podplan.layout import Layout, emulated_mesh, layout, use_emulated_devices  # noqa: F401
 from distrib_train.podplan.memory import CPU_BF16_TEMPORARIES, Memory, memory_of  # noqa: F401
@@ -89,15 +90,21 @@ def step_spec(config: Config, platform: str = "cpu") -> StepSpec:
   notes = []
   attention = job.family.capabilities().attention
   if platform == "tpu" and attention == "cudnn":
-    raise ValueError("model.attention is cudnn, a GPU kernel, and the target is a TPU: set model.attention to auto"
-                     " (splash attention on TPU) or xla.")
+    raise ValueError(
+      "model.attention is cudnn, a GPU kernel, and the target is a TPU: set model.attention to auto"
+      " (splash attention on TPU) or xla."
+    )
   if attention == "cudnn" and platform == "cpu":
-    notes.append("cuDNN attention, which the CPU compiler cannot build, is planned as a query-chunked XLA attention"
-                 " of the same memory profile (cpu_attention.py); its FLOPs include the causal half cuDNN skips.")
+    notes.append(
+      "cuDNN attention, which the CPU compiler cannot build, is planned as a query-chunked XLA attention"
+      " of the same memory profile (cpu_attention.py); its FLOPs include the causal half cuDNN skips."
+    )
   elif attention in ("cudnn", "auto") and platform == "gpu" and not cudnn_loadable():
-    notes.append("cuDNN attention is compiled as its custom calls without the cuDNN library (cuDNN"
-                 f" {cudnn_attention.ASSUMED_CUDNN_VERSION // 10000}.{cudnn_attention.ASSUMED_CUDNN_VERSION // 100 % 100}"
-                 " assumed); its workspace is sized when it first runs, outside the compiled figures.")
+    notes.append(
+      "cuDNN attention is compiled as its custom calls without the cuDNN library (cuDNN"
+      f" {cudnn_attention.ASSUMED_CUDNN_VERSION // 10000}.{cudnn_attention.ASSUMED_CUDNN_VERSION // 100 % 100}"
+      " assumed); its workspace is sized when it first runs, outside the compiled figures."
+    )
   return StepSpec(**{field.name: getattr(job, field.name) for field in dataclasses.fields(JobSpec)}, notes=notes)
 
 
@@ -131,17 +138,23 @@ def plan_state(spec: StepSpec, mesh: Mesh, rules: AxisRules) -> Plan:
     return plan_job(spec, MeshPlanner(mesh, rules))
 
 
-def compile_step(spec: StepSpec, plan: Plan, rules: AxisRules, constrain_activations: bool = True,
-                 attention: list | None = None) -> tuple[jax.stages.Compiled, dict[str, float]]:
+def compile_step(
+  spec: StepSpec, plan: Plan, rules: AxisRules, constrain_activations: bool = True, attention: list | None = None
+) -> tuple[jax.stages.Compiled, dict[str, float]]:
   """Lowers and compiles the trainer's step on abstract, sharded arguments (``attention`` gets each attention
   layer's ``attention_kernels.Decision``)."""
-  step = build_train_step_fn(spec.loss_fn, donate_params_and_state=True,
-                             train_state_shardings=plan.train_state_shardings,
-                             input_kwarg_shardings=plan.input_kwarg_shardings,
-                             aux_output_shardings=plan.aux_output_shardings,
-                             **step_options(spec, plan, rules if constrain_activations else None))
-  inputs = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.input_kwarg_shardings[name])
-            for name, x in spec.inputs.items()}
+  step = build_train_step_fn(
+    spec.loss_fn,
+    donate_params_and_state=True,
+    train_state_shardings=plan.train_state_shardings,
+    input_kwarg_shardings=plan.input_kwarg_shardings,
+    aux_output_shardings=plan.aux_output_shardings,
+    **step_options(spec, plan, rules if constrain_activations else None),
+  )
+  inputs = {
+    name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.input_kwarg_shardings[name])
+    for name, x in spec.inputs.items()
+  }
   start = time.perf_counter()
   with _stand_ins(plan.mesh), attention_kernels.recorded() as decisions:
     lowered = step.lower(plan.abstract_train_state.replace(step=0), **inputs)
@@ -163,9 +176,11 @@ def _without_compilation_cache():
 
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-_OOM = (re.compile(r"temporaries \(([\d.]+)([KMGT]?)i?B?\) exceeds available HBM \(([\d.]+)([KMGT]?)i?B?\)"),
-        re.compile(r"Requires ([\d.]+)([KMGT]?)i?B?, has ([\d.]+)([KMGT]?)i?B? available"),
-        re.compile(r"Used ([\d.]+)([KMGT]?)i?B? of ([\d.]+)([KMGT]?)i?B? hbm"))
+_OOM = (
+  re.compile(r"temporaries \(([\d.]+)([KMGT]?)i?B?\) exceeds available HBM \(([\d.]+)([KMGT]?)i?B?\)"),
+  re.compile(r"Requires ([\d.]+)([KMGT]?)i?B?, has ([\d.]+)([KMGT]?)i?B? available"),
+  re.compile(r"Used ([\d.]+)([KMGT]?)i?B? of ([\d.]+)([KMGT]?)i?B? hbm"),
+)
 
 
 def out_of_memory(error: BaseException) -> tuple[int, int] | None:
@@ -227,13 +242,19 @@ class PodPlan:
     if stages <= 1:
       return None
     permutes = [c for c in self.collectives or [] if c.kind == "collective-permute" and STAGE_AXIS in c.axes]
-    return {"stages": stages, "microbatches": self.microbatches, "repeats": self.pipeline_repeats,
-            "schedule": "gpipe" if self.pipeline_repeats == 1 else "circular",
-            "bubble_fraction": bubble_fraction(stages, self.microbatches, self.pipeline_repeats),
-            "stage_permute_bytes": None if self.collectives is None else
-            float(sum(c.payload_bytes * c.count for c in permutes)),
-            "stage_permute_wire_bytes": None if self.collectives is None else
-            float(sum(c.wire_bytes * c.count for c in permutes))}
+    return {
+      "stages": stages,
+      "microbatches": self.microbatches,
+      "repeats": self.pipeline_repeats,
+      "schedule": "gpipe" if self.pipeline_repeats == 1 else "circular",
+      "bubble_fraction": bubble_fraction(stages, self.microbatches, self.pipeline_repeats),
+      "stage_permute_bytes": None
+      if self.collectives is None
+      else float(sum(c.payload_bytes * c.count for c in permutes)),
+      "stage_permute_wire_bytes": None
+      if self.collectives is None
+      else float(sum(c.wire_bytes * c.count for c in permutes)),
+    }
 
   def report(self) -> str:
     from distrib_train.podplan import report as podplan_report
@@ -246,11 +267,21 @@ class PodPlan:
     return podplan_report.as_dict(self)
 
 
-def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind, devices: int, *,
-             config_name: str = "", granules: int | None = None, compile: bool = True,  # noqa: A002 - the verb
-             constrain_activations: bool = True, efficiency: float = DEFAULT_EFFICIENCY,
-             memory_fraction: float | None = None, spec: StepSpec | None = None,
-             target: TpuTopology | gpu_lib.GpuTarget | None = None) -> PodPlan:
+def plan_pod(
+  config: Config,
+  mesh_config: MeshConfig,
+  kind: hardware.DeviceKind,
+  devices: int,
+  *,
+  config_name: str = "",
+  granules: int | None = None,
+  compile: bool = True,  # noqa: A002 - the verb
+  constrain_activations: bool = True,
+  efficiency: float = DEFAULT_EFFICIENCY,
+  memory_fraction: float | None = None,
+  spec: StepSpec | None = None,
+  target: TpuTopology | gpu_lib.GpuTarget | None = None,
+) -> PodPlan:
   """Plans (and compiles) ``config``'s step on ``mesh_config`` for ``devices`` devices of ``kind``.
 
   JAX must already run on ``devices`` devices (``use_emulated_devices``, or
@@ -305,27 +336,54 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
   timings = {"plan_s": time.perf_counter() - start}
   notes = list(spec.notes)
   if isinstance(target, gpu_lib.GpuTarget):
-    notes.append(f"compiled by XLA's CUDA compiler for {device_kind} without a GPU: memory, collectives and FLOPs"
-                 " are the GPU program's own, with Triton matmuls where a card would autotune (nothing runs).")
+    notes.append(
+      f"compiled by XLA's CUDA compiler for {device_kind} without a GPU: memory, collectives and FLOPs"
+      " are the GPU program's own, with Triton matmuls where a card would autotune (nothing runs)."
+    )
   elif target is not None:
-    notes.append(f"compiled by libtpu for {device_kind} chips, topology {target}: memory, collectives and FLOPs are"
-                 " the TPU program's own (nothing runs).")
-  extra = dict(compiler=compiler, device_kind=device_kind, topology=target, microbatches=spec.microbatches,
-               pipeline_repeats=spec.pipeline_repeats)
+    notes.append(
+      f"compiled by libtpu for {device_kind} chips, topology {target}: memory, collectives and FLOPs are"
+      " the TPU program's own (nothing runs)."
+    )
+  extra = dict(
+    compiler=compiler,
+    device_kind=device_kind,
+    topology=target,
+    microbatches=spec.microbatches,
+    pipeline_repeats=spec.pipeline_repeats,
+  )
   batch_skips = [s for s in plan.skips if s.path.startswith("inputs") and s.logical_name == "batch"]
   if batch_skips:
     skip = batch_skips[0]
-    notes.insert(0, f"the global batch ({skip.dim_size}) does not split over {'×'.join(skip.mesh_axes)} ="
-                    f" {skip.mesh_axes_size}: every device would compute the whole batch (the data loader refuses"
-                    f" this); set data.global_batch_size to a multiple of {skip.mesh_axes_size}.")
+    notes.insert(
+      0,
+      f"the global batch ({skip.dim_size}) does not split over {'×'.join(skip.mesh_axes)} ="
+      f" {skip.mesh_axes_size}: every device would compute the whole batch (the data loader refuses"
+      f" this); set data.global_batch_size to a multiple of {skip.mesh_axes_size}.",
+    )
   model_flops = spec.model_flops_per_step()
   model_flops = None if model_flops is None else model_flops / devices
   attention: list = []
   extra["attention"] = attention
   if not compile:
-    return PodPlan(config_name, mesh_config.source, devices, kind, lay, plan,
-                   memory_of(plan, kind, None, memory_fraction), None, None, spec.tokens_per_step,
-                   spec.param_count(), timings, notes, emulated, efficiency, **extra)
+    return PodPlan(
+      config_name,
+      mesh_config.source,
+      devices,
+      kind,
+      lay,
+      plan,
+      memory_of(plan, kind, None, memory_fraction),
+      None,
+      None,
+      spec.tokens_per_step,
+      spec.param_count(),
+      timings,
+      notes,
+      emulated,
+      efficiency,
+      **extra,
+    )
   try:
     # A compile-only executable cannot be read back from the persistent cache (libtpu: "PjRtCompiler must be
     # constructed with a Client"): keep it out of the cache.
@@ -338,28 +396,56 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
       if target is None or isinstance(e, ValueError):
         raise
       said = str(e).splitlines()[0] if str(e) else type(e).__name__
-      raise ValueError(f"the {compiler.upper()} compiler could not compile the step on {lay.describe()}:"
-                       f" {said[:400]}") from None
+      raise ValueError(
+        f"the {compiler.upper()} compiler could not compile the step on {lay.describe()}: {said[:400]}"
+      ) from None
     required, available = refusal
-    notes.insert(0, f"the compiler refused the step: it needs {human_bytes(required)} of temporaries per device and"
-                    f" has {human_bytes(available)} ({str(e).splitlines()[0][:300]}). Shard more (fsdp, tensor),"
-                    " rematerialise more (model.remat) or lower the batch.")
+    notes.insert(
+      0,
+      f"the compiler refused the step: it needs {human_bytes(required)} of temporaries per device and"
+      f" has {human_bytes(available)} ({str(e).splitlines()[0][:300]}). Shard more (fsdp, tensor),"
+      " rematerialise more (model.remat) or lower the batch.",
+    )
     memory = memory_of(plan, kind, None, memory_fraction)
     # The compiler's own limit (libtpu: 15.75 GiB of a 16 GiB v5e chip) is what the step did not fit.
-    memory = dataclasses.replace(memory, temporaries=required, compiled_temporaries=required,
-                                 usable=min(memory.usable, available))
-    return PodPlan(config_name, mesh_config.source, devices, kind, lay, plan, memory, None, None,
-                   spec.tokens_per_step, spec.param_count(), timings, notes, emulated, efficiency, **extra)
+    memory = dataclasses.replace(
+      memory, temporaries=required, compiled_temporaries=required, usable=min(memory.usable, available)
+    )
+    return PodPlan(
+      config_name,
+      mesh_config.source,
+      devices,
+      kind,
+      lay,
+      plan,
+      memory,
+      None,
+      None,
+      spec.tokens_per_step,
+      spec.param_count(),
+      timings,
+      notes,
+      emulated,
+      efficiency,
+      **extra,
+    )
   timings.update(compile_timings)
   text = compiled.as_text()
   if isinstance(target, TpuTopology) and target.num_slices > 1:
     # One slice's program: ICI groups number a slice's devices; DCN is Megascale transfers.
     collectives = collectives_lib.find_collectives(
-        text, lay.ici, lay.axis_names, None, dcn_axes=tpu_lib.dcn_axes(lay.shape, lay.axis_names, lay.granule_of),
-        dcn_group_size=target.num_slices, infer_reduce_scatters=False)
+      text,
+      lay.ici,
+      lay.axis_names,
+      None,
+      dcn_axes=tpu_lib.dcn_axes(lay.shape, lay.axis_names, lay.granule_of),
+      dcn_group_size=target.num_slices,
+      infer_reduce_scatters=False,
+    )
   else:
-    collectives = collectives_lib.find_collectives(text, lay.shape, lay.axis_names, lay.granule_of,
-                                                   infer_reduce_scatters=target is None)
+    collectives = collectives_lib.find_collectives(
+      text, lay.shape, lay.axis_names, lay.granule_of, infer_reduce_scatters=target is None
+    )
   wire = collectives_lib.wire_bytes_by_link(collectives)
   extra["flops"] = hlo_module.flops(text)
   extra["estimated_cycles"] = hlo_module.estimated_cycles(text) if isinstance(target, TpuTopology) else None
@@ -367,15 +453,34 @@ def plan_pod(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind,
   if not constrain_activations:
     notes.append("activations unconstrained (--no_activation_sharding): XLA chooses their layout.")
     if isinstance(target, TpuTopology) and spec.family.capabilities().attention in ("auto", "splash"):
-      notes.append("without the activation sharding the model cannot see the TPU mesh: its attention was compiled"
-                   " as XLA attention (auto) or the splash kernel unsharded, not as a TPU run has it.")
+      notes.append(
+        "without the activation sharding the model cannot see the TPU mesh: its attention was compiled"
+        " as XLA attention (auto) or the splash kernel unsharded, not as a TPU run has it."
+      )
   scale = 1.0
   if emulated and spec.family.capabilities().dtype == "bfloat16":
     scale = CPU_BF16_TEMPORARIES
-    notes.append(f"the CPU compiler holds bfloat16 work in float32: its temporaries count × {scale} (on one H100"
-                 " the 124m and 1b presets need 0.48 and 0.42 of the CPU figure); collectives of activations may"
-                 " be up to 2× what the TPU or GPU compiler sends.")
-  return PodPlan(config_name, mesh_config.source, devices, kind, lay, plan,
-                 memory_of(plan, kind, compiled, memory_fraction, scale), collectives, times, spec.tokens_per_step,
-                 spec.param_count(), timings, notes, emulated, efficiency, **extra,
-                 custom_calls=tuple(sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))))
+    notes.append(
+      f"the CPU compiler holds bfloat16 work in float32: its temporaries count × {scale} (on one H100"
+      " the 124m and 1b presets need 0.48 and 0.42 of the CPU figure); collectives of activations may"
+      " be up to 2× what the TPU or GPU compiler sends."
+    )
+  return PodPlan(
+    config_name,
+    mesh_config.source,
+    devices,
+    kind,
+    lay,
+    plan,
+    memory_of(plan, kind, compiled, memory_fraction, scale),
+    collectives,
+    times,
+    spec.tokens_per_step,
+    spec.param_count(),
+    timings,
+    notes,
+    emulated,
+    efficiency,
+    **extra,
+    custom_calls=tuple(sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))),
+  )

@@ -39,10 +39,10 @@ from distrib_train.cluster import hardware
 # FP32 lanes per SM — NVIDIA's H100 / H200 / A100 datasheets and CUDA programming guide (compute capability
 # tables); memory and bandwidth come from cluster/hardware.py.
 _CARDS = {
-    "h100": (132, (9, 0), 233472, 232448, 50 * hardware.MiB, 1.98, 128, "NVIDIA H100 80GB HBM3"),
-    "h200": (132, (9, 0), 233472, 232448, 50 * hardware.MiB, 1.98, 128, "NVIDIA H200"),
-    "h100-pcie": (114, (9, 0), 233472, 232448, 50 * hardware.MiB, 1.755, 128, "NVIDIA H100 PCIe"),
-    "a100": (108, (8, 0), 167936, 166912, 40 * hardware.MiB, 1.41, 64, "NVIDIA A100-SXM4-80GB"),
+  "h100": (132, (9, 0), 233472, 232448, 50 * hardware.MiB, 1.98, 128, "NVIDIA H100 80GB HBM3"),
+  "h200": (132, (9, 0), 233472, 232448, 50 * hardware.MiB, 1.98, 128, "NVIDIA H200"),
+  "h100-pcie": (114, (9, 0), 233472, 232448, 50 * hardware.MiB, 1.755, 128, "NVIDIA H100 PCIe"),
+  "a100": (108, (8, 0), 167936, 166912, 40 * hardware.MiB, 1.41, 64, "NVIDIA A100-SXM4-80GB"),
 }
 
 
@@ -57,8 +57,10 @@ def available() -> bool:
 def install_hint() -> str:
   import jax
 
-  return (f"pip install jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__} (about 180 MB; the"
-          " compiler needs no GPU), or the full jax[cuda12]")
+  return (
+    f"pip install jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__} (about 180 MB; the"
+    " compiler needs no GPU), or the full jax[cuda12]"
+  )
 
 
 CUDA_RUNTIME = (12, 8)
@@ -74,16 +76,17 @@ def target_config(kind: hardware.DeviceKind) -> str:
     raise ValueError(f"no compiler description of {kind.name} GPUs; known: {', '.join(_CARDS)}.")
   sms, (major, minor), shared_per_sm, shared_per_block, l2, clock, fpus, name = _CARDS[kind.name]
   return (
-      "gpu_device_info { threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152"
-      f" shared_memory_per_core: {shared_per_sm} threads_per_core_limit: 2048 core_count: {sms}"
-      f" fpus_per_core: {fpus} block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535"
-      f" memory_bandwidth: {int(kind.hbm_bandwidth)} l2_cache_size: {l2} clock_rate_ghz: {clock}"
-      f" device_memory_size: {kind.memory_bytes} shared_memory_per_block_optin: {shared_per_block}"
-      f" cuda_compute_capability {{ major: {major} minor: {minor} }} registers_per_core_limit: 65536"
-      f" registers_per_block_limit: 65536 }} platform_name: \"CUDA\" device_description_str: \"{name}\""
-      # The CUDA runtime of JAX's cuda12 wheels. Without one XLA assumes none: it then builds no FP8 cuBLASLt
-      # GEMMs, so a program with FP8 matmuls would not be the one a card runs.
-      f" runtime_version {{ major: {CUDA_RUNTIME[0]} minor: {CUDA_RUNTIME[1]} }}")
+    "gpu_device_info { threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152"
+    f" shared_memory_per_core: {shared_per_sm} threads_per_core_limit: 2048 core_count: {sms}"
+    f" fpus_per_core: {fpus} block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535"
+    f" memory_bandwidth: {int(kind.hbm_bandwidth)} l2_cache_size: {l2} clock_rate_ghz: {clock}"
+    f" device_memory_size: {kind.memory_bytes} shared_memory_per_block_optin: {shared_per_block}"
+    f" cuda_compute_capability {{ major: {major} minor: {minor} }} registers_per_core_limit: 65536"
+    f' registers_per_block_limit: 65536 }} platform_name: "CUDA" device_description_str: "{name}"'
+    # The CUDA runtime of JAX's cuda12 wheels. Without one XLA assumes none: it then builds no FP8 cuBLASLt
+    # GEMMs, so a program with FP8 matmuls would not be the one a card runs.
+    f" runtime_version {{ major: {CUDA_RUNTIME[0]} minor: {CUDA_RUNTIME[1]} }}"
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +135,9 @@ def _devices(kind_name: str, devices: int, per_host: int) -> tuple[Any, ...]:
   from jax.experimental import topologies
 
   kind = hardware.device_kind(kind_name)
-  description = topologies.get_topology_desc(platform="cuda", target_config=target_config(kind),
-                                             topology=f"1x{devices // per_host}x{per_host}")
+  description = topologies.get_topology_desc(
+    platform="cuda", target_config=target_config(kind), topology=f"1x{devices // per_host}x{per_host}"
+  )
   return tuple(description.devices)
 
 
@@ -154,5 +158,6 @@ def devices(target: GpuTarget) -> list[Any]:
   except Exception as e:  # the plugin's errors are JaxRuntimeErrors with its own text
     if isinstance(e, ValueError) and not type(e).__module__.startswith("jax"):
       raise
-    raise ValueError(f"JAX's CUDA plugin does not make compile-only devices for {target}:"
-                     f" {str(e).splitlines()[0] if str(e) else e!r}") from None
+    raise ValueError(
+      f"JAX's CUDA plugin does not make compile-only devices for {target}: {str(e).splitlines()[0] if str(e) else e!r}"
+    ) from None

@@ -24,8 +24,25 @@ from distrib_train.kernels import grouped
 from distrib_train.kernels.attention.work import kernel_flops
 
 _DTYPE_BITS = {
-    "pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s32": 32, "u32": 32,
-    "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
+  "pred": 8,
+  "s2": 2,
+  "u2": 2,
+  "s4": 4,
+  "u4": 4,
+  "s8": 8,
+  "u8": 8,
+  "s16": 16,
+  "u16": 16,
+  "s32": 32,
+  "u32": 32,
+  "s64": 64,
+  "u64": 64,
+  "f16": 16,
+  "bf16": 16,
+  "f32": 32,
+  "f64": 64,
+  "c64": 64,
+  "c128": 128,
 }
 ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]+m[0-9]+[a-z]*)?)\[([0-9,]*)\]")
 CALLS = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
@@ -100,7 +117,7 @@ def _parse_instruction(line: str) -> Instruction | None:
     return None
   op = rest[:paren].strip()
   close = balanced(rest, paren)
-  inside = rest[paren + 1:close - 1]
+  inside = rest[paren + 1 : close - 1]
   index = inside.strip() if op in ("parameter", "constant") else ""
   return Instruction(name[1:], shape, op, tuple(NAME.findall(inside)), rest[close:], index, root)
 
@@ -173,8 +190,7 @@ def _derived_trip_count(loop: Instruction, caller: Computation, computations: Ma
   if root is not None and root.op == "tuple" and counter < len(root.operands):
     update = in_body.get(root.operands[counter])
     if update is not None and update.op == "add" and len(update.operands) == 2:
-      increments = [_int_constant(in_body.get(o)) for o in update.operands
-                    if _tuple_index(in_body.get(o)) != counter]
+      increments = [_int_constant(in_body.get(o)) for o in update.operands if _tuple_index(in_body.get(o)) != counter]
       step = increments[0] if increments and increments[0] else 1
   in_caller = {i.name: i for i in caller.instructions}
   start = 0
@@ -184,8 +200,9 @@ def _derived_trip_count(loop: Instruction, caller: Computation, computations: Ma
   return max(0, -(-(bound - start) // step)) if step > 0 else None
 
 
-def _callees(instruction: Instruction, caller: Computation,
-             computations: Mapping[str, Computation]) -> list[tuple[str, int]]:
+def _callees(
+  instruction: Instruction, caller: Computation, computations: Mapping[str, Computation]
+) -> list[tuple[str, int]]:
   """Computations an instruction calls, each with how often per call."""
   out = [(name, 1) for _, name in CALLS.findall(instruction.attrs)]
   for _, names in _CALL_LISTS.findall(instruction.attrs):
@@ -225,10 +242,20 @@ def estimated_cycles(hlo_text: str) -> int | None:
   (another compiler's)."""
   computations, _ = parse_module(hlo_text)
   times = multiplicities(computations)
-  fused = {name for c in computations.values() for i in c.instructions if i.op == "fusion"
-           for name in re.findall(r"calls=%([\w.\-]+)", i.attrs)}  # a fusion's estimate is its body's: once
-  found = [(name, int(m.group(1))) for name, c in computations.items() if name not in fused for i in c.instructions
-           if (m := _ESTIMATED_CYCLES.search(i.attrs))]
+  fused = {
+    name
+    for c in computations.values()
+    for i in c.instructions
+    if i.op == "fusion"
+    for name in re.findall(r"calls=%([\w.\-]+)", i.attrs)
+  }  # a fusion's estimate is its body's: once
+  found = [
+    (name, int(m.group(1)))
+    for name, c in computations.items()
+    if name not in fused
+    for i in c.instructions
+    if (m := _ESTIMATED_CYCLES.search(i.attrs))
+  ]
   return sum(times[name] * cycles for name, cycles in found) if found else None
 
 
@@ -269,7 +296,9 @@ def _convolution_flops(instruction: Instruction, symbols: Mapping[str, str]) -> 
   return 2.0 * element_count(instruction.shape) * rhs[rhs_labels.index("i")] * taps
 
 
-_KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|__cudnn\$fmha\w*)"')  # Pallas, cuDNN
+_KERNEL = re.compile(
+  r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton|__cudnn\$fmha\w*)"'
+)  # Pallas, cuDNN
 
 
 def _op_name(attrs: str) -> str:

@@ -77,8 +77,10 @@ def layout(mesh_config: MeshConfig, devices: int, kind: hardware.DeviceKind, gra
     ValueError: the sizes do not fit the device count (named).
   """
   if mesh_config.devices is not None and mesh_config.devices != devices:
-    raise ValueError(f"{mesh_config.source} is for {mesh_config.devices} devices, not {devices}; pick a mesh config"
-                     f" for {devices} devices or pass --devices {mesh_config.devices}.")
+    raise ValueError(
+      f"{mesh_config.source} is for {mesh_config.devices} devices, not {devices}; pick a mesh config"
+      f" for {devices} devices or pass --devices {mesh_config.devices}."
+    )
   if mesh_config.is_hybrid:
     if granules is None:  # from whichever level has no -1
       if -1 not in mesh_config.dcn:
@@ -104,5 +106,6 @@ def emulated_mesh(lay: Layout, devices: Sequence[Any] | None = None) -> Mesh:
   devices = list(jax.devices() if devices is None else devices)
   if len(devices) != math.prod(lay.shape):
     raise ValueError(f"The mesh {lay.describe()} needs {math.prod(lay.shape)} devices; JAX has {len(devices)}.")
-  return Mesh(np.array(devices, dtype=object).reshape(lay.shape), lay.axis_names,
-              axis_types=(AxisType.Auto,) * len(lay.shape))
+  return Mesh(
+    np.array(devices, dtype=object).reshape(lay.shape), lay.axis_names, axis_types=(AxisType.Auto,) * len(lay.shape)
+  )

@@ -68,8 +68,13 @@ class Memory:
     return self.headroom >= 0
 
 
-def memory_of(plan: Plan, kind: hardware.DeviceKind, compiled: Any = None, fraction: float | None = None,
-              temporaries_scale: float = 1.0) -> Memory:
+def memory_of(
+  plan: Plan,
+  kind: hardware.DeviceKind,
+  compiled: Any = None,
+  fraction: float | None = None,
+  temporaries_scale: float = 1.0,
+) -> Memory:
   groups = plan.bytes_per_device()
   temporaries = outputs = None
   analysis = None
@@ -83,6 +88,16 @@ def memory_of(plan: Plan, kind: hardware.DeviceKind, compiled: Any = None, fract
     outputs = max(0, int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes))
   usable = int(kind.memory_bytes * (kind.usable_fraction if fraction is None else fraction))
   counted = None if temporaries is None else int(temporaries * temporaries_scale)
-  return Memory(groups["params"], groups["opt_state"], groups["local_state"],
-                sum(groups[g] for g in _OTHER_STATE), groups["inputs"], counted, outputs, usable,
-                kind.memory_bytes, temporaries, temporaries_scale)
+  return Memory(
+    groups["params"],
+    groups["opt_state"],
+    groups["local_state"],
+    sum(groups[g] for g in _OTHER_STATE),
+    groups["inputs"],
+    counted,
+    outputs,
+    usable,
+    kind.memory_bytes,
+    temporaries,
+    temporaries_scale,
+  )

@@ -40,12 +40,12 @@ def _mesh_axes_groups(text: str) -> np.ndarray:
   for name, size in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", head.group(1)):
     names.append(name)
     sizes.append(int(size))
-  rest = text[head.end():]
+  rest = text[head.end() :]
   devices = np.arange(math.prod(sizes))
   ids = re.match(r"\s*,\s*device_ids=\(", rest)
   if ids:
     close = balanced(rest, ids.end() - 1)
-    spec = rest[ids.end():close - 1].strip()
+    spec = rest[ids.end() : close - 1].strip()
     iota = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?$", spec)
     if iota:
       devices = _iota(_ints(iota.group(1)), _ints(iota.group(2)) if iota.group(2) else None).reshape(-1)
@@ -54,7 +54,7 @@ def _mesh_axes_groups(text: str) -> np.ndarray:
     rest = rest[close:]
   brace = rest.find("{")
   refs = []
-  for ref in re.findall(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", rest[brace + 1:balanced(rest, brace) - 1]):
+  for ref in re.findall(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", rest[brace + 1 : balanced(rest, brace) - 1]):
     axis = names.index(ref[0])
     refs.append((axis, int(ref[1]) if ref[1] else None, int(ref[2]) if ref[2] else None))
   # Split each grouped axis into factors: [pre, size, rest] per sub-axis.
@@ -90,9 +90,9 @@ def parse_replica_groups(attrs: str, num_devices: int | None) -> np.ndarray | li
   start = attrs.find("replica_groups=")
   if start < 0:
     return None
-  text = attrs[start + len("replica_groups="):]
+  text = attrs[start + len("replica_groups=") :]
   if text.startswith("{"):
-    body = text[:balanced(text, 0)]
+    body = text[: balanced(text, 0)]
     groups = [_ints(g) for g in re.findall(r"\{([\d,\s]*)\}", body[1:-1])]
     if not groups:  # {}: one group of every device
       return None if num_devices is None else np.arange(num_devices)[None, :]
@@ -105,7 +105,7 @@ def parse_replica_groups(attrs: str, num_devices: int | None) -> np.ndarray | li
     return _iota(_ints(iota.group(3)), _ints(iota.group(4)) if iota.group(4) else None).reshape(shape)
   if text.startswith("mesh["):
     end = text.find("}", text.find("{", text.find("]")))
-    return _mesh_axes_groups(text[:end + 1])
+    return _mesh_axes_groups(text[: end + 1])
   return None
 
 

@@ -60,13 +60,11 @@ def candidate_meshes(mesh_config: MeshConfig, devices: int, granules: int) -> li
   for ici in _factorisations(per_granule, len(names)):
     for dcn in dcn_options:
       label = "×".join(f"{n}{i * d}" for n, i, d in zip(names, ici, dcn))
-      out.append(MeshConfig(names, ici, dcn, rules=mesh_config.rules, source=f"candidate {label}",
-                            devices=devices))
+      out.append(MeshConfig(names, ici, dcn, rules=mesh_config.rules, source=f"candidate {label}", devices=devices))
   return out
 
 
-def rough_seconds(candidate: Layout, spec: StepSpec, kind: hardware.DeviceKind,
-                  emulated: bool = True) -> float:
+def rough_seconds(candidate: Layout, spec: StepSpec, kind: hardware.DeviceKind, emulated: bool = True) -> float:
   """A compile-free guess of a layout's communication time, to order compiles.
 
   FSDP: the params gathered for the forward and the backward pass and the
@@ -92,8 +90,9 @@ def rough_seconds(candidate: Layout, spec: StepSpec, kind: hardware.DeviceKind,
   local_tokens = spec.tokens_per_step / max(1, data * fsdp)
   value = 4 if emulated or caps.dtype == "float32" else 2
   passes = 3 if caps.remat == "full" else 2
-  seconds += (2 * passes * layers / stage * local_tokens * d_model * value * 2 * (tensor - 1) / tensor
-              / bandwidth("tensor"))
+  seconds += (
+    2 * passes * layers / stage * local_tokens * d_model * value * 2 * (tensor - 1) / tensor / bandwidth("tensor")
+  )
   if stage > 1:
     m, r = spec.microbatches, spec.pipeline_repeats
     iterations = r * m + stage - 1
@@ -174,10 +173,20 @@ class Recommendation:
   not_fitting_compiled: list[PodPlan]
 
 
-def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind, devices: int, *,
-              granules: int = 1, max_compiles: int = 6, efficiency: float = DEFAULT_EFFICIENCY,
-              memory_fraction: float | None = None, constrain_activations: bool = True,
-              progress: Any = None, target: Any = None) -> Recommendation:
+def recommend(
+  config: Config,
+  mesh_config: MeshConfig,
+  kind: hardware.DeviceKind,
+  devices: int,
+  *,
+  granules: int = 1,
+  max_compiles: int = 6,
+  efficiency: float = DEFAULT_EFFICIENCY,
+  memory_fraction: float | None = None,
+  constrain_activations: bool = True,
+  progress: Any = None,
+  target: Any = None,
+) -> Recommendation:
   """Ranks the mesh factorisations of ``devices`` by estimated step time.
 
   Every candidate is planned without compiling (state bytes per device, rule
@@ -192,15 +201,29 @@ def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind
   say = progress or (lambda message: None)
   platform = jax.devices()[0].platform if target is None else "tpu" if isinstance(target, TpuTopology) else "gpu"
   spec = step_spec(config, platform)
-  dropped = {"state does not fit": 0, "batch does not split": 0, "a rule skips a parameter dimension": 0,
-             "the pipeline cannot split the layers or the batch": 0,
-             "does not map onto the TPU topology": 0, "the compiler failed": 0}
+  dropped = {
+    "state does not fit": 0,
+    "batch does not split": 0,
+    "a rule skips a parameter dimension": 0,
+    "the pipeline cannot split the layers or the batch": 0,
+    "does not map onto the TPU topology": 0,
+    "the compiler failed": 0,
+  }
   survivors = []
   candidates = candidate_meshes(mesh_config, devices, granules)
   for candidate in candidates:
     try:
-      pod = plan_pod(config, candidate, kind, devices, granules=granules, compile=False, spec=spec,
-                     memory_fraction=memory_fraction, target=target)
+      pod = plan_pod(
+        config,
+        candidate,
+        kind,
+        devices,
+        granules=granules,
+        compile=False,
+        spec=spec,
+        memory_fraction=memory_fraction,
+        target=target,
+      )
     except ValueError as e:
       if target is None or "does not fit TPU topology" not in str(e):
         raise
@@ -219,8 +242,18 @@ def recommend(config: Config, mesh_config: MeshConfig, kind: hardware.DeviceKind
   for number, (*_, candidate) in enumerate(survivors[:max_compiles], 1):
     say(f"compiling {number}/{min(max_compiles, len(survivors))}: {candidate.source.removeprefix('candidate ')}")
     try:
-      pod = plan_pod(config, candidate, kind, devices, granules=granules, spec=spec, efficiency=efficiency,
-                     memory_fraction=memory_fraction, constrain_activations=constrain_activations, target=target)
+      pod = plan_pod(
+        config,
+        candidate,
+        kind,
+        devices,
+        granules=granules,
+        spec=spec,
+        efficiency=efficiency,
+        memory_fraction=memory_fraction,
+        constrain_activations=constrain_activations,
+        target=target,
+      )
     except ValueError as e:  # the target's compiler could not compile this layout
       if target is None:
         raise
@@ -238,5 +271,6 @@ def mesh_config_yaml(pod: PodPlan, rules: AxisRules, header: Sequence[str] = ())
   """A mesh-config file for ``pod``'s mesh (loadable by ``MeshConfig.from_yaml``)."""
   layout = pod.layout
   topology = pod.topology if isinstance(pod.topology, TpuTopology) else None
-  return MeshConfig(layout.axis_names, layout.ici, layout.dcn, rules=rules, devices=pod.devices,
-                    topology=topology).to_yaml(header)
+  return MeshConfig(
+    layout.axis_names, layout.ici, layout.dcn, rules=rules, devices=pod.devices, topology=topology
+  ).to_yaml(header)

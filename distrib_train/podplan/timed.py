@@ -66,10 +66,14 @@ def measure(config: Config, mesh_config: MeshConfig, *, steps: int = 5, warmup: 
   refusal = ""
   try:
     plan = plan_state(spec, build_mesh(mesh_config), rules)
-    step = build_train_step_fn(spec.loss_fn, donate_params_and_state=True,
-                               train_state_shardings=plan.train_state_shardings,
-                               input_kwarg_shardings=plan.input_kwarg_shardings,
-                               aux_output_shardings=plan.aux_output_shardings, **step_options(spec, plan, rules))
+    step = build_train_step_fn(
+      spec.loss_fn,
+      donate_params_and_state=True,
+      train_state_shardings=plan.train_state_shardings,
+      input_kwarg_shardings=plan.input_kwarg_shardings,
+      aux_output_shardings=plan.aux_output_shardings,
+      **step_options(spec, plan, rules),
+    )
     vocab = spec.family.vocab_size or 256
     state = plan.init(spec.make_state)
     batch = _batch(spec, plan, vocab)

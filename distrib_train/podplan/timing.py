@@ -50,12 +50,24 @@ class StepTime:
     return self.model_flops_per_device / (self.step_s * self.peak_flops)
 
 
-def step_time(model_flops_per_device: float | None, matmul_flops_per_device: float, wire: Mapping[str, float],
-              kind: hardware.DeviceKind, efficiency: float, xla_flops: float | None = None) -> StepTime:
+def step_time(
+  model_flops_per_device: float | None,
+  matmul_flops_per_device: float,
+  wire: Mapping[str, float],
+  kind: hardware.DeviceKind,
+  efficiency: float,
+  xla_flops: float | None = None,
+) -> StepTime:
   flops = matmul_flops_per_device or model_flops_per_device or 0.0
-  return StepTime(model_flops_per_device, matmul_flops_per_device, xla_flops,
-                  flops / (kind.peak_flops * efficiency), wire.get("ici", 0.0) / kind.ici_bandwidth,
-                  wire.get("dcn", 0.0) / kind.dcn_bandwidth, kind.peak_flops)
+  return StepTime(
+    model_flops_per_device,
+    matmul_flops_per_device,
+    xla_flops,
+    flops / (kind.peak_flops * efficiency),
+    wire.get("ici", 0.0) / kind.ici_bandwidth,
+    wire.get("dcn", 0.0) / kind.dcn_bandwidth,
+    kind.peak_flops,
+  )
 
 
 def xla_flops(compiled: Any) -> float | None:

@@ -42,8 +42,10 @@ class TpuCompilerMissing(ValueError):
 
 
 def install_hint() -> str:
-  return (f"pip install 'jax[tpu]=={jax.__version__}' (libtpu, about 700 MB, runs on a CPU-only host), or plan on"
-          " emulated CPU devices with --emulate")
+  return (
+    f"pip install 'jax[tpu]=={jax.__version__}' (libtpu, about 700 MB, runs on a CPU-only host), or plan on"
+    " emulated CPU devices with --emulate"
+  )
 
 
 def available() -> bool:
@@ -89,8 +91,11 @@ def _devices(name: str, num_slices: int) -> tuple[Any, ...]:
 
   topology = TpuTopology.parse(name, num_slices)
   _quiet_environment(topology)
-  kwargs: dict[str, Any] = dict(chip_config_name=topology.chip_config,
-                                chips_per_host_bounds=topology.chips_per_host_bounds, wrap=topology.wraparound)
+  kwargs: dict[str, Any] = dict(
+    chip_config_name=topology.chip_config,
+    chips_per_host_bounds=topology.chips_per_host_bounds,
+    wrap=topology.wraparound,
+  )
   if num_slices > 1:
     kwargs["num_slices"] = num_slices
   # libtpu writes a line or two to stdout as it loads; the plan's output is the report.
@@ -113,11 +118,14 @@ def devices(topology: TpuTopology) -> list[Any]:
   except Exception as e:  # libtpu's errors are RuntimeErrors / JaxRuntimeErrors with its own text
     if isinstance(e, ValueError) and not type(e).__module__.startswith("jax"):
       raise
-    raise ValueError(f"libtpu does not make TPU topology {topology}: {str(e).splitlines()[0] if str(e) else e!r}"
-                     ) from None
+    raise ValueError(
+      f"libtpu does not make TPU topology {topology}: {str(e).splitlines()[0] if str(e) else e!r}"
+    ) from None
   if len(found) != topology.devices:
-    raise ValueError(f"libtpu made {len(found)} devices for TPU topology {topology}, not the {topology.devices}"
-                     " chips it has; is the installed libtpu for another JAX version?")
+    raise ValueError(
+      f"libtpu made {len(found)} devices for TPU topology {topology}, not the {topology.devices}"
+      " chips it has; is the installed libtpu for another JAX version?"
+    )
   return found
 
 
@@ -129,15 +137,21 @@ def mesh(mesh_config: MeshConfig, topology: TpuTopology) -> Mesh:
   """
   found = devices(topology)
   if mesh_config.devices is not None and mesh_config.devices != len(found):
-    raise ValueError(f"{mesh_config.source} is for {mesh_config.devices} devices; TPU topology {topology} has"
-                     f" {len(found)} chips. Pick a mesh config for {len(found)} devices or another topology.")
+    raise ValueError(
+      f"{mesh_config.source} is for {mesh_config.devices} devices; TPU topology {topology} has"
+      f" {len(found)} chips. Pick a mesh config for {len(found)} devices or another topology."
+    )
   if topology.num_slices == 1 and mesh_config.is_hybrid:
     spans = [n for n, d in zip(mesh_config.axis_names, mesh_config.dcn) if d != 1]
-    raise ValueError(f"{mesh_config.source}: axes {', '.join(spans)} span slices (dcn) but TPU topology {topology}"
-                     " is one slice; pass --num_slices N (or granules: N in the mesh config).")
+    raise ValueError(
+      f"{mesh_config.source}: axes {', '.join(spans)} span slices (dcn) but TPU topology {topology}"
+      " is one slice; pass --num_slices N (or granules: N in the mesh config)."
+    )
   if topology.num_slices > 1 and not mesh_config.is_hybrid:
-    raise ValueError(f"{mesh_config.source}: TPU topology {topology} has {topology.num_slices} slices but no mesh axis"
-                     " spans them; give one axis a DCN size, e.g. data: {ici: 1, dcn: " + f"{topology.num_slices}}}.")
+    raise ValueError(
+      f"{mesh_config.source}: TPU topology {topology} has {topology.num_slices} slices but no mesh axis"
+      " spans them; give one axis a DCN size, e.g. data: {ici: 1, dcn: " + f"{topology.num_slices}}}."
+    )
   try:
     return build_mesh(mesh_config, found)
   except (ValueError, AssertionError, NotImplementedError) as e:

@@ -22,8 +22,18 @@ from typing import Any
 
 import numpy as np
 
-LINE_KEYS = ("step", "prompt_index", "prompt", "completion", "completion_ids", "rewards", "reward", "advantage",
-             "length", "truncated")
+LINE_KEYS = (
+  "step",
+  "prompt_index",
+  "prompt",
+  "completion",
+  "completion_ids",
+  "rewards",
+  "reward",
+  "advantage",
+  "length",
+  "truncated",
+)
 
 
 def _batch_path(workdir: str, step: int) -> str:
@@ -57,12 +67,15 @@ def read(workdir: str, step: int, num_iterations: int) -> dict[str, np.ndarray]:
   """
   path = _batch_path(workdir, step)
   if not os.path.isfile(os.path.join(path, "arrays.json")):
-    raise ValueError(f"{path}: the rollouts of step {step} this run resumes within (grpo.num_iterations="
-                     f"{num_iterations}) are missing.")
+    raise ValueError(
+      f"{path}: the rollouts of step {step} this run resumes within (grpo.num_iterations={num_iterations}) are missing."
+    )
   with open(os.path.join(path, "arrays.json"), encoding="utf-8") as f:
     layout = json.load(f)
-  return {name: np.fromfile(os.path.join(path, f"{name}.bin"), np.dtype(dtype)).reshape(shape)
-          for name, (dtype, shape) in layout.items()}
+  return {
+    name: np.fromfile(os.path.join(path, f"{name}.bin"), np.dtype(dtype)).reshape(shape)
+    for name, (dtype, shape) in layout.items()
+  }
 
 
 def trim(workdir: str, step: int) -> None:
@@ -79,15 +92,30 @@ def trim(workdir: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def figures(names: Sequence[str], values: np.ndarray, reward: np.ndarray, zero_std: np.ndarray,
-            lengths: np.ndarray, truncated: np.ndarray, generated: float, seconds: float) -> dict[str, float]:
+def figures(
+  names: Sequence[str],
+  values: np.ndarray,
+  reward: np.ndarray,
+  zero_std: np.ndarray,
+  lengths: np.ndarray,
+  truncated: np.ndarray,
+  generated: float,
+  seconds: float,
+) -> dict[str, float]:
   """A batch's figures: the rewards (overall and per function, a function's ``None`` left out), the completions'
   lengths, the truncated share, the groups without spread, the sampler's time and tokens per second."""
-  out = {"reward/mean": float(np.mean(reward)), "reward/std": float(np.std(reward, ddof=1)) if len(reward) > 1
-         else 0.0, "completions/mean_length": float(lengths.mean()), "completions/min_length": int(lengths.min()),
-         "completions/max_length": int(lengths.max()), "completions/clipped_ratio": float(truncated.mean()),
-         "frac_reward_zero_std": float(np.mean(zero_std)), "generation_seconds": generated,
-         "generation_tokens_per_s": float(lengths.sum() / max(generated, 1e-9)), "seconds": seconds}
+  out = {
+    "reward/mean": float(np.mean(reward)),
+    "reward/std": float(np.std(reward, ddof=1)) if len(reward) > 1 else 0.0,
+    "completions/mean_length": float(lengths.mean()),
+    "completions/min_length": int(lengths.min()),
+    "completions/max_length": int(lengths.max()),
+    "completions/clipped_ratio": float(truncated.mean()),
+    "frac_reward_zero_std": float(np.mean(zero_std)),
+    "generation_seconds": generated,
+    "generation_tokens_per_s": float(lengths.sum() / max(generated, 1e-9)),
+    "seconds": seconds,
+  }
   for j, name in enumerate(names):
     present = values[:, j][~np.isnan(values[:, j])]
     out[f"rewards/{name}/mean"] = float(present.mean()) if present.size else float("nan")

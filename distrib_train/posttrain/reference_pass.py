@@ -72,14 +72,21 @@ def path_for(config: Any) -> str:
   files = text_files.expand(data.paths) if data.source == "text" else []
   tokenizer = str(data.tokenizer)
   key = {
-      "version": 1, "source": data.source, "text_field": data.text_field, "tokenizer": data.tokenizer_name(),
-      "files": [index_cache.file_key(p, KIND) if os.path.isfile(p) else _stats(p) for p in files],
-      # the tokenizer's folder: its tokenizer_config.json or chat_template.jinja holds the template
-      "tokenizer_files": _stats(os.path.dirname(os.path.expanduser(tokenizer[3:]))) if tokenizer.startswith("hf:")
-      else None,
-      "chat_template": _stats(data.chat_template) if data.chat_template else "",
-      "seq_len": data.seq_len, "long": data.long_conversations, "model": repr(config.model_recipe().config),
-      "reference": _source_key(config.dpo.reference or config.train.init_from), "seed": config.train.seed,
+    "version": 1,
+    "source": data.source,
+    "text_field": data.text_field,
+    "tokenizer": data.tokenizer_name(),
+    "files": [index_cache.file_key(p, KIND) if os.path.isfile(p) else _stats(p) for p in files],
+    # the tokenizer's folder: its tokenizer_config.json or chat_template.jinja holds the template
+    "tokenizer_files": _stats(os.path.dirname(os.path.expanduser(tokenizer[3:])))
+    if tokenizer.startswith("hf:")
+    else None,
+    "chat_template": _stats(data.chat_template) if data.chat_template else "",
+    "seq_len": data.seq_len,
+    "long": data.long_conversations,
+    "model": repr(config.model_recipe().config),
+    "reference": _source_key(config.dpo.reference or config.train.init_from),
+    "seed": config.train.seed,
   }
   digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
   first = os.path.abspath(files[0]) if files else ""
@@ -110,12 +117,13 @@ def ensure(config: Any, job: Any, plan: Any, rules: Any, load: Any, data: Any, l
   partial = f"{path}.{jax.process_index()}-{os.getpid()}-{os.urandom(4).hex()}.partial"
   write_reference(partial, hashes, sums[:, 0], sums[:, 1])
   os.replace(partial, path)
-  (log or (lambda line: print(line, file=sys.stderr, flush=True)))(f"Precomputed the DPO reference for {len(hashes)} pairs in {time.perf_counter() - started:.1f} s: {path}")
+  (log or (lambda line: print(line, file=sys.stderr, flush=True)))(
+    f"Precomputed the DPO reference for {len(hashes)} pairs in {time.perf_counter() - started:.1f} s: {path}"
+  )
   return path
 
 
-def _pass(config: Any, job: Any, plan: Any, rules: Any, load: Any,
-          data: Any) -> tuple[np.ndarray, np.ndarray]:
+def _pass(config: Any, job: Any, plan: Any, rules: Any, load: Any, data: Any) -> tuple[np.ndarray, np.ndarray]:
   """Each record's hash and its chosen and rejected sequences' summed reference log-probabilities."""
   import jax
   from jax.sharding import NamedSharding, PartitionSpec
@@ -152,16 +160,18 @@ def _pass(config: Any, job: Any, plan: Any, rules: Any, load: Any,
   cap = data.max_segments_per_row or length
   packed, where = _packed(sequences, length, cap)
   sharding = plan.input_kwarg_shardings["tokens"]
-  step = jax.jit(functools.partial(_sums, count=cap + 1),
-                 in_shardings=(plan.train_state_shardings, sharding, sharding, sharding, sharding, sharding),
-                 out_shardings=NamedSharding(plan.mesh, PartitionSpec()))
+  step = jax.jit(
+    functools.partial(_sums, count=cap + 1),
+    in_shardings=(plan.train_state_shardings, sharding, sharding, sharding, sharding, sharding),
+    out_shardings=NamedSharding(plan.mesh, PartitionSpec()),
+  )
   place = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
   per_row = np.zeros((len(packed["tokens"]), cap + 1), np.float64)
   with activation_sharding(plan.mesh, rules):
     for start in range(0, len(per_row), rows):
-      part = {k: _rows(v[start:start + rows], rows) for k, v in packed.items()}
+      part = {k: _rows(v[start : start + rows], rows) for k, v in packed.items()}
       found = step(state, *(place(part[k]) for k in ("tokens", "targets", "segment_ids", "positions", "weights")))
-      per_row[start:start + rows] = np.asarray(found.addressable_data(0))[:len(per_row) - start]
+      per_row[start : start + rows] = np.asarray(found.addressable_data(0))[: len(per_row) - start]
   sums = per_row[where[:, 0], where[:, 1]]
   return np.asarray(hashes, np.uint64), sums.reshape(-1, 2).astype(np.float32)
 
@@ -188,11 +198,14 @@ def _packed(sequences: list[np.ndarray], length: int, cap: int) -> tuple[dict[st
     at = 0
     for k, seq in enumerate(row, start=1):
       n = len(seq)
-      ids[at:at + n], loss[at:at + n] = seq["ids"], seq["loss"] & 1
-      segments[at:at + n], positions[at:at + n] = k, np.arange(n)
+      ids[at : at + n], loss[at : at + n] = seq["ids"], seq["loss"] & 1
+      segments[at : at + n], positions[at : at + n] = k, np.arange(n)
       at += n
-    out.append(sequences_lib.shifted({"tokens": ids, "tokens_segment_ids": segments, "tokens_positions": positions,
-                                      "tokens_loss": loss}))
+    out.append(
+      sequences_lib.shifted(
+        {"tokens": ids, "tokens_segment_ids": segments, "tokens_positions": positions, "tokens_loss": loss}
+      )
+    )
   return {k: np.stack([r[k] for r in out]) for k in out[0]}, np.asarray(where, np.int64)
 
 
@@ -211,8 +224,7 @@ def _sums(state: Any, tokens: Any, targets: Any, segment_ids: Any, positions: An
   from distrib_train.recipes import lora
   from distrib_train.objectives import dpo as objectives
 
-  tokens, rest = context.reorder(tokens, targets=targets, segment_ids=segment_ids, positions=positions,
-                                 weights=weights)
+  tokens, rest = context.reorder(tokens, targets=targets, segment_ids=segment_ids, positions=positions, weights=weights)
   with lora.adapters_off():
     logps, _ = objectives.token_logprobs(objectives.policy_of(state.model), tokens, rest)
   scored = jnp.where(rest["weights"] > 0, logps, 0.0)

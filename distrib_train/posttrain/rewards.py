@@ -139,21 +139,28 @@ def _overlong(buffer: int, max_length: int) -> Callable[..., list[float]]:
   return overlong
 
 
-def _built_in(name: str, entry: str, *, format_pattern: str, overlong_buffer: int, max_completion_length: int,
-              where: str) -> Callable[..., Any]:
+def _built_in(
+  name: str, entry: str, *, format_pattern: str, overlong_buffer: int, max_completion_length: int, where: str
+) -> Callable[..., Any]:
   if name == "accuracy":
     return _accuracy(extras.require("math_verify", f"{where}: accuracy"))
   if name == "format":
     try:
       pattern = re.compile(format_pattern, re.DOTALL)
     except (re.error, TypeError) as e:
-      raise ValueError(f"grpo.format_pattern {format_pattern!r} is not a regular expression ({e}), for {entry}"
-                       ) from None
+      raise ValueError(
+        f"grpo.format_pattern {format_pattern!r} is not a regular expression ({e}), for {entry}"
+      ) from None
     return _format(pattern)
-  if isinstance(overlong_buffer, bool) or not isinstance(overlong_buffer, int) or not (
-      1 <= overlong_buffer <= max_completion_length):
-    raise ValueError(f"grpo.overlong_buffer must be a whole number of tokens from 1 to grpo.max_completion_length"
-                     f" ({max_completion_length}) for {entry}, got {overlong_buffer!r}")
+  if (
+    isinstance(overlong_buffer, bool)
+    or not isinstance(overlong_buffer, int)
+    or not (1 <= overlong_buffer <= max_completion_length)
+  ):
+    raise ValueError(
+      f"grpo.overlong_buffer must be a whole number of tokens from 1 to grpo.max_completion_length"
+      f" ({max_completion_length}) for {entry}, got {overlong_buffer!r}"
+    )
   return _overlong(overlong_buffer, max_completion_length)
 
 
@@ -179,8 +186,14 @@ def _imported(spelling: str, entry: str) -> Callable[..., Any]:
   return fn
 
 
-def resolve(names: Sequence[str], *, format_pattern: str, overlong_buffer: int, max_completion_length: int,
-            where: str = "grpo.reward_funcs") -> list[RewardFunc]:
+def resolve(
+  names: Sequence[str],
+  *,
+  format_pattern: str,
+  overlong_buffer: int,
+  max_completion_length: int,
+  where: str = "grpo.reward_funcs",
+) -> list[RewardFunc]:
   """The reward functions ``names`` lists: built-ins by name, any other as ``module:function``, imported.
 
   Args:
@@ -201,8 +214,9 @@ def resolve(names: Sequence[str], *, format_pattern: str, overlong_buffer: int, 
   if isinstance(names, str) or not isinstance(names, Sequence):
     raise ValueError(f"{where} must be a list of reward functions, got {names!r}")
   if not names:
-    raise ValueError(f"{where} is empty: name at least one reward function ({', '.join(BUILT_INS)}, or"
-                     " module:function)")
+    raise ValueError(
+      f"{where} is empty: name at least one reward function ({', '.join(BUILT_INS)}, or module:function)"
+    )
   funcs: list[RewardFunc] = []
   for i, name in enumerate(names):
     if not isinstance(name, str) or not name.strip():
@@ -212,13 +226,20 @@ def resolve(names: Sequence[str], *, format_pattern: str, overlong_buffer: int, 
     if name in (f.name for f in funcs):
       raise ValueError(f"{entry} is listed twice (each function's rewards are logged under its name)")
     if name in BUILT_INS:
-      fn = _built_in(name, entry, format_pattern=format_pattern, overlong_buffer=overlong_buffer,
-                     max_completion_length=max_completion_length, where=where)
+      fn = _built_in(
+        name,
+        entry,
+        format_pattern=format_pattern,
+        overlong_buffer=overlong_buffer,
+        max_completion_length=max_completion_length,
+        where=where,
+      )
     elif ":" in name:
       fn = _imported(name, entry)
     else:
-      raise ValueError(f"{where}[{i}]: unknown reward function {name!r}; built-ins: {', '.join(BUILT_INS)}, or give"
-                       " module:function")
+      raise ValueError(
+        f"{where}[{i}]: unknown reward function {name!r}; built-ins: {', '.join(BUILT_INS)}, or give module:function"
+      )
     funcs.append(RewardFunc(name, fn))
   return funcs
 
@@ -233,9 +254,12 @@ def _one_line(error: BaseException) -> str:
 
 def _call(fn: Callable[..., Any], prompts, completions, completion_ids, columns, rows: Sequence[int]) -> Any:
   """``fn`` on the completions ``rows`` (fresh lists: a function that changes them changes nothing here)."""
-  return fn(prompts=[prompts[r] for r in rows], completions=[completions[r] for r in rows],
-            completion_ids=[completion_ids[r] for r in rows],
-            **{key: [values[r] for r in rows] for key, values in columns.items()})
+  return fn(
+    prompts=[prompts[r] for r in rows],
+    completions=[completions[r] for r in rows],
+    completion_ids=[completion_ids[r] for r in rows],
+    **{key: [values[r] for r in rows] for key, values in columns.items()},
+  )
 
 
 def _failure(name: str, prompt_index: Sequence[int]) -> Callable[[int, str], RewardError]:
@@ -243,9 +267,14 @@ def _failure(name: str, prompt_index: Sequence[int]) -> Callable[[int, str], Rew
   return lambda row, why: RewardError(f"reward function {name!r} failed on prompt {prompt_index[row]}: {why}")
 
 
-def score(funcs: Sequence[RewardFunc], prompts: Sequence[Any], completions: Sequence[Any],
-          completion_ids: Sequence[Sequence[int]], columns: Mapping[str, Sequence[Any]],
-          prompt_index: Sequence[int]) -> np.ndarray:
+def score(
+  funcs: Sequence[RewardFunc],
+  prompts: Sequence[Any],
+  completions: Sequence[Any],
+  completion_ids: Sequence[Sequence[int]],
+  columns: Mapping[str, Sequence[Any]],
+  prompt_index: Sequence[int],
+) -> np.ndarray:
   """Each function's reward for each completion.
 
   Args:
@@ -266,8 +295,12 @@ def score(funcs: Sequence[RewardFunc], prompts: Sequence[Any], completions: Sequ
     ValueError: the inputs' lengths differ, or a column is named like one of the call's own arguments.
   """
   n = len(completions)
-  for label, values in [("prompts", prompts), ("completion_ids", completion_ids), ("prompt_index", prompt_index),
-                        *((f"column {key!r}", v) for key, v in columns.items())]:
+  for label, values in [
+    ("prompts", prompts),
+    ("completion_ids", completion_ids),
+    ("prompt_index", prompt_index),
+    *((f"column {key!r}", v) for key, v in columns.items()),
+  ]:
     if len(values) != n:
       raise ValueError(f"reward scoring: {len(values)} {label} for {n} completions")
   if clash := sorted(set(columns) & set(_CALL_ARGS)):
@@ -322,8 +355,9 @@ def combine(rewards: np.ndarray, weights: Sequence[float] | None) -> np.ndarray:
   else:
     w = np.asarray(weights, dtype=np.float64)
     if w.shape != (rewards.shape[1],) or not np.all(np.isfinite(w)):
-      raise ValueError(f"reward weights must be {rewards.shape[1]} finite numbers, one per reward function, got"
-                       f" {list(weights)}")
+      raise ValueError(
+        f"reward weights must be {rewards.shape[1]} finite numbers, one per reward function, got {list(weights)}"
+      )
   return np.nansum(rewards * w, axis=1)
 
 
@@ -351,8 +385,9 @@ def advantages(rewards: np.ndarray, num_generations: int, scale_rewards: str) ->
   if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 2:
     raise ValueError(f"num_generations must be a whole number of at least 2, got {num_generations!r}")
   if rewards.ndim != 1 or rewards.shape[0] % num_generations:
-    raise ValueError(f"rewards must be [N] with N a multiple of num_generations ({num_generations}), got shape"
-                     f" {rewards.shape}")
+    raise ValueError(
+      f"rewards must be [N] with N a multiple of num_generations ({num_generations}), got shape {rewards.shape}"
+    )
   if not np.all(np.isfinite(rewards)):
     raise ValueError("rewards must be finite to compute advantages")
   groups = rewards.reshape(-1, num_generations)

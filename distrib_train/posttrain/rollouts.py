@@ -65,8 +65,10 @@ def _record(documents: Any, index: int) -> dict[str, Any] | None:
   record = json.loads(text) if isinstance(text, str) else None
   prompt = record.get("prompt") if isinstance(record, dict) else None
   if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
-    raise ValueError(f"data: prompt record {index} needs 'prompt' (text, or a list of {{role, content}}"
-                     f" messages); it has {sorted(record)[:8] if isinstance(record, dict) else type(record).__name__}.")
+    raise ValueError(
+      f"data: prompt record {index} needs 'prompt' (text, or a list of {{role, content}}"
+      f" messages); it has {sorted(record)[:8] if isinstance(record, dict) else type(record).__name__}."
+    )
   return record
 
 
@@ -79,26 +81,39 @@ def check(config: Any) -> list[rewards_lib.RewardFunc]:
   """
   g, data = config.grpo, config.data
   if data.global_batch_size % g.num_generations:
-    raise ValueError(f"data.global_batch_size={data.global_batch_size} is not a multiple of grpo.num_generations="
-                     f"{g.num_generations}: a step's batch holds whole groups of completions.")
+    raise ValueError(
+      f"data.global_batch_size={data.global_batch_size} is not a multiple of grpo.num_generations="
+      f"{g.num_generations}: a step's batch holds whole groups of completions."
+    )
   if data.seq_len < g.max_completion_length + 1:
-    raise ValueError(f"data.seq_len={data.seq_len} holds no prompt before grpo.max_completion_length="
-                     f"{g.max_completion_length} new tokens; raise data.seq_len.")
+    raise ValueError(
+      f"data.seq_len={data.seq_len} holds no prompt before grpo.max_completion_length="
+      f"{g.max_completion_length} new tokens; raise data.seq_len."
+    )
   if config.data.source not in ("text", "arithmetic"):
-    raise ValueError(f"data.source={config.data.source}: train.objective=grpo reads prompt records, {{\"prompt\":"
-                     " …}: data.source text with data.paths (JSONL, Parquet, a datasets folder), or arithmetic.")
+    raise ValueError(
+      f'data.source={config.data.source}: train.objective=grpo reads prompt records, {{"prompt":'
+      " …}: data.source text with data.paths (JSONL, Parquet, a datasets folder), or arithmetic."
+    )
   if getattr(config.model_recipe().config, "lora_dropout", 0.0):
-    raise ValueError("model.lora.dropout: train.objective=grpo compares the policy with its sampler and its"
-                     " reference, which drop nothing; set model.lora.dropout=0.")
+    raise ValueError(
+      "model.lora.dropout: train.objective=grpo compares the policy with its sampler and its"
+      " reference, which drop nothing; set model.lora.dropout=0."
+    )
   if config.train.eval_every:
-    raise ValueError("train.eval_every: train.objective=grpo trains on its own completions and has no held-out"
-                     " loss; score tasks with train.eval_tasks instead.")
+    raise ValueError(
+      "train.eval_every: train.objective=grpo trains on its own completions and has no held-out"
+      " loss; score tasks with train.eval_tasks instead."
+    )
   if not g.reward_funcs:
-    raise ValueError("grpo.reward_funcs is empty: name at least one (accuracy, format, overlong, or"
-                     " module:function).")
-  return rewards_lib.resolve(list(g.reward_funcs), format_pattern=g.format_pattern, where="grpo.reward_funcs",
-                             overlong_buffer=g.overlong_buffer or max(1, g.max_completion_length // 4),
-                             max_completion_length=g.max_completion_length)
+    raise ValueError("grpo.reward_funcs is empty: name at least one (accuracy, format, overlong, or module:function).")
+  return rewards_lib.resolve(
+    list(g.reward_funcs),
+    format_pattern=g.format_pattern,
+    where="grpo.reward_funcs",
+    overlong_buffer=g.overlong_buffer or max(1, g.max_completion_length // 4),
+    max_completion_length=g.max_completion_length,
+  )
 
 
 def prompt_order(count: int, per_step: int, seed: int, batch: int) -> list[int]:
@@ -127,8 +142,9 @@ class RolloutSource:
     self.funcs = check(config)
     self.documents = prompt_records(config)
     init = config.train.init_from
-    loaded = types.SimpleNamespace(config=config, hf_dir=os.path.expanduser(init[3:]) if init.startswith("hf:")
-                                   else None)
+    loaded = types.SimpleNamespace(
+      config=config, hf_dir=os.path.expanduser(init[3:]) if init.startswith("hf:") else None
+    )
     self.codec = generate_text.codec_for(loaded)
     self.end_ids = generate_text.end_ids(loaded, self.codec, "union")  # TRL's: the tokenizer's end token too
     self.prompts_per_step = config.data.global_batch_size // self.settings.num_generations
@@ -182,13 +198,21 @@ class RolloutSource:
   def set_data_position(self, position: Mapping[str, Any]) -> None:
     changed = [f"{k}: {position.get(k)!r} → {v!r}" for k, v in self._layout().items() if position.get(k) != v]
     if position.get("version") != POSITION_VERSION or changed:
-      raise ValueError("The saved rollout position was written for another prompt layout ("
-                       + "; ".join(changed or [f"version {position.get('version')}"]) + "); resume with the"
-                       " checkpoint's config, or train in a new workdir.")
+      raise ValueError(
+        "The saved rollout position was written for another prompt layout ("
+        + "; ".join(changed or [f"version {position.get('version')}"])
+        + "); resume with the"
+        " checkpoint's config, or train in a new workdir."
+      )
 
   def _layout(self) -> dict[str, Any]:
-    return {"kind": "rollouts", "prompts": len(self.documents), "prompts_per_step": self.prompts_per_step,
-            "seed": self.config.data.seed, "num_iterations": self.settings.num_iterations}
+    return {
+      "kind": "rollouts",
+      "prompts": len(self.documents),
+      "prompts_per_step": self.prompts_per_step,
+      "seed": self.config.data.seed,
+      "num_iterations": self.settings.num_iterations,
+    }
 
   def close(self) -> None:
     pass
@@ -197,8 +221,9 @@ class RolloutSource:
 
   def prompt_indices(self, step: int) -> list[int]:
     """The corpus indices of the prompts generated for at ``step`` (a multiple of ``num_iterations``)."""
-    return prompt_order(len(self.documents), self.prompts_per_step, self.config.data.seed,
-                        step // self.settings.num_iterations)
+    return prompt_order(
+      len(self.documents), self.prompts_per_step, self.config.data.seed, step // self.settings.num_iterations
+    )
 
   def _records(self, indices: list[int]) -> tuple[list[int], list[dict[str, Any]]]:
     """The records at ``indices``; a malformed one (``data.bad_records: skip``) is counted and the next one in
@@ -226,13 +251,15 @@ class RolloutSource:
       from distrib_train.data.chat import ChatEncoder, ChatTemplate
 
       if not self.codec.path:
-        raise ValueError(f"prompt record {index}: messages need a chat template, and the tokenizer"
-                         f" {self.codec.spec} has none; give 'prompt' text, or the model's tokenizer.")
+        raise ValueError(
+          f"prompt record {index}: messages need a chat template, and the tokenizer"
+          f" {self.codec.spec} has none; give 'prompt' text, or the model's tokenizer."
+        )
       if self._chat is None:  # the model's template, read once
         self._chat = ChatEncoder(ChatTemplate.load(self.codec.path, self.config.data.chat_template), None)
       text = self._chat.render(prompt, add_generation_prompt=True, where=f"prompt record {index}")
       ids = self.codec.encode(text, False)
-    return ids[-self.max_prompt:], text
+    return ids[-self.max_prompt :], text
 
   def _roll_out(self, state: Any, step: int) -> dict[str, np.ndarray]:
     from distrib_train.generation.sampling import Sampling
@@ -243,14 +270,21 @@ class RolloutSource:
     prompts, rendered = zip(*[self._prompt(r, i) for r, i in zip(records, indices)])
     generator = self._sampler(state)
     sampled = time.perf_counter()
-    sampling = Sampling(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p,
-                        scaled_logprobs=True)
+    sampling = Sampling(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, min_p=g.min_p, scaled_logprobs=True)
     seed = (self.config.train.seed * 1_000_003 + step + 7_919 * self._replays) % (1 << 32)
-    completions = generator.generate(prompts, max_new_tokens=g.max_completion_length, sampling=sampling,
-                                     n=g.num_generations, seed=seed, eos_ids=self.end_ids,
-                                     batch_size=self.config.data.global_batch_size)
+    completions = generator.generate(
+      prompts,
+      max_new_tokens=g.max_completion_length,
+      sampling=sampling,
+      n=g.num_generations,
+      seed=seed,
+      eos_ids=self.end_ids,
+      batch_size=self.config.data.global_batch_size,
+    )
     generated = time.perf_counter() - sampled
-    rows = [(p, c) for p in range(len(prompts)) for c in completions[p * g.num_generations:(p + 1) * g.num_generations]]
+    rows = [
+      (p, c) for p in range(len(prompts)) for c in completions[p * g.num_generations : (p + 1) * g.num_generations]
+    ]
     texts = [self.codec.decode([t for t in c.ids if t not in self.end_ids]) for _, c in rows]
     values = self._rewards(records, indices, rows, texts)
     reward = rewards_lib.combine(values, list(g.reward_weights) or None)
@@ -259,8 +293,19 @@ class RolloutSource:
     if g.num_iterations > 1:
       host["old_logps"] = self._old_logps(state, host)
       self._keep(step, host)
-    self._record(step, indices, rendered, rows, texts, values, reward, advantages, zero_std, generated,
-                 time.perf_counter() - started)
+    self._record(
+      step,
+      indices,
+      rendered,
+      rows,
+      texts,
+      values,
+      reward,
+      advantages,
+      zero_std,
+      generated,
+      time.perf_counter() - started,
+    )
     return host
 
   def _sampler(self, state: Any) -> Any:
@@ -289,9 +334,13 @@ class RolloutSource:
       columns = {k: [records[rows[i][0]].get(k) for i in mine] for k in records[0] if k != "prompt"}
       try:
         values[mine] = rewards_lib.score(
-            funcs, [records[rows[i][0]]["prompt"] for i in mine],
-            [[{"role": "assistant", "content": texts[i]}] if c else texts[i] for i, c in zip(mine, chat)],
-            [rows[i][1].ids for i in mine], columns, [indices[rows[i][0]] for i in mine])
+          funcs,
+          [records[rows[i][0]]["prompt"] for i in mine],
+          [[{"role": "assistant", "content": texts[i]}] if c else texts[i] for i, c in zip(mine, chat)],
+          [rows[i][1].ids for i in mine],
+          columns,
+          [indices[rows[i][0]] for i in mine],
+        )
       except rewards_lib.RewardError as e:
         error = str(e)
       except Exception as e:  # noqa: BLE001 - every process must reach the gather below, then stop with the line
@@ -304,11 +353,10 @@ class RolloutSource:
 
     message = np.zeros((1024,), np.uint8)
     raw = error.encode("utf-8")[:1024]
-    message[:len(raw)] = np.frombuffer(raw, np.uint8)
+    message[: len(raw)] = np.frombuffer(raw, np.uint8)
     owned = np.asarray([p % count == me for p, _ in rows])
     exact = np.ascontiguousarray(np.where(owned[:, None], values, 0.0), np.float64).view(np.uint32)  # no float32
-    gathered = multihost_utils.process_allgather({"values": exact,
-                                                  "message": message})
+    gathered = multihost_utils.process_allgather({"values": exact, "message": message})
     messages = [bytes(m).rstrip(b"\0").decode("utf-8", "replace") for m in np.asarray(gathered["message"])]
     if any(messages):
       raise rewards_lib.RewardError(next(m for m in messages if m))
@@ -326,7 +374,7 @@ class RolloutSource:
       prompt, ids = prompts[p], completion.ids
       sequence = np.asarray(list(prompt) + ids, np.int32)
       first, end = len(prompt) - 1, len(sequence) - 1  # the targets that are completion tokens: [first, end)
-      out["tokens"][r, :len(sequence)] = sequence
+      out["tokens"][r, : len(sequence)] = sequence
       out["targets"][r, :end] = sequence[1:]
       if not (masked and completion.finish_reason == "length"):
         out["weights"][r, first:end] = 1.0
@@ -358,8 +406,10 @@ class RolloutSource:
 
   def _place(self, host: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
     shardings = self.plan.input_kwarg_shardings
-    return {name: jax.make_array_from_callback(value.shape, shardings[name], lambda index, v=value: v[index])
-            for name, value in host.items()}
+    return {
+      name: jax.make_array_from_callback(value.shape, shardings[name], lambda index, v=value: v[index])
+      for name, value in host.items()
+    }
 
   # --- a batch kept for num_iterations > 1, and the records (rollout_records.py) ------------------------------
 
@@ -373,24 +423,36 @@ class RolloutSource:
     steps = self.run.checkpoint_steps()
     return min(steps) if steps else 0
 
-  def _record(self, step, indices, rendered, rows, texts, values, reward, advantages, zero_std, generated,
-              seconds) -> None:
+  def _record(
+    self, step, indices, rendered, rows, texts, values, reward, advantages, zero_std, generated, seconds
+  ) -> None:
     lengths = np.asarray([len(c.ids) for _, c in rows])
     truncated = np.asarray([c.finish_reason == "length" for _, c in rows])
     names = [f.name for f in self.funcs]
     self._figures = records.figures(names, values, reward, zero_std, lengths, truncated, generated, seconds)
     if jax.process_index() != 0:
       return
-    records.write_lines(self.run.workdir, [
-        {"step": step + 1, "prompt_index": indices[p], "prompt": rendered[p], "completion": texts[r],
-         "completion_ids": completion.ids,
-         "rewards": {name: (None if np.isnan(values[r, j]) else float(values[r, j])) for j, name in enumerate(names)},
-         "reward": float(reward[r]), "advantage": float(advantages[r]), "length": len(completion.ids),
-         "truncated": bool(truncated[r])} for r, (p, completion) in enumerate(rows)])
+    records.write_lines(
+      self.run.workdir,
+      [
+        {
+          "step": step + 1,
+          "prompt_index": indices[p],
+          "prompt": rendered[p],
+          "completion": texts[r],
+          "completion_ids": completion.ids,
+          "rewards": {name: (None if np.isnan(values[r, j]) else float(values[r, j])) for j, name in enumerate(names)},
+          "reward": float(reward[r]),
+          "advantage": float(advantages[r]),
+          "length": len(completion.ids),
+          "truncated": bool(truncated[r]),
+        }
+        for r, (p, completion) in enumerate(rows)
+      ],
+    )
 
 
 def _replicated(x: jax.Array, mesh: Any) -> jax.Array:
   from jax.sharding import NamedSharding, PartitionSpec
 
   return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
-

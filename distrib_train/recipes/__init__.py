@@ -30,9 +30,9 @@ class ModelRecipe:
 
 
 _REGISTRY = {
-    "llama": (llama.PRESETS, llama.loss_fn, llama.INPUT_AXES),
-    "mlp": (mlp.PRESETS, mlp.loss_fn, mlp.INPUT_AXES),
-    "moe": (moe.PRESETS, moe.loss_fn, moe.INPUT_AXES),
+  "llama": (llama.PRESETS, llama.loss_fn, llama.INPUT_AXES),
+  "mlp": (mlp.PRESETS, mlp.loss_fn, mlp.INPUT_AXES),
+  "moe": (moe.PRESETS, moe.loss_fn, moe.INPUT_AXES),
 }
 
 

@@ -45,7 +45,6 @@ from distrib_train.recipes.rope import frequencies, rotary, yarn_mscale
 from distrib_train.sharding.axis_rules import constrain
 
 
-
 def attention_params(config, rngs: nnx.Rngs, n: int) -> dict[str, nnx.Param]:
   """``n`` layers' attention params (and their norms), stacked on a leading ``layers`` axis: the norm, the
   variant's own, then the output bias, sinks and the norm after, where the config has them."""
@@ -63,25 +62,36 @@ def attention_params(config, rngs: nnx.Rngs, n: int) -> dict[str, nnx.Param]:
 
 def _ones(config, rngs, *shape_axes) -> nnx.Param:
   """A norm's scale (1, or 0 under Gemma's 1 + w), shaped and annotated by ``(size, axis)`` pairs."""
-  return param(rngs, tuple(s for s, _ in shape_axes), tuple(a for _, a in shape_axes), jnp.dtype(config.param_dtype),
-               None, value=1.0 - config.norm_weight_offset)
+  return param(
+    rngs,
+    tuple(s for s, _ in shape_axes),
+    tuple(a for _, a in shape_axes),
+    jnp.dtype(config.param_dtype),
+    None,
+    value=1.0 - config.norm_weight_offset,
+  )
 
 
 def _gqa_params(config, rngs: nnx.Rngs, n: int) -> dict[str, nnx.Param]:
   c, pd = config, jnp.dtype(config.param_dtype)
   d, h, kv, hd = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
   zeros = lambda shape, axes: param(rngs, shape, axes, pd, None, value=0.0)
-  out = dict(wq=param(rngs, (n, d, h, hd), ("layers", "embed", "heads", "head_dim"), pd, fan_in=d),
-             wk=param(rngs, (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), pd, fan_in=d),
-             wv=param(rngs, (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), pd, fan_in=d),
-             wo=param(rngs, (n, h, hd, d), ("layers", "heads", "head_dim", "embed"), pd, fan_in=h * hd))
+  out = dict(
+    wq=param(rngs, (n, d, h, hd), ("layers", "embed", "heads", "head_dim"), pd, fan_in=d),
+    wk=param(rngs, (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), pd, fan_in=d),
+    wv=param(rngs, (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), pd, fan_in=d),
+    wo=param(rngs, (n, h, hd, d), ("layers", "heads", "head_dim", "embed"), pd, fan_in=h * hd),
+  )
   if c.attention_bias:
-    out.update(bq=zeros((n, h, hd), ("layers", "heads", "head_dim")),
-               bk=zeros((n, kv, hd), ("layers", "kv_heads", "head_dim")),
-               bv=zeros((n, kv, hd), ("layers", "kv_heads", "head_dim")))
+    out.update(
+      bq=zeros((n, h, hd), ("layers", "heads", "head_dim")),
+      bk=zeros((n, kv, hd), ("layers", "kv_heads", "head_dim")),
+      bv=zeros((n, kv, hd), ("layers", "kv_heads", "head_dim")),
+    )
   if c.qk_norm:
-    out.update(q_norm=_ones(c, rngs, (n, "layers"), (hd, "head_dim")),
-               k_norm=_ones(c, rngs, (n, "layers"), (hd, "head_dim")))
+    out.update(
+      q_norm=_ones(c, rngs, (n, "layers"), (hd, "head_dim")), k_norm=_ones(c, rngs, (n, "layers"), (hd, "head_dim"))
+    )
   return out
 
 
@@ -93,8 +103,9 @@ def _mla_params(config, rngs: nnx.Rngs, n: int) -> dict[str, nnx.Param]:
   if c.q_lora_rank:
     out["wq_a"] = param(rngs, (n, d, c.q_lora_rank), ("layers", "embed", "latent"), pd, fan_in=d)
     out["q_a_norm"] = _ones(c, rngs, (n, "layers"), (c.q_lora_rank, None))
-    out["wq_b"] = param(rngs, (n, c.q_lora_rank, h, qk), ("layers", "latent", "heads", "head_dim"), pd,
-                        fan_in=c.q_lora_rank)
+    out["wq_b"] = param(
+      rngs, (n, c.q_lora_rank, h, qk), ("layers", "latent", "heads", "head_dim"), pd, fan_in=c.q_lora_rank
+    )
   else:
     out["wq"] = param(rngs, (n, d, h, qk), ("layers", "embed", "heads", "head_dim"), pd, fan_in=d)
   out["wkv_a"] = param(rngs, (n, d, r + c.qk_rope_head_dim), ("layers", "embed", None), pd, fan_in=d)
@@ -198,8 +209,9 @@ def attention_sublayer(config, kind: Kind, x: jax.Array, layer: dict, positions,
   v = variant(config)
   q, state = v.project(config, kind, h, layer, positions)
   keys, values = v.expand(config, state, layer)
-  attn = attention_kernels.attention(q, keys, values, config.attention_for(kind), positions=positions,
-                                     segment_ids=segment_ids, sinks=layer.get("sinks"))
+  attn = attention_kernels.attention(
+    q, keys, values, config.attention_for(kind), positions=positions, segment_ids=segment_ids, sinks=layer.get("sinks")
+  )
   return attention_residual(config, x, attention_output(config, attn, layer), layer)
 
 
@@ -216,8 +228,9 @@ def _mla_project(config, kind, h, layer, positions):
 
 
 def _gqa_decode(config, q, cached, state, visible, layer, **options):
-  return masked_attention(q, cached["k"].astype(q.dtype), cached["v"].astype(q.dtype), visible,
-                          new=(state["k"], state["v"]), **options)
+  return masked_attention(
+    q, cached["k"].astype(q.dtype), cached["v"].astype(q.dtype), visible, new=(state["k"], state["v"]), **options
+  )
 
 
 def _mla_decode(config, q, cached, state, visible, layer, **options):
@@ -243,13 +256,18 @@ def _gqa_tensors(config, a: str) -> list[tuple[str, str, str]]:
 
 
 def _mla_tensors(config, a: str) -> list[tuple[str, str, str]]:
-  out = [("wkv_a", a + "kv_a_proj_with_mqa.weight", "transposed"),
-         ("kv_a_norm", a + "kv_a_layernorm.weight", "same"),
-         ("wkv_b", a + "kv_b_proj.weight", "heads_in"),
-         ("wo", a + "o_proj.weight", "heads_out")]
+  out = [
+    ("wkv_a", a + "kv_a_proj_with_mqa.weight", "transposed"),
+    ("kv_a_norm", a + "kv_a_layernorm.weight", "same"),
+    ("wkv_b", a + "kv_b_proj.weight", "heads_in"),
+    ("wo", a + "o_proj.weight", "heads_out"),
+  ]
   if config.q_lora_rank:
-    out += [("wq_a", a + "q_a_proj.weight", "transposed"), ("q_a_norm", a + "q_a_layernorm.weight", "same"),
-            ("wq_b", a + "q_b_proj.weight", "heads_in")]
+    out += [
+      ("wq_a", a + "q_a_proj.weight", "transposed"),
+      ("q_a_norm", a + "q_a_layernorm.weight", "same"),
+      ("wq_b", a + "q_b_proj.weight", "heads_in"),
+    ]
   else:
     out.append(("wq", a + "q_proj.weight", "heads_in"))
   return out
@@ -294,7 +312,7 @@ class Variant:
 
 
 def _gqa_scale(c) -> float | None:
-  return c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None
+  return c.query_pre_attn_scalar**-0.5 if c.query_pre_attn_scalar else None
 
 
 def _mla_scale(c) -> float:
@@ -305,16 +323,35 @@ def _mla_scale(c) -> float:
 
 
 GQA = Variant(
-    "gqa", _gqa_params, lambda c: ("wq", "wk", "wv", "wo"), _gqa_project,
-    lambda c, state, layer: (state["k"], state["v"]), _gqa_decode,
-    lambda c: {name: ((c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim")) for name in ("k", "v")},
-    _gqa_tensors, frozenset("qkvo"), (), lambda c: c.head_dim, lambda c: c.head_dim, _gqa_scale)
+  "gqa",
+  _gqa_params,
+  lambda c: ("wq", "wk", "wv", "wo"),
+  _gqa_project,
+  lambda c, state, layer: (state["k"], state["v"]),
+  _gqa_decode,
+  lambda c: {name: ((c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim")) for name in ("k", "v")},
+  _gqa_tensors,
+  frozenset("qkvo"),
+  (),
+  lambda c: c.head_dim,
+  lambda c: c.head_dim,
+  _gqa_scale,
+)
 MLA = Variant(
-    "mla", _mla_params,
-    lambda c: ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo") if c.q_lora_rank else ("wq", "wkv_a", "wkv_b", "wo"),
-    _mla_project, lambda c, state, layer: mla_keys_values(c, state["latent"], layer), _mla_decode,
-    lambda c: {"latent": ((c.kv_lora_rank + c.qk_rope_head_dim,), (None,))}, _mla_tensors, frozenset(),
-    (MLA_LATENT,), lambda c: c.head_dim + c.qk_rope_head_dim, lambda c: c.v_head_dim, _mla_scale)
+  "mla",
+  _mla_params,
+  lambda c: ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo") if c.q_lora_rank else ("wq", "wkv_a", "wkv_b", "wo"),
+  _mla_project,
+  lambda c, state, layer: mla_keys_values(c, state["latent"], layer),
+  _mla_decode,
+  lambda c: {"latent": ((c.kv_lora_rank + c.qk_rope_head_dim,), (None,))},
+  _mla_tensors,
+  frozenset(),
+  (MLA_LATENT,),
+  lambda c: c.head_dim + c.qk_rope_head_dim,
+  lambda c: c.v_head_dim,
+  _mla_scale,
+)
 VARIANTS = {v.name: v for v in (GQA, MLA)}
 
 

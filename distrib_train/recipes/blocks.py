@@ -54,12 +54,16 @@ def dense_params(config, rngs: nnx.Rngs, n: int, width: int, prefix: str = "w") 
   """``n`` layers' gated MLP of ``width`` (``prefix``: ``w`` for the MLP, ``shared`` for shared experts)."""
   pd, d = jnp.dtype(config.param_dtype), config.d_model
   names = ("w_gate", "w_up", "w_down") if prefix == "w" else ("shared_gate", "shared_up", "shared_down")
-  return {names[0]: param(rngs, (n, d, width), ("layers", "embed", "mlp"), pd, fan_in=d),
-          names[1]: param(rngs, (n, d, width), ("layers", "embed", "mlp"), pd, fan_in=d),
-          names[2]: param(rngs, (n, width, d), ("layers", "mlp", "embed"), pd, fan_in=width)}
+  return {
+    names[0]: param(rngs, (n, d, width), ("layers", "embed", "mlp"), pd, fan_in=d),
+    names[1]: param(rngs, (n, d, width), ("layers", "embed", "mlp"), pd, fan_in=d),
+    names[2]: param(rngs, (n, width, d), ("layers", "mlp", "embed"), pd, fan_in=width),
+  }
 
 
-def gated_mlp(config, h: jax.Array, layer: dict, names: tuple[str, str, str] = ("w_gate", "w_up", "w_down")) -> jax.Array:
+def gated_mlp(
+  config, h: jax.Array, layer: dict, names: tuple[str, str, str] = ("w_gate", "w_up", "w_down")
+) -> jax.Array:
   """The gated MLP on ``h`` [batch, length, embed] with one layer's ``names`` weights."""
   gate = _project("btd,df->btf", h, layer, names[0], config)
   up = _project("btd,df->btf", h, layer, names[1], config)
@@ -71,16 +75,20 @@ def mixture_params(config, rngs: nnx.Rngs, n: int) -> dict[str, nnx.Param]:
   """``n`` layers' router, routed experts (and their biases) and shared experts."""
   c, pd = config, jnp.dtype(config.param_dtype)
   d, e, f = c.d_model, c.num_experts, c.expert_mlp_dim
-  out = {"router": param(rngs, (n, d, e), ("layers", "embed", None), pd, fan_in=d),
-         "w_gate": param(rngs, (n, e, d, f), ("layers", "expert", "embed", "expert_mlp"), pd, fan_in=d),
-         "w_up": param(rngs, (n, e, d, f), ("layers", "expert", "embed", "expert_mlp"), pd, fan_in=d),
-         "w_down": param(rngs, (n, e, f, d), ("layers", "expert", "expert_mlp", "embed"), pd, fan_in=f)}
+  out = {
+    "router": param(rngs, (n, d, e), ("layers", "embed", None), pd, fan_in=d),
+    "w_gate": param(rngs, (n, e, d, f), ("layers", "expert", "embed", "expert_mlp"), pd, fan_in=d),
+    "w_up": param(rngs, (n, e, d, f), ("layers", "expert", "embed", "expert_mlp"), pd, fan_in=d),
+    "w_down": param(rngs, (n, e, f, d), ("layers", "expert", "expert_mlp", "embed"), pd, fan_in=f),
+  }
   if c.router_logit_bias:
     out["router_logit_bias"] = param(rngs, (n, e), ("layers", None), pd, None, value=0.0)
   if c.expert_bias:
-    out.update(b_gate=param(rngs, (n, e, f), ("layers", "expert", "expert_mlp"), pd, None, value=0.0),
-               b_up=param(rngs, (n, e, f), ("layers", "expert", "expert_mlp"), pd, None, value=0.0),
-               b_down=param(rngs, (n, e, d), ("layers", "expert", None), pd, None, value=0.0))
+    out.update(
+      b_gate=param(rngs, (n, e, f), ("layers", "expert", "expert_mlp"), pd, None, value=0.0),
+      b_up=param(rngs, (n, e, f), ("layers", "expert", "expert_mlp"), pd, None, value=0.0),
+      b_down=param(rngs, (n, e, d), ("layers", "expert", None), pd, None, value=0.0),
+    )
   if c.num_shared_experts:
     out.update(dense_params(c, rngs, n, c.shared_width, prefix="shared"))
     if c.shared_expert_gate:
@@ -95,13 +103,22 @@ def mlp_sublayer(config, kind: Kind, x: jax.Array, layer: dict) -> tuple[jax.Arr
   if not kind.mixture:
     out = gated_mlp(config, h, layer)
   else:
-    indices, weights, aux = routing.route(config, h, layer["router"], layer.get("router_bias"),
-                                          layer.get("router_logit_bias"))
+    indices, weights, aux = routing.route(
+      config, h, layer["router"], layer.get("router_bias"), layer.get("router_logit_bias")
+    )
     dtype = h.dtype
     biases = tuple(layer[k].astype(dtype) for k in ("b_gate", "b_up", "b_down")) if config.expert_bias else None
-    out, dropped = dispatch(h, indices, weights.astype(dtype), layer["w_gate"].astype(dtype),
-                            layer["w_up"].astype(dtype), layer["w_down"].astype(dtype),
-                            capacity_factor=config.capacity_factor, activation=activation(config), biases=biases)
+    out, dropped = dispatch(
+      h,
+      indices,
+      weights.astype(dtype),
+      layer["w_gate"].astype(dtype),
+      layer["w_up"].astype(dtype),
+      layer["w_down"].astype(dtype),
+      capacity_factor=config.capacity_factor,
+      activation=activation(config),
+      biases=biases,
+    )
     aux = {**aux, "dropped": dropped}
     if config.num_shared_experts:
       shared = gated_mlp(config, h, layer, ("shared_gate", "shared_up", "shared_down"))
@@ -118,16 +135,16 @@ def layer_params(config, rngs: nnx.Rngs, n: int, mixture: bool) -> dict[str, Any
   the MLP (gated, or a mixture's experts), LoRA's adapters, the norm after the MLP under sandwich norms, and a
   mixture's router score correction (``RouterBias`` local state) where the config has one."""
   c = config
-  norm = lambda: param(rngs, (n, c.d_model), ("layers", "embed"), jnp.dtype(c.param_dtype), None,
-                       value=1.0 - c.norm_weight_offset)
+  norm = lambda: param(
+    rngs, (n, c.d_model), ("layers", "embed"), jnp.dtype(c.param_dtype), None, value=1.0 - c.norm_weight_offset
+  )
   stack = {**attention_params(c, rngs, n), "mlp_norm": norm()}
   stack.update(mixture_params(c, rngs, n) if mixture else dense_params(c, rngs, n, c.mlp_dim))
   stack.update(lora.adapter_params(c, rngs, stack, mixture))
   if c.sandwich_norms:
     stack["post_mlp_norm"] = norm()
   if mixture and (c.router_score_bias or c.router_bias_update_rate > 0):
-    stack["router_bias"] = routing.RouterBias(jnp.zeros((n, c.num_experts), jnp.float32),
-                                              out_sharding=("layers", None))
+    stack["router_bias"] = routing.RouterBias(jnp.zeros((n, c.num_experts), jnp.float32), out_sharding=("layers", None))
   return stack
 
 

@@ -56,17 +56,17 @@ from distrib_train.recipes.routing import RouterBias
 from distrib_train.sharding.axis_rules import constrain
 
 REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "none": None,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
 INPUT_AXES = {
-    "tokens": ("batch", "length"),
-    "targets": ("batch", "length"),
-    "segment_ids": ("batch", "length"),
-    "positions": ("batch", "length"),
-    "weights": ("batch", "length"),
+  "tokens": ("batch", "length"),
+  "targets": ("batch", "length"),
+  "segment_ids": ("batch", "length"),
+  "positions": ("batch", "length"),
+  "weights": ("batch", "length"),
 }
 
 
@@ -94,7 +94,7 @@ def segments(config) -> tuple[Segment, ...]:
     while start < end:  # whole periods of the run, then its rest
       period = _period(kinds[start:end])
       whole = (end - start) // period * period
-      out.append((start, whole, kinds[start:start + period]))
+      out.append((start, whole, kinds[start : start + period]))
       start += whole
   return tuple(Segment("layers" if i == 0 else f"layers_{s}", s, n, k) for i, (s, n, k) in enumerate(out))
 
@@ -111,8 +111,9 @@ def _fp8_matmuls(config, mixture: bool) -> tuple[str, ...]:
   """The weights of a segment whose matmuls run in FP8 (each gets an amax history under ``delayed``)."""
   if not mixture:
     return attention.attention_matmuls(config) + ("w_gate", "w_up", "w_down")
-  return attention.attention_matmuls(config) + (("shared_gate", "shared_up", "shared_down")
-                                             if config.num_shared_experts else ())
+  return attention.attention_matmuls(config) + (
+    ("shared_gate", "shared_up", "shared_down") if config.num_shared_experts else ()
+  )
 
 
 def _layer(config, kind: Kind, mixture_model: bool, carry, layer, positions, segment_ids):
@@ -129,8 +130,9 @@ def _layer(config, kind: Kind, mixture_model: bool, carry, layer, positions, seg
   return x, new
 
 
-def _period_block(config, kinds: tuple[Kind, ...], policy: Any, mixture_model: bool, carry, layer, positions,
-                  segment_ids):
+def _period_block(
+  config, kinds: tuple[Kind, ...], policy: Any, mixture_model: bool, carry, layer, positions, segment_ids
+):
   """One period of a segment: its layers one after another, each with its kind and checkpointed as asked."""
   for i, kind in enumerate(kinds):
     one = layer if len(kinds) == 1 else {k: v[i] for k, v in layer.items()}
@@ -157,12 +159,14 @@ class Decoder(nnx.Module):
       stack = blocks.layer_params(c, rngs, n, mixture)
       if c.fp8 == "delayed":  # one (3, history) amax history per layer and matmul, in local state
         for name in _fp8_matmuls(c, mixture):
-          stack[f"fp8_{name}"] = fp8.AmaxHistory(jnp.zeros((n, 3, c.fp8_amax_history), jnp.float32),
-                                                 out_sharding=("layers", None, None))
+          stack[f"fp8_{name}"] = fp8.AmaxHistory(
+            jnp.zeros((n, 3, c.fp8_amax_history), jnp.float32), out_sharding=("layers", None, None)
+          )
       setattr(self, segment.name, nnx.Dict(stack))
     if has_mixture(c) and c.router_bias_update_rate > 0:  # a step's loads so far, every mixture layer's
-      self.router_load = RouterBias(jnp.zeros((_mixture_layers(c), c.num_experts), jnp.float32),
-                                    out_sharding=("layers", None))
+      self.router_load = RouterBias(
+        jnp.zeros((_mixture_layers(c), c.num_experts), jnp.float32), out_sharding=("layers", None)
+      )
     self.final_norm = param(rngs, (d,), ("embed",), pd, None, value=1.0 - c.norm_weight_offset)
     if not c.tie_embeddings:
       self.head = param(rngs, (d, c.vocab_size), ("embed", "vocab"), pd, fan_in=d)
@@ -174,27 +178,35 @@ class Decoder(nnx.Module):
     gradient needs them, and recomputing them costs the down projection and the all-to-all back again), and
     MLA's key/value latent (its keys and values per head are recomputed from it, not kept)."""
     policy = REMAT_POLICIES[self.config.remat]
-    names = ((EXPERT_OUTPUT,) if has_mixture(self.config) else ()) + \
-        attention.variant(self.config).remat_names
+    names = ((EXPERT_OUTPUT,) if has_mixture(self.config) else ()) + attention.variant(self.config).remat_names
     if self.config.context_attention == "all_gather":  # the context kernel's output and log-sum-exp, not its rerun
       names += (attention_lib.RESIDUALS,)
     if not names:
       return policy
     keep = jax.checkpoint_policies.save_only_these_names(*names)
-    return keep if policy is jax.checkpoint_policies.nothing_saveable else \
-        jax.checkpoint_policies.save_from_both_policies(policy, keep)
+    return (
+      keep
+      if policy is jax.checkpoint_policies.nothing_saveable
+      else jax.checkpoint_policies.save_from_both_policies(policy, keep)
+    )
 
   def head_weight(self) -> jax.Array:
     """The output projection [embed, vocab]: the head, or the embedding table's transpose when tied."""
     return self.embed[...].T if self.config.tie_embeddings else self.head[...]
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+  ) -> jax.Array:
     return self.hidden_and_aux(tokens, positions, segment_ids)[0]
 
-  def hidden_and_aux(self, tokens: jax.Array, positions: jax.Array | None = None,
-                     segment_ids: jax.Array | None = None, *,
-                     dropout_rng: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def hidden_and_aux(
+    self,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    *,
+    dropout_rng: jax.Array | None = None,
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The final hidden states and what the layers report besides (a mixture's losses and loads).
     ``dropout_rng``: the training step's key, for the adapters' dropout (none in eval mode)."""
     c = self.config
@@ -204,11 +216,15 @@ class Decoder(nnx.Module):
     x = self.embed_tokens(tokens)
     staged = (use := microbatching.active_pipelining()) is not None and use.request.stages > 1
     if c.fp8 == "delayed" and staged:
-      raise ValueError("model.fp8=delayed does not run with a stage axis: the pipeline runs every layer once per"
-                       " microbatch, and each run would write the layer's amax history. Use fp8=current.")
+      raise ValueError(
+        "model.fp8=delayed does not run with a stage axis: the pipeline runs every layer once per"
+        " microbatch, and each run would write the layer's amax history. Use fp8=current."
+      )
     if staged and dropout_rng is not None and c.lora_rank and c.lora_dropout:
-      raise ValueError("lora.dropout does not run with a stage axis: a layer's mask would repeat over the"
-                       " pipeline's microbatches. Set it to 0, or use a mesh without stages.")
+      raise ValueError(
+        "lora.dropout does not run with a stage axis: a layer's mask would repeat over the"
+        " pipeline's microbatches. Set it to 0, or use a mesh without stages."
+      )
     mixture_model = has_mixture(c)
     carry = (x, self._routing_sums(x)) if mixture_model else x
     per_example = {"positions": positions, "segment_ids": segment_ids}
@@ -219,8 +235,9 @@ class Decoder(nnx.Module):
         stack = getattr(self, segment.name)
         layers = {k: v[...] for k, v in stack.items()}
         axes = {k: tuple(v.out_sharding) for k, v in stack.items()}
-        seeds = lora.dropout_seeds(c, None if dropout_rng is None else jax.random.fold_in(dropout_rng, index),
-                                   segment.count)
+        seeds = lora.dropout_seeds(
+          c, None if dropout_rng is None else jax.random.fold_in(dropout_rng, index), segment.count
+        )
         if seeds is not None:
           layers[lora.SEED], axes[lora.SEED] = seeds, ("layers",)
         period = len(segment.kinds)
@@ -261,11 +278,14 @@ class Decoder(nnx.Module):
   def _routing_aux(self, sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
     layers = _mixture_layers(self.config)
     load = jnp.sum(sums["load"], axis=0) / layers  # assignments per expert, per layer
-    return {"balance_loss": jnp.mean(sums["balance"]) / layers, "z_loss": jnp.mean(sums["z"]) / layers,
-            "expert_load_min": jnp.min(load) / jnp.maximum(jnp.mean(load), 1e-9),
-            "expert_load_max": jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9),
-            "dropped_tokens": jnp.sum(sums["dropped"]),
-            **({"layer_load": jnp.sum(sums["layer_load"], axis=0)} if "layer_load" in sums else {})}
+    return {
+      "balance_loss": jnp.mean(sums["balance"]) / layers,
+      "z_loss": jnp.mean(sums["z"]) / layers,
+      "expert_load_min": jnp.min(load) / jnp.maximum(jnp.mean(load), 1e-9),
+      "expert_load_max": jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9),
+      "dropped_tokens": jnp.sum(sums["dropped"]),
+      **({"layer_load": jnp.sum(sums["layer_load"], axis=0)} if "layer_load" in sums else {}),
+    }
 
   def update_router_bias(self, layer_load: jax.Array) -> None:
     """Moves each mixture layer's ``router_bias`` by ``rate · sign(mean load − load)``, once per step, from the
@@ -278,7 +298,7 @@ class Decoder(nnx.Module):
     for segment in segments(self.config):
       if segment.kinds[0].mixture:
         stack = getattr(self, segment.name)
-        rows = change[first:first + segment.count]
+        rows = change[first : first + segment.count]
         stack["router_bias"][...] = stack["router_bias"][...] + jnp.where(last, rows, 0.0)
         first += segment.count
     self.router_load[...] = jnp.where(last, 0.0, load)
@@ -289,8 +309,9 @@ class Decoder(nnx.Module):
     return cap * jnp.tanh(logits / cap) if cap else logits
 
 
-def forward(model: Decoder, tokens: jax.Array, *, dropout_rng: jax.Array | None = None,
-            **per_token: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array | None]]:
+def forward(
+  model: Decoder, tokens: jax.Array, *, dropout_rng: jax.Array | None = None, **per_token: jax.Array | None
+) -> tuple[jax.Array, dict[str, jax.Array], dict[str, jax.Array | None]]:
   """What every objective runs before its loss: the batch in the context axis's load-balanced order
   (``sharding/context.py``; a loss that sums over tokens is the same), positions filled in where None, the forward
   pass, and the router bias moved by the step's loads (``router_bias_update_rate``).
@@ -303,15 +324,17 @@ def forward(model: Decoder, tokens: jax.Array, *, dropout_rng: jax.Array | None 
   rest["tokens"] = tokens
   if rest.get("positions") is None:
     rest["positions"] = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  hidden, routing = model.hidden_and_aux(tokens, positions=rest["positions"], segment_ids=rest.get("segment_ids"),
-                                         dropout_rng=dropout_rng)
+  hidden, routing = model.hidden_and_aux(
+    tokens, positions=rest["positions"], segment_ids=rest.get("segment_ids"), dropout_rng=dropout_rng
+  )
   if "layer_load" in routing:
     model.update_router_bias(routing.pop("layer_load"))
   return hidden, routing, rest
 
 
-def with_routing_losses(loss: jax.Array, aux: dict[str, jax.Array], routing: dict[str, jax.Array], config: Any,
-                        name: str) -> tuple[jax.Array, dict[str, jax.Array]]:
+def with_routing_losses(
+  loss: jax.Array, aux: dict[str, jax.Array], routing: dict[str, jax.Array], config: Any, name: str
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """A mixture's weighted balance and z losses added to an objective's ``loss``, which aux keeps as ``name``; the
   routing figures join aux. A dense model's (no routing) unchanged."""
   if not routing:
@@ -320,9 +343,17 @@ def with_routing_losses(loss: jax.Array, aux: dict[str, jax.Array], routing: dic
   return total, {**aux, "loss": total, name: loss, **routing}
 
 
-def loss_fn(*, model: Decoder, state: Any, rng: jax.Array, tokens: jax.Array, targets: jax.Array,
-            segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-            weights: jax.Array | None = None) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+def loss_fn(
+  *,
+  model: Decoder,
+  state: Any,
+  rng: jax.Array,
+  tokens: jax.Array,
+  targets: jax.Array,
+  segment_ids: jax.Array | None = None,
+  positions: jax.Array | None = None,
+  weights: jax.Array | None = None,
+) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
   """Mean next-token cross-entropy (penzai contract), plus a mixture's weighted routing losses.
 
   aux: ``loss`` and ``tokens``; a mixture's also ``cross_entropy``, ``balance_loss``, ``z_loss``,
@@ -337,18 +368,26 @@ def loss_fn(*, model: Decoder, state: Any, rng: jax.Array, tokens: jax.Array, ta
   """
   c = model.config
   ahead = mtp.shifted(c, targets, segment_ids, weights) if c.mtp_depth else {}  # in the batch's own order
-  hidden, routing, rest = forward(model, tokens, dropout_rng=rng, targets=targets, positions=positions,
-                                  segment_ids=segment_ids, weights=weights, **ahead)
+  hidden, routing, rest = forward(
+    model,
+    tokens,
+    dropout_rng=rng,
+    targets=targets,
+    positions=positions,
+    segment_ids=segment_ids,
+    weights=weights,
+    **ahead,
+  )
   targets, segment_ids, weights = (rest[k] for k in ("targets", "segment_ids", "weights"))
   weights = token_weights(targets, segment_ids, weights)
   head = model.head_weight()
   if c.mtp_depth:  # gathered over its embedding side once, for the main head and each depth (one all-gather)
     head = constrain(head, (None, "vocab"))
-  total, count = chunked_cross_entropy(hidden, head, targets, weights, c.loss_chunk_size, c.loss_remat,
-                                       softcap=c.final_logit_softcap)
+  total, count = chunked_cross_entropy(
+    hidden, head, targets, weights, c.loss_chunk_size, c.loss_remat, softcap=c.final_logit_softcap
+  )
   cross_entropy = total / jnp.maximum(count, 1.0)
-  loss, aux = with_routing_losses(cross_entropy, {"loss": cross_entropy, "tokens": count}, routing, c,
-                                  "cross_entropy")
+  loss, aux = with_routing_losses(cross_entropy, {"loss": cross_entropy, "tokens": count}, routing, c, "cross_entropy")
   if c.mtp_depth:
     loss, aux = mtp.with_mtp_loss(model, hidden, rest, loss, aux, head)
   return loss, state, aux

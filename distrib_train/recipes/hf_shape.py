@@ -37,10 +37,20 @@ from distrib_train.recipes import mtp
 from distrib_train.recipes.llama import LlamaConfig
 from distrib_train.recipes.moe import MoEConfig
 
-FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}
-MOE_FAMILIES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
-                "DeepseekV3ForCausalLM": "deepseek_v3", "GptOssForCausalLM": "gpt_oss"}
+FAMILIES = {
+  "LlamaForCausalLM": "llama",
+  "MistralForCausalLM": "mistral",
+  "Qwen2ForCausalLM": "qwen2",
+  "Qwen3ForCausalLM": "qwen3",
+  "Gemma3ForCausalLM": "gemma3_text",
+}
+MOE_FAMILIES = {
+  "MixtralForCausalLM": "mixtral",
+  "Qwen2MoeForCausalLM": "qwen2_moe",
+  "Qwen3MoeForCausalLM": "qwen3_moe",
+  "DeepseekV3ForCausalLM": "deepseek_v3",
+  "GptOssForCausalLM": "gpt_oss",
+}
 _ARCHITECTURES = {family: arch for arch, family in {**FAMILIES, **MOE_FAMILIES}.items()}
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -59,8 +69,9 @@ def read_json(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
       data = json.load(f)
   except FileNotFoundError:
-    raise HfCheckpointError(f"{path} does not exist: a Hugging Face model directory holds config.json and"
-                            " *.safetensors.") from None
+    raise HfCheckpointError(
+      f"{path} does not exist: a Hugging Face model directory holds config.json and *.safetensors."
+    ) from None
   except (OSError, ValueError) as e:
     raise HfCheckpointError(f"{path} is not readable JSON: {e}") from None
   if not isinstance(data, dict):
@@ -98,22 +109,32 @@ def _rope(given: dict[str, Any], path: str, where: str = "") -> dict[str, Any]:
   if kind == "linear":
     fields.update(rope_scaling="linear", rope_factor=float(rope["factor"]))
   elif kind == "llama3":
-    fields.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
-                  rope_low_freq_factor=float(rope["low_freq_factor"]),
-                  rope_high_freq_factor=float(rope["high_freq_factor"]),
-                  rope_original_max_len=int(rope["original_max_position_embeddings"]))
+    fields.update(
+      rope_scaling="llama3",
+      rope_factor=float(rope["factor"]),
+      rope_low_freq_factor=float(rope["low_freq_factor"]),
+      rope_high_freq_factor=float(rope["high_freq_factor"]),
+      rope_original_max_len=int(rope["original_max_position_embeddings"]),
+    )
   elif kind == "yarn":
-    fields.update(rope_scaling="yarn", rope_factor=float(rope["factor"]),
-                  rope_original_max_len=int(rope["original_max_position_embeddings"]),
-                  rope_beta_fast=float(rope.get("beta_fast") or 32.0), rope_beta_slow=float(rope.get("beta_slow") or 1.0),
-                  rope_truncate=bool(rope.get("truncate", True)), rope_mscale=float(rope.get("mscale") or 0.0),
-                  rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+    fields.update(
+      rope_scaling="yarn",
+      rope_factor=float(rope["factor"]),
+      rope_original_max_len=int(rope["original_max_position_embeddings"]),
+      rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+      rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+      rope_truncate=bool(rope.get("truncate", True)),
+      rope_mscale=float(rope.get("mscale") or 0.0),
+      rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+    )
     if rope.get("attention_factor") is not None:
-      raise HfCheckpointError(f"{path}: {where}YaRN's attention_factor is given explicitly; this reader derives it"
-                              " from factor and mscale.")
+      raise HfCheckpointError(
+        f"{path}: {where}YaRN's attention_factor is given explicitly; this reader derives it from factor and mscale."
+      )
   elif kind != "default":
-    raise HfCheckpointError(f"{path}: {where}RoPE scaling {kind!r}; this importer reads default, linear, llama3 and"
-                            " yarn.")
+    raise HfCheckpointError(
+      f"{path}: {where}RoPE scaling {kind!r}; this importer reads default, linear, llama3 and yarn."
+    )
   return fields
 
 
@@ -146,17 +167,26 @@ def _dense_fields(hf: dict[str, Any], path: str, family: str) -> dict[str, Any]:
   rope = hf.get("rope_parameters") or {}
   by_type = family == "gemma3_text" and "full_attention" in rope
   fields: dict[str, Any] = dict(
-      vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
-      num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-      head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-      mlp_dim=int(hf.get("intermediate_size") or 0), max_seq_len=int(hf.get("max_position_embeddings", 4096)),
-      rope_theta=float(hf.get("rope_theta", 10000.0)), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", family == "gemma3_text")),
-      attention_bias=family in ("qwen2", "qwen2_moe") or (family not in ("mistral", "mixtral")
-                                                          and bool(hf.get("attention_bias", False))),
-      mlp_activation=_ACTIVATIONS.get(act, "silu"), hf_model_type=family, pad_token_id=_pad_token_id(hf, path))
-  fields.update(_rope({**(hf.get("rope_scaling") or {}), **(rope.get("full_attention", {}) if by_type else rope)},
-                      path))
+    vocab_size=int(hf["vocab_size"]),
+    d_model=int(hf["hidden_size"]),
+    num_layers=int(hf["num_hidden_layers"]),
+    num_heads=heads,
+    num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+    head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+    mlp_dim=int(hf.get("intermediate_size") or 0),
+    max_seq_len=int(hf.get("max_position_embeddings", 4096)),
+    rope_theta=float(hf.get("rope_theta", 10000.0)),
+    norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    tie_embeddings=bool(hf.get("tie_word_embeddings", family == "gemma3_text")),
+    attention_bias=family in ("qwen2", "qwen2_moe")
+    or (family not in ("mistral", "mixtral") and bool(hf.get("attention_bias", False))),
+    mlp_activation=_ACTIVATIONS.get(act, "silu"),
+    hf_model_type=family,
+    pad_token_id=_pad_token_id(hf, path),
+  )
+  fields.update(
+    _rope({**(hf.get("rope_scaling") or {}), **(rope.get("full_attention", {}) if by_type else rope)}, path)
+  )
   window = hf.get("sliding_window")
   if family in ("gemma3_text", "gpt_oss") and window:
     types = _layer_types(hf, fields["num_layers"], hf.get("sliding_window_pattern"))
@@ -173,43 +203,75 @@ def _dense_fields(hf: dict[str, Any], path: str, family: str) -> dict[str, Any]:
     raise HfCheckpointError(f"{path}: attention_bias is true; the MLA projections' biases are not modelled.")
   if family == "gemma3_text":
     local = rope.get("sliding_attention", {}) if by_type else {}
-    fields.update(norm_weight_offset=1.0, sandwich_norms=True, scale_embeddings=True,
-                  query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or fields["head_dim"]),
-                  # (attn_logit_softcapping is Gemma 2's: transformers' Gemma 3 reads it and never applies it)
-                  final_logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
-                  local_rope_theta=float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0))
+    fields.update(
+      norm_weight_offset=1.0,
+      sandwich_norms=True,
+      scale_embeddings=True,
+      query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or fields["head_dim"]),
+      # (attn_logit_softcapping is Gemma 2's: transformers' Gemma 3 reads it and never applies it)
+      final_logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+      local_rope_theta=float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0),
+    )
   return fields
 
 
 def _mixture_fields(hf: dict[str, Any], path: str, family: str, layers: int) -> dict[str, Any]:
   experts = int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts"))
-  fields: dict[str, Any] = dict(num_experts=experts, experts_per_token=int(hf["num_experts_per_tok"]),
-                                aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)), z_loss_weight=0.0)
+  fields: dict[str, Any] = dict(
+    num_experts=experts,
+    experts_per_token=int(hf["num_experts_per_tok"]),
+    aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)),
+    z_loss_weight=0.0,
+  )
   if family == "mixtral":
     return {**fields, "expert_mlp_dim": int(hf["intermediate_size"]), "norm_topk_prob": True}
   if family == "gpt_oss":
-    return {**fields, "expert_mlp_dim": int(hf["intermediate_size"]), "router": "softmax_topk",
-            "router_logit_bias": True, "expert_bias": True, "attention_bias": True, "attention_out_bias": True,
-            "attention_sinks": True, "mlp_activation": "swiglu_oss",
-            "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)), "swiglu_limit": float(hf.get("swiglu_limit", 7.0))}
+    return {
+      **fields,
+      "expert_mlp_dim": int(hf["intermediate_size"]),
+      "router": "softmax_topk",
+      "router_logit_bias": True,
+      "expert_bias": True,
+      "attention_bias": True,
+      "attention_out_bias": True,
+      "attention_sinks": True,
+      "mlp_activation": "swiglu_oss",
+      "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
+      "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+    }
   if family == "deepseek_v3":
     if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
-      raise HfCheckpointError(f"{path}: scoring_func {hf.get('scoring_func')!r} / topk_method"
-                              f" {hf.get('topk_method')!r}; DeepSeek-V3's router is sigmoid, noaux_tc.")
+      raise HfCheckpointError(
+        f"{path}: scoring_func {hf.get('scoring_func')!r} / topk_method"
+        f" {hf.get('topk_method')!r}; DeepSeek-V3's router is sigmoid, noaux_tc."
+      )
     q_rank = hf.get("q_lora_rank")
-    return {**fields, "expert_mlp_dim": int(hf["moe_intermediate_size"]), "router": "sigmoid",
-            "router_groups": int(hf.get("n_group") or 1), "router_group_topk": int(hf.get("topk_group") or 1),
-            "router_score_bias": True, "routed_scaling": float(hf.get("routed_scaling_factor", 1.0)),
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-            "num_shared_experts": int(hf.get("n_shared_experts") or 0),
-            "dense_layers": tuple(range(int(hf.get("first_k_dense_replace") or 0))),
-            "attention_kind": "mla", "q_lora_rank": int(q_rank or 0), "kv_lora_rank": int(hf["kv_lora_rank"]),
-            "head_dim": int(hf["qk_nope_head_dim"]), "qk_rope_head_dim": int(hf["qk_rope_head_dim"]),
-            "v_head_dim": int(hf["v_head_dim"]), "rope_interleave": bool(hf.get("rope_interleave", True))}
+    return {
+      **fields,
+      "expert_mlp_dim": int(hf["moe_intermediate_size"]),
+      "router": "sigmoid",
+      "router_groups": int(hf.get("n_group") or 1),
+      "router_group_topk": int(hf.get("topk_group") or 1),
+      "router_score_bias": True,
+      "routed_scaling": float(hf.get("routed_scaling_factor", 1.0)),
+      "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+      "num_shared_experts": int(hf.get("n_shared_experts") or 0),
+      "dense_layers": tuple(range(int(hf.get("first_k_dense_replace") or 0))),
+      "attention_kind": "mla",
+      "q_lora_rank": int(q_rank or 0),
+      "kv_lora_rank": int(hf["kv_lora_rank"]),
+      "head_dim": int(hf["qk_nope_head_dim"]),
+      "qk_rope_head_dim": int(hf["qk_rope_head_dim"]),
+      "v_head_dim": int(hf["v_head_dim"]),
+      "rope_interleave": bool(hf.get("rope_interleave", True)),
+    }
   step = int(hf.get("decoder_sparse_step", 1) or 1)
   dense = tuple(i for i in range(layers) if i in (hf.get("mlp_only_layers") or []) or (i + 1) % step)
-  fields.update(expert_mlp_dim=int(hf["moe_intermediate_size"]), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                dense_layers=dense)
+  fields.update(
+    expert_mlp_dim=int(hf["moe_intermediate_size"]),
+    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    dense_layers=dense,
+  )
   shared = int(hf.get("shared_expert_intermediate_size") or 0)
   if family == "qwen2_moe" and shared:
     fields.update(num_shared_experts=1, shared_mlp_dim=shared, shared_expert_gate=True)
@@ -223,16 +285,18 @@ def _fields(path: str, stamp: tuple[int, int]) -> tuple[type, tuple[tuple[str, A
   arch = (hf.get("architectures") or ["?"])[0]
   known = {**FAMILIES, **MOE_FAMILIES}
   if arch not in known:
-    raise HfCheckpointError(f"{path}: architecture {arch!r} is not one this importer reads; known:"
-                            f" {', '.join(known)}.")
+    raise HfCheckpointError(f"{path}: architecture {arch!r} is not one this importer reads; known: {', '.join(known)}.")
   family = known[arch]
   if hf.get("model_type") not in (None, family):
-    raise HfCheckpointError(f"{path}: model_type {hf['model_type']!r} does not go with architecture {arch!r}"
-                            f" (expected {family!r}).")
+    raise HfCheckpointError(
+      f"{path}: model_type {hf['model_type']!r} does not go with architecture {arch!r} (expected {family!r})."
+    )
   if hf.get("quantization_config"):
     method = hf["quantization_config"].get("quant_method", "?")
-    raise HfCheckpointError(f"{path}: quantization_config {method!r}: quantized weights (gpt-oss's MXFP4 experts,"
-                            " DeepSeek-V3's FP8 blocks) are not read; convert the checkpoint to bf16 first.")
+    raise HfCheckpointError(
+      f"{path}: quantization_config {method!r}: quantized weights (gpt-oss's MXFP4 experts,"
+      " DeepSeek-V3's FP8 blocks) are not read; convert the checkpoint to bf16 first."
+    )
   fields = _dense_fields(hf, path, family)
   fields["mtp_depth"] = mtp.checkpoint_depth(hf, os.path.dirname(path), fields["num_layers"])
   cls = LlamaConfig
@@ -275,10 +339,28 @@ def shape_fields(config: Any) -> tuple[str, ...]:
 
 
 _SHAPE_FIELDS = frozenset(f.name for f in dataclasses.fields(MoEConfig)) - {
-    "dtype", "param_dtype", "remat", "scan_layers", "attention", "max_segments", "loss_chunk_size", "loss_remat",
-    "context_attention", "fp8", "fp8_amax_history", "fp8_min_dim", "capacity_factor", "aux_loss_weight",
-    "z_loss_weight", "router_bias_update_rate", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
-    "mtp_loss_weight"}
+  "dtype",
+  "param_dtype",
+  "remat",
+  "scan_layers",
+  "attention",
+  "max_segments",
+  "loss_chunk_size",
+  "loss_remat",
+  "context_attention",
+  "fp8",
+  "fp8_amax_history",
+  "fp8_min_dim",
+  "capacity_factor",
+  "aux_loss_weight",
+  "z_loss_weight",
+  "router_bias_update_rate",
+  "lora_rank",
+  "lora_alpha",
+  "lora_dropout",
+  "lora_targets",
+  "mtp_loss_weight",
+}
 
 
 # --- config.json out ----------------------------------------------------------------------------
@@ -290,13 +372,25 @@ def _rope_json(config: Any) -> dict[str, Any]:
   if config.rope_scaling == "linear":
     rope.update(rope_type="linear", factor=config.rope_factor)
   elif config.rope_scaling == "llama3":
-    rope.update(rope_type="llama3", factor=config.rope_factor, low_freq_factor=config.rope_low_freq_factor,
-                high_freq_factor=config.rope_high_freq_factor,
-                original_max_position_embeddings=config.rope_original_max_len)
+    rope.update(
+      rope_type="llama3",
+      factor=config.rope_factor,
+      low_freq_factor=config.rope_low_freq_factor,
+      high_freq_factor=config.rope_high_freq_factor,
+      original_max_position_embeddings=config.rope_original_max_len,
+    )
   elif config.rope_scaling == "yarn":
-    rope.update(rope_type="yarn", factor=config.rope_factor, original_max_position_embeddings=config.rope_original_max_len,
-                beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow, truncate=config.rope_truncate)
-    rope.update({k: v for k, v in (("mscale", config.rope_mscale), ("mscale_all_dim", config.rope_mscale_all_dim)) if v})
+    rope.update(
+      rope_type="yarn",
+      factor=config.rope_factor,
+      original_max_position_embeddings=config.rope_original_max_len,
+      beta_fast=config.rope_beta_fast,
+      beta_slow=config.rope_beta_slow,
+      truncate=config.rope_truncate,
+    )
+    rope.update(
+      {k: v for k, v in (("mscale", config.rope_mscale), ("mscale_all_dim", config.rope_mscale_all_dim)) if v}
+    )
   return rope
 
 
@@ -305,11 +399,20 @@ def _check_writable(config: Any, family: str) -> None:
   problems = []
   if is_moe(config) and config.router_bias_update_rate > 0 and family != "deepseek_v3":
     problems.append("router_bias_update_rate > 0 (a routing bias the family has not)")
-  if family == "mixtral" and (config.attention_bias or not config.norm_topk_prob or config.router != "softmax"
-                              or config.routed_scaling != 1.0 or config.num_shared_experts):
+  if family == "mixtral" and (
+    config.attention_bias
+    or not config.norm_topk_prob
+    or config.router != "softmax"
+    or config.routed_scaling != 1.0
+    or config.num_shared_experts
+  ):
     problems.append("Mixtral routes by softmax, renormalised, unscaled, without shared experts or attention biases")
-  if family == "qwen2_moe" and (config.num_shared_experts != 1 or not config.shared_expert_gate
-                                or not config.attention_bias or config.router != "softmax"):
+  if family == "qwen2_moe" and (
+    config.num_shared_experts != 1
+    or not config.shared_expert_gate
+    or not config.attention_bias
+    or config.router != "softmax"
+  ):
     problems.append("Qwen2-MoE has one gated shared expert, attention biases and a softmax router")
   if family in ("llama", "qwen2", "mistral") and (config.qk_norm or config.sandwich_norms or config.attention_sinks):
     problems.append(f"{family} has no q/k norms, sandwich norms or sinks")
@@ -342,12 +445,23 @@ def hf_config(config: Any) -> dict[str, Any]:
   _check_writable(config, family)
   types = [("sliding" if kind.sliding else "full") + "_attention" for kind in config.layer_kinds()]
   out: dict[str, Any] = {
-      "architectures": [_ARCHITECTURES[family]], "model_type": family, "vocab_size": config.vocab_size,
-      "hidden_size": config.d_model, "intermediate_size": config.mlp_dim, "num_hidden_layers": config.num_layers,
-      "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-      "head_dim": config.head_dim, "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
-      "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_embeddings, "hidden_act": "silu",
-      "torch_dtype": "float32", "pad_token_id": config.pad_token_id if config.pad_token_id >= 0 else None}
+    "architectures": [_ARCHITECTURES[family]],
+    "model_type": family,
+    "vocab_size": config.vocab_size,
+    "hidden_size": config.d_model,
+    "intermediate_size": config.mlp_dim,
+    "num_hidden_layers": config.num_layers,
+    "num_attention_heads": config.num_heads,
+    "num_key_value_heads": config.num_kv_heads,
+    "head_dim": config.head_dim,
+    "max_position_embeddings": config.max_seq_len,
+    "rms_norm_eps": config.norm_eps,
+    "rope_theta": config.rope_theta,
+    "tie_word_embeddings": config.tie_embeddings,
+    "hidden_act": "silu",
+    "torch_dtype": "float32",
+    "pad_token_id": config.pad_token_id if config.pad_token_id >= 0 else None,
+  }
   if config.rope_scaling != "none":
     out["rope_scaling"] = _rope_json(config)
   if family in ("llama", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v3"):
@@ -356,13 +470,21 @@ def hf_config(config: Any) -> dict[str, Any]:
     out["mlp_bias"] = False
   if family == "gemma3_text":
     scalar = config.query_pre_attn_scalar
-    out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
-               sliding_window=config.sliding_window, layer_types=types,
-               final_logit_softcapping=config.final_logit_softcap or None,
-               rope_local_base_freq=config.local_rope_theta or config.rope_theta)
+    out.update(
+      hidden_activation="gelu_pytorch_tanh",
+      query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
+      sliding_window=config.sliding_window,
+      layer_types=types,
+      final_logit_softcapping=config.final_logit_softcap or None,
+      rope_local_base_freq=config.local_rope_theta or config.rope_theta,
+    )
   if family == "gpt_oss":
-    out.update(sliding_window=config.sliding_window, layer_types=types, swiglu_alpha=config.swiglu_alpha,
-               swiglu_limit=config.swiglu_limit)
+    out.update(
+      sliding_window=config.sliding_window,
+      layer_types=types,
+      swiglu_alpha=config.swiglu_alpha,
+      swiglu_limit=config.swiglu_limit,
+    )
   if family in ("mistral", "mixtral"):
     out["sliding_window"] = config.sliding_window or None
   out["num_nextn_predict_layers"] = config.mtp_depth  # multi-token-prediction layers, after the last
@@ -372,17 +494,33 @@ def hf_config(config: Any) -> dict[str, Any]:
   if family in ("mixtral", "gpt_oss"):
     out.update(num_local_experts=config.num_experts, intermediate_size=config.expert_mlp_dim)
   elif family == "deepseek_v3":
-    out.update(n_routed_experts=config.num_experts, moe_intermediate_size=config.expert_mlp_dim,
-               n_shared_experts=config.num_shared_experts, n_group=config.router_groups,
-               topk_group=config.router_group_topk, routed_scaling_factor=config.routed_scaling,
-               norm_topk_prob=config.norm_topk_prob, first_k_dense_replace=len(config.dense_layers),
-               q_lora_rank=config.q_lora_rank or None, kv_lora_rank=config.kv_lora_rank,
-               qk_nope_head_dim=config.head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
-               v_head_dim=config.v_head_dim, rope_interleave=config.rope_interleave, scoring_func="sigmoid",
-               topk_method="noaux_tc", head_dim=config.qk_rope_head_dim)
+    out.update(
+      n_routed_experts=config.num_experts,
+      moe_intermediate_size=config.expert_mlp_dim,
+      n_shared_experts=config.num_shared_experts,
+      n_group=config.router_groups,
+      topk_group=config.router_group_topk,
+      routed_scaling_factor=config.routed_scaling,
+      norm_topk_prob=config.norm_topk_prob,
+      first_k_dense_replace=len(config.dense_layers),
+      q_lora_rank=config.q_lora_rank or None,
+      kv_lora_rank=config.kv_lora_rank,
+      qk_nope_head_dim=config.head_dim,
+      qk_rope_head_dim=config.qk_rope_head_dim,
+      v_head_dim=config.v_head_dim,
+      rope_interleave=config.rope_interleave,
+      scoring_func="sigmoid",
+      topk_method="noaux_tc",
+      head_dim=config.qk_rope_head_dim,
+    )
   else:  # Qwen2-MoE, Qwen3-MoE
-    out.update(num_experts=config.num_experts, moe_intermediate_size=config.expert_mlp_dim,
-               norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=list(config.dense_layers))
+    out.update(
+      num_experts=config.num_experts,
+      moe_intermediate_size=config.expert_mlp_dim,
+      norm_topk_prob=config.norm_topk_prob,
+      decoder_sparse_step=1,
+      mlp_only_layers=list(config.dense_layers),
+    )
     if family == "qwen2_moe":  # intermediate_size is its dense layers' width (mlp_only_layers)
       out.update(shared_expert_intermediate_size=config.shared_width, intermediate_size=config.mlp_dim)
   return out

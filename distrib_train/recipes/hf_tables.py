@@ -65,16 +65,22 @@ def _attention(config) -> list[Tensor]:
 
 def _norms(config) -> list[Tensor]:
   if config.sandwich_norms:  # Gemma: post_attention_layernorm is the norm after attention
-    names = (("attn_norm", "input_layernorm"), ("post_attn_norm", "post_attention_layernorm"),
-             ("mlp_norm", "pre_feedforward_layernorm"), ("post_mlp_norm", "post_feedforward_layernorm"))
+    names = (
+      ("attn_norm", "input_layernorm"),
+      ("post_attn_norm", "post_attention_layernorm"),
+      ("mlp_norm", "pre_feedforward_layernorm"),
+      ("post_mlp_norm", "post_feedforward_layernorm"),
+    )
   else:
     names = (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"))
   return [Tensor(ours, _LAYER + f"{theirs}.weight", "same") for ours, theirs in names]
 
 
 def _gated(prefix: str, ours: tuple[str, str, str] = ("w_gate", "w_up", "w_down")) -> list[Tensor]:
-  return [Tensor(param, prefix + f"{theirs}.weight", "transposed")
-          for param, theirs in zip(ours, ("gate_proj", "up_proj", "down_proj"))]
+  return [
+    Tensor(param, prefix + f"{theirs}.weight", "transposed")
+    for param, theirs in zip(ours, ("gate_proj", "up_proj", "down_proj"))
+  ]
 
 
 _SHARED = ("shared_gate", "shared_up", "shared_down")
@@ -88,17 +94,25 @@ def _mixture(config) -> list[Tensor]:
   if family == "mixtral":
     b = _LAYER + "block_sparse_moe."
     return [Tensor("router", b + "gate.weight", "transposed")] + [
-        Tensor(param, b + f"experts.{{expert}}.{w}.weight", "experts")
-        for param, w in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2"))]
+      Tensor(param, b + f"experts.{{expert}}.{w}.weight", "experts")
+      for param, w in (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2"))
+    ]
   if family == "gpt_oss":
     e = m + "experts."
-    return [Tensor("router", m + "router.weight", "transposed"), Tensor("router_logit_bias", m + "router.bias", "same"),
-            Tensor("w_gate", e + "gate_up_proj", "even"), Tensor("w_up", e + "gate_up_proj", "odd"),
-            Tensor("b_gate", e + "gate_up_proj_bias", "even"), Tensor("b_up", e + "gate_up_proj_bias", "odd"),
-            Tensor("w_down", e + "down_proj", "same"), Tensor("b_down", e + "down_proj_bias", "same")]
+    return [
+      Tensor("router", m + "router.weight", "transposed"),
+      Tensor("router_logit_bias", m + "router.bias", "same"),
+      Tensor("w_gate", e + "gate_up_proj", "even"),
+      Tensor("w_up", e + "gate_up_proj", "odd"),
+      Tensor("b_gate", e + "gate_up_proj_bias", "even"),
+      Tensor("b_up", e + "gate_up_proj_bias", "odd"),
+      Tensor("w_down", e + "down_proj", "same"),
+      Tensor("b_down", e + "down_proj_bias", "same"),
+    ]
   out = [Tensor("router", m + "gate.weight", "transposed")] + [
-      Tensor(param, m + f"experts.{{expert}}.{w}_proj.weight", "experts")
-      for param, w in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down"))]
+    Tensor(param, m + f"experts.{{expert}}.{w}_proj.weight", "experts")
+    for param, w in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down"))
+  ]
   if family == "deepseek_v3":
     out.append(Tensor("router_bias", m + "gate.e_score_correction_bias", "same"))
     out += _gated(m + "shared_experts.", _SHARED)
@@ -133,7 +147,10 @@ def mtp_tensors(config) -> list[Tensor]:
   a layer of the model's last layer's kind, and its own norms and projection."""
   from distrib_train.recipes import mtp
 
-  own = [Tensor("enorm", _LAYER + "enorm.weight", "same"), Tensor("hnorm", _LAYER + "hnorm.weight", "same"),
-         Tensor("eh_proj", _LAYER + "eh_proj.weight", "transposed"),
-         Tensor("head_norm", _LAYER + "shared_head.norm.weight", "same")]
+  own = [
+    Tensor("enorm", _LAYER + "enorm.weight", "same"),
+    Tensor("hnorm", _LAYER + "hnorm.weight", "same"),
+    Tensor("eh_proj", _LAYER + "eh_proj.weight", "transposed"),
+    Tensor("head_norm", _LAYER + "shared_head.norm.weight", "same"),
+  ]
   return tensors(config, mtp.kind(config).mixture) + own

@@ -128,34 +128,43 @@ class LlamaConfig:
       raise ValueError(f"fp8_amax_history must be at least 1, got {self.fp8_amax_history}.")
     if self.context_attention not in ("ring", "all_gather"):
       raise ValueError(f"context_attention must be 'ring' or 'all_gather', got {self.context_attention!r}.")
-    if isinstance(self.max_segments, bool) or not isinstance(self.max_segments, int) or not (
-        self.max_segments == 0 or self.max_segments >= 2):
-      raise ValueError(f"max_segments must be 0 (a dense segment mask) or at least 2 (a document and the"
-                       f" padding), got {self.max_segments!r}.")
+    if (
+      isinstance(self.max_segments, bool)
+      or not isinstance(self.max_segments, int)
+      or not (self.max_segments == 0 or self.max_segments >= 2)
+    ):
+      raise ValueError(
+        f"max_segments must be 0 (a dense segment mask) or at least 2 (a document and the"
+        f" padding), got {self.max_segments!r}."
+      )
     if self.attention not in attention_kernels.REQUESTS:
       raise ValueError(f"attention must be 'auto', 'xla', 'cudnn' or 'splash', got {self.attention!r}.")
     if self.attention_kind not in attention.VARIANTS:
       raise ValueError(f"attention_kind must be one of {', '.join(attention.VARIANTS)}, got {self.attention_kind!r}.")
     if self.mlp_activation not in MLP_ACTIVATIONS:
       raise ValueError(f"mlp_activation must be one of {', '.join(MLP_ACTIVATIONS)}, got {self.mlp_activation!r}.")
-    if self.layer_types and (len(self.layer_types) != self.num_layers
-                             or any(t not in LAYER_TYPES for t in self.layer_types)):
-      raise ValueError(f"layer_types must name 'full' or 'sliding' for each of the {self.num_layers} layers, got"
-                       f" {self.layer_types!r}.")
+    if self.layer_types and (
+      len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types)
+    ):
+      raise ValueError(
+        f"layer_types must name 'full' or 'sliding' for each of the {self.num_layers} layers, got {self.layer_types!r}."
+      )
     if "sliding" in self.layer_types and self.sliding_window < 1:
       raise ValueError("layer_types names sliding layers but sliding_window is 0: set the window's size.")
     if self.sliding_window < 0:
       raise ValueError(f"sliding_window must be 0 (none) or positive, got {self.sliding_window}.")
     if not -1 <= self.pad_token_id < self.vocab_size:
-      raise ValueError(f"pad_token_id must be -1 (none) or a token id below vocab_size ({self.vocab_size}), got"
-                       f" {self.pad_token_id}.")
+      raise ValueError(
+        f"pad_token_id must be -1 (none) or a token id below vocab_size ({self.vocab_size}), got {self.pad_token_id}."
+      )
     for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be 0 (off) or positive, got {getattr(self, name)}.")
     lora.check(self, attention.variant(self).lora_targets)
     if isinstance(self.mtp_depth, bool) or not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
-      raise ValueError(f"mtp_depth must be 0 (no multi-token prediction) or a positive number of modules, got"
-                       f" {self.mtp_depth!r}.")
+      raise ValueError(
+        f"mtp_depth must be 0 (no multi-token prediction) or a positive number of modules, got {self.mtp_depth!r}."
+      )
     if not self.mtp_loss_weight >= 0:
       raise ValueError(f"mtp_loss_weight must be 0 or more (DeepSeek-V3: 0.3), got {self.mtp_loss_weight!r}.")
 
@@ -188,11 +197,19 @@ class LlamaConfig:
     """The rotary embedding of a full layer, or of a sliding one (its own unscaled base, where it has one)."""
     if sliding and self.local_rope_theta:
       return Rope(theta=self.local_rope_theta)
-    return Rope(theta=self.rope_theta, scaling=self.rope_scaling, factor=self.rope_factor,
-                low_freq_factor=self.rope_low_freq_factor, high_freq_factor=self.rope_high_freq_factor,
-                original_max_len=self.rope_original_max_len, beta_fast=self.rope_beta_fast,
-                beta_slow=self.rope_beta_slow, truncate=self.rope_truncate, mscale=self.rope_mscale,
-                mscale_all_dim=self.rope_mscale_all_dim)
+    return Rope(
+      theta=self.rope_theta,
+      scaling=self.rope_scaling,
+      factor=self.rope_factor,
+      low_freq_factor=self.rope_low_freq_factor,
+      high_freq_factor=self.rope_high_freq_factor,
+      original_max_len=self.rope_original_max_len,
+      beta_fast=self.rope_beta_fast,
+      beta_slow=self.rope_beta_slow,
+      truncate=self.rope_truncate,
+      mscale=self.rope_mscale,
+      mscale_all_dim=self.rope_mscale_all_dim,
+    )
 
   def softmax_scale(self) -> float | None:
     """The attention softmax scale (None: 1/√qk_dim, the kernels' default)."""
@@ -208,10 +225,15 @@ class LlamaConfig:
 
   def attention_for(self, kind: Kind) -> attention_kernels.Attention:
     """What a layer of ``kind``'s attention computes and the kernel it asks for."""
-    return attention_kernels.Attention(requested=self.attention, window=self.sliding_window if kind.sliding else 0,
-                                       scale=self.softmax_scale(), softcap=self.attn_logit_softcap,
-                                       max_segments=self.packed_segments, context=self.context_attention,
-                                       regather=self.remat == "none")
+    return attention_kernels.Attention(
+      requested=self.attention,
+      window=self.sliding_window if kind.sliding else 0,
+      scale=self.softmax_scale(),
+      softcap=self.attn_logit_softcap,
+      max_segments=self.packed_segments,
+      context=self.context_attention,
+      regather=self.remat == "none",
+    )
 
   # --- the family protocol (family.py) -----------------------------------------------------------
 
@@ -229,17 +251,28 @@ class LlamaConfig:
     S is its window where that is shorter (12·L·heads·head_dim·S for a plain decoder); with ``mtp_depth``, each
     MTP module's block attention and the shared head's matmul again too (``mtp.extra_flops_per_token``)."""
     attention = sum(min(seq_len, self.sliding_window) if kind.sliding else seq_len for kind in self.layer_kinds())
-    return (6 * self.active_params() + 6 * self.num_heads * (self.qk_dim + self.v_dim) * attention
-            + mtp.extra_flops_per_token(self, seq_len))
+    return (
+      6 * self.active_params()
+      + 6 * self.num_heads * (self.qk_dim + self.v_dim) * attention
+      + mtp.extra_flops_per_token(self, seq_len)
+    )
 
   def capabilities(self) -> Capabilities:
     """What the model runs (the family protocol, ``family.py``)."""
     from distrib_train.recipes.decoder import segments
 
-    return Capabilities(fp8=self.fp8, attention=self.attention, max_segments=self.packed_segments, dtype=self.dtype,
-                        remat=self.remat, num_layers=self.num_layers, d_model=self.d_model,
-                        num_heads=self.num_heads, mlp_dim=self.mlp_dim,
-                        scan_lengths=tuple(s.count // len(s.kinds) for s in segments(self)))
+    return Capabilities(
+      fp8=self.fp8,
+      attention=self.attention,
+      max_segments=self.packed_segments,
+      dtype=self.dtype,
+      remat=self.remat,
+      num_layers=self.num_layers,
+      d_model=self.d_model,
+      num_heads=self.num_heads,
+      mlp_dim=self.mlp_dim,
+      scan_lengths=tuple(s.count // len(s.kinds) for s in segments(self)),
+    )
 
   def build(self, rngs: nnx.Rngs | int = 0) -> Decoder:
     """A freshly initialised model (annotations are logical: no eager sharding)."""
@@ -257,28 +290,87 @@ def _param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 PRESETS: dict[str, LlamaConfig] = {
-    # Trains in seconds on CPU; byte-level vocabulary.
-    "tiny": LlamaConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                        mlp_dim=192, max_seq_len=256, dtype="float32", loss_chunk_size=64, fp8_min_dim=0),
-    "124m": LlamaConfig(d_model=768, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64, mlp_dim=2048),
-    "350m": LlamaConfig(d_model=1024, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=64, mlp_dim=2816),
-    "1b": LlamaConfig(d_model=2048, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=128, mlp_dim=5632,
-                      max_seq_len=2048),
-    "7b": LlamaConfig(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, mlp_dim=11008,
-                      max_seq_len=4096, remat="full"),
-    "70b": LlamaConfig(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, mlp_dim=28672,
-                       max_seq_len=4096, remat="full"),
-    # Qwen3-8B's shape (8.2B parameters): q/k norms, GQA 32/8, an untied 152k head.
-    "qwen3-8b": LlamaConfig(vocab_size=151936, d_model=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
-                            mlp_dim=12288, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True,
-                            remat="full", hf_model_type="qwen3"),
-    # Gemma 3 27B, text (27.0B parameters): 62 layers, every 6th global (RoPE 1e6, linear ×8), the others a
-    # window of 1024 (RoPE 1e4); GeGLU, sandwich norms, q/k norms, a tied 262k vocabulary.
-    "gemma3-27b": LlamaConfig(vocab_size=262208, d_model=5376, num_layers=62, num_heads=32, num_kv_heads=16,
-                              head_dim=128, mlp_dim=21504, max_seq_len=131072, rope_theta=1e6, norm_eps=1e-6,
-                              qk_norm=True, sandwich_norms=True, norm_weight_offset=1.0, scale_embeddings=True,
-                              mlp_activation="gelu_tanh", query_pre_attn_scalar=168.0, sliding_window=1024,
-                              layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(62)),
-                              local_rope_theta=1e4, rope_scaling="linear", rope_factor=8.0, tie_embeddings=True,
-                              remat="full", hf_model_type="gemma3_text"),
+  # Trains in seconds on CPU; byte-level vocabulary.
+  "tiny": LlamaConfig(
+    vocab_size=256,
+    d_model=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_dim=192,
+    max_seq_len=256,
+    dtype="float32",
+    loss_chunk_size=64,
+    fp8_min_dim=0,
+  ),
+  "124m": LlamaConfig(d_model=768, num_layers=12, num_heads=12, num_kv_heads=12, head_dim=64, mlp_dim=2048),
+  "350m": LlamaConfig(d_model=1024, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=64, mlp_dim=2816),
+  "1b": LlamaConfig(
+    d_model=2048, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=128, mlp_dim=5632, max_seq_len=2048
+  ),
+  "7b": LlamaConfig(
+    d_model=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=32,
+    head_dim=128,
+    mlp_dim=11008,
+    max_seq_len=4096,
+    remat="full",
+  ),
+  "70b": LlamaConfig(
+    d_model=8192,
+    num_layers=80,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=28672,
+    max_seq_len=4096,
+    remat="full",
+  ),
+  # Qwen3-8B's shape (8.2B parameters): q/k norms, GQA 32/8, an untied 152k head.
+  "qwen3-8b": LlamaConfig(
+    vocab_size=151936,
+    d_model=4096,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=12288,
+    max_seq_len=40960,
+    rope_theta=1e6,
+    norm_eps=1e-6,
+    qk_norm=True,
+    remat="full",
+    hf_model_type="qwen3",
+  ),
+  # Gemma 3 27B, text (27.0B parameters): 62 layers, every 6th global (RoPE 1e6, linear ×8), the others a
+  # window of 1024 (RoPE 1e4); GeGLU, sandwich norms, q/k norms, a tied 262k vocabulary.
+  "gemma3-27b": LlamaConfig(
+    vocab_size=262208,
+    d_model=5376,
+    num_layers=62,
+    num_heads=32,
+    num_kv_heads=16,
+    head_dim=128,
+    mlp_dim=21504,
+    max_seq_len=131072,
+    rope_theta=1e6,
+    norm_eps=1e-6,
+    qk_norm=True,
+    sandwich_norms=True,
+    norm_weight_offset=1.0,
+    scale_embeddings=True,
+    mlp_activation="gelu_tanh",
+    query_pre_attn_scalar=168.0,
+    sliding_window=1024,
+    layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(62)),
+    local_rope_theta=1e4,
+    rope_scaling="linear",
+    rope_factor=8.0,
+    tie_embeddings=True,
+    remat="full",
+    hf_model_type="gemma3_text",
+  ),
 }

@@ -69,12 +69,15 @@ def check(config, attention_targets: frozenset[str] = frozenset("qkvo")) -> None
   if unknown or not config.lora_targets:
     raise ValueError(f"lora.targets names {unknown or 'nothing'}; choose among {', '.join(TARGETS)}.")
   if isinstance(config.lora_dropout, bool) or not 0 <= config.lora_dropout < 1:
-    raise ValueError(f"lora.dropout is the probability of dropping an adapter's input: 0 ≤ p < 1, got"
-                     f" {config.lora_dropout!r}.")
+    raise ValueError(
+      f"lora.dropout is the probability of dropping an adapter's input: 0 ≤ p < 1, got {config.lora_dropout!r}."
+    )
   refused = sorted(set(config.lora_targets) & ({"q", "k", "v", "o"} - set(attention_targets)))
   if refused:
-    raise ValueError(f"lora.targets q, k, v and o adapt GQA attention; this model's is"
-                     f" {config.attention_kind.upper()}: adapt gate, up and down only.")
+    raise ValueError(
+      f"lora.targets q, k, v and o adapt GQA attention; this model's is"
+      f" {config.attention_kind.upper()}: adapt gate, up and down only."
+    )
 
 
 def weights(config) -> tuple[str, ...]:
@@ -93,11 +96,12 @@ def adapter_params(config, rngs: nnx.Rngs, stack: dict[str, Any], mixture: bool 
     weight = stack[name]
     shape, axes = weight.shape, variable_axes(weight) or (None,) * len(weight.shape)
     n_in = _inputs(name)
-    fan_in = math.prod(shape[1:1 + n_in])
-    a = jax.random.normal(rngs.params(), (shape[0], *shape[1:1 + n_in], r), weight.dtype) / math.sqrt(fan_in)
-    out[f"lora_a_{name}"] = nnx.Param(a, out_sharding=(axes[0], *axes[1:1 + n_in], None))
-    out[f"lora_b_{name}"] = nnx.Param(jnp.zeros((shape[0], r, *shape[1 + n_in:]), weight.dtype),
-                                      out_sharding=(axes[0], None, *axes[1 + n_in:]))
+    fan_in = math.prod(shape[1 : 1 + n_in])
+    a = jax.random.normal(rngs.params(), (shape[0], *shape[1 : 1 + n_in], r), weight.dtype) / math.sqrt(fan_in)
+    out[f"lora_a_{name}"] = nnx.Param(a, out_sharding=(axes[0], *axes[1 : 1 + n_in], None))
+    out[f"lora_b_{name}"] = nnx.Param(
+      jnp.zeros((shape[0], r, *shape[1 + n_in :]), weight.dtype), out_sharding=(axes[0], None, *axes[1 + n_in :])
+    )
   return out
 
 
@@ -160,8 +164,9 @@ def merged(config, base: dict[str, Any], adapters: dict[str, Any]) -> dict[str, 
     w = jnp.asarray(base[name], jnp.float32)
     n_in = _inputs(name)
     a32, b32 = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    lead, in_shape, out_shape = w.shape[0], w.shape[1:1 + n_in], w.shape[1 + n_in:]
-    product = jnp.einsum("lir,lro->lio", a32.reshape(lead, -1, config.lora_rank),
-                         b32.reshape(lead, config.lora_rank, -1))
+    lead, in_shape, out_shape = w.shape[0], w.shape[1 : 1 + n_in], w.shape[1 + n_in :]
+    product = jnp.einsum(
+      "lir,lro->lio", a32.reshape(lead, -1, config.lora_rank), b32.reshape(lead, config.lora_rank, -1)
+    )
     out[name] = w + scale * product.reshape(lead, *in_shape, *out_shape)
   return out

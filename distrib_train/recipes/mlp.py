@@ -42,16 +42,21 @@ class BatchNormMLP(nnx.Module):
   def __init__(self, config: MLPConfig, *, rngs: nnx.Rngs):
     kernel_init = nnx.initializers.lecun_normal()
     self.dense_in = nnx.Linear(
-        config.in_features, config.hidden, rngs=rngs,
-        kernel_init=nnx.with_partitioning(kernel_init, ("embed", "mlp")),
-        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("mlp",)),
+      config.in_features,
+      config.hidden,
+      rngs=rngs,
+      kernel_init=nnx.with_partitioning(kernel_init, ("embed", "mlp")),
+      bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("mlp",)),
     )
-    self.norm = nnx.BatchNorm(config.hidden, rngs=rngs, scale_metadata={"out_sharding": ("mlp",)},
-                              bias_metadata={"out_sharding": ("mlp",)})
+    self.norm = nnx.BatchNorm(
+      config.hidden, rngs=rngs, scale_metadata={"out_sharding": ("mlp",)}, bias_metadata={"out_sharding": ("mlp",)}
+    )
     self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
     self.dense_out = nnx.Linear(
-        config.hidden, config.num_classes, rngs=rngs,
-        kernel_init=nnx.with_partitioning(kernel_init, ("mlp", "embed")),
+      config.hidden,
+      config.num_classes,
+      rngs=rngs,
+      kernel_init=nnx.with_partitioning(kernel_init, ("mlp", "embed")),
     )
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -59,8 +64,9 @@ class BatchNormMLP(nnx.Module):
     return self.dense_out(self.dropout(x))
 
 
-def loss_fn(*, model: BatchNormMLP, state: Any, rng: jax.Array, inputs: jax.Array,
-            targets: jax.Array) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+def loss_fn(
+  *, model: BatchNormMLP, state: Any, rng: jax.Array, inputs: jax.Array, targets: jax.Array
+) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
   """Mean softmax cross-entropy (penzai contract); aux has loss and accuracy."""
   del rng  # Dropout draws from the module's streams, reseeded from it per step.
   logits = model(inputs)

@@ -65,22 +65,31 @@ class MoEConfig(llama.LlamaConfig):
     if self.router not in ROUTERS:
       raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}.")
     if not 1 <= self.experts_per_token <= self.num_experts:
-      raise ValueError(f"experts_per_token ({self.experts_per_token}) must be between 1 and num_experts"
-                       f" ({self.num_experts}).")
+      raise ValueError(
+        f"experts_per_token ({self.experts_per_token}) must be between 1 and num_experts ({self.num_experts})."
+      )
     per_group = self.num_experts // max(self.router_groups, 1)
-    if self.router_groups < 1 or self.num_experts % self.router_groups or not (
-        1 <= self.router_group_topk <= self.router_groups):
-      raise ValueError(f"router_groups ({self.router_groups}) must divide num_experts ({self.num_experts}) and"
-                       f" router_group_topk ({self.router_group_topk}) be between 1 and it.")
+    if (
+      self.router_groups < 1
+      or self.num_experts % self.router_groups
+      or not (1 <= self.router_group_topk <= self.router_groups)
+    ):
+      raise ValueError(
+        f"router_groups ({self.router_groups}) must divide num_experts ({self.num_experts}) and"
+        f" router_group_topk ({self.router_group_topk}) be between 1 and it."
+      )
     if self.router_groups > 1 and (per_group < 2 or self.router_group_topk * per_group < self.experts_per_token):
-      raise ValueError(f"router_groups ({self.router_groups}) of {per_group} experts, the best"
-                       f" {self.router_group_topk} kept: a group needs at least 2 experts (it scores its best two)"
-                       f" and the kept groups at least experts_per_token ({self.experts_per_token}).")
+      raise ValueError(
+        f"router_groups ({self.router_groups}) of {per_group} experts, the best"
+        f" {self.router_group_topk} kept: a group needs at least 2 experts (it scores its best two)"
+        f" and the kept groups at least experts_per_token ({self.experts_per_token})."
+      )
     if self.capacity_factor < 0:
       raise ValueError(f"capacity_factor must be 0 (dropless) or positive, got {self.capacity_factor}.")
     if not self.router_bias_update_rate >= 0:
-      raise ValueError(f"router_bias_update_rate must be 0 (off) or positive (DeepSeek-V3: 0.001), got"
-                       f" {self.router_bias_update_rate}.")
+      raise ValueError(
+        f"router_bias_update_rate must be 0 (off) or positive (DeepSeek-V3: 0.001), got {self.router_bias_update_rate}."
+      )
     if any(not 0 <= layer < self.num_layers for layer in self.dense_layers):
       raise ValueError(f"dense_layers {self.dense_layers!r} names layers outside 0…{self.num_layers - 1}.")
 
@@ -102,40 +111,127 @@ class MoEConfig(llama.LlamaConfig):
 
 
 PRESETS: dict[str, MoEConfig] = {
-    # Trains in seconds on CPU: 4 layers of 8 experts, 2 per token; byte-level vocabulary.
-    "tiny": MoEConfig(vocab_size=256, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
-                      max_seq_len=256, dtype="float32", loss_chunk_size=64, num_experts=8,
-                      experts_per_token=2, expert_mlp_dim=96, fp8_min_dim=0),
-    # Mixtral-8x7B's shape: 46.7B parameters, 12.9B active.
-    "mixtral-8x7b": MoEConfig(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                              head_dim=128, max_seq_len=4096, rope_theta=1e6, num_experts=8, experts_per_token=2,
-                              expert_mlp_dim=14336, remat="full"),
-    # Qwen3-30B-A3B (30.5B parameters, 3.3B active): 48 layers of 128 experts, 8 per token, renormalised.
-    "qwen3-30b-a3b": MoEConfig(vocab_size=151936, d_model=2048, num_layers=48, num_heads=32, num_kv_heads=4,
-                               head_dim=128, mlp_dim=6144, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
-                               qk_norm=True, num_experts=128, experts_per_token=8, expert_mlp_dim=768,
-                               norm_topk_prob=True, aux_loss_weight=0.001, remat="full", hf_model_type="qwen3_moe"),
-    # gpt-oss-20b (20.9B parameters; 4.2B active, 3.6B without the head): 24 layers alternating a window of 128
-    # and full attention, sinks, YaRN (×32 over 4096), q/k/v/o biases, 32 experts with biases, 4 per token, the
-    # clamped SwiGLU.
-    "gpt-oss-20b": MoEConfig(vocab_size=201088, d_model=2880, num_layers=24, num_heads=64, num_kv_heads=8,
-                             head_dim=64, mlp_dim=2880, max_seq_len=131072, rope_theta=150000.0,
-                             attention_bias=True, attention_out_bias=True, attention_sinks=True, sliding_window=128,
-                             layer_types=("sliding", "full") * 12, rope_scaling="yarn", rope_factor=32.0,
-                             rope_original_max_len=4096, rope_truncate=False, mlp_activation="swiglu_oss",
-                             num_experts=32, experts_per_token=4, expert_mlp_dim=2880, router="softmax_topk",
-                             router_logit_bias=True, expert_bias=True, aux_loss_weight=0.001, remat="full",
-                             hf_model_type="gpt_oss"),
-    # DeepSeek-V3 (671B parameters, 37B active): multi-head latent attention (q rank 1536, kv latent 512, heads
-    # of 128 + a shared 64-dim rotary part, values of 128), YaRN (×40 over 4096), 3 dense layers then 58 of 256
-    # routed experts + 1 shared, 8 per token from the best 4 of 8 groups, sigmoid scores with the correction bias.
-    "deepseek-v3": MoEConfig(vocab_size=129280, d_model=7168, num_layers=61, num_heads=128, num_kv_heads=128,
-                             head_dim=128, mlp_dim=18432, max_seq_len=4096, norm_eps=1e-6, attention_kind="mla",
-                             q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128,
-                             rope_interleave=True, rope_scaling="yarn", rope_factor=40.0,
-                             rope_original_max_len=4096, rope_mscale=1.0, rope_mscale_all_dim=1.0,
-                             num_experts=256, experts_per_token=8, expert_mlp_dim=2048, num_shared_experts=1,
-                             router="sigmoid", router_groups=8, router_group_topk=4, router_score_bias=True,
-                             routed_scaling=2.5, dense_layers=(0, 1, 2), remat="full", aux_loss_weight=0.0001,
-                             hf_model_type="deepseek_v3"),
+  # Trains in seconds on CPU: 4 layers of 8 experts, 2 per token; byte-level vocabulary.
+  "tiny": MoEConfig(
+    vocab_size=256,
+    d_model=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_seq_len=256,
+    dtype="float32",
+    loss_chunk_size=64,
+    num_experts=8,
+    experts_per_token=2,
+    expert_mlp_dim=96,
+    fp8_min_dim=0,
+  ),
+  # Mixtral-8x7B's shape: 46.7B parameters, 12.9B active.
+  "mixtral-8x7b": MoEConfig(
+    vocab_size=32000,
+    d_model=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    max_seq_len=4096,
+    rope_theta=1e6,
+    num_experts=8,
+    experts_per_token=2,
+    expert_mlp_dim=14336,
+    remat="full",
+  ),
+  # Qwen3-30B-A3B (30.5B parameters, 3.3B active): 48 layers of 128 experts, 8 per token, renormalised.
+  "qwen3-30b-a3b": MoEConfig(
+    vocab_size=151936,
+    d_model=2048,
+    num_layers=48,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    mlp_dim=6144,
+    max_seq_len=40960,
+    rope_theta=1e6,
+    norm_eps=1e-6,
+    qk_norm=True,
+    num_experts=128,
+    experts_per_token=8,
+    expert_mlp_dim=768,
+    norm_topk_prob=True,
+    aux_loss_weight=0.001,
+    remat="full",
+    hf_model_type="qwen3_moe",
+  ),
+  # gpt-oss-20b (20.9B parameters; 4.2B active, 3.6B without the head): 24 layers alternating a window of 128
+  # and full attention, sinks, YaRN (×32 over 4096), q/k/v/o biases, 32 experts with biases, 4 per token, the
+  # clamped SwiGLU.
+  "gpt-oss-20b": MoEConfig(
+    vocab_size=201088,
+    d_model=2880,
+    num_layers=24,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=64,
+    mlp_dim=2880,
+    max_seq_len=131072,
+    rope_theta=150000.0,
+    attention_bias=True,
+    attention_out_bias=True,
+    attention_sinks=True,
+    sliding_window=128,
+    layer_types=("sliding", "full") * 12,
+    rope_scaling="yarn",
+    rope_factor=32.0,
+    rope_original_max_len=4096,
+    rope_truncate=False,
+    mlp_activation="swiglu_oss",
+    num_experts=32,
+    experts_per_token=4,
+    expert_mlp_dim=2880,
+    router="softmax_topk",
+    router_logit_bias=True,
+    expert_bias=True,
+    aux_loss_weight=0.001,
+    remat="full",
+    hf_model_type="gpt_oss",
+  ),
+  # DeepSeek-V3 (671B parameters, 37B active): multi-head latent attention (q rank 1536, kv latent 512, heads
+  # of 128 + a shared 64-dim rotary part, values of 128), YaRN (×40 over 4096), 3 dense layers then 58 of 256
+  # routed experts + 1 shared, 8 per token from the best 4 of 8 groups, sigmoid scores with the correction bias.
+  "deepseek-v3": MoEConfig(
+    vocab_size=129280,
+    d_model=7168,
+    num_layers=61,
+    num_heads=128,
+    num_kv_heads=128,
+    head_dim=128,
+    mlp_dim=18432,
+    max_seq_len=4096,
+    norm_eps=1e-6,
+    attention_kind="mla",
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    rope_interleave=True,
+    rope_scaling="yarn",
+    rope_factor=40.0,
+    rope_original_max_len=4096,
+    rope_mscale=1.0,
+    rope_mscale_all_dim=1.0,
+    num_experts=256,
+    experts_per_token=8,
+    expert_mlp_dim=2048,
+    num_shared_experts=1,
+    router="sigmoid",
+    router_groups=8,
+    router_group_topk=4,
+    router_score_bias=True,
+    routed_scaling=2.5,
+    dense_layers=(0, 1, 2),
+    remat="full",
+    aux_loss_weight=0.0001,
+    hf_model_type="deepseek_v3",
+  ),
 }

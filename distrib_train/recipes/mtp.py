@@ -79,9 +79,13 @@ def params(config, rngs: nnx.Rngs) -> dict[str, Any]:
   before the shared head."""
   c, pd, n, d = config, jnp.dtype(config.param_dtype), config.mtp_depth, config.d_model
   ones = lambda: param(rngs, (n, d), ("layers", "embed"), pd, None, value=1.0 - c.norm_weight_offset)
-  return {"enorm": ones(), "hnorm": ones(),
-          "eh_proj": param(rngs, (n, 2 * d, d), ("layers", "embed", None), pd, fan_in=2 * d),
-          "head_norm": ones(), **blocks.layer_params(c, rngs, n, kind(c).mixture)}
+  return {
+    "enorm": ones(),
+    "hnorm": ones(),
+    "eh_proj": param(rngs, (n, 2 * d, d), ("layers", "embed", None), pd, fan_in=2 * d),
+    "head_norm": ones(),
+    **blocks.layer_params(c, rngs, n, kind(c).mixture),
+  }
 
 
 def _ahead(x: jax.Array, k: int) -> jax.Array:
@@ -91,8 +95,9 @@ def _ahead(x: jax.Array, k: int) -> jax.Array:
   return jnp.concatenate([x[:, k:], jnp.zeros((x.shape[0], k), x.dtype)], axis=1)
 
 
-def shifted(config, targets: jax.Array, segment_ids: jax.Array | None,
-            weights: jax.Array | None) -> dict[str, jax.Array]:
+def shifted(
+  config, targets: jax.Array, segment_ids: jax.Array | None, weights: jax.Array | None
+) -> dict[str, jax.Array]:
   """Per depth k, in the batch's own order: ``mtp_tokens_k`` (t_{i+k}, the embedded token), ``mtp_targets_k``
   (t_{i+k+1}) and ``mtp_weights_k`` (float32; 0 where the prediction is not counted: module docstring)."""
   weights = token_weights(targets, segment_ids, weights)
@@ -108,18 +113,26 @@ def shifted(config, targets: jax.Array, segment_ids: jax.Array | None,
   return out
 
 
-def _module(config, block, layer: dict, hidden: jax.Array, embedded: jax.Array, positions,
-            segment_ids) -> tuple[jax.Array, dict[str, jax.Array]]:
+def _module(
+  config, block, layer: dict, hidden: jax.Array, embedded: jax.Array, positions, segment_ids
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """One depth: the block's output ``h_k`` and its routing aux, from ``h_{k-1}`` and the shifted embeddings."""
   e = norm(config, embedded, layer["enorm"])
   h = norm(config, hidden, layer["hnorm"]).astype(e.dtype)
-  x = constrain(project("btc,cd->btd", jnp.concatenate([e, h], axis=-1), layer, "eh_proj"),
-                ("batch", "length", "embed"))
+  x = constrain(
+    project("btc,cd->btd", jnp.concatenate([e, h], axis=-1), layer, "eh_proj"), ("batch", "length", "embed")
+  )
   return block(x, layer, positions, segment_ids)
 
 
-def with_mtp_loss(model, hidden: jax.Array, rest: dict[str, Any], loss: jax.Array, aux: dict[str, jax.Array],
-                  head: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+def with_mtp_loss(
+  model,
+  hidden: jax.Array,
+  rest: dict[str, Any],
+  loss: jax.Array,
+  aux: dict[str, jax.Array],
+  head: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """``loss`` (the main objective's, routing losses included) plus the weighted MTP losses, and ``aux`` with
   ``cross_entropy`` (kept where given), ``mtp_loss_<k>`` and the new ``loss``.
 
@@ -144,9 +157,15 @@ def with_mtp_loss(model, hidden: jax.Array, rest: dict[str, Any], loss: jax.Arra
       layer = {name: v[...][k - 1] for name, v in stack.items()}
       embedded = model.embed_tokens(rest[f"mtp_tokens_{k}"])
       hidden, layer_aux = _module(c, block, layer, hidden, embedded, positions, segment_ids)
-      total, count = chunked_cross_entropy(norm(c, hidden, layer["head_norm"]), head, rest[f"mtp_targets_{k}"],
-                                           rest[f"mtp_weights_{k}"], c.loss_chunk_size, c.loss_remat,
-                                           softcap=c.final_logit_softcap)
+      total, count = chunked_cross_entropy(
+        norm(c, hidden, layer["head_norm"]),
+        head,
+        rest[f"mtp_targets_{k}"],
+        rest[f"mtp_weights_{k}"],
+        c.loss_chunk_size,
+        c.loss_remat,
+        softcap=c.final_logit_softcap,
+      )
       figures[f"mtp_loss_{k}"] = total / jnp.maximum(count, 1.0)
       for name in routing if layer_aux else ():
         routing[name].append(jnp.mean(layer_aux[name]))

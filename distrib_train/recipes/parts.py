@@ -30,8 +30,14 @@ class Kind:
   sliding: bool = False
 
 
-def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any, fan_in: int | None,
-          value: float | None = None) -> nnx.Param:
+def param(
+  rngs: nnx.Rngs,
+  shape: tuple[int, ...],
+  axes: tuple[str | None, ...],
+  dtype: Any,
+  fan_in: int | None,
+  value: float | None = None,
+) -> nnx.Param:
   """A param of ``shape`` annotated with its logical ``axes``: normal / √fan_in, or filled with ``value``."""
   if value is not None:
     data = jnp.full(shape, value, dtype)

@@ -68,11 +68,14 @@ def frequencies(rope: Rope, dim: int) -> jax.Array:
     low_wavelength = rope.original_max_len / rope.low_freq_factor
     high_wavelength = rope.original_max_len / rope.high_freq_factor
     smooth = (rope.original_max_len / wavelength - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor)
+      rope.high_freq_factor - rope.low_freq_factor
+    )
     blended = (1 - smooth) * freqs / rope.factor + smooth * freqs
-    return jnp.where(wavelength > low_wavelength, freqs / rope.factor,
-                     jnp.where(wavelength < high_wavelength, freqs, blended))
+    return jnp.where(
+      wavelength > low_wavelength, freqs / rope.factor, jnp.where(wavelength < high_wavelength, freqs, blended)
+    )
   if rope.scaling == "yarn":
+
     def bound(rotations: float) -> float:  # the dimension whose wavelength fits ``rotations`` in the context
       return dim * math.log(rope.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
 
@@ -87,8 +90,9 @@ def frequencies(rope: Rope, dim: int) -> jax.Array:
   return freqs
 
 
-def rotary(x: jax.Array, positions: jax.Array, freqs: jax.Array, factor: float = 1.0,
-           interleaved: bool = False) -> jax.Array:
+def rotary(
+  x: jax.Array, positions: jax.Array, freqs: jax.Array, factor: float = 1.0, interleaved: bool = False
+) -> jax.Array:
   """``x`` [batch, length, heads, dim] rotated by ``positions`` [batch, length] at ``freqs`` [dim // 2], times
   ``factor``; ``interleaved`` rotates adjacent pairs and lays the result out in halves."""
   angles = positions[..., None].astype(jnp.float32) * freqs  # [batch, length, half]

@@ -51,8 +51,9 @@ def _group_limited(scores: jax.Array, groups: int, keep: int) -> jax.Array:
   return jnp.where(mask, scores, -jnp.inf)
 
 
-def route(config, h: jax.Array, router: jax.Array, bias: jax.Array | None = None,
-          logit_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+def route(
+  config, h: jax.Array, router: jax.Array, bias: jax.Array | None = None, logit_bias: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
   """Top-k experts per token of ``h`` [batch, length, embed]: ``(indices, weights, per-row aux)``.
 
   ``bias`` [experts] (``RouterBias``) is added to the scores to choose the experts only; their weights are

@@ -13,5 +13,14 @@ from distrib_train.sharding.mesh import MeshConfig, build_mesh
 from distrib_train.sharding.plan import Plan, PlanEntry
 from distrib_train.sharding.planner import MeshPlanner
 
-__all__ = ["AxisRules", "MeshConfig", "MeshPlanner", "Plan", "PlanEntry", "RuleSkip", "activation_sharding",
-           "build_mesh", "constrain"]
+__all__ = [
+  "AxisRules",
+  "MeshConfig",
+  "MeshPlanner",
+  "Plan",
+  "PlanEntry",
+  "RuleSkip",
+  "activation_sharding",
+  "build_mesh",
+  "constrain",
+]

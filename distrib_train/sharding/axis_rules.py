@@ -54,32 +54,30 @@ KNOWN_MESH_AXES = frozenset({"data", "fsdp", "tensor", "stage", "expert", "conte
 # "expert" axis, a mixture's experts are split over it and the batch too;
 # with a "context" axis, every sequence's length is split over it.
 FSDP_TENSOR_RULES: tuple[tuple[str, MeshAxes], ...] = (
-    ("batch", ("data", "fsdp", "expert")),
-    ("batch", ("data", "fsdp")),
-    ("expert", "expert"),
-    ("expert_mlp", "tensor"),
-    ("embed", "fsdp"),
-    ("latent", "fsdp"),  # MLA's low-rank dims: their up-projections split over fsdp there, heads over tensor
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("vocab", "tensor"),
-    ("length", "context"),
-    ("length", None),
-    ("head_dim", None),
-    ("layers", "stage"),
-    ("layers", None),
+  ("batch", ("data", "fsdp", "expert")),
+  ("batch", ("data", "fsdp")),
+  ("expert", "expert"),
+  ("expert_mlp", "tensor"),
+  ("embed", "fsdp"),
+  ("latent", "fsdp"),  # MLA's low-rank dims: their up-projections split over fsdp there, heads over tensor
+  ("mlp", "tensor"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("vocab", "tensor"),
+  ("length", "context"),
+  ("length", None),
+  ("head_dim", None),
+  ("layers", "stage"),
+  ("layers", None),
 )
 
 # Pure data parallelism on a mesh with a "data" axis: only the batch is split;
 # every weight is replicated.
-DATA_PARALLEL_RULES: tuple[tuple[str, MeshAxes], ...] = (
-    ("batch", "data"),
-)
+DATA_PARALLEL_RULES: tuple[tuple[str, MeshAxes], ...] = (("batch", "data"),)
 
 RULE_SETS: Mapping[str, tuple[tuple[str, MeshAxes], ...]] = {
-    "fsdp_tensor": FSDP_TENSOR_RULES,
-    "data_parallel": DATA_PARALLEL_RULES,
+  "fsdp_tensor": FSDP_TENSOR_RULES,
+  "data_parallel": DATA_PARALLEL_RULES,
 }
 
 
@@ -97,10 +95,10 @@ class RuleSkip:
   def __str__(self) -> str:
     where = f"{self.path}: " if self.path else ""
     return (
-        f"{where}dim {self.dim} ({self.logical_name!r}, size {self.dim_size})"
-        f" not split over {'×'.join(self.mesh_axes)} (size"
-        f" {self.mesh_axes_size}): {self.dim_size} is not a multiple of"
-        f" {self.mesh_axes_size}"
+      f"{where}dim {self.dim} ({self.logical_name!r}, size {self.dim_size})"
+      f" not split over {'×'.join(self.mesh_axes)} (size"
+      f" {self.mesh_axes_size}): {self.dim_size} is not a multiple of"
+      f" {self.mesh_axes_size}"
     )
 
 
@@ -109,16 +107,11 @@ def _normalize_mesh_axes(mesh_axes: Any, where: str) -> tuple[str, ...] | None:
     return None
   if isinstance(mesh_axes, str):
     return (mesh_axes,)
-  if isinstance(mesh_axes, (tuple, list)) and all(
-      isinstance(a, str) for a in mesh_axes
-  ):
+  if isinstance(mesh_axes, (tuple, list)) and all(isinstance(a, str) for a in mesh_axes):
     if len(set(mesh_axes)) != len(mesh_axes):
       raise ValueError(f"{where}: mesh axes {tuple(mesh_axes)} repeat an axis.")
     return tuple(mesh_axes) or None
-  raise ValueError(
-      f"{where}: mesh axes must be a mesh-axis name, a tuple of names or"
-      f" None, got {mesh_axes!r}."
-  )
+  raise ValueError(f"{where}: mesh axes must be a mesh-axis name, a tuple of names or None, got {mesh_axes!r}.")
 
 
 def _normalize_rule(index: int, rule: Any) -> tuple[str, tuple[str, ...] | None]:
@@ -161,32 +154,26 @@ class AxisRules:
   """
 
   def __init__(
-      self,
-      rules: Sequence[tuple[str, MeshAxes]] | str,
-      *,
-      strict: bool = False,
-      param_axes: Sequence[tuple[str, LogicalAxes]] = (),
+    self,
+    rules: Sequence[tuple[str, MeshAxes]] | str,
+    *,
+    strict: bool = False,
+    param_axes: Sequence[tuple[str, LogicalAxes]] = (),
   ):
     if isinstance(rules, str):
       if rules not in RULE_SETS:
-        raise ValueError(
-            f"Unknown axis rule set {rules!r}; known sets:"
-            f" {', '.join(sorted(RULE_SETS))}."
-        )
+        raise ValueError(f"Unknown axis rule set {rules!r}; known sets: {', '.join(sorted(RULE_SETS))}.")
       rules = RULE_SETS[rules]
     if not isinstance(rules, (tuple, list)):
-      raise ValueError(
-          f"Axis rules must be a sequence of (logical_name, mesh_axes) pairs,"
-          f" got {type(rules).__name__}."
-      )
+      raise ValueError(f"Axis rules must be a sequence of (logical_name, mesh_axes) pairs, got {type(rules).__name__}.")
     self.rules = tuple(_normalize_rule(i, r) for i, r in enumerate(rules))
     for i, rule in enumerate(self.rules):
       if rule in self.rules[:i]:
         # A later rule for a name is its fallback; the same rule again could
         # never apply, so it is a slip (a rule meant for another name?).
         raise ValueError(
-            f"axis rule #{i} {(rule[0], _to_spec_entry(rule[1]))!r} repeats rule #{self.rules.index(rule)};"
-            f" a later rule for {rule[0]!r} is a fallback and must name other mesh axes."
+          f"axis rule #{i} {(rule[0], _to_spec_entry(rule[1]))!r} repeats rule #{self.rules.index(rule)};"
+          f" a later rule for {rule[0]!r} is a fallback and must name other mesh axes."
         )
     self.strict = bool(strict)
     if isinstance(param_axes, (str, bytes, Mapping)) or not isinstance(param_axes, Sequence):
@@ -194,9 +181,7 @@ class AxisRules:
     compiled = []
     for i, entry in enumerate(param_axes):
       if not isinstance(entry, (tuple, list)) or len(entry) != 2:
-        raise ValueError(
-            f"param_axes entry #{i} {entry!r}: expected (regex, logical_axes)."
-        )
+        raise ValueError(f"param_axes entry #{i} {entry!r}: expected (regex, logical_axes).")
       pattern, axes = entry
       try:
         regex = re.compile(pattern)
@@ -225,11 +210,11 @@ class AxisRules:
       for axis in axes or ():
         if axis not in mesh_axis_names and axis not in KNOWN_MESH_AXES:
           raise ValueError(
-              f"Axis rule ({logical!r}, {_to_spec_entry(axes)!r}) names mesh"
-              f" axis {axis!r}, which {where} does not have (axes:"
-              f" {', '.join(mesh_axis_names)}). A mesh may leave out only"
-              f" {', '.join(sorted(KNOWN_MESH_AXES))} (read as size 1); fix the"
-              " axis name or add the axis to the mesh."
+            f"Axis rule ({logical!r}, {_to_spec_entry(axes)!r}) names mesh"
+            f" axis {axis!r}, which {where} does not have (axes:"
+            f" {', '.join(mesh_axis_names)}). A mesh may leave out only"
+            f" {', '.join(sorted(KNOWN_MESH_AXES))} (read as size 1); fix the"
+            " axis name or add the axis to the mesh."
           )
 
   def axes_for_path(self, path: str) -> tuple[str | None, ...] | None:
@@ -240,10 +225,10 @@ class AxisRules:
     return None
 
   def spec(
-      self,
-      logical_axes: LogicalAxes,
-      shape: Sequence[int] | None = None,
-      mesh: Any = None,
+    self,
+    logical_axes: LogicalAxes,
+    shape: Sequence[int] | None = None,
+    mesh: Any = None,
   ) -> PartitionSpec:
     """Resolves logical axis names to a PartitionSpec.
 
@@ -265,19 +250,19 @@ class AxisRules:
     return self.resolve(logical_axes, shape=shape, mesh=mesh)[0]
 
   def resolve(
-      self,
-      logical_axes: LogicalAxes,
-      shape: Sequence[int] | None = None,
-      mesh: Any = None,
-      path: str = "",
+    self,
+    logical_axes: LogicalAxes,
+    shape: Sequence[int] | None = None,
+    mesh: Any = None,
+    path: str = "",
   ) -> tuple[PartitionSpec, tuple[RuleSkip, ...]]:
     """Like ``spec``, also returning the rules skipped for divisibility."""
     where = f"{path}: " if path else ""
     names = _check_logical_axes(logical_axes, f"{where}logical axes")
     if shape is not None and len(shape) != len(names):
       raise ValueError(
-          f"{where}logical axes {names} have {len(names)} entries but the"
-          f" array has rank {len(shape)} (shape {tuple(shape)})."
+        f"{where}logical axes {names} have {len(names)} entries but the"
+        f" array has rank {len(shape)} (shape {tuple(shape)})."
       )
     mesh_sizes = None
     if mesh is not None:
@@ -314,13 +299,11 @@ class AxisRules:
     missing = [n for n, r in zip(names, result) if r is unassigned]
     if missing and self.strict:
       raise ValueError(
-          f"{where}no usable axis rule for logical name(s)"
-          f" {', '.join(map(repr, missing))} (strict rules)."
-          + (f" Skipped: {'; '.join(map(str, skips))}." if skips else "")
+        f"{where}no usable axis rule for logical name(s)"
+        f" {', '.join(map(repr, missing))} (strict rules)."
+        + (f" Skipped: {'; '.join(map(str, skips))}." if skips else "")
       )
-    spec = PartitionSpec(
-        *(None if r is unassigned else _to_spec_entry(r) for r in result)
-    )
+    spec = PartitionSpec(*(None if r is unassigned else _to_spec_entry(r) for r in result))
     return spec, tuple(skips)
 
   def on(self, mesh: Any) -> Any:
@@ -331,10 +314,7 @@ class AxisRules:
 
 def _check_logical_axes(axes: Any, where: str) -> tuple[str | None, ...]:
   if isinstance(axes, str) or not isinstance(axes, (tuple, list)):
-    raise ValueError(
-        f"{where}: expected a tuple of logical names (or None) per dimension,"
-        f" got {axes!r}."
-    )
+    raise ValueError(f"{where}: expected a tuple of logical names (or None) per dimension, got {axes!r}.")
   for name in axes:
     if name is not None and not isinstance(name, str):
       raise ValueError(f"{where}: {name!r} in {tuple(axes)} is not a name.")
@@ -342,14 +322,14 @@ def _check_logical_axes(axes: Any, where: str) -> tuple[str | None, ...]:
   repeated = sorted({n for n in named if named.count(n) > 1})
   if repeated:
     raise ValueError(
-        f"{where}: logical name(s) {', '.join(map(repr, repeated))} appear more"
-        f" than once in {tuple(axes)}; each dimension needs its own name."
+      f"{where}: logical name(s) {', '.join(map(repr, repeated))} appear more"
+      f" than once in {tuple(axes)}; each dimension needs its own name."
     )
   return tuple(axes)
 
 
 _ACTIVATION_SHARDING: contextvars.ContextVar[tuple[Any, AxisRules] | None] = contextvars.ContextVar(
-    "distrib_train_activation_sharding", default=None
+  "distrib_train_activation_sharding", default=None
 )
 
 

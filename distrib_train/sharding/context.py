@@ -30,9 +30,11 @@ def context_size() -> int:
 def zigzag(length: int, size: int) -> np.ndarray:
   """The load-balanced order of ``length`` positions over ``size`` devices (module docstring)."""
   if length % (2 * size):
-    raise ValueError(f"The sequence length {length} does not split over the context axis: it must be a multiple of"
-                     f" 2 × context ({2 * size}) for the load-balanced causal split; change data.seq_len or the"
-                     " context axis size.")
+    raise ValueError(
+      f"The sequence length {length} does not split over the context axis: it must be a multiple of"
+      f" 2 × context ({2 * size}) for the load-balanced causal split; change data.seq_len or the"
+      " context axis size."
+    )
   chunks = np.arange(length).reshape(2 * size, length // (2 * size))
   return np.concatenate([np.concatenate([chunks[i], chunks[2 * size - 1 - i]]) for i in range(size)])
 

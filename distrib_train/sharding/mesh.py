@@ -53,34 +53,31 @@ def _check_sizes(sizes: Sequence[Any], level: str, names: Sequence[str], where: 
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
       raise ValueError(f"{where}: {level} size of axis {name!r} must be an integer, got {size!r}.")
     if size == 0 or size < -1:
-      raise ValueError(
-          f"{where}: {level} size of axis {name!r} is {size}; sizes are positive, or -1 to auto-fill."
-      )
+      raise ValueError(f"{where}: {level} size of axis {name!r} is {size}; sizes are positive, or -1 to auto-fill.")
     out.append(int(size))
   fills = [n for n, s in zip(names, out) if s == -1]
   if len(fills) > 1:
     raise ValueError(
-        f"{where}: {level} sizes of axes {', '.join(map(repr, fills))} are all -1; at most one"
-        f" {level} size may auto-fill."
+      f"{where}: {level} sizes of axes {', '.join(map(repr, fills))} are all -1; at most one"
+      f" {level} size may auto-fill."
     )
   return tuple(out)
 
 
-def _fill(sizes: tuple[int, ...], total: int, level: str, names: Sequence[str], where: str, what: str) -> tuple[int, ...]:
+def _fill(
+  sizes: tuple[int, ...], total: int, level: str, names: Sequence[str], where: str, what: str
+) -> tuple[int, ...]:
   """Replaces a -1 so that the product is ``total``; checks the product."""
   terms = " × ".join(f"{n}={s}" for n, s in zip(names, sizes))
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if total % known:
       raise ValueError(
-          f"{where}: cannot auto-fill the -1 {level} axis: {terms} must divide {total} ({what}),"
-          f" but {known} does not."
+        f"{where}: cannot auto-fill the -1 {level} axis: {terms} must divide {total} ({what}), but {known} does not."
       )
     sizes = tuple(total // known if s == -1 else s for s in sizes)
   elif known != total:
-    raise ValueError(
-        f"{where}: {level} sizes {terms} = {known} do not match the {total} {what}."
-    )
+    raise ValueError(f"{where}: {level} sizes {terms} = {known} do not match the {total} {what}.")
   return sizes
 
 
@@ -125,9 +122,7 @@ class MeshConfig:
       if not isinstance(sizes, (tuple, list)):
         raise ValueError(f"{where}: {level} must be a sequence of sizes, one per axis {names}, got {sizes!r}.")
       if len(sizes) != len(names):
-        raise ValueError(
-            f"{where}: {len(names)} axes {names} but {len(sizes)} {level} sizes {tuple(sizes)}."
-        )
+        raise ValueError(f"{where}: {len(names)} axes {names} but {len(sizes)} {level} sizes {tuple(sizes)}.")
     object.__setattr__(self, "axis_names", names)
     object.__setattr__(self, "ici", _check_sizes(self.ici, "ici", names, where))
     object.__setattr__(self, "dcn", _check_sizes(dcn, "dcn", names, where))
@@ -160,13 +155,11 @@ class MeshConfig:
     if not self.is_hybrid:
       return _fill(self.ici, num_devices, "ici", self.axis_names, self.source, "devices found"), self.dcn
     if num_devices % num_granules:
-      raise ValueError(
-          f"{self.source}: {num_devices} devices do not split evenly over {num_granules} granules."
-      )
-    dcn = _fill(self.dcn, num_granules, "dcn", self.axis_names, self.source,
-                "granules (TPU slices, or processes) found")
-    ici = _fill(self.ici, num_devices // num_granules, "ici", self.axis_names, self.source,
-                "devices per granule found")
+      raise ValueError(f"{self.source}: {num_devices} devices do not split evenly over {num_granules} granules.")
+    dcn = _fill(
+      self.dcn, num_granules, "dcn", self.axis_names, self.source, "granules (TPU slices, or processes) found"
+    )
+    ici = _fill(self.ici, num_devices // num_granules, "ici", self.axis_names, self.source, "devices per granule found")
     return ici, dcn
 
   @classmethod
@@ -177,7 +170,7 @@ class MeshConfig:
     unknown = sorted(set(config) - _KNOWN_KEYS, key=str)
     if unknown:
       raise ValueError(
-          f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(_KNOWN_KEYS))}."
+        f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(_KNOWN_KEYS))}."
       )
     axes = config.get("axes")
     if not isinstance(axes, Mapping) or not axes:
@@ -188,9 +181,7 @@ class MeshConfig:
         spec = {"ici": spec}
       bad = sorted(set(spec) - set(_LEVELS), key=str)
       if bad:
-        raise ValueError(
-            f"{source}: axis {name!r} has unknown key(s) {', '.join(map(repr, bad))}; known: ici, dcn."
-        )
+        raise ValueError(f"{source}: axis {name!r} has unknown key(s) {', '.join(map(repr, bad))}; known: ici, dcn.")
       names.append(name)
       sizes["ici"].append(spec.get("ici", 1))
       sizes["dcn"].append(spec.get("dcn", 1))
@@ -213,11 +204,15 @@ class MeshConfig:
       topology = TpuTopology.parse(config["topology"], slices, where=f"{source}: topology")
       declared = config.get("devices", topology.devices)
       if declared != topology.devices:
-        raise ValueError(f"{source}: 'devices' is {declared!r} but topology {topology} has {topology.devices}"
-                         " chips (one device each); fix one of them.")
+        raise ValueError(
+          f"{source}: 'devices' is {declared!r} but topology {topology} has {topology.devices}"
+          " chips (one device each); fix one of them."
+        )
       if topology.num_slices > 1 and not mesh_config.is_hybrid:
-        raise ValueError(f"{source}: topology {topology} has {topology.num_slices} slices (granules) but no axis spans"
-                         " them; give one axis a DCN size, e.g. data: {ici: 1, dcn: " + f"{topology.num_slices}}}.")
+        raise ValueError(
+          f"{source}: topology {topology} has {topology.num_slices} slices (granules) but no axis spans"
+          " them; give one axis a DCN size, e.g. data: {ici: 1, dcn: " + f"{topology.num_slices}}}."
+        )
       config = {**config, "devices": topology.devices}
       mesh_config = dataclasses.replace(mesh_config, topology=topology)
     if "devices" in config:
@@ -300,8 +295,11 @@ def mesh_config_dirs() -> list[str]:
   import sys
 
   here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
-  candidates = [os.path.join(os.getcwd(), "mesh_configs"), os.path.join(here, "mesh_configs"),
-                os.path.join(sys.prefix, "share", "distrib_train", "mesh_configs")]
+  candidates = [
+    os.path.join(os.getcwd(), "mesh_configs"),
+    os.path.join(here, "mesh_configs"),
+    os.path.join(sys.prefix, "share", "distrib_train", "mesh_configs"),
+  ]
   out = []
   for d in candidates:
     if os.path.isdir(d) and d not in out:
@@ -326,8 +324,9 @@ def find_mesh_config(name_or_path: str | os.PathLike) -> str:
     if os.path.isfile(path):
       return path
     names.update(f[:-5] for f in os.listdir(d) if f.endswith(".yaml"))
-  raise ValueError(f"No mesh config named {text!r}; known: {', '.join(sorted(names)) or 'none found'}"
-                   " (or give a .yaml path).")
+  raise ValueError(
+    f"No mesh config named {text!r}; known: {', '.join(sorted(names)) or 'none found'} (or give a .yaml path)."
+  )
 
 
 def granules_of(devices: Sequence[Any]) -> tuple[int, bool]:
@@ -365,16 +364,17 @@ def build_mesh(config: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh
   devices = list(jax.devices() if devices is None else devices)
   if config.devices is not None and len(devices) != config.devices:
     raise ValueError(
-        f"{config.source} is for {config.devices} devices; this job has {len(devices)}"
-        f" ({jax.process_count()} process(es), {devices[0].device_kind}). Pick a mesh config for"
-        f" {len(devices)} devices."
+      f"{config.source} is for {config.devices} devices; this job has {len(devices)}"
+      f" ({jax.process_count()} process(es), {devices[0].device_kind}). Pick a mesh config for"
+      f" {len(devices)} devices."
     )
   num_granules, process_is_granule = granules_of(devices)
   ici, dcn = config.resolve(len(devices), num_granules)
+
   def lay_out(split: bool) -> np.ndarray:
     if config.is_hybrid:
       return mesh_utils.create_hybrid_device_mesh(
-          ici, dcn, devices, process_is_granule=process_is_granule, allow_split_physical_axes=split
+        ici, dcn, devices, process_is_granule=process_is_granule, allow_split_physical_axes=split
       )
     return mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=split)
 

@@ -108,12 +108,16 @@ class Plan:
     totals = self.bytes_per_device()
     state_total = sum(n for g, n in totals.items() if g not in _NOT_STATE)
     arrays = sum(1 for e in self.entries if e.group not in _NOT_STATE)
-    lines = [f"Plan on mesh {mesh_desc} ({self.mesh.size} devices): {arrays} state arrays, per device "
-             + ", ".join(f"{g} {human_bytes(totals[g])}" for g in ("params", "opt_state") if totals[g])
-             + f"; whole train state {human_bytes(state_total)}"]
+    lines = [
+      f"Plan on mesh {mesh_desc} ({self.mesh.size} devices): {arrays} state arrays, per device "
+      + ", ".join(f"{g} {human_bytes(totals[g])}" for g in ("params", "opt_state") if totals[g])
+      + f"; whole train state {human_bytes(state_total)}"
+    ]
     large = sum(1 for n in self.unannotated_bytes if n > _LARGE_UNANNOTATED_BYTES)
-    notes = [f"{len(self.skips)} rule skip(s)" if self.skips else "",
-             f"{large} param(s) over 1 MiB with no logical axes, replicated" if large else ""]
+    notes = [
+      f"{len(self.skips)} rule skip(s)" if self.skips else "",
+      f"{large} param(s) over 1 MiB with no logical axes, replicated" if large else "",
+    ]
     if any(notes):
       lines.append("  " + "; ".join(n for n in notes if n))
     return "\n".join(lines)
@@ -134,9 +138,9 @@ class Plan:
     totals = self.bytes_per_device()
     state_total = sum(n for g, n in totals.items() if g not in _NOT_STATE)
     lines.append(
-        "Per device: "
-        + ", ".join(f"{g} {human_bytes(totals[g])}" for g in ("params", "opt_state", "loss_fn_state", "local_state"))
-        + f"; whole train state {human_bytes(state_total)}"
+      "Per device: "
+      + ", ".join(f"{g} {human_bytes(totals[g])}" for g in ("params", "opt_state", "loss_fn_state", "local_state"))
+      + f"; whole train state {human_bytes(state_total)}"
     )
     if self.skips:
       lines.append(f"Rule skips ({len(self.skips)}):")
@@ -166,7 +170,7 @@ class Plan:
     rows = [e for e in self.entries if e.group not in _NOT_STATE]
     if len(got) != len(rows):
       raise ValueError(
-          f"init_fn builds a state with {len(got)} arrays; the plan has {len(rows)}. Plan the state init_fn builds."
+        f"init_fn builds a state with {len(got)} arrays; the plan has {len(rows)}. Plan the state init_fn builds."
       )
     rows_by_name = dict(zip(_numbered([(e.group, e.path) for e in rows]), rows))
     planned = jax.tree_util.tree_flatten_with_path(self.train_state_shardings)[0]
@@ -175,13 +179,16 @@ class Plan:
     for (path, leaf), name in zip(got, names):
       entry = rows_by_name.get(name)
       if entry is None:
-        raise ValueError(f"init_fn builds {path_str(path)}, which the plan does not have. Plan the state init_fn builds.")
+        raise ValueError(
+          f"init_fn builds {path_str(path)}, which the plan does not have. Plan the state init_fn builds."
+        )
       if tuple(leaf.shape) != entry.shape or str(leaf.dtype) != entry.dtype:
         raise ValueError(
-            f"init_fn builds {path_str(path)} as {leaf.dtype}{list(leaf.shape)}; the plan has"
-            f" {entry.group}/{entry.path} as {entry.dtype}{list(entry.shape)}."
+          f"init_fn builds {path_str(path)} as {leaf.dtype}{list(leaf.shape)}; the plan has"
+          f" {entry.group}/{entry.path} as {entry.dtype}{list(entry.shape)}."
         )
     treedef_seen = []
+
     def flat_init(*a):
       leaves, treedef = jax.tree_util.tree_flatten(init_fn(*a))
       treedef_seen.append(treedef)

@@ -94,7 +94,7 @@ def _check_all_used(what: str, axes_tree: Any, used: set[str], known: list[str])
   if unused:
     sample = ", ".join(known[:8]) + (", …" if len(known) > 8 else "")
     raise ValueError(
-        f"{what} names {', '.join(map(repr, unused))}, which match(es) nothing; the paths are: {sample or 'none'}."
+      f"{what} names {', '.join(map(repr, unused))}, which match(es) nothing; the paths are: {sample or 'none'}."
     )
 
 
@@ -122,9 +122,9 @@ def _collect(laid_out: Any) -> _TreeLayout:
   """Splits a tree of ``_LeafLayout`` into shardings, rows and skips, in leaf order."""
   layouts = jax.tree_util.tree_leaves(laid_out)
   return _TreeLayout(
-      shardings=jax.tree_util.tree_map(lambda leaf: leaf.sharding, laid_out),
-      entries=tuple(leaf.entry for leaf in layouts),
-      skips=tuple(skip for leaf in layouts for skip in leaf.skips),
+    shardings=jax.tree_util.tree_map(lambda leaf: leaf.sharding, laid_out),
+    entries=tuple(leaf.entry for leaf in layouts),
+    skips=tuple(skip for leaf in layouts for skip in leaf.skips),
   )
 
 
@@ -165,19 +165,26 @@ class MeshPlanner:
     else:
       spec, skips = self.rules.resolve(axes, shape=shape, mesh=self.mesh, path=where)
     sharding = NamedSharding(self.mesh, spec)
-    entry = PlanEntry(group, path, shape, str(dtype), None if axes is None else tuple(axes), spec,
-                      _nbytes_per_device(shape, dtype, sharding))
+    entry = PlanEntry(
+      group,
+      path,
+      shape,
+      str(dtype),
+      None if axes is None else tuple(axes),
+      spec,
+      _nbytes_per_device(shape, dtype, sharding),
+    )
     return _LeafLayout(sharding, entry, tuple(skips))
 
   def plan(
-      self,
-      train_state: TrainState,
-      *,
-      loss_fn: Callable[..., Any] | None = None,
-      inputs: Mapping[str, Any] | None = None,
-      input_axes: Mapping[str, Any] | None = None,
-      aux_axes: Any = None,
-      param_logical_axes: Any = None,
+    self,
+    train_state: TrainState,
+    *,
+    loss_fn: Callable[..., Any] | None = None,
+    inputs: Mapping[str, Any] | None = None,
+    input_axes: Mapping[str, Any] | None = None,
+    aux_axes: Any = None,
+    param_logical_axes: Any = None,
   ) -> Plan:
     """Plans shardings for a concrete or abstract (``jax.eval_shape``) state.
 
@@ -207,8 +214,9 @@ class MeshPlanner:
     # this job does not feed; they are listed in the report, not an error.
     absent_inputs = tuple(k for k in (input_axes or {}) if inputs is not None and k not in inputs)
     # Unannotated params are replicated, so their bytes per device are their whole size.
-    unannotated = [(e.path, e.bytes_per_device) for e in state.entries
-                   if e.group == "params" and e.logical_axes is None and e.shape]
+    unannotated = [
+      (e.path, e.bytes_per_device) for e in state.entries if e.group == "params" and e.logical_axes is None and e.shape
+    ]
     layouts = [layout for layout in (state, inputs_layout, aux) if layout is not None]
 
     def abstract(leaf, sharding):
@@ -216,16 +224,16 @@ class MeshPlanner:
       return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     return Plan(
-        mesh=self.mesh,
-        train_state_shardings=state.shardings,
-        abstract_train_state=jax.tree_util.tree_map(abstract, train_state, state.shardings),
-        input_kwarg_shardings=None if inputs_layout is None else inputs_layout.shardings,
-        aux_output_shardings=None if aux is None else aux.shardings,
-        entries=tuple(entry for layout in layouts for entry in layout.entries),
-        skips=tuple(skip for layout in layouts for skip in layout.skips),
-        unannotated=tuple(name for name, _ in unannotated),
-        unannotated_bytes=tuple(n for _, n in unannotated),
-        absent_inputs=absent_inputs,
+      mesh=self.mesh,
+      train_state_shardings=state.shardings,
+      abstract_train_state=jax.tree_util.tree_map(abstract, train_state, state.shardings),
+      input_kwarg_shardings=None if inputs_layout is None else inputs_layout.shardings,
+      aux_output_shardings=None if aux is None else aux.shardings,
+      entries=tuple(entry for layout in layouts for entry in layout.entries),
+      skips=tuple(skip for layout in layouts for skip in layout.skips),
+      unannotated=tuple(name for name, _ in unannotated),
+      unannotated_bytes=tuple(n for _, n in unannotated),
+      absent_inputs=absent_inputs,
     )
 
   def _plan_state(self, train_state: TrainState, param_logical_axes: Any) -> _TreeLayout:
@@ -247,11 +255,13 @@ class MeshPlanner:
 
     map_with_path = jax.tree_util.tree_map_with_path
     params = map_with_path(
-        lambda path, leaf: self._lay_out("params", path_str(path), leaf, axes_of(path, param_logical_axes)),
-        train_state.params)
+      lambda path, leaf: self._lay_out("params", path_str(path), leaf, axes_of(path, param_logical_axes)),
+      train_state.params,
+    )
     # Param path (as key names) -> its layout, for the optimizer leaves that mirror it.
-    params_by_keys = {tuple(key_name(e) for e in path): layout
-                      for path, layout in jax.tree_util.tree_flatten_with_path(params)[0]}
+    params_by_keys = {
+      tuple(key_name(e) for e in path): layout for path, layout in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
 
     def mirrored(path, leaf):
       keys = tuple(key_name(e) for e in path)
@@ -259,8 +269,15 @@ class MeshPlanner:
       for n in range(len(keys), 0, -1):
         param = params_by_keys.get(keys[-n:])
         if param is not None and param.entry.shape == shape:
-          entry = PlanEntry("opt_state", path_str(path), shape, str(dtype), param.entry.logical_axes,
-                            param.sharding.spec, _nbytes_per_device(shape, dtype, param.sharding))
+          entry = PlanEntry(
+            "opt_state",
+            path_str(path),
+            shape,
+            str(dtype),
+            param.entry.logical_axes,
+            param.sharding.spec,
+            _nbytes_per_device(shape, dtype, param.sharding),
+          )
           return _LeafLayout(param.sharding, entry)
       return self._lay_out("opt_state", path_str(path), leaf, None)
 
@@ -277,18 +294,26 @@ class MeshPlanner:
         return map_with_path(mirrored, tree)
       if layout == "logical":
         frozen = state_field(field).role == "frozen"
-        return map_with_path(lambda path, leaf: self._lay_out(
-            field, path_str(path), leaf, fitting(axes_of(path), leaf) if frozen else axes_of(path)), tree)
+        return map_with_path(
+          lambda path, leaf: self._lay_out(
+            field, path_str(path), leaf, fitting(axes_of(path), leaf) if frozen else axes_of(path)
+          ),
+          tree,
+        )
       return map_with_path(lambda path, leaf: self._lay_out(field, path_str(path), leaf, None), tree)
 
     fields = [f.name for f in dataclasses.fields(train_state) if f.metadata.get("pytree_node", True)]
     layouts = {field: _collect(laid_out(field)) for field in fields}
-    _check_all_used("param_logical_axes", param_logical_axes, used_param_axes,
-                    [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(train_state.params)[0]])
+    _check_all_used(
+      "param_logical_axes",
+      param_logical_axes,
+      used_param_axes,
+      [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(train_state.params)[0]],
+    )
     return _TreeLayout(
-        shardings=train_state.replace(**{field: layout.shardings for field, layout in layouts.items()}),
-        entries=tuple(entry for layout in layouts.values() for entry in layout.entries),
-        skips=tuple(skip for layout in layouts.values() for skip in layout.skips),
+      shardings=train_state.replace(**{field: layout.shardings for field, layout in layouts.items()}),
+      entries=tuple(entry for layout in layouts.values() for entry in layout.entries),
+      skips=tuple(skip for layout in layouts.values() for skip in layout.skips),
     )
 
   def _plan_inputs(self, inputs: Mapping[str, Any] | None, input_axes: Mapping[str, Any] | None) -> _TreeLayout | None:
@@ -296,10 +321,12 @@ class MeshPlanner:
     if inputs is None and input_axes is None:
       return None
     if inputs is None:
-      return _TreeLayout({
+      return _TreeLayout(
+        {
           name: NamedSharding(self.mesh, self.rules.resolve(axes, mesh=self.mesh, path=f"inputs/{name}")[0])
           for name, axes in input_axes.items()
-      })
+        }
+      )
 
     def input_layout(name, axes_for_input, path, leaf):
       axes = lookup_axes(axes_for_input, path)
@@ -310,18 +337,22 @@ class MeshPlanner:
 
     # One input at a time, so the rows keep the inputs' own order.
     layouts = {
-        name: _collect(jax.tree_util.tree_map_with_path(
-            functools.partial(input_layout, name, (input_axes or {}).get(name)), inputs[name]))
-        for name in inputs
+      name: _collect(
+        jax.tree_util.tree_map_with_path(
+          functools.partial(input_layout, name, (input_axes or {}).get(name)), inputs[name]
+        )
+      )
+      for name in inputs
     }
     return _TreeLayout(
-        shardings={name: layout.shardings for name, layout in layouts.items()},
-        entries=tuple(entry for layout in layouts.values() for entry in layout.entries),
-        skips=tuple(skip for layout in layouts.values() for skip in layout.skips),
+      shardings={name: layout.shardings for name, layout in layouts.items()},
+      entries=tuple(entry for layout in layouts.values() for entry in layout.entries),
+      skips=tuple(skip for layout in layouts.values() for skip in layout.skips),
     )
 
-  def _plan_aux(self, train_state: TrainState, loss_fn: Callable[..., Any] | None, inputs: Mapping[str, Any] | None,
-                aux_axes: Any) -> _TreeLayout | None:
+  def _plan_aux(
+    self, train_state: TrainState, loss_fn: Callable[..., Any] | None, inputs: Mapping[str, Any] | None, aux_axes: Any
+  ) -> _TreeLayout | None:
     """Lays out the loss function's aux outputs, found by running it abstractly."""
     if loss_fn is None:
       return None
@@ -336,11 +367,14 @@ class MeshPlanner:
 
     aux = jax.eval_shape(aux_of, train_state, dict(inputs))
     used_aux_axes: set[str] = set()
-    layout = _collect(jax.tree_util.tree_map_with_path(
-        lambda path, leaf: self._lay_out("aux", path_str(path), leaf, lookup_axes(aux_axes, path, used_aux_axes)),
-        aux))
-    _check_all_used("aux_axes", aux_axes, used_aux_axes,
-                    [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(aux)[0]])
+    layout = _collect(
+      jax.tree_util.tree_map_with_path(
+        lambda path, leaf: self._lay_out("aux", path_str(path), leaf, lookup_axes(aux_axes, path, used_aux_axes)), aux
+      )
+    )
+    _check_all_used(
+      "aux_axes", aux_axes, used_aux_axes, [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(aux)[0]]
+    )
     return layout
 
   def init(self, init_fn: Callable[..., TrainState], *args: Any, **plan_kwargs: Any) -> tuple[TrainState, Plan]:

@@ -23,10 +23,10 @@ import re
 
 # generation → (libtpu's name, chip config, grid dimensions)
 _GENERATIONS = {
-    "v4": ("v4", "megacore", 3),
-    "v5p": ("v5", "megacore", 3),
-    "v5e": ("v5e", "default", 2),
-    "v6e": ("v6e", "default", 2),
+  "v4": ("v4", "megacore", 3),
+  "v5p": ("v5", "megacore", 3),
+  "v5e": ("v5e", "default", 2),
+  "v6e": ("v6e", "default", 2),
 }
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p"}
 _SPELLING = re.compile(r"^([a-z0-9]+):(\d+(?:x\d+)*)$")
@@ -57,19 +57,22 @@ class TpuTopology:
     match = _SPELLING.match(str(text).strip().lower())
     known = ", ".join(f"{g}:{'x'.join(['4'] * n)}" for g, (_, _, n) in _GENERATIONS.items())
     if not match:
-      raise ValueError(f"{where}: {text!r} is not a TPU topology; write <generation>:<chips per dimension>,"
-                       f" e.g. {known}.")
+      raise ValueError(
+        f"{where}: {text!r} is not a TPU topology; write <generation>:<chips per dimension>, e.g. {known}."
+      )
     generation = _ALIASES.get(match.group(1), match.group(1))
     if generation not in _GENERATIONS:
-      raise ValueError(f"{where}: unknown TPU generation {match.group(1)!r} in {text!r}; known:"
-                       f" {', '.join(_GENERATIONS)}.")
+      raise ValueError(
+        f"{where}: unknown TPU generation {match.group(1)!r} in {text!r}; known: {', '.join(_GENERATIONS)}."
+      )
     grid = tuple(int(d) for d in match.group(2).split("x"))
     dims = _GENERATIONS[generation][2]
     if len(grid) == 2 and dims == 3:
       grid = grid + (1,)
     if len(grid) != dims or any(d < 1 for d in grid):
-      raise ValueError(f"{where}: a {generation} slice is a {dims}-D grid of chips ({'x'.join(['N'] * dims)}),"
-                       f" got {text!r}.")
+      raise ValueError(
+        f"{where}: a {generation} slice is a {dims}-D grid of chips ({'x'.join(['N'] * dims)}), got {text!r}."
+      )
     if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
       raise ValueError(f"{where}: the number of slices must be a positive integer, got {num_slices!r}.")
     return cls(generation, grid, num_slices)
@@ -117,8 +120,9 @@ class TpuTopology:
   def accelerator_type(self) -> str:
     """Cloud TPU's name for one slice: ``v5p-128`` counts TensorCores, ``v5litepod-16`` chips."""
     chips = self.chips_per_slice
-    return {"v4": f"v4-{2 * chips}", "v5p": f"v5p-{2 * chips}", "v5e": f"v5litepod-{chips}",
-            "v6e": f"v6e-{chips}"}[self.generation]
+    return {"v4": f"v4-{2 * chips}", "v5p": f"v5p-{2 * chips}", "v5e": f"v5litepod-{chips}", "v6e": f"v6e-{chips}"}[
+      self.generation
+    ]
 
   @property
   def wraparound(self) -> tuple[bool, bool, bool]:

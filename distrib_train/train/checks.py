@@ -50,8 +50,10 @@ def check_path_components(path: pathlib.Path, what: str) -> None:
   for component in path.parts:
     size = len(os.fsencode(component))
     if size > NAME_MAX:
-      raise ValueError(f"{what} {str(path)[:60]!r}…: the path component {component[:40]!r}… is {size} bytes;"
-                       f" a file or directory name may have at most {NAME_MAX}.")
+      raise ValueError(
+        f"{what} {str(path)[:60]!r}…: the path component {component[:40]!r}… is {size} bytes;"
+        f" a file or directory name may have at most {NAME_MAX}."
+      )
 
 
 def check_workdir(workdir: pathlib.Path) -> None:
@@ -70,13 +72,15 @@ def check_workdir(workdir: pathlib.Path) -> None:
 def check_every_axis_is_used(mesh: jax.sharding.Mesh, rules, rule_set: str) -> None:
   """Refuses a mesh axis of size > 1 that no rule maps anything onto (a typo
   such as ``contxt``): the job would run replicated along it."""
-  unused = [f"{name} (size {size})" for name, size in mesh.shape.items()
-            if size > 1 and name not in rules.mesh_axis_names]
+  unused = [
+    f"{name} (size {size})" for name, size in mesh.shape.items() if size > 1 and name not in rules.mesh_axis_names
+  ]
   if unused:
     raise ValueError(
-        f"Mesh axis {', '.join(unused)} is used by no axis rule in {rule_set}, so every array would be replicated"
-        f" along it; rules map onto {', '.join(sorted(rules.mesh_axis_names)) or 'no axis'}. Fix the axis name,"
-        " add a rule for it, or give it size 1.")
+      f"Mesh axis {', '.join(unused)} is used by no axis rule in {rule_set}, so every array would be replicated"
+      f" along it; rules map onto {', '.join(sorted(rules.mesh_axis_names)) or 'no axis'}. Fix the axis name,"
+      " add a rule for it, or give it size 1."
+    )
 
 
 def check_batch_is_split(plan, rules, global_batch_size: int) -> None:
@@ -92,10 +96,11 @@ def check_batch_is_split(plan, rules, global_batch_size: int) -> None:
   if got_ways < ways and global_batch_size % ways:
     split = " × ".join(f"{a}={sizes[a]}" for a in wanted)
     raise ValueError(
-        f"data.global_batch_size {global_batch_size} does not divide over the mesh's batch axes {split} = {ways};"
-        f" the batch would be {'replicated' if got_ways == 1 else f'split only {got_ways} ways'}, every device"
-        f" computing {'all' if got_ways == 1 else 'more'} of it. Use a multiple of {ways}, or set"
-        " data.allow_replicated_batch=true.")
+      f"data.global_batch_size {global_batch_size} does not divide over the mesh's batch axes {split} = {ways};"
+      f" the batch would be {'replicated' if got_ways == 1 else f'split only {got_ways} ways'}, every device"
+      f" computing {'all' if got_ways == 1 else 'more'} of it. Use a multiple of {ways}, or set"
+      " data.allow_replicated_batch=true."
+    )
 
 
 def check_microbatches(plan, global_batch_size: int, microbatches: int, pipeline_repeats: int) -> None:
@@ -105,14 +110,18 @@ def check_microbatches(plan, global_batch_size: int, microbatches: int, pipeline
   if stages_of(plan.mesh) > 1:
     Pipelining(plan.mesh, microbatches, pipeline_repeats).check()
   elif pipeline_repeats > 1:
-    raise ValueError(f"train.pipeline_repeats is {pipeline_repeats}, but the mesh has no stage axis of size > 1"
-                     " (mesh " + " × ".join(f"{k}={v}" for k, v in sizes.items()) + "); set it to 1 or add a"
-                     " stage axis to the mesh config.")
+    raise ValueError(
+      f"train.pipeline_repeats is {pipeline_repeats}, but the mesh has no stage axis of size > 1"
+      " (mesh " + " × ".join(f"{k}={v}" for k, v in sizes.items()) + "); set it to 1 or add a"
+      " stage axis to the mesh config."
+    )
   if microbatches == 1:
     return
   if global_batch_size % microbatches:
-    raise ValueError(f"data.global_batch_size {global_batch_size} does not split into train.microbatches"
-                     f" {microbatches} equal microbatches; use a multiple of {microbatches}.")
+    raise ValueError(
+      f"data.global_batch_size {global_batch_size} does not split into train.microbatches"
+      f" {microbatches} equal microbatches; use a multiple of {microbatches}."
+    )
   spec = plan.input_kwarg_shardings["tokens"].spec
   got = spec[0] if len(spec) else None
   axes = (got,) if isinstance(got, str) else tuple(got or ())
@@ -120,9 +129,11 @@ def check_microbatches(plan, global_batch_size: int, microbatches: int, pipeline
   rows = global_batch_size // microbatches
   if rows % ways:
     split = " × ".join(f"{a}={sizes[a]}" for a in axes)
-    raise ValueError(f"A microbatch of data.global_batch_size {global_batch_size} / train.microbatches"
-                     f" {microbatches} = {rows} rows does not divide over the batch axes {split} = {ways}; use a"
-                     f" global batch that is a multiple of {microbatches * ways} or fewer microbatches.")
+    raise ValueError(
+      f"A microbatch of data.global_batch_size {global_batch_size} / train.microbatches"
+      f" {microbatches} = {rows} rows does not divide over the batch axes {split} = {ways}; use a"
+      f" global batch that is a multiple of {microbatches * ways} or fewer microbatches."
+    )
 
 
 def check_context(plan, seq_len: int) -> None:
@@ -130,8 +141,10 @@ def check_context(plan, seq_len: int) -> None:
   (``sharding/context.py``: 2 × context chunks)."""
   size = int(dict(plan.mesh.shape).get("context", 1))
   if size > 1 and seq_len % (2 * size):
-    raise ValueError(f"data.seq_len {seq_len} does not split over the context axis ({size}): it must be a multiple"
-                     f" of 2 × context = {2 * size} (each device holds a front and a back chunk of every sequence).")
+    raise ValueError(
+      f"data.seq_len {seq_len} does not split over the context axis ({size}): it must be a multiple"
+      f" of 2 × context = {2 * size} (each device holds a front and a back chunk of every sequence)."
+    )
 
 
 def check_fp8(plan, fp8_mode: str) -> None:
@@ -139,9 +152,11 @@ def check_fp8(plan, fp8_mode: str) -> None:
   microbatch (and in bubble slots), so a layer's amax history would be written several times in one step."""
   stages = stages_of(plan.mesh)
   if fp8_mode == "delayed" and stages > 1:
-    raise ValueError(f"model.fp8=delayed does not run with a stage axis ({stages} stages): the pipeline runs every"
-                     " layer once per microbatch, and each run would write the layer's amax history. Use"
-                     " model.fp8=current with a pipeline.")
+    raise ValueError(
+      f"model.fp8=delayed does not run with a stage axis ({stages} stages): the pipeline runs every"
+      " layer once per microbatch, and each run would write the layer's amax history. Use"
+      " model.fp8=current with a pipeline."
+    )
 
 
 _extremes = jax.jit(lambda x: jnp.stack([jnp.min(x), jnp.max(x)]))
@@ -168,9 +183,10 @@ def check_token_ids(batch: Mapping[str, jax.Array], vocab_size: int | None) -> N
     if high >= vocab_size or low < 0:
       bad = high if high >= vocab_size else low
       raise TrainerSetupError(
-          f"The first batch's {name} hold token id {bad}, outside the model's vocabulary of {vocab_size}"
-          f" ids (0 to {vocab_size - 1}); use a tokenizer that matches the model or a larger"
-          " model.vocab_size.")
+        f"The first batch's {name} hold token id {bad}, outside the model's vocabulary of {vocab_size}"
+        f" ids (0 to {vocab_size - 1}); use a tokenizer that matches the model or a larger"
+        " model.vocab_size."
+      )
 
 
 def tokenizer_fingerprint(data_config) -> dict:
@@ -187,24 +203,39 @@ def check_same_tokenizer(meta: Mapping, fingerprint: Mapping, where: str) -> Non
 
   A checkpoint from before tokenizers were recorded was trained on bytes.
   """
-  saved = meta.get("run", {}).get("tokenizer") or {"spec": "bytes", "sha256": "", "vocab_size": 256,
-                                                    "bos_id": None, "eos_id": None}
+  saved = meta.get("run", {}).get("tokenizer") or {
+    "spec": "bytes",
+    "sha256": "",
+    "vocab_size": 256,
+    "bos_id": None,
+    "eos_id": None,
+  }
   keys = ("spec", "sha256", "bos_id", "eos_id")
   if all(saved.get(k) == fingerprint.get(k) for k in keys if k in saved or k in fingerprint):
     return
-  what = lambda f: f"{f.get('spec')}" + (f" (sha256 {str(f.get('sha256'))[:12]}…)" if f.get("sha256") else "") + (
-      f", BOS {f.get('bos_id')}, EOS {f.get('eos_id')}" if f.get("bos_id") is not None or f.get("eos_id") is not None
-      else "")
-  raise ValueError(f"{where} was trained with tokenizer {what(saved)}; this run names {what(fingerprint)}. Resume"
-                   " with the checkpoint's tokenizer, or start in a new workdir (fine-tuning from its weights).")
+  what = lambda f: (
+    f"{f.get('spec')}"
+    + (f" (sha256 {str(f.get('sha256'))[:12]}…)" if f.get("sha256") else "")
+    + (
+      f", BOS {f.get('bos_id')}, EOS {f.get('eos_id')}"
+      if f.get("bos_id") is not None or f.get("eos_id") is not None
+      else ""
+    )
+  )
+  raise ValueError(
+    f"{where} was trained with tokenizer {what(saved)}; this run names {what(fingerprint)}. Resume"
+    " with the checkpoint's tokenizer, or start in a new workdir (fine-tuning from its weights)."
+  )
 
 
 # Memory a GPU step needs beyond its compiled figures: cuDNN's workspace (sized when a kernel first runs) and
 # the autotuner's scratch, both taken from the same pool.
 CUDNN_ALLOWANCE_BYTES = 1 << 30
 CUDNN_ALLOWANCE_FRACTION = 0.03
-MEMORY_LEVERS = ("lower data.global_batch_size, raise train.microbatches, set model.remat (dots_saveable or full),"
-                 " or shard the state over more devices (an fsdp axis in the mesh config)")
+MEMORY_LEVERS = (
+  "lower data.global_batch_size, raise train.microbatches, set model.remat (dots_saveable or full),"
+  " or shard the state over more devices (an fsdp axis in the mesh config)"
+)
 
 
 def step_memory_need(analysis, limit: int) -> tuple[int, int]:
@@ -212,8 +243,12 @@ def step_memory_need(analysis, limit: int) -> tuple[int, int]:
   that do not reuse them, temporaries) plus the allowance for cuDNN and autotuning, against a pool of
   ``limit`` bytes."""
   allowance = max(CUDNN_ALLOWANCE_BYTES, int(CUDNN_ALLOWANCE_FRACTION * limit))
-  need = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
-          + analysis.temp_size_in_bytes)
+  need = (
+    analysis.argument_size_in_bytes
+    + analysis.output_size_in_bytes
+    - analysis.alias_size_in_bytes
+    + analysis.temp_size_in_bytes
+  )
   return need + allowance, allowance
 
 
@@ -237,18 +272,20 @@ def check_step_fits(compiled, device) -> None:
 
     fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75, JAX's default")
     raise TrainerSetupError(
-        f"The train step does not fit {device.device_kind}: it needs {size(need)} per device (arguments"
-        f" {size(analysis.argument_size_in_bytes)}, temporaries {size(analysis.temp_size_in_bytes)}, cuDNN and"
-        f" autotuning {size(allowance)}) of the {size(limit)} JAX may use (XLA_PYTHON_CLIENT_MEM_FRACTION"
-        f" {fraction}); {MEMORY_LEVERS}.")
+      f"The train step does not fit {device.device_kind}: it needs {size(need)} per device (arguments"
+      f" {size(analysis.argument_size_in_bytes)}, temporaries {size(analysis.temp_size_in_bytes)}, cuDNN and"
+      f" autotuning {size(allowance)}) of the {size(limit)} JAX may use (XLA_PYTHON_CLIENT_MEM_FRACTION"
+      f" {fraction}); {MEMORY_LEVERS}."
+    )
 
 
 def out_of_memory_message(error: BaseException, step: int | None) -> str | None:
   """One line for an out-of-memory error of a step (``None`` for any other error)."""
   text = str(error)
   if type(error).__name__ not in ("JaxRuntimeError", "XlaRuntimeError") or (
-      "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower()):
+    "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower()
+  ):
     return None  # not the device's (a storage service's RESOURCE_EXHAUSTED is not an out-of-memory)
   first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
   at = f" at step {step}" if step is not None else ""
-  return (f"the device ran out of memory{at} ({first[:200]}); the last checkpoint is intact. To fit: {MEMORY_LEVERS}.")
+  return f"the device ran out of memory{at} ({first[:200]}); the last checkpoint is intact. To fit: {MEMORY_LEVERS}."

@@ -62,8 +62,10 @@ def cache_unsafe_reason() -> str | None:
   aborts after 40 s; the same program compiled afresh, or cached with jax 0.12, runs). BUILD_NOTES.md.
   """
   if jax_version() < (0, 11) and jax.default_backend() == "cpu" and jax.device_count() > 1:
-    return (f"off: jax {jax.__version__} on CPU can deadlock in the collectives of a multi-device step"
-            " loaded from the persistent cache (jax 0.11 and later, GPU and TPU use it)")
+    return (
+      f"off: jax {jax.__version__} on CPU can deadlock in the collectives of a multi-device step"
+      " loaded from the persistent cache (jax 0.11 and later, GPU and TPU use it)"
+    )
   return None
 
 
@@ -94,6 +96,8 @@ def memory_line(compiled: Any) -> str:
   if m is None:
     return "no memory analysis on this backend."
   size = human_bytes
-  return (f"per device: arguments {size(m.argument_size_in_bytes)}, outputs {size(m.output_size_in_bytes)}"
-          f" (aliased {size(m.alias_size_in_bytes)}), temporaries {size(m.temp_size_in_bytes)}, code"
-          f" {size(m.generated_code_size_in_bytes)}.")
+  return (
+    f"per device: arguments {size(m.argument_size_in_bytes)}, outputs {size(m.output_size_in_bytes)}"
+    f" (aliased {size(m.alias_size_in_bytes)}), temporaries {size(m.temp_size_in_bytes)}, code"
+    f" {size(m.generated_code_size_in_bytes)}."
+  )

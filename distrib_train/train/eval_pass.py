@@ -40,13 +40,25 @@ def missing_eval_split(data_config: Any, shardings: Any, vocab_size: int | None,
   except ValueError as e:
     why = str(e)
   if eval_every:
-    raise ValueError(f"train.eval_every={eval_every} asks for evaluations, but there is no eval split: {why} Set"
-                     " train.eval_every=0 to train without them, or hold documents out with data.eval_fraction.")
+    raise ValueError(
+      f"train.eval_every={eval_every} asks for evaluations, but there is no eval split: {why} Set"
+      " train.eval_every=0 to train without them, or hold documents out with data.eval_fraction."
+    )
   return why
 
 
-def evaluate(eval_step: Callable[..., Any], state: Any, step: int, data_config: Any, shardings: Any, *,
-             batches: int, writer: Any, phases: Any, objective: objectives.Objective | None = None) -> float:
+def evaluate(
+  eval_step: Callable[..., Any],
+  state: Any,
+  step: int,
+  data_config: Any,
+  shardings: Any,
+  *,
+  batches: int,
+  writer: Any,
+  phases: Any,
+  objective: objectives.Objective | None = None,
+) -> float:
   """One pass over the eval split (the first ``batches`` batches when > 0); writes the means of the aux weighed
   by ``objective``'s count (tokens without one) and, where it has one, the perplexity under ``eval/``, and returns
   the eval loss."""
@@ -80,6 +92,9 @@ def evaluate(eval_step: Callable[..., Any], state: Any, step: int, data_config: 
   figures = {weight or "tokens": count}
   if objective is None or objective.perplexity:
     figures["perplexity"] = math.exp(min(aux_means.get("cross_entropy", eval_loss), 700.0))
-  writer.write(step, {**aux_means, "loss": eval_loss, **figures,
-                      "batches": done, "seconds": time.perf_counter() - start}, prefix="eval/")
+  writer.write(
+    step,
+    {**aux_means, "loss": eval_loss, **figures, "batches": done, "seconds": time.perf_counter() - start},
+    prefix="eval/",
+  )
   return eval_loss

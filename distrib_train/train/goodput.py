@@ -52,11 +52,30 @@ import jax
 
 from distrib_train.train.hooks import Hooks, LoopView
 
-CATEGORIES = ("productive", "compile", "checkpoint", "data_wait", "restore", "replayed", "eval", "eval_tasks",
-              "generation", "layout_search", "other")
-_CATEGORY_OF_PHASE = {"step": "productive", "compile": "compile", "checkpoint": "checkpoint", "data": "data_wait",
-                      "restore": "restore", "eval": "eval", "eval_tasks": "eval_tasks", "generate": "generation",
-                      "layout_search": "layout_search"}  # else: "other"
+CATEGORIES = (
+  "productive",
+  "compile",
+  "checkpoint",
+  "data_wait",
+  "restore",
+  "replayed",
+  "eval",
+  "eval_tasks",
+  "generation",
+  "layout_search",
+  "other",
+)
+_CATEGORY_OF_PHASE = {
+  "step": "productive",
+  "compile": "compile",
+  "checkpoint": "checkpoint",
+  "data": "data_wait",
+  "restore": "restore",
+  "eval": "eval",
+  "eval_tasks": "eval_tasks",
+  "generate": "generation",
+  "layout_search": "layout_search",
+}  # else: "other"
 FILE_NAME = "goodput.json"
 RUN_FILE_NAME = ".goodput_run.json"
 
@@ -126,8 +145,15 @@ class Goodput:
     enabled: whether this process writes (default: process 0).
   """
 
-  def __init__(self, workdir: str | os.PathLike, phases: PhaseClock, *, started: float,
-               log: Callable[[str], None], enabled: bool | None = None):
+  def __init__(
+    self,
+    workdir: str | os.PathLike,
+    phases: PhaseClock,
+    *,
+    started: float,
+    log: Callable[[str], None],
+    enabled: bool | None = None,
+  ):
     self.path = pathlib.Path(workdir) / FILE_NAME
     self._run_path = pathlib.Path(workdir) / RUN_FILE_NAME
     self.phases = phases
@@ -135,8 +161,14 @@ class Goodput:
     self._log = log
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self.run: dict[str, Any] = {
-        "id": uuid.uuid4().hex[:12], "started": datetime.datetime.now().isoformat(timespec="seconds"),
-        "status": "running", "start_step": None, "last_step": None, "steps": 0, "steps_replayed": 0}
+      "id": uuid.uuid4().hex[:12],
+      "started": datetime.datetime.now().isoformat(timespec="seconds"),
+      "status": "running",
+      "start_step": None,
+      "last_step": None,
+      "steps": 0,
+      "steps_replayed": 0,
+    }
     self._replayed = {"step": 0.0, "data": 0.0}  # seconds of the step and data phases spent on replayed steps
     self._counted = {"step": 0.0, "data": 0.0}  # step and data seconds already attributed to a step
     self._runs, self.max_step = self._read() if self.enabled else ([], 0)
@@ -168,12 +200,16 @@ class Goodput:
 
   def register(self, hooks: Hooks, *, every: int, checkpoint_every: int = 0) -> None:
     """Counts every step; writes ``goodput.json`` every ``every`` steps and at each checkpoint."""
+
     def write_file(loop: LoopView) -> None:
       self.on_step(loop)
       self.write()
 
-    hooks.add_hook(write_file, when=lambda step: step % every == 0 or bool(
-        checkpoint_every and step % checkpoint_every == 0), between=self.on_step)
+    hooks.add_hook(
+      write_file,
+      when=lambda step: step % every == 0 or bool(checkpoint_every and step % checkpoint_every == 0),
+      between=self.on_step,
+    )
 
   def start(self, step: int) -> None:
     """The run restored (or initialised) ``step``: from here it is recorded."""
@@ -206,17 +242,27 @@ class Goodput:
     seconds["data_wait"] -= self._replayed["data"]
     seconds["replayed"] = sum(self._replayed.values())
     seconds["other"] += wall - sum(seconds.values())  # before the clock was made
-    return {**self.run, "max_step": self.max_step, "wall_s": round(wall, 3),
-            "seconds": {k: round(v, 3) for k, v in seconds.items()}, "goodput": round(seconds["productive"] / wall, 4)}
+    return {
+      **self.run,
+      "max_step": self.max_step,
+      "wall_s": round(wall, 3),
+      "seconds": {k: round(v, 3) for k, v in seconds.items()},
+      "goodput": round(seconds["productive"] / wall, 4),
+    }
 
   def document(self) -> dict[str, Any]:
     """What ``goodput.json`` holds: the furthest step, the totals over every run, the runs."""
     runs = self._runs + [self.record()]
     wall = sum(run.get("wall_s", 0.0) for run in runs)
     seconds = {k: round(sum(run.get("seconds", {}).get(k, 0.0) for run in runs), 3) for k in CATEGORIES}
-    totals = {"runs": len(runs), "steps": sum(run.get("steps", 0) for run in runs),
-              "steps_replayed": sum(run.get("steps_replayed", 0) for run in runs), "wall_s": round(wall, 3),
-              "seconds": seconds, "goodput": round(seconds["productive"] / wall, 4) if wall else 0.0}
+    totals = {
+      "runs": len(runs),
+      "steps": sum(run.get("steps", 0) for run in runs),
+      "steps_replayed": sum(run.get("steps_replayed", 0) for run in runs),
+      "wall_s": round(wall, 3),
+      "seconds": seconds,
+      "goodput": round(seconds["productive"] / wall, 4) if wall else 0.0,
+    }
     return {"max_step": self.max_step, "totals": totals, "runs": runs}
 
   def write(self) -> None:
@@ -247,8 +293,10 @@ class Goodput:
   def _warn(self, error: OSError) -> None:
     if not self._warned:
       self._warned = True
-      self._log(f"Goodput figures cannot be written to {self.path.parent} ({error.strerror or error}); the run"
-                " goes on without them.")
+      self._log(
+        f"Goodput figures cannot be written to {self.path.parent} ({error.strerror or error}); the run"
+        " goes on without them."
+      )
 
   def finish(self, status: str) -> None:
     """The run ended (``finished``, ``preempted``, ``halted``, ``failed``): final records and the summary line."""
@@ -266,8 +314,13 @@ class Goodput:
 def summary(run: dict[str, Any], totals: dict[str, Any]) -> str:
   """One line: this run's goodput and where the rest of its time went, then the workdir's."""
   seconds = run["seconds"]
-  parts = ", ".join(f"{name.replace('_', ' ')} {seconds[name]:.1f} s" for name in CATEGORIES[1:]
-                    if name != "layout_search" or seconds[name])  # mesh_config: auto's search, when it ran
-  return (f"Goodput {run['goodput']:.1%} of {run['wall_s']:.1f} s ({seconds['productive']:.1f} s productive; {parts};"
-          f" {run['steps_replayed']} of {run['steps']} steps replayed); over the workdir's {totals['runs']} run(s)"
-          f" {totals['goodput']:.1%} of {totals['wall_s']:.1f} s, {totals['steps_replayed']} steps replayed.")
+  parts = ", ".join(
+    f"{name.replace('_', ' ')} {seconds[name]:.1f} s"
+    for name in CATEGORIES[1:]
+    if name != "layout_search" or seconds[name]
+  )  # mesh_config: auto's search, when it ran
+  return (
+    f"Goodput {run['goodput']:.1%} of {run['wall_s']:.1f} s ({seconds['productive']:.1f} s productive; {parts};"
+    f" {run['steps_replayed']} of {run['steps']} steps replayed); over the workdir's {totals['runs']} run(s)"
+    f" {totals['goodput']:.1%} of {totals['wall_s']:.1f} s, {totals['steps_replayed']} steps replayed."
+  )

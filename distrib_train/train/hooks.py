@@ -90,9 +90,17 @@ class Hooks:
     self._hooks: list[Hook] = []
     self._at_finish: list[Callable[[LoopView], None]] = []
 
-  def add_hook(self, fn: HookFn, every: int = 1, *, when: Callable[[int], bool] | None = None,
-               at_last: bool = True, between: Callable[[LoopView], None] | None = None,
-               before_step: bool = False, pauses_clock: bool = False) -> Hook:
+  def add_hook(
+    self,
+    fn: HookFn,
+    every: int = 1,
+    *,
+    when: Callable[[int], bool] | None = None,
+    at_last: bool = True,
+    between: Callable[[LoopView], None] | None = None,
+    before_step: bool = False,
+    pauses_clock: bool = False,
+  ) -> Hook:
     """Runs ``fn`` every ``every`` steps (0: only at the last step), or at the steps ``when(step)`` names.
 
     Raises:

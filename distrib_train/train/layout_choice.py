@@ -64,8 +64,9 @@ class Choice:
         model[field] = value
       else:
         train[field] = value
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, overrides=model),
-                               train=dataclasses.replace(config.train, **train))
+    return dataclasses.replace(
+      config, model=dataclasses.replace(config.model, overrides=model), train=dataclasses.replace(config.train, **train)
+    )
 
 
 def signature(config: Config) -> dict[str, Any]:
@@ -73,13 +74,23 @@ def signature(config: Config) -> dict[str, Any]:
   digest of the model, the batch and sequence sizes, the microbatches, the rules and the objective: a restart
   that changes one searches again rather than override the new settings with the old choice's)."""
   device = jax.devices()[0]
-  job = {"model": config.to_dict()["model"], "seq_len": config.data.seq_len, "objective": config.train.objective,
-         "global_batch_size": config.data.global_batch_size, "microbatches": config.train.microbatches,
-         "fp8_allowed": config.train.layout_fp8,
-         "rules": config.train.rules, "init_from": config.train.init_from}
-  return {"devices": jax.device_count(), "device_kind": str(getattr(device, "device_kind", device.platform)),
-          "platform": device.platform, "processes": jax.process_count(),
-          "job": hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()[:16]}
+  job = {
+    "model": config.to_dict()["model"],
+    "seq_len": config.data.seq_len,
+    "objective": config.train.objective,
+    "global_batch_size": config.data.global_batch_size,
+    "microbatches": config.train.microbatches,
+    "fp8_allowed": config.train.layout_fp8,
+    "rules": config.train.rules,
+    "init_from": config.train.init_from,
+  }
+  return {
+    "devices": jax.device_count(),
+    "device_kind": str(getattr(device, "device_kind", device.platform)),
+    "platform": device.platform,
+    "processes": jax.process_count(),
+    "job": hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()[:16],
+  }
 
 
 def kept(workdir: str | os.PathLike, config: Config) -> Choice | None:
@@ -98,8 +109,9 @@ def kept(workdir: str | os.PathLike, config: Config) -> Choice | None:
   if record.get("signature") != signature(config):
     return None
   mesh = MeshConfig.from_yaml(path.with_name(MESH_FILE_NAME))
-  return Choice(mesh, record["settings"], f"reused from {path}: {record['line']}", 0.0, record.get("searched", {}),
-                reused=True)
+  return Choice(
+    mesh, record["settings"], f"reused from {path}: {record['line']}", 0.0, record.get("searched", {}), reused=True
+  )
 
 
 def keep(workdir: str | os.PathLike, choice: Choice) -> None:
@@ -108,19 +120,26 @@ def keep(workdir: str | os.PathLike, choice: Choice) -> None:
   if jax.process_index() != 0 or choice.reused:
     return
   path = pathlib.Path(workdir) / FILE_NAME
-  record = {"signature": dict(choice.signature), "settings": dict(choice.settings),
-            "line": choice.line, "search_s": round(choice.seconds, 3),
-            "searched": dict(choice.searched)}
-  header = [f"Chosen by mesh_config: auto for {record['signature']['devices']} ×"
-            f" {record['signature']['device_kind']}; with {', '.join(f'{k}={v}' for k, v in choice.settings.items())}"]
+  record = {
+    "signature": dict(choice.signature),
+    "settings": dict(choice.settings),
+    "line": choice.line,
+    "search_s": round(choice.seconds, 3),
+    "searched": dict(choice.searched),
+  }
+  header = [
+    f"Chosen by mesh_config: auto for {record['signature']['devices']} ×"
+    f" {record['signature']['device_kind']}; with {', '.join(f'{k}={v}' for k, v in choice.settings.items())}"
+  ]
   for name, text in ((MESH_FILE_NAME, choice.mesh_config.to_yaml(header)), (FILE_NAME, json.dumps(record, indent=1))):
     temporary = path.with_name(f".{name}.tmp")
     temporary.write_text(text.rstrip("\n") + "\n")
     os.replace(temporary, path.with_name(name))
 
 
-def choose(config: Config, workdir: str | os.PathLike, search: Callable[..., Choice] | None,
-           model_given: bool) -> Choice:
+def choose(
+  config: Config, workdir: str | os.PathLike, search: Callable[..., Choice] | None, model_given: bool
+) -> Choice:
   """``search``'s choice for ``config`` on these devices (it reads the kept one first).
 
   Raises:
@@ -128,9 +147,12 @@ def choose(config: Config, workdir: str | os.PathLike, search: Callable[..., Cho
       search found nothing that fits.
   """
   if model_given:
-    raise ValueError("mesh_config: auto plans the config's reference model; a model given as code (model_fn) names"
-                     " its mesh config.")
+    raise ValueError(
+      "mesh_config: auto plans the config's reference model; a model given as code (model_fn) names its mesh config."
+    )
   if search is None:
-    raise ValueError("mesh_config: auto needs a layout search: distrib-train brings one; from Python pass"
-                     " Trainer(..., layout_search=distrib_train.podplan.auto.search).")
+    raise ValueError(
+      "mesh_config: auto needs a layout search: distrib-train brings one; from Python pass"
+      " Trainer(..., layout_search=distrib_train.podplan.auto.search)."
+    )
   return search(config, workdir)

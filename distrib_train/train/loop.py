@@ -64,9 +64,14 @@ def aux_scalars(aux: Any) -> dict[str, Any]:
   and token-weighted means in evaluation."""
   if not isinstance(aux, Mapping):
     return {}
-  return {str(name): value for name, value in aux.items()
-          if name != "loss" and name not in COUNTS and np.ndim(value) == 0
-          and jnp.issubdtype(getattr(value, "dtype", np.asarray(value).dtype), jnp.number)}
+  return {
+    str(name): value
+    for name, value in aux.items()
+    if name != "loss"
+    and name not in COUNTS
+    and np.ndim(value) == 0
+    and jnp.issubdtype(getattr(value, "dtype", np.asarray(value).dtype), jnp.number)
+  }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +83,13 @@ class _Pending:
   aux_names: list[str]
 
 
-_stack_figures = jax.jit(lambda loss, optimizer_figures, aux: jnp.stack(
-    [jnp.asarray(loss, jnp.float32)] + [jnp.asarray(optimizer_figures[k], jnp.float32) for k in sorted(optimizer_figures)]
-    + [jnp.asarray(aux[k], jnp.float32) for k in sorted(aux)]))
+_stack_figures = jax.jit(
+  lambda loss, optimizer_figures, aux: jnp.stack(
+    [jnp.asarray(loss, jnp.float32)]
+    + [jnp.asarray(optimizer_figures[k], jnp.float32) for k in sorted(optimizer_figures)]
+    + [jnp.asarray(aux[k], jnp.float32) for k in sorted(aux)]
+  )
+)
 
 
 def _shards_on_one_device(figures: Any) -> Any:
@@ -120,9 +129,22 @@ class TrainLoop:
       ``data``, ``step``, ``checkpoint`` and ``restore`` on it.
   """
 
-  def __init__(self, *, state: Any, train_step: Callable[..., Any], source: BatchSource, ckpt: Any,
-               abstract_train_state: Any, writer: Any, guard: NonFiniteGuard, preemption: Any, last_step: int,
-               vocab_size: int | None, started: float, phases: PhaseClock | None = None):
+  def __init__(
+    self,
+    *,
+    state: Any,
+    train_step: Callable[..., Any],
+    source: BatchSource,
+    ckpt: Any,
+    abstract_train_state: Any,
+    writer: Any,
+    guard: NonFiniteGuard,
+    preemption: Any,
+    last_step: int,
+    vocab_size: int | None,
+    started: float,
+    phases: PhaseClock | None = None,
+  ):
     self.state = state
     self.step = int(state.step)
     self.train_step = train_step
@@ -164,9 +186,11 @@ class TrainLoop:
     self.hooks.finish(self)
     self.phases.enter("checkpoint")
     self.ckpt.wait_until_finished()
-    self.writer.log(f"Done: step {self.step}" + (f", eval loss {self.result.eval_loss:.4f}"
-                                                 if self.result.eval_loss is not None else "")
-                    + f", {time.perf_counter() - self.started:.1f} s in all.")
+    self.writer.log(
+      f"Done: step {self.step}"
+      + (f", eval loss {self.result.eval_loss:.4f}" if self.result.eval_loss is not None else "")
+      + f", {time.perf_counter() - self.started:.1f} s in all."
+    )
     return self.result
 
   def _one_step(self) -> Verdict:
@@ -227,8 +251,9 @@ class TrainLoop:
     verdict = self.guard.judge(pending.step, values)
     if verdict.action == "ok":
       self.result.losses[pending.step] = values["loss"]
-      self.window.add(values["loss"], values.get("grad_norm", 0.0),
-                      {name: values[f"aux:{name}"] for name in pending.aux_names})
+      self.window.add(
+        values["loss"], values.get("grad_norm", 0.0), {name: values[f"aux:{name}"] for name in pending.aux_names}
+      )
     if verdict.action in ("ok", "skip"):
       self.window.last = values
       return OK
@@ -243,8 +268,10 @@ class TrainLoop:
     self.phases.enter("restore")
     self.ckpt.wait_until_finished()
     self.state = self.ckpt.restore(self.abstract_train_state, latest).replace(step=latest)
-    self.writer.log(f"Non-finite loss or gradients at step {bad_step}: rolled back to step {latest}; the data moves"
-                    f" on past the batches since then.")
+    self.writer.log(
+      f"Non-finite loss or gradients at step {bad_step}: rolled back to step {latest}; the data moves"
+      f" on past the batches since then."
+    )
     self.step = latest
     self.window.reset()
     return OK

@@ -28,6 +28,7 @@ import jax
 from distrib_train.cluster import hardware
 from distrib_train.common.text import human_bytes
 
+
 def peak_flops(device: Any, configured_tflops: float = 0.0) -> float | None:
   """Peak FLOP/s of ``device`` (a configured value wins), from the device
   table (``cluster/hardware.py``); None if unknown."""
@@ -73,8 +74,14 @@ class MetricWriter:
     tensorboard: write TensorBoard event files.
   """
 
-  def __init__(self, workdir: str | os.PathLike | None, total_steps: int, *, console: TextIO | None = None,
-               tensorboard: bool = True):
+  def __init__(
+    self,
+    workdir: str | os.PathLike | None,
+    total_steps: int,
+    *,
+    console: TextIO | None = None,
+    tensorboard: bool = True,
+  ):
     self.enabled = jax.process_index() == 0
     self.total_steps = total_steps
     self._stream = console or sys.stderr
@@ -105,8 +112,14 @@ class MetricWriter:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     self._bar = Progress(
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-        TextColumn("{task.fields[metrics]}"), console=Console(file=self._stream), transient=False)
+      TextColumn("[bold]train"),
+      BarColumn(),
+      MofNCompleteColumn(),
+      TimeRemainingColumn(),
+      TextColumn("{task.fields[metrics]}"),
+      console=Console(file=self._stream),
+      transient=False,
+    )
     self._task = self._bar.add_task("train", total=self.total_steps, completed=step, metrics="")
     self._bar.start()
 
@@ -126,11 +139,15 @@ class MetricWriter:
       return
     if self._workdir is not None:
       self._open_files()
-    scalars = {f"{prefix}{k}": (float(v) if not isinstance(v, (int, str)) else v) for k, v in metrics.items()
-               if v is not None}
+    scalars = {
+      f"{prefix}{k}": (float(v) if not isinstance(v, (int, str)) else v) for k, v in metrics.items() if v is not None
+    }
     if self._jsonl is not None:
-      record = {"step": int(step), "time": time.time(),
-                **{k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in scalars.items()}}
+      record = {
+        "step": int(step),
+        "time": time.time(),
+        **{k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in scalars.items()},
+      }
       self._jsonl.write(json.dumps(record) + "\n")
       self._jsonl.flush()
     if self._tb is not None:

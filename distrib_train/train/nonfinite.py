@@ -71,14 +71,17 @@ class NonFiniteGuard:
     if math.isfinite(loss) and math.isfinite(grad_norm):
       self.consecutive_bad = 0
       return OK
-    what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradients'} at step {step}" \
-           f" (loss {loss}, grad norm {grad_norm})"
+    what = (
+      f"non-finite {'loss' if not math.isfinite(loss) else 'gradients'} at step {step}"
+      f" (loss {loss}, grad norm {grad_norm})"
+    )
     self.consecutive_bad += 1
     if self.policy == "skip":
       self._log(f"{what}: update skipped ({int(values.get('skipped', 0))} skipped in this run's state).")
       if self.consecutive_bad >= self.max_nonfinite:
-        return Verdict("halt", step, f"{what}: {self.consecutive_bad} steps in a row skipped (train.max_nonfinite);"
-                                     " stopping.")
+        return Verdict(
+          "halt", step, f"{what}: {self.consecutive_bad} steps in a row skipped (train.max_nonfinite); stopping."
+        )
       return Verdict("skip", step)
     if self.policy == "halt":
       return Verdict("halt", step, f"{what}; stopping without a checkpoint (train.nonfinite=halt).")
@@ -89,8 +92,11 @@ class NonFiniteGuard:
     self.rollbacks_since_checkpoint += 1
     if latest_checkpoint is not None and self.rollbacks_since_checkpoint <= self.max_nonfinite:
       return OK
-    why = "no checkpoint to roll back to" if latest_checkpoint is None else \
-        f"{self.rollbacks_since_checkpoint} rollbacks without a clean checkpoint (train.max_nonfinite)"
+    why = (
+      "no checkpoint to roll back to"
+      if latest_checkpoint is None
+      else f"{self.rollbacks_since_checkpoint} rollbacks without a clean checkpoint (train.max_nonfinite)"
+    )
     return Verdict("halt", bad_step, f"non-finite loss or gradients at step {bad_step}; {why}; stopping.")
 
   def checkpoint_saved(self) -> None:
@@ -100,6 +106,10 @@ class NonFiniteGuard:
   @staticmethod
   def nothing_trained(steps_this_run: int) -> Verdict:
     """The verdict on a run that reached its last step with no finite step."""
-    return Verdict("halt", 0, f"every one of the {steps_this_run} step(s) of this run had a non-finite loss or"
-                              " gradients (all updates skipped); stopping without a checkpoint. Check the data"
-                              " (token ids within the vocabulary?) and the learning rate.")
+    return Verdict(
+      "halt",
+      0,
+      f"every one of the {steps_this_run} step(s) of this run had a non-finite loss or"
+      " gradients (all updates skipped); stopping without a checkpoint. Check the data"
+      " (token ids within the vocabulary?) and the learning rate.",
+    )

@@ -45,12 +45,20 @@ from distrib_train.checkpoint.checks import check_restorable, read_meta
 from distrib_train.checkpoint.faults import finish_event_loops_before_closing
 from distrib_train.checkpoint.manager import CheckpointManager
 from distrib_train.checkpoint.tiers import CheckpointTiers, local_tier
-from distrib_train.train.checks import (TrainerSetupError, check_batch_is_split, check_every_axis_is_used,
-                                           check_context, check_fp8, check_microbatches, check_same_tokenizer,
-                                           check_path_components, check_step_fits, check_workdir,
-                                           tokenizer_fingerprint)
-from distrib_train.train.compilation import (CacheEvents, cache_unsafe_reason, memory_line,
-                                                setup_compilation_cache)
+from distrib_train.train.checks import (
+  TrainerSetupError,
+  check_batch_is_split,
+  check_every_axis_is_used,
+  check_context,
+  check_fp8,
+  check_microbatches,
+  check_same_tokenizer,
+  check_path_components,
+  check_step_fits,
+  check_workdir,
+  tokenizer_fingerprint,
+)
+from distrib_train.train.compilation import CacheEvents, cache_unsafe_reason, memory_line, setup_compilation_cache
 from distrib_train.config.run import Config
 from distrib_train.evaluation import hook as eval_hook
 from distrib_train.train import eval_pass as evaluation, layout_choice, wsd
@@ -66,6 +74,7 @@ from distrib_train.train_state import TrainState
 from distrib_train.train_step import build_eval_step_fn, build_train_step_fn
 from distrib_train.train.watchdog import Limits, Watchdog
 from distrib_train.train.workdir_lock import acquire_for_job, check_free_for_job
+
 
 @dataclasses.dataclass(frozen=True)
 class SourceRun:
@@ -113,10 +122,18 @@ class Trainer:
       (``distrib_train.podplan.auto.search``; ``distrib-train`` passes it).
   """
 
-  def __init__(self, config: Config, workdir: str | os.PathLike, *, model_fn: Callable[[int], Any] | None = None,
-               loss_fn: Callable[..., Any] | None = None, input_axes: Mapping[str, Any] | None = None,
-               profile_steps: tuple[int, int] | None = None, console=None,
-               layout_search: Callable[..., Any] | None = None):
+  def __init__(
+    self,
+    config: Config,
+    workdir: str | os.PathLike,
+    *,
+    model_fn: Callable[[int], Any] | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+    input_axes: Mapping[str, Any] | None = None,
+    profile_steps: tuple[int, int] | None = None,
+    console=None,
+    layout_search: Callable[..., Any] | None = None,
+  ):
     self.config = config
     self.workdir = pathlib.Path(workdir).expanduser().absolute()
     # The model, loss and family, resolved once for the run and its job (``job.job_spec``).
@@ -129,8 +146,10 @@ class Trainer:
     self.fp8 = family.capabilities().fp8
     self.profile_steps, self.console = profile_steps, console
     # mesh_config: auto: ``layout_search`` chooses the mesh when the run starts (``layout_choice.py``)
-    self._layout_search, self._model_args = layout_search, dict(model_fn=model_fn, loss_fn=loss_fn,
-                                                                input_axes=input_axes)
+    self._layout_search, self._model_args = (
+      layout_search,
+      dict(model_fn=model_fn, loss_fn=loss_fn, input_axes=input_axes),
+    )
     self.mesh_config = self.layout = None
     self.tiers: CheckpointTiers | None = None  # the checkpoint tiers, once a run sets them up
     try:
@@ -142,8 +161,9 @@ class Trainer:
   def _choose_layout(self) -> None:
     """``mesh_config: auto``: the layout search's choice for these devices, its settings applied."""
     try:
-      self.layout = layout_choice.choose(self.config, self.workdir, self._layout_search,
-                                         self._model_args["model_fn"] is not None)
+      self.layout = layout_choice.choose(
+        self.config, self.workdir, self._layout_search, self._model_args["model_fn"] is not None
+      )
     except ValueError as e:
       raise TrainerSetupError(str(e)) from None
     self.config, self.mesh_config = self.layout.apply(self.config), self.layout.mesh_config
@@ -162,8 +182,9 @@ class Trainer:
     plan = job_lib.plan_job(self.job, planner)
     if not self.config.data.allow_replicated_batch:
       check_batch_is_split(plan, planner.rules, self.config.data.global_batch_size)
-    check_microbatches(plan, self.config.data.global_batch_size, self.config.train.microbatches,
-                       self.config.train.pipeline_repeats)
+    check_microbatches(
+      plan, self.config.data.global_batch_size, self.config.train.microbatches, self.config.train.pipeline_repeats
+    )
     check_context(plan, self.config.data.seq_len)
     check_fp8(plan, self.fp8)
     return plan
@@ -193,10 +214,14 @@ class Trainer:
       fields = init_from.saved_fields(self.frozen)
       local = local_tier(self.workdir, t.local_checkpoint_dir, fields) if t.local_checkpoint_every else None
       wsd.extend(self.workdir / "checkpoints", local, self.config, writer.log)  # a finished wsd run extended
-      ckpt = CheckpointManager(self.workdir / "checkpoints", max_to_keep=t.keep_checkpoints,
-                               keep_steps=wsd.kept_steps(self.config), async_save=t.async_checkpoint,
-                               saved_fields=fields, metadata={"config": self.config.to_dict(),
-                                                              "tokenizer": setup.tokenizer, "frozen_source": self.frozen})
+      ckpt = CheckpointManager(
+        self.workdir / "checkpoints",
+        max_to_keep=t.keep_checkpoints,
+        keep_steps=wsd.kept_steps(self.config),
+        async_save=t.async_checkpoint,
+        saved_fields=fields,
+        metadata={"config": self.config.to_dict(), "tokenizer": setup.tokenizer, "frozen_source": self.frozen},
+      )
       self.tiers = CheckpointTiers(ckpt, local, writer.log)
       state = self._init_or_restore(plan, loader)
       if jax.process_index() == 0:
@@ -216,10 +241,20 @@ class Trainer:
       preemption.enter_steps()
       # A rollback restores onto the frozen weights as they are (never updated; a checkpoint may not hold them).
       rollback = plan.abstract_train_state.replace(model_without_params=state.model_without_params)
-      loop = TrainLoop(state=state, train_step=train_step, source=loader, ckpt=ckpt,
-                       abstract_train_state=rollback, writer=writer,
-                       guard=NonFiniteGuard(t.nonfinite, t.max_nonfinite, writer.log), preemption=preemption,
-                       last_step=t.steps, vocab_size=self.vocab_size, started=started, phases=self.phases)
+      loop = TrainLoop(
+        state=state,
+        train_step=train_step,
+        source=loader,
+        ckpt=ckpt,
+        abstract_train_state=rollback,
+        writer=writer,
+        guard=NonFiniteGuard(t.nonfinite, t.max_nonfinite, writer.log),
+        preemption=preemption,
+        last_step=t.steps,
+        vocab_size=self.vocab_size,
+        started=started,
+        phases=self.phases,
+      )
       self._add_hooks(loop, plan, eval_step)
       result = loop.run()
       goodput.finish(result.status)
@@ -269,13 +304,15 @@ class Trainer:
         kept = reference_pass.ensure(self.config, self.job, plan, self.rules, init_from.load, self.data_config)
         self.data_config = dataclasses.replace(self.data_config, reference_logps=kept)
       if self.parts.objective.rollouts:  # the policy's own completions (train.objective: grpo), no held-out loss
-        run = SourceRun(self.workdir, lambda line: self.writer.log(line), lambda name: self.phases.phase(name),
-                        self._checkpoint_steps)  # read when the source asks: the writer and tiers come later
+        run = SourceRun(
+          self.workdir, lambda line: self.writer.log(line), lambda name: self.phases.phase(name), self._checkpoint_steps
+        )  # read when the source asks: the writer and tiers come later
         loader, no_eval = rollouts.RolloutSource(self.config, plan, self.rules, run), rollouts.NO_EVAL
       else:
         loader = DataLoader(self.data_config, plan.input_kwarg_shardings, vocab_size=self.vocab_size)
-        no_eval = evaluation.missing_eval_split(self.data_config, plan.input_kwarg_shardings, self.vocab_size,
-                                                 t.eval_every)
+        no_eval = evaluation.missing_eval_split(
+          self.data_config, plan.input_kwarg_shardings, self.vocab_size, t.eval_every
+        )
       eval_hook.check(self.config)  # train.eval_tasks: lm-eval there, each task known and local
       if jax.process_index() == 0:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -307,8 +344,11 @@ class Trainer:
       writer.log(setup.lock.warning)
     if setup.no_eval is not None:
       writer.log(f"No evaluation in this run: {setup.no_eval}")
-    writer.log(f"{distributed.topology()}; mesh " + " × ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
-               + f"; compilation cache: {setup.cache}")
+    writer.log(
+      f"{distributed.topology()}; mesh "
+      + " × ".join(f"{k}={v}" for k, v in plan.mesh.shape.items())
+      + f"; compilation cache: {setup.cache}"
+    )
     writer.log(plan.summary() + ("\n  the whole table: " + str(self.workdir / "plan.txt") if primary else ""))
     return writer, goodput, watchdog
 
@@ -317,13 +357,20 @@ class Trainer:
     traced in the plan's activation layout (its rules; without it XLA may keep every device's copy of the whole
     batch's activations on an FSDP mesh: llama-7b on 256 chips, 281 vs 10.8 GiB)."""
     train_step = build_train_step_fn(
-        self.loss_fn, donate_params_and_state=True, train_state_shardings=plan.train_state_shardings,
-        input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings,
-        **job_lib.step_options(self.job, plan, self.rules))
+      self.loss_fn,
+      donate_params_and_state=True,
+      train_state_shardings=plan.train_state_shardings,
+      input_kwarg_shardings=plan.input_kwarg_shardings,
+      aux_output_shardings=plan.aux_output_shardings,
+      **job_lib.step_options(self.job, plan, self.rules),
+    )
     eval_step = build_eval_step_fn(
-        self.loss_fn, train_state_shardings=plan.train_state_shardings,
-        input_kwarg_shardings=plan.input_kwarg_shardings, aux_output_shardings=plan.aux_output_shardings,
-        **job_lib.eval_step_options(self.job, self.rules))
+      self.loss_fn,
+      train_state_shardings=plan.train_state_shardings,
+      input_kwarg_shardings=plan.input_kwarg_shardings,
+      aux_output_shardings=plan.aux_output_shardings,
+      **job_lib.eval_step_options(self.job, self.rules),
+    )
     return train_step, eval_step
 
   def _compile(self, train_step, plan, step: int) -> None:
@@ -338,12 +385,16 @@ class Trainer:
     check_step_fits(compiled, plan.mesh.local_devices[0])
     if train_step.pipelining is not None:
       p = train_step.pipelining
-      writer.log(f"Pipeline: {p.stages} stages, {p.microbatches} microbatches, "
-                 + ("GPipe" if p.repeats == 1 else f"circular with {p.repeats} repeats")
-                 + f"; bubble {p.bubble():.1%} of each stage's iterations.")
+      writer.log(
+        f"Pipeline: {p.stages} stages, {p.microbatches} microbatches, "
+        + ("GPipe" if p.repeats == 1 else f"circular with {p.repeats} repeats")
+        + f"; bubble {p.bubble():.1%} of each stage's iterations."
+      )
     elif t.microbatches > 1:
-      writer.log(f"Gradient accumulation: {t.microbatches} microbatches of"
-                 f" {self.config.data.global_batch_size // t.microbatches} rows per step.")
+      writer.log(
+        f"Gradient accumulation: {t.microbatches} microbatches of"
+        f" {self.config.data.global_batch_size // t.microbatches} rows per step."
+      )
 
   def _checkpoint_steps(self) -> list[int]:
     """The steps either checkpoint tier may restore now (none before the tiers are set up)."""
@@ -378,9 +429,12 @@ class Trainer:
     t = self.config.train
     if self.profile_steps:
       Profiler(self.profile_steps, self.workdir / "profile", self.writer.log).register(loop.hooks)
-    throughput = dict(tokens_per_step=self.config.data.global_batch_size * self.config.data.seq_len,
-                      num_devices=plan.mesh.size, peak_flops=metrics_lib.peak_flops(jax.devices()[0], t.peak_tflops),
-                      flops_per_token=self.flops_per_token)
+    throughput = dict(
+      tokens_per_step=self.config.data.global_batch_size * self.config.data.seq_len,
+      num_devices=plan.mesh.size,
+      peak_flops=metrics_lib.peak_flops(jax.devices()[0], t.peak_tflops),
+      flops_per_token=self.flops_per_token,
+    )
 
     def log_window(loop: TrainLoop) -> None:
       record = window_lib.figures(loop.window, **throughput)
@@ -408,9 +462,12 @@ class Trainer:
     loop.hooks.add_hook(log_window, every=t.log_every)
     # The checkpoint before the evaluation: an evaluation that fails must not lose the steps trained.
     stable = wsd.stable_step(self.config)  # wsd's last stable step too, kept to extend the run from
-    loop.hooks.add_hook(save_checkpoint, when=lambda step: step in (stable, t.steps) or bool(
-        t.checkpoint_every and step % t.checkpoint_every == 0), pauses_clock=True,
-                        between=lambda loop: loop.ckpt.check_background_save())  # a full disk stops the run now
+    loop.hooks.add_hook(
+      save_checkpoint,
+      when=lambda step: step in (stable, t.steps) or bool(t.checkpoint_every and step % t.checkpoint_every == 0),
+      pauses_clock=True,
+      between=lambda loop: loop.ckpt.check_background_save(),
+    )  # a full disk stops the run now
     if self.tiers.local is not None:
       loop.hooks.add_hook(save_local, every=t.local_checkpoint_every, pauses_clock=True)
     loop.hooks.add_hook(evaluate, every=t.eval_every, pauses_clock=True)
@@ -418,5 +475,14 @@ class Trainer:
     self.goodput.register(loop.hooks, every=t.log_every, checkpoint_every=t.checkpoint_every)  # last: after the rest
 
   def _evaluate(self, step, state, plan, eval_step) -> float:
-    return evaluation.evaluate(eval_step, state, step, self.data_config, plan.input_kwarg_shardings, writer=self.writer,
-                               batches=self.config.train.eval_batches, phases=self.phases, objective=self.parts.objective)
+    return evaluation.evaluate(
+      eval_step,
+      state,
+      step,
+      self.data_config,
+      plan.input_kwarg_shardings,
+      writer=self.writer,
+      batches=self.config.train.eval_batches,
+      phases=self.phases,
+      objective=self.parts.objective,
+    )

@@ -106,9 +106,17 @@ class Watchdog:
     exit_process: ends the process with a status (a fake one in tests).
   """
 
-  def __init__(self, limits: Limits, phases: PhaseClock, workdir: str | os.PathLike, *,
-               process_index: int | None = None, process_count: int | None = None, stream: TextIO | None = None,
-               exit_process: Callable[[int], Any] = os._exit):
+  def __init__(
+    self,
+    limits: Limits,
+    phases: PhaseClock,
+    workdir: str | os.PathLike,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    stream: TextIO | None = None,
+    exit_process: Callable[[int], Any] = os._exit,
+  ):
     self.limits = limits
     self.phases = phases
     self.directory = pathlib.Path(workdir) / "watchdog"
@@ -176,8 +184,10 @@ class Watchdog:
     limit, key = self.limits.of(now.phase, first_step=self.phases.steps_done == 0)
     if idle <= limit:
       return None
-    return (f"Hang: no progress for {idle:.0f} s in phase {now.phase!r} after step {now.step} ({key}={limit:g});"
-            f" {self._who_is_silent(now.since, limit)}.")
+    return (
+      f"Hang: no progress for {idle:.0f} s in phase {now.phase!r} after step {now.step} ({key}={limit:g});"
+      f" {self._who_is_silent(now.since, limit)}."
+    )
 
   def _who_is_silent(self, since: float, limit: float) -> str:
     gap, ended = self._silent
@@ -185,8 +195,10 @@ class Watchdog:
       return f"process {self.process} (this process) is silent: it did not run for {gap:.0f} s (stopped or starved)"
     others = self._others_silent()
     if ended >= since - limit:  # it ran again, made a last step, then waited on peers that gave up on it meanwhile
-      return (f"process {self.process} (this process) was silent just before: it did not run for {gap:.0f} s"
-              f" (stopped or starved); {others}")
+      return (
+        f"process {self.process} (this process) was silent just before: it did not run for {gap:.0f} s"
+        f" (stopped or starved); {others}"
+      )
     return others
 
   def _others_silent(self) -> str:
@@ -203,8 +215,10 @@ class Watchdog:
       elif beat.get("exited"):
         gone.append(f"process {process} has exited ({beat['exited']})")
       elif now - beat.get("time", 0) > self.stale_s:
-        silent.append(f"process {process} is silent (last heartbeat {now - beat.get('time', 0):.0f} s ago,"
-                      f" phase {beat.get('phase')!r} after step {beat.get('step')})")
+        silent.append(
+          f"process {process} is silent (last heartbeat {now - beat.get('time', 0):.0f} s ago,"
+          f" phase {beat.get('phase')!r} after step {beat.get('step')})"
+        )
       elif beat.get("step", 0) < top:
         behind.append(f"process {process} is behind (phase {beat.get('phase')!r} after step {beat.get('step')})")
     if self.process_count == 1:
@@ -222,8 +236,15 @@ class Watchdog:
 
   def _beat(self, exited: str | None = None) -> None:
     now = self.phases.now
-    beat = {"process": self.process, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
-            "phase": now.phase, "step": now.step, **({"exited": exited} if exited else {})}
+    beat = {
+      "process": self.process,
+      "pid": os.getpid(),
+      "host": socket.gethostname(),
+      "time": time.time(),
+      "phase": now.phase,
+      "step": now.step,
+      **({"exited": exited} if exited else {}),
+    }
     path = self.directory / f"heartbeat_{self.process}.json"
     try:
       path.with_suffix(".tmp").write_text(json.dumps(beat))
@@ -240,8 +261,10 @@ class Watchdog:
       scratch.seek(0)
       stacks = scratch.read()
     now = self.phases.now
-    report = (f"Watchdog, process {self.process} of {self.process_count}: phase {now.phase!r} after step {now.step},"
-              f" no progress for {self.phases.clock() - now.since:.0f} s. Python stacks:\n{stacks}")
+    report = (
+      f"Watchdog, process {self.process} of {self.process_count}: phase {now.phase!r} after step {now.step},"
+      f" no progress for {self.phases.clock() - now.since:.0f} s. Python stacks:\n{stacks}"
+    )
     try:
       (self.directory / f"stacks_{self.process}.txt").write_text(report + line + "\n")
     except OSError:

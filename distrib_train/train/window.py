@@ -81,8 +81,14 @@ class MetricsWindow:
     self.losses, self.grad_norms, self.aux = [], [], {}
 
 
-def figures(window: MetricsWindow, *, tokens_per_step: int, num_devices: int, peak_flops: float | None,
-            flops_per_token: float | None) -> dict[str, Any] | None:
+def figures(
+  window: MetricsWindow,
+  *,
+  tokens_per_step: int,
+  num_devices: int,
+  peak_flops: float | None,
+  flops_per_token: float | None,
+) -> dict[str, Any] | None:
   """The record of a log point, or None when the window has no step."""
   steps = window.steps
   if not steps:
@@ -94,8 +100,12 @@ def figures(window: MetricsWindow, *, tokens_per_step: int, num_devices: int, pe
     out["learning_rate"] = window.last["learning_rate"]
   if "skipped" in window.last:
     out["skipped"] = int(window.last["skipped"])
-  out.update(step_time_ms=step_time * 1e3, tokens_per_s=tokens_per_s, tokens_per_s_per_device=tokens_per_s / num_devices,
-             data_wait_ms=window.data_wait_s / steps * 1e3)
+  out.update(
+    step_time_ms=step_time * 1e3,
+    tokens_per_s=tokens_per_s,
+    tokens_per_s_per_device=tokens_per_s / num_devices,
+    data_wait_ms=window.data_wait_s / steps * 1e3,
+  )
   out.update({f"data/{name}": int(count) for name, count in window.counts.items()})
   if peak_flops and flops_per_token:
     out["mfu"] = flops_per_token * tokens_per_s / (peak_flops * num_devices)

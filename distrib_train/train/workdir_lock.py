@@ -87,8 +87,10 @@ class WorkdirLock:
     """A descriptor of the lock file holding the lock; None where it cannot be locked (``warning``) or, without
     ``create``, where there is no lock file to open."""
     if str(self.path.resolve()) in _held:
-      raise WorkdirInUseError(f"Workdir {str(self.workdir)!r} is in use by another run in this process"
-                              f" (pid {os.getpid()}); close it first or use another workdir.")
+      raise WorkdirInUseError(
+        f"Workdir {str(self.workdir)!r} is in use by another run in this process"
+        f" (pid {os.getpid()}); close it first or use another workdir."
+      )
     try:
       fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
     except OSError:
@@ -102,10 +104,13 @@ class WorkdirLock:
       os.close(fd)
       if e.errno in (errno.EACCES, errno.EAGAIN):
         raise WorkdirInUseError(
-            f"Workdir {str(self.workdir)!r} is in use by another job ({holder or 'holder unknown'}); wait for it"
-            " to end, stop it, or give another --workdir.") from None
-      self.warning = (f"Workdir {str(self.workdir)!r} cannot be locked ({e.strerror}): nothing stops a second"
-                      " job from using it at the same time.")
+          f"Workdir {str(self.workdir)!r} is in use by another job ({holder or 'holder unknown'}); wait for it"
+          " to end, stop it, or give another --workdir."
+        ) from None
+      self.warning = (
+        f"Workdir {str(self.workdir)!r} cannot be locked ({e.strerror}): nothing stops a second"
+        " job from using it at the same time."
+      )
       return None
     return fd
 

@@ -57,8 +57,13 @@ def _decide(directory: pathlib.Path, local: Any, config: Config) -> tuple[int, i
     return -1, 0, 0  # a checkpoint without its config: resumed as any other
   newest = max([steps[-1], *(local.steps() if local is not None else [])])
   stable = wsd_decay_start(old, old_steps)
-  if (old.schedule != "wsd" or not 0 < stable < old_steps or newest <= stable or config.train.steps <= old_steps
-      or wsd_decay_start(config.optimizer, config.train.steps) <= stable):
+  if (
+    old.schedule != "wsd"
+    or not 0 < stable < old_steps
+    or newest <= stable
+    or config.train.steps <= old_steps
+    or wsd_decay_start(config.optimizer, config.train.steps) <= stable
+  ):
     return -1, 0, 0  # not past the old run's stable step, or not given more steps: an ordinary resume
   return (stable if stable in steps else -2), newest, old_steps
 
@@ -81,9 +86,11 @@ def extend(directory: pathlib.Path, local: Any, config: Config, log: Callable[[s
   stable, newest, old_steps = (int(x) for x in decision)
   if stable == -2:
     held = ", ".join(map(str, step_dirs(directory)))
-    raise CheckpointError(f"Extending the run in {str(directory)!r} to {config.train.steps} steps needs its last"
-                          f" stable step, which has no checkpoint there (steps: {held}); a run of this release"
-                          " keeps it.")
+    raise CheckpointError(
+      f"Extending the run in {str(directory)!r} to {config.train.steps} steps needs its last"
+      f" stable step, which has no checkpoint there (steps: {held}); a run of this release"
+      " keeps it."
+    )
   if stable < 0:
     return None
   aside = directory / f".decayed-{newest}"
@@ -94,6 +101,8 @@ def extend(directory: pathlib.Path, local: Any, config: Config, log: Callable[[s
   for step in (s for s in (local.steps() if local is not None else []) if s > stable):
     shutil.rmtree(local.directory / str(step), ignore_errors=True)
   distributed.wait_for_every_process("decayed steps moved aside")
-  log(f"Extending a finished wsd run from {old_steps} to {config.train.steps} steps: restoring its last stable step"
-      f" {stable}; its decayed steps (to {newest}) are in {aside}.")
+  log(
+    f"Extending a finished wsd run from {old_steps} to {config.train.steps} steps: restoring its last stable step"
+    f" {stable}; its decayed steps (to {newest}) are in {aside}."
+  )
   return stable

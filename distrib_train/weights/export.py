@@ -39,8 +39,9 @@ def _fail(message: str) -> None:
   sys.exit(2)
 
 
-def export(workdir: str | os.PathLike, out: str, step: int | None = None, adapter: bool = False,
-           drop_mtp: bool = False) -> list[str]:
+def export(
+  workdir: str | os.PathLike, out: str, step: int | None = None, adapter: bool = False, drop_mtp: bool = False
+) -> list[str]:
   """Writes the params of ``workdir``'s checkpoint ``step`` (default: the newest) to ``out`` as a Hugging Face
   checkpoint, or with ``adapter`` a LoRA run's adapters as a PEFT adapter; returns the files written. With
   ``drop_mtp`` the multi-token-prediction modules are left out.
@@ -59,12 +60,14 @@ def export(workdir: str | os.PathLike, out: str, step: int | None = None, adapte
     raise ValueError(f"{str(workdir)!r} is not a distrib_train run (no config.yaml).")
   config = config_lib.load(str(workdir / "config.yaml"))
   if config.model.name not in ("llama", "moe"):
-    raise ValueError(f"export writes the llama and moe models as Hugging Face's; this run's model is"
-                     f" {config.model.name!r}.")
+    raise ValueError(
+      f"export writes the llama and moe models as Hugging Face's; this run's model is {config.model.name!r}."
+    )
   recipe = config.model_recipe()
   if adapter and not getattr(recipe.config, "lora_rank", 0):
-    raise ValueError("--adapter writes a LoRA run's adapters; this run has none (model.lora.rank is 0): export"
-                     " it without --adapter.")
+    raise ValueError(
+      "--adapter writes a LoRA run's adapters; this run has none (model.lora.rank is 0): export it without --adapter."
+    )
   if not (workdir / "checkpoints").is_dir() or not any(p.name.isdigit() for p in (workdir / "checkpoints").iterdir()):
     raise ValueError(f"{str(workdir / 'checkpoints')!r} holds no checkpoint.")
   # The params onto this host's first device; the merged model's frozen weights too (LoRA's base from its source).
@@ -113,12 +116,18 @@ def main(argv: Sequence[str]) -> int:
   parser.add_argument("--workdir", required=True, help="the run's directory")
   parser.add_argument("--out", required=True, help="the Hugging Face directory to write (created)")
   parser.add_argument("--step", type=int, help="the checkpoint step (default: the newest)")
-  parser.add_argument("--adapter", action="store_true",
-                      help="a LoRA run: write its adapters alone as a PEFT adapter (adapter_config.json +"
-                           " adapter_model.safetensors) on the checkpoint it started from, not the merged model")
-  parser.add_argument("--drop_mtp", action="store_true",
-                      help="leave the multi-token-prediction modules (model.mtp_depth) out: config.json's"
-                           " num_nextn_predict_layers is then 0")
+  parser.add_argument(
+    "--adapter",
+    action="store_true",
+    help="a LoRA run: write its adapters alone as a PEFT adapter (adapter_config.json +"
+    " adapter_model.safetensors) on the checkpoint it started from, not the merged model",
+  )
+  parser.add_argument(
+    "--drop_mtp",
+    action="store_true",
+    help="leave the multi-token-prediction modules (model.mtp_depth) out: config.json's"
+    " num_nextn_predict_layers is then 0",
+  )
   args = parser.parse_args(list(argv))
   try:
     written = export(args.workdir, args.out, args.step, args.adapter, args.drop_mtp)

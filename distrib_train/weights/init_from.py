@@ -43,8 +43,18 @@ from typing import Any
 
 
 from distrib_train.checkpoint import hf
-from distrib_train.checkpoint.checks import (FROZEN_FIELDS, MODEL_FIELDS, SAVED_FIELDS, CheckpointError, step_dirs,
-                                             abstract_target, check_matches, held_fields, read_meta, saved_shapes)
+from distrib_train.checkpoint.checks import (
+  FROZEN_FIELDS,
+  MODEL_FIELDS,
+  SAVED_FIELDS,
+  CheckpointError,
+  step_dirs,
+  abstract_target,
+  check_matches,
+  held_fields,
+  read_meta,
+  saved_shapes,
+)
 from distrib_train.checkpoint.tree import fill_fields, flatten_fields
 from distrib_train.checkpoint.hf_common import fingerprint
 from distrib_train.recipes import mtp
@@ -60,8 +70,9 @@ def _checkpoint(path: str) -> tuple[pathlib.Path, int]:
   directory = where / "checkpoints" if (where / "checkpoints").is_dir() else where
   steps = step_dirs(directory)
   if not steps:
-    raise ValueError(f"train.init_from ckpt:{path}: no checkpoint there (a workdir, its checkpoints directory or"
-                     " one step directory).")
+    raise ValueError(
+      f"train.init_from ckpt:{path}: no checkpoint there (a workdir, its checkpoints directory or one step directory)."
+    )
   return directory, steps[-1]
 
 
@@ -95,15 +106,17 @@ def _run_weights(path: str, abstract: TrainState, role: str | None) -> tuple[pat
   directory, step = _checkpoint(path)
   saved = saved_shapes(directory, step)
   if any(keys[0] == "params" and keys[-1].startswith("lora_") for keys in saved):
-    raise CheckpointError(f"ckpt:{path} (step {step} in {str(directory)!r}) is a LoRA run's: its params are"
-                          " adapters on a frozen base. Export it merged (distrib-train export) and give hf:<that"
-                          " directory>.")
+    raise CheckpointError(
+      f"ckpt:{path} (step {step} in {str(directory)!r}) is a LoRA run's: its params are"
+      " adapters on a frozen base. Export it merged (distrib-train export) and give hf:<that"
+      " directory>."
+    )
   inner = ("policy",) if any(keys[:2] == ("params", "policy") for keys in saved) else ()
   wanted = {}
   for keys, leaf in abstract_target(abstract, ("params", "model_without_params", "local_state")).items():
     if (role is None or role in keys[1:3]) and not keys[-1].startswith("lora_"):  # adapters keep their start
       source = "local_state" if keys[0] == "local_state" else "params"
-      rest = keys[keys.index(role) + 1:] if role else keys[2:] if keys[0] == "model_without_params" else keys[1:]
+      rest = keys[keys.index(role) + 1 :] if role else keys[2:] if keys[0] == "model_without_params" else keys[1:]
       wanted[keys] = ((source, *inner, *rest), leaf)
   check_matches(directory, step, dict(wanted.values()), partial=True, fields=())
   return directory, step, wanted
@@ -136,8 +149,12 @@ def check(config: Config, abstract: TrainState) -> None:
   """
   kind, _, path = config.train.init_from.partition(":")
   if kind == "hf":  # the weights trained or frozen (LoRA's base) as one model
-    hf.check_params(os.path.expanduser(path), (abstract.params, abstract.model_without_params),
-                    config.model_recipe().config, abstract.local_state)
+    hf.check_params(
+      os.path.expanduser(path),
+      (abstract.params, abstract.model_without_params),
+      config.model_recipe().config,
+      abstract.local_state,
+    )
   elif kind == "ckpt" and _plain_into_preference(path, abstract):  # its weights: the policy (and reference)
     _run_weights(path, abstract, "policy")
     if not _reference(config)[0]:
@@ -168,8 +185,10 @@ def frozen_source(config: Config) -> dict[str, Any] | None:
   if reference == "ckpt":  # a run's checkpoint has no fingerprint: the copy is saved
     return None
   named = {"init_from": path, **({"reference": where} if reference else {})}
-  return {role: {"path": os.path.abspath(os.path.expanduser(where)), "files": fingerprint(os.path.expanduser(where))}
-          for role, where in named.items()}
+  return {
+    role: {"path": os.path.abspath(os.path.expanduser(where)), "files": fingerprint(os.path.expanduser(where))}
+    for role, where in named.items()
+  }
 
 
 def saved_fields(source: Mapping[str, Any] | None) -> tuple[str, ...]:
@@ -192,17 +211,22 @@ def restore_source(meta: Mapping[str, Any], config: Config, where: str) -> dict[
   out = {}
   for role, record in recorded.items():
     candidates = [record["path"]] + [os.path.abspath(os.path.expanduser(given[role][3:]))] * (
-        given[role].startswith("hf:") and os.path.abspath(os.path.expanduser(given[role][3:])) != record["path"])
+      given[role].startswith("hf:") and os.path.abspath(os.path.expanduser(given[role][3:])) != record["path"]
+    )
     seen = {c: fingerprint(c) if os.path.isdir(c) else None for c in candidates}
     found = [c for c in candidates if seen[c] == record["files"]]
     if not found:
-      differ = lambda c: sorted(n for n in set(seen[c]) | set(record["files"]) if seen[c].get(n) != record["files"].get(n))
-      places = "; ".join(f"{c} {'is missing' if seen[c] is None else 'differs: ' + ', '.join(differ(c)[:3])}"
-                         for c in candidates)
+      differ = lambda c: sorted(
+        n for n in set(seen[c]) | set(record["files"]) if seen[c].get(n) != record["files"].get(n)
+      )
+      places = "; ".join(
+        f"{c} {'is missing' if seen[c] is None else 'differs: ' + ', '.join(differ(c)[:3])}" for c in candidates
+      )
       raise CheckpointError(
-          f"{where} holds the trained weights only; its frozen weights ({role}) are read from their source, and"
-          f" {places}. Put those files back, or name where they are now"
-          f" ({config.train.objective + '.reference' if role == 'reference' else 'train.init_from'}: hf:<dir>).")
+        f"{where} holds the trained weights only; its frozen weights ({role}) are read from their source, and"
+        f" {places}. Put those files back, or name where they are now"
+        f" ({config.train.objective + '.reference' if role == 'reference' else 'train.init_from'}: hf:<dir>)."
+      )
     out[role] = {**record, "path": found[0]}
   return out
 
@@ -211,8 +235,15 @@ def with_frozen(config: Config, source: Mapping[str, Any], abstract: TrainState,
   """``state`` with its frozen weights read from ``source`` (a ``frozen_source`` record)."""
   train = dataclasses.replace(config.train, init_from=f"hf:{source['init_from']['path']}")
   name = config.train.objective
-  section = {name: dataclasses.replace(getattr(config, name), reference=f"hf:{source['reference']['path']}"
-                                       if "reference" in source else "")} if _section(config) else {}
+  section = (
+    {
+      name: dataclasses.replace(
+        getattr(config, name), reference=f"hf:{source['reference']['path']}" if "reference" in source else ""
+      )
+    }
+    if _section(config)
+    else {}
+  )
   return load(dataclasses.replace(config, train=train, **section), abstract, state)[0]
 
 
@@ -230,8 +261,10 @@ def load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Train
   model, others = config.model_recipe().config, lambda p: not hf.is_reference(p)
   frozen = hf.load_params(where, abstract.model_without_params, model, fresh=state.model_without_params, skip=others)
   local_state = hf.load_params(where, abstract.local_state, model, fresh=state.local_state, skip=others)
-  return (state.replace(model_without_params=frozen, local_state=local_state),
-          f"{line} The reference: {_section(config).reference}.")
+  return (
+    state.replace(model_without_params=frozen, local_state=local_state),
+    f"{line} The reference: {_section(config).reference}.",
+  )
 
 
 def _load(config: Config, abstract: TrainState, state: TrainState) -> tuple[TrainState, str]:
@@ -241,24 +274,42 @@ def _load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Trai
     adapters = getattr(model, "lora_rank", 0)
     # With LoRA the params are the adapters (they keep their fresh values) and the base is frozen; MTP modules
     # (model.mtp_depth) on a checkpoint without them keep theirs too.
-    depth, held = getattr(model, "mtp_depth", 0), mtp.checkpoint_depth(
-        json.loads((pathlib.Path(directory) / "config.json").read_text()), directory, model.num_layers)
+    depth, held = (
+      getattr(model, "mtp_depth", 0),
+      mtp.checkpoint_depth(
+        json.loads((pathlib.Path(directory) / "config.json").read_text()), directory, model.num_layers
+      ),
+    )
     if 0 < held < depth:
-      raise hf.HfCheckpointError(f"model.mtp_depth={depth}: {directory} holds {held} MTP layer(s); set"
-                                 f" model.mtp_depth to 0 or {held}, or start fresh ones from a checkpoint without")
+      raise hf.HfCheckpointError(
+        f"model.mtp_depth={depth}: {directory} holds {held} MTP layer(s); set"
+        f" model.mtp_depth to 0 or {held}, or start fresh ones from a checkpoint without"
+      )
     new_mtp = depth and not held
     fresh_mtp = (lambda path: any(getattr(k, "key", None) == "mtp" for k in path)) if new_mtp else None
     if new_mtp and not adapters:  # the rest as strictly checked as ever (fresh below for the MTP leaves alone)
       hf.check_params(directory, abstract.params, model, skip=fresh_mtp)
     reference = _reference(config)[0]
-    params = hf.load_params(directory, abstract.params, model, fresh=state.params if adapters or new_mtp else None,
-                            skip=fresh_mtp)
-    frozen = hf.load_params(directory, abstract.model_without_params, model, fresh=state.model_without_params,
-                            skip=lambda path: bool(reference and hf.is_reference(path)  # read from dpo.reference
-                                                   or fresh_mtp and fresh_mtp(path)))
+    params = hf.load_params(
+      directory, abstract.params, model, fresh=state.params if adapters or new_mtp else None, skip=fresh_mtp
+    )
+    frozen = hf.load_params(
+      directory,
+      abstract.model_without_params,
+      model,
+      fresh=state.model_without_params,
+      skip=lambda path: bool(
+        reference
+        and hf.is_reference(path)  # read from dpo.reference
+        or fresh_mtp
+        and fresh_mtp(path)
+      ),
+    )
     local_state = hf.load_params(directory, abstract.local_state, model, fresh=state.local_state, skip=fresh_mtp)
-    return (state.replace(params=params, model_without_params=frozen, local_state=local_state),
-            f"Initialised the {'frozen base' if adapters else 'params'} from Hugging Face checkpoint {path}.")
+    return (
+      state.replace(params=params, model_without_params=frozen, local_state=local_state),
+      f"Initialised the {'frozen base' if adapters else 'params'} from Hugging Face checkpoint {path}.",
+    )
   from distrib_train.checkpoint.manager import CheckpointManager
 
   directory, step = _checkpoint(path)

@@ -103,8 +103,10 @@ def source(init_from: str, *, dtype: str | None = None, overrides: Mapping[str, 
     raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(_DTYPES)}.")
   config, hf_dir, checkpoints = _config(init_from, dtype, dict(overrides))
   if config.model.name not in ("llama", "moe"):
-    raise ConfigError(f"{init_from}: the run's model is {config.model.name!r}; only the reference decoders (llama,"
-                      " moe) load for use here.")
+    raise ConfigError(
+      f"{init_from}: the run's model is {config.model.name!r}; only the reference decoders (llama,"
+      " moe) load for use here."
+    )
   return Source(init_from, config, hf_dir, checkpoints)
 
 
@@ -119,18 +121,24 @@ def _config(init_from: str, dtype: str | None, overrides: Mapping[str, Any]) -> 
   path = os.path.expanduser(path)
   if kind == "hf":
     if not os.path.isfile(os.path.join(path, "config.json")):
-      raise ConfigError(f"--init_from {init_from}: {path!r} holds no config.json (a Hugging Face model directory"
-                        " is needed; nothing is downloaded).")
+      raise ConfigError(
+        f"--init_from {init_from}: {path!r} holds no config.json (a Hugging Face model directory"
+        " is needed; nothing is downloaded)."
+      )
     dtype = dtype or checkpoint_dtype(path)
-    config = config_lib.load(None, {"train.init_from": f"hf:{path}", "model.dtype": dtype,
-                                    "model.param_dtype": dtype, **overrides}, training=False)
+    config = config_lib.load(
+      None,
+      {"train.init_from": f"hf:{path}", "model.dtype": dtype, "model.param_dtype": dtype, **overrides},
+      training=False,
+    )
     return config, path, ""
   directory, _ = init_lib._checkpoint(path)
   workdir = directory.parent if directory.name == "checkpoints" else directory
   if not (workdir / "config.yaml").is_file():
     raise ConfigError(f"--init_from {init_from}: {str(workdir)!r} is not a distrib_train run (no config.yaml).")
-  config = config_lib.load(str(workdir / "config.yaml"), {**({"model.dtype": dtype} if dtype else {}),
-                                                          **overrides}, training=False)
+  config = config_lib.load(
+    str(workdir / "config.yaml"), {**({"model.dtype": dtype} if dtype else {}), **overrides}, training=False
+  )
   source = config.train.init_from
   return config, os.path.expanduser(source[3:]) if source.startswith("hf:") else None, str(directory)
 
@@ -145,8 +153,16 @@ def _mesh(mesh_config: str | None):
   return config, build_mesh(config)
 
 
-def load(init_from: str | Source, *, step: int | None = None, mesh_config: str | None = None, dtype: str | None = None,
-         overrides: Mapping[str, Any] = (), devices: Any = None, frozen: bool = True) -> RunModel:
+def load(
+  init_from: str | Source,
+  *,
+  step: int | None = None,
+  mesh_config: str | None = None,
+  dtype: str | None = None,
+  overrides: Mapping[str, Any] = (),
+  devices: Any = None,
+  frozen: bool = True,
+) -> RunModel:
   """The model ``init_from`` names, loaded onto a mesh (module docstring).
 
   Args:
@@ -181,8 +197,7 @@ def load(init_from: str | Source, *, step: int | None = None, mesh_config: str |
     mesh_spec, mesh = _mesh(mesh_config)
   rules = rules_for(config, mesh_spec)
   parts = model_parts(config)  # LoRA: the base frozen; dpo: the policy with its reference
-  make = lambda: TrainState.initial_state(parts.model_fn(0), optax.sgd(0.0), jax.random.key(0),
-                                          is_param=parts.is_param)
+  make = lambda: TrainState.initial_state(parts.model_fn(0), optax.sgd(0.0), jax.random.key(0), is_param=parts.is_param)
   plan = MeshPlanner(mesh, rules).plan(jax.eval_shape(make))
   state = plan.init(make)
   if not directory:
@@ -201,8 +216,9 @@ def load(init_from: str | Source, *, step: int | None = None, mesh_config: str |
 
     leaves = jax.tree_util.tree_flatten_with_path(plan.abstract_train_state.model_without_params)[0]
     if frozen and any(not hf.is_reference(path) for path, _ in leaves):
-      sources = init_lib.restore_source(manager.metadata_of(step), config,
-                                        f"Checkpoint step {step} in {str(manager.directory)!r}")
+      sources = init_lib.restore_source(
+        manager.metadata_of(step), config, f"Checkpoint step {step} in {str(manager.directory)!r}"
+      )
       if sources is not None:
         state = init_lib.with_frozen(config, sources, plan.abstract_train_state, state)
     state = _model_arrays(manager, step, state, getattr(config.model_recipe().config, "mtp_depth", 0))
@@ -232,8 +248,13 @@ def add_flags(parser: Any) -> None:
   parser.add_argument("--step", type=int, help="a run's checkpoint step (default: the newest)")
   parser.add_argument("--mesh_config", help="a mesh config's name or path (default: every device on fsdp)")
   parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's or the run's)")
-  parser.add_argument("--set", action="append", default=[], dest="overrides",
-                      help="a config key: --set data.tokenizer=hf:DIR (repeatable)")
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    dest="overrides",
+    help="a config key: --set data.tokenizer=hf:DIR (repeatable)",
+  )
   parser.add_argument("--cpu_devices", type=int, help="run on CPU, emulating this many devices per process")
   parser.add_argument("--coordinator_address", help="host:port of process 0 (multi-process jobs)")
   parser.add_argument("--num_processes", type=int)
@@ -248,8 +269,12 @@ def start(args: Any) -> tuple[bool, Any]:
   from distrib_train.cluster import distributed
 
   try:
-    distributed.initialize(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-                           process_id=args.process_id, cpu_devices=args.cpu_devices)
+    distributed.initialize(
+      coordinator_address=args.coordinator_address,
+      num_processes=args.num_processes,
+      process_id=args.process_id,
+      cpu_devices=args.cpu_devices,
+    )
   except ValueError as e:
     fail(str(e))
   first = jax.process_index() == 0
@@ -262,4 +287,3 @@ def fail(message: str) -> None:
 
   print(f"distrib-train: error: {message}", file=sys.stderr, flush=True)
   sys.exit(2)
-

@@ -26,9 +26,15 @@ with dt.CheckpointManager(directory) as checkpoints:
   else:
     state = checkpoints.restore(plan.abstract_train_state)
 arrays = ckpt_helpers.saved_arrays(state)
-mp_harness.write_result({
+mp_harness.write_result(
+  {
     "arrays": {k: v.tolist() for k, v in arrays.items()},
-    "shardings_ok": all(a.sharding == s for a, s in zip(jax.tree_util.tree_leaves(state.params),
-                                                       jax.tree_util.tree_leaves(plan.train_state_shardings.params))),
+    "shardings_ok": all(
+      a.sharding == s
+      for a, s in zip(
+        jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(plan.train_state_shardings.params)
+      )
+    ),
     "steps": checkpoints.all_steps() if mode == "save" else None,
-})
+  }
+)

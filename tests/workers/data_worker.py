@@ -28,8 +28,9 @@ result = {}
 
 # 1. The batch axis spans the processes: each reads half of the documents.
 mesh = data_helpers.mesh_from(configs / "cpu-2proc.yaml")
-config = data.DataConfig(source="text", paths=(corpus,), seq_len=8, global_batch_size=8, packing=False,
-                         eval_fraction=0.0)
+config = data.DataConfig(
+  source="text", paths=(corpus,), seq_len=8, global_batch_size=8, packing=False, eval_fraction=0.0
+)
 loader = data.DataLoader(config, data_helpers.shardings(mesh), num_epochs=1)
 ids, global_ok = [], True
 while True:
@@ -49,10 +50,11 @@ replicated_mesh = dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (2, 2,
 loader = data.DataLoader(config, data_helpers.shardings(replicated_mesh), num_epochs=1)
 local = loader.next_local()
 batch = data.to_global(local, loader.input_shardings, config.global_batch_size)
-result["replicated"] = {"shard": [loader.shard_index, loader.shard_count],
-                        "ids": data_helpers.doc_ids(local["tokens"]),
-                        "global_ok": bool(np.array_equal(data_helpers.first_local_rows(batch["tokens"]),
-                                                         local["tokens"]))}
+result["replicated"] = {
+  "shard": [loader.shard_index, loader.shard_count],
+  "ids": data_helpers.doc_ids(local["tokens"]),
+  "global_ok": bool(np.array_equal(data_helpers.first_local_rows(batch["tokens"]), local["tokens"])),
+}
 
 # 3. Exact resume through the checkpoint's data position.
 packed = data.DataConfig(seq_len=32, global_batch_size=8)
@@ -73,8 +75,13 @@ result["after_save"] = expected  # this process's rows; a job of another shape r
 #    packed row's end: every document here is one row of seq_len + 1 tokens.
 rows_dir = own_dir / "rows"
 rows_dir.mkdir()
-exact = data.DataConfig(source="text", paths=(data_helpers.write_documents(rows_dir, [8] * 32),),
-                        seq_len=7, global_batch_size=8, eval_fraction=0.0)
+exact = data.DataConfig(
+  source="text",
+  paths=(data_helpers.write_documents(rows_dir, [8] * 32),),
+  seq_len=7,
+  global_batch_size=8,
+  eval_fraction=0.0,
+)
 loader = data.DataLoader(exact, data_helpers.shardings(mesh))
 with dt.CheckpointManager(f"{checkpoint_dir}-exact", max_to_keep=None) as checkpoints:
   checkpoints.save(0, state, data_iterator=loader)
@@ -88,11 +95,13 @@ for step in (0, 2):
     checkpoints.restore(state, step=step, data_iterator=fresh)
   got = [fresh.next_local() for _ in range(3)]
   result["exact_resume"][str(step)] = all(
-      np.array_equal(g[name], want[name]) for g, want in zip(got, drawn[step:step + 3]) for name in want)
+    np.array_equal(g[name], want[name]) for g, want in zip(got, drawn[step : step + 3]) for name in want
+  )
 
 # 5. A finite pass (eval) ends at the same batch in every process, although
 #    packing leaves the two shards with different numbers of batches.
-eval_loader = data.DataLoader(data.DataConfig(seq_len=32, global_batch_size=8), data_helpers.shardings(mesh),
-                              split="eval", num_epochs=1)
+eval_loader = data.DataLoader(
+  data.DataConfig(seq_len=32, global_batch_size=8), data_helpers.shardings(mesh), split="eval", num_epochs=1
+)
 result["eval_batches"] = sum(1 for _ in eval_loader)
 mp_harness.write_result(result)

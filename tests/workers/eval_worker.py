@@ -18,9 +18,15 @@ from distrib_train.evaluation.harness import HarnessLM  # noqa: E402
 
 eval_tasks.offline()
 lm = HarnessLM.load(f"hf:{sys.argv[1]}", mesh_config=sys.argv[3], batch_size=4)
-results = eval_tasks.evaluate(lm, list(eval_helpers.TASKS), include_path=[sys.argv[2]], log_samples=True,
-                              bootstrap_iters=0)
-mp_harness.write_result({"metrics": eval_tasks.scores(results),
-                         "answers": {task: [s["resps"] for s in sorted(results["samples"][task],
-                                                                       key=lambda s: s["doc_id"])]
-                                     for task in eval_helpers.TASKS}})
+results = eval_tasks.evaluate(
+  lm, list(eval_helpers.TASKS), include_path=[sys.argv[2]], log_samples=True, bootstrap_iters=0
+)
+mp_harness.write_result(
+  {
+    "metrics": eval_tasks.scores(results),
+    "answers": {
+      task: [s["resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+      for task in eval_helpers.TASKS
+    },
+  }
+)

@@ -39,9 +39,18 @@ def script(corpus: str, tokenizer: str, num_workers: int) -> None:
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
   sharding = NamedSharding(mesh, P("data", None))
   shardings = {name: sharding for name in ("tokens", "targets", "weights", "segment_ids", "positions")}
-  loader = data.DataLoader(data.DataConfig(source="text", paths=(corpus,), seq_len=1024, global_batch_size=32,
-                                           tokenizer=f"hf:{tokenizer}", eos_token="</s>", num_workers=num_workers),
-                           shardings)
+  loader = data.DataLoader(
+    data.DataConfig(
+      source="text",
+      paths=(corpus,),
+      seq_len=1024,
+      global_batch_size=32,
+      tokenizer=f"hf:{tokenizer}",
+      eos_token="</s>",
+      num_workers=num_workers,
+    ),
+    shardings,
+  )
   next(loader)
   print("read a batch", flush=True)
 
@@ -64,8 +73,7 @@ def main(out_dir: str, runs: int, tokenizer: str, num_workers: int, corpora: lis
   # The process's other threads are OpenBLAS's pool (numpy) and jemalloc's background thread (pyarrow), both
   # made again in a forked child by their own fork handlers.
   warnings.filterwarnings("ignore", r".*use of fork\(\) may lead to deadlocks", DeprecationWarning)
-  waiting = [(f"{pathlib.Path(corpus).name}-{num_workers}-{run}", corpus) for corpus in corpora
-             for run in range(runs)]
+  waiting = [(f"{pathlib.Path(corpus).name}-{num_workers}-{run}", corpus) for corpus in corpora for run in range(runs)]
   running: dict[int, str] = {}
   while waiting or running:
     while waiting and len(running) < at_once:  # a few at a time: a run waits on its worker process a while

@@ -21,5 +21,6 @@ loaded = run_model.load(f"hf:{sys.argv[1]}", mesh_config=sys.argv[2])
 rng = np.random.default_rng(0)
 prompts = [rng.integers(0, loaded.model_config.vocab_size, size=n).tolist() for n in (5, 13, 2)]
 generator = Generator(loaded.model, mesh=loaded.mesh, rules=loaded.rules)
-mp_harness.write_result({name: [c.ids for c in generator.generate(prompts, max_new_tokens=8, **kwargs)]
-                         for name, kwargs in SETTINGS.items()})
+mp_harness.write_result(
+  {name: [c.ids for c in generator.generate(prompts, max_new_tokens=8, **kwargs)] for name, kwargs in SETTINGS.items()}
+)

@@ -16,7 +16,8 @@ from distrib_train.train.trainer import Trainer  # noqa: E402
 
 import grpo_helpers  # noqa: E402
 
-config = config_lib.load("grpo-tiny", grpo_helpers.hf_overrides(sys.argv[1], sys.argv[2]) + [f"mesh_config={sys.argv[3]}"]
-                         + sys.argv[5:])
+config = config_lib.load(
+  "grpo-tiny", grpo_helpers.hf_overrides(sys.argv[1], sys.argv[2]) + [f"mesh_config={sys.argv[3]}"] + sys.argv[5:]
+)
 result = Trainer(config, sys.argv[4]).run()
 mp_harness.write_result({"status": result.status, "step": result.step})

@@ -37,8 +37,12 @@ mesh = dt.build_mesh(dt.MeshConfig(("data", "fsdp", "tensor"), (1, 2, 2), (1, 2,
 planner = dt.MeshPlanner(mesh, "fsdp_tensor")
 tokens = np.random.default_rng(0).integers(0, config.vocab_size, size=(4, 32)).astype(np.int32)
 make = lambda: dt.TrainState.initial_state(config.build(0), optax.sgd(0.0), jax.random.key(0))
-plan = planner.plan(jax.eval_shape(make), loss_fn=recipes.llama.loss_fn, inputs={"tokens": tokens, "targets": tokens},
-                    input_axes=recipes.llama.INPUT_AXES)
+plan = planner.plan(
+  jax.eval_shape(make),
+  loss_fn=recipes.llama.loss_fn,
+  inputs={"tokens": tokens, "targets": tokens},
+  input_axes=recipes.llama.INPUT_AXES,
+)
 params = hf.load_params(directory, plan.abstract_train_state.params, config)
 state = plan.init(make).replace(params=params)
 
@@ -53,5 +57,10 @@ with activation_sharding(plan.mesh, planner.rules):
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   logits = forward(state, jax.make_array_from_callback(tokens.shape, replicated, lambda index: tokens[index]))
 total = sum(int(np.prod(t.shape)) for t in hf.SafetensorsDirectory(directory).tensors.values())
-mp_harness.write_result({"logits": np.asarray(multihost_utils.process_allgather(logits, tiled=True)).tolist(),
-                         "read": read[0], "total": total})
+mp_harness.write_result(
+  {
+    "logits": np.asarray(multihost_utils.process_allgather(logits, tiled=True)).tolist(),
+    "read": read[0],
+    "total": total,
+  }
+)

@@ -15,6 +15,11 @@ assert jax.process_count() == 2 and len(jax.local_devices()) == 4, (jax.process_
 mesh = ph.mesh_of({"expert": 4, "fsdp": 2}, devices=jax.devices(), dcn={"expert": 2})
 losses, params = ph.train(mesh, steps=int(sys.argv[1]), family="moe")
 gradients = ph.gradients(mesh, family="moe", packed=True)
-mp_harness.write_result({"losses": losses, "mesh": dict(mesh.shape),
-                         "params": {k: v.tolist() for k, v in params.items()},
-                         "gradients": {k: v.tolist() for k, v in gradients.items()}})
+mp_harness.write_result(
+  {
+    "losses": losses,
+    "mesh": dict(mesh.shape),
+    "params": {k: v.tolist() for k, v in params.items()},
+    "gradients": {k: v.tolist() for k, v in gradients.items()},
+  }
+)

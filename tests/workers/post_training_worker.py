@@ -16,8 +16,32 @@ import helpers  # noqa: E402
 
 config_path = pathlib.Path(__file__).resolve().parents[2] / "mesh_configs" / "cpu-2proc.yaml"
 mesh = dt.build_mesh(dt.MeshConfig.from_yaml(config_path))
-mp_harness.write_result({name: helpers.post_training_losses(sets, mesh) for name, sets in (
-    ("sft", ["data.source=pydoc", "data.loss_on=assistant", "model.lora.rank=4", "model.lora.dropout=0.1",
-             "data.seq_len=512", "data.global_batch_size=8"]),
-    ("dpo", ["train.objective=dpo", "data.source=text", f"data.paths={sys.argv[1]}", "data.text_field=*",
-             "data.seq_len=512", "data.global_batch_size=8"]))})
+mp_harness.write_result(
+  {
+    name: helpers.post_training_losses(sets, mesh)
+    for name, sets in (
+      (
+        "sft",
+        [
+          "data.source=pydoc",
+          "data.loss_on=assistant",
+          "model.lora.rank=4",
+          "model.lora.dropout=0.1",
+          "data.seq_len=512",
+          "data.global_batch_size=8",
+        ],
+      ),
+      (
+        "dpo",
+        [
+          "train.objective=dpo",
+          "data.source=text",
+          f"data.paths={sys.argv[1]}",
+          "data.text_field=*",
+          "data.seq_len=512",
+          "data.global_batch_size=8",
+        ],
+      ),
+    )
+  }
+)

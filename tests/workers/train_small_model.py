@@ -16,9 +16,11 @@ config_path = pathlib.Path(__file__).resolve().parents[2] / "mesh_configs" / "cp
 mesh = dt.build_mesh(dt.MeshConfig.from_yaml(config_path))
 assert jax.process_count() == 2 and len(jax.local_devices()) == 4, (jax.process_count(), jax.local_devices())
 losses, params = helpers.train_small_model(mesh, steps=int(sys.argv[1]))
-mp_harness.write_result({
+mp_harness.write_result(
+  {
     "losses": losses,
     "params": {k: v.tolist() for k, v in params.items()},
     "mesh_shape": dict(mesh.shape),
     "process_index": jax.process_index(),
-})
+  }
+)

@@ -57,8 +57,12 @@ def packs_rows(max_segments: int, attention: str, dtype: str, device) -> bool:
   hold, the padding one of them; more are merged)."""
   from distrib_train.common.versions import gpu_capability
 
-  return (max_segments > 0 and attention in ("auto", "cudnn") and dtype in ("bfloat16", "float16")
-          and gpu_capability(device) >= (9, 0))
+  return (
+    max_segments > 0
+    and attention in ("auto", "cudnn")
+    and dtype in ("bfloat16", "float16")
+    and gpu_capability(device) >= (9, 0)
+  )
 
 
 def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
@@ -80,8 +84,16 @@ def segment_layout(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array
   return seqlen, offsets
 
 
-def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                     max_segments: int, scale: float | None = None, window: int = 0) -> jax.Array:
+def packed_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array,
+  *,
+  max_segments: int,
+  scale: float | None = None,
+  window: int = 0,
+) -> jax.Array:
   """Causal attention within each document of packed rows (``[batch, length, heads, head_dim]``, 16-bit).
 
   ``k`` and ``v`` may have fewer heads (grouped-query attention); ``window`` > 0 lets each query see only the
@@ -92,20 +104,31 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
   # Split over the batch as the queries are: jax's partitioning leaves them free, and its offsets are per shard.
   seqlen, offsets = (constrain(x, ("batch", None)) for x in (seqlen, offsets))
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-  return fa.dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
-                                  kv_offsets=offsets, scale=scale, mask_type=fa.MaskType.PADDING_CAUSAL,
-                                  sliding_window_length=window or None)
+  return fa.dot_product_attention(
+    q,
+    k,
+    v,
+    q_seqlen=seqlen,
+    kv_seqlen=seqlen,
+    q_offsets=offsets,
+    kv_offsets=offsets,
+    scale=scale,
+    mask_type=fa.MaskType.PADDING_CAUSAL,
+    sliding_window_length=window or None,
+  )
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, *, scale: float,
-                     window: int = 0) -> jax.Array:
+def causal_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, *, scale: float, window: int = 0
+) -> jax.Array:
   """Causal attention (``[batch, length, heads, head_dim]``, 16-bit) through jax's cuDNN module itself, whose
   values may have another head size than the queries (MLA, Hopper and cuDNN 9.10 or later); with
   ``segment_ids``, a dense segment mask."""
   fa = _module()
   mask = None if segment_ids is None else segment_mask(segment_ids)
-  return fa.dot_product_attention(q, k, v, mask=mask, scale=scale, mask_type=fa.MaskType.CAUSAL,
-                                  sliding_window_length=window or None)
+  return fa.dot_product_attention(
+    q, k, v, mask=mask, scale=scale, mask_type=fa.MaskType.CAUSAL, sliding_window_length=window or None
+  )
 
 
 def segment_mask(segment_ids: jax.Array) -> jax.Array:
@@ -122,9 +145,9 @@ def compile_only(capability: tuple[int, int]) -> Iterator[None]:
   names = ("check_cudnn_version", "check_compute_capability", "is_cuda_compute_capability_equal")
   saved = {name: getattr(fa, name) for name in names if hasattr(fa, name)}
   patched = {
-      "check_cudnn_version": lambda: ASSUMED_CUDNN_VERSION,
-      "check_compute_capability": lambda c: tuple(int(x) for x in c.split(".")) <= capability,
-      "is_cuda_compute_capability_equal": lambda c: tuple(int(x) for x in c.split(".")) == capability,
+    "check_cudnn_version": lambda: ASSUMED_CUDNN_VERSION,
+    "check_compute_capability": lambda c: tuple(int(x) for x in c.split(".")) <= capability,
+    "is_cuda_compute_capability_equal": lambda c: tuple(int(x) for x in c.split(".")) == capability,
   }
   for name in saved:
     setattr(fa, name, patched[name])

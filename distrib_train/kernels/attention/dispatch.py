@@ -98,9 +98,15 @@ def _cudnn_runs(q: jax.Array, v_dim: int, masked: bool) -> bool:
   hopper = capability >= (9, 0)
   limit = 256 if hopper else 128
   qk_dim = q.shape[-1]
-  return (capability >= ((9, 0) if masked else (8, 0)) and q.dtype in (jnp.bfloat16, jnp.float16)
-          and qk_dim % 8 == 0 and qk_dim <= limit and v_dim % 8 == 0 and v_dim <= limit
-          and (v_dim == qk_dim or hopper))
+  return (
+    capability >= ((9, 0) if masked else (8, 0))
+    and q.dtype in (jnp.bfloat16, jnp.float16)
+    and qk_dim % 8 == 0
+    and qk_dim <= limit
+    and v_dim % 8 == 0
+    and v_dim <= limit
+    and (v_dim == qk_dim or hopper)
+  )
 
 
 _DECISIONS: contextvars.ContextVar[list | None] = contextvars.ContextVar("attention_decisions", default=None)
@@ -143,26 +149,31 @@ def recorded() -> contextlib.AbstractContextManager[list[Decision]]:
   return attention_work.collecting(_DECISIONS)
 
 
-def choose(layer: Attention, q: jax.Array, *, masked: bool = False, sinks: bool = False,
-           v_dim: int | None = None) -> str:
+def choose(
+  layer: Attention, q: jax.Array, *, masked: bool = False, sinks: bool = False, v_dim: int | None = None
+) -> str:
   """The kernel ``attention`` runs for ``layer`` on ``q`` (``decide`` says why)."""
   return decide(layer, q, masked=masked, sinks=sinks, v_dim=v_dim)[0]
 
 
 def _context_choice(layer: Attention, q: jax.Array, size: int) -> tuple[str, str]:
   if layer.context == "ring":
-    return "ring", ("model.context_attention: ring; its blocks run in XLA tiles (a fused kernel's blocks would"
-                    " need a differentiable log-sum-exp to merge)")
+    return "ring", (
+      "model.context_attention: ring; its blocks run in XLA tiles (a fused kernel's blocks would"
+      " need a differentiable log-sum-exp to merge)"
+    )
   platform = active_device().platform
   if layer.requested not in ("auto", "splash") or (platform != "tpu" and layer.requested != "splash"):
-    why = {"tpu": f"model.attention: {layer.requested}",
-           "gpu": "jax's cuDNN attention has no bottom-right causal mask for a query chunk against the gathered"
-                  " keys"}.get(platform, f"no fused kernel on {platform} (model.attention: splash runs splash"
-                                         " interpreted)")
+    why = {
+      "tpu": f"model.attention: {layer.requested}",
+      "gpu": "jax's cuDNN attention has no bottom-right causal mask for a query chunk against the gathered keys",
+    }.get(platform, f"no fused kernel on {platform} (model.attention: splash runs splash interpreted)")
     return "all_gather", f"all-gather of keys and values; XLA tiles: {why}"
   if q.shape[1] % (2 * size * SPLASH_BLOCK):
-    return "all_gather", (f"all-gather; XLA tiles: splash needs the length to be a multiple of 2 × context ×"
-                          f" {SPLASH_BLOCK} = {2 * size * SPLASH_BLOCK}, got {q.shape[1]}")
+    return "all_gather", (
+      f"all-gather; XLA tiles: splash needs the length to be a multiple of 2 × context ×"
+      f" {SPLASH_BLOCK} = {2 * size * SPLASH_BLOCK}, got {q.shape[1]}"
+    )
   mesh, rules = active_activation_sharding()
   split = rules.spec(("length",), shape=(q.shape[1],), mesh=mesh)[0]
   if split != context.CONTEXT_AXIS and tuple(split or ()) != (context.CONTEXT_AXIS,):
@@ -170,8 +181,9 @@ def _context_choice(layer: Attention, q: jax.Array, size: int) -> tuple[str, str
   return "all_gather_splash", "all-gather of keys and values, splash per query shard (load-balanced causal mask)"
 
 
-def decide(layer: Attention, q: jax.Array, *, masked: bool = False, sinks: bool = False,
-           v_dim: int | None = None) -> tuple[str, str]:
+def decide(
+  layer: Attention, q: jax.Array, *, masked: bool = False, sinks: bool = False, v_dim: int | None = None
+) -> tuple[str, str]:
   """The kernel ``attention`` runs for ``layer`` on ``q`` [batch, length, heads, qk_dim] (module docstring).
 
   Args:
@@ -190,8 +202,10 @@ def decide(layer: Attention, q: jax.Array, *, masked: bool = False, sinks: bool 
   size = context.context_size()
   if _BRANCHES.get() is not None:
     if size > 1:
-      raise ValueError("shared-prefix rows (scoring) split over a context axis: their mask is not the context"
-                       " kernels'; use a mesh without one.")
+      raise ValueError(
+        "shared-prefix rows (scoring) split over a context axis: their mask is not the context"
+        " kernels'; use a mesh without one."
+      )
     return "xla", "shared-prefix rows: a prefix and its branches side by side, a mask beyond segment ids"
   if size > 1:
     return _context_choice(layer, q, size)
@@ -202,26 +216,41 @@ def decide(layer: Attention, q: jax.Array, *, masked: bool = False, sinks: bool 
   if layer.requested in ("auto", "cudnn") and device.platform == "tpu":
     if layer.requested == "cudnn":
       raise ValueError("model.attention=cudnn is a GPU kernel and this step runs on TPU: use auto or splash.")
-    return ("splash", "TPU") if splash_fits else (
-        "xla", f"TPU, but splash needs a length that is a multiple of {SPLASH_BLOCK}, got {q.shape[1]}")
+    return (
+      ("splash", "TPU")
+      if splash_fits
+      else ("xla", f"TPU, but splash needs a length that is a multiple of {SPLASH_BLOCK}, got {q.shape[1]}")
+    )
   if layer.requested == "xla":
     return "xla", "model.attention: xla"
   cudnn_can = not sinks and not layer.softcap
   if layer.requested == "cudnn" and not cudnn_can:
-    raise ValueError("model.attention=cudnn cannot run attention sinks or a soft cap on the scores (cuDNN's"
-                     " fused attention has neither): use auto, which runs them in XLA on GPU, or xla.")
+    raise ValueError(
+      "model.attention=cudnn cannot run attention sinks or a soft cap on the scores (cuDNN's"
+      " fused attention has neither): use auto, which runs them in XLA on GPU, or xla."
+    )
   if layer.requested == "auto" and not cudnn_can:
     return "xla", "attention sinks or a soft cap, which cuDNN's fused attention lacks"
   if layer.requested == "auto" and not _cudnn_runs(q, v_dim, masked):
-    return "xla", (f"no cuDNN flash attention for {device.platform}, {q.dtype} and head sizes {q.shape[-1]}/{v_dim}"
-                   " (it needs an Ampere or newer GPU, 16-bit inputs, head sizes a multiple of 8)")
+    return "xla", (
+      f"no cuDNN flash attention for {device.platform}, {q.dtype} and head sizes {q.shape[-1]}/{v_dim}"
+      " (it needs an Ampere or newer GPU, 16-bit inputs, head sizes a multiple of 8)"
+    )
   if masked and layer.max_segments and gpu_capability(device) >= (9, 0):
     return "cudnn_packed", "packed rows on a Hopper GPU: cuDNN's packed layout, no mask array"
   return "cudnn", f"model.attention: {layer.requested} on GPU"
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Attention, *, positions: jax.Array,
-              segment_ids: jax.Array | None = None, sinks: jax.Array | None = None) -> jax.Array:
+def attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  layer: Attention,
+  *,
+  positions: jax.Array,
+  segment_ids: jax.Array | None = None,
+  sinks: jax.Array | None = None,
+) -> jax.Array:
   """Causal attention as ``layer`` asks, with the kernel ``choose`` picks → [batch, length, heads, v_dim].
 
   Args:
@@ -236,8 +265,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Attention, *, pos
   with attention_work.noted() as notes:
     out = _run(kernel, q, k, v, layer, positions, segment_ids, sinks)
   decisions = _DECISIONS.get()
-  decision = Decision(kernel, reason, int(q.shape[1]), layer.window, *(
-      (notes[0]["work"], notes[0].get("gathered_bytes")) if notes else ()))
+  decision = Decision(
+    kernel,
+    reason,
+    int(q.shape[1]),
+    layer.window,
+    *((notes[0]["work"], notes[0].get("gathered_bytes")) if notes else ()),
+  )
   if decisions is not None and decision not in decisions:
     decisions.append(decision)
   return out
@@ -246,14 +280,23 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, layer: Attention, *, pos
 def _run(kernel, q, k, v, layer, positions, segment_ids, sinks):
   scale = layer.scale if layer.scale is not None else 1.0 / math.sqrt(q.shape[-1])
   if kernel == "all_gather_splash":
-    return context_splash_attention(q, k, v, segment_ids, window=layer.window, scale=scale, softcap=layer.softcap,
-                                    sinks=sinks, regather=layer.regather)
+    return context_splash_attention(
+      q,
+      k,
+      v,
+      segment_ids,
+      window=layer.window,
+      scale=scale,
+      softcap=layer.softcap,
+      sinks=sinks,
+      regather=layer.regather,
+    )
   if kernel in ("ring", "all_gather"):
-    return ring.attention(q, k, v, positions, segment_ids, kernel, window=layer.window, scale=scale,
-                             softcap=layer.softcap, sinks=sinks)
+    return ring.attention(
+      q, k, v, positions, segment_ids, kernel, window=layer.window, scale=scale, softcap=layer.softcap, sinks=sinks
+    )
   if kernel == "splash":
-    return splash_attention(q, k, v, segment_ids, window=layer.window, scale=scale, softcap=layer.softcap,
-                            sinks=sinks)
+    return splash_attention(q, k, v, segment_ids, window=layer.window, scale=scale, softcap=layer.softcap, sinks=sinks)
   if kernel in ("cudnn_packed", "cudnn"):
     with _cudnn_work(q, v, layer.window):
       return _cudnn(kernel, q, k, v, layer, segment_ids, scale)
@@ -264,9 +307,16 @@ def _run(kernel, q, k, v, layer, positions, segment_ids, sinks):
     if q.shape[1] > TILE:  # flash attention's memory in XLA: no [length, length] scores
       return tiled_attention(q, k, v, positions, segment_ids, block=TILE, **options)
     return reference_attention(q, k, v, segment_ids, **options)
-  return jax.nn.dot_product_attention(q, k, v, mask=None if segment_ids is None else cudnn_attention.segment_mask(
-      segment_ids), is_causal=True, scale=layer.scale, local_window_size=(layer.window - 1, 0) if layer.window
-      else None, implementation=None if layer.requested == "auto" else "xla")
+  return jax.nn.dot_product_attention(
+    q,
+    k,
+    v,
+    mask=None if segment_ids is None else cudnn_attention.segment_mask(segment_ids),
+    is_causal=True,
+    scale=layer.scale,
+    local_window_size=(layer.window - 1, 0) if layer.window else None,
+    implementation=None if layer.requested == "auto" else "xla",
+  )
 
 
 def _cudnn_work(q: jax.Array, v: jax.Array, window: int):
@@ -284,19 +334,31 @@ def _cudnn_work(q: jax.Array, v: jax.Array, window: int):
 
 def _cudnn(kernel, q, k, v, layer, segment_ids, scale):
   if kernel == "cudnn_packed":
-    return cudnn_attention.packed_attention(q, k, v, segment_ids, max_segments=layer.max_segments, scale=scale,
-                                            window=layer.window)
+    return cudnn_attention.packed_attention(
+      q, k, v, segment_ids, max_segments=layer.max_segments, scale=scale, window=layer.window
+    )
   if v.shape[-1] != q.shape[-1]:  # MLA's values: jax.nn's API wants one head size
     return cudnn_attention.causal_attention(q, k, v, segment_ids, scale=scale, window=layer.window)
   mask = None if segment_ids is None else cudnn_attention.segment_mask(segment_ids)
   window = (layer.window - 1, 0) if layer.window else None
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=layer.scale,
-                                      local_window_size=window, implementation="cudnn")
+  return jax.nn.dot_product_attention(
+    q, k, v, mask=mask, is_causal=True, scale=layer.scale, local_window_size=window, implementation="cudnn"
+  )
 
 
-def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, *, window: int,
-                        scale: float, softcap: float, sinks: jax.Array | None, branch_ids: jax.Array | None = None,
-                        positions: jax.Array | None = None) -> jax.Array:
+def reference_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array | None,
+  *,
+  window: int,
+  scale: float,
+  softcap: float,
+  sinks: jax.Array | None,
+  branch_ids: jax.Array | None = None,
+  positions: jax.Array | None = None,
+) -> jax.Array:
   """Attention in plain XLA with what jax's own lacks (sinks, a soft cap): each row's causal mask (a window's band,
   each packed document to itself) over the [length, length] scores, through ``xla.masked_attention``. With
   ``branch_ids`` (and ``positions``), shared-prefix rows (``shared_prefixes``): a branch sees its prefix and
@@ -305,7 +367,9 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
   if branch_ids is None:  # a packed document's rows are its order (its positions restart, its segment apart)
     seen = visible(rows, rows, window=window, query_segments=segment_ids, key_segments=segment_ids)
   else:  # a branch's positions continue its trunk's, in another place of the row: the window counts positions
-    seen = (visible(rows, rows, query_segments=segment_ids, key_segments=segment_ids)
-            & visible(positions, positions, window=window)
-            & ((branch_ids[:, None, :] == 0) | (branch_ids[:, None, :] == branch_ids[:, :, None])))
+    seen = (
+      visible(rows, rows, query_segments=segment_ids, key_segments=segment_ids)
+      & visible(positions, positions, window=window)
+      & ((branch_ids[:, None, :] == 0) | (branch_ids[:, None, :] == branch_ids[:, :, None]))
+    )
   return masked_attention(q, k, v, seen, scale=scale, softcap=softcap, sinks=sinks)

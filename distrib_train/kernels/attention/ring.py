@@ -41,15 +41,18 @@ from distrib_train.kernels.attention import xla
 from distrib_train.sharding.axis_rules import active_activation_sharding
 from distrib_train.sharding.context import CONTEXT_AXIS
 
-def _local(q, k, v, pos, seg, sinks, *, size: int, implementation: str, block: int, scale: float, window: int,
-           softcap: float):
+
+def _local(
+  q, k, v, pos, seg, sinks, *, size: int, implementation: str, block: int, scale: float, window: int, softcap: float
+):
   qg = xla.grouped(q, k.shape[2], scale)
   state = xla.online_start(qg, v.shape[-1], sinks)
   options = dict(window=window, softcap=softcap)
   if implementation == "all_gather":
     gather = lambda a: jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True)
-    state = xla.fold(qg, gather(k), gather(v), pos, gather(pos), seg, None if seg is None else gather(seg), state,
-                     block, **options)
+    state = xla.fold(
+      qg, gather(k), gather(v), pos, gather(pos), seg, None if seg is None else gather(seg), state, block, **options
+    )
   else:
     ring = [(i, (i + 1) % size) for i in range(size)]
     chunk = (k, v, pos, seg)
@@ -61,9 +64,20 @@ def _local(q, k, v, pos, seg, sinks, *, size: int, implementation: str, block: i
   return xla.online_result(state, q.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-              implementation: str = "ring", block: int = 1024, *, window: int = 0, scale: float | None = None,
-              softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
+def attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  positions: jax.Array,
+  segment_ids: jax.Array | None,
+  implementation: str = "ring",
+  block: int = 1024,
+  *,
+  window: int = 0,
+  scale: float | None = None,
+  softcap: float = 0.0,
+  sinks: jax.Array | None = None,
+) -> jax.Array:
   """Causal attention of ``q`` [batch, length, heads, dim] over ``k``, ``v`` [batch, length, kv_heads, dim]
   with the length split over the context axis (module docstring); grouped-query heads allowed. Scores are
   computed in tiles of at most ``block`` queries × ``block`` keys (``kernels/attention/xla.fold``). ``window``
@@ -80,13 +94,37 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, se
     q_spec = kv_spec = P(q_spec[0], q_spec[1], None, None)
   token_spec = P(q_spec[0], q_spec[1])
   if q_spec[1] is None or CONTEXT_AXIS not in ((q_spec[1],) if isinstance(q_spec[1], str) else q_spec[1]):
-    raise ValueError("The mesh has a context axis but the rules do not split the logical 'length' axis over it;"
-                     " add ('length', 'context') to the axis rules (the shipped rules have it).")
+    raise ValueError(
+      "The mesh has a context axis but the rules do not split the logical 'length' axis over it;"
+      " add ('length', 'context') to the axis rules (the shipped rules have it)."
+    )
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   run = jax.shard_map(
-      lambda q, k, v, pos, seg, sinks: _local(q, k, v, pos, seg, sinks, size=size, implementation=implementation,
-                                              block=block, scale=scale, window=window, softcap=softcap),
-      mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, token_spec, None if segment_ids is None else token_spec,
-                           None if sinks is None else P(q_spec[2])),
-      out_specs=q_spec, axis_names=frozenset(mesh.axis_names), check_vma=False)
+    lambda q, k, v, pos, seg, sinks: _local(
+      q,
+      k,
+      v,
+      pos,
+      seg,
+      sinks,
+      size=size,
+      implementation=implementation,
+      block=block,
+      scale=scale,
+      window=window,
+      softcap=softcap,
+    ),
+    mesh=mesh,
+    in_specs=(
+      q_spec,
+      kv_spec,
+      kv_spec,
+      token_spec,
+      None if segment_ids is None else token_spec,
+      None if sinks is None else P(q_spec[2]),
+    ),
+    out_specs=q_spec,
+    axis_names=frozenset(mesh.axis_names),
+    check_vma=False,
+  )
   return run(q, k, v, positions, segment_ids, sinks)

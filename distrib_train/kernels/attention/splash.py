@@ -65,10 +65,19 @@ def _kernel(heads: int, q_len: int, kv_len: int, window: int, softcap: float, in
   one = splash.LocalMask(shape, window_size=(window - 1, 0), offset=0) if window else splash.CausalMask(shape)
   mask = splash.MultiHeadMask([one] * heads)
   bq, bkv = _block(q_len), _block(kv_len)
-  sizes = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
-                            block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
-  return splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret,
-                                attn_logits_soft_cap=softcap or None)
+  sizes = splash.BlockSizes(
+    block_q=bq,
+    block_kv=bkv,
+    block_kv_compute=bkv,
+    block_q_dkv=bq,
+    block_kv_dkv=bkv,
+    block_kv_dkv_compute=bkv,
+    block_q_dq=bq,
+    block_kv_dq=bkv,
+  )
+  return splash.make_splash_mha(
+    mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret, attn_logits_soft_cap=softcap or None
+  )
 
 
 def _local(q, k, v, segment_ids, sinks, *, window: int, softcap: float, interpret: bool):
@@ -89,9 +98,18 @@ def _two(spec: P) -> tuple:
   return tuple(spec) + (None,) * (2 - len(spec))
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
-                     window: int = 0, scale: float | None = None, softcap: float = 0.0,
-                     sinks: jax.Array | None = None, interpret: bool | None = None) -> jax.Array:
+def splash_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array | None = None,
+  *,
+  window: int = 0,
+  scale: float | None = None,
+  softcap: float = 0.0,
+  sinks: jax.Array | None = None,
+  interpret: bool | None = None,
+) -> jax.Array:
   """Causal attention of ``q`` [batch, length, heads, qk_dim] over ``k`` [batch, length, kv_heads, qk_dim] and
   ``v`` [batch, length, kv_heads, v_dim].
 
@@ -110,8 +128,10 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     [batch, length, heads, v_dim] in ``q``'s dtype.
   """
   if q.shape[1] % BLOCK or k.shape[1] % BLOCK:
-    raise ValueError(f"splash attention needs a sequence length that is a multiple of {BLOCK}, got {q.shape[1]};"
-                     " use attention: xla (or auto, which does) for this length.")
+    raise ValueError(
+      f"splash attention needs a sequence length that is a multiple of {BLOCK}, got {q.shape[1]};"
+      " use attention: xla (or auto, which does) for this length."
+    )
   active = active_activation_sharding()
   mesh = active[0] if active else None
   if interpret is None:
@@ -131,10 +151,14 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     kt, vt = (jnp.repeat(x, repeat, axis=1) for x in (kt, vt))
   q_spec = P(batch, heads, None, None)
   in_specs = (q_spec, q_spec if kv_heads != heads else P(batch, kv_heads, None, None))
-  in_specs = in_specs + (in_specs[1], None if segment_ids is None else P(batch, None),
-                         None if sinks is None else P(heads))
-  out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(qt, kt, vt, segment_ids,
-                                                                                             sinks)
+  in_specs = in_specs + (
+    in_specs[1],
+    None if segment_ids is None else P(batch, None),
+    None if sinks is None else P(heads),
+  )
+  out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
+    qt, kt, vt, segment_ids, sinks
+  )
   return out.transpose(0, 2, 1, 3)
 
 
@@ -187,12 +211,26 @@ def _context_kernel(heads: int, size: int, length: int, window: int, softcap: fl
   # blocks of up to a chunk, a [length / block_kv_dkv, heads, queries, head_dim] buffer while a layer's
   # backward runs (2 GiB for the 7b at 128k over 32 devices).
   wide = next(w for w in (2048, 1024, 512, 256, 128) if chunk % w == 0)
-  sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=wide,
-                            block_kv_dkv_compute=wide, use_fused_bwd_kernel=True)
+  sizes = splash.BlockSizes(
+    block_q=b,
+    block_kv=b,
+    block_kv_compute=b,
+    block_q_dkv=b,
+    block_kv_dkv=wide,
+    block_kv_dkv_compute=wide,
+    use_fused_bwd_kernel=True,
+  )
   # its output and log-sum-exp carry RESIDUALS, which a layer's remat keeps (decoder.py): the backward pass
   # gathers the keys and values again but does not run the forward kernel a second time
-  return splash.make_splash_mha(mask, head_shards=1, q_seq_shards=size, block_sizes=sizes, interpret=interpret,
-                                attn_logits_soft_cap=softcap or None, residual_checkpoint_name=RESIDUALS)
+  return splash.make_splash_mha(
+    mask,
+    head_shards=1,
+    q_seq_shards=size,
+    block_sizes=sizes,
+    interpret=interpret,
+    attn_logits_soft_cap=softcap or None,
+    residual_checkpoint_name=RESIDUALS,
+  )
 
 
 def visible_pairs(kernel, q_shards: int, phase: str = "fwd") -> int:
@@ -200,8 +238,11 @@ def visible_pairs(kernel, q_shards: int, phase: str = "fwd") -> int:
   mask info lets run × the block size (the busiest shard's; a load-balanced causal mask gives each about the
   same)."""
   sizes = kernel.kwargs.get("block_sizes")
-  info, q_len, kv_len = ((kernel.fwd_mask_info, sizes.block_q, sizes.block_kv) if phase == "fwd" else
-                         (kernel.dkv_mask_info, sizes.block_q_dkv, sizes.block_kv_dkv))
+  info, q_len, kv_len = (
+    (kernel.fwd_mask_info, sizes.block_q, sizes.block_kv)
+    if phase == "fwd"
+    else (kernel.dkv_mask_info, sizes.block_q_dkv, sizes.block_kv_dkv)
+  )
   blocks = np.asarray(info.block_mask)  # [heads or 1, q blocks, kv blocks]: 0 skipped, 1 partial, 2 full
   per_shard = blocks[0].reshape(q_shards, -1, blocks.shape[-1])
   return int((per_shard != 0).sum(axis=(1, 2)).max()) * q_len * kv_len
@@ -212,38 +253,52 @@ def _gather(a: jax.Array, size: int, axis: int) -> jax.Array:
   ``i`` and ``2C − 1 − i``); its transpose, the backward pass, reduce-scatters."""
   a = jax.lax.all_gather(a, context.CONTEXT_AXIS, axis=axis, tiled=True)
   shape = a.shape
-  parts = a.reshape(*shape[:axis], size, 2, shape[axis] // (2 * size), *shape[axis + 1:])
+  parts = a.reshape(*shape[:axis], size, 2, shape[axis] // (2 * size), *shape[axis + 1 :])
   front = jax.lax.index_in_dim(parts, 0, axis + 1, keepdims=False)
   back = jnp.flip(jax.lax.index_in_dim(parts, 1, axis + 1, keepdims=False), axis)
   return jnp.concatenate([front, back], axis=axis).reshape(shape)
 
 
-def context_splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
-                             window: int = 0, scale: float | None = None, softcap: float = 0.0,
-                             sinks: jax.Array | None = None, interpret: bool | None = None,
-                             regather: bool = True) -> jax.Array:
+def context_splash_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array | None = None,
+  *,
+  window: int = 0,
+  scale: float | None = None,
+  softcap: float = 0.0,
+  sinks: jax.Array | None = None,
+  interpret: bool | None = None,
+  regather: bool = True,
+) -> jax.Array:
   """``splash_attention`` of a sequence split over the context axis in zigzag order, by all-gather (module
   docstring); the arguments as ``splash_attention``'s, each length the whole sequence's. ``regather``: the
   backward pass gathers the keys and values again, not keeping them (False where the layer's remat does)."""
   mesh, rules = active_activation_sharding()
   size, length = int(mesh.shape[context.CONTEXT_AXIS]), q.shape[1]
   if length % (2 * size * BLOCK):
-    raise ValueError(f"splash attention over the context axis needs a sequence length that is a multiple of"
-                     f" 2 × context × {BLOCK} = {2 * size * BLOCK}, got {length}; use model.context_attention:"
-                     " ring, or another length.")
+    raise ValueError(
+      f"splash attention over the context axis needs a sequence length that is a multiple of"
+      f" 2 × context × {BLOCK} = {2 * size * BLOCK}, got {length}; use model.context_attention:"
+      " ring, or another length."
+    )
   if interpret is None:
     interpret = mesh.devices.flat[0].platform != "tpu"
   q = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, q.dtype)
   qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
   batch, heads, tokens = _two(rules.spec(("batch", "heads"), shape=(q.shape[0], q.shape[2]), mesh=mesh)) + (
-      rules.spec(("length",), shape=(length,), mesh=mesh)[0],)
+    rules.spec(("length",), shape=(length,), mesh=mesh)[0],
+  )
   _, kv_heads = _two(rules.spec(("batch", "kv_heads"), shape=(k.shape[0], k.shape[2]), mesh=mesh))
   if kv_heads != heads:  # keys split otherwise than queries: give each query head its own copy
     kt, vt = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=1) for x in (kt, vt))
     kv_heads = heads
   if tokens not in (context.CONTEXT_AXIS, (context.CONTEXT_AXIS,)):
-    raise ValueError(f"splash attention over the context axis needs the logical 'length' axis on 'context' alone,"
-                     f" got {tokens!r}; use model.context_attention: ring.")
+    raise ValueError(
+      f"splash attention over the context axis needs the logical 'length' axis on 'context' alone,"
+      f" got {tokens!r}; use model.context_attention: ring."
+    )
   q_spec, kv_spec = P(batch, heads, tokens, None), P(batch, kv_heads, tokens, None)
   local_batch, local_heads = NamedSharding(mesh, q_spec).shard_shape(qt.shape)[:2]
   local_kv = NamedSharding(mesh, kv_spec).shard_shape(kt.shape)[1]
@@ -259,23 +314,42 @@ def context_splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
     if seg is None:
       return jax.vmap(lambda q, k, v: kernel(q, k, v, None, sinks))(q, k, v)
     return jax.vmap(lambda q, k, v, s, t: kernel(q, k, v, splash.SegmentIds(q=s, kv=t), sinks))(
-        q, k, v, seg, gather(seg, axis=1))
+      q, k, v, seg, gather(seg, axis=1)
+    )
 
   pairs, backward_pairs = visible_pairs(kernel, size), visible_pairs(kernel, size, "dkv")
-  note(pairs, length, window, size, gathered_bytes=local_batch * length * local_kv * (
-      k.shape[-1] * k.dtype.itemsize + v.shape[-1] * v.dtype.itemsize))
+  note(
+    pairs,
+    length,
+    window,
+    size,
+    gathered_bytes=local_batch * length * local_kv * (k.shape[-1] * k.dtype.itemsize + v.shape[-1] * v.dtype.itemsize),
+  )
   # the gathered keys and values are not kept for the backward pass: it gathers them again (a layer's remat
   # does so already; without one, this does)
-  local = attend if not regather else jax.checkpoint(
-      attend, policy=jax.checkpoint_policies.save_anything_except_these_names("context_kv"))
+  local = (
+    attend
+    if not regather
+    else jax.checkpoint(attend, policy=jax.checkpoint_policies.save_anything_except_these_names("context_kv"))
+  )
 
   def scoped(kernel, q, k, v, seg, sinks):
     rows = q.shape[0] * q.shape[1]  # sequences × heads of the call
     with fused_backward_scope(pairs * rows, backward_pairs * rows, q.shape[-1], v.shape[-1]):
       return local(kernel, q, k, v, seg, sinks)
-  out = jax.shard_map(scoped, mesh=mesh, in_specs=(kernel_spec, q_spec, kv_spec, kv_spec,
-                                                   None if segment_ids is None else P(batch, tokens),
-                                                   None if sinks is None else P(heads)),
-                      out_specs=q_spec, check_vma=False)(kernel, qt, kt, vt, segment_ids,
-                                                         None if sinks is None else sinks.astype(jnp.float32))
+
+  out = jax.shard_map(
+    scoped,
+    mesh=mesh,
+    in_specs=(
+      kernel_spec,
+      q_spec,
+      kv_spec,
+      kv_spec,
+      None if segment_ids is None else P(batch, tokens),
+      None if sinks is None else P(heads),
+    ),
+    out_specs=q_spec,
+    check_vma=False,
+  )(kernel, qt, kt, vt, segment_ids, None if sinks is None else sinks.astype(jnp.float32))
   return out.transpose(0, 2, 1, 3)

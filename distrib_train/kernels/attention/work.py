@@ -81,7 +81,7 @@ def kernel_flops(op_name: str, kernel_name: str) -> float:
   start = op_name.rfind(SCOPE + "(")
   if start < 0:
     return 0.0
-  fields = dict(part.split("=") for part in op_name[start + len(SCOPE) + 1:].split(")")[0].split(","))
+  fields = dict(part.split("=") for part in op_name[start + len(SCOPE) + 1 :].split(")")[0].split(","))
   pairs, qk, v = (int(fields[key]) for key in ("pairs", "qk", "v"))
   if "Backward" in kernel_name or ("_dkv" in kernel_name and fields.get("fused") == "1"):
     return 2.0 * int(fields.get("bwd", pairs)) * (3 * qk + 2 * v)

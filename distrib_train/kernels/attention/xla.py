@@ -67,9 +67,17 @@ def _min_rows() -> int:
   return 8 if active_device().platform == "tpu" else 2
 
 
-def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, seen: jax.Array, *, scale: float,
-                     softcap: float = 0.0, sinks: jax.Array | None = None,
-                     new: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+def masked_attention(
+  q: jax.Array,
+  keys: jax.Array,
+  values: jax.Array,
+  seen: jax.Array,
+  *,
+  scale: float,
+  softcap: float = 0.0,
+  sinks: jax.Array | None = None,
+  new: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array:
   """Attention of ``q`` over the visible keys → [batch, queries, heads, v_dim] in ``q``'s dtype.
 
   Args:
@@ -108,8 +116,10 @@ def masked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, seen: jax
   total = sum(w.sum(-1, keepdims=True) for w in weights)
   if sinks is not None:
     total = total + jnp.exp(sink - top)
-  out = sum(jnp.einsum("bkgqs,bskd->bqkgd", (w / total).astype(v.dtype), v, preferred_element_type=jnp.float32)
-            for w, v in zip(weights, [values] + ([new[1]] if new is not None else [])))
+  out = sum(
+    jnp.einsum("bkgqs,bskd->bqkgd", (w / total).astype(v.dtype), v, preferred_element_type=jnp.float32)
+    for w, v in zip(weights, [values] + ([new[1]] if new is not None else []))
+  )
   return out[:, :, :, :groups].reshape(batch, queries, heads, values.shape[-1]).astype(q.dtype)
 
 
@@ -120,8 +130,14 @@ def scores(qg: jax.Array, keys: jax.Array, scale: float, softcap: float = 0.0) -
   return softcap * jnp.tanh(out / softcap) if softcap else out
 
 
-def visible(query_positions: jax.Array, key_positions: jax.Array, *, window: int = 0,
-            query_segments: jax.Array | None = None, key_segments: jax.Array | None = None) -> jax.Array:
+def visible(
+  query_positions: jax.Array,
+  key_positions: jax.Array,
+  *,
+  window: int = 0,
+  query_segments: jax.Array | None = None,
+  key_segments: jax.Array | None = None,
+) -> jax.Array:
   """Causal attention's mask [batch, queries, keys]: a key is seen if its position is not after the query's,
   fewer than ``window`` positions before it (0: any; HF's rule, the query's own key included) and, with
   segments, in the query's segment (a packed document). Positions [batch or 1, n]. The tiles, the reference
@@ -163,23 +179,27 @@ def fold(q, k, v, pos_q, pos_k, seg_q, seg_k, state, block: int, window: int = 0
   batch, q_len = q.shape[:2]
   k_len = k.shape[1]
   tq, tk = _divisor_at_most(q_len, block), _divisor_at_most(k_len, block)
-  tiles = lambda a, t, axis: None if a is None else jnp.moveaxis(
-      a.reshape(*a.shape[:axis], a.shape[axis] // t, t, *a.shape[axis + 1:]), axis, 0)
-  untile = lambda a, axis: jnp.moveaxis(a, 0, axis).reshape(*a.shape[1:axis + 1], -1, *a.shape[axis + 2:])
+  tiles = lambda a, t, axis: (
+    None
+    if a is None
+    else jnp.moveaxis(a.reshape(*a.shape[:axis], a.shape[axis] // t, t, *a.shape[axis + 1 :]), axis, 0)
+  )
+  untile = lambda a, axis: jnp.moveaxis(a, 0, axis).reshape(*a.shape[1 : axis + 1], -1, *a.shape[axis + 2 :])
   # keep the tiles' inputs, not their [q, k] scores, for the backward pass
   fold_tile = jax.checkpoint(functools.partial(fold_block, window=window, softcap=softcap))
   key_tiles = (tiles(k, tk, 1), tiles(v, tk, 1), tiles(pos_k, tk, 1), tiles(seg_k, tk, 1))
 
   def one_query_tile(xs):
     q_t, pos_t, seg_t, m, l, acc = xs
+
     def over_keys(state, kv):
       k_t, v_t, posk_t, segk_t = kv
       return fold_tile(q_t, k_t, v_t, pos_t, posk_t, seg_t, segk_t, state), None
+
     return jax.lax.scan(over_keys, (m, l, acc), key_tiles)[0]
 
   m, l, acc = state
-  xs = (tiles(q, tq, 1), tiles(pos_q, tq, 1), tiles(seg_q, tq, 1), tiles(m, tq, 3), tiles(l, tq, 3),
-        tiles(acc, tq, 1))
+  xs = (tiles(q, tq, 1), tiles(pos_q, tq, 1), tiles(seg_q, tq, 1), tiles(m, tq, 3), tiles(l, tq, 3), tiles(acc, tq, 1))
   m, l, acc = jax.lax.map(one_query_tile, xs)
   return untile(m, 3), untile(l, 3), untile(acc, 1)
 
@@ -211,9 +231,19 @@ def grouped(q: jax.Array, kv_heads: int, scale: float) -> jax.Array:
   return q.astype(jnp.float32).reshape(batch, length, kv_heads, heads // kv_heads, dim) * scale
 
 
-def tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None,
-                    segment_ids: jax.Array | None, *, block: int = 1024, scale: float | None = None, window: int = 0,
-                    softcap: float = 0.0, sinks: jax.Array | None = None) -> jax.Array:
+def tiled_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  positions: jax.Array | None,
+  segment_ids: jax.Array | None,
+  *,
+  block: int = 1024,
+  scale: float | None = None,
+  window: int = 0,
+  softcap: float = 0.0,
+  sinks: jax.Array | None = None,
+) -> jax.Array:
   """Causal attention of ``q`` [batch, length, heads, qk_dim] over ``k``, ``v`` [batch, length, kv_heads, _]
   in rematerialized tiles of online softmax (``fold``): the memory of flash attention in plain XLA, for what no
   fused kernel runs (``dispatch.py``). ``ring.py`` folds the same tiles over a context axis."""
@@ -221,6 +251,17 @@ def tiled_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
     positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2])
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   qg = grouped(q, k.shape[2], scale)
-  state = fold(qg, k, v, positions, positions, segment_ids, segment_ids, online_start(qg, v.shape[-1], sinks),
-               block, window=window, softcap=softcap)
+  state = fold(
+    qg,
+    k,
+    v,
+    positions,
+    positions,
+    segment_ids,
+    segment_ids,
+    online_start(qg, v.shape[-1], sinks),
+    block,
+    window=window,
+    softcap=softcap,
+  )
   return online_result(state, q.dtype)
