@@ -34,6 +34,8 @@ from collections.abc import Sequence
 
 from absl import app, flags, logging
 
+from distrib_train.common.text import fail
+
 _CONFIG = flags.DEFINE_string("config", None, "Experiment preset name or YAML path (default: the built-in defaults).")
 _MESH = flags.DEFINE_string(
   "mesh_config",
@@ -83,11 +85,6 @@ def _profile_steps(text: str | None) -> tuple[int, int] | None:
   return a, b
 
 
-def _fail(message: str) -> None:
-  print(f"distrib-train: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)
-
-
 def _parse_flags(argv: Sequence[str]) -> list[str]:
   if any(arg in ("-h", "--help", "-help", "--helpshort") for arg in argv[1:]):
     # absl's own --help exits 1 and, from the console script, lists no flags.
@@ -96,7 +93,7 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    _fail(str(e))
+    fail(str(e))
 
 
 def _hide_orbax_errors(record: std_logging.LogRecord) -> bool:
@@ -107,7 +104,7 @@ def _hide_orbax_errors(record: std_logging.LogRecord) -> bool:
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
-    _fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags take the form --name=value).")
+    fail(f"unexpected arguments {' '.join(argv[1:])!r} (flags take the form --name=value).")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO; -v 0 brings it back
     logging.get_absl_handler().addFilter(_hide_orbax_errors)
@@ -126,7 +123,7 @@ def main(argv: Sequence[str]) -> None:
       overrides["mesh_config"] = _MESH.value
     config = config_lib.load(_CONFIG.value, overrides)
   except (UsageError, config_lib.ConfigError) as e:
-    _fail(str(e))
+    fail(str(e))
 
   from distrib_train.cluster import distributed
 
@@ -141,7 +138,7 @@ def main(argv: Sequence[str]) -> None:
       heartbeat_timeout=_HEARTBEAT_TIMEOUT.value,
     )
   except ValueError as e:
-    _fail(str(e))
+    fail(str(e))
   from distrib_train.checkpoint import CheckpointWriteError
   from distrib_train.data.jsonl import BadRecordError
   from distrib_train.posttrain.rewards import RewardError
@@ -159,7 +156,7 @@ def main(argv: Sequence[str]) -> None:
     trainer = Trainer(config, _WORKDIR.value, profile_steps=profile, layout_search=layout_search)
     result = trainer.run()
   except TrainerSetupError as e:
-    _fail(str(e))
+    fail(str(e))
   except (CheckpointWriteError, BadRecordError, RewardError) as e:  # a full disk, a malformed line, a reward, mid-run
     # Its first line: grain's prefetch thread appends a note on its own traceback filtering.
     print(f"distrib-train: error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
@@ -187,7 +184,7 @@ def main(argv: Sequence[str]) -> None:
       from distrib_train.checkpoint import CheckpointError
 
       if isinstance(e, CheckpointError):  # found damaged while its arrays were read
-        _fail(str(e))
+        fail(str(e))
       raise
     # Another process has most likely died; cleaning up would wait for it in
     # a collective or barrier. Say so and leave at once.

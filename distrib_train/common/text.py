@@ -1,8 +1,9 @@
-"""Text for people: a value cut to a readable length, a byte count in its unit."""
+"""Text for people: a value cut to a readable length, a byte count in its unit, a command's one-line refusal."""
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 MAX_MESSAGE_VALUE = 80  # characters of a value repeated in an error message
 
@@ -38,3 +39,9 @@ def human_bytes(n: float | None) -> str:
       return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.2f} {unit}"
     n /= 1024
   raise AssertionError("unreachable")
+
+
+def fail(message: str) -> NoReturn:
+  """A ``distrib-train`` command's refusal: one ``error:`` line on stderr, exit status 2."""
+  print(f"distrib-train: error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from distrib_train.weights import load as run_model
-from distrib_train.weights.load import fail
+from distrib_train.common.text import fail
 
 DEMO_TASKS = pathlib.Path(__file__).resolve().parent.parent / "configs" / "eval_tasks"
 _LOCAL_BUILDERS = ("json", "csv", "parquet", "arrow", "text", "pandas")

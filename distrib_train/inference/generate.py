@@ -42,7 +42,7 @@ from typing import Any
 from distrib_train.weights import load as run_model
 from distrib_train.inference import text as generate_text
 from distrib_train.inference.text import END_RULES, Codec, prompt_ids, read_prompts, truncate_at_stop, codec_for
-from distrib_train.weights.load import fail
+from distrib_train.common.text import fail
 
 
 def generate(

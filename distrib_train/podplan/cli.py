@@ -41,6 +41,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from distrib_train.common.text import fail
+
 DEFAULT_OUT = "recommended-mesh.yaml"
 DEFAULT_CONFIG_OUT = "recommended-config.yaml"
 
@@ -112,11 +114,6 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-def _fail(message: str) -> None:
-  print(f"distrib-train: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)
-
-
 def _positive(args: argparse.Namespace) -> None:
   for name in ("devices", "granules", "top", "max_compiles", "num_slices"):
     value = getattr(args, name)
@@ -160,7 +157,7 @@ def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
     _positive(args)
   except _UsageError as e:
-    _fail(str(e))
+    fail(str(e))
   from distrib_train.config import run as config_lib
   from distrib_train.cluster import hardware
   from distrib_train.podplan import estimate as podplan
@@ -245,7 +242,7 @@ def main(argv: Sequence[str]) -> int:
       if topology is not None:
         notes.append(f"--emulate: planned on emulated CPU devices for TPU {topology}, not with libtpu's compiler.")
   except (_UsageError, ValueError) as e:  # ConfigError is a ValueError
-    _fail(str(e))
+    fail(str(e))
   efficiency = args.efficiency or podplan.DEFAULT_EFFICIENCY
   common = dict(
     efficiency=efficiency, memory_fraction=args.memory_fraction, constrain_activations=not args.no_activation_sharding
@@ -266,7 +263,7 @@ def main(argv: Sequence[str]) -> int:
       **common,
     )
   except ValueError as e:
-    _fail(str(e))
+    fail(str(e))
   pod.notes.extend(notes)
   print(pod.report())
   if args.kv_cache:
@@ -415,7 +412,7 @@ def _recommend(args, config, mesh_config, kind, devices, granules, matches, note
         f"# (its mesh_config is the path --out was given, {path}: run from here, or edit it)\n" + chosen.to_yaml()
       )
   except OSError as e:
-    _fail(f"cannot write {e.filename!r}: {e.strerror}.")
+    fail(f"cannot write {e.filename!r}: {e.strerror}.")
   from distrib_train.sharding.mesh import MeshConfig
 
   MeshConfig.from_yaml(path)  # what was written loads
@@ -433,7 +430,7 @@ def _write_json(path: str, data) -> None:
     with open(path, "w", encoding="utf-8") as f:
       json.dump(data, f, indent=1, default=str)
   except OSError as e:
-    _fail(f"cannot write {path!r}: {e.strerror}.")
+    fail(f"cannot write {path!r}: {e.strerror}.")
 
 
 if __name__ == "__main__":

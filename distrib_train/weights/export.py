@@ -30,13 +30,9 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import sys
 from collections.abc import Sequence
 
-
-def _fail(message: str) -> None:
-  print(f"distrib-train: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)
+from distrib_train.common.text import fail
 
 
 def export(
@@ -132,6 +128,6 @@ def main(argv: Sequence[str]) -> int:
   try:
     written = export(args.workdir, args.out, args.step, args.adapter, args.drop_mtp)
   except ValueError as e:  # CheckpointError and HfCheckpointError are ValueErrors
-    _fail(str(e))
+    fail(str(e))
   print(f"wrote {', '.join(written)} to {args.out}")
   return 0

@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 
+from distrib_train.common.text import fail
 from distrib_train.config.run import Config, ConfigError
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -279,11 +280,3 @@ def start(args: Any) -> tuple[bool, Any]:
     fail(str(e))
   first = jax.process_index() == 0
   return first, (lambda line: print(line, file=sys.stderr, flush=True)) if first else None
-
-
-def fail(message: str) -> None:
-  """One ``error:`` line and exit status 2: a command's refusal."""
-  import sys
-
-  print(f"distrib-train: error: {message}", file=sys.stderr, flush=True)
-  sys.exit(2)
