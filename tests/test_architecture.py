@@ -210,12 +210,12 @@ def _children(package: str) -> set[str]:
   return {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()}
 
 
-def _sibling_edge(source: str, source_is_init: bool, target: str) -> tuple[str, str, str] | None:
-  """For an import of ``target`` by ``source`` inside one package: (that package, the importing child, the
-  imported child); None across top-level units (the layer table's) or within one module."""
-  modules = dict(_modules())
+def _sibling_edge(source: str, source_is_init: bool, target: str, target_is_init: bool) -> tuple[str, str, str] | None:
+  """For an import of ``target`` by ``source`` (each flagged when it is a package's ``__init__``) inside one
+  package: (that package, the importing child, the imported child); None across top-level units (the layer
+  table's) or within one module."""
   src = source.split(".") + (["__init__"] if source_is_init else [])
-  dst = target.split(".") + (["__init__"] if target in modules and modules[target].name == "__init__.py" else [])
+  dst = target.split(".") + (["__init__"] if target_is_init else [])
   common = 0
   while common < min(len(src), len(dst)) and src[common] == dst[common]:
     common += 1
@@ -242,7 +242,7 @@ def test_no_module_imports_a_later_sibling():
   graph = _import_graph()
   for name, targets in graph.items():
     for target in targets:
-      edge = _sibling_edge(name, modules[name].name == "__init__.py", target)
+      edge = _sibling_edge(name, modules[name].name == "__init__.py", target, modules[target].name == "__init__.py")
       if edge is None:
         continue
       package, child, imported = edge
@@ -255,18 +255,22 @@ def test_no_module_imports_a_later_sibling():
 
 
 def test_the_sibling_checker_sees_a_later_sibling():
-  assert _sibling_edge("distrib_train.train.loop", False, "distrib_train.train.trainer") == ("train", "loop", "trainer")
-  assert _sibling_edge("distrib_train.kernels.attention.dispatch", False, "distrib_train.kernels.fp8") == (
+  assert _sibling_edge("distrib_train.train.loop", False, "distrib_train.train.trainer", False) == (
+    "train",
+    "loop",
+    "trainer",
+  )
+  assert _sibling_edge("distrib_train.kernels.attention.dispatch", False, "distrib_train.kernels.fp8", False) == (
     "kernels",
     "attention",
     "fp8",
   )
-  assert _sibling_edge("distrib_train.objectives.dpo", False, "distrib_train.objectives") == (
+  assert _sibling_edge("distrib_train.objectives.dpo", False, "distrib_train.objectives", True) == (
     "objectives",
     "dpo",
     "__init__",
   )
-  assert _sibling_edge("distrib_train.train.loop", False, "distrib_train.config.run") is None
+  assert _sibling_edge("distrib_train.train.loop", False, "distrib_train.config.run", False) is None
   order = PACKAGE_ORDER["train"]
   assert order.index("trainer") > order.index("loop")
 
