@@ -84,6 +84,29 @@ def test_a_finishing_loop_retrieves_every_gathered_failure_before_it_closes(fini
   assert woken == [True]  # the in-flight read ended while the loop still ran
 
 
+def _a_settled_future_nobody_reads(loop):
+  """tensorstore's shape of an abandoned operation: a plain future made on the loop, settled with its error after
+  the task that awaited it was gone, alive (in a reference cycle, as an error's traceback makes) when the loop
+  closes."""
+  future = loop.create_future()
+  future.set_exception(ValueError("NOT_FOUND: Error reading zarr.json"))
+  cycle = [future]
+  cycle.append(cycle)
+  loop.close()
+
+
+def test_a_settled_future_nobody_awaits_is_read_when_a_finishing_loop_closes(finishing_policy, monkeypatch, caplog):
+  assert _echoes(lambda: _a_settled_future_nobody_reads(asyncio.new_event_loop()), monkeypatch, caplog) == []
+
+
+def test_a_settled_future_nobody_awaits_is_reported_by_asyncios_own_loop(monkeypatch, caplog):
+  """The control: asyncio's own loop leaves that future's error to the collector, which reports it."""
+  echoes = _echoes(
+    lambda: _a_settled_future_nobody_reads(asyncio.DefaultEventLoopPolicy().new_event_loop()), monkeypatch, caplog
+  )
+  assert any("Future exception was never retrieved" in e for e in echoes)
+
+
 def test_a_wake_up_that_reaches_a_finishing_loop_after_it_closed_is_dropped(finishing_policy):
   """The one echo no call of ours can retrieve: tensorstore ending an operation whose awaiting task orbax had
   already cancelled, after the loop closed. asyncio's own loop raises it in tensorstore's thread."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -78,7 +79,20 @@ class _FinishingEventLoop(asyncio.SelectorEventLoop):
   exception was never retrieved", "Task was destroyed but it is pending"). Here ``close`` first runs every
   pending task to its end and retrieves each outcome (``return_exceptions``), so the one error raised is the
   only thing a failed read or write leaves.
+
+  tensorstore hands each operation's outcome to a plain future made with ``create_future``, which a task then
+  awaits. A future whose awaiting task is gone by the time tensorstore settles it holds an error nobody reads, and
+  no task list names it; ``close`` therefore also reads the outcome of every future made here that has settled.
   """
+
+  def __init__(self, *args: Any, **kwargs: Any) -> None:
+    super().__init__(*args, **kwargs)
+    self._futures: weakref.WeakSet[asyncio.Future] = weakref.WeakSet()
+
+  def create_future(self) -> asyncio.Future:
+    future = super().create_future()
+    self._futures.add(future)
+    return future
 
   def call_soon_threadsafe(self, callback, *args, context=None):
     # After close has run every task to its end, a wake-up can only come from a tensorstore operation whose awaiting
@@ -92,6 +106,9 @@ class _FinishingEventLoop(asyncio.SelectorEventLoop):
     # (Not from inside another loop running in this thread: that one cannot be paused to run this one.)
     if not self.is_closed() and not self.is_running() and asyncio._get_running_loop() is None:
       self.run_until_complete(self._finish())
+      for future in list(self._futures):
+        if future.done() and not future.cancelled():
+          future.exception()  # read: its error was the one raised, or belongs to an abandoned operation
     super().close()
 
   async def _finish(self) -> None:
