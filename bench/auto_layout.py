@@ -37,7 +37,7 @@ def _exhaustive(config, kind, devices, target, say, log=None):
 
   from distrib_train.podplan import auto, search
   from distrib_train.podplan.estimate import plan_pod, step_spec
-  from distrib_train.train.layout_choice import Choice
+  from distrib_train.podplan.layout_choice import Choice
 
   names = auto.axes(config)
   base = auto.MeshConfig(

@@ -97,7 +97,7 @@ MOVED = {
   "compilation": "train.compilation",
   "metrics": "train.metrics",
   "workdir_lock": "train.workdir_lock",
-  "layout_choice": "train.layout_choice",
+  "layout_choice": "podplan.layout_choice",
   "wsd": "train.wsd",
   "evaluation": "train.eval_pass",
 }

@@ -175,7 +175,7 @@ def main(argv: Sequence[str]) -> None:
       os._exit(128 + signum)
     sys.exit(128 + signum)
   except Exception as e:
-    from distrib_train.train.checks import out_of_memory_message
+    from distrib_train.cluster.device_memory import out_of_memory_message
 
     if (oom := out_of_memory_message(e, None)) is not None:  # one line with the levers, not the allocator's
       print(f"distrib-train: error: {oom}", file=sys.stderr, flush=True)

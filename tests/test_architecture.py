@@ -35,8 +35,8 @@ LAYERS = (
   ("inference",),
   ("evaluation",),
   ("posttrain",),
-  ("train",),
   ("podplan",),
+  ("train",),
   ("cli", "__main__", "__init__"),
 )
 # Inside each package, low to high: a module imports only the modules and subpackages of its package listed
@@ -56,9 +56,17 @@ PACKAGE_ORDER = {
     "__init__",
     "tiers",
   ),
-  "cluster": ("hardware", "__init__", "preemption", "xla_flags_check", "gpu_environment", "distributed"),
+  "cluster": (
+    "hardware",
+    "device_memory",
+    "__init__",
+    "preemption",
+    "xla_flags_check",
+    "gpu_environment",
+    "distributed",
+  ),
   "common": ("text", "__init__", "exit_hooks", "versions", "extras", "auto_mesh", "naming", "yaml_loader"),
-  "config": ("__init__", "values", "checks", "run", "job"),
+  "config": ("__init__", "values", "checks", "run", "plan_checks", "job"),
   "data": (
     "batch_source",
     "index_cache",
@@ -95,6 +103,7 @@ PACKAGE_ORDER = {
   "optim": ("__init__", "muon", "chain"),
   "parallel": ("pipeline", "experts", "__init__"),
   "podplan": (
+    "layout_choice",
     "memory",
     "hlo",
     "__init__",
@@ -134,7 +143,6 @@ PACKAGE_ORDER = {
   "train": (
     "checks",
     "nonfinite",
-    "layout_choice",
     "compilation",
     "wsd",
     "__init__",

@@ -15,6 +15,7 @@ import pytest
 from distrib_train.cluster import gpu_environment, hardware
 from distrib_train.data import sequences
 from distrib_train.kernels.attention import cudnn as cudnn_attention
+from distrib_train.cluster import device_memory
 from distrib_train.train import checks
 from distrib_train.config import run as config_lib
 from distrib_train.config import job as job_lib
@@ -115,7 +116,7 @@ class _Gpu:
 def test_a_step_that_cannot_fit_the_gpu_is_refused_with_its_figures_and_the_levers():
   step = jax.jit(lambda x: (x @ x.T).sum()).lower(jnp.ones((256, 256))).compile()
   analysis = step.memory_analysis()
-  need, allowance = checks.step_memory_need(analysis, 80 << 30)
+  need, allowance = device_memory.step_memory_need(analysis, 80 << 30)
   assert (
     allowance == int(0.03 * (80 << 30))
     and need
@@ -145,9 +146,9 @@ def test_an_out_of_memory_error_mid_run_is_one_line_with_the_levers():
     "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 60.61GiB with"
     " allocator GPU_0_bfc.\nCurrent allocation summary follows.\n" + "chunk\n" * 50
   )
-  line = checks.out_of_memory_message(error, 120)
+  line = device_memory.out_of_memory_message(error, 120)
   assert "\n" not in line and "at step 120" in line and "60.61GiB" in line and "last checkpoint is intact" in line
   assert "train.microbatches" in line
-  assert checks.out_of_memory_message(ValueError("bad shape"), 3) is None
+  assert device_memory.out_of_memory_message(ValueError("bad shape"), 3) is None
   # A storage service's quota (a checkpoint write to GCS, say) is not the device's memory.
-  assert checks.out_of_memory_message(RuntimeError("RESOURCE_EXHAUSTED: rate limit exceeded"), 3) is None
+  assert device_memory.out_of_memory_message(RuntimeError("RESOURCE_EXHAUSTED: rate limit exceeded"), 3) is None

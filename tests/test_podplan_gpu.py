@@ -14,7 +14,7 @@ import pytest
 
 import cuda_plugin
 from distrib_train.cluster import hardware
-from distrib_train.train import checks
+from distrib_train.cluster import device_memory
 from distrib_train.config import run as config_lib
 from xla_test_flags import FAST_COMPILE
 
@@ -259,7 +259,7 @@ def test_every_shipped_gpu_preset_fits_its_gpus_as_the_trainer_checks_it(preset,
   XLA's CUDA compiler for the GPUs of its mesh config (real cuDNN attention calls, no GPU needed), and the step
   fits the share of the card the trainer gives JAX (``XLA_PYTHON_CLIENT_MEM_FRACTION``,
   ``cluster/gpu_environment.py``) with the trainer's own allowance for cuDNN's workspace and autotuning
-  (``train/checks.check_step_fits``)."""
+  (``train/checks.check_step_fits``, ``cluster/device_memory``)."""
   # cuBLAS's GEMMs rather than Triton's: on an H100 the 1b compiled to 54.19 GiB of temporaries, here 52.03 with
   # cuBLAS and 48.48 with Triton; and the 7b compiles in 40 s instead of 250 (bench/RESULTS.md).
   out = _plan(
@@ -276,7 +276,7 @@ def test_every_shipped_gpu_preset_fits_its_gpus_as_the_trainer_checks_it(preset,
   if not config_lib.load(preset).model_recipe().config.attention_sinks:  # gpt-oss's sinks: XLA tiles on GPU
     assert "__cudnn$fmhaSoftmaxBackward" in plan["custom_calls"], plan["custom_calls"]
     assert plan["flops"]["attention_kernels"] > 0, plan["flops"]  # counted from its causal pairs
-  allowance = max(checks.CUDNN_ALLOWANCE_BYTES, int(checks.CUDNN_ALLOWANCE_FRACTION * memory["usable"]))
+  allowance = max(device_memory.CUDNN_ALLOWANCE_BYTES, int(device_memory.CUDNN_ALLOWANCE_FRACTION * memory["usable"]))
   assert memory["total"] + allowance <= memory["usable"], (memory, allowance)
 
 

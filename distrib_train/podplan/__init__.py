@@ -9,6 +9,8 @@
 - ``report``: the printed tables.
 - ``hlo``, ``collectives`` and ``replica_groups``: reading the compiled HLO.
 - ``cpu_attention``: a CPU stand-in for cuDNN attention with its memory profile.
+- ``auto``: ``mesh_config: auto``'s search on the job's own devices;
+  ``layout_choice``: its choice, kept in the workdir for a restart.
 - ``cli``: the subcommand's flags.
 
 Not the sharding ``Plan`` (``distrib_train.sharding.plan``): that is what a

@@ -1,7 +1,7 @@
 """``mesh_config: auto``: the layout a job's own devices run fastest, as their own compiler says.
 
 ``search(config, workdir)`` is the ``Trainer``'s ``layout_search`` (``distrib-train`` hands it over): the
-layout kept in the workdir for these devices (``train/layout_choice.py``), else a search, on the devices
+layout kept in the workdir for these devices (``layout_choice.py``), else a search, on the devices
 the job has, with the compiler that will run it:
 
 1. **Meshes.** Every factorisation of the devices over ``data``, ``fsdp`` and ``tensor`` (``expert`` too
@@ -54,8 +54,8 @@ from distrib_train.podplan import search as search_lib
 from distrib_train.podplan import timed
 from distrib_train.podplan.estimate import PodPlan, plan_pod
 from distrib_train.sharding.mesh import MeshConfig, granules_of
-from distrib_train.train import layout_choice
-from distrib_train.train.checks import check_context, check_microbatches
+from distrib_train.podplan import layout_choice
+from distrib_train.config.plan_checks import check_context, check_microbatches
 from distrib_train.config.run import Config
 
 REMATS = ("none", "dots_saveable", "full")

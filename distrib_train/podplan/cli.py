@@ -332,7 +332,7 @@ def _recommend(args, config, mesh_config, kind, devices, granules, matches, note
   from distrib_train.podplan import estimate as podplan
   from distrib_train.podplan import report as podplan_report
   from distrib_train.config import run as config_lib
-  from distrib_train.train.layout_choice import Choice
+  from distrib_train.podplan.layout_choice import Choice
 
   if not matches:
     notes.append(

@@ -26,7 +26,7 @@ from distrib_train.podplan.estimate import plan_state, step_spec
 from distrib_train.sharding.mesh import MeshConfig, build_mesh
 from distrib_train.config.run import Config
 from distrib_train.train_step import build_train_step_fn
-from distrib_train.train.checks import out_of_memory_message
+from distrib_train.cluster.device_memory import out_of_memory_message
 from distrib_train.config.job import rules_for, step_options
 
 

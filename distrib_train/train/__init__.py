@@ -9,7 +9,6 @@
   watchdog; ``nonfinite``: the non-finite guard's decisions.
 - ``checks``: the start-up refusals; ``compilation``: the persistent
   compilation cache and memory lines; ``workdir_lock``: one job per workdir.
-- ``layout_choice``: ``mesh_config: auto``'s kept layout; ``wsd``: a finished
-  warmup-stable-decay run extended from its last stable step.
+- ``wsd``: a finished warmup-stable-decay run extended from its last stable step.
 - ``metrics``: console, ``metrics.jsonl`` and TensorBoard sinks.
 """

@@ -6,7 +6,7 @@ watchdog (``watchdog.py``) reads the same clock to see how long the current
 phase has lasted. Phases and the goodput category their time counts as::
 
   phase          category       what it is
-  layout_search  layout_search  ``mesh_config: auto`` choosing the layout (``layout_choice.py``)
+  layout_search  layout_search  ``mesh_config: auto`` choosing the layout (``podplan/layout_choice.py``)
   startup        other          the trainer's start-up (before the clock, too)
   init           other          a new run's sharded init (or ``train.init_from``)
   restore        restore        reading the newest checkpoint (or a rollback's)

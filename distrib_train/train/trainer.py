@@ -47,11 +47,6 @@ from distrib_train.checkpoint.manager import CheckpointManager
 from distrib_train.checkpoint.tiers import CheckpointTiers, local_tier
 from distrib_train.train.checks import (
   TrainerSetupError,
-  check_batch_is_split,
-  check_every_axis_is_used,
-  check_context,
-  check_fp8,
-  check_microbatches,
   check_same_tokenizer,
   check_path_components,
   check_step_fits,
@@ -60,8 +55,16 @@ from distrib_train.train.checks import (
 )
 from distrib_train.train.compilation import CacheEvents, cache_unsafe_reason, memory_line, setup_compilation_cache
 from distrib_train.config.run import Config
+from distrib_train.config.plan_checks import (
+  check_batch_is_split,
+  check_context,
+  check_every_axis_is_used,
+  check_fp8,
+  check_microbatches,
+)
 from distrib_train.evaluation import hook as eval_hook
-from distrib_train.train import eval_pass as evaluation, layout_choice, wsd
+from distrib_train.podplan import layout_choice
+from distrib_train.train import eval_pass as evaluation, wsd
 from distrib_train.weights import init_from
 from distrib_train.posttrain import reference_pass, rollouts
 from distrib_train.train.goodput import Goodput, PhaseClock
@@ -118,8 +121,8 @@ class Trainer:
     input_axes: logical axes per input name.
     profile_steps: ``(first, last)`` steps to trace with the jax profiler.
     console: where console lines go (default stderr).
-    layout_search: for ``mesh_config: auto``, ``(config, workdir) -> layout_choice.Choice``
-      (``distrib_train.podplan.auto.search``; ``distrib-train`` passes it).
+    layout_search: for ``mesh_config: auto``, ``(config, workdir) -> layout_choice.Choice``; default
+      ``distrib_train.podplan.auto.search`` (``distrib-train`` passes it with its console lines).
   """
 
   def __init__(
@@ -145,7 +148,7 @@ class Trainer:
     self.vocab_size = family.vocab_size
     self.fp8 = family.capabilities().fp8
     self.profile_steps, self.console = profile_steps, console
-    # mesh_config: auto: ``layout_search`` chooses the mesh when the run starts (``layout_choice.py``)
+    # mesh_config: auto: ``layout_search`` chooses the mesh when the run starts (``podplan/layout_choice.py``)
     self._layout_search, self._model_args = (
       layout_search,
       dict(model_fn=model_fn, loss_fn=loss_fn, input_axes=input_axes),
@@ -160,10 +163,11 @@ class Trainer:
 
   def _choose_layout(self) -> None:
     """``mesh_config: auto``: the layout search's choice for these devices, its settings applied."""
+    search = self._layout_search
+    if search is None:
+      from distrib_train.podplan.auto import search
     try:
-      self.layout = layout_choice.choose(
-        self.config, self.workdir, self._layout_search, self._model_args["model_fn"] is not None
-      )
+      self.layout = layout_choice.choose(self.config, self.workdir, search, self._model_args["model_fn"] is not None)
     except ValueError as e:
       raise TrainerSetupError(str(e)) from None
     self.config, self.mesh_config = self.layout.apply(self.config), self.layout.mesh_config

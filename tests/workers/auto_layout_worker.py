@@ -12,7 +12,7 @@ import jax  # noqa: E402  (after jax.distributed.initialize)
 
 from distrib_train.podplan import auto  # noqa: E402
 from distrib_train.config import run as config_lib  # noqa: E402
-from distrib_train.train import layout_choice  # noqa: E402
+from distrib_train.podplan import layout_choice  # noqa: E402
 
 config = config_lib.load(
   "tiny", ["data.seq_len=32", "data.global_batch_size=8", "mesh_config=auto", "train.layout_compiles=2"]

@@ -137,22 +137,15 @@ def keep(workdir: str | os.PathLike, choice: Choice) -> None:
     os.replace(temporary, path.with_name(name))
 
 
-def choose(
-  config: Config, workdir: str | os.PathLike, search: Callable[..., Choice] | None, model_given: bool
-) -> Choice:
+def choose(config: Config, workdir: str | os.PathLike, search: Callable[..., Choice], model_given: bool) -> Choice:
   """``search``'s choice for ``config`` on these devices (it reads the kept one first).
 
   Raises:
-    ValueError: no search was given, the model is given as code (the search plans the config's own), or the
-      search found nothing that fits.
+    ValueError: the model is given as code (the search plans the config's own), or the search found nothing
+      that fits.
   """
   if model_given:
     raise ValueError(
       "mesh_config: auto plans the config's reference model; a model given as code (model_fn) names its mesh config."
-    )
-  if search is None:
-    raise ValueError(
-      "mesh_config: auto needs a layout search: distrib-train brings one; from Python pass"
-      " Trainer(..., layout_search=distrib_train.podplan.auto.search)."
     )
   return search(config, workdir)
