@@ -1,10 +1,10 @@
 """One train step and one evaluation as pure functions of the arrays they read.
 
-``_updated_params_and_states`` is a whole train step (loss, gradient — by
-microbatches when asked — and the optimizer's update) and ``_eval_outputs``
+``updated_params_and_states`` is a whole train step (loss, gradient — by
+microbatches when asked — and the optimizer's update) and ``eval_outputs``
 the loss function's aux with nothing updated; both take the state's parts
-as separate arguments (``_StepArrays``) and one static argument
-(``_StepStatics``). They are split from the wrapper that handles the
+as separate arguments (``StepArrays``) and one static argument
+(``StepStatics``). They are split from the wrapper that handles the
 ``TrainState`` (``train_step.py``) because that wrapper jits them: every
 part of the state must be its own argument to be donated and sharded.
 They keep their private names from before the split: the jitted executable
@@ -41,11 +41,11 @@ class LossFunction(Protocol):
     """Returns ``(scalar loss, new state like ``state``, aux outputs)``."""
 
 
-class _StepArrays(NamedTuple):
+class StepArrays(NamedTuple):
   """The step core's dynamic arguments, by name, in the order of its parameters.
 
   Every part of the state is its own argument so that ``jax.jit`` can donate
-  exactly ``_DONATED`` and shard each part. The non-param model arrays come
+  exactly ``DONATED`` and shard each part. The non-param model arrays come
   as a flat leaf list (their structure is static) so that shardings planned
   on an equal-but-rebuilt model still line up.
   """
@@ -60,7 +60,7 @@ class _StepArrays(NamedTuple):
   inputs: dict[str, Any]
 
 
-class _StepStatics(NamedTuple):
+class StepStatics(NamedTuple):
   """The step core's one static argument, ``statics``: jit compiles once per distinct value."""
 
   model_treedef: Any
@@ -75,7 +75,7 @@ class _StepStatics(NamedTuple):
   activation: tuple[Any, Any] | None = None
 
 
-def _activations(statics: _StepStatics) -> Any:
+def _activations(statics: StepStatics) -> Any:
   """The trace's activation layout: the rules' ``on(mesh)`` (``AxisRules.on``: ``activation_sharding``)."""
   if statics.activation is None:
     return contextlib.nullcontext()
@@ -84,10 +84,10 @@ def _activations(statics: _StepStatics) -> Any:
 
 
 # The arguments a donating train step gives up: the state it returns anew.
-_DONATED = state_fields(donated=True)
+DONATED = state_fields(donated=True)
 
 
-def _updated_params_and_states(
+def updated_params_and_states(
   params: Any,
   model_leaves: list[Any],
   opt_state: Any,
@@ -96,9 +96,9 @@ def _updated_params_and_states(
   root_rng: PRNGKeyArray | None,
   step: int | jax.Array,
   inputs: dict[str, Any],
-  statics: _StepStatics,
+  statics: StepStatics,
 ) -> tuple[Any, Any, Any, Any, AuxOutPyTree, Any]:
-  """One step as a pure function of the arrays it reads (``_StepArrays``), traced in its activation layout."""
+  """One step as a pure function of the arrays it reads (``StepArrays``), traced in its activation layout."""
   with _activations(statics):
     return _train(params, model_leaves, opt_state, loss_fn_state, local_state, root_rng, step, inputs, statics)
 
@@ -175,7 +175,7 @@ def _overwriting_with_gradient(loss_and_outputs: Callable[..., Any], marks: tupl
   return grad_fn
 
 
-def _call_loss(statics: _StepStatics, model: Any, loss_fn_state: Any, rng: Any, inputs: dict[str, Any]) -> Any:
+def _call_loss(statics: StepStatics, model: Any, loss_fn_state: Any, rng: Any, inputs: dict[str, Any]) -> Any:
   """The loss function on ``model``; through the pipeline when the step has one."""
   if statics.pipelining is None:
     return statics.loss_fn(model=model, state=loss_fn_state, rng=rng, **inputs)
@@ -185,7 +185,7 @@ def _call_loss(statics: _StepStatics, model: Any, loss_fn_state: Any, rng: Any, 
   return out
 
 
-def _eval_outputs(
+def eval_outputs(
   params: Any,
   model_leaves: list[Any],
   opt_state: Any,
@@ -194,7 +194,7 @@ def _eval_outputs(
   root_rng: PRNGKeyArray | None,
   step: int | jax.Array,
   inputs: dict[str, Any],
-  statics: _StepStatics,
+  statics: StepStatics,
 ) -> AuxOutPyTree:
   """The loss function's aux on the current state: no gradient, no update.
 

@@ -22,13 +22,13 @@ from jax.sharding import NamedSharding
 import distrib_train.microbatches as microbatching
 from distrib_train.common.auto_mesh import as_auto_mesh
 from distrib_train.step_core import (
-  _DONATED,
+  DONATED,
   AuxOutPyTree,
   LossFunction,
-  _eval_outputs,
-  _StepArrays,
-  _StepStatics,
-  _updated_params_and_states,
+  eval_outputs,
+  StepArrays,
+  StepStatics,
+  updated_params_and_states,
 )
 from distrib_train.step_inputs import check_loss_fn_accepts, distinct_buffers, on_auto_mesh
 from distrib_train.train_state import TrainState
@@ -39,7 +39,7 @@ class _JittedCore:
   planned shardings, and the checking and placing of its arguments.
 
   The core is called as ``core(*arrays, statics)``: ``jax.jit`` takes
-  shardings only for positional arguments, so ``_StepArrays`` lists them in
+  shardings only for positional arguments, so ``StepArrays`` lists them in
   the core's parameter order, while donation and the static argument go by
   name.
   """
@@ -100,7 +100,7 @@ class _JittedCore:
     )
     if jit:
       ts = train_state_shardings
-      in_shardings = _StepArrays(
+      in_shardings = StepArrays(
         params=None if ts is None else ts.params,
         model_leaves=None if ts is None else list(jax.tree_util.tree_leaves(ts.model_without_params)),
         opt_state=None if ts is None else ts.opt_state,
@@ -113,7 +113,7 @@ class _JittedCore:
       core = jax.jit(
         core,
         static_argnames=("statics",),
-        donate_argnames=_DONATED if donate else (),
+        donate_argnames=DONATED if donate else (),
         in_shardings=tuple(in_shardings),
         out_shardings=out_shardings,
       )
@@ -121,7 +121,7 @@ class _JittedCore:
     self._compiled = None
     self._checked_inputs: set[str] | None = None
 
-  def _arguments(self, train_state: TrainState, inputs: Mapping[str, Any]) -> tuple[_StepArrays, _StepStatics]:
+  def _arguments(self, train_state: TrainState, inputs: Mapping[str, Any]) -> tuple[StepArrays, StepStatics]:
     if not isinstance(train_state, TrainState):
       raise TypeError(f"The train step takes a TrainState first, got {type(train_state).__name__}.")
     if self.input_kwarg_shardings is not None and set(inputs) != set(self.input_kwarg_shardings):
@@ -146,17 +146,17 @@ class _JittedCore:
         for name, value in inputs.items()
       }
     model_leaves, model_treedef = jax.tree_util.tree_flatten(train_state.model_without_params)
-    donated = tuple(getattr(train_state, name) for name in _DONATED)
+    donated = tuple(getattr(train_state, name) for name in DONATED)
     if self.donate:
       donated = distinct_buffers(donated)
-    arrays = _StepArrays(
+    arrays = StepArrays(
       model_leaves=model_leaves,
       root_rng=train_state.root_rng,
       step=train_state.step,
       inputs=dict(inputs),
-      **dict(zip(_DONATED, donated)),
+      **dict(zip(DONATED, donated)),
     )
-    return arrays, _StepStatics(model_treedef, train_state.optimizer_def, self.loss_fn, **self._options)
+    return arrays, StepStatics(model_treedef, train_state.optimizer_def, self.loss_fn, **self._options)
 
   def _mesh_context(self):
     context = jax.sharding.get_abstract_mesh()
@@ -217,7 +217,7 @@ class TrainStep:
       None,  # step + 1: where the step counter's arguments put it
     )
     self._core = _JittedCore(
-      _updated_params_and_states,
+      updated_params_and_states,
       loss_fn,
       jit=jit,
       donate=donate,
@@ -377,7 +377,7 @@ class EvalStep:
   ):
     # Microbatches matter to eval only as a pipeline's; without one the whole batch runs at once.
     self._core = _JittedCore(
-      _eval_outputs,
+      eval_outputs,
       loss_fn,
       jit=jit,
       donate=False,

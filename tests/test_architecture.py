@@ -318,6 +318,50 @@ def test_the_duck_typing_finder_sees_a_getattr():
   assert [line for line, _ in _duck_typed(tree)] == [2]
 
 
+def _private_reaches(tree: ast.AST, module: str, modules: set[str]) -> list[tuple[int, str]]:
+  """Another distrib_train module's private name used here (``from m import _x``, ``m._x``): (line, the name)."""
+  found, aliases = [], {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distrib_train"):
+      for alias in node.names:
+        if f"{node.module}.{alias.name}" in modules:
+          aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif alias.name.startswith("_") and not alias.name.startswith("__"):
+          found.append((node.lineno, f"{node.module}.{alias.name}"))
+    elif isinstance(node, ast.Import):
+      aliases.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("distrib_train")})
+  for node in ast.walk(tree):
+    if (
+      isinstance(node, ast.Attribute)
+      and isinstance(node.value, ast.Name)
+      and aliases.get(node.value.id, module) != module
+      and node.attr.startswith("_")
+      and not node.attr.startswith("__")
+    ):
+      found.append((node.lineno, f"{aliases[node.value.id]}.{node.attr}"))
+  return found
+
+
+def test_no_module_uses_another_modules_private_names():
+  # A name one module shares with another is public: it drops its underscore (and gets a docstring).
+  modules = {name for name, _ in _modules()}
+  offenders = [
+    f"{path.relative_to(PACKAGE.parent)}:{line}: {name}"
+    for module, path in _modules()
+    for line, name in _private_reaches(ast.parse(path.read_text()), module, modules)
+  ]
+  assert not offenders, "private names used across modules:\n" + "\n".join(offenders)
+
+
+def test_the_private_name_finder_sees_both_spellings():
+  tree = ast.parse("from distrib_train.checkpoint import hf\nfrom distrib_train.data.chat import _check\nhf._host(1)\n")
+  modules = {"distrib_train.checkpoint.hf", "distrib_train.data.chat"}
+  assert _private_reaches(tree, "distrib_train.weights.export", modules) == [
+    (2, "distrib_train.data.chat._check"),
+    (3, "distrib_train.checkpoint.hf._host"),
+  ]
+
+
 def test_the_checker_sees_an_upward_import(tmp_path):
   # The checker itself: a common module importing the trainer is reported.
   module = tmp_path / "bad.py"

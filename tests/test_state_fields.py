@@ -16,9 +16,9 @@ def test_the_table_lists_every_array_field_of_train_state_once():
 
 
 def test_the_step_planner_and_checkpoints_read_their_lists_from_the_table():
-  assert step_core._DONATED == ("params", "opt_state", "loss_fn_state", "local_state")
+  assert step_core.DONATED == ("params", "opt_state", "loss_fn_state", "local_state")
   # Every donated field is an argument of the step core by its own name.
-  assert set(step_core._DONATED) <= set(step_core._StepArrays._fields)
+  assert set(step_core.DONATED) <= set(step_core.StepArrays._fields)
   assert checks.SAVED_FIELDS == tuple(f.name for f in STATE_FIELDS)
   assert checks.MODEL_FIELDS == ("params", "model_without_params", "local_state")
   assert plan._STATE_GROUPS == checks.SAVED_FIELDS

@@ -296,9 +296,9 @@ def test_the_step_cores_take_the_named_arguments_in_their_order():
   # jax.jit shards positional arguments only, so the cores are called as core(*arrays, statics).
   from distrib_train import train_step
 
-  for core in (train_step._updated_params_and_states, train_step._eval_outputs):
-    assert tuple(inspect.signature(core).parameters) == train_step._StepArrays._fields + ("statics",), core.__name__
-  assert set(train_step._DONATED) < set(train_step._StepArrays._fields)
+  for core in (train_step.updated_params_and_states, train_step.eval_outputs):
+    assert tuple(inspect.signature(core).parameters) == train_step.StepArrays._fields + ("statics",), core.__name__
+  assert set(train_step.DONATED) < set(train_step.StepArrays._fields)
 
 
 def test_the_eval_step_donates_nothing():

@@ -48,7 +48,7 @@ from distrib_train.recipes.hf_shape import is_moe, llama_config  # noqa: F401
 from distrib_train.objectives.dpo import ROLES
 
 
-def _path_keys(path) -> tuple[str, ...]:
+def path_keys(path) -> tuple[str, ...]:
   """``("layers", "wq")`` for a param's pytree path (nnx's trailing ``value`` dropped, and the leading indices of
   a tuple of trees or of the frozen weights' adapter: a weight is named the same trained or frozen; and a
   preference model's ``policy`` or ``reference``, ``objectives/dpo.py``: both are the same model)."""
@@ -76,7 +76,7 @@ def _adapter(keys: tuple[str, ...]) -> bool:
   return bool(keys) and keys[-1].startswith("lora_")
 
 
-def _tables(config) -> dict[str, tuple[int, dict[str, hf_tables.Tensor]]]:
+def tensor_tables(config) -> dict[str, tuple[int, dict[str, hf_tables.Tensor]]]:
   """Each segment's name → (its first layer, its tensors by our param name); ``""`` → the top-level ones; the
   multi-token-prediction modules' (``mtp``) → the layers after the last."""
   out = {"": (0, {t.param: t for t in hf_tables.top_tensors(config)})}
@@ -97,7 +97,7 @@ def _layers(config, name: str) -> int:
 
 def _find(config, keys: tuple[str, ...]) -> tuple[hf_tables.Tensor | None, int | None]:
   """The table entry of a param at ``keys`` and its segment's first layer (None at the top level)."""
-  tables = _tables(config)
+  tables = tensor_tables(config)
   if len(keys) == 1:
     return tables[""][1].get(keys[0]), None
   start, tensors = tables.get(keys[0], (0, {}))
@@ -171,7 +171,7 @@ def _reader_of(reader, config, keys, shape, dtype, what: str):
 def _read_names(config) -> set[str]:
   """Every Hugging Face tensor the family's tables read for ``config``."""
   names = set()
-  for segment, (start, tensors) in _tables(config).items():
+  for segment, (start, tensors) in tensor_tables(config).items():
     count = _layers(config, segment) if segment else 1
     for tensor in tensors.values():
       for layer in range(start, start + count) if segment else [None]:
@@ -216,7 +216,7 @@ def check_params(directory: str, abstract_params: Any, config, abstract_local: A
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if tree is not None else []:
       if skip is not None and skip(path):  # a leaf the loader keeps fresh
         continue
-      keys = _path_keys(path)
+      keys = path_keys(path)
       tensor, start = _find(config, keys)
       if tensor is None:
         if required and not _adapter(keys):
@@ -253,7 +253,7 @@ def load_params(directory: str, abstract: Any, config, fresh: Any = None, skip: 
   kept = jax.tree_util.tree_leaves(fresh) if fresh is not None else [None] * len(leaves)
   out = []
   for (path, leaf), value in zip(leaves, kept):
-    keys = _path_keys(path)
+    keys = path_keys(path)
     if fresh is not None and (_find(config, keys)[0] is None or (skip is not None and skip(path))):
       out.append(value)
       continue
@@ -265,7 +265,7 @@ def load_params(directory: str, abstract: Any, config, fresh: Any = None, skip: 
 # --- export -----------------------------------------------------------------------------------
 
 
-def _host(x: jax.Array) -> np.ndarray:
+def host_array(x: jax.Array) -> np.ndarray:
   if x.is_fully_addressable:
     return np.asarray(jax.device_get(x))
   from jax.experimental import multihost_utils
@@ -273,7 +273,7 @@ def _host(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _written(tensor: hf_tables.Tensor, a: np.ndarray, out: dict[str, np.ndarray], layer: int | None) -> None:
+def write_param(tensor: hf_tables.Tensor, a: np.ndarray, out: dict[str, np.ndarray], layer: int | None) -> None:
   """One layer's param ``a`` (our layout) into ``out`` as Hugging Face's tensor(s)."""
   name = tensor.name.format(layer=layer, expert="{expert}")
   layout = tensor.layout
@@ -307,8 +307,8 @@ def hf_tensors(params: Any, config, local_state: Any = None) -> dict[str, np.nda
   for tree in (params, local_state):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if tree is not None else []:
       if not is_reference(path):  # a preference model's frozen reference: the policy is the model written
-        given[_path_keys(path)] = leaf
-  for segment, (start, tensors) in _tables(config).items():
+        given[path_keys(path)] = leaf
+  for segment, (start, tensors) in tensor_tables(config).items():
     for tensor in tensors.values():
       keys = (tensor.param,) if not segment else (segment, tensor.param)
       if keys not in given:
@@ -316,12 +316,12 @@ def hf_tensors(params: Any, config, local_state: Any = None) -> dict[str, np.nda
           f"{'/'.join(keys)} is needed for {tensor.name} and was not given (the model's local"
           " state holds it: pass it too)."
         )
-      a = _host(given[keys]).astype(np.float32)
+      a = host_array(given[keys]).astype(np.float32)
       if not segment:
-        _written(tensor, a, out, None)
+        write_param(tensor, a, out, None)
       else:
         for i in range(a.shape[0]):
-          _written(tensor, a[i], out, start + i)
+          write_param(tensor, a[i], out, start + i)
   for depth in range(config.mtp_depth):  # DeepSeek-V3's MTP layers carry copies of the embedding and head
     for name, copied in hf_tables.MTP_COPIES:
       source = out.get(copied, out["model.embed_tokens.weight"])  # a tied head is the embedding

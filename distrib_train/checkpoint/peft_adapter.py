@@ -48,9 +48,9 @@ def _hf_pair(tensor, a: np.ndarray, b: np.ndarray, layer: int) -> tuple[np.ndarr
   if tensor.layout not in _LAYOUTS:
     raise hf.HfCheckpointError(f"no PEFT layout for {tensor.name.format(layer=layer)} ({tensor.layout}).")
   out: dict[str, np.ndarray] = {}
-  hf._written(tensor, a, out, layer)
+  hf.write_param(tensor, a, out, layer)
   lora_a = out.popitem()[1]
-  hf._written(tensor, b, out, layer)
+  hf.write_param(tensor, b, out, layer)
   return lora_a, out.popitem()[1]
 
 
@@ -60,8 +60,8 @@ def adapter_tensors(adapters: Any, config) -> dict[str, np.ndarray]:
   Raises:
     HfCheckpointError: an adapter whose weight has no Hugging Face tensor, or an A without its B (named).
   """
-  given = {hf._path_keys(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(adapters)[0]}
-  tables = hf._tables(config)
+  given = {hf.path_keys(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(adapters)[0]}
+  tables = hf.tensor_tables(config)
   out: dict[str, np.ndarray] = {}
   for keys in sorted(given):
     if len(keys) != 2 or not keys[1].startswith("lora_a_"):
@@ -73,7 +73,7 @@ def adapter_tensors(adapters: Any, config) -> dict[str, np.ndarray]:
       raise hf.HfCheckpointError(
         f"{'/'.join(keys)}: no Hugging Face weight {weight!r} or no lora_b_{weight} to write it as a PEFT adapter."
       )
-    a, b = (hf._host(given[k]).astype(np.float32) for k in (keys, b_keys))
+    a, b = (hf.host_array(given[k]).astype(np.float32) for k in (keys, b_keys))
     for i in range(a.shape[0]):
       lora_a, lora_b = _hf_pair(tensor, a[i], b[i], start + i)
       module = _PREFIX + tensor.name.format(layer=start + i).removesuffix(".weight")

@@ -187,7 +187,7 @@ class _Spans:
     self.spans.append((start, start + len(text)))
 
 
-def _check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
   if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
     raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects.")
   for i, m in enumerate(messages):
@@ -261,7 +261,7 @@ class ChatEncoder:
   def encode(self, record: Mapping[str, Any], where: str = "record") -> tuple[np.ndarray, np.ndarray]:
     """A record's token ids (int32) and loss mask (bool), both as long as the rendered conversation."""
     if "messages" in record:
-      messages = _check_messages(record["messages"], where)
+      messages = check_messages(record["messages"], where)
       return self._encode_messages(
         messages, first_scored=self._last_assistant(messages, where) if self.loss_on == "completion" else 0, where=where
       )
@@ -269,8 +269,8 @@ class ChatEncoder:
       prompt, completion = record["prompt"], record["completion"]
       if isinstance(prompt, str) and isinstance(completion, str):
         return self._encode_text(prompt, completion)
-      prompt = _check_messages(prompt, f"{where} (prompt)")
-      completion = _check_messages(completion, f"{where} (completion)")
+      prompt = check_messages(prompt, f"{where} (prompt)")
+      completion = check_messages(completion, f"{where} (completion)")
       return self._encode_messages(
         prompt + completion, first_scored=len(prompt) if self.loss_on != "all" else 0, where=where
       )

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from distrib_train.data.chat import ChatEncoder, ConversationTokenizer, _check_messages
+from distrib_train.data.chat import ChatEncoder, ConversationTokenizer, check_messages
 from distrib_train.data.config import REFERENCE_PENDING
 
 REJECTED = 2  # the loss code's bit that marks the rejected half
@@ -109,7 +109,7 @@ def encode_pair(
     if prompt is None:
       if isinstance(completion, str):
         raise ValueError(f"{here}: a completion given as text needs a 'prompt'.")
-      out.append(encoder.encode({"messages": _check_messages(completion, here)}, here))
+      out.append(encoder.encode({"messages": check_messages(completion, here)}, here))
     elif isinstance(prompt, str) != isinstance(completion, str):
       raise ValueError(f"{here}: the prompt and the completions are both text or both lists of messages.")
     else:

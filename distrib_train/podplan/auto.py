@@ -147,7 +147,7 @@ def outrun(settings: dict[str, Any], fitted: Sequence[dict[str, Any]]) -> bool:
   return False
 
 
-def _label(pod: PodPlan, settings: dict[str, Any], measured: float | None = None) -> str:
+def candidate_label(pod: PodPlan, settings: dict[str, Any], measured: float | None = None) -> str:
   said = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in settings.items())
   ms = lambda seconds: f"{seconds * 1e3:,.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.3g}"
   step = f"measured {ms(measured)} ms" if measured is not None else f"{ms(pod.time.step_s)} ms"
@@ -182,7 +182,7 @@ class Found:
       "dropped": {k: v for k, v in self.meshes.dropped.items() if v},
       "settings": self.settings,
       "compiled": self.compiled,
-      "finalists": [_label(p, s) for p, s in self.finalists],
+      "finalists": [candidate_label(p, s) for p, s in self.finalists],
     }
 
 
@@ -356,16 +356,16 @@ def _timed(
     worst = _worst(status)
     if worst == 2:
       raise ValueError(
-        f"mesh_config: auto could not run {_label(pod, settings)} to time it ("
+        f"mesh_config: auto could not run {candidate_label(pod, settings)} to time it ("
         + (error or "on another process")
         + "); name a mesh config."
       )
     if worst == 1:
       dropped.add(key)
-      say(f"timed: {_label(pod, settings)}: out of memory when run, dropped ({error or 'on another process'})")
+      say(f"timed: {candidate_label(pod, settings)}: out of memory when run, dropped ({error or 'on another process'})")
       continue
     seconds = _agree({"s": seconds})["s"]
-    say(f"timed: {_label(pod, settings, seconds)}")
+    say(f"timed: {candidate_label(pod, settings, seconds)}")
     out.append((pod, settings, seconds))
   return sorted(out, key=lambda f: f[2]), dropped
 
@@ -428,14 +428,14 @@ def search(
       )
   if ranked:
     (chosen, settings, seconds), *rest = ranked
-    runner_up = f"; runner-up {_label(rest[0][0], rest[0][1], rest[0][2])}" if rest else ""
+    runner_up = f"; runner-up {candidate_label(rest[0][0], rest[0][1], rest[0][2])}" if rest else ""
     how = f"measured over {steps} steps each of the {len(ranked)} fastest estimates"
   else:
     (chosen, settings), *rest = found.finalists
-    seconds, runner_up = None, f"; runner-up {_label(*rest[0])}" if rest else ""
+    seconds, runner_up = None, f"; runner-up {candidate_label(*rest[0])}" if rest else ""
     how = f"estimated by the {chosen.compiler} compiler"
   line = (
-    f"mesh_config: auto chose {_label(chosen, settings, seconds)}{runner_up} ({how};"
+    f"mesh_config: auto chose {candidate_label(chosen, settings, seconds)}{runner_up} ({how};"
     f" {found.meshes.candidates} meshes × {found.settings} settings, {found.compiled} compiled, in"
     f" {time.perf_counter() - start:.1f} s)"
   )

@@ -384,7 +384,7 @@ def _recommend(args, config, mesh_config, kind, devices, granules, matches, note
     return 1
   print("\nSettings on the fastest mesh, by estimated step time:")
   for pod, settings in found.finalists[: args.top]:
-    print(f"  {auto._label(pod, settings)}, {podplan_report.human_bytes(pod.memory.total)} per device")
+    print(f"  {auto.candidate_label(pod, settings)}, {podplan_report.human_bytes(pod.memory.total)} per device")
   best, settings = found.finalists[0]
   best.config_name = name
   best.notes.extend(notes)

@@ -95,7 +95,7 @@ def _weights(state, config) -> dict:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
       if hf.is_reference(path):  # a preference run's frozen reference: the policy is the model
         continue
-      keys = hf._path_keys(path)
+      keys = hf.path_keys(path)
       if len(keys) == 1:
         nested[keys[0]] = leaf
       elif len(keys) == 2:

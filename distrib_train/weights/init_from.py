@@ -62,7 +62,7 @@ from distrib_train.train_state import TrainState
 from distrib_train.config.run import Config
 
 
-def _checkpoint(path: str) -> tuple[pathlib.Path, int]:
+def checkpoint_step(path: str) -> tuple[pathlib.Path, int]:
   """``(checkpoints directory, step)`` of a workdir, a checkpoints directory or a step directory."""
   where = pathlib.Path(os.path.expanduser(path))
   if where.name.isdigit() and (where / "meta").exists():
@@ -103,7 +103,7 @@ def _run_weights(path: str, abstract: TrainState, role: str | None) -> tuple[pat
   Raises:
     CheckpointError: a LoRA run's checkpoint (adapters on a base), or arrays missing or of other shapes.
   """
-  directory, step = _checkpoint(path)
+  directory, step = checkpoint_step(path)
   saved = saved_shapes(directory, step)
   if any(keys[0] == "params" and keys[-1].startswith("lora_") for keys in saved):
     raise CheckpointError(
@@ -137,7 +137,7 @@ def read_run_weights(path: str, abstract: TrainState, state: TrainState, role: s
 
 def _plain_into_preference(path: str, abstract: TrainState) -> bool:
   """Whether ``init_from: ckpt:<path>`` is a run of the bare model (SFT, pretraining) into a preference model."""
-  directory, step = _checkpoint(path)
+  directory, step = checkpoint_step(path)
   return _is_preference(abstract) and not any(k[:2] == ("params", "policy") for k in saved_shapes(directory, step))
 
 
@@ -160,7 +160,7 @@ def check(config: Config, abstract: TrainState) -> None:
     if not _reference(config)[0]:
       _run_weights(path, abstract, "reference")
   elif kind == "ckpt":
-    directory, step = _checkpoint(path)
+    directory, step = checkpoint_step(path)
     meta = read_meta(directory, step)
     restore_source(meta, config, f"Checkpoint step {step} in {str(directory)!r}")
     held = tuple(f for f in MODEL_FIELDS if f in held_fields(meta))
@@ -312,7 +312,7 @@ def _load(config: Config, abstract: TrainState, state: TrainState) -> tuple[Trai
     )
   from distrib_train.checkpoint.manager import CheckpointManager
 
-  directory, step = _checkpoint(path)
+  directory, step = checkpoint_step(path)
   if _plain_into_preference(path, abstract):  # an SFT run's model: the policy and, by default, the reference
     state = read_run_weights(path, abstract, state, "policy")
     both = not _reference(config)[0]

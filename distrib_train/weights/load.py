@@ -133,7 +133,7 @@ def _config(init_from: str, dtype: str | None, overrides: Mapping[str, Any]) -> 
       training=False,
     )
     return config, path, ""
-  directory, _ = init_lib._checkpoint(path)
+  directory, _ = init_lib.checkpoint_step(path)
   workdir = directory.parent if directory.name == "checkpoints" else directory
   if not (workdir / "config.yaml").is_file():
     raise ConfigError(f"--init_from {init_from}: {str(workdir)!r} is not a distrib_train run (no config.yaml).")
