@@ -105,6 +105,42 @@ def test_each_kind_encodes_as_its_own_library_does(hf_file, sp_file, tiktoken_fi
   assert by_directory(TEXT) == hf(TEXT) and by_directory.sha256 == hf.sha256
 
 
+def test_each_kind_decodes_as_its_own_library_does(hf_file, sp_file, tiktoken_file):
+  """One tokenizer for training and generation: every kind decodes, special tokens left out."""
+  hf, library = tokenizer_lib.load(f"hf:{hf_file}"), tokenizers.Tokenizer.from_file(str(hf_file))
+  ids = hf.encode(TEXT)
+  assert hf.decode(ids) == library.decode(ids, skip_special_tokens=True) == TEXT
+  assert hf.encode(TEXT, special=True) == library.encode(TEXT, add_special_tokens=True).ids
+  assert hf.decode([1, *ids, 2]) == TEXT  # <s> and </s> left out
+  sp, processor = (
+    tokenizer_lib.load(f"sentencepiece:{sp_file}", "<s>", "</s>"),
+    spm.SentencePieceProcessor(model_file=str(sp_file)),
+  )
+  assert sp.decode(sp(TEXT)) == processor.decode(processor.encode(TEXT)) == TEXT  # BOS and EOS decode to nothing
+  assert sp.encode(TEXT, special=True) == processor.encode(TEXT)  # a bare model file declares no specials
+  tt = tokenizer_lib.load(f"tiktoken:{tiktoken_file}")
+  assert tt.decode(tt(TEXT)) == TEXT and tt.decode([*tt(TEXT), 10_000]) == TEXT  # beyond the vocabulary: left out
+  assert tokenizer_lib.load("bytes").decode(list("ünï".encode()) + [300]) == "ünï"
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "tiktoken"])
+def test_generation_encodes_and_decodes_with_the_runs_tokenizer_of_any_kind(kind, sp_file, tiktoken_file):
+  """``distrib-train generate`` and lm-eval's model read a run's ``data.tokenizer`` of any kind."""
+  import types
+
+  from distrib_train.inference import text
+
+  spec = f"sentencepiece:{sp_file}" if kind == "sentencepiece" else f"tiktoken:{tiktoken_file}"
+  bos = "<s>" if kind == "sentencepiece" else ""
+  data_config = types.SimpleNamespace(tokenizer=spec, bos_token=bos, eos_token="")
+  codec = text.codec_for(types.SimpleNamespace(config=types.SimpleNamespace(data=data_config), hf_dir=None))
+  ids = text.prompt_ids(codec, {"prompt": TEXT}, "prompts.jsonl:1")
+  plain = tokenizer_lib.load(spec)(TEXT)
+  assert ids == ([1] if bos else []) + plain  # the run's BOS before the text, as its documents had it
+  assert codec.decode(ids) == TEXT
+  assert text.truncate_at_stop(codec, plain, ["value"])[0] == TEXT[: TEXT.index("value")]
+
+
 def test_a_batch_encodes_as_one_by_one_with_bos_and_eos(hf_file, sp_file, tiktoken_file):
   texts = [TEXT, "", "ünïcode and the value", TEXT * 3]
   for spec, bos, eos in (

@@ -30,6 +30,12 @@ and after every document — with packing, the EOS is what separates documents
 inside a sequence. Empty (the default): none. A name the vocabulary does not
 hold is refused.
 
+``Tokenizer.decode(ids)`` gives text back for every kind (generation's and
+evaluation's, ``inference/text.py``), special tokens left out; ``Tokenizer.encode(text,
+special=True)`` adds the tokenizer's own special tokens as transformers'
+``tokenizer(text)`` does (a ``tokenizer.json``'s post-processor; a SentencePiece
+model or a tiktoken file declares none).
+
 ``Tokenizer.fingerprint`` (the spec, a SHA-256 of the file, the vocabulary
 size and the special ids) goes into ``config.yaml`` and every checkpoint's
 metadata; a run that resumes with another tokenizer is refused.
@@ -81,6 +87,8 @@ class Tokenizer:
     vocab_size: ids are in ``[0, vocab_size)``.
     bos_id, eos_id: added before / after every document (None: not added).
     sha256: of the tokenizer file (empty for ``bytes``).
+    decode_ids: ids → text, special tokens left out (``decode``).
+    encode_own: text → ids with the tokenizer's own special tokens (``encode(text, special=True)``).
     by_prefix: whether a prefix of a text encodes to a prefix of its ids, away from the cut (bytes, BPE:
       ``encode_heads`` encodes prefixes); a Unigram or WordPiece model segments a run of text as a whole (the
       split of a long run of ``=`` depends on where it ends; a word over WordPiece's length limit is one
@@ -100,6 +108,17 @@ class Tokenizer:
     default=None, repr=False, compare=False
   )
   by_prefix: bool = dataclasses.field(default=False, repr=False, compare=False)
+  decode_ids: Callable[[Sequence[int]], str] = dataclasses.field(default=lambda ids: "", repr=False, compare=False)
+  encode_own: Callable[[str], Sequence[int]] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+  def encode(self, text: str, special: bool = False) -> list[int]:
+    """The text's ids alone (no document BOS or EOS); with ``special``, the tokenizer's own special tokens
+    added as transformers' ``tokenizer(text)`` adds them."""
+    return list(self.encode_own(text) if special and self.encode_own is not None else self.encode_text(text))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """The text of ``ids``, special tokens (and ids outside the vocabulary) left out."""
+    return self.decode_ids([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     """Each text's ids (int32), BOS and EOS as ``__call__`` adds them, encoded in one call."""
@@ -226,6 +245,8 @@ def _hf(path: str):
     tok.get_vocab_size(with_added_tokens=True),
     batch,
     type(tok.model).__name__ == "BPE",
+    lambda ids: tok.decode(list(ids), skip_special_tokens=True),
+    lambda text: tok.encode(text, add_special_tokens=True).ids,
   )
 
 
@@ -242,6 +263,8 @@ def _sentencepiece(path: str):
     proc.get_piece_size(),
     lambda texts: proc.encode(list(texts), out_type=int),
     _sentencepiece_is_bpe(proc),
+    lambda ids: proc.decode(list(ids)),  # control tokens (<s>, </s>) decode to nothing
+    None,
   )
 
 
@@ -280,6 +303,8 @@ def _tiktoken(path: str):
     max(ranks.values()) + 1,
     lambda texts: encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1),
     True,
+    lambda ids: encoding.decode(list(ids), errors="replace"),
+    None,
   )
 
 
@@ -310,18 +335,22 @@ def load(spec: str = "bytes", bos_token: str = "", eos_token: str = "") -> Token
   """
   kind, path = parse(spec)
   if kind == "bytes":
-    encode, token_id, vocab, batch, by_prefix, sha = (
+    encode, token_id, vocab, batch, by_prefix, decode, own, sha = (
       (lambda text: list(text.encode("utf-8"))),
       (lambda token: None),
       256,
       utf8_bytes,
       True,
+      lambda ids: bytes(ids).decode("utf-8", errors="replace"),
+      None,
       "",
     )
   else:
-    encode, token_id, vocab, batch, by_prefix = {"hf": _hf, "sentencepiece": _sentencepiece, "tiktoken": _tiktoken}[
-      kind
-    ](os.path.expanduser(path) if kind != "tiktoken" else path)
+    encode, token_id, vocab, batch, by_prefix, decode, own = {
+      "hf": _hf,
+      "sentencepiece": _sentencepiece,
+      "tiktoken": _tiktoken,
+    }[kind](os.path.expanduser(path) if kind != "tiktoken" else path)
     sha = _sha256(os.path.expanduser(path.partition("#")[0] if kind == "tiktoken" else path))
   ids = {}
   for name, token in (("bos_token", bos_token), ("eos_token", eos_token)):
@@ -335,7 +364,19 @@ def load(spec: str = "bytes", bos_token: str = "", eos_token: str = "") -> Token
         " by their text, e.g. <s>, </s>, <|endoftext|>)."
       )
   return Tokenizer(
-    spec, vocab, encode, token_id, ids["bos_token"], ids["eos_token"], sha, bos_token, eos_token, batch, by_prefix
+    spec,
+    vocab,
+    encode,
+    token_id,
+    ids["bos_token"],
+    ids["eos_token"],
+    sha,
+    bos_token,
+    eos_token,
+    batch,
+    by_prefix,
+    decode,
+    own,
   )
 
 

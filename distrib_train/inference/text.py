@@ -3,10 +3,10 @@
 - ``codec_for(run_model)``: the tokenizer ``data.tokenizer`` names where it
   is set (a run's own, or ``--set data.tokenizer=…``), else the Hugging
   Face directory's ``tokenizer.json`` (``hf:``, or the directory a run
-  started from). ``bytes`` decodes UTF-8; ``hf:`` through the ``tokenizers``
-  library, text encoded with the tokenizer's own special tokens
-  (``add_special_tokens=True``, as transformers' ``tokenizer(text)``),
-  decoded without them (``skip_special_tokens=True``).
+  started from): the one tokenizer of ``data/tokenizer.py`` for every kind
+  (bytes, ``hf:``, ``sentencepiece:``, ``tiktoken:``), text encoded with the
+  tokenizer's own special tokens (as transformers' ``tokenizer(text)``),
+  decoded without them.
 - ``prompt_ids``: a ``prompt`` record's text so encoded (a run's
   ``data.bos_token`` before it, as its documents were); a ``messages``
   record through the chat template with the generation prompt, its ids
@@ -32,7 +32,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from distrib_train.common import extras
+from distrib_train.data import tokenizer as tokenizer_lib
+from distrib_train.data.chat import special_tokens
 
 END_RULES = ("generation_config", "union")  # end_ids's rules: transformers' generate's, TRL's GRPOTrainer's
 
@@ -53,40 +54,15 @@ class Codec:
   eos: int | None = None
 
 
-def _bytes_codec() -> Codec:
+def _codec(spec: str) -> Codec:
+  """The codec of ``spec``, from ``data/tokenizer.load``: every kind the config names encodes and decodes."""
+  tokenizer = tokenizer_lib.load(spec)
+  kind, path = tokenizer_lib.parse(spec)
+  path = os.path.expanduser(path) if kind == "hf" else ""  # a tokenizer.json's directory holds the chat template
+  eos = special_tokens(path).get("eos_token") if path else None  # as transformers reads a tokenizer's end token
   return Codec(
-    "bytes",
-    lambda text, special: list(text.encode("utf-8")),
-    lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace"),
-    lambda text: None,
+    spec, tokenizer.encode, tokenizer.decode, tokenizer.token_id, path, eos=tokenizer.token_id(eos) if eos else None
   )
-
-
-def _hf_codec(spec: str, path: str) -> Codec:
-  tokenizers = extras.require("tokenizers", f"data.tokenizer {spec}")
-  try:
-    tok = tokenizers.Tokenizer.from_file(path)
-  except Exception as e:  # the library raises its own Exception type
-    raise ValueError(f"data.tokenizer: {path!r} is not a Hugging Face tokenizer.json: {e}") from None
-  tok.no_truncation()
-  tok.no_padding()
-  from distrib_train.data.chat import special_tokens
-
-  eos = special_tokens(path).get("eos_token")  # the end token the tokenizer's files name, as transformers reads it
-  return Codec(
-    spec,
-    lambda text, special: tok.encode(text, add_special_tokens=special).ids,
-    lambda ids: tok.decode(list(ids), skip_special_tokens=True),
-    tok.token_to_id,
-    path,
-    eos=tok.token_to_id(eos) if eos else None,
-  )
-
-
-def tokenizer_file(spec_path: str) -> str:
-  """A Hugging Face tokenizer's file: the path, or a directory's ``tokenizer.json``."""
-  path = os.path.expanduser(spec_path)
-  return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
 
 
 def codec_for(loaded: Any) -> Codec:
@@ -94,7 +70,7 @@ def codec_for(loaded: Any) -> Codec:
   docstring).
 
   Raises:
-    ValueError: no tokenizer to be had, a tokenizer kind generation cannot decode (named).
+    ValueError: no tokenizer to be had, or one that cannot be read (named).
   """
   data = loaded.config.data
   spec = data.tokenizer
@@ -104,23 +80,8 @@ def codec_for(loaded: Any) -> Codec:
       raise ValueError(
         f"{loaded.hf_dir!r} holds no tokenizer.json; name one with --set data.tokenizer=hf:<dir or tokenizer.json>."
       )
-    return _hf_codec(f"hf:{loaded.hf_dir}", file)
-  kind, _, path = spec.partition(":")
-  if spec == "bytes":
-    codec = _bytes_codec()
-  elif kind == "hf":
-    file = tokenizer_file(path)
-    if not os.path.isfile(file):
-      raise ValueError(
-        f"data.tokenizer: tokenizer file {file!r} does not exist (a local tokenizer.json or its"
-        " directory is needed; nothing is downloaded)."
-      )
-    codec = _hf_codec(spec, file)
-  else:
-    raise ValueError(
-      f"data.tokenizer {spec}: generation decodes bytes and hf: tokenizers; give the model's"
-      " tokenizer.json with --set data.tokenizer=hf:<dir or tokenizer.json>."
-    )
+    return _codec(f"hf:{file}")
+  codec = _codec(spec)
   bos = codec.token_id(data.bos_token) if data.bos_token else None
   return dataclasses.replace(codec, bos=bos)
 
