@@ -138,6 +138,7 @@ PACKAGE_ORDER = {
     "hf_shape",
     "__init__",
     "hf_tables",
+    "hf_recipe",
   ),
   "sharding": ("axis_rules", "topology", "context", "plan", "mesh", "planner", "__init__"),
   "train": (

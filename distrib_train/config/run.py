@@ -192,7 +192,7 @@ class Config:
 
   def model_recipe(self):
     """The ``ModelRecipe`` this config names (config fields overridden); with ``train.init_from: hf:<dir>``,
-    the model's shape is the checkpoint's (its config.json, read by ``recipes/hf_shape.py``, once per config:
+    the model's shape is the checkpoint's (``recipes/hf_recipe.py``, once per config:
     the trainer, the job, the checks and ``init_from`` ask this one)."""
     return self._recipe
 
@@ -203,33 +203,15 @@ class Config:
     recipe = recipes.get(self.model.name, self.model.preset, **dict(self.model.overrides))
     if not self.train.init_from.startswith("hf:"):
       return recipe
-    from distrib_train.recipes import hf_shape
+    from distrib_train.recipes.hf_recipe import shaped_by_checkpoint
+    from distrib_train.recipes.hf_shape import HfCheckpointError
 
-    # The checkpoint's config.json picks the family (dense or mixture) and fixes its shape and variants; the
-    # preset's numerics (dtype, remat, the attention kernel, fp8, …) stay the run's.
-    cls, fields = hf_shape.checkpoint_fields(os.path.expanduser(self.train.init_from[3:]))
-    kept = {
-      f.name: getattr(recipe.config, f.name)
-      for f in dataclasses.fields(cls)
-      if hasattr(recipe.config, f.name) and f.name not in hf_shape.shape_fields(recipe.config)
-    }
-    kept.update({k: v for k, v in self.model.overrides.items() if k == "mtp_depth"})  # MTP dropped or added
     try:
-      config = cls(**{**fields, **kept})  # the run's own settings (loss weights too) beat the checkpoint's
-    except ValueError as e:  # a preset setting the checkpoint's model cannot take
+      return shaped_by_checkpoint(recipe, os.path.expanduser(self.train.init_from[3:]), self.model.overrides)
+    except HfCheckpointError:  # the checkpoint's own (file and key named)
+      raise
+    except ValueError as e:  # a preset setting the checkpoint's model cannot take, or a shape set by hand
       raise ConfigError(f"train.init_from {self.train.init_from}: {e}") from None
-    fixed = hf_shape.shape_fields(config)
-    clashes = [
-      f"model.{k}={v!r} (the checkpoint has {getattr(config, k)!r})"
-      for k, v in self.model.overrides.items()
-      if k in set(fixed) - {"mtp_depth"} and getattr(config, k) != v
-    ]
-    if clashes:
-      raise ConfigError(
-        f"train.init_from {self.train.init_from}: {', '.join(clashes)}; leave the model's shape to the checkpoint."
-      )
-    name = "moe" if hf_shape.is_moe(config) else "llama"
-    return recipes.ModelRecipe(f"{name}-{config.hf_model_type}", config, recipe.loss_fn, recipe.input_axes)
 
   def data_config(self) -> DataConfig:
     """This config's ``distrib_train.data.DataConfig`` (the ``data`` section); the trainer's own, rows capped
