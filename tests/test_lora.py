@@ -65,6 +65,37 @@ def test_an_adapted_projection_equals_its_merged_weight():
   assert float(jnp.abs(got - base_logits).max()) > 1e-3  # the adapters matter
 
 
+def test_adapters_off_is_an_argument_of_the_trace_and_runs_the_base_alone():
+  """``adapters=False`` (a preference objective's reference) is part of the traced call: one jitted function
+  traces twice, the program without adapters has fewer matmuls, and it gives the base model's hidden states."""
+  from flax import nnx
+
+  adapted, plain = _model(lora_rank=4, lora_alpha=8.0), _model()
+  for name in list(adapted.layers):
+    if name.startswith("lora_b_"):
+      adapted.layers[name][...] = jnp.full(adapted.layers[name].shape, 0.1)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
+  traces = []
+
+  def hidden(model, tokens, adapters):
+    traces.append(adapters)
+    return model.hidden_and_aux(tokens, adapters=adapters)[0]
+
+  step = nnx.jit(hidden, static_argnums=2)
+  on, off = step(adapted, tokens, True), step(adapted, tokens, False)
+  assert traces == [True, False] and np.abs(np.asarray(on) - np.asarray(off)).max() > 1e-3
+  step(adapted, tokens, False)
+  assert traces == [True, False]  # each switch's program is kept, none is baked into the other
+  graph, params = nnx.split(adapted)
+  lowered = {
+    a: jax.jit(lambda p, t, a=a: nnx.merge(graph, p).hidden_and_aux(t, adapters=a)[0]).lower(params, tokens).as_text()
+    for a in (True, False)
+  }
+  assert lowered[True].count("dot_general") > lowered[False].count("dot_general")
+  _with(plain, adapted, {name: value[...] for name, value in adapted.layers.items() if not lora.is_adapter(name)})
+  np.testing.assert_allclose(np.asarray(off), np.asarray(plain.hidden_and_aux(tokens)[0]), atol=1e-6)
+
+
 def test_adapter_dropout_drops_the_adapters_inputs_in_training_only():
   """``lora.dropout``: a training pass (a key given) drops each adapter's inputs, with a mask per key; the base
   projections see every input, so with the adapters off nothing changes; ``model.eval()`` drops nothing."""
@@ -77,8 +108,8 @@ def test_adapter_dropout_drops_the_adapters_inputs_in_training_only():
   plain, one, two = run(None), run(jax.random.key(1)), run(jax.random.key(2))
   assert np.abs(one - plain).max() > 1e-3 and np.abs(one - two).max() > 1e-3
   np.testing.assert_array_equal(one, run(jax.random.key(1)))  # the step's key decides the masks
-  with lora.adapters_off():
-    np.testing.assert_array_equal(run(None), run(jax.random.key(1)))
+  off = lambda key: np.asarray(model.hidden_and_aux(tokens, dropout_rng=key, adapters=False)[0])
+  np.testing.assert_array_equal(off(None), off(jax.random.key(1)))
   from distrib_train import microbatches as microbatching
 
   stages = jax.make_mesh((2,), ("stage",), devices=jax.devices()[:2])

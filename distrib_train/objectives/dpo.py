@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distrib_train.recipes import decoder, lora
+from distrib_train.recipes import decoder
 from distrib_train.kernels.cross_entropy import chunked_logprobs
 from distrib_train.objectives.record import Objective
 
@@ -165,12 +165,17 @@ def head_logprobs(model: Any, hidden: jax.Array, targets: jax.Array) -> jax.Arra
 
 
 def token_logprobs(
-  model: Any, tokens: jax.Array, rest: dict[str, jax.Array], dropout_rng: jax.Array | None = None
+  model: Any,
+  tokens: jax.Array,
+  rest: dict[str, jax.Array],
+  dropout_rng: jax.Array | None = None,
+  adapters: bool = True,
 ) -> tuple[jax.Array, dict]:
   """Each target's log-probability under ``model`` for a batch already in the context axis's order (``rest``:
-  ``targets``, ``positions``, ``segment_ids``), and the routing figures."""
+  ``targets``, ``positions``, ``segment_ids``), and the routing figures; ``adapters=False``: a LoRA model's
+  frozen base alone."""
   hidden, routing = model.hidden_and_aux(
-    tokens, positions=rest["positions"], segment_ids=rest["segment_ids"], dropout_rng=dropout_rng
+    tokens, positions=rest["positions"], segment_ids=rest["segment_ids"], dropout_rng=dropout_rng, adapters=adapters
   )
   return head_logprobs(model, hidden, rest["targets"]), routing
 
@@ -271,8 +276,7 @@ def dpo_loss_fn(settings: DpoConfig) -> Callable[..., Any]:
       elif isinstance(model, Preference):
         ref_logps = token_logprobs(model.reference, tokens, rest)[0]
       elif getattr(policy.config, "lora_rank", 0):
-        with lora.adapters_off():
-          ref_logps = token_logprobs(policy, tokens, rest)[0]
+        ref_logps = token_logprobs(policy, tokens, rest, adapters=False)[0]
       else:
         raise ValueError(
           "dpo.loss=sigmoid needs a reference: build the model with objectives.preference_model, or"

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from distrib_train.kernels.cross_entropy import chunked_logprobs_and_entropy
 from distrib_train.objectives import dpo
 from distrib_train.objectives.record import Objective
-from distrib_train.recipes import decoder, lora
+from distrib_train.recipes import decoder
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -186,9 +186,8 @@ def reference_logprobs(model: Any, rest: Mapping[str, jax.Array], temperature: f
     hidden, _ = model.reference.hidden_and_aux(rest["tokens"], **kwargs)
     return logprobs(model.reference, hidden, rest["targets"], temperature)[0]
   if getattr(policy.config, "lora_rank", 0):
-    with lora.adapters_off():
-      hidden, _ = policy.hidden_and_aux(rest["tokens"], **kwargs)
-      return logprobs(policy, hidden, rest["targets"], temperature)[0]
+    hidden, _ = policy.hidden_and_aux(rest["tokens"], **kwargs, adapters=False)
+    return logprobs(policy, hidden, rest["targets"], temperature)[0]
   raise ValueError("grpo.beta > 0 needs a reference: build the model with objectives.grpo.objective.")
 
 

@@ -221,11 +221,9 @@ def _sums(state: Any, tokens: Any, targets: Any, segment_ids: Any, positions: An
   import jax.numpy as jnp
 
   from distrib_train.sharding import context
-  from distrib_train.recipes import lora
   from distrib_train.objectives import dpo as objectives
 
   tokens, rest = context.reorder(tokens, targets=targets, segment_ids=segment_ids, positions=positions, weights=weights)
-  with lora.adapters_off():
-    logps, _ = objectives.token_logprobs(objectives.policy_of(state.model), tokens, rest)
+  logps, _ = objectives.token_logprobs(objectives.policy_of(state.model), tokens, rest, adapters=False)
   scored = jnp.where(rest["weights"] > 0, logps, 0.0)
   return jax.vmap(lambda v, s: jax.ops.segment_sum(v, s, num_segments=count))(scored, rest["segment_ids"])

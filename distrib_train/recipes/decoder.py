@@ -206,9 +206,11 @@ class Decoder(nnx.Module):
     segment_ids: jax.Array | None = None,
     *,
     dropout_rng: jax.Array | None = None,
+    adapters: bool = True,
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The final hidden states and what the layers report besides (a mixture's losses and loads).
-    ``dropout_rng``: the training step's key, for the adapters' dropout (none in eval mode)."""
+    ``dropout_rng``: the training step's key, for the adapters' dropout (none in eval mode). ``adapters``:
+    False runs a LoRA model's frozen base alone (a preference objective's reference)."""
     c = self.config
     dropout_rng = None if self.deterministic else dropout_rng
     if positions is None:
@@ -235,6 +237,8 @@ class Decoder(nnx.Module):
         stack = getattr(self, segment.name)
         layers = {k: v[...] for k, v in stack.items()}
         axes = {k: tuple(v.out_sharding) for k, v in stack.items()}
+        if not adapters:
+          layers, axes = lora.without_adapters(layers), lora.without_adapters(axes)
         seeds = lora.dropout_seeds(
           c, None if dropout_rng is None else jax.random.fold_in(dropout_rng, index), segment.count
         )

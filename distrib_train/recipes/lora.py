@@ -15,18 +15,18 @@ params (``train_state.STATE_FIELDS``); the adapters carry their weight's
 axes on its own side and none on the rank.
 
 ``merged`` adds the adapters into their weights (for a Hugging Face export).
-Inside ``adapters_off()`` the model runs without its adapters: the base, a
-preference objective's reference (``objectives.py``) at no memory cost.
+``hidden_and_aux(..., adapters=False)`` runs the model without its adapters
+(``without_adapters``: the layers' arrays handed to the blocks leave them out):
+the base, a preference objective's reference at no memory cost. It is an
+argument of the traced call, so a trace with and one without adapters are two
+programs.
 
 Not for: the projections themselves (``blocks.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -39,18 +39,14 @@ TARGETS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "
 _LETTERS = "r"  # the rank's einsum letter (the projections' subscripts use b, t, d, n, h, k, f)
 
 
-_OFF = threading.local()
+def is_adapter(name: str) -> bool:
+  """Whether a layer array is an adapter (``lora_a_<w>``, ``lora_b_<w>``)."""
+  return name.startswith(("lora_a_", "lora_b_"))
 
 
-@contextlib.contextmanager
-def adapters_off() -> Iterator[None]:
-  """Traces the model without its adapters (the frozen base alone) inside the block."""
-  before = getattr(_OFF, "on", False)
-  _OFF.on = True
-  try:
-    yield
-  finally:
-    _OFF.on = before
+def without_adapters(layers: dict[str, Any]) -> dict[str, Any]:
+  """A stack's arrays without its adapters: the projections then compute the frozen base alone."""
+  return {k: v for k, v in layers.items() if not is_adapter(k)}
 
 
 def check(config, attention_targets: frozenset[str] = frozenset("qkvo")) -> None:
@@ -133,7 +129,7 @@ def delta(subscripts: str, x: jax.Array, layer: dict, name: str, config) -> jax.
   """``(alpha / rank)·(drop(x)·A)·B`` for weight ``name`` of one layer, in the projection's ``subscripts``,
   or None where it has no adapter; ``x`` is dropped where the layer carries a dropout seed."""
   a, b = layer.get(f"lora_a_{name}"), layer.get(f"lora_b_{name}")
-  if a is None or getattr(_OFF, "on", False):
+  if a is None:
     return None
   if layer.get(SEED) is not None:
     x = _dropped(x, layer[SEED], name, config.lora_dropout)
