@@ -50,7 +50,7 @@ import functools
 import hashlib
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -108,7 +108,7 @@ class Tokenizer:
     default=None, repr=False, compare=False
   )
   by_prefix: bool = dataclasses.field(default=False, repr=False, compare=False)
-  decode_ids: Callable[[Sequence[int]], str] = dataclasses.field(default=lambda ids: "", repr=False, compare=False)
+  decode_ids: Callable[[Sequence[int]], str] | None = dataclasses.field(default=None, repr=False, compare=False)
   encode_own: Callable[[str], Sequence[int]] | None = dataclasses.field(default=None, repr=False, compare=False)
 
   def encode(self, text: str, special: bool = False) -> list[int]:
@@ -118,6 +118,8 @@ class Tokenizer:
 
   def decode(self, ids: Sequence[int]) -> str:
     """The text of ``ids``, special tokens (and ids outside the vocabulary) left out."""
+    if self.decode_ids is None:
+      raise ValueError(f"tokenizer {self.spec} was built without a decoder (data/tokenizer.load builds one).")
     return self.decode_ids([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
@@ -225,6 +227,18 @@ def _sha256(path: str) -> str:
   return digest.hexdigest()
 
 
+class _Library(NamedTuple):
+  """What one tokenizer library gives ``load``."""
+
+  encode: Callable[[str], Sequence[int]]
+  token_id: Callable[[str], int | None]
+  vocab_size: int
+  encode_batch: Callable[[Sequence[str]], Sequence[Sequence[int]]]
+  by_prefix: bool
+  decode: Callable[[Sequence[int]], str]
+  encode_own: Callable[[str], Sequence[int]] | None
+
+
 def _import(kind: str):
   return extras.require(_PACKAGES[kind], f"data.tokenizer {kind}:")
 
@@ -239,7 +253,7 @@ def _hf(path: str):
   tok.no_padding()
   encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # fast: no offsets (tokenizers >= 0.20)
   batch = lambda texts: [e.ids for e in encode(list(texts), add_special_tokens=False)]
-  return (
+  return _Library(
     lambda text: tok.encode(text, add_special_tokens=False).ids,
     tok.token_to_id,
     tok.get_vocab_size(with_added_tokens=True),
@@ -257,7 +271,7 @@ def _sentencepiece(path: str):
   except Exception as e:  # RuntimeError / OSError with the library's text
     raise ValueError(f"data.tokenizer: {path!r} is not a SentencePiece model: {e}") from None
   piece = lambda token: (lambda i: None if proc.id_to_piece(i) != token else i)(proc.piece_to_id(token))
-  return (
+  return _Library(
     lambda text: proc.encode(text, out_type=int),
     piece,
     proc.get_piece_size(),
@@ -297,7 +311,7 @@ def _tiktoken(path: str):
   pat_str = _tiktoken_pattern(tiktoken, pattern)
   encoding = tiktoken.Encoding(name=os.path.basename(file), pat_str=pat_str, mergeable_ranks=ranks, special_tokens={})
   by_text = {token.decode("utf-8", "replace"): rank for token, rank in ranks.items()}
-  return (
+  return _Library(
     lambda text: encoding.encode_ordinary(text),
     by_text.get,
     max(ranks.values()) + 1,
@@ -335,29 +349,29 @@ def load(spec: str = "bytes", bos_token: str = "", eos_token: str = "") -> Token
   """
   kind, path = parse(spec)
   if kind == "bytes":
-    encode, token_id, vocab, batch, by_prefix, decode, own, sha = (
-      (lambda text: list(text.encode("utf-8"))),
-      (lambda token: None),
-      256,
-      utf8_bytes,
-      True,
-      lambda ids: bytes(ids).decode("utf-8", errors="replace"),
-      None,
+    library, sha = (
+      _Library(
+        lambda text: list(text.encode("utf-8")),
+        lambda token: None,
+        256,
+        utf8_bytes,
+        True,
+        lambda ids: bytes(ids).decode("utf-8", errors="replace"),
+        None,
+      ),
       "",
     )
   else:
-    encode, token_id, vocab, batch, by_prefix, decode, own = {
-      "hf": _hf,
-      "sentencepiece": _sentencepiece,
-      "tiktoken": _tiktoken,
-    }[kind](os.path.expanduser(path) if kind != "tiktoken" else path)
+    library = {"hf": _hf, "sentencepiece": _sentencepiece, "tiktoken": _tiktoken}[kind](
+      os.path.expanduser(path) if kind != "tiktoken" else path
+    )
     sha = _sha256(os.path.expanduser(path.partition("#")[0] if kind == "tiktoken" else path))
   ids = {}
   for name, token in (("bos_token", bos_token), ("eos_token", eos_token)):
     if not token:
       ids[name] = None
       continue
-    ids[name] = token_id(token)
+    ids[name] = library.token_id(token)
     if ids[name] is None:
       raise ValueError(
         f"data.{name}: {token!r} is not a token of {spec} (a tokenizer's special tokens are named"
@@ -365,18 +379,18 @@ def load(spec: str = "bytes", bos_token: str = "", eos_token: str = "") -> Token
       )
   return Tokenizer(
     spec,
-    vocab,
-    encode,
-    token_id,
+    library.vocab_size,
+    library.encode,
+    library.token_id,
     ids["bos_token"],
     ids["eos_token"],
     sha,
     bos_token,
     eos_token,
-    batch,
-    by_prefix,
-    decode,
-    own,
+    encode_texts=library.encode_batch,
+    by_prefix=library.by_prefix,
+    decode_ids=library.decode,
+    encode_own=library.encode_own,
   )
 
 
